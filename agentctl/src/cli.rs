@@ -1,0 +1,143 @@
+//! Command-line arguments of agentctl.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+/// Drive Keystone Agent sandboxes: isolated places where AI coding agents
+/// work on a clone of your repository.
+///
+/// agentctl talks to agentd over D-Bus. Start agentd first: `agentd --session`
+/// for your own sandboxes, or the NixOS service (`keystone.agent.enable`).
+#[derive(Debug, Parser)]
+#[command(name = "agentctl", version, propagate_version = true)]
+#[command(
+    after_help = "Exit codes: 0 ok, 1 not found, 2 invalid state, 3 operation failed, \
+4 requirements not met (bad arguments, permission, agentd unreachable), 5 cancelled.\n\
+`agentctl exec` exits with the command's own exit code."
+)]
+pub struct Cli {
+    /// Which bus agentd is on: `system`, `session`, or a D-Bus address such
+    /// as `unix:path=/run/agentd.sock`. Default: the session bus when
+    /// `DBUS_SESSION_BUS_ADDRESS` is set and you are not root, else the system bus.
+    #[arg(long, global = true, env = "AGENTCTL_BUS", value_name = "BUS")]
+    pub bus: Option<String>,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Network modes, as accepted on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum NetworkArg {
+    /// Outbound access through the host.
+    Nat,
+    /// No network at all (loopback only).
+    None,
+    /// Attached to a host bridge (microvm backend).
+    Bridge,
+}
+
+/// Sync modes, as accepted on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum SyncModeArg {
+    /// Only on `agentctl sync`.
+    Manual,
+    /// Every new commit, at once.
+    AutoCommit,
+    /// Uncommitted work after a quiet period.
+    AutoIdle,
+}
+
+/// The verbs.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create a sandbox from a git repository (cloned; your repository is
+    /// never mounted into the sandbox).
+    #[command(
+        after_help = "Examples:\n  agentctl create ~/src/myproject\n  agentctl create --name api --memory 4096 --network none ."
+    )]
+    Create {
+        /// Sandbox name: a lowercase letter, then up to 30 lowercase
+        /// letters, digits or '-'. Default: from the directory's name.
+        #[arg(long, short)]
+        name: Option<String>,
+        /// RAM in MiB (at least 1024). Default: 8192.
+        #[arg(long, value_name = "MB")]
+        memory: Option<u32>,
+        /// Virtual CPUs. Default: 4.
+        #[arg(long, value_name = "N")]
+        vcpus: Option<u32>,
+        /// Network mode. Default: nat.
+        #[arg(long, value_enum)]
+        network: Option<NetworkArg>,
+        /// When work comes back to your repository. Default: manual.
+        #[arg(long, value_enum)]
+        sync_mode: Option<SyncModeArg>,
+        /// Backend (local, microvm). Default: agentd's configured default.
+        #[arg(long)]
+        backend: Option<String>,
+        /// The git repository (its top-level directory).
+        project_path: PathBuf,
+    },
+    /// Start a sandbox and wait until it answers.
+    Start {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Stop a sandbox: SIGTERM to its processes, SIGKILL after a grace period.
+    Stop {
+        /// Sandbox name.
+        name: String,
+        /// Kill at once, without the grace period.
+        #[arg(long, short)]
+        force: bool,
+    },
+    /// Destroy a stopped sandbox and its workspace (asks first on a terminal).
+    Destroy {
+        /// Sandbox name.
+        name: String,
+        /// Do not ask.
+        #[arg(long, short)]
+        force: bool,
+    },
+    /// List your sandboxes (root: everyone's).
+    #[command(visible_alias = "ls")]
+    List {
+        /// Print JSON (an array of objects; see docs/dbus-api.md).
+        #[arg(long)]
+        json: bool,
+        /// Only sandboxes in this state.
+        #[arg(long, value_name = "STATE")]
+        state: Option<String>,
+    },
+    /// Show one sandbox in detail.
+    Status {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a command inside a running sandbox; exits with its exit code.
+    #[command(
+        after_help = "Examples:\n  agentctl exec myproject -- git status\n  agentctl exec myproject --timeout 60 -- make test"
+    )]
+    Exec {
+        /// Sandbox name.
+        name: String,
+        /// Kill the command after this many seconds (0 = never).
+        #[arg(long, value_name = "S", default_value_t = 0)]
+        timeout: u32,
+        /// Working directory inside the sandbox. Default: /workspace.
+        #[arg(long, short = 'w', value_name = "DIR")]
+        workdir: Option<String>,
+        /// Set an environment variable (repeatable).
+        #[arg(long, short, value_name = "KEY=VALUE")]
+        env: Vec<String>,
+        /// The command and its arguments (after `--`).
+        #[arg(last = true, required = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
+}

@@ -1,0 +1,250 @@
+//! One function per verb. Each is a D-Bus call (or a few) and some printing.
+
+use std::collections::HashMap;
+use std::io::{IsTerminal, Write};
+
+use keystone_agent_api::{self as api, ExitCode, ManagerProxy, SandboxProxy, SandboxState};
+use zbus::Connection;
+use zvariant::Value;
+
+use crate::cli::{Command, NetworkArg, SyncModeArg};
+use crate::output;
+use crate::{Failure, Result};
+
+/// Run one command.
+pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
+    let manager = ManagerProxy::new(conn).await.map_err(api::Error::ZBus)?;
+    match command {
+        Command::Create {
+            name,
+            memory,
+            vcpus,
+            network,
+            sync_mode,
+            backend,
+            project_path,
+        } => {
+            let abs = std::path::absolute(&project_path).map_err(|e| {
+                Failure::new(
+                    ExitCode::Requirements,
+                    format!("{}: {e}", project_path.display()),
+                )
+            })?;
+            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
+            if let Some(n) = &name {
+                opts.insert("name", n.as_str().into());
+            }
+            if let Some(m) = memory {
+                opts.insert("memory", m.into());
+            }
+            if let Some(v) = vcpus {
+                opts.insert("vcpus", v.into());
+            }
+            if let Some(n) = network {
+                let s = match n {
+                    NetworkArg::Nat => "nat",
+                    NetworkArg::None => "none",
+                    NetworkArg::Bridge => "bridge",
+                };
+                opts.insert("network", s.into());
+            }
+            if let Some(m) = sync_mode {
+                let s = match m {
+                    SyncModeArg::Manual => "manual",
+                    SyncModeArg::AutoCommit => "auto-commit",
+                    SyncModeArg::AutoIdle => "auto-idle",
+                };
+                opts.insert("sync_mode", s.into());
+            }
+            if let Some(b) = &backend {
+                opts.insert("backend", b.as_str().into());
+            }
+            let path = manager.create_sandbox(&abs.to_string_lossy(), opts).await?;
+            let sb = sandbox(conn, &path).await?;
+            let name = sb.name().await.map_err(api::Error::ZBus)?;
+            println!("Created sandbox '{name}' from {}.", abs.display());
+            println!("Start it with: agentctl start {name}");
+            Ok(0)
+        }
+        Command::Start { name } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            sb.start().await?;
+            println!(
+                "Sandbox '{name}' is running. Run a command: agentctl exec {name} -- git status"
+            );
+            Ok(0)
+        }
+        Command::Stop { name, force } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            sb.stop(force).await?;
+            println!("Sandbox '{name}' stopped.");
+            Ok(0)
+        }
+        Command::Destroy { name, force } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            if !force && std::io::stdin().is_terminal() {
+                let project = sb.project_path().await.map_err(api::Error::ZBus)?;
+                eprint!(
+                    "Destroy sandbox '{name}' and its workspace? Work not synced to {project} is lost. [y/N] "
+                );
+                let _ = std::io::stderr().flush();
+                let mut answer = String::new();
+                let _ = std::io::stdin().read_line(&mut answer);
+                if !matches!(answer.trim(), "y" | "Y" | "yes") {
+                    return Err(Failure::new(
+                        ExitCode::Cancelled,
+                        "Cancelled; nothing was destroyed.",
+                    ));
+                }
+            }
+            sb.destroy().await?;
+            println!("Sandbox '{name}' destroyed.");
+            Ok(0)
+        }
+        Command::List { json, state } => {
+            let filter = state
+                .map(|s| s.parse::<SandboxState>())
+                .transpose()
+                .map_err(|e| Failure::new(ExitCode::Requirements, format!("--state: {e}")))?;
+            let mut rows = manager.list_sandboxes().await?;
+            rows.retain(|r| filter.is_none_or(|f| r.state == f));
+            rows.sort_by(|a, b| a.name.cmp(&b.name));
+            if json {
+                let v: Vec<_> = rows.iter().map(output::summary_json).collect();
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+            } else if rows.is_empty() {
+                println!("No sandboxes. Create one: agentctl create PATH-TO-GIT-REPO");
+            } else {
+                let table: Vec<Vec<String>> = rows
+                    .iter()
+                    .map(|r| {
+                        vec![
+                            r.name.clone(),
+                            r.state.to_string(),
+                            r.backend.to_string(),
+                            output::ago(r.created_at),
+                            r.project_path.clone(),
+                        ]
+                    })
+                    .collect();
+                output::table(&["NAME", "STATE", "BACKEND", "CREATED", "PROJECT"], &table);
+            }
+            Ok(0)
+        }
+        Command::Status { name, json } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let z = |e: zbus::Error| Failure::from(api::Error::ZBus(e));
+            let config: serde_json::Value = serde_json::from_str(&sb.config().await.map_err(z)?)
+                .unwrap_or(serde_json::Value::Null);
+            let v = serde_json::json!({
+                "name": sb.name().await.map_err(z)?,
+                "id": sb.id().await.map_err(z)?,
+                "state": sb.state().await.map_err(z)?,
+                "state_reason": sb.state_reason().await.map_err(z)?,
+                "backend": sb.backend().await.map_err(z)?,
+                "project_path": sb.project_path().await.map_err(z)?,
+                "owner": sb.owner().await.map_err(z)?,
+                "declared": sb.declared().await.map_err(z)?,
+                "created_at": output::rfc3339(sb.created_at().await.map_err(z)?),
+                "started_at": output::rfc3339(sb.started_at().await.map_err(z)?),
+                "limits": sb.limits().await.map_err(z)?,
+                "ports": sb.ports().await.map_err(z)?,
+                "config": config,
+            });
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+            } else {
+                print_status(&v);
+            }
+            Ok(0)
+        }
+        Command::Exec {
+            name,
+            timeout,
+            workdir,
+            env,
+            command,
+        } => {
+            let mut vars = HashMap::new();
+            for kv in &env {
+                let (k, v) = kv.split_once('=').ok_or_else(|| {
+                    Failure::new(
+                        ExitCode::Requirements,
+                        format!("--env '{kv}' must be KEY=VALUE"),
+                    )
+                })?;
+                vars.insert(k, v);
+            }
+            let sb = lookup(conn, &manager, &name).await?;
+            let argv: Vec<&str> = command.iter().map(String::as_str).collect();
+            let r = sb
+                .exec(&argv, vars, workdir.as_deref().unwrap_or(""), timeout)
+                .await?;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(&r.stdout);
+            let _ = out.flush();
+            let mut err = std::io::stderr().lock();
+            let _ = err.write_all(&r.stderr);
+            let _ = err.flush();
+            Ok(r.exit_code)
+        }
+    }
+}
+
+fn print_status(v: &serde_json::Value) {
+    let s = |k: &str| v[k].as_str().unwrap_or("").to_owned();
+    let c = &v["config"];
+    println!("Name:       {}", s("name"));
+    println!("State:      {}{}", s("state"), {
+        let r = s("state_reason");
+        if r.is_empty() {
+            String::new()
+        } else {
+            format!(" ({r})")
+        }
+    });
+    println!("Backend:    {}", s("backend"));
+    println!("Project:    {}", s("project_path"));
+    println!("Owner:      uid {}", v["owner"]);
+    println!("Created:    {}", v["created_at"].as_str().unwrap_or("-"));
+    println!(
+        "Started:    {}",
+        v["started_at"].as_str().unwrap_or("never")
+    );
+    println!(
+        "Resources:  {} MiB, {} vCPUs, network {}",
+        c["memory"],
+        c["vcpus"],
+        c["network"].as_str().unwrap_or("?")
+    );
+    if !s("limits").is_empty() {
+        println!("Limits:     {}", s("limits"));
+    }
+    println!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
+    if v["declared"].as_bool() == Some(true) {
+        println!("Declared:   yes (managed by agentd's configuration)");
+    }
+    println!("Id:         {}", s("id"));
+}
+
+async fn sandbox<'a>(
+    conn: &Connection,
+    path: &zvariant::OwnedObjectPath,
+) -> Result<SandboxProxy<'a>> {
+    Ok(SandboxProxy::builder(conn)
+        .path(path.clone())
+        .map_err(api::Error::ZBus)?
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .map_err(api::Error::ZBus)?)
+}
+
+async fn lookup<'a>(
+    conn: &Connection,
+    manager: &ManagerProxy<'_>,
+    name: &str,
+) -> Result<SandboxProxy<'a>> {
+    let path = manager.get_sandbox(name).await?;
+    sandbox(conn, &path).await
+}

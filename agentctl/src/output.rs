@@ -1,0 +1,102 @@
+//! Output for people (aligned tables, relative times) and for scripts (JSON).
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use keystone_agent_api::SandboxSummary;
+use serde_json::{Value, json};
+
+/// A timestamp in µs since the epoch as RFC 3339, or `null` for 0.
+#[must_use]
+pub fn rfc3339(micros: u64) -> Value {
+    if micros == 0 {
+        return Value::Null;
+    }
+    let t = UNIX_EPOCH + Duration::from_micros(micros);
+    Value::String(humantime::format_rfc3339_seconds(t).to_string())
+}
+
+/// "3 minutes ago", "never".
+#[must_use]
+pub fn ago(micros: u64) -> String {
+    if micros == 0 {
+        return "never".to_owned();
+    }
+    let t = UNIX_EPOCH + Duration::from_micros(micros);
+    let secs = SystemTime::now()
+        .duration_since(t)
+        .unwrap_or_default()
+        .as_secs();
+    let (n, unit) = match secs {
+        0..60 => return "just now".to_owned(),
+        60..3600 => (secs / 60, "minute"),
+        3600..86_400 => (secs / 3600, "hour"),
+        _ => (secs / 86_400, "day"),
+    };
+    format!("{n} {unit}{} ago", if n == 1 { "" } else { "s" })
+}
+
+/// The stable JSON form of a sandbox row (documented in docs/dbus-api.md).
+#[must_use]
+pub fn summary_json(s: &SandboxSummary) -> Value {
+    json!({
+        "name": s.name,
+        "id": s.id,
+        "state": s.state.as_str(),
+        "state_reason": s.state_reason,
+        "backend": s.backend.as_str(),
+        "project_path": s.project_path,
+        "owner": s.owner,
+        "declared": s.declared,
+        "created_at": rfc3339(s.created_at),
+        "started_at": rfc3339(s.started_at),
+    })
+}
+
+/// Print rows as a table with aligned columns (the last column is not padded).
+pub fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let last = cells.len().saturating_sub(1);
+        let mut out = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i == last {
+                out.push_str(c);
+            } else {
+                out.push_str(&format!("{c:<w$}  ", w = widths[i]));
+            }
+        }
+        println!("{}", out.trim_end());
+    };
+    line(header.to_vec());
+    for row in rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times() {
+        assert_eq!(rfc3339(0), Value::Null);
+        assert_eq!(
+            rfc3339(1_000_000),
+            Value::String("1970-01-01T00:00:01Z".into())
+        );
+        assert_eq!(ago(0), "never");
+        let now = u64::try_from(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap()
+                .as_micros(),
+        )
+        .unwrap();
+        assert_eq!(ago(now - 120_000_000), "2 minutes ago");
+    }
+}

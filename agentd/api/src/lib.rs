@@ -1,0 +1,21 @@
+//! The Keystone Agent D-Bus API, shared by `agentd` (which serves it) and
+//! `agentctl` (which calls it).
+//!
+//! This crate holds only what both sides must agree on: the bus name, object
+//! paths, interface names, the typed errors, the wire types and the zbus proxy
+//! traits. The daemon's internals never leak in here.
+
+pub mod error;
+pub mod names;
+pub mod proxy;
+pub mod types;
+
+pub use error::{Error, ExitCode};
+pub use names::{
+    BUS_NAME, ERROR_PREFIX, MANAGER_INTERFACE, MANAGER_PATH, SANDBOX_INTERFACE,
+    SANDBOX_PATH_PREFIX, sandbox_path,
+};
+pub use proxy::{ManagerProxy, SandboxProxy};
+pub use types::{
+    BackendKind, ExecResult, Network, SandboxConfig, SandboxState, SandboxSummary, SyncMode,
+};

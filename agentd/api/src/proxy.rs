@@ -1,0 +1,119 @@
+//! Client-side proxies of agentd's two interfaces.
+//!
+//! The daemon's `#[interface]` implementations must match these; the
+//! introspection test in agentd compares the live interfaces with
+//! `docs/org.keystone.Agent1.xml`.
+
+use std::collections::HashMap;
+
+use zbus::proxy;
+use zvariant::{OwnedObjectPath, Value};
+
+use crate::error::Error;
+#[allow(unused_imports, reason = "linked from the docs")]
+use crate::types::SandboxConfig;
+use crate::types::{ExecResult, SandboxSummary};
+
+/// `org.keystone.Agent1.Manager` at `/org/keystone/Agent1`.
+#[proxy(
+    interface = "org.keystone.Agent1.Manager",
+    default_service = "org.keystone.Agent1",
+    default_path = "/org/keystone/Agent1"
+)]
+pub trait Manager {
+    /// Create a sandbox from the git repository at `project_path`.
+    ///
+    /// `options` may hold `name` (s), `memory` (u), `vcpus` (u),
+    /// `network` (s), `sync_mode` (s), `backend` (s).
+    fn create_sandbox(
+        &self,
+        project_path: &str,
+        options: HashMap<&str, Value<'_>>,
+    ) -> Result<OwnedObjectPath, Error>;
+
+    /// The caller's sandboxes (root: all of them).
+    fn list_sandboxes(&self) -> Result<Vec<SandboxSummary>, Error>;
+
+    /// The object path of the sandbox `name`.
+    fn get_sandbox(&self, name: &str) -> Result<OwnedObjectPath, Error>;
+
+    /// agentd's version.
+    #[zbus(property)]
+    fn version(&self) -> zbus::Result<String>;
+
+    /// A sandbox was created (or loaded from the configuration).
+    #[zbus(signal)]
+    fn sandbox_added(&self, name: &str, path: OwnedObjectPath) -> zbus::Result<()>;
+
+    /// A sandbox was destroyed.
+    #[zbus(signal)]
+    fn sandbox_removed(&self, name: &str, path: OwnedObjectPath) -> zbus::Result<()>;
+}
+
+/// `org.keystone.Agent1.Sandbox` at `/org/keystone/Agent1/sandbox/<name>`.
+#[proxy(
+    interface = "org.keystone.Agent1.Sandbox",
+    default_service = "org.keystone.Agent1"
+)]
+pub trait Sandbox {
+    /// Start the sandbox; returns once it answers on its control channel.
+    fn start(&self) -> Result<(), Error>;
+
+    /// Stop the sandbox: SIGTERM to every process, SIGKILL after the grace
+    /// period (at once with `force`).
+    fn stop(&self, force: bool) -> Result<(), Error>;
+
+    /// Remove the sandbox, its workspace and its state.
+    fn destroy(&self) -> Result<(), Error>;
+
+    /// Run `argv` inside the running sandbox (`cwd` empty = `/workspace`,
+    /// `timeout_secs` 0 = none) and return its exit code and output.
+    fn exec(
+        &self,
+        argv: &[&str],
+        env: HashMap<&str, &str>,
+        cwd: &str,
+        timeout_secs: u32,
+    ) -> Result<ExecResult, Error>;
+
+    /// Sandbox name.
+    #[zbus(property)]
+    fn name(&self) -> zbus::Result<String>;
+    /// Stable unique id.
+    #[zbus(property)]
+    fn id(&self) -> zbus::Result<String>;
+    /// Lifecycle state.
+    #[zbus(property)]
+    fn state(&self) -> zbus::Result<String>;
+    /// Why the sandbox is in its state, or empty.
+    #[zbus(property)]
+    fn state_reason(&self) -> zbus::Result<String>;
+    /// Backend running the sandbox.
+    #[zbus(property)]
+    fn backend(&self) -> zbus::Result<String>;
+    /// Host repository the workspace was cloned from.
+    #[zbus(property)]
+    fn project_path(&self) -> zbus::Result<String>;
+    /// Resource and behaviour settings, as the JSON text of
+    /// [`SandboxConfig`] (so new settings never change the signature).
+    #[zbus(property)]
+    fn config(&self) -> zbus::Result<String>;
+    /// Owner's uid.
+    #[zbus(property)]
+    fn owner(&self) -> zbus::Result<u32>;
+    /// Creation time, µs since the epoch.
+    #[zbus(property)]
+    fn created_at(&self) -> zbus::Result<u64>;
+    /// Last start time, µs since the epoch; 0 = never.
+    #[zbus(property)]
+    fn started_at(&self) -> zbus::Result<u64>;
+    /// Declared in agentd's configuration.
+    #[zbus(property)]
+    fn declared(&self) -> zbus::Result<bool>;
+    /// Named ports.
+    #[zbus(property)]
+    fn ports(&self) -> zbus::Result<HashMap<String, u32>>;
+    /// Resource limits in force while running, or why there are none.
+    #[zbus(property)]
+    fn limits(&self) -> zbus::Result<String>;
+}

@@ -1,0 +1,277 @@
+//! Types that cross the bus, and that agentd also stores in its registry.
+//!
+//! Enums travel as their kebab-case names (D-Bus signature `s`), timestamps
+//! as microseconds since the Unix epoch (`t`, as systemd does; `0` = never).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use zvariant::Type;
+
+/// Lifecycle state of a sandbox (see docs/architecture.md for the diagram).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Type)]
+#[serde(rename_all = "kebab-case")]
+#[zvariant(signature = "s")]
+pub enum SandboxState {
+    /// Registered, workspace ready, never started (or not since creation).
+    Created,
+    /// The backend is bringing the sandbox up.
+    Starting,
+    /// The sandbox answers on its control channel.
+    Running,
+    /// The sandbox's processes are being asked to end.
+    Stopping,
+    /// No process of the sandbox remains; the workspace is kept.
+    Stopped,
+    /// Start failed or the sandbox died; `StateReason` says why.
+    Error,
+}
+
+impl SandboxState {
+    /// Every state, in lifecycle order.
+    pub const ALL: [Self; 6] = [
+        Self::Created,
+        Self::Starting,
+        Self::Running,
+        Self::Stopping,
+        Self::Stopped,
+        Self::Error,
+    ];
+
+    /// The state's name as it appears on the bus, in JSON and in tables.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Created => "created",
+            Self::Starting => "starting",
+            Self::Running => "running",
+            Self::Stopping => "stopping",
+            Self::Stopped => "stopped",
+            Self::Error => "error",
+        }
+    }
+}
+
+impl fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for SandboxState {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown state '{s}' (expected one of: {})",
+                    Self::ALL.map(Self::as_str).join(", ")
+                )
+            })
+    }
+}
+
+macro_rules! string_enum {
+    ($(#[$meta:meta])* $name:ident { $($(#[$vmeta:meta])* $variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Type)]
+        #[zvariant(signature = "s")]
+        pub enum $name {
+            $($(#[$vmeta])* #[serde(rename = $text)] $variant),+
+        }
+
+        impl $name {
+            /// Every accepted value.
+            pub const ALL: &'static [Self] = &[$(Self::$variant),+];
+
+            /// The value's name as written in configuration and on the bus.
+            #[must_use]
+            pub fn as_str(self) -> &'static str {
+                match self { $(Self::$variant => $text),+ }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = String;
+
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::ALL.iter().copied().find(|v| v.as_str() == s).ok_or_else(|| {
+                    let all: Vec<&str> = Self::ALL.iter().map(|v| v.as_str()).collect();
+                    format!("'{s}' is not one of: {}", all.join(", "))
+                })
+            }
+        }
+    };
+}
+
+string_enum! {
+    /// Network mode of a sandbox.
+    Network {
+        /// Outbound access through the host (the local backend shares the
+        /// host's network namespace).
+        Nat => "nat",
+        /// No network at all: an empty network namespace with only loopback.
+        None => "none",
+        /// Attached to a host bridge (microvm backend; the local backend
+        /// treats it like `nat`).
+        Bridge => "bridge",
+    }
+}
+
+string_enum! {
+    /// When agentd brings the sandbox's work back to the host repository.
+    SyncMode {
+        /// Only on `agentctl sync`.
+        Manual => "manual",
+        /// Every new commit, as soon as the sandbox makes it.
+        AutoCommit => "auto-commit",
+        /// A snapshot of uncommitted work after `sync_idle_seconds` of quiet.
+        AutoIdle => "auto-idle",
+    }
+}
+
+string_enum! {
+    /// What runs a sandbox.
+    BackendKind {
+        /// Linux namespaces on this host (any Linux; not a security boundary
+        /// against a hostile agent).
+        Local => "local",
+        /// A microvm.nix guest run by systemd as `microvm@<name>.service`.
+        Microvm => "microvm",
+    }
+}
+
+/// Resource and behaviour settings of a sandbox, with the documented defaults.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxConfig {
+    /// RAM in MiB (at least 1024).
+    pub memory: u32,
+    /// Virtual CPUs (at least 1).
+    pub vcpus: u32,
+    /// Expose virtualisation extensions to the sandbox.
+    pub nested_virt: bool,
+    /// Network mode.
+    pub network: Network,
+    /// Sync trigger.
+    pub sync_mode: SyncMode,
+    /// Quiet time before an `auto-idle` snapshot.
+    pub sync_idle_seconds: u32,
+    /// Glob patterns of ignored files at the project root copied into the
+    /// workspace.
+    pub env_files: Vec<String>,
+    /// Keep the sandbox's home and workspace between starts.
+    pub persist: bool,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        Self {
+            memory: 8192,
+            vcpus: 4,
+            nested_virt: true,
+            network: Network::Nat,
+            sync_mode: SyncMode::Manual,
+            sync_idle_seconds: 30,
+            env_files: vec![".env*".to_owned()],
+            persist: true,
+        }
+    }
+}
+
+/// One row of `ListSandboxes`: everything a listing shows, in one call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct SandboxSummary {
+    /// Sandbox name.
+    pub name: String,
+    /// Stable unique id (UUID v4).
+    pub id: String,
+    /// Lifecycle state.
+    pub state: SandboxState,
+    /// Backend running it.
+    pub backend: BackendKind,
+    /// Absolute path of the host repository.
+    pub project_path: String,
+    /// Owner's uid.
+    pub owner: u32,
+    /// Creation time, µs since the epoch.
+    pub created_at: u64,
+    /// Last start time, µs since the epoch; 0 = never started.
+    pub started_at: u64,
+    /// Why the sandbox is in its state (mostly for `error`), or empty.
+    pub state_reason: String,
+    /// Declared in agentd's configuration (NixOS): cannot be destroyed over
+    /// the bus.
+    pub declared: bool,
+}
+
+/// Result of `Exec`: the command's exit code and its captured output.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct ExecResult {
+    /// Exit code; `128 + N` when killed by signal N.
+    pub exit_code: i32,
+    /// Captured standard output.
+    pub stdout: Vec<u8>,
+    /// Captured standard error.
+    pub stderr: Vec<u8>,
+}
+
+/// Ports of a sandbox by name (`ssh`, `web`, …).
+pub type Ports = BTreeMap<String, u32>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_defaults_match_the_data_model() {
+        let c: SandboxConfig = serde_json::from_str("{}").unwrap();
+        assert_eq!(c.memory, 8192);
+        assert_eq!(c.vcpus, 4);
+        assert!(c.nested_virt);
+        assert_eq!(c.network, Network::Nat);
+        assert_eq!(c.sync_mode, SyncMode::Manual);
+        assert_eq!(c.sync_idle_seconds, 30);
+        assert_eq!(c.env_files, vec![".env*"]);
+        assert!(c.persist);
+    }
+
+    #[test]
+    fn enums_use_their_documented_names() {
+        assert_eq!(
+            serde_json::to_string(&SyncMode::AutoIdle).unwrap(),
+            "\"auto-idle\""
+        );
+        assert_eq!(
+            "auto-commit".parse::<SyncMode>().unwrap(),
+            SyncMode::AutoCommit
+        );
+        assert!(
+            "sometimes"
+                .parse::<SyncMode>()
+                .unwrap_err()
+                .contains("manual")
+        );
+        assert_eq!(
+            "stopped".parse::<SandboxState>().unwrap(),
+            SandboxState::Stopped
+        );
+    }
+
+    #[test]
+    fn unknown_config_fields_are_refused() {
+        let e = serde_json::from_str::<SandboxConfig>(r#"{"memroy": 1}"#).unwrap_err();
+        assert!(e.to_string().contains("memroy"));
+    }
+}

@@ -1,0 +1,120 @@
+//! Who is calling, and what they may read.
+//!
+//! agentd asks the bus daemon for the caller's uid (never trusting anything
+//! the caller says about itself), and checks a project path by opening it in
+//! a helper process that runs with the caller's uid and groups.
+
+use std::ffi::CString;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+
+use nix::unistd::{Gid, Uid, User};
+
+/// argv[1] that makes the agentd binary check a project as the caller.
+pub const CHECK_ARG: &str = "__check-project";
+
+/// The identity of whoever made a D-Bus call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caller {
+    /// The caller's uid as the bus daemon reports it.
+    pub uid: u32,
+}
+
+impl Caller {
+    /// Whether the caller is root.
+    #[must_use]
+    pub fn is_root(self) -> bool {
+        self.uid == 0
+    }
+
+    /// Whether the caller may see and act on a sandbox owned by `owner`.
+    #[must_use]
+    pub fn may_access(self, owner: u32) -> bool {
+        self.is_root() || self.uid == owner
+    }
+}
+
+/// Check, as `uid`, that `path` is a readable git repository; returns its
+/// canonical path.
+pub async fn check_project_as(exe: &Path, uid: u32, path: &Path) -> Result<PathBuf, String> {
+    if Uid::effective().as_raw() == uid {
+        let path = path.to_owned();
+        return tokio::task::spawn_blocking(move || crate::git::workspace::check_project(&path))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    if !Uid::effective().is_root() {
+        return Err(format!(
+            "agentd runs as uid {} and cannot act for uid {uid}",
+            Uid::effective()
+        ));
+    }
+    let user = User::from_uid(Uid::from_raw(uid)).ok().flatten();
+    let gid = user.as_ref().map_or(Gid::from_raw(uid), |u| u.gid);
+    let groups: Vec<Gid> = match &user {
+        Some(u) => {
+            let name = CString::new(u.name.clone()).map_err(|e| e.to_string())?;
+            nix::unistd::getgrouplist(&name, gid).unwrap_or_else(|_| vec![gid])
+        }
+        None => vec![gid],
+    };
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.arg(CHECK_ARG).arg(path).env_clear().kill_on_drop(true);
+    // SAFETY: only async-signal-safe calls (setgroups) between fork and exec.
+    unsafe {
+        cmd.as_std_mut()
+            .pre_exec(move || nix::unistd::setgroups(&groups).map_err(std::io::Error::from));
+    }
+    cmd.as_std_mut().uid(uid).gid(gid.as_raw());
+    let out = tokio::time::timeout(std::time::Duration::from_secs(30), cmd.output())
+        .await
+        .map_err(|_| format!("checking {} as uid {uid} timed out", path.display()))?
+        .map_err(|e| format!("cannot check {} as uid {uid}: {e}", path.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    if out.status.success() {
+        Ok(PathBuf::from(text))
+    } else if text.is_empty() {
+        Err(format!(
+            "checking {} as uid {uid} failed: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    } else {
+        Err(text)
+    }
+}
+
+/// Entry point of `agentd __check-project PATH`: prints the canonical path
+/// (exit 0) or the problem (exit 1).
+#[must_use]
+pub fn check_main(path: &str) -> i32 {
+    match crate::git::workspace::check_project(Path::new(path)) {
+        Ok(p) => {
+            println!("{}", p.display());
+            0
+        }
+        Err(e) => {
+            println!("{e}");
+            1
+        }
+    }
+}
+
+/// Host uid and gid that a sandbox of `owner` runs as: the owner's own ids,
+/// except that host root is never used (root's sandboxes run as `nobody`),
+/// and an unprivileged agentd can only use its own.
+#[must_use]
+pub fn sandbox_ids(owner: u32) -> (u32, u32) {
+    const NOBODY: u32 = 65534;
+    if !Uid::effective().is_root() {
+        return (Uid::effective().as_raw(), Gid::effective().as_raw());
+    }
+    if owner == 0 {
+        return (NOBODY, NOBODY);
+    }
+    let gid = User::from_uid(Uid::from_raw(owner))
+        .ok()
+        .flatten()
+        .map_or(owner, |u| u.gid.as_raw());
+    (owner, gid)
+}

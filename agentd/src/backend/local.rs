@@ -1,0 +1,483 @@
+//! The `local` backend: a sandbox is a process tree in its own user, PID,
+//! mount, UTS and IPC namespaces (and network namespace for
+//! `network = "none"`), with its workspace bind-mounted at `/workspace`.
+//!
+//! agentd re-executes itself as the sandbox supervisor (see [`crate::guest`]);
+//! the sandbox's PID 1 survives an agentd crash and is adopted on restart by
+//! its pid, start time and PID namespace.
+
+use std::io::BufReader;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use keystone_agent_api::{BackendKind, ExecResult};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+
+use super::{Backend, BackendError, BoxFut, ExecRequest, Runtime, SandboxSpec};
+use crate::cgroup::Cgroups;
+use crate::guest::init::{InitReport, InitSpec};
+use crate::guest::{INIT_ARG, proto};
+use crate::procfs;
+
+/// Host paths shown read-only inside every local sandbox (where present).
+pub const DEFAULT_RO_PATHS: &[&str] = &[
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/etc",
+    "/nix",
+    "/run/current-system",
+    "/run/systemd/resolve",
+];
+
+/// Largest amount of each output stream `Exec` keeps (the rest is dropped).
+pub const EXEC_OUTPUT_CAP: usize = 16 << 20;
+
+/// Settings of the local backend.
+#[derive(Debug, Clone)]
+pub struct LocalSettings {
+    /// The agentd binary to run as sandbox supervisor.
+    pub exe: PathBuf,
+    /// agentd's state directory: marks which supervisors are this agentd's.
+    pub state_dir: PathBuf,
+    /// Host paths shown read-only inside.
+    pub ro_paths: Vec<PathBuf>,
+    /// Time between SIGTERM and SIGKILL on stop.
+    pub stop_grace: Duration,
+    /// Limit for a start to answer.
+    pub start_timeout: Duration,
+}
+
+/// The local namespace backend.
+#[derive(Debug)]
+pub struct LocalBackend {
+    settings: LocalSettings,
+    cgroups: Cgroups,
+}
+
+impl LocalBackend {
+    /// A backend with these settings, probing cgroup support once.
+    #[must_use]
+    pub fn new(settings: LocalSettings) -> Self {
+        let cgroups = Cgroups::detect();
+        if let Cgroups::Unavailable(reason) = &cgroups {
+            tracing::warn!(%reason, "memory and CPU limits of local sandboxes are not enforced");
+        }
+        Self { settings, cgroups }
+    }
+
+    fn control_socket(spec: &SandboxSpec) -> PathBuf {
+        spec.run_dir.join("control.sock")
+    }
+
+    async fn start_inner(&self, spec: &SandboxSpec) -> Result<Runtime, BackendError> {
+        let fail = |m: String| BackendError::Failed(m);
+        std::fs::create_dir_all(&spec.run_dir)
+            .map_err(|e| fail(format!("cannot create {}: {e}", spec.run_dir.display())))?;
+        std::fs::create_dir_all(&spec.log_dir)
+            .map_err(|e| fail(format!("cannot create {}: {e}", spec.log_dir.display())))?;
+        let socket = Self::control_socket(spec);
+        if socket.as_os_str().len() >= 108 {
+            return Err(fail(format!(
+                "control socket path {} is too long for a unix socket; use a shorter state directory",
+                socket.display()
+            )));
+        }
+        let log_path = spec.log_dir.join("sandbox.log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| fail(format!("cannot open {}: {e}", log_path.display())))?;
+        let (cgroup, limits) =
+            self.cgroups
+                .create(&spec.name, spec.config.memory, spec.config.vcpus);
+        let init = InitSpec {
+            name: spec.name.clone(),
+            uid: spec.uid,
+            gid: spec.gid,
+            workspace: spec.workspace.clone(),
+            home: spec.home.clone(),
+            control_socket: socket.clone(),
+            network_none: spec.config.network == keystone_agent_api::Network::None,
+            ro_paths: self.settings.ro_paths.clone(),
+            stop_grace_ms: u64::try_from(self.settings.stop_grace.as_millis()).unwrap_or(u64::MAX),
+            cgroup,
+        };
+        let mut child = tokio::process::Command::new(&self.settings.exe)
+            .arg(INIT_ARG)
+            .arg(&self.settings.state_dir)
+            .arg(&spec.name)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .map_err(|e| fail(format!("cannot run {}: {e}", self.settings.exe.display())))?;
+        let supervisor_pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+        let mut stdin = child.stdin.take().expect("piped");
+        let body = serde_json::to_vec(&init).map_err(|e| fail(e.to_string()))?;
+        stdin
+            .write_all(&body)
+            .await
+            .map_err(|e| fail(format!("cannot brief the supervisor: {e}")))?;
+        drop(stdin);
+        let mut stdout = tokio::io::BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        let read =
+            tokio::time::timeout(self.settings.start_timeout, stdout.read_line(&mut line)).await;
+        // The supervisor lives as long as the sandbox; reap it when it ends.
+        tokio::spawn(async move {
+            let _ = child.wait().await;
+        });
+        let report: InitReport = match read {
+            Ok(Ok(n)) if n > 0 => serde_json::from_str(&line).map_err(|e| {
+                fail(format!(
+                    "unreadable answer from the supervisor ({e}): {line}"
+                ))
+            })?,
+            Ok(_) => {
+                return Err(fail(format!(
+                    "the sandbox supervisor exited without an answer{}",
+                    log_tail(&log_path)
+                )));
+            }
+            Err(_) => {
+                self.kill_named(&spec.name);
+                return Err(BackendError::Timeout(format!(
+                    "the sandbox did not come up within {:?}{}",
+                    self.settings.start_timeout,
+                    log_tail(&log_path)
+                )));
+            }
+        };
+        let init_pid = match report {
+            InitReport::Started { init_pid } => init_pid,
+            InitReport::Failed { message } => {
+                self.cgroups.remove(&spec.name);
+                return Err(fail(format!("setting up the sandbox failed: {message}")));
+            }
+        };
+        let rt = Runtime {
+            supervisor_pid,
+            init_pid,
+            init_start_time: procfs::start_time(init_pid).unwrap_or(0),
+            pid_ns: procfs::pid_ns(init_pid).unwrap_or(0),
+            limits,
+        };
+        // Running means answering on the control channel.
+        let deadline = Instant::now() + self.settings.start_timeout;
+        loop {
+            let sock = socket.clone();
+            let hello = tokio::task::spawn_blocking(move || -> std::io::Result<proto::Response> {
+                let s = UnixStream::connect(&sock)?;
+                s.set_read_timeout(Some(Duration::from_secs(2)))?;
+                proto::send_request(&s, &proto::Request::Hello, &[])?;
+                proto::read_response(&mut BufReader::new(&s))?
+                    .ok_or_else(|| std::io::Error::other("no answer"))
+            })
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+            match hello {
+                Ok(proto::Response::Hello { .. }) => return Ok(rt),
+                Ok(other) => return Err(fail(format!("unexpected answer to hello: {other:?}"))),
+                Err(e) if Instant::now() >= deadline || !self.is_alive(&rt) => {
+                    self.kill_named(&spec.name);
+                    return Err(fail(format!(
+                        "the sandbox does not answer on {}: {e}{}",
+                        socket.display(),
+                        log_tail(&log_path)
+                    )));
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    }
+
+    /// Kill every process of this agentd's sandbox `name` (failure paths).
+    fn kill_named(&self, name: &str) {
+        let state = self.settings.state_dir.to_string_lossy().into_owned();
+        for (pid, _) in procfs::pids_with_args(&[INIT_ARG, &state, name]) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+
+    async fn exec_inner(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+    ) -> Result<ExecResult, BackendError> {
+        let fail = |m: String| BackendError::Failed(m);
+        let (out_r, out_w) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.to_string()))?;
+        let (err_r, err_w) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.to_string()))?;
+        let devnull = std::fs::File::open("/dev/null").map_err(|e| fail(e.to_string()))?;
+        let socket = Self::control_socket(spec);
+        let request = proto::Request::Exec {
+            argv: req.argv.clone(),
+            env: req.env,
+            cwd: req.cwd,
+        };
+        let conn = tokio::task::spawn_blocking(
+            move || -> std::io::Result<(UnixStream, proto::Response)> {
+                let s = UnixStream::connect(&socket)?;
+                proto::send_request(
+                    &s,
+                    &request,
+                    &[devnull.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
+                )?;
+                drop((out_w, err_w, devnull));
+                let mut first = String::new();
+                // One byte at a time: the rest of the stream is read async below.
+                let mut b = [0u8; 1];
+                while std::io::Read::read(&mut &s, &mut b)? == 1 {
+                    if b[0] == b'\n' {
+                        break;
+                    }
+                    first.push(char::from(b[0]));
+                }
+                let resp = serde_json::from_str(&first)
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+                Ok((s, resp))
+            },
+        )
+        .await
+        .map_err(|e| fail(e.to_string()))?
+        .map_err(|e| fail(format!("cannot reach the sandbox's control socket: {e}")))?;
+        let (stream, first) = conn;
+        match first {
+            proto::Response::Started { .. } => {}
+            proto::Response::Error { message } => return Err(fail(message)),
+            other => return Err(fail(format!("unexpected answer: {other:?}"))),
+        }
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| fail(e.to_string()))?;
+        let stream = tokio::net::UnixStream::from_std(stream).map_err(|e| fail(e.to_string()))?;
+        let out_buf = Arc::new(Mutex::new(Vec::new()));
+        let err_buf = Arc::new(Mutex::new(Vec::new()));
+        let readers = [
+            tokio::spawn(read_capped(out_r, Arc::clone(&out_buf))),
+            tokio::spawn(read_capped(err_r, Arc::clone(&err_buf))),
+        ];
+        let exit = async {
+            let mut lines = tokio::io::BufReader::new(stream).lines();
+            match lines.next_line().await {
+                Ok(Some(l)) => match serde_json::from_str(&l) {
+                    Ok(proto::Response::Exit { code }) => Ok(code),
+                    _ => Err(fail(format!("unexpected answer: {l}"))),
+                },
+                _ => Err(fail("the sandbox ended while the command ran".to_owned())),
+            }
+        };
+        let all = async {
+            let code = exit.await?;
+            // A background process may hold the pipes open: give the output
+            // two seconds to end after the command itself has.
+            let _ = tokio::time::timeout(Duration::from_secs(2), futures_join(readers)).await;
+            let take = |b: &Arc<Mutex<Vec<u8>>>| std::mem::take(&mut *b.lock().unwrap());
+            Ok::<_, BackendError>(ExecResult {
+                exit_code: code,
+                stdout: take(&out_buf),
+                stderr: take(&err_buf),
+            })
+        };
+        match req.timeout {
+            // Dropping the connection on timeout makes the server kill the
+            // command's process group.
+            Some(t) => tokio::time::timeout(t, all).await.map_err(|_| {
+                BackendError::Timeout(format!(
+                    "command '{}' did not finish within {}s and was killed",
+                    req.argv.join(" "),
+                    t.as_secs()
+                ))
+            })?,
+            None => all.await,
+        }
+    }
+}
+
+/// Read a pipe to its end into `out`, keeping at most [`EXEC_OUTPUT_CAP`]
+/// bytes.
+async fn read_capped(fd: OwnedFd, out: Arc<Mutex<Vec<u8>>>) {
+    let Ok(mut rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
+        return;
+    };
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match rx.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let mut out = out.lock().unwrap();
+                let room = EXEC_OUTPUT_CAP.saturating_sub(out.len());
+                out.extend_from_slice(&buf[..n.min(room)]);
+            }
+        }
+    }
+}
+
+async fn futures_join(handles: [tokio::task::JoinHandle<()>; 2]) {
+    for h in handles {
+        let _ = h.await;
+    }
+}
+
+/// The last lines of a log, formatted to end an error message.
+#[must_use]
+pub fn log_tail(path: &Path) -> String {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return String::new();
+    };
+    let lines: Vec<&str> = text.lines().rev().take(10).collect();
+    if lines.is_empty() {
+        return String::new();
+    }
+    let tail: Vec<&str> = lines.into_iter().rev().collect();
+    format!(
+        "\nlast lines of {}:\n  {}",
+        path.display(),
+        tail.join("\n  ")
+    )
+}
+
+impl Backend for LocalBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Local
+    }
+
+    fn start<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<Runtime, BackendError>> {
+        Box::pin(self.start_inner(spec))
+    }
+
+    fn stop<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        rt: &'a Runtime,
+        force: bool,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            if self.is_alive(rt) {
+                let init = Pid::from_raw(rt.init_pid);
+                let sig = if force {
+                    Signal::SIGKILL
+                } else {
+                    Signal::SIGTERM
+                };
+                let _ = kill(init, sig);
+                let patience = self.settings.stop_grace + Duration::from_secs(2);
+                if tokio::time::timeout(patience, self.wait_exit(rt))
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(sandbox = %spec.name, "sandbox init ignored SIGTERM; killing it");
+                    let _ = kill(init, Signal::SIGKILL);
+                    let _ = tokio::time::timeout(Duration::from_secs(10), self.wait_exit(rt)).await;
+                }
+            }
+            // The kernel kills a PID namespace's processes when its init
+            // dies; make sure, and say so if it did not happen.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let left = if rt.pid_ns == 0 {
+                    Vec::new()
+                } else {
+                    procfs::pids_in_ns(rt.pid_ns)
+                };
+                if left.is_empty() {
+                    break;
+                }
+                for p in &left {
+                    let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
+                }
+                if Instant::now() >= deadline {
+                    return Err(BackendError::Failed(format!(
+                        "processes {left:?} of sandbox '{}' survived SIGKILL",
+                        spec.name
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if procfs::start_time(rt.supervisor_pid).is_some()
+                && procfs::cmdline(rt.supervisor_pid)
+                    .is_some_and(|c| c.get(1).map(String::as_str) == Some(INIT_ARG))
+            {
+                let _ = kill(Pid::from_raw(rt.supervisor_pid), Signal::SIGKILL);
+            }
+            self.cgroups.remove(&spec.name);
+            let _ = std::fs::remove_file(Self::control_socket(spec));
+            Ok(())
+        })
+    }
+
+    fn exec<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+    ) -> BoxFut<'a, Result<ExecResult, BackendError>> {
+        Box::pin(self.exec_inner(spec, req))
+    }
+
+    fn is_alive(&self, rt: &Runtime) -> bool {
+        rt.init_pid > 0
+            && procfs::start_time(rt.init_pid) == Some(rt.init_start_time)
+            && procfs::state(rt.init_pid).is_some_and(|s| s != 'Z')
+    }
+
+    fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
+        Box::pin(async move {
+            let Ok(fd) = procfs::pidfd_open(rt.init_pid) else {
+                return;
+            };
+            // The pidfd pins the process: check it is still ours.
+            if !self.is_alive(rt) {
+                return;
+            }
+            // SAFETY: `fd` is an open pidfd that the AsyncFd owns until it is
+            // dropped at the end of this block.
+            if let Ok(afd) =
+                unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
+            {
+                let _ = afd.readable().await;
+            }
+        })
+    }
+
+    fn kill_strays(&self, keep: &[(String, Runtime)]) -> Vec<String> {
+        let state = self.settings.state_dir.to_string_lossy().into_owned();
+        let mut killed = Vec::new();
+        for (pid, cmdline) in procfs::pids_with_args(&[INIT_ARG, &state]) {
+            let name = cmdline.get(3).cloned().unwrap_or_default();
+            let ns = procfs::pid_ns(pid);
+            let kept = keep.iter().any(|(n, rt)| {
+                *n == name
+                    && self.is_alive(rt)
+                    && (pid == rt.supervisor_pid || ns == Some(rt.pid_ns))
+            });
+            if !kept {
+                tracing::warn!(sandbox = %name, pid, "killing a leftover sandbox process");
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                if !killed.contains(&name) {
+                    killed.push(name);
+                }
+            }
+        }
+        killed
+    }
+}
+
+/// Default read-only paths as `PathBuf`s.
+#[must_use]
+pub fn default_ro_paths() -> Vec<PathBuf> {
+    DEFAULT_RO_PATHS.iter().map(PathBuf::from).collect()
+}

@@ -1,0 +1,301 @@
+//! agentd's configuration file: the JSON that the NixOS module renders
+//! (`keystone.agent` options) and `agentd --check-config` validates.
+//!
+//! Every field is optional; unknown fields are refused. See
+//! `docs/configuration.md` and `tests/fixtures/agentd-config.json`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use keystone_agent_api::types::Ports;
+use keystone_agent_api::{BackendKind, Network, SandboxConfig, SyncMode};
+use serde::{Deserialize, Serialize};
+
+use crate::sandbox::validate;
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DaemonConfig {
+    /// State directory; default: `$STATE_DIRECTORY`, else
+    /// `/var/lib/keystone-agent` (system bus) or
+    /// `$XDG_STATE_HOME/keystone/agent` (session bus).
+    pub state_dir: Option<PathBuf>,
+    /// Backend of sandboxes created without `--backend`.
+    pub default_backend: Option<BackendKind>,
+    /// Settings of new sandboxes, field by field over the built-in defaults.
+    pub defaults: SandboxConfig,
+    /// Dev-server links.
+    pub proxy: ProxyConfig,
+    /// The local namespace backend.
+    pub local: LocalConfig,
+    /// Sandboxes declared by the administrator (NixOS `sandboxes.<name>`).
+    pub sandboxes: BTreeMap<String, DeclaredSandbox>,
+}
+
+/// Dev-server link settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// Manage Caddy routes.
+    pub enable: bool,
+    /// Domain under which sandboxes get names.
+    pub domain: String,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            domain: "sandbox.local".to_owned(),
+        }
+    }
+}
+
+/// Local backend settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LocalConfig {
+    /// Host paths shown read-only inside (absent ones are skipped).
+    pub ro_paths: Vec<PathBuf>,
+    /// Seconds between SIGTERM and SIGKILL when a sandbox stops.
+    pub stop_grace_seconds: u32,
+    /// Seconds a sandbox may take to answer after start.
+    pub start_timeout_seconds: u32,
+}
+
+impl Default for LocalConfig {
+    fn default() -> Self {
+        Self {
+            ro_paths: crate::backend::local::default_ro_paths(),
+            stop_grace_seconds: 10,
+            start_timeout_seconds: 30,
+        }
+    }
+}
+
+/// A sandbox declared in the configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeclaredSandbox {
+    /// Absolute path of the host repository.
+    pub project: PathBuf,
+    /// Owner's user name.
+    pub owner: String,
+    /// Backend; default: `default_backend`.
+    #[serde(default)]
+    pub backend: Option<BackendKind>,
+    /// Start when agentd starts.
+    #[serde(default)]
+    pub autostart: bool,
+    /// Named ports.
+    #[serde(default)]
+    pub ports: Ports,
+    /// Override of `defaults.memory`.
+    #[serde(default)]
+    pub memory: Option<u32>,
+    /// Override of `defaults.vcpus`.
+    #[serde(default)]
+    pub vcpus: Option<u32>,
+    /// Override of `defaults.nested_virt`.
+    #[serde(default)]
+    pub nested_virt: Option<bool>,
+    /// Override of `defaults.network`.
+    #[serde(default)]
+    pub network: Option<Network>,
+    /// Override of `defaults.sync_mode`.
+    #[serde(default)]
+    pub sync_mode: Option<SyncMode>,
+    /// Override of `defaults.sync_idle_seconds`.
+    #[serde(default)]
+    pub sync_idle_seconds: Option<u32>,
+    /// Override of `defaults.env_files`.
+    #[serde(default)]
+    pub env_files: Option<Vec<String>>,
+    /// Override of `defaults.persist`.
+    #[serde(default)]
+    pub persist: Option<bool>,
+}
+
+impl DeclaredSandbox {
+    /// The sandbox's settings: its overrides over `defaults`.
+    #[must_use]
+    pub fn config(&self, defaults: &SandboxConfig) -> SandboxConfig {
+        let d = defaults.clone();
+        SandboxConfig {
+            memory: self.memory.unwrap_or(d.memory),
+            vcpus: self.vcpus.unwrap_or(d.vcpus),
+            nested_virt: self.nested_virt.unwrap_or(d.nested_virt),
+            network: self.network.unwrap_or(d.network),
+            sync_mode: self.sync_mode.unwrap_or(d.sync_mode),
+            sync_idle_seconds: self.sync_idle_seconds.unwrap_or(d.sync_idle_seconds),
+            env_files: self.env_files.clone().unwrap_or(d.env_files),
+            persist: self.persist.unwrap_or(d.persist),
+        }
+    }
+}
+
+/// Reading the configuration failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("Cannot read config {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid JSON of this schema.
+    #[error("Config {path} is not valid: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message (names the field and line).
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The values are not acceptable; every problem is listed.
+    #[error("Config {path} has {} problem(s):\n  - {}", problems.len(), problems.join("\n  - "))]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// Every problem found.
+        problems: Vec<String>,
+    },
+}
+
+impl DaemonConfig {
+    /// Read, parse and validate `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let bytes = std::fs::read(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let config: Self = serde_json::from_slice(&bytes).map_err(|source| ConfigError::Parse {
+            path: path.to_owned(),
+            source,
+        })?;
+        let problems = config.validate();
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError::Invalid {
+                path: path.to_owned(),
+                problems,
+            })
+        }
+    }
+
+    /// Every problem in the configuration.
+    #[must_use]
+    pub fn validate(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if let Some(dir) = &self.state_dir {
+            if !dir.is_absolute() {
+                p.push(format!(
+                    "state_dir {} must be an absolute path",
+                    dir.display()
+                ));
+            }
+        }
+        let mut d = Vec::new();
+        validate::check_config(&self.defaults, &mut d);
+        p.extend(d.into_iter().map(|m| format!("defaults: {m}")));
+        if self.proxy.domain.is_empty()
+            || !self.proxy.domain.split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && l.bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            })
+        {
+            p.push(format!(
+                "proxy.domain '{}' is not a lowercase DNS name",
+                self.proxy.domain
+            ));
+        }
+        for path in &self.local.ro_paths {
+            if !path.is_absolute() {
+                p.push(format!(
+                    "local.ro_paths: {} must be absolute",
+                    path.display()
+                ));
+            }
+        }
+        if self.local.start_timeout_seconds == 0 {
+            p.push("local.start_timeout_seconds must be at least 1".to_owned());
+        }
+        for (name, s) in &self.sandboxes {
+            let mut sp = Vec::new();
+            validate::check_name(name, &mut sp);
+            if !s.project.is_absolute() {
+                sp.push(format!(
+                    "project {} must be an absolute path",
+                    s.project.display()
+                ));
+            }
+            if s.owner.is_empty() {
+                sp.push("owner must be a user name".to_owned());
+            } else if !matches!(nix::unistd::User::from_name(&s.owner), Ok(Some(_))) {
+                sp.push(format!("owner '{}' is not a user on this host", s.owner));
+            }
+            validate::check_config(&s.config(&self.defaults), &mut sp);
+            p.extend(sp.into_iter().map(|m| format!("sandboxes.{name}: {m}")));
+        }
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/agentd-config.json")
+    }
+
+    #[test]
+    fn fixture_loads_and_round_trips() {
+        let c = DaemonConfig::load(&fixture()).unwrap();
+        assert_eq!(c.sandboxes.len(), 2);
+        let web = &c.sandboxes["webapp"];
+        assert_eq!(web.config(&c.defaults).memory, 4096);
+        assert_eq!(web.ports["web"], 3000);
+        let again: DaemonConfig =
+            serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(again, c);
+    }
+
+    #[test]
+    fn empty_config_is_valid() {
+        let c: DaemonConfig = serde_json::from_str("{}").unwrap();
+        assert!(c.validate().is_empty(), "{:?}", c.validate());
+        assert_eq!(c.defaults, SandboxConfig::default());
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_with_their_name() {
+        let e = serde_json::from_str::<DaemonConfig>(
+            r#"{"sandboxes": {"a": {"project": "/x", "owner": "root", "memroy": 1}}}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("memroy"), "{e}");
+    }
+
+    #[test]
+    fn every_problem_is_listed() {
+        let c: DaemonConfig = serde_json::from_str(
+            r#"{"state_dir": "rel", "defaults": {"memory": 10},
+                "sandboxes": {"Bad_Name": {"project": "rel", "owner": "no-such-user-xyz", "vcpus": 0}}}"#,
+        )
+        .unwrap();
+        let p = c.validate();
+        assert_eq!(p.len(), 7, "{p:#?}");
+        assert!(
+            p.iter()
+                .any(|m| m.starts_with("sandboxes.Bad_Name: owner 'no-such-user-xyz'"))
+        );
+    }
+}

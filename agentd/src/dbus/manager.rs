@@ -1,0 +1,183 @@
+//! `org.keystone.Agent1.Manager` at `/org/keystone/Agent1`.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use keystone_agent_api as api;
+use zbus::message::Header;
+use zbus::object_server::SignalEmitter;
+use zbus::{Connection, interface};
+use zvariant::{OwnedObjectPath, OwnedValue};
+
+use super::{Callers, sandbox, to_dbus};
+use crate::sandbox::manager::{CreateOptions, Manager};
+
+/// The manager object.
+#[derive(Debug)]
+pub struct ManagerObject {
+    manager: Arc<Manager>,
+    callers: Arc<Callers>,
+}
+
+impl ManagerObject {
+    /// A manager object over `manager`.
+    #[must_use]
+    pub fn new(manager: Arc<Manager>, callers: Arc<Callers>) -> Self {
+        Self { manager, callers }
+    }
+}
+
+fn path_of(name: &str) -> Result<OwnedObjectPath, api::Error> {
+    api::sandbox_path(name)
+        .ok_or_else(|| api::Error::NotFound(format!("No sandbox named '{name}'")))
+}
+
+fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions, api::Error> {
+    let mut o = CreateOptions::default();
+    let mut problems = Vec::new();
+    for (key, value) in options {
+        let as_str = || String::try_from(value.try_clone().ok()?).ok();
+        let as_u32 = || u32::try_from(value).ok();
+        let bad = |problems: &mut Vec<String>, want: &str| {
+            problems.push(format!(
+                "option '{key}' must be {want} (got signature {})",
+                value.value_signature()
+            ));
+        };
+        match key.as_str() {
+            "name" => match as_str() {
+                Some(v) => o.name = Some(v),
+                None => bad(&mut problems, "a string"),
+            },
+            "memory" => match as_u32() {
+                Some(v) => o.memory = Some(v),
+                None => bad(&mut problems, "a uint32 (MiB)"),
+            },
+            "vcpus" => match as_u32() {
+                Some(v) => o.vcpus = Some(v),
+                None => bad(&mut problems, "a uint32"),
+            },
+            "network" => match as_str().map(|s| s.parse()) {
+                Some(Ok(v)) => o.network = Some(v),
+                Some(Err(e)) => problems.push(format!("network {e}")),
+                None => bad(&mut problems, "a string"),
+            },
+            "sync_mode" => match as_str().map(|s| s.parse()) {
+                Some(Ok(v)) => o.sync_mode = Some(v),
+                Some(Err(e)) => problems.push(format!("sync_mode {e}")),
+                None => bad(&mut problems, "a string"),
+            },
+            "backend" => match as_str().map(|s| s.parse()) {
+                Some(Ok(v)) => o.backend = Some(v),
+                Some(Err(e)) => problems.push(format!("backend {e}")),
+                None => bad(&mut problems, "a string"),
+            },
+            other => problems.push(format!(
+                "unknown option '{other}' (known: name, memory, vcpus, network, sync_mode, backend)"
+            )),
+        }
+    }
+    if problems.is_empty() {
+        Ok(o)
+    } else {
+        Err(to_dbus(crate::error::Error::Invalid(problems)))
+    }
+}
+
+#[interface(name = "org.keystone.Agent1.Manager")]
+impl ManagerObject {
+    /// Create a sandbox from the git repository at `project_path` (absolute).
+    /// `options`: name (s), memory (u), vcpus (u), network (s), sync_mode (s),
+    /// backend (s). Returns the new sandbox's object path.
+    async fn create_sandbox(
+        &self,
+        project_path: String,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<OwnedObjectPath, api::Error> {
+        let caller = self.callers.caller(conn, &header).await?;
+        let opts = parse_options(&options)?;
+        let sb = self
+            .manager
+            .create(caller, Path::new(&project_path), opts)
+            .await
+            .map_err(to_dbus)?;
+        sandbox::export(conn, &self.manager, &self.callers, &sb.name)
+            .await
+            .map_err(api::Error::ZBus)?;
+        path_of(&sb.name)
+    }
+
+    /// The caller's sandboxes (root: all of them), one row each.
+    async fn list_sandboxes(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<api::SandboxSummary>, api::Error> {
+        let caller = self.callers.caller(conn, &header).await?;
+        Ok(self.manager.list(caller))
+    }
+
+    /// The object path of the sandbox `name`.
+    async fn get_sandbox(
+        &self,
+        name: String,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<OwnedObjectPath, api::Error> {
+        let caller = self.callers.caller(conn, &header).await?;
+        self.manager.get(caller, &name).map_err(to_dbus)?;
+        path_of(&name)
+    }
+
+    /// agentd's version.
+    #[zbus(property(emits_changed_signal = "const"))]
+    fn version(&self) -> String {
+        env!("CARGO_PKG_VERSION").to_owned()
+    }
+
+    /// A sandbox was created (or declared in the configuration).
+    #[zbus(signal)]
+    async fn sandbox_added(
+        emitter: &SignalEmitter<'_>,
+        name: &str,
+        path: OwnedObjectPath,
+    ) -> zbus::Result<()>;
+
+    /// A sandbox was destroyed.
+    #[zbus(signal)]
+    async fn sandbox_removed(
+        emitter: &SignalEmitter<'_>,
+        name: &str,
+        path: OwnedObjectPath,
+    ) -> zbus::Result<()>;
+}
+
+/// Export a new sandbox and announce it.
+pub async fn added(
+    conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
+    name: &str,
+) -> zbus::Result<()> {
+    sandbox::export(conn, manager, callers, name).await?;
+    let Some(path) = api::sandbox_path(name) else {
+        return Ok(());
+    };
+    let emitter = SignalEmitter::new(conn, api::MANAGER_PATH)?;
+    ManagerObject::sandbox_added(&emitter, name, path).await
+}
+
+/// Withdraw a destroyed sandbox's object and announce it.
+pub async fn removed(conn: &Connection, name: &str) -> zbus::Result<()> {
+    let Some(path) = api::sandbox_path(name) else {
+        return Ok(());
+    };
+    conn.object_server()
+        .remove::<sandbox::SandboxObject, _>(&path)
+        .await?;
+    let emitter = SignalEmitter::new(conn, api::MANAGER_PATH)?;
+    ManagerObject::sandbox_removed(&emitter, name, path).await
+}

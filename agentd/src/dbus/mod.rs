@@ -1,0 +1,152 @@
+//! The D-Bus adapters: convert arguments, find the caller, call the
+//! [`Manager`], map errors. No rules live here.
+
+mod manager;
+mod sandbox;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use keystone_agent_api as api;
+use zbus::Connection;
+use zbus::message::Header;
+
+use crate::auth::Caller;
+use crate::error::Error;
+use crate::sandbox::manager::{Change, Manager};
+
+pub use manager::ManagerObject;
+pub use sandbox::SandboxObject;
+
+/// Where agentd serves.
+#[derive(Debug, Clone)]
+pub enum Bus {
+    /// The system bus.
+    System,
+    /// The caller's session bus.
+    Session,
+    /// A bus daemon at this address.
+    Address(String),
+}
+
+/// Resolves callers' uids through the bus daemon, caching per unique name
+/// (unique names are never reused while the bus runs).
+#[derive(Debug, Default)]
+pub struct Callers {
+    cache: Mutex<HashMap<String, u32>>,
+}
+
+impl Callers {
+    /// The uid of whoever sent the message with `header`.
+    pub async fn caller(
+        &self,
+        conn: &Connection,
+        header: &Header<'_>,
+    ) -> Result<Caller, api::Error> {
+        let sender = header
+            .sender()
+            .ok_or_else(|| {
+                api::Error::PermissionDenied(
+                    "The call has no sender; cannot tell who you are".into(),
+                )
+            })?
+            .to_owned();
+        if let Some(uid) = self.cache.lock().unwrap().get(sender.as_str()) {
+            return Ok(Caller { uid: *uid });
+        }
+        let dbus = zbus::fdo::DBusProxy::new(conn)
+            .await
+            .map_err(api::Error::ZBus)?;
+        let uid = dbus
+            .get_connection_unix_user(sender.clone().into())
+            .await
+            .map_err(|e| {
+                api::Error::PermissionDenied(format!("The bus does not say who you are: {e}"))
+            })?;
+        let mut cache = self.cache.lock().unwrap();
+        if cache.len() > 4096 {
+            cache.clear();
+        }
+        cache.insert(sender.to_string(), uid);
+        Ok(Caller { uid })
+    }
+}
+
+/// Map a domain error to its named D-Bus error.
+#[must_use]
+pub fn to_dbus(e: Error) -> api::Error {
+    let msg = e.to_string();
+    match e {
+        Error::NotFound(_) => api::Error::NotFound(msg),
+        Error::AlreadyExists(_) => api::Error::AlreadyExists(msg),
+        Error::InvalidState { .. } => api::Error::InvalidState(msg),
+        Error::Invalid(_) => api::Error::InvalidArgument(msg),
+        Error::PermissionDenied(_) => api::Error::PermissionDenied(msg),
+        Error::Backend { source, .. } if Manager::is_timeout(&source) => api::Error::Timeout(msg),
+        Error::Backend { .. } | Error::Workspace { .. } | Error::Registry(_) => {
+            api::Error::Backend(msg)
+        }
+    }
+}
+
+/// Connect to `bus`, export every object, own the name and keep the objects
+/// in step with the manager until the connection drops.
+pub async fn serve(bus: &Bus, manager: Arc<Manager>) -> zbus::Result<Connection> {
+    let callers = Arc::new(Callers::default());
+    let builder = match bus {
+        Bus::System => zbus::connection::Builder::system()?,
+        Bus::Session => zbus::connection::Builder::session()?,
+        Bus::Address(a) => zbus::connection::Builder::address(a.as_str())?,
+    };
+    // Subscribe before exporting so no change is missed.
+    let changes = manager.subscribe();
+    let conn = builder
+        .serve_at(
+            api::MANAGER_PATH,
+            ManagerObject::new(Arc::clone(&manager), Arc::clone(&callers)),
+        )?
+        .build()
+        .await?;
+    for name in manager.names() {
+        sandbox::export(&conn, &manager, &callers, &name).await?;
+    }
+    tokio::spawn(follow_changes(conn.clone(), manager, callers, changes));
+    conn.request_name(api::BUS_NAME).await?;
+    Ok(conn)
+}
+
+async fn follow_changes(
+    conn: Connection,
+    manager: Arc<Manager>,
+    callers: Arc<Callers>,
+    mut changes: tokio::sync::broadcast::Receiver<Change>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let change = match changes.recv().await {
+            Ok(c) => c,
+            Err(RecvError::Lagged(n)) => {
+                tracing::warn!(missed = n, "missed sandbox changes; re-announcing all");
+                for name in manager.names() {
+                    sandbox::announce(&conn, &manager, &name).await;
+                }
+                continue;
+            }
+            Err(RecvError::Closed) => return,
+        };
+        let result = match &change {
+            Change::Added(name) => manager::added(&conn, &manager, &callers, name).await,
+            Change::Updated(name) => match sandbox::export(&conn, &manager, &callers, name).await {
+                Ok(()) => {
+                    sandbox::announce(&conn, &manager, name).await;
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            },
+            Change::Removed(name) => manager::removed(&conn, name).await,
+        };
+        if let Err(e) = result {
+            tracing::warn!(?change, error = %e, "cannot publish a sandbox change on the bus");
+        }
+    }
+}

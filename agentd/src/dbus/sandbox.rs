@@ -1,0 +1,360 @@
+//! `org.keystone.Agent1.Sandbox`: one object per sandbox.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keystone_agent_api as api;
+use zbus::message::Header;
+use zbus::object_server::SignalEmitter;
+use zbus::{Connection, fdo, interface};
+
+use super::{Callers, to_dbus};
+use crate::sandbox::manager::Manager;
+use crate::sandbox::{Sandbox, micros};
+
+/// The object at `/org/keystone/Agent1/sandbox/<name>`.
+#[derive(Debug)]
+pub struct SandboxObject {
+    name: String,
+    manager: Arc<Manager>,
+    callers: Arc<Callers>,
+    /// What the last PropertiesChanged announced.
+    announced: Mutex<Option<Sandbox>>,
+}
+
+impl SandboxObject {
+    async fn caller_sandbox(
+        &self,
+        conn: &Connection,
+        header: &Header<'_>,
+    ) -> Result<(crate::auth::Caller, Sandbox), api::Error> {
+        let caller = self.callers.caller(conn, header).await?;
+        let sb = self.manager.get(caller, &self.name).map_err(to_dbus)?;
+        Ok((caller, sb))
+    }
+
+    /// The sandbox, if whoever reads the property may see it. Internal reads
+    /// (no header: building PropertiesChanged) always may.
+    async fn visible(&self, conn: &Connection, header: Option<Header<'_>>) -> fdo::Result<Sandbox> {
+        match header {
+            None => self
+                .manager
+                .snapshot(&self.name)
+                .ok_or_else(|| fdo::Error::UnknownObject(self.name.clone())),
+            Some(h) => self
+                .caller_sandbox(conn, &h)
+                .await
+                .map(|(_, sb)| sb)
+                .map_err(|e| match e {
+                    api::Error::NotFound(m) => fdo::Error::UnknownObject(m),
+                    other => fdo::Error::AccessDenied(other.message()),
+                }),
+        }
+    }
+}
+
+#[interface(name = "org.keystone.Agent1.Sandbox")]
+impl SandboxObject {
+    /// Start the sandbox; returns once it answers on its control channel.
+    async fn start(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .start(caller, &self.name)
+            .await
+            .map(|_| ())
+            .map_err(to_dbus)
+    }
+
+    /// Stop the sandbox: SIGTERM to every process, SIGKILL after the grace
+    /// period (at once with `force`).
+    async fn stop(
+        &self,
+        force: bool,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .stop(caller, &self.name, force)
+            .await
+            .map(|_| ())
+            .map_err(to_dbus)
+    }
+
+    /// Remove the sandbox, its workspace and its state.
+    async fn destroy(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .destroy(caller, &self.name)
+            .await
+            .map_err(to_dbus)
+    }
+
+    /// Run `argv` inside the running sandbox (`cwd` empty = `/workspace`,
+    /// `timeout_secs` 0 = none) and return its exit code and output.
+    #[zbus(out_args("exit_code", "stdout", "stderr"))]
+    async fn exec(
+        &self,
+        argv: Vec<String>,
+        env: HashMap<String, String>,
+        cwd: String,
+        timeout_secs: u32,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(i32, Vec<u8>, Vec<u8>), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let timeout = (timeout_secs > 0).then(|| Duration::from_secs(u64::from(timeout_secs)));
+        let r = self
+            .manager
+            .exec(
+                caller,
+                &self.name,
+                argv,
+                env.into_iter().collect(),
+                cwd,
+                timeout,
+            )
+            .await
+            .map_err(to_dbus)?;
+        Ok((r.exit_code, r.stdout, r.stderr))
+    }
+
+    /// Sandbox name.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn name(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header).await.map(|s| s.name)
+    }
+
+    /// Stable unique id.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn id(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header).await.map(|s| s.id)
+    }
+
+    /// Lifecycle state: created, starting, running, stopping, stopped, error.
+    #[zbus(property)]
+    async fn state(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header)
+            .await
+            .map(|s| s.state.to_string())
+    }
+
+    /// Why the sandbox is in its state, or empty.
+    #[zbus(property)]
+    async fn state_reason(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header).await.map(|s| s.state_reason)
+    }
+
+    /// Backend running the sandbox.
+    #[zbus(property)]
+    async fn backend(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header)
+            .await
+            .map(|s| s.backend.to_string())
+    }
+
+    /// Host repository the workspace was cloned from.
+    #[zbus(property)]
+    async fn project_path(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header)
+            .await
+            .map(|s| s.project_path.to_string_lossy().into_owned())
+    }
+
+    /// Settings, as the JSON text of a SandboxConfig.
+    #[zbus(property)]
+    async fn config(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        let sb = self.visible(conn, header).await?;
+        serde_json::to_string(&sb.config).map_err(|e| fdo::Error::Failed(e.to_string()))
+    }
+
+    /// Owner's uid.
+    #[zbus(property)]
+    async fn owner(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<u32> {
+        self.visible(conn, header).await.map(|s| s.owner)
+    }
+
+    /// Creation time, µs since the epoch.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn created_at(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<u64> {
+        self.visible(conn, header)
+            .await
+            .map(|s| micros(Some(s.created_at)))
+    }
+
+    /// Last start time, µs since the epoch; 0 = never.
+    #[zbus(property)]
+    async fn started_at(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<u64> {
+        self.visible(conn, header)
+            .await
+            .map(|s| micros(s.started_at))
+    }
+
+    /// Declared in agentd's configuration (cannot be destroyed over D-Bus).
+    #[zbus(property)]
+    async fn declared(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<bool> {
+        self.visible(conn, header).await.map(|s| s.declared)
+    }
+
+    /// Named ports.
+    #[zbus(property)]
+    async fn ports(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<HashMap<String, u32>> {
+        self.visible(conn, header)
+            .await
+            .map(|s| s.ports.into_iter().collect())
+    }
+
+    /// Resource limits in force while running, or why there are none.
+    #[zbus(property)]
+    async fn limits(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header)
+            .await
+            .map(|s| s.runtime.map(|r| r.limits).unwrap_or_default())
+    }
+}
+
+/// Export the object of sandbox `name` unless it is already there.
+pub async fn export(
+    conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
+    name: &str,
+) -> zbus::Result<()> {
+    let Some(path) = api::sandbox_path(name) else {
+        return Ok(());
+    };
+    let server = conn.object_server();
+    if server.interface::<_, SandboxObject>(&path).await.is_ok() {
+        return Ok(());
+    }
+    let obj = SandboxObject {
+        name: name.to_owned(),
+        manager: Arc::clone(manager),
+        callers: Arc::clone(callers),
+        announced: Mutex::new(manager.snapshot(name)),
+    };
+    server.at(&path, obj).await.map(|_| ())
+}
+
+/// Emit PropertiesChanged for every property of `name` that changed since
+/// the last announcement.
+pub async fn announce(conn: &Connection, manager: &Arc<Manager>, name: &str) {
+    let (Some(path), Some(now)) = (api::sandbox_path(name), manager.snapshot(name)) else {
+        return;
+    };
+    let Ok(iface) = conn
+        .object_server()
+        .interface::<_, SandboxObject>(&path)
+        .await
+    else {
+        return;
+    };
+    let before = iface
+        .get()
+        .await
+        .announced
+        .lock()
+        .unwrap()
+        .replace(now.clone());
+    let Some(before) = before else { return };
+    let emitter: &SignalEmitter<'_> = iface.signal_emitter();
+    let obj = iface.get().await;
+    let r: zbus::Result<()> = async {
+        if before.state != now.state {
+            obj.state_changed(emitter).await?;
+        }
+        if before.state_reason != now.state_reason {
+            obj.state_reason_changed(emitter).await?;
+        }
+        if before.started_at != now.started_at {
+            obj.started_at_changed(emitter).await?;
+        }
+        if before.config != now.config {
+            obj.config_changed(emitter).await?;
+        }
+        if before.owner != now.owner {
+            obj.owner_changed(emitter).await?;
+        }
+        if before.project_path != now.project_path {
+            obj.project_path_changed(emitter).await?;
+        }
+        if before.backend != now.backend {
+            obj.backend_changed(emitter).await?;
+        }
+        if before.declared != now.declared {
+            obj.declared_changed(emitter).await?;
+        }
+        if before.ports != now.ports {
+            obj.ports_changed(emitter).await?;
+        }
+        if before.runtime.as_ref().map(|r| &r.limits) != now.runtime.as_ref().map(|r| &r.limits) {
+            obj.limits_changed(emitter).await?;
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = r {
+        tracing::warn!(sandbox = %name, error = %e, "cannot emit PropertiesChanged");
+    }
+}

@@ -1,0 +1,648 @@
+//! The supervisor and PID 1 of a local sandbox.
+//!
+//! Runs in a fresh, single-threaded process (`agentd __sandbox-init`), never
+//! inside agentd's tokio runtime: `clone` and the id-map handshake need a
+//! process with one thread.
+
+use std::ffi::CString;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{PermissionsExt, symlink};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::fcntl::{OFlag, open};
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::sched::CloneFlags;
+use nix::sys::signal::{SigSet, Signal, kill};
+use nix::sys::stat::Mode;
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{ForkResult, Gid, Pid, Uid};
+use serde::{Deserialize, Serialize};
+
+/// Everything the supervisor needs, sent by agentd as JSON on stdin.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InitSpec {
+    /// Sandbox name; also its hostname.
+    pub name: String,
+    /// Host uid the sandbox's processes run as (root inside is mapped to it).
+    pub uid: u32,
+    /// Host gid the sandbox's processes run as.
+    pub gid: u32,
+    /// Host directory shown read-write at `/workspace`.
+    pub workspace: PathBuf,
+    /// Host directory shown read-write at `/root` (the sandbox's home).
+    pub home: PathBuf,
+    /// Where the control socket is bound (host path).
+    pub control_socket: PathBuf,
+    /// Give the sandbox an empty network namespace (loopback only).
+    pub network_none: bool,
+    /// Host paths shown read-only at the same place (directories are
+    /// bind-mounted, symlinks recreated; missing ones skipped).
+    pub ro_paths: Vec<PathBuf>,
+    /// How long the init waits for processes after SIGTERM before SIGKILL.
+    pub stop_grace_ms: u64,
+    /// cgroup v2 directory to join before the namespaces are made, if any.
+    pub cgroup: Option<PathBuf>,
+}
+
+/// The first line the supervisor prints on stdout.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InitReport {
+    /// The sandbox is up; its init has this host pid.
+    Started {
+        /// Host pid of the sandbox's PID 1.
+        init_pid: i32,
+    },
+    /// Setting the sandbox up failed.
+    Failed {
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Entry point of `agentd __sandbox-init`. Returns the process exit code.
+#[must_use]
+pub fn main() -> i32 {
+    let mut input = String::new();
+    if let Err(e) = std::io::stdin().read_to_string(&mut input) {
+        return report(&InitReport::Failed {
+            message: format!("cannot read the spec: {e}"),
+        });
+    }
+    let spec: InitSpec = match serde_json::from_str(&input) {
+        Ok(s) => s,
+        Err(e) => {
+            return report(&InitReport::Failed {
+                message: format!("bad spec: {e}"),
+            });
+        }
+    };
+    match supervise(&spec) {
+        Ok(code) => code,
+        Err(message) => report(&InitReport::Failed { message }),
+    }
+}
+
+fn report(r: &InitReport) -> i32 {
+    let mut out = std::io::stdout().lock();
+    let _ = serde_json::to_writer(&mut out, r);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+    i32::from(matches!(r, InitReport::Failed { .. }))
+}
+
+/// How the init reaches the directories it binds. A privileged supervisor
+/// (which may traverse agentd's private state directory, where the sandbox's
+/// uid may not) clones them as detached mounts; an unprivileged one runs as
+/// the same uid as the sandbox, which can simply use the paths.
+enum Source {
+    /// A detached mount made with `open_tree(OPEN_TREE_CLONE)`.
+    Tree(OwnedFd),
+    /// A plain path.
+    Path(PathBuf),
+}
+
+struct Handles {
+    workspace: Source,
+    home: Source,
+}
+
+fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
+    const OPEN_TREE_CLONE: nix::libc::c_uint = 1;
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: open_tree with a valid NUL-terminated path; returns a new fd.
+    let fd = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_open_tree,
+            nix::libc::AT_FDCWD,
+            c.as_ptr(),
+            OPEN_TREE_CLONE | nix::libc::O_CLOEXEC as nix::libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "cannot open {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    let fd = i32::try_from(fd).map_err(|e| e.to_string())?;
+    // SAFETY: the kernel returned a fresh descriptor that we now own.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
+fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), String> {
+    const MOVE_MOUNT_F_EMPTY_PATH: nix::libc::c_uint = 0x4;
+    let empty = CString::default();
+    let c = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: move_mount from a detached mount fd to a valid path.
+    let r = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            nix::libc::AT_FDCWD,
+            c.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if r < 0 {
+        return Err(format!(
+            "cannot mount on {}: {}",
+            target.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+fn supervise(spec: &InitSpec) -> Result<i32, String> {
+    // Our own session: a Ctrl-C meant for a foreground agentd must not reach
+    // the sandbox.
+    let _ = nix::unistd::setsid();
+    if let Some(cg) = &spec.cgroup {
+        fs::write(cg.join("cgroup.procs"), std::process::id().to_string())
+            .map_err(|e| format!("cannot join cgroup {}: {e}", cg.display()))?;
+    }
+    let _ = fs::remove_file(&spec.control_socket);
+    let listener = UnixListener::bind(&spec.control_socket).map_err(|e| {
+        format!(
+            "cannot bind control socket {}: {e}",
+            spec.control_socket.display()
+        )
+    })?;
+    fs::set_permissions(&spec.control_socket, fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("cannot restrict {}: {e}", spec.control_socket.display()))?;
+    let source = |p: &Path| -> Result<Source, String> {
+        // Refuse a symlink planted in place of the directory.
+        let fd = open(
+            p,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| format!("cannot open {}: {e}", p.display()))?;
+        drop(fd);
+        if Uid::effective().is_root() {
+            open_tree_clone(p).map(Source::Tree)
+        } else {
+            Ok(Source::Path(p.to_owned()))
+        }
+    };
+    let handles = Handles {
+        workspace: source(&spec.workspace)?,
+        home: source(&spec.home)?,
+    };
+
+    let (go_r, go_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    let (st_r, st_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+
+    let mut flags = CloneFlags::CLONE_NEWUSER
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC;
+    if spec.network_none {
+        flags |= CloneFlags::CLONE_NEWNET;
+    }
+    let mut stack = vec![0u8; 1 << 20];
+    let child_cb = Box::new(|| {
+        let code = match init(spec, &listener, &handles, &go_r, &st_w) {
+            Ok(never) => match never {},
+            Err(msg) => {
+                let _ = nix::unistd::write(&st_w, msg.as_bytes());
+                1
+            }
+        };
+        code as isize
+    });
+    // SAFETY: this process is single-threaded (a fresh exec of agentd that
+    // started no threads), so the child may run arbitrary code; the stack
+    // outlives the call because the child runs in a copy of this memory.
+    let child =
+        unsafe { nix::sched::clone(child_cb, &mut stack, flags, Some(Signal::SIGCHLD as i32)) }
+            .map_err(|e| format!("cannot create the sandbox namespaces: {e}"))?;
+    drop(go_r);
+    drop(st_w);
+
+    if let Err(e) = write_id_maps(child, spec) {
+        let _ = kill(child, Signal::SIGKILL);
+        let _ = waitpid(child, None);
+        return Err(e);
+    }
+    nix::unistd::write(&go_w, b"g").map_err(|e| format!("cannot release the init: {e}"))?;
+    drop(go_w);
+
+    let mut status = Vec::new();
+    let _ = fs::File::from(st_r).read_to_end(&mut status);
+    if status != b"ok" {
+        let _ = waitpid(child, None);
+        let msg = String::from_utf8_lossy(&status).into_owned();
+        return Err(if msg.is_empty() {
+            "the sandbox init died during setup".to_owned()
+        } else {
+            msg
+        });
+    }
+    report(&InitReport::Started {
+        init_pid: child.as_raw(),
+    });
+    // Nothing more goes to agentd on stdout; let it see EOF.
+    // SAFETY: closing our own stdout descriptor; nothing else uses it after
+    // this point.
+    let _ = nix::unistd::close(unsafe { std::os::fd::BorrowedFd::borrow_raw(1) }.as_raw_fd());
+    drop(listener);
+    loop {
+        match waitpid(child, None) {
+            Ok(WaitStatus::Exited(_, code)) => return Ok(code),
+            Ok(WaitStatus::Signaled(_, sig, _)) => return Ok(128 + sig as i32),
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(format!("waiting for the init: {e}")),
+        }
+    }
+}
+
+fn write_id_maps(child: Pid, spec: &InitSpec) -> Result<(), String> {
+    let proc = PathBuf::from(format!("/proc/{child}"));
+    let w = |file: &str, data: String| {
+        fs::write(proc.join(file), &data)
+            .map_err(|e| format!("cannot write {file} ({data:?}): {e}"))
+    };
+    if Uid::effective().is_root() {
+        w("uid_map", format!("0 {} 1\n", spec.uid))?;
+        w("gid_map", format!("0 {} 1\n", spec.gid))?;
+    } else {
+        // Without privilege only our own ids can be mapped, and only after
+        // giving up setgroups.
+        w("setgroups", "deny".to_owned())?;
+        w("uid_map", format!("0 {} 1\n", Uid::effective()))?;
+        w("gid_map", format!("0 {} 1\n", Gid::effective()))?;
+    }
+    Ok(())
+}
+
+/// PID 1 of the sandbox. Only returns on a setup error.
+fn init(
+    spec: &InitSpec,
+    listener: &UnixListener,
+    handles: &Handles,
+    go: &OwnedFd,
+    status: &OwnedFd,
+) -> Result<std::convert::Infallible, String> {
+    let mut b = [0u8; 1];
+    if nix::unistd::read(go, &mut b).map_err(|e| format!("handshake: {e}"))? != 1 {
+        return Err("the supervisor gave up before the id maps were written".into());
+    }
+    nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0))
+        .map_err(|e| format!("setresgid: {e}"))?;
+    // Drop the supplementary groups inherited from agentd (allowed when the
+    // maps were written by a privileged supervisor; otherwise they are the
+    // owner's own groups already).
+    let _ = nix::unistd::setgroups(&[]);
+    nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0))
+        .map_err(|e| format!("setresuid: {e}"))?;
+    nix::unistd::sethostname(&spec.name).map_err(|e| format!("sethostname: {e}"))?;
+    build_root(spec, handles)?;
+    if spec.network_none {
+        loopback_up()?;
+    }
+
+    // Signals the init handles synchronously; the server gets them back.
+    let mut signals = SigSet::empty();
+    for s in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+    ] {
+        signals.add(s);
+    }
+    signals
+        .thread_block()
+        .map_err(|e| format!("sigprocmask: {e}"))?;
+
+    // SAFETY: PID 1 is single-threaded here.
+    match unsafe { nix::unistd::fork() }.map_err(|e| format!("fork: {e}"))? {
+        ForkResult::Child => {
+            // The handshake pipes belong to the init: the supervisor waits
+            // for their end.
+            let _ = nix::unistd::close(status.as_raw_fd());
+            let _ = nix::unistd::close(go.as_raw_fd());
+            let _ = signals.thread_unblock();
+            super::server::serve(listener, &spec.name);
+        }
+        ForkResult::Parent { .. } => {}
+    }
+    nix::unistd::write(status, b"ok").map_err(|e| format!("report: {e}"))?;
+    let _ = nix::unistd::close(status.as_raw_fd());
+    reap_forever(&signals, Duration::from_millis(spec.stop_grace_ms))
+}
+
+fn reap_forever(signals: &SigSet, grace: Duration) -> ! {
+    let mut deadline: Option<Instant> = None;
+    loop {
+        let sig = if let Some(d) = deadline {
+            let left = d.saturating_duration_since(Instant::now());
+            timed_wait(signals, left)
+        } else {
+            signals.wait().ok()
+        };
+        match sig {
+            Some(Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP) if deadline.is_none() => {
+                let _ = kill(Pid::from_raw(-1), Signal::SIGTERM);
+                deadline = Some(Instant::now() + grace);
+            }
+            _ => {}
+        }
+        // Reap everything that has ended.
+        loop {
+            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => break,
+                Ok(_) => {}
+                Err(nix::errno::Errno::ECHILD) => {
+                    if deadline.is_some() {
+                        // Stopping and nothing is left: done.
+                        std::process::exit(0);
+                    }
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            // Our exit makes the kernel SIGKILL whatever is left.
+            std::process::exit(0);
+        }
+    }
+}
+
+fn timed_wait(signals: &SigSet, timeout: Duration) -> Option<Signal> {
+    let ts = nix::libc::timespec {
+        tv_sec: nix::libc::time_t::try_from(timeout.as_secs()).unwrap_or(nix::libc::time_t::MAX),
+        tv_nsec: nix::libc::c_long::from(timeout.subsec_nanos().min(999_999_999) as i32),
+    };
+    // SAFETY: plain syscall with valid pointers to a sigset and a timespec.
+    let r = unsafe { nix::libc::sigtimedwait(signals.as_ref(), std::ptr::null_mut(), &ts) };
+    Signal::try_from(r).ok()
+}
+
+const TMPFS_ROOT: &str = "/tmp";
+
+/// Assemble the sandbox's root file system and pivot into it.
+fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
+    let m = |src: Option<&str>,
+             dst: &Path,
+             fstype: Option<&str>,
+             flags: MsFlags,
+             data: Option<&str>| {
+        mount(src, dst, fstype, flags, data)
+            .map_err(|e| format!("mount {} on {}: {e}", src.unwrap_or("-"), dst.display()))
+    };
+    m(
+        None,
+        Path::new("/"),
+        None,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None,
+    )?;
+    // A private tmpfs (over /tmp, in this mount namespace only) holds the new
+    // root while it is built.
+    let root = Path::new(TMPFS_ROOT);
+    m(
+        Some("tmpfs"),
+        root,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=0755"),
+    )?;
+    let at = |p: &str| root.join(p.trim_start_matches('/'));
+    let mkdir = |p: &Path| fs::create_dir_all(p).map_err(|e| format!("mkdir {}: {e}", p.display()));
+
+    let expose = |host: &Path| -> Result<(), String> {
+        let Ok(meta) = fs::symlink_metadata(host) else {
+            return Ok(());
+        };
+        let target = at(&host.to_string_lossy());
+        if let Some(parent) = target.parent() {
+            mkdir(parent)?;
+        }
+        if meta.file_type().is_symlink() {
+            let link =
+                fs::read_link(host).map_err(|e| format!("readlink {}: {e}", host.display()))?;
+            symlink(&link, &target).map_err(|e| format!("symlink {}: {e}", target.display()))?;
+        } else if meta.is_dir() {
+            mkdir(&target)?;
+            let src = host.to_string_lossy();
+            m(
+                Some(&src),
+                &target,
+                None,
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None,
+            )?;
+            make_readonly(&target)?;
+        }
+        Ok(())
+    };
+    // Paths under /run go on top of the sandbox's own /run tmpfs, below.
+    for host in spec.ro_paths.iter().filter(|p| !p.starts_with("/run")) {
+        expose(host)?;
+    }
+    let bind_fd = |src: &Source, dst: &str| -> Result<(), String> {
+        let target = at(dst);
+        mkdir(&target)?;
+        match src {
+            Source::Tree(fd) => move_mount_to(fd, &target),
+            Source::Path(p) => m(
+                Some(&p.to_string_lossy()),
+                &target,
+                None,
+                MsFlags::MS_BIND,
+                None,
+            ),
+        }
+    };
+    bind_fd(&handles.workspace, "/workspace")?;
+    bind_fd(&handles.home, "/root")?;
+
+    for (dir, mode) in [
+        ("/tmp", "mode=1777"),
+        ("/var/tmp", "mode=1777"),
+        ("/run", "mode=0755"),
+    ] {
+        let target = at(dir);
+        if target.symlink_metadata().is_err() {
+            mkdir(&target)?;
+        }
+        if target.is_dir() && !target.is_symlink() {
+            m(
+                Some("tmpfs"),
+                &target,
+                Some("tmpfs"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+                Some(mode),
+            )?;
+        }
+    }
+    for host in spec.ro_paths.iter().filter(|p| p.starts_with("/run")) {
+        expose(host)?;
+    }
+
+    let proc = at("/proc");
+    mkdir(&proc)?;
+    m(
+        Some("proc"),
+        &proc,
+        Some("proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        None,
+    )?;
+
+    let dev = at("/dev");
+    mkdir(&dev)?;
+    m(
+        Some("tmpfs"),
+        &dev,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID,
+        Some("mode=0755"),
+    )?;
+    for node in ["null", "zero", "full", "random", "urandom", "tty"] {
+        let target = dev.join(node);
+        fs::File::create(&target).map_err(|e| format!("create {}: {e}", target.display()))?;
+        m(
+            Some(&format!("/dev/{node}")),
+            &target,
+            None,
+            MsFlags::MS_BIND,
+            None,
+        )?;
+    }
+    let pts = dev.join("pts");
+    mkdir(&pts)?;
+    m(
+        Some("devpts"),
+        &pts,
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    let shm = dev.join("shm");
+    mkdir(&shm)?;
+    m(
+        Some("tmpfs"),
+        &shm,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=1777"),
+    )?;
+    for (name, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        symlink(target, dev.join(name)).map_err(|e| format!("symlink /dev/{name}: {e}"))?;
+    }
+    std::env::set_current_dir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
+    nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
+    std::env::set_current_dir("/workspace").map_err(|e| format!("chdir /workspace: {e}"))?;
+    Ok(())
+}
+
+/// Make the mount at `path` (and everything below it) read-only without
+/// touching its other flags, which the kernel may have locked.
+fn make_readonly(path: &Path) -> Result<(), String> {
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const AT_RECURSIVE: nix::libc::c_uint = 0x8000;
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_RDONLY,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: mount_setattr with a valid path and a correctly sized struct.
+    let r = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_mount_setattr,
+            nix::libc::AT_FDCWD,
+            c.as_ptr(),
+            AT_RECURSIVE,
+            &raw const attr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    // Kernels before 5.12: a plain remount, keeping the source's flags.
+    let st =
+        nix::sys::statvfs::statvfs(path).map_err(|e| format!("statvfs {}: {e}", path.display()))?;
+    let mut flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY;
+    let f = st.flags();
+    for (vfs, ms) in [
+        (nix::sys::statvfs::FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
+        (nix::sys::statvfs::FsFlags::ST_NODEV, MsFlags::MS_NODEV),
+        (nix::sys::statvfs::FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+        (nix::sys::statvfs::FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+        (
+            nix::sys::statvfs::FsFlags::ST_RELATIME,
+            MsFlags::MS_RELATIME,
+        ),
+    ] {
+        if f.contains(vfs) {
+            flags |= ms;
+        }
+    }
+    mount(None::<&str>, path, None::<&str>, flags, None::<&str>)
+        .map_err(|e| format!("remount {} read-only: {e}", path.display()))
+}
+
+/// Bring up `lo` in a fresh network namespace.
+fn loopback_up() -> Result<(), String> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
+    let sock = socket(
+        AddressFamily::Inet,
+        SockType::Datagram,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| format!("socket: {e}"))?;
+    // SAFETY: ifreq is plain old data; zeroed is a valid value.
+    let mut ifr: nix::libc::ifreq = unsafe { std::mem::zeroed() };
+    for (i, b) in b"lo\0".iter().enumerate() {
+        ifr.ifr_name[i] = *b as nix::libc::c_char;
+    }
+    let fd: RawFd = sock.as_raw_fd();
+    // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS with a valid ifreq for this socket.
+    unsafe {
+        if nix::libc::ioctl(fd, nix::libc::SIOCGIFFLAGS, &raw mut ifr) < 0 {
+            return Err(format!(
+                "SIOCGIFFLAGS lo: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        ifr.ifr_ifru.ifru_flags |= (nix::libc::IFF_UP | nix::libc::IFF_RUNNING) as i16;
+        if nix::libc::ioctl(fd, nix::libc::SIOCSIFFLAGS, &raw const ifr) < 0 {
+            return Err(format!(
+                "SIOCSIFFLAGS lo: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}

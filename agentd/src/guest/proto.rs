@@ -1,0 +1,201 @@
+//! The control protocol between agentd and a sandbox's control server.
+//!
+//! Transport: a unix stream socket. agentd sends one request: a 4-byte
+//! little-endian length, then that many bytes of JSON ([`Request`]), with the
+//! file descriptors the request needs attached to the same `sendmsg` as
+//! `SCM_RIGHTS`. The server answers with newline-delimited JSON
+//! ([`Response`]). For `exec`, closing the connection before the `exit`
+//! line kills the command's process group: that is how agentd cancels.
+
+use std::collections::BTreeMap;
+use std::io::{self, BufRead, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+use serde::{Deserialize, Serialize};
+
+/// Largest request accepted, in bytes.
+pub const MAX_REQUEST: usize = 1 << 20;
+
+/// What agentd asks of the control server.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Request {
+    /// Readiness check: the server answers [`Response::Hello`].
+    Hello,
+    /// Run a command with the three attached descriptors as its stdio.
+    Exec {
+        /// Program and arguments; the program is looked up in `PATH`.
+        argv: Vec<String>,
+        /// Variables added to (and overriding) the sandbox's base environment.
+        env: BTreeMap<String, String>,
+        /// Working directory inside the sandbox.
+        cwd: String,
+    },
+}
+
+/// What the control server answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub enum Response {
+    /// Answer to [`Request::Hello`].
+    Hello {
+        /// The sandbox's hostname.
+        hostname: String,
+    },
+    /// The command runs, as this pid inside the sandbox.
+    Started {
+        /// Pid inside the sandbox's PID namespace.
+        pid: i32,
+    },
+    /// The command ended.
+    Exit {
+        /// Exit code, or `128 + signal`.
+        code: i32,
+    },
+    /// The request failed; the text says why.
+    Error {
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// Send `req` with `fds` attached.
+pub fn send_request(sock: &UnixStream, req: &Request, fds: &[RawFd]) -> io::Result<()> {
+    let body = serde_json::to_vec(req).map_err(io::Error::other)?;
+    let len = u32::try_from(body.len())
+        .map_err(io::Error::other)?
+        .to_le_bytes();
+    let mut msg = Vec::with_capacity(4 + body.len());
+    msg.extend_from_slice(&len);
+    msg.extend_from_slice(&body);
+    let cmsg = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsg };
+    let mut sent = sendmsg::<()>(
+        sock.as_raw_fd(),
+        &[io::IoSlice::new(&msg)],
+        cmsgs,
+        MsgFlags::empty(),
+        None,
+    )?;
+    // The descriptors went with the first chunk; send whatever is left plainly.
+    while sent < msg.len() {
+        sent += (&*sock).write(&msg[sent..])?;
+    }
+    Ok(())
+}
+
+/// Receive one request and the descriptors attached to it.
+pub fn recv_request(sock: &UnixStream) -> io::Result<(Request, Vec<OwnedFd>)> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut cmsg_space = nix::cmsg_space!([RawFd; 8]);
+    let mut fds = Vec::new();
+    let n = {
+        let mut iov = [io::IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            sock.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg_space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )?;
+        for c in msg.cmsgs()? {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                for fd in raw {
+                    // SAFETY: the kernel just installed these descriptors in
+                    // this process for us; nothing else owns them.
+                    fds.push(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+                }
+            }
+        }
+        msg.bytes
+    };
+    if n < 4 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "short request",
+        ));
+    }
+    let len = u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize;
+    if len > MAX_REQUEST {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "request too large",
+        ));
+    }
+    let mut body = buf[4..n].to_vec();
+    if body.len() < len {
+        let mut rest = vec![0u8; len - body.len()];
+        io::Read::read_exact(&mut &*sock, &mut rest)?;
+        body.extend_from_slice(&rest);
+    }
+    body.truncate(len);
+    let req =
+        serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok((req, fds))
+}
+
+/// Write one response line.
+pub fn send_response(mut sock: &UnixStream, resp: &Response) -> io::Result<()> {
+    let mut line = serde_json::to_vec(resp).map_err(io::Error::other)?;
+    line.push(b'\n');
+    sock.write_all(&line)
+}
+
+/// Read one response line; `None` at end of stream.
+pub fn read_response(reader: &mut impl BufRead) -> io::Result<Option<Response>> {
+    let mut line = String::new();
+    if reader.read_line(&mut line)? == 0 {
+        return Ok(None);
+    }
+    serde_json::from_str(&line)
+        .map(Some)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::BufReader;
+
+    #[test]
+    fn request_with_descriptors_round_trips() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let devnull = std::fs::File::open("/dev/null").unwrap();
+        let req = Request::Exec {
+            argv: vec!["echo".into(), "x".repeat(100_000)],
+            env: BTreeMap::from([("A".into(), "1".into())]),
+            cwd: "/workspace".into(),
+        };
+        let t = std::thread::spawn(move || recv_request(&b).unwrap());
+        send_request(&a, &req, &[devnull.as_raw_fd(), devnull.as_raw_fd()]).unwrap();
+        let (got, fds) = t.join().unwrap();
+        assert_eq!(fds.len(), 2);
+        match got {
+            Request::Exec { argv, env, cwd } => {
+                assert_eq!(argv[1].len(), 100_000);
+                assert_eq!(env["A"], "1");
+                assert_eq!(cwd, "/workspace");
+            }
+            Request::Hello => panic!("wrong request"),
+        }
+    }
+
+    #[test]
+    fn responses_are_lines() {
+        let (a, b) = UnixStream::pair().unwrap();
+        send_response(&a, &Response::Started { pid: 7 }).unwrap();
+        send_response(&a, &Response::Exit { code: 3 }).unwrap();
+        drop(a);
+        let mut r = BufReader::new(b);
+        assert_eq!(
+            read_response(&mut r).unwrap(),
+            Some(Response::Started { pid: 7 })
+        );
+        assert_eq!(
+            read_response(&mut r).unwrap(),
+            Some(Response::Exit { code: 3 })
+        );
+        assert_eq!(read_response(&mut r).unwrap(), None);
+    }
+}

@@ -1,0 +1,137 @@
+//! agentd: the Keystone Agent daemon.
+//!
+//! It keeps the registry of sandboxes, runs them through backends, and
+//! serves `org.keystone.Agent1` on D-Bus. See `docs/architecture.md`.
+
+pub mod auth;
+pub mod backend;
+pub mod cgroup;
+pub mod config;
+pub mod dbus;
+pub mod error;
+pub mod git;
+pub mod guest;
+pub mod procfs;
+pub mod registry;
+pub mod sandbox;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use keystone_agent_api::BackendKind;
+
+use crate::backend::Backend;
+use crate::backend::local::{LocalBackend, LocalSettings};
+use crate::config::DaemonConfig;
+use crate::dbus::Bus;
+use crate::registry::Registry;
+use crate::sandbox::manager::{Manager, ManagerSettings};
+
+/// How agentd was asked to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Where to serve.
+    pub bus: Bus,
+    /// Configuration file, if any.
+    pub config: Option<PathBuf>,
+    /// State directory override.
+    pub state_dir: Option<PathBuf>,
+}
+
+/// The state directory: `--state-dir`, else the config's `state_dir`, else
+/// `$STATE_DIRECTORY` (systemd), else `/var/lib/keystone-agent` for the
+/// system bus (or root), else `$XDG_STATE_HOME/keystone/agent`.
+#[must_use]
+pub fn state_dir(opts: &Options, config: &DaemonConfig) -> PathBuf {
+    if let Some(d) = opts.state_dir.clone().or_else(|| config.state_dir.clone()) {
+        return d;
+    }
+    if let Some(d) = std::env::var_os("STATE_DIRECTORY") {
+        // systemd may list several, separated by ':'.
+        let first = d
+            .to_string_lossy()
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_owned();
+        return PathBuf::from(first);
+    }
+    let system = matches!(opts.bus, Bus::System)
+        || (!matches!(opts.bus, Bus::Session) && nix::unistd::Uid::effective().is_root());
+    if system {
+        return PathBuf::from("/var/lib/keystone-agent");
+    }
+    let base = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/".into()))
+                .join(".local/state")
+        });
+    base.join("keystone/agent")
+}
+
+/// Run the daemon until SIGTERM or SIGINT.
+pub async fn run(opts: Options) -> anyhow::Result<()> {
+    let config = match &opts.config {
+        Some(p) => DaemonConfig::load(p)?,
+        None => DaemonConfig::default(),
+    };
+    let dir = state_dir(&opts, &config);
+    let (registry, sandboxes) = Registry::open(&dir)?;
+    let dir = std::fs::canonicalize(&dir)
+        .with_context(|| format!("state directory {}", dir.display()))?;
+    tracing::info!(state_dir = %dir.display(), sandboxes = sandboxes.len(), "registry loaded");
+    let exe = std::env::current_exe().context("cannot find agentd's own binary")?;
+    let local: Arc<dyn Backend> = Arc::new(LocalBackend::new(LocalSettings {
+        exe: exe.clone(),
+        state_dir: dir.clone(),
+        ro_paths: config.local.ro_paths.clone(),
+        stop_grace: Duration::from_secs(u64::from(config.local.stop_grace_seconds)),
+        start_timeout: Duration::from_secs(u64::from(config.local.start_timeout_seconds)),
+    }));
+    let manager = Manager::new(
+        registry,
+        sandboxes,
+        ManagerSettings {
+            exe,
+            default_backend: config.default_backend.unwrap_or(BackendKind::Local),
+            defaults: config.defaults.clone(),
+        },
+        vec![local],
+    );
+    manager.reconcile(&config)?;
+    let conn = dbus::serve(&opts.bus, Arc::clone(&manager)).await.map_err(|e| match &opts.bus {
+        Bus::System => anyhow::anyhow!(
+            "cannot serve {} on the system bus: {e}\nhint: install agentd's D-Bus policy (share/dbus-1/system.d/{}.conf) and run as root, or use --session",
+            keystone_agent_api::BUS_NAME,
+            keystone_agent_api::BUS_NAME
+        ),
+        other => anyhow::anyhow!("cannot serve {} on {other:?}: {e}", keystone_agent_api::BUS_NAME),
+    })?;
+    tracing::info!(bus = ?opts.bus, name = keystone_agent_api::BUS_NAME, "serving");
+    manager.autostart(&config);
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: stopping running sandboxes"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping running sandboxes"),
+    }
+    // Release the name first so no new work arrives while stopping.
+    let _ = conn.release_name(keystone_agent_api::BUS_NAME).await;
+    manager.shutdown().await;
+    tracing::info!("bye");
+    Ok(())
+}
+
+/// `agentd --check-config FILE`: print what is wrong, or a summary.
+pub fn check_config(path: &Path) -> anyhow::Result<String> {
+    let c = DaemonConfig::load(path)?;
+    Ok(format!(
+        "{}: ok ({} declared sandbox(es): {})",
+        path.display(),
+        c.sandboxes.len(),
+        c.sandboxes.keys().cloned().collect::<Vec<_>>().join(", ")
+    ))
+}

@@ -1,0 +1,103 @@
+//! `agentd`: parse arguments, set up logging, run the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use agentd::dbus::Bus;
+use clap::{ArgGroup, Parser};
+
+/// Keystone Agent daemon: runs sandboxes for AI coding agents and serves
+/// org.keystone.Agent1 on D-Bus for agentctl.
+#[derive(Debug, Parser)]
+#[command(version, group(ArgGroup::new("bus").args(["system", "session", "address"])))]
+#[command(
+    after_help = "Examples:\n  agentd --session                  serve your own sandboxes on your session bus\n  agentd --system --config /etc/keystone-agent/agentd.json\n  agentd --check-config agentd.json  validate a configuration and exit"
+)]
+struct Args {
+    /// Serve on the system bus (default when run as root).
+    #[arg(long)]
+    system: bool,
+    /// Serve on the session bus (default otherwise).
+    #[arg(long)]
+    session: bool,
+    /// Serve on the bus daemon at this D-Bus address (tests, containers).
+    #[arg(long, value_name = "ADDR")]
+    address: Option<String>,
+    /// Configuration file (JSON, as the NixOS module renders it).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// State directory (registry, workspaces, logs).
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
+    /// Validate a configuration file and exit (0 valid, 1 invalid).
+    #[arg(long, value_name = "FILE")]
+    check_config: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().collect();
+    // Hidden helper modes: agentd re-executes itself for these.
+    match argv.get(1).map(String::as_str) {
+        Some(agentd::guest::INIT_ARG) => return code(agentd::guest::init::main()),
+        Some(agentd::auth::CHECK_ARG) => {
+            return code(agentd::auth::check_main(
+                argv.get(2).map_or("", String::as_str),
+            ));
+        }
+        _ => {}
+    }
+    let args = Args::parse();
+    if let Some(path) = &args.check_config {
+        return match agentd::check_config(path) {
+            Ok(summary) => {
+                println!("{summary}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("agentd: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("AGENTD_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let bus = match (args.system, args.session, args.address) {
+        (true, _, _) => Bus::System,
+        (_, true, _) => Bus::Session,
+        (_, _, Some(a)) => Bus::Address(a),
+        _ if nix::unistd::Uid::effective().is_root() => Bus::System,
+        _ => Bus::Session,
+    };
+    let opts = agentd::Options {
+        bus,
+        config: args.config,
+        state_dir: args.state_dir,
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("agentd: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(agentd::run(opts)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agentd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn code(c: i32) -> ExitCode {
+    ExitCode::from(u8::try_from(c).unwrap_or(1))
+}

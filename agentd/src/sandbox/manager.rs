@@ -1,0 +1,766 @@
+//! The sandbox manager: every operation on sandboxes, with its rules.
+//!
+//! Transport-free: the D-Bus layer converts arguments and errors and calls
+//! these methods with the caller's identity. Every state change is written
+//! to the registry before the operation goes on, and announced on
+//! [`Manager::subscribe`].
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use keystone_agent_api::types::Ports;
+use keystone_agent_api::{BackendKind, ExecResult, SandboxConfig, SandboxState, SandboxSummary};
+use tokio::sync::broadcast;
+
+use super::Sandbox;
+use super::state::{self, Event, Next};
+use super::validate;
+use crate::auth::{self, Caller};
+use crate::backend::{Backend, BackendError, ExecRequest, SandboxSpec};
+use crate::config::DaemonConfig;
+use crate::error::{Error, Result};
+use crate::git::workspace;
+use crate::registry::Registry;
+
+/// What changed, for the D-Bus layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// A sandbox appeared.
+    Added(String),
+    /// A sandbox's record changed.
+    Updated(String),
+    /// A sandbox is gone.
+    Removed(String),
+}
+
+/// Options of a create request; `None` = the default.
+#[derive(Debug, Clone, Default)]
+pub struct CreateOptions {
+    /// Sandbox name; default: derived from the project directory's name.
+    pub name: Option<String>,
+    /// RAM in MiB.
+    pub memory: Option<u32>,
+    /// Virtual CPUs.
+    pub vcpus: Option<u32>,
+    /// Network mode.
+    pub network: Option<keystone_agent_api::Network>,
+    /// Sync mode.
+    pub sync_mode: Option<keystone_agent_api::SyncMode>,
+    /// Backend.
+    pub backend: Option<BackendKind>,
+}
+
+/// Settings the manager takes from the daemon configuration.
+#[derive(Debug, Clone)]
+pub struct ManagerSettings {
+    /// The agentd binary (for helpers run as the caller).
+    pub exe: PathBuf,
+    /// Backend of new sandboxes.
+    pub default_backend: BackendKind,
+    /// Settings of new sandboxes.
+    pub defaults: SandboxConfig,
+}
+
+/// Owns the sandboxes.
+#[derive(Debug)]
+pub struct Manager {
+    registry: Registry,
+    settings: ManagerSettings,
+    sandboxes: Mutex<BTreeMap<String, Sandbox>>,
+    op_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    backends: BTreeMap<BackendKind, Arc<dyn Backend>>,
+    changes: broadcast::Sender<Change>,
+}
+
+impl Manager {
+    /// A manager over the registry's sandboxes. Call [`Manager::reconcile`]
+    /// before serving anyone.
+    #[must_use]
+    pub fn new(
+        registry: Registry,
+        sandboxes: Vec<Sandbox>,
+        settings: ManagerSettings,
+        backends: Vec<Arc<dyn Backend>>,
+    ) -> Arc<Self> {
+        let (changes, _) = broadcast::channel(1024);
+        Arc::new(Self {
+            registry,
+            settings,
+            sandboxes: Mutex::new(sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect()),
+            op_locks: Mutex::new(HashMap::new()),
+            backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
+            changes,
+        })
+    }
+
+    /// Changes from now on.
+    #[must_use]
+    pub fn subscribe(&self) -> broadcast::Receiver<Change> {
+        self.changes.subscribe()
+    }
+
+    /// A copy of sandbox `name`, for anyone (no authorization).
+    #[must_use]
+    pub fn snapshot(&self, name: &str) -> Option<Sandbox> {
+        self.sandboxes.lock().unwrap().get(name).cloned()
+    }
+
+    /// Names of all sandboxes.
+    #[must_use]
+    pub fn names(&self) -> Vec<String> {
+        self.sandboxes.lock().unwrap().keys().cloned().collect()
+    }
+
+    /// The caller's sandboxes (root: all).
+    #[must_use]
+    pub fn list(&self, caller: Caller) -> Vec<SandboxSummary> {
+        self.sandboxes
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|s| !s.creating && caller.may_access(s.owner))
+            .map(Sandbox::summary)
+            .collect()
+    }
+
+    /// Sandbox `name` if the caller may see it.
+    pub fn get(&self, caller: Caller, name: &str) -> Result<Sandbox> {
+        let sb = self
+            .snapshot(name)
+            .filter(|s| !s.creating)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        if !caller.may_access(sb.owner) {
+            return Err(Error::PermissionDenied(format!(
+                "Sandbox '{name}' belongs to another user (uid {}); only its owner or root may use it",
+                sb.owner
+            )));
+        }
+        Ok(sb)
+    }
+
+    fn backend(&self, kind: BackendKind) -> Result<&Arc<dyn Backend>> {
+        self.backends.get(&kind).ok_or_else(|| {
+            Error::Invalid(vec![format!(
+                "backend '{kind}' is not available in this agentd (available: {})",
+                self.backends
+                    .keys()
+                    .map(|k| k.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )])
+        })
+    }
+
+    fn op_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(
+            self.op_locks
+                .lock()
+                .unwrap()
+                .entry(name.to_owned())
+                .or_default(),
+        )
+    }
+
+    fn spec(&self, sb: &Sandbox) -> SandboxSpec {
+        let dir = self.registry.sandbox_dir(&sb.name);
+        let (uid, gid) = auth::sandbox_ids(sb.owner);
+        SandboxSpec {
+            name: sb.name.clone(),
+            uid,
+            gid,
+            workspace: dir.join("workspace"),
+            home: dir.join("home"),
+            run_dir: dir.join("run"),
+            log_dir: dir.join("logs"),
+            config: sb.config.clone(),
+        }
+    }
+
+    /// Change sandbox `name` with `f`, persist the registry, announce it.
+    fn update(&self, name: &str, f: impl FnOnce(&mut Sandbox)) -> Result<Sandbox> {
+        let mut map = self.sandboxes.lock().unwrap();
+        let sb = map
+            .get_mut(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let before = sb.clone();
+        f(sb);
+        let after = sb.clone();
+        if let Err(e) = self.registry.save(map.values()) {
+            // Keep memory and disk in step: undo.
+            map.insert(name.to_owned(), before);
+            return Err(e.into());
+        }
+        drop(map);
+        let _ = self.changes.send(Change::Updated(name.to_owned()));
+        Ok(after)
+    }
+
+    /// Apply a state-machine event to `name`, or answer InvalidState.
+    fn transition(
+        &self,
+        name: &str,
+        event: Event,
+        f: impl FnOnce(&mut Sandbox),
+    ) -> Result<Sandbox> {
+        let current = self
+            .snapshot(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        match state::next(current.state, event) {
+            Some(Next::State(s)) => self.update(name, |sb| {
+                sb.state = s;
+                f(sb);
+            }),
+            Some(Next::Removed) | None => Err(Error::InvalidState {
+                name: name.to_owned(),
+                verb: event.verb(),
+                state: current.state,
+                hint: state::hint(current.state),
+            }),
+        }
+    }
+
+    /// Create a sandbox from the repository at `project` for `caller`.
+    pub async fn create(
+        &self,
+        caller: Caller,
+        project: &Path,
+        opts: CreateOptions,
+    ) -> Result<Sandbox> {
+        let mut problems = Vec::new();
+        if !project.is_absolute() {
+            problems.push(format!(
+                "project path {} must be absolute",
+                project.display()
+            ));
+        }
+        let canon = if problems.is_empty() {
+            match auth::check_project_as(&self.settings.exe, caller.uid, project).await {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    problems.push(e);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let name = match &opts.name {
+            Some(n) => n.clone(),
+            None => project
+                .file_name()
+                .and_then(|n| validate::name_from_dir(&n.to_string_lossy()))
+                .unwrap_or_default(),
+        };
+        if name.is_empty() && opts.name.is_none() {
+            problems.push(format!(
+                "no sandbox name can be derived from {}; pass one with --name",
+                project.display()
+            ));
+        } else {
+            validate::check_name(&name, &mut problems);
+        }
+        let d = &self.settings.defaults;
+        let config = SandboxConfig {
+            memory: opts.memory.unwrap_or(d.memory),
+            vcpus: opts.vcpus.unwrap_or(d.vcpus),
+            network: opts.network.unwrap_or(d.network),
+            sync_mode: opts.sync_mode.unwrap_or(d.sync_mode),
+            ..d.clone()
+        };
+        validate::check_config(&config, &mut problems);
+        let backend = opts.backend.unwrap_or(self.settings.default_backend);
+        if let Err(Error::Invalid(p)) = self.backend(backend) {
+            problems.extend(p);
+        }
+        if !problems.is_empty() {
+            return Err(Error::Invalid(problems));
+        }
+        let project = canon.expect("checked above");
+        let sb = Sandbox {
+            id: uuid::Uuid::new_v4().to_string(),
+            name: name.clone(),
+            project_path: project,
+            state: SandboxState::Created,
+            state_reason: String::new(),
+            backend,
+            created_at: SystemTime::now(),
+            started_at: None,
+            config,
+            ports: Ports::new(),
+            owner: caller.uid,
+            declared: false,
+            creating: true,
+            runtime: None,
+        };
+        self.insert_new(sb).await
+    }
+
+    /// Register `sb` (marked `creating`), prepare its directories and
+    /// workspace, then mark it complete. A crash in between is rolled back
+    /// by [`Manager::reconcile`].
+    async fn insert_new(&self, sb: Sandbox) -> Result<Sandbox> {
+        let name = sb.name.clone();
+        {
+            let mut map = self.sandboxes.lock().unwrap();
+            if map.contains_key(&name) {
+                return Err(Error::AlreadyExists(name));
+            }
+            map.insert(name.clone(), sb.clone());
+            if let Err(e) = self.registry.save(map.values()) {
+                map.remove(&name);
+                return Err(e.into());
+            }
+        }
+        let lock = self.op_lock(&name);
+        let _guard = lock.lock().await;
+        match self.prepare_dirs(&sb).await {
+            Ok(()) => {}
+            Err(e) => {
+                self.forget(&name);
+                let _ = workspace::remove_tree(&self.registry.sandbox_dir(&name));
+                return Err(e);
+            }
+        }
+        let done = self.update(&name, |s| s.creating = false)?;
+        let _ = self.changes.send(Change::Added(name.clone()));
+        tracing::info!(sandbox = %name, project = %done.project_path.display(), owner = done.owner, "sandbox created");
+        Ok(done)
+    }
+
+    /// Remove `name` from memory and the registry, without touching disk.
+    fn forget(&self, name: &str) {
+        let mut map = self.sandboxes.lock().unwrap();
+        map.remove(name);
+        if let Err(e) = self.registry.save(map.values()) {
+            tracing::error!(sandbox = %name, error = %e, "cannot write the registry");
+        }
+    }
+
+    async fn prepare_dirs(&self, sb: &Sandbox) -> Result<()> {
+        let spec = self.spec(sb);
+        let dir = self.registry.sandbox_dir(&sb.name);
+        let project = sb.project_path.clone();
+        let name = sb.name.clone();
+        let wsfail = |message: String| Error::Workspace {
+            name: name.clone(),
+            message,
+        };
+        let (uid, gid) = (spec.uid, spec.gid);
+        let registry = self.registry.clone();
+        let sb2 = sb.clone();
+        tokio::task::spawn_blocking(move || -> std::result::Result<(), String> {
+            use std::os::unix::fs::DirBuilderExt;
+            let mut b = std::fs::DirBuilder::new();
+            b.recursive(true).mode(0o700);
+            for d in [&dir, &spec.log_dir, &spec.run_dir, &spec.home] {
+                b.create(d)
+                    .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+            }
+            if !spec.workspace.exists() {
+                let tmp = dir.join("workspace.partial");
+                let _ = workspace::remove_tree(&tmp);
+                workspace::clone_project(&project, &tmp)?;
+                std::fs::rename(&tmp, &spec.workspace).map_err(|e| e.to_string())?;
+            }
+            if nix::unistd::Uid::effective().is_root() {
+                for d in [&spec.workspace, &spec.home] {
+                    workspace::chown_tree(d, uid, gid)
+                        .map_err(|e| format!("cannot chown {}: {e}", d.display()))?;
+                }
+            }
+            registry.save_config(&sb2).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| wsfail(e.to_string()))?
+        .map_err(wsfail)
+    }
+
+    /// Start sandbox `name`.
+    pub async fn start(self: &Arc<Self>, caller: Caller, name: &str) -> Result<Sandbox> {
+        let sb = self.get(caller, name)?;
+        let lock = self.op_lock(name);
+        let _guard = lock.lock().await;
+        self.start_locked(name, sb.backend).await
+    }
+
+    async fn start_locked(self: &Arc<Self>, name: &str, kind: BackendKind) -> Result<Sandbox> {
+        let backend = Arc::clone(self.backend(kind)?);
+        let sb = self.transition(name, Event::Start, |s| s.state_reason.clear())?;
+        tracing::info!(sandbox = %name, "starting");
+        // Declared sandboxes get their workspace on first start.
+        if let Err(e) = self.prepare_dirs(&sb).await {
+            self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
+            return Err(e);
+        }
+        let spec = self.spec(&sb);
+        match backend.start(&spec).await {
+            Ok(rt) => {
+                tracing::info!(sandbox = %name, init_pid = rt.init_pid, limits = %rt.limits, "running");
+                let sb = self.transition(name, Event::Started, |s| {
+                    s.started_at = Some(SystemTime::now());
+                    s.runtime = Some(rt);
+                })?;
+                self.monitor(name);
+                Ok(sb)
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %name, error = %e, "start failed");
+                self.transition(name, Event::StartFailed, |s| {
+                    s.state_reason = e.to_string();
+                    s.runtime = None;
+                })?;
+                Err(Error::Backend {
+                    name: name.to_owned(),
+                    source: e,
+                })
+            }
+        }
+    }
+
+    /// Watch a running sandbox and record it as stopped if its processes
+    /// end by themselves.
+    fn monitor(self: &Arc<Self>, name: &str) {
+        let Some(sb) = self.snapshot(name) else {
+            return;
+        };
+        let (Some(rt), Ok(backend)) = (sb.runtime.clone(), self.backend(sb.backend).cloned())
+        else {
+            return;
+        };
+        let this = Arc::clone(self);
+        let name = name.to_owned();
+        tokio::spawn(async move {
+            backend.wait_exit(&rt).await;
+            let lock = this.op_lock(&name);
+            let _guard = lock.lock().await;
+            let Some(now) = this.snapshot(&name) else {
+                return;
+            };
+            if now.state != SandboxState::Running || now.runtime.as_ref() != Some(&rt) {
+                return; // stopped (or restarted) by agentd itself
+            }
+            tracing::warn!(sandbox = %name, "sandbox processes ended by themselves");
+            let spec = this.spec(&now);
+            let _ = backend.stop(&spec, &rt, true).await;
+            let _ = this.transition(&name, Event::Stop, |_| {});
+            let _ = this.transition(&name, Event::Stopped, |s| {
+                s.runtime = None;
+                s.state_reason = "the sandbox's init exited (all its processes ended)".to_owned();
+            });
+        });
+    }
+
+    /// Stop sandbox `name`.
+    pub async fn stop(&self, caller: Caller, name: &str, force: bool) -> Result<Sandbox> {
+        self.get(caller, name)?;
+        let lock = self.op_lock(name);
+        let _guard = lock.lock().await;
+        self.stop_locked(name, force).await
+    }
+
+    async fn stop_locked(&self, name: &str, force: bool) -> Result<Sandbox> {
+        let sb = self.transition(name, Event::Stop, |_| {})?;
+        tracing::info!(sandbox = %name, force, "stopping");
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        if let Some(rt) = &sb.runtime {
+            if let Err(e) = backend.stop(&self.spec(&sb), rt, force).await {
+                self.update(name, |s| s.state_reason = e.to_string())?;
+                return Err(Error::Backend {
+                    name: name.to_owned(),
+                    source: e,
+                });
+            }
+        }
+        let sb = self.transition(name, Event::Stopped, |s| {
+            s.runtime = None;
+            s.state_reason.clear();
+        })?;
+        tracing::info!(sandbox = %name, "stopped");
+        Ok(sb)
+    }
+
+    /// Destroy sandbox `name` and everything agentd keeps for it.
+    pub async fn destroy(&self, caller: Caller, name: &str) -> Result<()> {
+        let sb = self.get(caller, name)?;
+        if sb.declared {
+            return Err(Error::PermissionDenied(format!(
+                "Sandbox '{name}' is declared in agentd's configuration and cannot be destroyed over \
+                 D-Bus; remove keystone.agent.sandboxes.{name} from the configuration instead"
+            )));
+        }
+        let lock = self.op_lock(name);
+        let _guard = lock.lock().await;
+        let sb = self
+            .snapshot(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        if state::next(sb.state, Event::Destroy) != Some(Next::Removed) {
+            return Err(Error::InvalidState {
+                name: name.to_owned(),
+                verb: Event::Destroy.verb(),
+                state: sb.state,
+                hint: state::hint(sb.state),
+            });
+        }
+        if let Ok(backend) = self.backend(sb.backend) {
+            backend.kill_strays(&self.live_runtimes_except(name));
+        }
+        // Registry first: a crash after this leaves only a directory, which
+        // the next start removes.
+        self.forget(name);
+        let dir = self.registry.sandbox_dir(name);
+        let removed = tokio::task::spawn_blocking(move || workspace::remove_tree(&dir)).await;
+        if let Ok(Err(e)) = removed {
+            tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox directory; it is removed at next start");
+        }
+        self.op_locks.lock().unwrap().remove(name);
+        let _ = self.changes.send(Change::Removed(name.to_owned()));
+        tracing::info!(sandbox = %name, "destroyed");
+        Ok(())
+    }
+
+    fn live_runtimes_except(&self, except: &str) -> Vec<(String, crate::backend::Runtime)> {
+        self.sandboxes
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|s| s.name != except)
+            .filter_map(|s| Some((s.name.clone(), s.runtime.clone()?)))
+            .collect()
+    }
+
+    /// Run a command in running sandbox `name`.
+    pub async fn exec(
+        &self,
+        caller: Caller,
+        name: &str,
+        argv: Vec<String>,
+        env: BTreeMap<String, String>,
+        cwd: String,
+        timeout: Option<Duration>,
+    ) -> Result<ExecResult> {
+        let sb = self.get(caller, name)?;
+        let mut problems = Vec::new();
+        if argv.is_empty() {
+            problems.push("no command given".to_owned());
+        }
+        for k in env.keys() {
+            if k.is_empty() || k.contains('=') || k.contains('\0') {
+                problems.push(format!(
+                    "environment variable name '{}' is not valid",
+                    k.escape_debug()
+                ));
+            }
+        }
+        if !cwd.is_empty() && !cwd.starts_with('/') {
+            problems.push(format!(
+                "working directory '{cwd}' must be an absolute path inside the sandbox"
+            ));
+        }
+        if !problems.is_empty() {
+            return Err(Error::Invalid(problems));
+        }
+        if sb.state != SandboxState::Running {
+            return Err(Error::InvalidState {
+                name: name.to_owned(),
+                verb: "run a command in",
+                state: sb.state,
+                hint: "start it with `agentctl start`",
+            });
+        }
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        let cwd = if cwd.is_empty() {
+            "/workspace".to_owned()
+        } else {
+            cwd
+        };
+        let req = ExecRequest {
+            argv,
+            env,
+            cwd,
+            timeout,
+        };
+        backend
+            .exec(&self.spec(&sb), req)
+            .await
+            .map_err(|source| Error::Backend {
+                name: name.to_owned(),
+                source,
+            })
+    }
+
+    /// Bring the registry in line with reality after a start (or a crash):
+    /// roll back half-created sandboxes, apply declared sandboxes, adopt
+    /// sandboxes that still run, record those that do not, kill leftovers.
+    pub fn reconcile(self: &Arc<Self>, config: &DaemonConfig) -> Result<()> {
+        let mut rolled_back = Vec::new();
+        {
+            let mut map = self.sandboxes.lock().unwrap();
+            map.retain(|name, s| {
+                if s.creating {
+                    rolled_back.push(name.clone());
+                }
+                !s.creating
+            });
+            self.apply_declared(&mut map, config);
+            for sb in map.values_mut() {
+                let alive = sb.runtime.as_ref().is_some_and(|rt| {
+                    self.backends
+                        .get(&sb.backend)
+                        .is_some_and(|b| b.is_alive(rt))
+                });
+                let (state, reason) = match (sb.state, alive) {
+                    (SandboxState::Running, true) => {
+                        tracing::info!(sandbox = %sb.name, "adopted a running sandbox");
+                        continue;
+                    }
+                    (SandboxState::Running, false) => (
+                        SandboxState::Stopped,
+                        "its processes had ended when agentd restarted".to_owned(),
+                    ),
+                    (SandboxState::Starting, _) => (
+                        SandboxState::Error,
+                        "agentd stopped while the sandbox was starting; start it again".to_owned(),
+                    ),
+                    (SandboxState::Stopping, _) => (SandboxState::Stopped, sb.state_reason.clone()),
+                    (s, _) => (s, sb.state_reason.clone()),
+                };
+                if sb.state != state {
+                    tracing::info!(sandbox = %sb.name, from = %sb.state, to = %state, %reason, "reconciled");
+                }
+                sb.state = state;
+                sb.state_reason = reason;
+                if state != SandboxState::Running {
+                    sb.runtime = None;
+                }
+            }
+            self.registry.save(map.values())?;
+        }
+        let keep = self.live_runtimes_except("");
+        for backend in self.backends.values() {
+            for name in backend.kill_strays(&keep) {
+                tracing::warn!(sandbox = %name, "killed processes left over from a previous agentd");
+            }
+        }
+        // Directories nobody owns any more: leftovers of a rollback or of a
+        // destroy interrupted by a crash.
+        let known = self.names();
+        for dir in self.registry.sandbox_dirs() {
+            if !known.contains(&dir) || rolled_back.contains(&dir) {
+                tracing::info!(sandbox = %dir, "removing a leftover sandbox directory");
+                let _ = workspace::remove_tree(&self.registry.sandbox_dir(&dir));
+            }
+        }
+        for name in self.names() {
+            if self
+                .snapshot(&name)
+                .is_some_and(|s| s.state == SandboxState::Running)
+            {
+                self.monitor(&name);
+            }
+        }
+        Ok(())
+    }
+
+    /// Add declared sandboxes, update them from the configuration, and
+    /// release ones no longer declared (they become ordinary sandboxes).
+    fn apply_declared(&self, map: &mut BTreeMap<String, Sandbox>, config: &DaemonConfig) {
+        for sb in map.values_mut() {
+            if sb.declared && !config.sandboxes.contains_key(&sb.name) {
+                tracing::info!(sandbox = %sb.name, "no longer declared; it can now be destroyed");
+                sb.declared = false;
+            }
+        }
+        for (name, d) in &config.sandboxes {
+            let Some(owner) = nix::unistd::User::from_name(&d.owner).ok().flatten() else {
+                tracing::error!(sandbox = %name, owner = %d.owner, "declared owner does not exist; skipped");
+                continue;
+            };
+            let backend = d
+                .backend
+                .or(config.default_backend)
+                .unwrap_or(BackendKind::Local);
+            let cfg = d.config(&config.defaults);
+            match map.get_mut(name) {
+                Some(sb) => {
+                    sb.declared = true;
+                    sb.owner = owner.uid.as_raw();
+                    sb.project_path.clone_from(&d.project);
+                    sb.config = cfg;
+                    sb.ports.clone_from(&d.ports);
+                    sb.backend = backend;
+                }
+                None => {
+                    map.insert(
+                        name.clone(),
+                        Sandbox {
+                            id: uuid::Uuid::new_v4().to_string(),
+                            name: name.clone(),
+                            project_path: d.project.clone(),
+                            state: SandboxState::Created,
+                            state_reason: String::new(),
+                            backend,
+                            created_at: SystemTime::now(),
+                            started_at: None,
+                            config: cfg,
+                            ports: d.ports.clone(),
+                            owner: owner.uid.as_raw(),
+                            declared: true,
+                            creating: false,
+                            runtime: None,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Start the declared sandboxes that ask for it.
+    pub fn autostart(self: &Arc<Self>, config: &DaemonConfig) {
+        for (name, d) in &config.sandboxes {
+            if !d.autostart
+                || self
+                    .snapshot(name)
+                    .is_none_or(|s| s.state == SandboxState::Running)
+            {
+                continue;
+            }
+            let this = Arc::clone(self);
+            let name = name.clone();
+            tokio::spawn(async move {
+                if let Err(e) = this.start(Caller { uid: 0 }, &name).await {
+                    tracing::error!(sandbox = %name, error = %e, "autostart failed");
+                }
+            });
+        }
+    }
+
+    /// Stop every running sandbox (agentd is shutting down).
+    pub async fn shutdown(&self) {
+        let running: Vec<String> = self
+            .sandboxes
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|s| s.state == SandboxState::Running)
+            .map(|s| s.name.clone())
+            .collect();
+        let stops = running.iter().map(|name| async move {
+            let lock = self.op_lock(name);
+            let _guard = lock.lock().await;
+            if let Err(e) = self.stop_locked(name, false).await {
+                tracing::error!(sandbox = %name, error = %e, "stop at shutdown failed");
+            }
+        });
+        for s in stops {
+            s.await;
+        }
+    }
+
+    /// Map a backend error kind, for the D-Bus layer.
+    #[must_use]
+    pub fn is_timeout(e: &BackendError) -> bool {
+        matches!(e, BackendError::Timeout(_))
+    }
+}
