@@ -91,7 +91,15 @@ async fn connect(bus: Option<&str>) -> Result<zbus::Connection> {
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = cli::Cli::parse();
+    // Usage errors exit 4 ("requirements not met"), not clap's 2, which
+    // means "invalid state" here.
+    let cli = match cli::Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return std::process::ExitCode::from(if e.use_stderr() { ExitCode::Requirements as u8 } else { 0 });
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

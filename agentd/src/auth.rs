@@ -60,12 +60,17 @@ pub async fn check_project_as(exe: &Path, uid: u32, path: &Path) -> Result<PathB
     };
     let mut cmd = tokio::process::Command::new(exe);
     cmd.arg(CHECK_ARG).arg(path).env_clear().kill_on_drop(true);
-    // SAFETY: only async-signal-safe calls (setgroups) between fork and exec.
+    // Groups first, while still root; then gid, then uid.
+    // SAFETY: only async-signal-safe calls (setgroups, setresgid, setresuid)
+    // between fork and exec.
     unsafe {
-        cmd.as_std_mut()
-            .pre_exec(move || nix::unistd::setgroups(&groups).map_err(std::io::Error::from));
+        cmd.as_std_mut().pre_exec(move || {
+            nix::unistd::setgroups(&groups)?;
+            nix::unistd::setresgid(gid, gid, gid)?;
+            nix::unistd::setresuid(Uid::from_raw(uid), Uid::from_raw(uid), Uid::from_raw(uid))?;
+            Ok(())
+        });
     }
-    cmd.as_std_mut().uid(uid).gid(gid.as_raw());
     let out = tokio::time::timeout(std::time::Duration::from_secs(30), cmd.output())
         .await
         .map_err(|_| format!("checking {} as uid {uid} timed out", path.display()))?

@@ -34,6 +34,13 @@ pub fn check_project(path: &Path) -> Result<PathBuf, String> {
     if !canon.is_dir() {
         return Err(format!("project path {shown} is not a directory"));
     }
+    if let Err(e) = fs::read_dir(&canon) {
+        return Err(if e.kind() == std::io::ErrorKind::PermissionDenied {
+            format!("project path {shown} is not readable by you")
+        } else {
+            format!("project path {shown}: {e}")
+        });
+    }
     allow_foreign_owners();
     let repo = git2::Repository::open(&canon).map_err(|e| {
         if e.code() == git2::ErrorCode::NotFound {

@@ -306,7 +306,14 @@ fn init(
     nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0))
         .map_err(|e| format!("setresuid: {e}"))?;
     nix::unistd::sethostname(&spec.name).map_err(|e| format!("sethostname: {e}"))?;
-    build_root(spec, handles)?;
+    // Paths become detached mounts now, before /tmp (where they may live) is
+    // covered by the new root's tmpfs.
+    let tree = |src: &Source| match src {
+        Source::Path(p) => open_tree_clone(p).map(Source::Tree),
+        Source::Tree(fd) => fd.try_clone().map(Source::Tree).map_err(|e| e.to_string()),
+    };
+    let handles = Handles { workspace: tree(&handles.workspace)?, home: tree(&handles.home)? };
+    build_root(spec, &handles)?;
     if spec.network_none {
         loopback_up()?;
     }

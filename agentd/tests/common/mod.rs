@@ -1,0 +1,248 @@
+//! Test harness: a private dbus-daemon, the real agentd binary, the real
+//! agentctl binary, real git repositories in a temporary directory.
+
+#![allow(dead_code, reason = "each test file uses a different part")]
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+pub const AGENTD: &str = env!("CARGO_BIN_EXE_agentd");
+
+/// agentctl is built next to agentd (its own package's tests make cargo
+/// build it for `cargo test --workspace`).
+pub fn agentctl() -> PathBuf {
+    let p = Path::new(AGENTD).with_file_name("agentctl");
+    assert!(p.exists(), "{} is missing: run the tests with `cargo test --workspace`", p.display());
+    p
+}
+
+pub fn is_root() -> bool {
+    nix::unistd::Uid::effective().is_root()
+}
+
+/// Wait for `cond` with a deadline.
+pub fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub struct Env {
+    pub tmp: tempfile::TempDir,
+    pub address: String,
+    pub state_dir: PathBuf,
+    dbus: Child,
+    agentd: Option<Child>,
+    pub config: Option<PathBuf>,
+}
+
+impl Env {
+    /// A bus and a running agentd.
+    pub fn new() -> Self {
+        let mut env = Self::bus_only();
+        env.start_agentd();
+        env
+    }
+
+    /// A bus, no agentd yet.
+    pub fn bus_only() -> Self {
+        let tmp = tempfile::Builder::new().prefix("ks-").tempdir_in("/tmp").unwrap();
+        // Other uids (the permission tests) must reach the bus socket.
+        fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let sock = tmp.path().join("bus.sock");
+        let conf = tmp.path().join("bus.conf");
+        fs::write(
+            &conf,
+            format!(
+                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>session</type>
+  <listen>unix:path={}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow user="*"/>
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow eavesdrop="true"/>
+    <allow own="*"/>
+  </policy>
+</busconfig>
+"#,
+                sock.display()
+            ),
+        )
+        .unwrap();
+        let dbus = Command::new("dbus-daemon")
+            .arg(format!("--config-file={}", conf.display()))
+            .arg("--nofork")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("dbus-daemon must be installed (apt-get install dbus)");
+        wait_for("the bus socket", Duration::from_secs(10), || sock.exists());
+        let address = format!("unix:path={}", sock.display());
+        let state_dir = tmp.path().join("state");
+        Self { tmp, address, state_dir, dbus, agentd: None, config: None }
+    }
+
+    pub fn log_path(&self) -> PathBuf {
+        self.tmp.path().join("agentd.log")
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Start agentd and wait until it answers.
+    pub fn start_agentd(&mut self) {
+        let child = self.spawn_agentd();
+        self.agentd = Some(child);
+        let addr = self.address.clone();
+        wait_for("agentd to own its name", Duration::from_secs(20), || {
+            Command::new("busctl")
+                .args([&format!("--address={addr}"), "status", "org.keystone.Agent1"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        });
+    }
+
+    pub fn spawn_agentd(&self) -> Child {
+        let log = fs::OpenOptions::new().create(true).append(true).open(self.log_path()).unwrap();
+        let mut cmd = Command::new(AGENTD);
+        cmd.args(["--address", &self.address, "--state-dir"])
+            .arg(&self.state_dir)
+            .env("AGENTD_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(log);
+        if let Some(c) = &self.config {
+            cmd.arg("--config").arg(c);
+        }
+        cmd.spawn().unwrap()
+    }
+
+    /// SIGKILL agentd, as a crash would.
+    pub fn kill_agentd(&mut self) {
+        if let Some(mut c) = self.agentd.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM agentd and wait for it to exit.
+    pub fn term_agentd(&mut self) -> std::process::ExitStatus {
+        let mut c = self.agentd.take().expect("agentd runs");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(c.id()).unwrap()),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        c.wait().unwrap()
+    }
+
+    /// An agentctl command for this bus, not yet run.
+    pub fn ctl_cmd(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(agentctl());
+        cmd.arg("--bus").arg(&self.address).args(args).stdin(Stdio::null()).stdout(Stdio::null());
+        cmd
+    }
+
+    pub fn ctl(&self, args: &[&str]) -> Output {
+        self.ctl_as(None, args)
+    }
+
+    /// Run agentctl, as `uid` when given (root only).
+    pub fn ctl_as(&self, uid: Option<u32>, args: &[&str]) -> Output {
+        let mut cmd = Command::new(agentctl());
+        cmd.arg("--bus").arg(&self.address).args(args).stdin(Stdio::null());
+        if let Some(uid) = uid {
+            // std drops supplementary groups when root sets a uid.
+            cmd.uid(uid).gid(uid);
+        }
+        cmd.output().unwrap()
+    }
+
+    /// agentctl that must succeed; returns stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let out = self.ctl(args);
+        assert!(
+            out.status.success(),
+            "agentctl {args:?} failed ({:?}):\n{}\n--- agentd log ---\n{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr),
+            self.log()
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// agentctl that must fail with `code`; returns stderr.
+    pub fn fails(&self, code: i32, args: &[&str]) -> String {
+        let out = self.ctl(args);
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "agentctl {args:?}: stdout {} stderr {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stderr).unwrap()
+    }
+
+    pub fn status(&self, name: &str) -> serde_json::Value {
+        serde_json::from_str(&self.ok(&["status", name, "--json"])).unwrap()
+    }
+
+    pub fn state(&self, name: &str) -> String {
+        self.status(name)["state"].as_str().unwrap().to_owned()
+    }
+
+    pub fn list(&self) -> Vec<serde_json::Value> {
+        serde_json::from_str(&self.ok(&["list", "--json"])).unwrap()
+    }
+
+    pub fn registry(&self) -> serde_json::Value {
+        serde_json::from_slice(&fs::read(self.state_dir.join("registry.json")).unwrap()).unwrap()
+    }
+
+    /// A git repository with one commit, in the temp dir.
+    pub fn repo(&self, name: &str) -> PathBuf {
+        let dir = self.tmp.path().join(name);
+        fs::create_dir_all(&dir).unwrap();
+        git(&dir, &["init", "-q", "-b", "main"]);
+        fs::write(dir.join("README.md"), format!("# {name}\n")).unwrap();
+        git(&dir, &["add", "."]);
+        git(&dir, &["-c", "user.name=Test", "-c", "user.email=test@example.com", "commit", "-qm", "first"]);
+        fs::set_permissions(self.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        dir
+    }
+
+    /// Live pids of this agentd's sandbox supervisors and inits.
+    pub fn sandbox_pids(&self) -> Vec<i32> {
+        let marker = self.state_dir.to_string_lossy().into_owned();
+        agentd::procfs::pids_with_args(&["__sandbox-init", &marker]).into_iter().map(|(p, _)| p).collect()
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.kill_agentd();
+        for pid in self.sandbox_pids() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        }
+        let _ = self.dbus.kill();
+        let _ = self.dbus.wait();
+    }
+}
+
+pub fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git").arg("-C").arg(dir).args(args).output().unwrap();
+    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}

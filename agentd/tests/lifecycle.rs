@@ -1,0 +1,161 @@
+//! The sandbox lifecycle through the real agentctl and agentd.
+
+mod common;
+
+use std::fs;
+use std::time::Duration;
+
+use common::{Env, wait_for};
+
+#[test]
+fn full_lifecycle() {
+    let env = Env::new();
+    let repo = env.repo("My_Project");
+    let out = env.ok(&["create", repo.to_str().unwrap()]);
+    assert!(out.contains("Created sandbox 'my-project'"), "{out}");
+
+    let list = env.list();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0]["name"], "my-project");
+    assert_eq!(list[0]["state"], "created");
+    assert_eq!(list[0]["project_path"], fs::canonicalize(&repo).unwrap().to_str().unwrap());
+    let table = env.ok(&["list"]);
+    assert!(table.starts_with("NAME"), "{table}");
+    assert!(table.contains("my-project  created"), "{table}");
+
+    env.ok(&["start", "my-project"]);
+    let st = env.status("my-project");
+    assert_eq!(st["state"], "running");
+    assert!(st["started_at"].is_string());
+    assert_eq!(st["config"]["memory"], 8192);
+
+    // Inside: hostname, cwd, the clone, git, stdout and stderr kept apart.
+    let out = env.ok(&["exec", "my-project", "--", "sh", "-c", "hostname; pwd; cat README.md; echo oops >&2"]);
+    assert_eq!(out, "my-project\n/workspace\n# My_Project\n");
+    let out = env.ctl(&["exec", "my-project", "--", "git", "status", "--short", "--branch"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("## main"), "{}", String::from_utf8_lossy(&out.stdout));
+    // The command's exit code is agentctl's; env and workdir pass through.
+    let out = env.ctl(&["exec", "my-project", "-e", "X=42", "-w", "/tmp", "--", "sh", "-c", "echo $X $PWD; exit 7"]);
+    assert_eq!(out.status.code(), Some(7));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "42 /tmp\n");
+    // A timeout is its own error (exit 3) and kills the command.
+    let err = env.fails(3, &["exec", "my-project", "--timeout", "1", "--", "sleep", "30"]);
+    assert!(err.contains("did not finish within 1s"), "{err}");
+    // A missing program is a clear failure, not a hang.
+    let err = env.fails(3, &["exec", "my-project", "--", "no-such-program"]);
+    assert!(err.contains("not found"), "{err}");
+
+    // Stop ends every process, including background ones.
+    env.ok(&["exec", "my-project", "--", "sh", "-c", "sleep 1000 >/dev/null 2>&1 &"]);
+    let ns = env.registry()["sandboxes"][0]["runtime"]["pid_ns"].as_u64().unwrap();
+    assert!(agentd::procfs::pids_in_ns(ns).len() >= 3, "init, control server and sleep");
+    env.ok(&["stop", "my-project"]);
+    assert_eq!(env.state("my-project"), "stopped");
+    assert!(agentd::procfs::pids_in_ns(ns).is_empty());
+    assert!(env.sandbox_pids().is_empty());
+
+    // Restart keeps the workspace.
+    env.ok(&["start", "my-project"]);
+    env.ok(&["exec", "my-project", "--", "sh", "-c", "echo kept > note.txt"]);
+    env.ok(&["stop", "my-project", "--force"]);
+    env.ok(&["start", "my-project"]);
+    assert_eq!(env.ok(&["exec", "my-project", "--", "cat", "note.txt"]), "kept\n");
+    env.ok(&["stop", "my-project"]);
+
+    env.ok(&["destroy", "my-project"]);
+    assert!(env.list().is_empty());
+    assert!(!env.state_dir.join("sandboxes/my-project").exists());
+    assert!(env.sandbox_pids().is_empty());
+    // The host repository was never touched.
+    assert!(!repo.join("note.txt").exists());
+}
+
+#[test]
+fn invalid_transitions_change_nothing() {
+    let env = Env::new();
+    let repo = env.repo("p");
+    env.ok(&["create", "--name", "t1", repo.to_str().unwrap()]);
+    let before = env.registry();
+    for args in [&["stop", "t1"][..], &["exec", "t1", "--", "true"]] {
+        let err = env.fails(2, args);
+        assert!(err.contains("it is created"), "{err}");
+    }
+    assert_eq!(env.registry(), before);
+
+    env.ok(&["start", "t1"]);
+    let running = env.registry();
+    let err = env.fails(2, &["start", "t1"]);
+    assert!(err.contains("Cannot start sandbox 't1': it is running"), "{err}");
+    let err = env.fails(2, &["destroy", "--force", "t1"]);
+    assert!(err.contains("stop it first"), "{err}");
+    assert_eq!(env.registry(), running);
+    assert_eq!(env.state("t1"), "running");
+
+    env.ok(&["stop", "t1"]);
+    env.fails(2, &["stop", "t1"]);
+    assert_eq!(env.state("t1"), "stopped");
+    env.fails(1, &["start", "no-such-sandbox"]);
+    env.fails(1, &["status", "no-such-sandbox"]);
+}
+
+#[test]
+fn validation_reports_every_problem_and_creates_nothing() {
+    let env = Env::new();
+    let not_git = env.tmp.path().join("plain");
+    fs::create_dir_all(&not_git).unwrap();
+    let err = env.fails(
+        4,
+        &["create", "--name", "Bad_Name", "--memory", "512", "--vcpus", "0", not_git.to_str().unwrap()],
+    );
+    for needle in ["4 problems", "is not a git repository", "name 'Bad_Name'", "memory 512", "vcpus"] {
+        assert!(err.contains(needle), "missing {needle:?} in {err}");
+    }
+    let err = env.fails(4, &["create", "/nonexistent/project"]);
+    assert!(err.contains("does not exist"), "{err}");
+    assert!(env.list().is_empty());
+    assert!(fs::read_dir(env.state_dir.join("sandboxes")).unwrap().next().is_none());
+
+    let repo = env.repo("dup");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    let err = env.fails(4, &["create", repo.to_str().unwrap()]);
+    assert!(err.contains("already exists"), "{err}");
+    assert_eq!(env.list().len(), 1);
+}
+
+#[test]
+fn network_none_has_only_loopback() {
+    let env = Env::new();
+    let repo = env.repo("net");
+    env.ok(&["create", "--network", "none", repo.to_str().unwrap()]);
+    env.ok(&["start", "net"]);
+    let dev = env.ok(&["exec", "net", "--", "cat", "/proc/net/dev"]);
+    let ifaces: Vec<&str> = dev.lines().skip(2).map(|l| l.split(':').next().unwrap().trim()).collect();
+    assert_eq!(ifaces, ["lo"]);
+    let nat = env.ok(&["exec", "net", "--", "cat", "/proc/sys/kernel/hostname"]);
+    assert_eq!(nat, "net\n");
+}
+
+#[test]
+fn sandbox_sees_neither_host_home_nor_writes_host_system() {
+    let env = Env::new();
+    let repo = env.repo("iso");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "iso"]);
+    // The host's temp dir (where the project lives) is not visible.
+    let out = env.ctl(&["exec", "iso", "--", "ls", repo.to_str().unwrap()]);
+    assert_ne!(out.status.code(), Some(0));
+    // System directories are read-only.
+    let out = env.ctl(&["exec", "iso", "--", "sh", "-c", "touch /usr/keystone-test"]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(!std::path::Path::new("/usr/keystone-test").exists());
+    // Host root is never used: root inside maps to an unprivileged host uid.
+    env.ok(&["exec", "iso", "--", "sh", "-c", "sleep 100 >/dev/null 2>&1 &"]);
+    let ns = env.registry()["sandboxes"][0]["runtime"]["pid_ns"].as_u64().unwrap();
+    wait_for("the sleep", Duration::from_secs(5), || agentd::procfs::pids_in_ns(ns).len() >= 3);
+    for pid in agentd::procfs::pids_in_ns(ns) {
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+        assert!(!uid_line.split_whitespace().skip(1).any(|u| u == "0"), "pid {pid}: {uid_line}");
+    }
+}
