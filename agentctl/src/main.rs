@@ -97,7 +97,11 @@ fn main() -> std::process::ExitCode {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
-            return std::process::ExitCode::from(if e.use_stderr() { ExitCode::Requirements as u8 } else { 0 });
+            return std::process::ExitCode::from(if e.use_stderr() {
+                ExitCode::Requirements as u8
+            } else {
+                0
+            });
         }
     };
     let runtime = match tokio::runtime::Builder::new_current_thread()

@@ -10,7 +10,9 @@ fn help_lists_every_verb_and_the_exit_codes() {
     let out = Command::new(AGENTCTL).arg("--help").output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    for verb in ["create", "start", "stop", "destroy", "list", "status", "exec"] {
+    for verb in [
+        "create", "start", "stop", "destroy", "list", "status", "exec",
+    ] {
         assert!(text.contains(verb), "{verb} missing from:\n{text}");
     }
     assert!(text.contains("4 requirements not met"), "{text}");
@@ -20,10 +22,16 @@ fn help_lists_every_verb_and_the_exit_codes() {
 fn unreachable_agentd_is_explained() {
     let dir = tempfile::tempdir().unwrap();
     let addr = format!("unix:path={}", dir.path().join("nothing.sock").display());
-    let out = Command::new(AGENTCTL).args(["--bus", &addr, "list"]).output().unwrap();
+    let out = Command::new(AGENTCTL)
+        .args(["--bus", &addr, "list"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(4));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("Is agentd running?") && err.contains("agentd --session"), "{err}");
+    assert!(
+        err.contains("Is agentd running?") && err.contains("agentd --session"),
+        "{err}"
+    );
 }
 
 #[test]

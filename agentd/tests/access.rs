@@ -23,7 +23,11 @@ fn another_uid_is_refused() {
 
     // nobody sees nothing...
     let out = env.ctl_as(Some(NOBODY), &["list", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "[]");
     // ...and may do nothing to root's sandbox.
     for args in [
@@ -39,8 +43,16 @@ fn another_uid_is_refused() {
     }
     // Property reads are checked too.
     let props = std::process::Command::new("busctl")
-        .args([&format!("--address={}", env.address), "get-property", "org.keystone.Agent1"])
-        .args(["/org/keystone/Agent1/sandbox/mine", "org.keystone.Agent1.Sandbox", "ProjectPath"])
+        .args([
+            &format!("--address={}", env.address),
+            "get-property",
+            "org.keystone.Agent1",
+        ])
+        .args([
+            "/org/keystone/Agent1/sandbox/mine",
+            "org.keystone.Agent1.Sandbox",
+            "ProjectPath",
+        ])
         .uid(NOBODY)
         .gid(NOBODY)
         .output()
@@ -50,7 +62,10 @@ fn another_uid_is_refused() {
 
     // A repository nobody cannot read is refused, even though agentd could.
     fs::set_permissions(&repo, fs::Permissions::from_mode(0o700)).unwrap();
-    let out = env.ctl_as(Some(NOBODY), &["create", "--name", "stolen", repo.to_str().unwrap()]);
+    let out = env.ctl_as(
+        Some(NOBODY),
+        &["create", "--name", "stolen", repo.to_str().unwrap()],
+    );
     assert_eq!(out.status.code(), Some(4));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("not readable by you"), "{err}");
@@ -58,8 +73,16 @@ fn another_uid_is_refused() {
     // A repository nobody can read works, and root sees both sandboxes.
     let public = env.repo("public");
     let out = env.ctl_as(Some(NOBODY), &["create", public.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let names: Vec<String> = env.list().iter().map(|s| s["name"].as_str().unwrap().to_owned()).collect();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let names: Vec<String> = env
+        .list()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_owned())
+        .collect();
     assert_eq!(names, ["mine", "public"]);
     let out = env.ctl_as(Some(NOBODY), &["list", "--json"]);
     let theirs: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
@@ -68,3 +91,127 @@ fn another_uid_is_refused() {
 }
 
 use std::os::unix::process::CommandExt;
+
+/// A bus configured like the system bus, with agentd's policy file included.
+fn system_like_bus(
+    dir: &std::path::Path,
+    policy: &std::path::Path,
+) -> (std::process::Child, String) {
+    let sock = dir.join("system.sock");
+    let conf = dir.join("system.conf");
+    fs::write(
+        &conf,
+        format!(
+            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <listen>unix:path={}</listen>
+  <auth>EXTERNAL</auth>
+  <policy context="default">
+    <allow user="*"/>
+    <deny own="*"/>
+    <deny send_type="method_call"/>
+    <allow send_type="signal"/>
+    <allow send_requested_reply="true" send_type="method_return"/>
+    <allow send_requested_reply="true" send_type="error"/>
+    <allow receive_type="method_call"/>
+    <allow receive_type="method_return"/>
+    <allow receive_type="error"/>
+    <allow receive_type="signal"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
+  </policy>
+  <include>{}</include>
+</busconfig>
+"#,
+            sock.display(),
+            policy.display()
+        ),
+    )
+    .unwrap();
+    let child = std::process::Command::new("dbus-daemon")
+        .arg(format!("--config-file={}", conf.display()))
+        .arg("--nofork")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    common::wait_for(
+        "the system-like bus",
+        std::time::Duration::from_secs(10),
+        || sock.exists(),
+    );
+    (child, format!("unix:path={}", sock.display()))
+}
+
+#[test]
+fn system_bus_policy_admits_only_root_and_the_group() {
+    if !common::is_root() {
+        eprintln!("skipped: needs root to own a name under the system policy");
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("ks-pol-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    let shipped =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("dbus/org.keystone.Agent1.conf");
+    // The same file with the access group replaced by one that exists here
+    // (gid 65534), to check that group members get in.
+    let with_group = tmp.path().join("group.conf");
+    let nogroup = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(NOBODY))
+        .unwrap()
+        .unwrap()
+        .name;
+    fs::write(
+        &with_group,
+        fs::read_to_string(&shipped)
+            .unwrap()
+            .replace("group=\"keystone-agent\"", &format!("group=\"{nogroup}\"")),
+    )
+    .unwrap();
+    for (policy, nobody_allowed) in [(&shipped, false), (&with_group, true)] {
+        let dir = tempfile::Builder::new()
+            .prefix("bus-")
+            .tempdir_in(tmp.path())
+            .unwrap();
+        fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        let (mut bus, addr) = system_like_bus(dir.path(), policy);
+        let mut agentd = std::process::Command::new(common::AGENTD)
+            .args(["--address", &addr, "--state-dir"])
+            .arg(dir.path().join("state"))
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let ctl = |uid: Option<u32>| {
+            let mut c = std::process::Command::new(common::agentctl());
+            c.args(["--bus", &addr, "list", "--json"]);
+            if let Some(u) = uid {
+                c.uid(u).gid(u);
+            }
+            c.output().unwrap()
+        };
+        common::wait_for(
+            "agentd on the system-like bus",
+            std::time::Duration::from_secs(20),
+            || ctl(None).status.success(),
+        );
+        let out = ctl(Some(NOBODY));
+        if nobody_allowed {
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        } else {
+            assert_eq!(out.status.code(), Some(4));
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(err.contains("keystone-agent"), "{err}");
+        }
+        let _ = agentd.kill();
+        let _ = agentd.wait();
+        let _ = bus.kill();
+        let _ = bus.wait();
+    }
+}

@@ -29,7 +29,11 @@ fn our_interfaces(xml: &str) -> Vec<String> {
     let mut rest = text.as_str();
     while let Some(start) = rest.find("<interface name=\"org.keystone.Agent1.") {
         let end = rest[start..].find("</interface>").unwrap() + start + "</interface>".len();
-        let block: Vec<&str> = rest[start..end].lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+        let block: Vec<&str> = rest[start..end]
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
         let block = block.join("\n");
         if !out.contains(&block) {
             out.push(block);
@@ -41,10 +45,20 @@ fn our_interfaces(xml: &str) -> Vec<String> {
 
 fn introspect(env: &Env, path: &str) -> String {
     let out = Command::new("busctl")
-        .args([&format!("--address={}", env.address), "introspect", "--xml-interface", "org.keystone.Agent1", path])
+        .args([
+            &format!("--address={}", env.address),
+            "introspect",
+            "--xml-interface",
+            "org.keystone.Agent1",
+            path,
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -53,7 +67,8 @@ fn live_interfaces_match_the_committed_xml() {
     let env = Env::new();
     let repo = env.repo("xml");
     env.ok(&["create", repo.to_str().unwrap()]);
-    let both = introspect(&env, "/org/keystone/Agent1") + &introspect(&env, "/org/keystone/Agent1/sandbox/xml");
+    let both = introspect(&env, "/org/keystone/Agent1")
+        + &introspect(&env, "/org/keystone/Agent1/sandbox/xml");
     let live = our_interfaces(&both);
     assert_eq!(live.len(), 2);
     if std::env::var_os("KEYSTONE_BLESS").is_some() {
@@ -80,10 +95,17 @@ fn state_changes_are_announced() {
     let env = Env::new();
     let repo = env.repo("sig");
     env.ok(&["create", repo.to_str().unwrap()]);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let seen = rt.block_on(async {
         use futures_lite::StreamExt as _;
-        let conn = zbus::connection::Builder::address(env.address.as_str()).unwrap().build().await.unwrap();
+        let conn = zbus::connection::Builder::address(env.address.as_str())
+            .unwrap()
+            .build()
+            .await
+            .unwrap();
         let sb = keystone_agent_api::SandboxProxy::builder(&conn)
             .path("/org/keystone/Agent1/sandbox/sig")
             .unwrap()
@@ -100,20 +122,29 @@ fn state_changes_are_announced() {
             assert!(stop.status().unwrap().success());
         });
         while seen.last().map(String::as_str) != Some("stopped") {
-            let next = tokio::time::timeout(Duration::from_secs(20), changes.next()).await.unwrap().unwrap();
+            let next = tokio::time::timeout(Duration::from_secs(20), changes.next())
+                .await
+                .unwrap()
+                .unwrap();
             seen.push(next.get().await.unwrap());
         }
         drive.await.unwrap();
         seen
     });
-    assert_eq!(seen, ["created", "starting", "running", "stopping", "stopped"]);
+    assert_eq!(
+        seen,
+        ["created", "starting", "running", "stopping", "stopped"]
+    );
 }
 
 #[test]
 fn declared_sandboxes_come_from_the_config_and_cannot_be_destroyed() {
     let mut env = Env::bus_only();
     let repo = env.repo("declared");
-    let user = nix::unistd::User::from_uid(nix::unistd::Uid::effective()).unwrap().unwrap().name;
+    let user = nix::unistd::User::from_uid(nix::unistd::Uid::effective())
+        .unwrap()
+        .unwrap()
+        .name;
     let config = env.tmp.path().join("agentd.json");
     fs::write(
         &config,
@@ -132,7 +163,10 @@ fn declared_sandboxes_come_from_the_config_and_cannot_be_destroyed() {
     assert_eq!(st["config"]["vcpus"], 2);
     assert_eq!(st["ports"]["web"], 3000);
     env.ok(&["start", "web"]);
-    assert_eq!(env.ok(&["exec", "web", "--", "cat", "README.md"]), "# declared\n");
+    assert_eq!(
+        env.ok(&["exec", "web", "--", "cat", "README.md"]),
+        "# declared\n"
+    );
     env.ok(&["stop", "web"]);
     let err = env.fails(4, &["destroy", "--force", "web"]);
     assert!(err.contains("declared in agentd's configuration"), "{err}");
@@ -141,24 +175,49 @@ fn declared_sandboxes_come_from_the_config_and_cannot_be_destroyed() {
 
 #[test]
 fn check_config_accepts_the_fixture_and_lists_every_problem() {
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/agentd-config.json");
-    let out = Command::new(AGENTD).arg("--check-config").arg(&fixture).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let fixture =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/agentd-config.json");
+    let out = Command::new(AGENTD)
+        .arg("--check-config")
+        .arg(&fixture)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(String::from_utf8_lossy(&out.stdout).contains("2 declared sandbox(es): api, webapp"));
 
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.json");
-    fs::write(&bad, r#"{"defaults": {"vcpus": 0}, "sandboxes": {"-x": {"project": "rel", "owner": ""}}}"#).unwrap();
-    let out = Command::new(AGENTD).arg("--check-config").arg(&bad).output().unwrap();
+    fs::write(
+        &bad,
+        r#"{"defaults": {"vcpus": 0}, "sandboxes": {"-x": {"project": "rel", "owner": ""}}}"#,
+    )
+    .unwrap();
+    let out = Command::new(AGENTD)
+        .arg("--check-config")
+        .arg(&bad)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("problem(s)"), "{err}");
-    for needle in ["defaults: vcpus", "sandboxes.-x: name", "sandboxes.-x: project", "sandboxes.-x: owner"] {
+    for needle in [
+        "defaults: vcpus",
+        "sandboxes.-x: name",
+        "sandboxes.-x: project",
+        "sandboxes.-x: owner",
+    ] {
         assert!(err.contains(needle), "missing {needle:?}: {err}");
     }
     fs::write(&bad, r#"{"sandbox": {}}"#).unwrap();
-    let out = Command::new(AGENTD).arg("--check-config").arg(&bad).output().unwrap();
+    let out = Command::new(AGENTD)
+        .arg("--check-config")
+        .arg(&bad)
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field `sandbox`"));
 }
-

@@ -18,7 +18,10 @@ fn full_lifecycle() {
     assert_eq!(list.len(), 1);
     assert_eq!(list[0]["name"], "my-project");
     assert_eq!(list[0]["state"], "created");
-    assert_eq!(list[0]["project_path"], fs::canonicalize(&repo).unwrap().to_str().unwrap());
+    assert_eq!(
+        list[0]["project_path"],
+        fs::canonicalize(&repo).unwrap().to_str().unwrap()
+    );
     let table = env.ok(&["list"]);
     assert!(table.starts_with("NAME"), "{table}");
     assert!(table.contains("my-project  created"), "{table}");
@@ -30,26 +33,75 @@ fn full_lifecycle() {
     assert_eq!(st["config"]["memory"], 8192);
 
     // Inside: hostname, cwd, the clone, git, stdout and stderr kept apart.
-    let out = env.ok(&["exec", "my-project", "--", "sh", "-c", "hostname; pwd; cat README.md; echo oops >&2"]);
+    let out = env.ok(&[
+        "exec",
+        "my-project",
+        "--",
+        "sh",
+        "-c",
+        "hostname; pwd; cat README.md; echo oops >&2",
+    ]);
     assert_eq!(out, "my-project\n/workspace\n# My_Project\n");
-    let out = env.ctl(&["exec", "my-project", "--", "git", "status", "--short", "--branch"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stdout).starts_with("## main"), "{}", String::from_utf8_lossy(&out.stdout));
+    let out = env.ctl(&[
+        "exec",
+        "my-project",
+        "--",
+        "git",
+        "status",
+        "--short",
+        "--branch",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("## main"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     // The command's exit code is agentctl's; env and workdir pass through.
-    let out = env.ctl(&["exec", "my-project", "-e", "X=42", "-w", "/tmp", "--", "sh", "-c", "echo $X $PWD; exit 7"]);
+    let out = env.ctl(&[
+        "exec",
+        "my-project",
+        "-e",
+        "X=42",
+        "-w",
+        "/tmp",
+        "--",
+        "sh",
+        "-c",
+        "echo $X $PWD; exit 7",
+    ]);
     assert_eq!(out.status.code(), Some(7));
     assert_eq!(String::from_utf8_lossy(&out.stdout), "42 /tmp\n");
     // A timeout is its own error (exit 3) and kills the command.
-    let err = env.fails(3, &["exec", "my-project", "--timeout", "1", "--", "sleep", "30"]);
+    let err = env.fails(
+        3,
+        &["exec", "my-project", "--timeout", "1", "--", "sleep", "30"],
+    );
     assert!(err.contains("did not finish within 1s"), "{err}");
     // A missing program is a clear failure, not a hang.
     let err = env.fails(3, &["exec", "my-project", "--", "no-such-program"]);
     assert!(err.contains("not found"), "{err}");
 
     // Stop ends every process, including background ones.
-    env.ok(&["exec", "my-project", "--", "sh", "-c", "sleep 1000 >/dev/null 2>&1 &"]);
-    let ns = env.registry()["sandboxes"][0]["runtime"]["pid_ns"].as_u64().unwrap();
-    assert!(agentd::procfs::pids_in_ns(ns).len() >= 3, "init, control server and sleep");
+    env.ok(&[
+        "exec",
+        "my-project",
+        "--",
+        "sh",
+        "-c",
+        "sleep 1000 >/dev/null 2>&1 &",
+    ]);
+    let ns = env.registry()["sandboxes"][0]["runtime"]["pid_ns"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        agentd::procfs::pids_in_ns(ns).len() >= 3,
+        "init, control server and sleep"
+    );
     env.ok(&["stop", "my-project"]);
     assert_eq!(env.state("my-project"), "stopped");
     assert!(agentd::procfs::pids_in_ns(ns).is_empty());
@@ -57,10 +109,20 @@ fn full_lifecycle() {
 
     // Restart keeps the workspace.
     env.ok(&["start", "my-project"]);
-    env.ok(&["exec", "my-project", "--", "sh", "-c", "echo kept > note.txt"]);
+    env.ok(&[
+        "exec",
+        "my-project",
+        "--",
+        "sh",
+        "-c",
+        "echo kept > note.txt",
+    ]);
     env.ok(&["stop", "my-project", "--force"]);
     env.ok(&["start", "my-project"]);
-    assert_eq!(env.ok(&["exec", "my-project", "--", "cat", "note.txt"]), "kept\n");
+    assert_eq!(
+        env.ok(&["exec", "my-project", "--", "cat", "note.txt"]),
+        "kept\n"
+    );
     env.ok(&["stop", "my-project"]);
 
     env.ok(&["destroy", "my-project"]);
@@ -86,7 +148,10 @@ fn invalid_transitions_change_nothing() {
     env.ok(&["start", "t1"]);
     let running = env.registry();
     let err = env.fails(2, &["start", "t1"]);
-    assert!(err.contains("Cannot start sandbox 't1': it is running"), "{err}");
+    assert!(
+        err.contains("Cannot start sandbox 't1': it is running"),
+        "{err}"
+    );
     let err = env.fails(2, &["destroy", "--force", "t1"]);
     assert!(err.contains("stop it first"), "{err}");
     assert_eq!(env.registry(), running);
@@ -106,15 +171,35 @@ fn validation_reports_every_problem_and_creates_nothing() {
     fs::create_dir_all(&not_git).unwrap();
     let err = env.fails(
         4,
-        &["create", "--name", "Bad_Name", "--memory", "512", "--vcpus", "0", not_git.to_str().unwrap()],
+        &[
+            "create",
+            "--name",
+            "Bad_Name",
+            "--memory",
+            "512",
+            "--vcpus",
+            "0",
+            not_git.to_str().unwrap(),
+        ],
     );
-    for needle in ["4 problems", "is not a git repository", "name 'Bad_Name'", "memory 512", "vcpus"] {
+    for needle in [
+        "4 problems",
+        "is not a git repository",
+        "name 'Bad_Name'",
+        "memory 512",
+        "vcpus",
+    ] {
         assert!(err.contains(needle), "missing {needle:?} in {err}");
     }
     let err = env.fails(4, &["create", "/nonexistent/project"]);
     assert!(err.contains("does not exist"), "{err}");
     assert!(env.list().is_empty());
-    assert!(fs::read_dir(env.state_dir.join("sandboxes")).unwrap().next().is_none());
+    assert!(
+        fs::read_dir(env.state_dir.join("sandboxes"))
+            .unwrap()
+            .next()
+            .is_none()
+    );
 
     let repo = env.repo("dup");
     env.ok(&["create", repo.to_str().unwrap()]);
@@ -130,7 +215,11 @@ fn network_none_has_only_loopback() {
     env.ok(&["create", "--network", "none", repo.to_str().unwrap()]);
     env.ok(&["start", "net"]);
     let dev = env.ok(&["exec", "net", "--", "cat", "/proc/net/dev"]);
-    let ifaces: Vec<&str> = dev.lines().skip(2).map(|l| l.split(':').next().unwrap().trim()).collect();
+    let ifaces: Vec<&str> = dev
+        .lines()
+        .skip(2)
+        .map(|l| l.split(':').next().unwrap().trim())
+        .collect();
     assert_eq!(ifaces, ["lo"]);
     let nat = env.ok(&["exec", "net", "--", "cat", "/proc/sys/kernel/hostname"]);
     assert_eq!(nat, "net\n");
@@ -150,12 +239,26 @@ fn sandbox_sees_neither_host_home_nor_writes_host_system() {
     assert_ne!(out.status.code(), Some(0));
     assert!(!std::path::Path::new("/usr/keystone-test").exists());
     // Host root is never used: root inside maps to an unprivileged host uid.
-    env.ok(&["exec", "iso", "--", "sh", "-c", "sleep 100 >/dev/null 2>&1 &"]);
-    let ns = env.registry()["sandboxes"][0]["runtime"]["pid_ns"].as_u64().unwrap();
-    wait_for("the sleep", Duration::from_secs(5), || agentd::procfs::pids_in_ns(ns).len() >= 3);
+    env.ok(&[
+        "exec",
+        "iso",
+        "--",
+        "sh",
+        "-c",
+        "sleep 100 >/dev/null 2>&1 &",
+    ]);
+    let ns = env.registry()["sandboxes"][0]["runtime"]["pid_ns"]
+        .as_u64()
+        .unwrap();
+    wait_for("the sleep", Duration::from_secs(5), || {
+        agentd::procfs::pids_in_ns(ns).len() >= 3
+    });
     for pid in agentd::procfs::pids_in_ns(ns) {
         let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
-        assert!(!uid_line.split_whitespace().skip(1).any(|u| u == "0"), "pid {pid}: {uid_line}");
+        assert!(
+            !uid_line.split_whitespace().skip(1).any(|u| u == "0"),
+            "pid {pid}: {uid_line}"
+        );
     }
 }

@@ -13,16 +13,33 @@ fn running_sandbox_is_adopted_after_sigkill() {
     let repo = env.repo("adopt");
     env.ok(&["create", repo.to_str().unwrap()]);
     env.ok(&["start", "adopt"]);
-    env.ok(&["exec", "adopt", "--", "sh", "-c", "echo alive > /tmp/marker; sleep 1000 >/dev/null 2>&1 &"]);
-    let init = env.registry()["sandboxes"][0]["runtime"]["init_pid"].as_i64().unwrap();
+    env.ok(&[
+        "exec",
+        "adopt",
+        "--",
+        "sh",
+        "-c",
+        "echo alive > /tmp/marker; sleep 1000 >/dev/null 2>&1 &",
+    ]);
+    let init = env.registry()["sandboxes"][0]["runtime"]["init_pid"]
+        .as_i64()
+        .unwrap();
 
     env.kill_agentd();
     env.start_agentd();
     let st = env.status("adopt");
     assert_eq!(st["state"], "running", "{st}");
-    assert_eq!(env.registry()["sandboxes"][0]["runtime"]["init_pid"].as_i64().unwrap(), init);
+    assert_eq!(
+        env.registry()["sandboxes"][0]["runtime"]["init_pid"]
+            .as_i64()
+            .unwrap(),
+        init
+    );
     // Same sandbox (its /tmp still holds the marker), and it can be stopped.
-    assert_eq!(env.ok(&["exec", "adopt", "--", "cat", "/tmp/marker"]), "alive\n");
+    assert_eq!(
+        env.ok(&["exec", "adopt", "--", "cat", "/tmp/marker"]),
+        "alive\n"
+    );
     env.ok(&["stop", "adopt"]);
     assert!(env.sandbox_pids().is_empty());
 }
@@ -35,13 +52,25 @@ fn sandbox_that_died_with_agentd_down_becomes_stopped() {
     env.ok(&["start", "gone"]);
     env.kill_agentd();
     for pid in env.sandbox_pids() {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
     }
-    wait_for("the sandbox to die", Duration::from_secs(5), || env.sandbox_pids().is_empty());
+    wait_for("the sandbox to die", Duration::from_secs(5), || {
+        env.sandbox_pids().is_empty()
+    });
     env.start_agentd();
     let st = env.status("gone");
     assert_eq!(st["state"], "stopped");
-    assert!(st["state_reason"].as_str().unwrap().contains("ended when agentd restarted"), "{st}");
+    assert!(
+        st["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("ended when agentd restarted"),
+        "{st}"
+    );
     env.ok(&["start", "gone"]);
     assert_eq!(env.state("gone"), "running");
 }
@@ -58,15 +87,28 @@ fn sigkill_in_the_middle_of_start_ends_in_error_without_leftovers() {
     let path = env.state_dir.join("registry.json");
     let mut reg = env.registry();
     reg["sandboxes"][0]["state"] = "starting".into();
-    reg["sandboxes"][0].as_object_mut().unwrap().remove("runtime");
+    reg["sandboxes"][0]
+        .as_object_mut()
+        .unwrap()
+        .remove("runtime");
     fs::write(&path, serde_json::to_vec_pretty(&reg).unwrap()).unwrap();
     assert!(!env.sandbox_pids().is_empty());
 
     env.start_agentd();
     let st = env.status("midstart");
     assert_eq!(st["state"], "error");
-    assert!(st["state_reason"].as_str().unwrap().contains("while the sandbox was starting"), "{st}");
-    wait_for("leftover processes to be killed", Duration::from_secs(5), || env.sandbox_pids().is_empty());
+    assert!(
+        st["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("while the sandbox was starting"),
+        "{st}"
+    );
+    wait_for(
+        "leftover processes to be killed",
+        Duration::from_secs(5),
+        || env.sandbox_pids().is_empty(),
+    );
     // Retry works (error -> starting -> running).
     env.ok(&["start", "midstart"]);
     assert_eq!(env.state("midstart"), "running");
@@ -85,17 +127,29 @@ fn half_created_sandbox_is_rolled_back() {
     half["id"] = "00000000-0000-4000-8000-000000000000".into();
     half["creating"] = true.into();
     reg["sandboxes"].as_array_mut().unwrap().push(half);
-    fs::write(env.state_dir.join("registry.json"), serde_json::to_vec_pretty(&reg).unwrap()).unwrap();
+    fs::write(
+        env.state_dir.join("registry.json"),
+        serde_json::to_vec_pretty(&reg).unwrap(),
+    )
+    .unwrap();
     fs::create_dir_all(env.state_dir.join("sandboxes/half/workspace.partial/.git")).unwrap();
     // And a directory left by a destroy that crashed after the registry write.
     fs::create_dir_all(env.state_dir.join("sandboxes/orphan/workspace")).unwrap();
 
     env.start_agentd();
-    let names: Vec<String> = env.list().iter().map(|s| s["name"].as_str().unwrap().to_owned()).collect();
+    let names: Vec<String> = env
+        .list()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_owned())
+        .collect();
     assert_eq!(names, ["keep"]);
     assert!(!env.state_dir.join("sandboxes/half").exists());
     assert!(!env.state_dir.join("sandboxes/orphan").exists());
-    assert!(env.state_dir.join("sandboxes/keep/workspace/README.md").exists());
+    assert!(
+        env.state_dir
+            .join("sandboxes/keep/workspace/README.md")
+            .exists()
+    );
     // The name is free again.
     env.ok(&["create", "--name", "half", repo.to_str().unwrap()]);
 }
@@ -117,11 +171,23 @@ fn sandbox_ending_by_itself_is_noticed() {
     let repo = env.repo("selfend");
     env.ok(&["create", repo.to_str().unwrap()]);
     env.ok(&["start", "selfend"]);
-    let init = env.registry()["sandboxes"][0]["runtime"]["init_pid"].as_i64().unwrap();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(init).unwrap()), nix::sys::signal::Signal::SIGKILL)
+    let init = env.registry()["sandboxes"][0]["runtime"]["init_pid"]
+        .as_i64()
         .unwrap();
-    wait_for("agentd to notice", Duration::from_secs(10), || env.state("selfend") == "stopped");
-    assert!(env.status("selfend")["state_reason"].as_str().unwrap().contains("init exited"));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(init).unwrap()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    wait_for("agentd to notice", Duration::from_secs(10), || {
+        env.state("selfend") == "stopped"
+    });
+    assert!(
+        env.status("selfend")["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("init exited")
+    );
 }
 
 #[test]

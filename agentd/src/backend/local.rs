@@ -445,9 +445,9 @@ impl Backend for LocalBackend {
             }
             // SAFETY: `fd` is an open pidfd that the AsyncFd owns until it is
             // dropped at the end of this block.
-            if let Ok(afd) =
-                unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
-            {
+            let registered =
+                unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) };
+            if let Ok(afd) = registered {
                 let _ = afd.readable().await;
             }
         })

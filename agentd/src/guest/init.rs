@@ -312,7 +312,10 @@ fn init(
         Source::Path(p) => open_tree_clone(p).map(Source::Tree),
         Source::Tree(fd) => fd.try_clone().map(Source::Tree).map_err(|e| e.to_string()),
     };
-    let handles = Handles { workspace: tree(&handles.workspace)?, home: tree(&handles.home)? };
+    let handles = Handles {
+        workspace: tree(&handles.workspace)?,
+        home: tree(&handles.home)?,
+    };
     build_root(spec, &handles)?;
     if spec.network_none {
         loopback_up()?;

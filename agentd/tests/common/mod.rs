@@ -16,7 +16,11 @@ pub const AGENTD: &str = env!("CARGO_BIN_EXE_agentd");
 /// build it for `cargo test --workspace`).
 pub fn agentctl() -> PathBuf {
     let p = Path::new(AGENTD).with_file_name("agentctl");
-    assert!(p.exists(), "{} is missing: run the tests with `cargo test --workspace`", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`",
+        p.display()
+    );
     p
 }
 
@@ -52,7 +56,10 @@ impl Env {
 
     /// A bus, no agentd yet.
     pub fn bus_only() -> Self {
-        let tmp = tempfile::Builder::new().prefix("ks-").tempdir_in("/tmp").unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("ks-")
+            .tempdir_in("/tmp")
+            .unwrap();
         // Other uids (the permission tests) must reach the bus socket.
         fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
         let sock = tmp.path().join("bus.sock");
@@ -88,7 +95,14 @@ impl Env {
         wait_for("the bus socket", Duration::from_secs(10), || sock.exists());
         let address = format!("unix:path={}", sock.display());
         let state_dir = tmp.path().join("state");
-        Self { tmp, address, state_dir, dbus, agentd: None, config: None }
+        Self {
+            tmp,
+            address,
+            state_dir,
+            dbus,
+            agentd: None,
+            config: None,
+        }
     }
 
     pub fn log_path(&self) -> PathBuf {
@@ -106,7 +120,11 @@ impl Env {
         let addr = self.address.clone();
         wait_for("agentd to own its name", Duration::from_secs(20), || {
             Command::new("busctl")
-                .args([&format!("--address={addr}"), "status", "org.keystone.Agent1"])
+                .args([
+                    &format!("--address={addr}"),
+                    "status",
+                    "org.keystone.Agent1",
+                ])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .status()
@@ -115,7 +133,11 @@ impl Env {
     }
 
     pub fn spawn_agentd(&self) -> Child {
-        let log = fs::OpenOptions::new().create(true).append(true).open(self.log_path()).unwrap();
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .unwrap();
         let mut cmd = Command::new(AGENTD);
         cmd.args(["--address", &self.address, "--state-dir"])
             .arg(&self.state_dir)
@@ -150,7 +172,11 @@ impl Env {
     /// An agentctl command for this bus, not yet run.
     pub fn ctl_cmd(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(agentctl());
-        cmd.arg("--bus").arg(&self.address).args(args).stdin(Stdio::null()).stdout(Stdio::null());
+        cmd.arg("--bus")
+            .arg(&self.address)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
         cmd
     }
 
@@ -161,7 +187,10 @@ impl Env {
     /// Run agentctl, as `uid` when given (root only).
     pub fn ctl_as(&self, uid: Option<u32>, args: &[&str]) -> Output {
         let mut cmd = Command::new(agentctl());
-        cmd.arg("--bus").arg(&self.address).args(args).stdin(Stdio::null());
+        cmd.arg("--bus")
+            .arg(&self.address)
+            .args(args)
+            .stdin(Stdio::null());
         if let Some(uid) = uid {
             // std drops supplementary groups when root sets a uid.
             cmd.uid(uid).gid(uid);
@@ -218,7 +247,18 @@ impl Env {
         git(&dir, &["init", "-q", "-b", "main"]);
         fs::write(dir.join("README.md"), format!("# {name}\n")).unwrap();
         git(&dir, &["add", "."]);
-        git(&dir, &["-c", "user.name=Test", "-c", "user.email=test@example.com", "commit", "-qm", "first"]);
+        git(
+            &dir,
+            &[
+                "-c",
+                "user.name=Test",
+                "-c",
+                "user.email=test@example.com",
+                "commit",
+                "-qm",
+                "first",
+            ],
+        );
         fs::set_permissions(self.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
         dir
     }
@@ -226,7 +266,10 @@ impl Env {
     /// Live pids of this agentd's sandbox supervisors and inits.
     pub fn sandbox_pids(&self) -> Vec<i32> {
         let marker = self.state_dir.to_string_lossy().into_owned();
-        agentd::procfs::pids_with_args(&["__sandbox-init", &marker]).into_iter().map(|(p, _)| p).collect()
+        agentd::procfs::pids_with_args(&["__sandbox-init", &marker])
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect()
     }
 }
 
@@ -234,7 +277,10 @@ impl Drop for Env {
     fn drop(&mut self) {
         self.kill_agentd();
         for pid in self.sandbox_pids() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
         let _ = self.dbus.kill();
         let _ = self.dbus.wait();
@@ -242,7 +288,16 @@ impl Drop for Env {
 }
 
 pub fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git").arg("-C").arg(dir).args(args).output().unwrap();
-    assert!(out.status.success(), "git {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }

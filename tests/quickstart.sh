@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Quick start on a plain Linux machine: build agentd and agentctl, start
+# agentd on your session bus (starting a private session bus if you have
+# none), create a sandbox from PROJECT (default: a sample repository made
+# here) and start it.
+#
+#   tests/quickstart.sh [PROJECT]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+for tool in cargo git dbus-daemon; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+if ((${#missing[@]})); then
+  echo "quickstart: missing: ${missing[*]}" >&2
+  echo "  Debian/Ubuntu: sudo apt-get install -y dbus git   (and Rust from https://rustup.rs)" >&2
+  echo "  NixOS:         nix-shell -p cargo git dbus" >&2
+  exit 4
+fi
+
+echo "==> building agentd and agentctl"
+cargo build --quiet --bins
+bin="$PWD/target/debug"
+state="${XDG_STATE_HOME:-$HOME/.local/state}/keystone/agent"
+mkdir -p "$state"
+
+if [ -z "${DBUS_SESSION_BUS_ADDRESS:-}" ]; then
+  sock="$state/session-bus.sock"
+  if [ ! -S "$sock" ] || ! busctl --address="unix:path=$sock" status >/dev/null 2>&1; then
+    rm -f "$sock"
+    dbus-daemon --session --fork --address="unix:path=$sock" >/dev/null
+    echo "==> started a session bus at unix:path=$sock"
+  fi
+  export DBUS_SESSION_BUS_ADDRESS="unix:path=$sock"
+fi
+ctl=("$bin/agentctl" --bus session)
+
+if ! "${ctl[@]}" list >/dev/null 2>&1; then
+  echo "==> starting agentd --session (log: $state/agentd.log)"
+  nohup "$bin/agentd" --session >>"$state/agentd.log" 2>&1 &
+  for _ in $(seq 100); do "${ctl[@]}" list >/dev/null 2>&1 && break; sleep 0.1; done
+fi
+
+project="${1:-}"
+if [ -z "$project" ]; then
+  project="$state/sample-project"
+  if [ ! -d "$project/.git" ]; then
+    mkdir -p "$project"
+    git -C "$project" init -q -b main
+    printf '# Sample project\n\nA repository for your first Keystone Agent sandbox.\n' >"$project/README.md"
+    git -C "$project" add README.md
+    git -C "$project" -c user.name=Keystone -c user.email=keystone@localhost commit -qm "Sample project"
+  fi
+fi
+project="$(cd "$project" && pwd)"
+name="$(basename "$project" | tr 'A-Z_. ' 'a-z---' | sed 's/^[^a-z]*//; s/-*$//' | cut -c1-31)"
+
+if ! "${ctl[@]}" status "$name" >/dev/null 2>&1; then
+  "${ctl[@]}" create --name "$name" "$project"
+fi
+if [ "$("${ctl[@]}" status "$name" --json | sed -n 's/.*"state": "\(.*\)".*/\1/p')" != running ]; then
+  "${ctl[@]}" start "$name"
+fi
+echo "==> inside the sandbox:"
+"${ctl[@]}" exec "$name" -- sh -c 'echo "host: $(hostname)  cwd: $(pwd)"; git log --oneline -3'
+cat <<MSG
+
+Sandbox '$name' is running. Try:
+  export DBUS_SESSION_BUS_ADDRESS=$DBUS_SESSION_BUS_ADDRESS
+  $bin/agentctl list
+  $bin/agentctl exec $name -- git status
+  $bin/agentctl stop $name && $bin/agentctl destroy $name
+agentd keeps running in the background (log: $state/agentd.log); stop it with: pkill -f 'agentd --session'
+MSG
