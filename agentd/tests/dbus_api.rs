@@ -106,15 +106,17 @@ fn state_changes_are_announced() {
             .build()
             .await
             .unwrap();
-        let sb = keystone_agent_api::SandboxProxy::builder(&conn)
+        let props = zbus::fdo::PropertiesProxy::builder(&conn)
+            .destination("org.keystone.Agent1")
+            .unwrap()
             .path("/org/keystone/Agent1/sandbox/sig")
             .unwrap()
             .build()
             .await
             .unwrap();
-        let mut changes = sb.receive_state_changed().await;
-        // The first item is the current value.
-        let mut seen = vec![changes.next().await.unwrap().get().await.unwrap()];
+        // Every signal, in order (a property stream would coalesce values).
+        let mut changes = props.receive_properties_changed().await.unwrap();
+        let mut seen = vec![String::from("created")];
         let mut start = env.ctl_cmd(&["start", "sig"]);
         let mut stop = env.ctl_cmd(&["stop", "sig"]);
         let drive = tokio::task::spawn_blocking(move || {
@@ -122,11 +124,14 @@ fn state_changes_are_announced() {
             assert!(stop.status().unwrap().success());
         });
         while seen.last().map(String::as_str) != Some("stopped") {
-            let next = tokio::time::timeout(Duration::from_secs(20), changes.next())
+            let signal = tokio::time::timeout(Duration::from_secs(20), changes.next())
                 .await
                 .unwrap()
                 .unwrap();
-            seen.push(next.get().await.unwrap());
+            let args = signal.args().unwrap();
+            if let Some(state) = args.changed_properties().get("State") {
+                seen.push(String::try_from(state.try_clone().unwrap()).unwrap());
+            }
         }
         drive.await.unwrap();
         seen
