@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, Subcommand};
+use keystone_agent_api::{BackendKind, Network, SyncMode};
 
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
 /// work on a clone of your repository.
@@ -28,28 +29,6 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// Network modes, as accepted on the command line.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum NetworkArg {
-    /// Outbound access through the host.
-    Nat,
-    /// No network at all (loopback only).
-    None,
-    /// Attached to a host bridge (microvm backend).
-    Bridge,
-}
-
-/// Sync modes, as accepted on the command line.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum SyncModeArg {
-    /// Only on `agentctl sync`.
-    Manual,
-    /// Every new commit, at once.
-    AutoCommit,
-    /// Uncommitted work after a quiet period.
-    AutoIdle,
-}
-
 /// The verbs.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -69,15 +48,16 @@ pub enum Command {
         /// Virtual CPUs. Default: 4.
         #[arg(long, value_name = "N")]
         vcpus: Option<u32>,
-        /// Network mode. Default: nat.
-        #[arg(long, value_enum)]
-        network: Option<NetworkArg>,
-        /// When work comes back to your repository. Default: manual.
-        #[arg(long, value_enum)]
-        sync_mode: Option<SyncModeArg>,
-        /// Backend (local, microvm). Default: agentd's configured default.
-        #[arg(long)]
-        backend: Option<String>,
+        /// Network mode: nat, none (loopback only) or bridge. Default: nat.
+        #[arg(long, value_parser = str::parse::<Network>)]
+        network: Option<Network>,
+        /// When work comes back to your repository: manual, auto-commit or
+        /// auto-idle. Default: manual.
+        #[arg(long, value_parser = str::parse::<SyncMode>)]
+        sync_mode: Option<SyncMode>,
+        /// Backend: local or microvm. Default: agentd's configured default.
+        #[arg(long, value_parser = str::parse::<BackendKind>)]
+        backend: Option<BackendKind>,
         /// The git repository (its top-level directory).
         project_path: PathBuf,
     },

@@ -3,11 +3,13 @@
 use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 
-use keystone_agent_api::{self as api, ExitCode, ManagerProxy, SandboxProxy, SandboxState};
+use keystone_agent_api::{
+    self as api, BackendKind, ExitCode, ManagerProxy, Network, SandboxProxy, SandboxState, SyncMode,
+};
 use zbus::Connection;
 use zvariant::Value;
 
-use crate::cli::{Command, NetworkArg, SyncModeArg};
+use crate::cli::Command;
 use crate::output;
 use crate::{Failure, Result};
 
@@ -40,24 +42,14 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             if let Some(v) = vcpus {
                 opts.insert("vcpus", v.into());
             }
-            if let Some(n) = network {
-                let s = match n {
-                    NetworkArg::Nat => "nat",
-                    NetworkArg::None => "none",
-                    NetworkArg::Bridge => "bridge",
-                };
-                opts.insert("network", s.into());
-            }
-            if let Some(m) = sync_mode {
-                let s = match m {
-                    SyncModeArg::Manual => "manual",
-                    SyncModeArg::AutoCommit => "auto-commit",
-                    SyncModeArg::AutoIdle => "auto-idle",
-                };
-                opts.insert("sync_mode", s.into());
-            }
-            if let Some(b) = &backend {
-                opts.insert("backend", b.as_str().into());
+            for (key, value) in [
+                ("network", network.map(Network::as_str)),
+                ("sync_mode", sync_mode.map(SyncMode::as_str)),
+                ("backend", backend.map(BackendKind::as_str)),
+            ] {
+                if let Some(v) = value {
+                    opts.insert(key, v.into());
+                }
             }
             let path = manager.create_sandbox(&abs.to_string_lossy(), opts).await?;
             let sb = sandbox(conn, &path).await?;
