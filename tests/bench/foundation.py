@@ -60,7 +60,8 @@ def main():
     conf.write_text(f"""<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
 <busconfig><type>session</type><listen>unix:path={sock}</listen><auth>EXTERNAL</auth>
-<policy context="default"><allow user="*"/><allow send_destination="*"/><allow own="*"/></policy>
+<policy context="default"><allow user="*"/><allow send_destination="*" eavesdrop="true"/>
+<allow eavesdrop="true"/><allow own="*"/></policy>
 </busconfig>""")
     addr = f"unix:path={sock}"
     bus = subprocess.Popen(["dbus-daemon", f"--config-file={conf}", "--nofork"],
@@ -72,7 +73,11 @@ def main():
         agentd = subprocess.Popen([str(BIN / "agentd"), "--address", addr, "--state-dir", str(tmp / "state")],
                                   stderr=open(tmp / "agentd.log", "w"))
         ctl = [str(BIN / "agentctl"), "--bus", addr]
-        while subprocess.run(ctl + ["list"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode:
+        deadline = time.time() + 30
+        while subprocess.run(ctl + ["list"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             timeout=10).returncode:
+            if time.time() > deadline:
+                sys.exit(f"agentd did not come up; see {tmp / 'agentd.log'}")
             time.sleep(0.05)
         repo = tmp / "repo"
         repo.mkdir()
