@@ -100,6 +100,39 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Bring the sandbox's commits to your repository (as
+    /// refs/remotes/sandbox/NAME/BRANCH), or refresh the host's branches in
+    /// the sandbox with --from-host. Exits 2 when there was nothing new.
+    #[command(
+        after_help = "Examples:\n  agentctl sync myproject                 fetch every sandbox branch\n  \
+agentctl sync myproject --dry-run       show what would come over\n  \
+agentctl sync myproject --into main     also fast-forward your local main\n  \
+agentctl sync myproject --from-host     update refs/remotes/host/* in the sandbox\n\n\
+Afterwards, in your repository: git log sandbox/myproject/main\n\
+Never runs a hook, never reads the sandbox's git config; your work tree and index are only \
+touched by --into, and only as a fast-forward of a clean checkout."
+    )]
+    Sync {
+        /// Sandbox name.
+        name: String,
+        /// Only this branch.
+        #[arg(long, short)]
+        branch: Option<String>,
+        /// Show what would come over; change nothing.
+        #[arg(long, short = 'n')]
+        dry_run: bool,
+        /// Also fast-forward this local branch of your repository (never a
+        /// forced update; exits 3 with merge instructions when it diverged).
+        #[arg(long, value_name = "BRANCH")]
+        into: Option<String>,
+        /// The other direction: your branches into the sandbox, as
+        /// refs/remotes/host/* (no sandbox branch, index or file changes).
+        #[arg(long, conflicts_with = "into")]
+        from_host: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Run a command inside a running sandbox; exits with its exit code.
     #[command(
         after_help = "Examples:\n  agentctl exec myproject -- git status\n  agentctl exec myproject --timeout 60 -- make test"

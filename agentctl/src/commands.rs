@@ -150,6 +150,36 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             }
             Ok(0)
         }
+        Command::Sync {
+            name,
+            branch,
+            dry_run,
+            into,
+            from_host,
+            json,
+        } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
+            if let Some(b) = &branch {
+                opts.insert("branch", b.as_str().into());
+            }
+            if let Some(b) = &into {
+                opts.insert("into", b.as_str().into());
+            }
+            opts.insert("dry_run", dry_run.into());
+            opts.insert("from_host", from_host.into());
+            let r = sb.sync(opts).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&output::sync_json(&r)).expect("json")
+                );
+            } else {
+                output::print_sync(&name, &r);
+            }
+            // Scripts tell "nothing new" apart from success.
+            Ok(if r.branches.is_empty() { 2 } else { 0 })
+        }
         Command::Exec {
             name,
             timeout,

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use keystone_agent_api::SandboxSummary;
+use keystone_agent_api::{SandboxSummary, SyncReport};
 use serde_json::{Value, json};
 
 /// A timestamp in µs since the epoch as RFC 3339, or `null` for 0.
@@ -50,6 +50,83 @@ pub fn summary_json(s: &SandboxSummary) -> Value {
         "created_at": rfc3339(s.created_at),
         "started_at": rfc3339(s.started_at),
     })
+}
+
+/// The stable JSON form of a sync report.
+#[must_use]
+pub fn sync_json(r: &SyncReport) -> Value {
+    json!({
+        "direction": r.direction,
+        "dry_run": r.dry_run,
+        "branches": r.branches.iter().map(|b| json!({
+            "branch": b.branch,
+            "old": if b.old.is_empty() { Value::Null } else { Value::String(b.old.clone()) },
+            "new": if b.new.is_empty() { Value::Null } else { Value::String(b.new.clone()) },
+            "commits": b.commits,
+            "files_changed": b.files_changed,
+            "files": b.files,
+        })).collect::<Vec<_>>(),
+        "skipped": r.skipped,
+        "into": if r.into.is_empty() { Value::Null } else { Value::String(r.into.clone()) },
+    })
+}
+
+/// Print a sync report for people.
+pub fn print_sync(name: &str, r: &SyncReport) {
+    let short = |s: &str| s.chars().take(12).collect::<String>();
+    for s in &r.skipped {
+        eprintln!("skipped: {s}");
+    }
+    let verb = if r.dry_run { "Would bring" } else { "Brought" };
+    if r.branches.is_empty() {
+        println!(
+            "Nothing new {} sandbox '{name}'.",
+            if r.direction == "from-host" {
+                "for"
+            } else {
+                "from"
+            }
+        );
+        return;
+    }
+    let target = if r.direction == "from-host" {
+        format!("into sandbox '{name}' (refs/remotes/host/*)")
+    } else {
+        format!("from sandbox '{name}' (refs/remotes/sandbox/{name}/*)")
+    };
+    println!("{verb} {} branch(es) {target}:", r.branches.len());
+    for b in &r.branches {
+        if b.new.is_empty() {
+            println!("  {}  removed (was {})", b.branch, short(&b.old));
+            continue;
+        }
+        let range = if b.old.is_empty() {
+            format!("new at {}", short(&b.new))
+        } else {
+            format!("{}..{}", short(&b.old), short(&b.new))
+        };
+        let mut files = b.files.join(", ");
+        if b.files_changed as usize > b.files.len() {
+            files.push_str(&format!(
+                ", … ({} more)",
+                b.files_changed as usize - b.files.len()
+            ));
+        }
+        println!(
+            "  {}  {range}  {} commit(s), {} file(s){}",
+            b.branch,
+            b.commits,
+            b.files_changed,
+            if files.is_empty() {
+                String::new()
+            } else {
+                format!(": {files}")
+            }
+        );
+    }
+    if !r.into.is_empty() {
+        println!("{}", r.into);
+    }
 }
 
 /// Print rows as a table with aligned columns (the last column is not padded).

@@ -43,34 +43,8 @@ pub async fn check_project_as(exe: &Path, uid: u32, path: &Path) -> Result<PathB
             .await
             .map_err(|e| e.to_string())?;
     }
-    if !Uid::effective().is_root() {
-        return Err(format!(
-            "agentd runs as uid {} and cannot act for uid {uid}",
-            Uid::effective()
-        ));
-    }
-    let user = User::from_uid(Uid::from_raw(uid)).ok().flatten();
-    let gid = user.as_ref().map_or(Gid::from_raw(uid), |u| u.gid);
-    let groups: Vec<Gid> = match &user {
-        Some(u) => {
-            let name = CString::new(u.name.clone()).map_err(|e| e.to_string())?;
-            nix::unistd::getgrouplist(&name, gid).unwrap_or_else(|_| vec![gid])
-        }
-        None => vec![gid],
-    };
-    let mut cmd = tokio::process::Command::new(exe);
-    cmd.arg(CHECK_ARG).arg(path).env_clear().kill_on_drop(true);
-    // Groups first, while still root; then gid, then uid.
-    // SAFETY: only async-signal-safe calls (setgroups, setresgid, setresuid)
-    // between fork and exec.
-    unsafe {
-        cmd.as_std_mut().pre_exec(move || {
-            nix::unistd::setgroups(&groups)?;
-            nix::unistd::setresgid(gid, gid, gid)?;
-            nix::unistd::setresuid(Uid::from_raw(uid), Uid::from_raw(uid), Uid::from_raw(uid))?;
-            Ok(())
-        });
-    }
+    let mut cmd = command_as(exe, uid)?;
+    cmd.arg(CHECK_ARG).arg(path).kill_on_drop(true);
     let out = tokio::time::timeout(std::time::Duration::from_secs(30), cmd.output())
         .await
         .map_err(|_| format!("checking {} as uid {uid} timed out", path.display()))?
@@ -87,6 +61,53 @@ pub async fn check_project_as(exe: &Path, uid: u32, path: &Path) -> Result<PathB
     } else {
         Err(text)
     }
+}
+
+/// A command running agentd's own binary (`exe`) as `uid`, with that user's
+/// groups. When agentd already runs as `uid`, nothing changes; an
+/// unprivileged agentd cannot act for anyone else.
+pub fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, String> {
+    let mut cmd = tokio::process::Command::new(exe);
+    // Only what a helper needs; never agentd's own environment.
+    cmd.env_clear()
+        .env("PATH", "/run/current-system/sw/bin:/usr/bin:/bin")
+        .env("LANG", "C.UTF-8");
+    if Uid::effective().as_raw() == uid {
+        if let Some(home) = std::env::var_os("HOME") {
+            cmd.env("HOME", home);
+        }
+        return Ok(cmd);
+    }
+    if !Uid::effective().is_root() {
+        return Err(format!(
+            "agentd runs as uid {} and cannot act for uid {uid}",
+            Uid::effective()
+        ));
+    }
+    let user = User::from_uid(Uid::from_raw(uid)).ok().flatten();
+    let gid = user.as_ref().map_or(Gid::from_raw(uid), |u| u.gid);
+    let groups: Vec<Gid> = match &user {
+        Some(u) => {
+            let name = CString::new(u.name.clone()).map_err(|e| e.to_string())?;
+            nix::unistd::getgrouplist(&name, gid).unwrap_or_else(|_| vec![gid])
+        }
+        None => vec![gid],
+    };
+    if let Some(u) = &user {
+        cmd.env("HOME", &u.dir).env("USER", &u.name);
+    }
+    // Groups first, while still root; then gid, then uid.
+    // SAFETY: only async-signal-safe calls (setgroups, setresgid, setresuid)
+    // between fork and exec.
+    unsafe {
+        cmd.as_std_mut().pre_exec(move || {
+            nix::unistd::setgroups(&groups)?;
+            nix::unistd::setresgid(gid, gid, gid)?;
+            nix::unistd::setresuid(Uid::from_raw(uid), Uid::from_raw(uid), Uid::from_raw(uid))?;
+            Ok(())
+        });
+    }
+    Ok(cmd)
 }
 
 /// Entry point of `agentd __check-project PATH`: prints the canonical path

@@ -47,6 +47,17 @@ pub enum Error {
         /// What went wrong.
         message: String,
     },
+    /// A sync failed.
+    #[error("Sync of sandbox '{name}' failed: {message}")]
+    Sync {
+        /// Sandbox name.
+        name: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// A sync would lose or overwrite work; the message says what to do.
+    #[error("{0}")]
+    Conflict(String),
     /// The registry could not be written.
     #[error(transparent)]
     Registry(#[from] RegistryError),

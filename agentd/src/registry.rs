@@ -89,11 +89,20 @@ impl Registry {
     /// Open (creating if needed, mode 0700) the state directory and load the
     /// registry in it.
     pub fn open(dir: &Path) -> Result<(Self, Vec<Sandbox>), RegistryError> {
+        // 0711: sandbox helpers running as a sandbox's or owner's uid (and
+        // people running `git fetch sandbox/<name>`) may pass through to the
+        // directories they own; nobody may list or read the rest.
         fs::DirBuilder::new()
             .recursive(true)
-            .mode(0o700)
+            .mode(0o711)
             .create(dir.join("sandboxes"))
             .map_err(io("create", dir))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let d = dir.join("sandboxes");
+            fs::set_permissions(&d, fs::Permissions::from_mode(0o711))
+                .map_err(io("set permissions of", &d))?;
+        }
         let reg = Self {
             dir: dir.to_owned(),
         };
@@ -233,6 +242,8 @@ mod tests {
             owner: 1000,
             declared: false,
             creating: false,
+            last_sync_at: None,
+            last_sync_result: String::new(),
             runtime: None,
         }
     }

@@ -27,6 +27,9 @@ pub enum Error {
     Backend(String),
     /// The operation did not finish within its time limit.
     Timeout(String),
+    /// The operation would lose or overwrite work (diverged branches, a
+    /// dirty work tree); the description says how to proceed by hand.
+    Conflict(String),
 }
 
 /// Process exit codes of `agentctl`, stable for scripts.
@@ -58,7 +61,7 @@ impl Error {
         match self {
             Self::NotFound(_) => ExitCode::NotFound,
             Self::InvalidState(_) => ExitCode::InvalidState,
-            Self::Backend(_) | Self::Timeout(_) => ExitCode::Failed,
+            Self::Backend(_) | Self::Timeout(_) | Self::Conflict(_) => ExitCode::Failed,
             Self::AlreadyExists(_) | Self::InvalidArgument(_) | Self::PermissionDenied(_) => {
                 ExitCode::Requirements
             }
@@ -87,7 +90,8 @@ impl Error {
             | Self::InvalidArgument(m)
             | Self::PermissionDenied(m)
             | Self::Backend(m)
-            | Self::Timeout(m) => m.clone(),
+            | Self::Timeout(m)
+            | Self::Conflict(m) => m.clone(),
         }
     }
 }

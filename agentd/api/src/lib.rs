@@ -17,5 +17,6 @@ pub use names::{
 };
 pub use proxy::{ManagerProxy, SandboxProxy};
 pub use types::{
-    BackendKind, ExecResult, Network, SandboxConfig, SandboxState, SandboxSummary, SyncMode,
+    BackendKind, BranchSync, ExecResult, Network, SandboxConfig, SandboxState, SandboxSummary,
+    SyncMode, SyncReport,
 };

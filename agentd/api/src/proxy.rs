@@ -12,7 +12,7 @@ use zvariant::{OwnedObjectPath, Value};
 use crate::error::Error;
 #[allow(unused_imports, reason = "linked from the docs")]
 use crate::types::SandboxConfig;
-use crate::types::{ExecResult, SandboxSummary};
+use crate::types::{ExecResult, SandboxSummary, SyncReport};
 
 /// `org.keystone.Agent1.Manager` at `/org/keystone/Agent1`.
 #[proxy(
@@ -75,6 +75,24 @@ pub trait Sandbox {
         cwd: &str,
         timeout_secs: u32,
     ) -> Result<ExecResult, Error>;
+
+    /// Bring the sandbox's branches to the host repository as
+    /// `refs/remotes/sandbox/<name>/*` (or, with `from_host`, the host's
+    /// branches into the workspace as `refs/remotes/host/*`). Options:
+    /// `branch` (s), `dry_run` (b), `into` (s: fast-forward this host
+    /// branch), `from_host` (b).
+    fn sync(&self, options: HashMap<&str, Value<'_>>) -> Result<SyncReport, Error>;
+
+    /// A sync finished: its direction, how many branches and commits moved.
+    #[zbus(signal)]
+    fn synced(&self, direction: &str, branches: u32, commits: u32) -> zbus::Result<()>;
+
+    /// Time of the last sync, µs since the epoch; 0 = never.
+    #[zbus(property)]
+    fn last_sync_at(&self) -> zbus::Result<u64>;
+    /// One line on the last sync's result.
+    #[zbus(property)]
+    fn last_sync_result(&self) -> zbus::Result<String>;
 
     /// Sandbox name.
     #[zbus(property)]

@@ -227,6 +227,38 @@ pub struct ExecResult {
     pub stderr: Vec<u8>,
 }
 
+/// One branch moved by a sync.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct BranchSync {
+    /// Branch name.
+    pub branch: String,
+    /// Previous commit of the destination ref; empty for a new branch.
+    pub old: String,
+    /// New commit; empty when the branch was removed.
+    pub new: String,
+    /// Commits new to the destination.
+    pub commits: u32,
+    /// Files changed between old and new.
+    pub files_changed: u32,
+    /// Up to 50 of the changed paths.
+    pub files: Vec<String>,
+}
+
+/// What a sync did (or, for a dry run, would do).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct SyncReport {
+    /// `to-host` (sandbox branches into the host repository) or `from-host`.
+    pub direction: String,
+    /// Nothing was written.
+    pub dry_run: bool,
+    /// Branches that changed.
+    pub branches: Vec<BranchSync>,
+    /// What was skipped, and why.
+    pub skipped: Vec<String>,
+    /// What `into` did to the host branch, or empty.
+    pub into: String,
+}
+
 /// Ports of a sandbox by name (`ssh`, `web`, …).
 pub type Ports = BTreeMap<String, u32>;
 

@@ -83,9 +83,11 @@ pub fn to_dbus(e: Error) -> api::Error {
         Error::Invalid(_) => api::Error::InvalidArgument(msg),
         Error::PermissionDenied(_) => api::Error::PermissionDenied(msg),
         Error::Backend { source, .. } if Manager::is_timeout(&source) => api::Error::Timeout(msg),
-        Error::Backend { .. } | Error::Workspace { .. } | Error::Registry(_) => {
-            api::Error::Backend(msg)
-        }
+        Error::Conflict(_) => api::Error::Conflict(msg),
+        Error::Backend { .. }
+        | Error::Workspace { .. }
+        | Error::Sync { .. }
+        | Error::Registry(_) => api::Error::Backend(msg),
     }
 }
 
@@ -144,6 +146,12 @@ async fn follow_changes(
                 Err(e) => Err(e),
             },
             Change::Removed(name) => manager::removed(&conn, name).await,
+            Change::Synced {
+                name,
+                direction,
+                branches,
+                commits,
+            } => sandbox::synced(&conn, name, direction, *branches, *commits).await,
         };
         if let Err(e) = result {
             tracing::warn!(?change, error = %e, "cannot publish a sandbox change on the bus");

@@ -8,9 +8,10 @@ use keystone_agent_api as api;
 use zbus::message::Header;
 use zbus::object_server::SignalEmitter;
 use zbus::{Connection, fdo, interface};
+use zvariant::OwnedValue;
 
 use super::{Callers, to_dbus};
-use crate::sandbox::manager::Manager;
+use crate::sandbox::manager::{Manager, SyncOptions};
 use crate::sandbox::{Sandbox, micros};
 
 /// The object at `/org/keystone/Agent1/sandbox/<name>`.
@@ -126,6 +127,56 @@ impl SandboxObject {
             .await
             .map_err(to_dbus)?;
         Ok((r.exit_code, r.stdout, r.stderr))
+    }
+
+    /// Bring the sandbox's branches to the host repository as
+    /// `refs/remotes/sandbox/<name>/*` (or, with `from_host`, the host's
+    /// branches into the workspace as `refs/remotes/host/*`). Options:
+    /// `branch` (s), `dry_run` (b), `into` (s: fast-forward this host
+    /// branch), `from_host` (b).
+    async fn sync(
+        &self,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<api::SyncReport, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let opts = parse_sync_options(&options)?;
+        self.manager
+            .sync(caller, &self.name, opts)
+            .await
+            .map_err(to_dbus)
+    }
+
+    /// A sync finished: its direction, how many branches and commits moved.
+    #[zbus(signal)]
+    async fn synced(
+        emitter: &SignalEmitter<'_>,
+        direction: &str,
+        branches: u32,
+        commits: u32,
+    ) -> zbus::Result<()>;
+
+    /// Time of the last sync, µs since the epoch; 0 = never.
+    #[zbus(property)]
+    async fn last_sync_at(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<u64> {
+        self.visible(conn, header)
+            .await
+            .map(|s| micros(s.last_sync_at))
+    }
+
+    /// One line on the last sync's result.
+    #[zbus(property)]
+    async fn last_sync_result(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header).await.map(|s| s.last_sync_result)
     }
 
     /// Sandbox name.
@@ -345,6 +396,12 @@ pub async fn announce(conn: &Connection, manager: &Arc<Manager>, name: &str) {
         if before.declared != now.declared {
             obj.declared_changed(emitter).await?;
         }
+        if before.last_sync_at != now.last_sync_at {
+            obj.last_sync_at_changed(emitter).await?;
+        }
+        if before.last_sync_result != now.last_sync_result {
+            obj.last_sync_result_changed(emitter).await?;
+        }
         if before.ports != now.ports {
             obj.ports_changed(emitter).await?;
         }
@@ -357,4 +414,62 @@ pub async fn announce(conn: &Connection, manager: &Arc<Manager>, name: &str) {
     if let Err(e) = r {
         tracing::warn!(sandbox = %name, error = %e, "cannot emit PropertiesChanged");
     }
+}
+
+fn parse_sync_options(options: &HashMap<String, OwnedValue>) -> Result<SyncOptions, api::Error> {
+    let mut o = SyncOptions::default();
+    let mut problems = Vec::new();
+    for (key, value) in options {
+        let text = || String::try_from(value.try_clone().ok()?).ok();
+        let flag = || bool::try_from(value).ok();
+        match key.as_str() {
+            "branch" => {
+                o.branch = text().or_else(|| {
+                    problems.push("option 'branch' must be a string".into());
+                    None
+                })
+            }
+            "into" => {
+                o.into = text().or_else(|| {
+                    problems.push("option 'into' must be a string".into());
+                    None
+                })
+            }
+            "dry_run" => {
+                o.dry_run = flag().unwrap_or_else(|| {
+                    problems.push("option 'dry_run' must be a boolean".into());
+                    false
+                })
+            }
+            "from_host" => {
+                o.from_host = flag().unwrap_or_else(|| {
+                    problems.push("option 'from_host' must be a boolean".into());
+                    false
+                })
+            }
+            other => problems.push(format!(
+                "unknown option '{other}' (known: branch, into, dry_run, from_host)"
+            )),
+        }
+    }
+    if problems.is_empty() {
+        Ok(o)
+    } else {
+        Err(to_dbus(crate::error::Error::Invalid(problems)))
+    }
+}
+
+/// Emit `Synced` on the sandbox's object.
+pub async fn synced(
+    conn: &Connection,
+    name: &str,
+    direction: &str,
+    branches: u32,
+    commits: u32,
+) -> zbus::Result<()> {
+    let Some(path) = api::sandbox_path(name) else {
+        return Ok(());
+    };
+    let emitter = SignalEmitter::new(conn, path)?;
+    SandboxObject::synced(&emitter, direction, branches, commits).await
 }

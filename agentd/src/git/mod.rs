@@ -1,3 +1,6 @@
 //! Git: checking a project and preparing a sandbox's workspace from it.
 
+pub mod refs;
+pub mod sync;
+pub mod transfer;
 pub mod workspace;

@@ -20,6 +20,22 @@ pub fn allow_foreign_owners() {
     let _ = unsafe { git2::opts::set_verify_owner_validation(false) };
 }
 
+/// Keep libgit2 away from every global, XDG and system git config: the
+/// reading side of a sync must not act on any config, and a helper running
+/// as another uid may not even be able to read them.
+pub fn ignore_global_config() {
+    for level in [
+        git2::ConfigLevel::System,
+        git2::ConfigLevel::XDG,
+        git2::ConfigLevel::Global,
+        git2::ConfigLevel::ProgramData,
+    ] {
+        // SAFETY: process-wide libgit2 option, set at the start of a helper
+        // process before any repository is opened.
+        let _ = unsafe { git2::opts::set_search_path(level, "") };
+    }
+}
+
 /// Check that `path` is a git repository the current process can read, and
 /// return its canonical path. Run as the caller (see [`crate::auth`]).
 pub fn check_project(path: &Path) -> Result<PathBuf, String> {

@@ -11,7 +11,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use keystone_agent_api::types::Ports;
-use keystone_agent_api::{BackendKind, ExecResult, SandboxConfig, SandboxState, SandboxSummary};
+use keystone_agent_api::{
+    BackendKind, BranchSync, ExecResult, SandboxConfig, SandboxState, SandboxSummary, SyncReport,
+};
 use tokio::sync::broadcast;
 
 use super::Sandbox;
@@ -21,7 +23,9 @@ use crate::auth::{self, Caller};
 use crate::backend::{Backend, BackendError, ExecRequest, SandboxSpec};
 use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
-use crate::git::workspace;
+use crate::git::sync::WriteSpec;
+use crate::git::transfer::{self, Side, Transfer};
+use crate::git::{refs, workspace};
 use crate::registry::Registry;
 
 /// What changed, for the D-Bus layer.
@@ -33,6 +37,30 @@ pub enum Change {
     Updated(String),
     /// A sandbox is gone.
     Removed(String),
+    /// A sync finished.
+    Synced {
+        /// Sandbox name.
+        name: String,
+        /// `to-host` or `from-host`.
+        direction: &'static str,
+        /// Branches that moved.
+        branches: u32,
+        /// Commits that came over.
+        commits: u32,
+    },
+}
+
+/// Options of a sync.
+#[derive(Debug, Clone, Default)]
+pub struct SyncOptions {
+    /// Only this branch.
+    pub branch: Option<String>,
+    /// Report only.
+    pub dry_run: bool,
+    /// Also fast-forward this host branch.
+    pub into: Option<String>,
+    /// The other direction: host branches into the workspace.
+    pub from_host: bool,
 }
 
 /// Options of a create request; `None` = the default.
@@ -292,6 +320,8 @@ impl Manager {
             owner: caller.uid,
             declared: false,
             creating: true,
+            last_sync_at: None,
+            last_sync_result: String::new(),
             runtime: None,
         };
         self.insert_new(sb).await
@@ -358,10 +388,16 @@ impl Manager {
                 b.create(d)
                     .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
             }
+            // The sandbox's own uid (sync helpers) passes through to its
+            // workspace; everything else here stays agentd's.
+            std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o711))
+                .map_err(|e| format!("cannot set permissions of {}: {e}", dir.display()))?;
             if !spec.workspace.exists() {
                 let tmp = dir.join("workspace.partial");
                 let _ = workspace::remove_tree(&tmp);
                 workspace::clone_project(&project, &tmp)?;
+                std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                    .map_err(|e| e.to_string())?;
                 std::fs::rename(&tmp, &spec.workspace).map_err(|e| e.to_string())?;
             }
             if nix::unistd::Uid::effective().is_root() {
@@ -590,6 +626,159 @@ impl Manager {
             })
     }
 
+    /// Move branches between the host repository and sandbox `name`.
+    pub async fn sync(&self, caller: Caller, name: &str, opts: SyncOptions) -> Result<SyncReport> {
+        let sb = self.get(caller, name)?;
+        let mut problems = Vec::new();
+        for (what, b) in [("branch", &opts.branch), ("into", &opts.into)] {
+            if let Some(b) = b {
+                if !refs::valid_branch(b) {
+                    problems.push(format!(
+                        "{what} '{}' is not a valid git branch name",
+                        b.escape_debug()
+                    ));
+                }
+            }
+        }
+        if opts.from_host && opts.into.is_some() {
+            problems.push(
+                "--into moves a host branch; it cannot be combined with --from-host".to_owned(),
+            );
+        }
+        if !problems.is_empty() {
+            return Err(Error::Invalid(problems));
+        }
+        let lock = self.op_lock(&format!("{name}/sync"));
+        let _guard = lock.lock().await;
+        let spec = self.spec(&sb);
+        let project = sb.project_path.clone();
+        let project_git = tokio::task::spawn_blocking(move || {
+            workspace::allow_foreign_owners();
+            git2::Repository::open(&project).map(|r| r.path().to_owned())
+        })
+        .await
+        .map_err(|e| Error::Sync {
+            name: name.to_owned(),
+            message: e.to_string(),
+        })?
+        .map_err(|e| Error::Sync {
+            name: name.to_owned(),
+            message: format!(
+                "cannot open the project {}: {}",
+                sb.project_path.display(),
+                e.message()
+            ),
+        })?;
+        let direction = if opts.from_host {
+            "from-host"
+        } else {
+            "to-host"
+        };
+        let t = if opts.from_host {
+            Transfer {
+                from: Side {
+                    uid: sb.owner,
+                    path: project_git,
+                },
+                to: Side {
+                    uid: spec.uid,
+                    path: spec.workspace.clone(),
+                },
+                spec: WriteSpec {
+                    repo: spec.workspace.clone(),
+                    prefix: "refs/remotes/host/".to_owned(),
+                    remote: None,
+                    prune: opts.branch.is_none(),
+                    into: None,
+                },
+                branch: opts.branch.clone(),
+                dry_run: opts.dry_run,
+            }
+        } else {
+            Transfer {
+                from: Side {
+                    uid: spec.uid,
+                    path: spec.workspace.join(".git"),
+                },
+                to: Side {
+                    uid: sb.owner,
+                    path: sb.project_path.clone(),
+                },
+                spec: WriteSpec {
+                    repo: sb.project_path.clone(),
+                    prefix: format!("refs/remotes/sandbox/{name}/"),
+                    remote: Some((
+                        format!("sandbox/{name}"),
+                        spec.workspace.to_string_lossy().into_owned(),
+                    )),
+                    prune: opts.branch.is_none(),
+                    into: opts.into.clone(),
+                },
+                branch: opts.branch.clone(),
+                dry_run: opts.dry_run,
+            }
+        };
+        let result = transfer::run(&self.settings.exe, t).await;
+        let report = match result {
+            Ok(r) => r,
+            Err(message) => {
+                if !opts.dry_run {
+                    let _ = self.update(name, |s| {
+                        s.last_sync_at = Some(SystemTime::now());
+                        s.last_sync_result = format!("{direction}: failed: {message}");
+                    });
+                }
+                return Err(Error::Sync {
+                    name: name.to_owned(),
+                    message,
+                });
+            }
+        };
+        let branches = u32::try_from(report.read.updates.len()).unwrap_or(u32::MAX);
+        let commits: u32 = report.read.updates.iter().map(|u| u.commits).sum();
+        if !opts.dry_run {
+            let summary = match &report.diverged {
+                Some(_) => format!(
+                    "{direction}: {branches} branch(es), {commits} commit(s); --into refused"
+                ),
+                None => format!("{direction}: {branches} branch(es), {commits} commit(s)"),
+            };
+            self.update(name, |s| {
+                s.last_sync_at = Some(SystemTime::now());
+                s.last_sync_result = summary;
+            })?;
+            let _ = self.changes.send(Change::Synced {
+                name: name.to_owned(),
+                direction,
+                branches,
+                commits,
+            });
+            tracing::info!(sandbox = %name, direction, branches, commits, "synced");
+        }
+        if let Some(msg) = report.diverged {
+            return Err(Error::Conflict(format!("Sandbox '{name}': {msg}")));
+        }
+        Ok(SyncReport {
+            direction: direction.to_owned(),
+            dry_run: opts.dry_run,
+            branches: report
+                .read
+                .updates
+                .into_iter()
+                .map(|u| BranchSync {
+                    branch: u.branch,
+                    old: u.old,
+                    new: u.new,
+                    commits: u.commits,
+                    files_changed: u.files_changed,
+                    files: u.files,
+                })
+                .collect(),
+            skipped: report.read.skipped,
+            into: report.into.unwrap_or_default(),
+        })
+    }
+
     /// Bring the registry in line with reality after a start (or a crash):
     /// roll back half-created sandboxes, apply declared sandboxes, adopt
     /// sandboxes that still run, record those that do not, kill leftovers.
@@ -708,6 +897,8 @@ impl Manager {
                             owner: owner.uid.as_raw(),
                             declared: true,
                             creating: false,
+                            last_sync_at: None,
+                            last_sync_result: String::new(),
                             runtime: None,
                         },
                     );

@@ -50,6 +50,16 @@ pub struct Sandbox {
     /// Creation has not finished: on restart the sandbox is rolled back.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub creating: bool,
+    /// Time of the last sync (either direction).
+    #[serde(
+        default,
+        with = "timestamp::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub last_sync_at: Option<SystemTime>,
+    /// One line on the last sync's result.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub last_sync_result: String,
     /// What the backend recorded while the sandbox runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<Runtime>,

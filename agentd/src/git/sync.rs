@@ -1,0 +1,589 @@
+//! Moving branches between the host repository and a sandbox's workspace.
+//!
+//! Both directions are the same two-step transfer, each step in its own
+//! helper process with the least privilege that can do it:
+//!
+//! 1. the *writer* (`agentd __sync-write`), running as the owner of the
+//!    destination repository, prints what the destination already has;
+//! 2. the *reader* (`agentd __sync-read`), running as the owner of the source
+//!    repository, lists the source's branches with a strict parser
+//!    ([`super::refs`]), works out the new commits, checks their files
+//!    against the size cap and streams a pack;
+//! 3. the writer indexes the pack, checks every new tip is a commit it now
+//!    has, and moves its refs under one prefix (`refs/remotes/sandbox/<name>/`
+//!    on the host, `refs/remotes/host/` in the workspace).
+//!
+//! Neither step opens the source repository's config, runs a hook, or
+//! touches a working tree or index (except `--into`, which fast-forwards a
+//! host branch like `git merge --ff-only`). A sandbox that plants symlinks
+//! gains nothing: the reader runs as the sandbox's own uid.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use git2::{ObjectType, Oid, Repository};
+use serde::{Deserialize, Serialize};
+
+use super::refs;
+
+/// argv[1] of the reading helper.
+pub const READ_ARG: &str = "__sync-read";
+/// argv[1] of the writing helper.
+pub const WRITE_ARG: &str = "__sync-write";
+
+/// Default largest file a synced commit may add (bigger: branch skipped).
+pub const MAX_BLOB: u64 = 100 << 20;
+
+/// How many commits of its history the writer offers as haves.
+const HAVES_HISTORY: usize = 2000;
+
+/// How many changed file names a report lists per branch.
+const FILES_LISTED: usize = 50;
+
+/// What the writer already has (its first line on stdout).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Haves {
+    /// Tips the destination has (the reader leaves out their history).
+    pub haves: Vec<String>,
+    /// The destination's current refs under its prefix, by branch.
+    pub previous: BTreeMap<String, String>,
+}
+
+/// The reader's instructions (stdin, one JSON document).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReadRequest {
+    /// Tips the destination has.
+    pub haves: Vec<String>,
+    /// The destination's current refs under its prefix, by branch.
+    pub previous: BTreeMap<String, String>,
+    /// Only this branch.
+    pub branch: Option<String>,
+    /// Report, send no pack.
+    pub dry_run: bool,
+    /// Largest file a new commit may add.
+    pub max_blob: u64,
+}
+
+/// One branch that changes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Update {
+    /// Branch name.
+    pub branch: String,
+    /// Where the destination's ref was (empty: new).
+    pub old: String,
+    /// Where it goes (empty: deleted).
+    pub new: String,
+    /// Commits new to the destination.
+    pub commits: u32,
+    /// Files changed between old and new.
+    pub files_changed: u32,
+    /// Up to 50 of their paths.
+    pub files: Vec<String>,
+}
+
+/// The reader's report (its first line on stdout; a pack follows).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ReadReport {
+    /// Branches that change.
+    pub updates: Vec<Update>,
+    /// What was skipped, and why.
+    pub skipped: Vec<String>,
+}
+
+/// The writer's instructions (argv[2], JSON).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WriteSpec {
+    /// The destination repository (work tree or git dir).
+    pub repo: PathBuf,
+    /// Where branches land, e.g. `refs/remotes/sandbox/demo/`.
+    pub prefix: String,
+    /// A remote to configure so people can `git fetch` it: (name, url).
+    pub remote: Option<(String, String)>,
+    /// Remove refs under the prefix whose branch no longer exists.
+    pub prune: bool,
+    /// Fast-forward this local branch to its synced ref.
+    pub into: Option<String>,
+}
+
+/// The writer's final report (its last line on stdout).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct WriteReport {
+    /// What the reader sent (and was applied).
+    pub read: ReadReport,
+    /// What `--into` did.
+    pub into: Option<String>,
+    /// `--into` was refused because the branches diverged: how to merge.
+    pub diverged: Option<String>,
+}
+
+fn oid(s: &str) -> Result<Oid, String> {
+    Oid::from_str(s).map_err(|e| format!("bad object id '{s}': {e}"))
+}
+
+/// Entry point of `agentd __sync-read <git-dir>`.
+#[must_use]
+pub fn read_main(git_dir: &str) -> i32 {
+    super::workspace::ignore_global_config();
+    let mut input = String::new();
+    if let Err(e) = std::io::Read::read_to_string(&mut std::io::stdin(), &mut input) {
+        eprintln!("cannot read the request: {e}");
+        return 1;
+    }
+    let req: ReadRequest = match serde_json::from_str(&input) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("bad request: {e}");
+            return 1;
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    match read(Path::new(git_dir), &req, &mut out) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
+}
+
+/// Work out the updates from the repository at `git_dir`, write the report
+/// line and (unless a dry run) the pack to `out`.
+pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(), String> {
+    for (what, p) in [
+        (".git", git_dir.to_owned()),
+        ("the object store", git_dir.join("objects")),
+    ] {
+        let meta = std::fs::symlink_metadata(&p)
+            .map_err(|e| format!("cannot read {what} at {}: {e}", p.display()))?;
+        if !meta.is_dir() {
+            return Err(format!(
+                "{what} at {} is not a directory (a symlink?); nothing was synced",
+                p.display()
+            ));
+        }
+    }
+    let (mut branches, mut skipped) = refs::read_branches(git_dir, "refs/heads");
+    if let Some(only) = &req.branch {
+        branches.retain(|b, _| b == only);
+        if branches.is_empty() {
+            return Err(format!("there is no branch '{only}' to sync"));
+        }
+    }
+    // The object store only: no config, no hooks, no working tree.
+    let odb = git2::Odb::new().map_err(|e| e.message().to_owned())?;
+    odb.add_disk_alternate(&git_dir.join("objects").to_string_lossy())
+        .map_err(|e| e.message().to_owned())?;
+    let repo = Repository::from_odb(odb).map_err(|e| e.message().to_owned())?;
+    let odb = repo.odb().map_err(|e| e.message().to_owned())?;
+    let haves: Vec<Oid> = req
+        .haves
+        .iter()
+        .filter_map(|h| Oid::from_str(h).ok())
+        .filter(|o| odb.exists(*o))
+        .collect();
+
+    let mut report = ReadReport::default();
+    let mut send = Vec::new();
+    for (branch, tip) in &branches {
+        let old = req.previous.get(branch).cloned().unwrap_or_default();
+        if old == tip.to_string() {
+            continue;
+        }
+        match examine(&repo, &odb, branch, *tip, &old, &haves, req.max_blob) {
+            Ok(u) => {
+                send.push(*tip);
+                report.updates.push(u);
+            }
+            Err(msg) => skipped.push(msg),
+        }
+    }
+    if req.branch.is_none() {
+        for (branch, old) in &req.previous {
+            if !branches.contains_key(branch) {
+                report.updates.push(Update {
+                    branch: branch.clone(),
+                    old: old.clone(),
+                    new: String::new(),
+                    commits: 0,
+                    files_changed: 0,
+                    files: Vec::new(),
+                });
+            }
+        }
+    }
+    report.skipped = skipped;
+    let mut line = serde_json::to_vec(&report).map_err(|e| e.to_string())?;
+    line.push(b'\n');
+    out.write_all(&line).map_err(|e| e.to_string())?;
+    if req.dry_run || send.is_empty() {
+        return out.flush().map_err(|e| e.to_string());
+    }
+    let mut walk = repo.revwalk().map_err(|e| e.message().to_owned())?;
+    for t in &send {
+        walk.push(*t).map_err(|e| e.message().to_owned())?;
+    }
+    for h in &haves {
+        walk.hide(*h).map_err(|e| e.message().to_owned())?;
+    }
+    let mut pb = repo.packbuilder().map_err(|e| e.message().to_owned())?;
+    pb.insert_walk(&mut walk)
+        .map_err(|e| e.message().to_owned())?;
+    let mut failed = None;
+    pb.foreach(|chunk| match out.write_all(chunk) {
+        Ok(()) => true,
+        Err(e) => {
+            failed = Some(e.to_string());
+            false
+        }
+    })
+    .map_err(|e| failed.clone().unwrap_or_else(|| e.message().to_owned()))?;
+    out.flush().map_err(|e| e.to_string())
+}
+
+/// Check one branch: its tip is a commit, its new files are within the cap.
+fn examine(
+    repo: &Repository,
+    odb: &git2::Odb<'_>,
+    branch: &str,
+    tip: Oid,
+    old: &str,
+    haves: &[Oid],
+    max_blob: u64,
+) -> Result<Update, String> {
+    let b = branch.escape_debug();
+    let commit = repo
+        .find_commit(tip)
+        .map_err(|_| format!("branch '{b}' points to {tip}, which is not a commit; skipped"))?;
+    let mut walk = repo.revwalk().map_err(|e| e.message().to_owned())?;
+    walk.push(tip)
+        .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+    for h in haves {
+        let _ = walk.hide(*h);
+    }
+    let mut commits = 0u32;
+    let mut oldest = None;
+    for c in walk {
+        let c =
+            c.map_err(|e| format!("branch '{b}': broken history ({}); skipped", e.message()))?;
+        commits += 1;
+        oldest = Some(c);
+    }
+    // The files the new commits bring, each within the cap.
+    let base_tree = Oid::from_str(old)
+        .ok()
+        .filter(|o| odb.exists(*o))
+        .and_then(|o| repo.find_commit(o).ok())
+        .or_else(|| oldest.and_then(|o| repo.find_commit(o).ok()?.parent(0).ok()))
+        .and_then(|c| c.tree().ok());
+    let tree = commit
+        .tree()
+        .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+    let diff = repo
+        .diff_tree_to_tree(base_tree.as_ref(), Some(&tree), None)
+        .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+    let mut files = Vec::new();
+    let mut files_changed = 0u32;
+    for d in diff.deltas() {
+        files_changed += 1;
+        let path = d
+            .new_file()
+            .path()
+            .or_else(|| d.old_file().path())
+            .map(|p| p.to_string_lossy().into_owned());
+        let id = d.new_file().id();
+        if !id.is_zero() {
+            if let Ok((size, ObjectType::Blob)) = odb.read_header(id) {
+                if size as u64 > max_blob {
+                    return Err(format!(
+                        "branch '{b}' adds {} of {} MiB, over the {} MiB limit; skipped",
+                        path.unwrap_or_default(),
+                        size >> 20,
+                        max_blob >> 20
+                    ));
+                }
+            }
+        }
+        if files.len() < FILES_LISTED {
+            files.extend(path);
+        }
+    }
+    Ok(Update {
+        branch: branch.to_owned(),
+        old: old.to_owned(),
+        new: tip.to_string(),
+        commits,
+        files_changed,
+        files,
+    })
+}
+
+/// Entry point of `agentd __sync-write <spec-json>`.
+#[must_use]
+pub fn write_main(spec: &str) -> i32 {
+    let spec: WriteSpec = match serde_json::from_str(spec) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("bad spec: {e}");
+            return 1;
+        }
+    };
+    let mut stdout = std::io::stdout().lock();
+    let stdin = std::io::stdin().lock();
+    match write(&spec, stdin, &mut stdout) {
+        Ok(report) => {
+            let _ = serde_json::to_writer(&mut stdout, &report);
+            let _ = stdout.write_all(b"\n");
+            0
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
+}
+
+/// The writer: print the haves, then apply what the reader sends.
+pub fn write(
+    spec: &WriteSpec,
+    mut input: impl BufRead,
+    out: &mut impl Write,
+) -> Result<WriteReport, String> {
+    super::workspace::allow_foreign_owners();
+    let repo = Repository::open_ext(
+        &spec.repo,
+        git2::RepositoryOpenFlags::NO_SEARCH,
+        std::iter::empty::<&str>(),
+    )
+    .map_err(|e| format!("cannot open {}: {}", spec.repo.display(), e.message()))?;
+    let (previous, _) = refs::read_branches(repo.path(), spec.prefix.trim_end_matches('/'));
+    let mut haves: Vec<String> = previous.values().map(Oid::to_string).collect();
+    let (heads, _) = refs::read_branches(repo.path(), "refs/heads");
+    haves.extend(heads.values().map(Oid::to_string));
+    if spec.prefix != "refs/remotes/host/" {
+        let (host, _) = refs::read_branches(repo.path(), "refs/remotes/host");
+        haves.extend(host.values().map(Oid::to_string));
+    }
+    // The reader can only leave out history it shares with us; tips it does
+    // not have hide nothing, so offer recent ancestors too.
+    if let Ok(mut walk) = repo.revwalk() {
+        for h in &haves {
+            if let Ok(o) = Oid::from_str(h) {
+                let _ = walk.push(o);
+            }
+        }
+        let ancestors: Vec<String> = walk
+            .flatten()
+            .take(HAVES_HISTORY)
+            .map(|o| o.to_string())
+            .collect();
+        haves.extend(ancestors);
+    }
+    haves.sort();
+    haves.dedup();
+    let h = Haves {
+        haves,
+        previous: previous
+            .iter()
+            .map(|(k, v)| (k.clone(), v.to_string()))
+            .collect(),
+    };
+    serde_json::to_writer(&mut *out, &h).map_err(|e| e.to_string())?;
+    out.write_all(b"\n")
+        .and_then(|()| out.flush())
+        .map_err(|e| e.to_string())?;
+
+    let mut line = String::new();
+    if input.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+        return Ok(WriteReport::default()); // dry run: the reader's report went elsewhere
+    }
+    let read: ReadReport =
+        serde_json::from_str(&line).map_err(|e| format!("bad report from the reader: {e}"))?;
+    let odb = repo.odb().map_err(|e| e.message().to_owned())?;
+    if read
+        .updates
+        .iter()
+        .any(|u| !u.new.is_empty() && !odb.exists(Oid::from_str(&u.new).unwrap_or(Oid::zero())))
+    {
+        let mut w = odb.packwriter().map_err(|e| e.message().to_owned())?;
+        std::io::copy(&mut input, &mut w).map_err(|e| format!("receiving objects: {e}"))?;
+        w.commit()
+            .map_err(|e| format!("indexing the received objects: {}", e.message()))?;
+    }
+    let mut report = WriteReport {
+        read,
+        ..WriteReport::default()
+    };
+    for u in &report.read.updates {
+        if !refs::valid_branch(&u.branch) {
+            return Err(format!(
+                "refusing branch name '{}'",
+                u.branch.escape_debug()
+            ));
+        }
+        let name = format!("{}{}", spec.prefix, u.branch);
+        if u.new.is_empty() {
+            if spec.prune {
+                if let Ok(mut r) = repo.find_reference(&name) {
+                    r.delete()
+                        .map_err(|e| format!("cannot delete {name}: {}", e.message()))?;
+                }
+            }
+            continue;
+        }
+        let new = oid(&u.new)?;
+        if repo.find_commit(new).is_err() {
+            return Err(format!(
+                "the objects of branch '{}' did not arrive",
+                u.branch
+            ));
+        }
+        repo.reference(&name, new, true, "keystone-agent sync")
+            .map_err(|e| format!("cannot update {name}: {}", e.message()))?;
+    }
+    if !spec.prune {
+        report.read.updates.retain(|u| !u.new.is_empty());
+    }
+    if let Some((name, url)) = &spec.remote {
+        ensure_remote(&repo, name, url, &spec.prefix)?;
+    }
+    if let Some(branch) = &spec.into {
+        fast_forward(
+            &repo,
+            branch,
+            &format!("{}{branch}", spec.prefix),
+            &mut report,
+        )?;
+    }
+    Ok(report)
+}
+
+fn ensure_remote(repo: &Repository, name: &str, url: &str, prefix: &str) -> Result<(), String> {
+    let refspec = format!("+refs/heads/*:{prefix}*");
+    match repo.find_remote(name) {
+        Ok(r) if r.url() == Some(url) => Ok(()),
+        Ok(_) => repo
+            .remote_set_url(name, url)
+            .map_err(|e| e.message().to_owned()),
+        Err(_) => repo
+            .remote_with_fetch(name, url, &refspec)
+            .map(|_| ())
+            .map_err(|e| e.message().to_owned()),
+    }
+}
+
+/// Move local `branch` to `synced` only if that is a fast-forward; update
+/// the files too when the branch is checked out in a clean work tree.
+fn fast_forward(
+    repo: &Repository,
+    branch: &str,
+    synced: &str,
+    report: &mut WriteReport,
+) -> Result<(), String> {
+    let target = repo
+        .refname_to_id(synced)
+        .map_err(|_| format!("there is no synced branch {synced} to fast-forward '{branch}' to"))?;
+    let local = format!("refs/heads/{branch}");
+    let short_synced = synced.trim_start_matches("refs/remotes/");
+    let current = repo.refname_to_id(&local).ok();
+    if current == Some(target) {
+        report.into = Some(format!(
+            "'{branch}' is already at {}",
+            &target.to_string()[..12]
+        ));
+        return Ok(());
+    }
+    if let Some(cur) = current {
+        let ff = repo
+            .graph_descendant_of(target, cur)
+            .map_err(|e| e.message().to_owned())?;
+        if !ff {
+            report.diverged = Some(format!(
+                "'{branch}' and {short_synced} have diverged; nothing was changed. To merge by hand:\n  \
+                 git switch {branch}\n  git merge {short_synced}\n(or: git rebase {short_synced})"
+            ));
+            return Ok(());
+        }
+    }
+    // A branch checked out in one of the host's other work trees is left alone,
+    // as git itself does.
+    for wt in repo
+        .worktrees()
+        .map_err(|e| e.message().to_owned())?
+        .iter()
+        .flatten()
+    {
+        let Ok(wt) = repo.find_worktree(wt) else {
+            continue;
+        };
+        let Ok(wt_repo) = Repository::open_from_worktree(&wt) else {
+            continue;
+        };
+        if wt_repo
+            .find_reference("HEAD")
+            .ok()
+            .and_then(|h| h.symbolic_target().map(str::to_owned))
+            .as_deref()
+            == Some(local.as_str())
+        {
+            report.diverged = Some(format!(
+                "'{branch}' is checked out in the work tree {}; nothing was changed. Run there: \
+                 git merge --ff-only {short_synced}",
+                wt.path().display()
+            ));
+            return Ok(());
+        }
+    }
+    let head_is_branch = repo
+        .find_reference("HEAD")
+        .ok()
+        .and_then(|h| h.symbolic_target().map(str::to_owned))
+        .as_deref()
+        == Some(local.as_str());
+    if head_is_branch && !repo.is_bare() {
+        let mut opts = git2::StatusOptions::new();
+        opts.include_untracked(false).include_ignored(false);
+        let dirty = repo
+            .statuses(Some(&mut opts))
+            .map_err(|e| e.message().to_owned())?
+            .len();
+        if dirty > 0 {
+            report.diverged = Some(format!(
+                "'{branch}' is checked out and its work tree has {dirty} uncommitted change(s); nothing was \
+                 changed. Commit or stash them, then run the sync again (or: git merge --ff-only {short_synced})"
+            ));
+            return Ok(());
+        }
+        let tree = repo
+            .find_commit(target)
+            .and_then(|c| c.tree())
+            .map_err(|e| e.message().to_owned())?;
+        let mut co = git2::build::CheckoutBuilder::new();
+        co.safe();
+        repo.checkout_tree(tree.as_object(), Some(&mut co))
+            .map_err(|e| {
+                format!(
+                    "cannot update the files of '{branch}': {}; nothing was changed",
+                    e.message()
+                )
+            })?;
+    }
+    repo.reference(
+        &local,
+        target,
+        true,
+        &format!("keystone-agent: fast-forward to {short_synced}"),
+    )
+    .map_err(|e| e.message().to_owned())?;
+    report.into = Some(format!(
+        "'{branch}' fast-forwarded {} -> {}{}",
+        current.map_or_else(|| "(new)".to_owned(), |c| c.to_string()[..12].to_owned()),
+        &target.to_string()[..12],
+        if head_is_branch {
+            " (files updated)"
+        } else {
+            ""
+        }
+    ));
+    Ok(())
+}

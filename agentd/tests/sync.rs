@@ -1,0 +1,302 @@
+//! Sync between the host repository and a sandbox, through the real agentctl
+//! and agentd, with real repositories.
+
+mod common;
+
+use std::fs;
+
+use common::{Env, git};
+
+/// Run a shell script inside the sandbox (as its agent), returning stdout.
+fn sh(env: &Env, name: &str, script: &str) -> String {
+    let full = format!(
+        "set -e; git config --global user.email agent@example.com; git config --global user.name Agent; {script}"
+    );
+    env.ok(&["exec", name, "--", "sh", "-c", &full])
+}
+
+fn host_state(repo: &std::path::Path) -> (String, String, String) {
+    (
+        git(repo, &["rev-parse", "HEAD"]),
+        git(repo, &["status", "--porcelain=v1", "--untracked-files=all"]),
+        fs::read_to_string(repo.join("README.md")).unwrap(),
+    )
+}
+
+fn setup(env: &Env, name: &str) -> std::path::PathBuf {
+    let repo = env.repo(name);
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", name]);
+    repo
+}
+
+#[test]
+fn to_host_brings_branches_and_leaves_the_work_tree_alone() {
+    let env = Env::new();
+    let repo = setup(&env, "proj");
+    // Uncommitted host work that must survive untouched.
+    fs::write(repo.join("README.md"), "# edited on the host\n").unwrap();
+    fs::write(repo.join("notes.txt"), "untracked\n").unwrap();
+    let before = host_state(&repo);
+
+    sh(
+        &env,
+        "proj",
+        "echo one > one.txt; git add one.txt; git commit -qm one; \
+                      git switch -qc feature/x; echo two > two.txt; git add two.txt; git commit -qm two; git switch -q main",
+    );
+    let main = sh(&env, "proj", "git rev-parse main");
+    let feature = sh(&env, "proj", "git rev-parse feature/x");
+
+    let dry = env.ok(&["sync", "proj", "--dry-run"]);
+    assert!(dry.contains("Would bring 2 branch(es)"), "{dry}");
+    assert!(
+        dry.contains("main") && dry.contains("1 commit(s), 1 file(s): one.txt"),
+        "{dry}"
+    );
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&repo)
+        .args(["rev-parse", "--verify", "-q", "sandbox/proj/main"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a dry run wrote a ref");
+
+    let out = env.ok(&["sync", "proj"]);
+    assert!(out.contains("Brought 2 branch(es)"), "{out}");
+    assert_eq!(
+        git(&repo, &["rev-parse", "refs/remotes/sandbox/proj/main"]),
+        main
+    );
+    assert_eq!(
+        git(&repo, &["rev-parse", "refs/remotes/sandbox/proj/feature/x"]),
+        feature
+    );
+    assert_eq!(
+        git(&repo, &["log", "--format=%s", "sandbox/proj/main"]),
+        "one\nfirst\n"
+    );
+    assert_eq!(
+        host_state(&repo),
+        before,
+        "the host's HEAD, index or files changed"
+    );
+    // A real remote, so `git fetch sandbox/proj` knows where to go.
+    let url = git(&repo, &["config", "remote.sandbox/proj.url"]);
+    assert!(url.trim().ends_with("sandboxes/proj/workspace"), "{url}");
+
+    // Nothing new: exit 2.
+    let out = env.ctl(&["sync", "proj"]);
+    assert_eq!(out.status.code(), Some(2));
+    // JSON for scripts.
+    sh(&env, "proj", "echo three >> one.txt; git commit -qam three");
+    let json: serde_json::Value =
+        serde_json::from_str(&env.ok(&["sync", "proj", "--json", "--branch", "main"])).unwrap();
+    assert_eq!(json["branches"][0]["branch"], "main");
+    assert_eq!(json["branches"][0]["commits"], 1);
+    assert_eq!(json["branches"][0]["old"], main.trim());
+    let st = env.status("proj");
+    assert!(st["state"] == "running");
+    // Works on a stopped sandbox too: the workspace is on the host's disk.
+    env.ok(&["stop", "proj"]);
+    assert_eq!(env.ctl(&["sync", "proj"]).status.code(), Some(2));
+}
+
+#[test]
+fn into_fast_forwards_only() {
+    let env = Env::new();
+    let repo = setup(&env, "ff");
+    sh(
+        &env,
+        "ff",
+        "echo a > a.txt; git add a.txt; git commit -qm a",
+    );
+    let out = env.ok(&["sync", "ff", "--into", "main"]);
+    assert!(
+        out.contains("'main' fast-forwarded") && out.contains("(files updated)"),
+        "{out}"
+    );
+    assert_eq!(fs::read_to_string(repo.join("a.txt")).unwrap(), "a\n");
+    assert_eq!(git(&repo, &["status", "--porcelain"]), "");
+
+    // A dirty checkout is never overwritten.
+    sh(
+        &env,
+        "ff",
+        "echo b > b.txt; git add b.txt; git commit -qm b",
+    );
+    fs::write(repo.join("a.txt"), "host edit\n").unwrap();
+    let head = git(&repo, &["rev-parse", "HEAD"]);
+    let err = env.fails(3, &["sync", "ff", "--into", "main"]);
+    assert!(err.contains("uncommitted change"), "{err}");
+    assert_eq!(git(&repo, &["rev-parse", "HEAD"]), head);
+    assert_eq!(
+        fs::read_to_string(repo.join("a.txt")).unwrap(),
+        "host edit\n"
+    );
+    git(&repo, &["checkout", "--", "a.txt"]);
+
+    // Diverged: exit 3 with the commands to merge by hand; nothing moves.
+    fs::write(repo.join("host.txt"), "h\n").unwrap();
+    git(&repo, &["add", "host.txt"]);
+    git(
+        &repo,
+        &[
+            "-c",
+            "user.name=H",
+            "-c",
+            "user.email=h@example.com",
+            "commit",
+            "-qm",
+            "host",
+        ],
+    );
+    let head = git(&repo, &["rev-parse", "HEAD"]);
+    let err = env.fails(3, &["sync", "ff", "--into", "main"]);
+    assert!(
+        err.contains("diverged") && err.contains("git merge sandbox/ff/main"),
+        "{err}"
+    );
+    assert_eq!(git(&repo, &["rev-parse", "HEAD"]), head);
+
+    // A branch that is not checked out moves without touching files.
+    sh(
+        &env,
+        "ff",
+        "git switch -qc topic; echo t > t.txt; git add t.txt; git commit -qm t",
+    );
+    env.ok(&["sync", "ff", "--into", "topic", "--branch", "topic"]);
+    assert_eq!(
+        git(&repo, &["rev-parse", "topic"]),
+        sh(&env, "ff", "git rev-parse topic")
+    );
+    assert!(!repo.join("t.txt").exists());
+}
+
+#[test]
+fn from_host_updates_only_host_refs() {
+    let env = Env::new();
+    let repo = setup(&env, "fh");
+    sh(&env, "fh", "echo wip > wip.txt; echo local >> README.md");
+    let before = sh(
+        &env,
+        "fh",
+        "git rev-parse HEAD; git status --porcelain; git branch --list",
+    );
+    fs::write(repo.join("new.txt"), "n\n").unwrap();
+    git(&repo, &["add", "new.txt"]);
+    git(
+        &repo,
+        &[
+            "-c",
+            "user.name=H",
+            "-c",
+            "user.email=h@example.com",
+            "commit",
+            "-qm",
+            "host work",
+        ],
+    );
+    git(&repo, &["branch", "release"]);
+    let out = env.ok(&["sync", "fh", "--from-host"]);
+    assert!(out.contains("into sandbox 'fh'"), "{out}");
+    assert_eq!(
+        sh(&env, "fh", "git rev-parse host/main"),
+        git(&repo, &["rev-parse", "main"])
+    );
+    assert_eq!(
+        sh(&env, "fh", "git rev-parse host/release"),
+        git(&repo, &["rev-parse", "release"])
+    );
+    assert_eq!(
+        sh(
+            &env,
+            "fh",
+            "git rev-parse HEAD; git status --porcelain; git branch --list"
+        ),
+        before
+    );
+    assert_eq!(
+        env.ctl(&["sync", "fh", "--from-host"]).status.code(),
+        Some(2)
+    );
+}
+
+#[test]
+fn a_hostile_workspace_cannot_hurt_the_host() {
+    let env = Env::new();
+    let repo = setup(&env, "evil");
+    let marker = env.tmp.path().join("hook-ran");
+    // Hooks and fsmonitor set by the sandbox must never run on the host.
+    let hook = format!("#!/bin/sh\ntouch {}\n", marker.display());
+    sh(
+        &env,
+        "evil",
+        &format!(
+            "mkdir -p /workspace/.hooks; printf '{}' > /workspace/.hooks/post-merge; chmod +x /workspace/.hooks/*; \
+         cp /workspace/.hooks/post-merge /workspace/.git/hooks/reference-transaction; chmod +x /workspace/.git/hooks/*; \
+         git config core.hooksPath /workspace/.hooks; git config core.fsmonitor /workspace/.hooks/post-merge; \
+         echo ok > ok.txt; git add ok.txt; git commit -qm ok",
+            hook.replace('\n', "\\n")
+        ),
+    );
+    // Refs the sandbox planted: a symlink, garbage, names git forbids.
+    let refs_dir = env
+        .state_dir
+        .join("sandboxes/evil/workspace/.git/refs/heads");
+    let main = fs::read_to_string(refs_dir.join("main")).unwrap();
+    std::os::unix::fs::symlink(repo.join(".git/refs/heads/main"), refs_dir.join("link")).unwrap();
+    fs::write(refs_dir.join("garbage"), "this is not a hash\n").unwrap();
+    fs::write(refs_dir.join("a..b"), &main).unwrap();
+    fs::write(refs_dir.join("bell\u{7}"), &main).unwrap();
+    // And a 120 MiB file on its own branch.
+    sh(
+        &env,
+        "evil",
+        "git switch -qc big; truncate -s 120M big.bin; git add big.bin; git commit -qm big; git switch -q main",
+    );
+
+    let before = git(&repo, &["for-each-ref"]);
+    let out = env.ctl(&["sync", "evil"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "'link' is a symlink",
+        "'garbage' has a malformed ref",
+        "'a..b' is not a valid git ref",
+        "over the 100 MiB limit",
+    ] {
+        assert!(err.contains(needle), "missing {needle:?} in {err}");
+    }
+    assert!(String::from_utf8_lossy(&out.stdout).contains("main"));
+    let after = git(&repo, &["for-each-ref", "--format=%(refname)"]);
+    assert_eq!(
+        after
+            .lines()
+            .filter(|r| r.starts_with("refs/remotes/sandbox/evil/"))
+            .collect::<Vec<_>>(),
+        ["refs/remotes/sandbox/evil/main"]
+    );
+    assert!(!marker.exists(), "a sandbox hook ran on the host");
+    assert!(
+        before
+            .lines()
+            .all(|l| git(&repo, &["for-each-ref"]).contains(l))
+    );
+
+    // .git swapped for a symlink to the host's own repository: refused.
+    let ws = env.state_dir.join("sandboxes/evil/workspace");
+    fs::rename(ws.join(".git"), ws.join("git.real")).unwrap();
+    std::os::unix::fs::symlink(repo.join(".git"), ws.join(".git")).unwrap();
+    let refs_before = git(&repo, &["for-each-ref"]);
+    let err = env.fails(3, &["sync", "evil"]);
+    assert!(err.contains("not a directory (a symlink?)"), "{err}");
+    assert_eq!(git(&repo, &["for-each-ref"]), refs_before);
+    assert!(!marker.exists());
+    // agentd is fine.
+    assert_eq!(env.state("evil"), "running");
+}
