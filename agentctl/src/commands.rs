@@ -51,7 +51,41 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                     opts.insert(key, v.into());
                 }
             }
-            let path = manager.create_sandbox(&abs.to_string_lossy(), opts).await?;
+            // Show the workspace being prepared while the call runs.
+            let mut progress = manager
+                .receive_create_progress()
+                .await
+                .map_err(api::Error::ZBus)?;
+            let bar = std::io::stderr().is_terminal().then(|| {
+                let b = indicatif::ProgressBar::new(0);
+                b.set_style(
+                    indicatif::ProgressStyle::with_template("{msg:>20} [{bar:30}] {pos}/{len}")
+                        .expect("template")
+                        .progress_chars("=> "),
+                );
+                b
+            });
+            let project = abs.to_string_lossy().into_owned();
+            let call = manager.create_sandbox(&project, opts);
+            futures_lite::pin!(call);
+            let (path, notices) = loop {
+                tokio::select! {
+                    r = &mut call => break r?,
+                    Some(sig) = futures_lite::StreamExt::next(&mut progress) => {
+                        if let (Some(bar), Ok(a)) = (&bar, sig.args()) {
+                            bar.set_length(*a.total());
+                            bar.set_position(*a.done());
+                            bar.set_message(a.stage().to_string());
+                        }
+                    }
+                }
+            };
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            for n in &notices {
+                eprintln!("note: {n}");
+            }
             let sb = sandbox(conn, &path).await?;
             let name = sb.name().await.map_err(api::Error::ZBus)?;
             println!("Created sandbox '{name}' from {}.", abs.display());

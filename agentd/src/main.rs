@@ -39,6 +39,11 @@ fn main() -> ExitCode {
     // Hidden helper modes: agentd re-executes itself for these.
     match argv.get(1).map(String::as_str) {
         Some(agentd::guest::INIT_ARG) => return code(agentd::guest::init::main()),
+        Some(agentd::git::workspace::PREPARE_ARG) => {
+            return code(agentd::git::workspace::prepare_main(
+                argv.get(2).map_or("", String::as_str),
+            ));
+        }
         Some(agentd::git::sync::READ_ARG) => {
             return code(agentd::git::sync::read_main(
                 argv.get(2).map_or("", String::as_str),

@@ -25,11 +25,12 @@ pub trait Manager {
     ///
     /// `options` may hold `name` (s), `memory` (u), `vcpus` (u),
     /// `network` (s), `sync_mode` (s), `backend` (s).
+    /// Returns the object path and notices for the person.
     fn create_sandbox(
         &self,
         project_path: &str,
         options: HashMap<&str, Value<'_>>,
-    ) -> Result<OwnedObjectPath, Error>;
+    ) -> Result<(OwnedObjectPath, Vec<String>), Error>;
 
     /// The caller's sandboxes (root: all of them).
     fn list_sandboxes(&self) -> Result<Vec<SandboxSummary>, Error>;
@@ -44,6 +45,10 @@ pub trait Manager {
     /// A sandbox was created (or loaded from the configuration).
     #[zbus(signal)]
     fn sandbox_added(&self, name: &str, path: OwnedObjectPath) -> zbus::Result<()>;
+
+    /// Progress of creating sandbox `name`'s workspace.
+    #[zbus(signal)]
+    fn create_progress(&self, name: &str, stage: &str, done: u64, total: u64) -> zbus::Result<()>;
 
     /// A sandbox was destroyed.
     #[zbus(signal)]

@@ -89,17 +89,20 @@ fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions,
 impl ManagerObject {
     /// Create a sandbox from the git repository at `project_path` (absolute).
     /// `options`: name (s), memory (u), vcpus (u), network (s), sync_mode (s),
-    /// backend (s). Returns the new sandbox's object path.
+    /// backend (s). Returns the new sandbox's object path and notices for
+    /// the person (uncommitted changes not carried in, env files copied or
+    /// skipped, submodules not cloned).
+    #[zbus(out_args("path", "notices"))]
     async fn create_sandbox(
         &self,
         project_path: String,
         options: HashMap<String, OwnedValue>,
         #[zbus(connection)] conn: &Connection,
         #[zbus(header)] header: Header<'_>,
-    ) -> Result<OwnedObjectPath, api::Error> {
+    ) -> Result<(OwnedObjectPath, Vec<String>), api::Error> {
         let caller = self.callers.caller(conn, &header).await?;
         let opts = parse_options(&options)?;
-        let sb = self
+        let (sb, notices) = self
             .manager
             .create(caller, Path::new(&project_path), opts)
             .await
@@ -107,7 +110,7 @@ impl ManagerObject {
         sandbox::export(conn, &self.manager, &self.callers, &sb.name)
             .await
             .map_err(api::Error::ZBus)?;
-        path_of(&sb.name)
+        Ok((path_of(&sb.name)?, notices))
     }
 
     /// The caller's sandboxes (root: all of them), one row each.
@@ -146,6 +149,17 @@ impl ManagerObject {
         path: OwnedObjectPath,
     ) -> zbus::Result<()>;
 
+    /// Progress of creating sandbox `name`'s workspace: `stage` says what
+    /// happens, `done` of `total` units (0 = unknown).
+    #[zbus(signal)]
+    async fn create_progress(
+        emitter: &SignalEmitter<'_>,
+        name: &str,
+        stage: &str,
+        done: u64,
+        total: u64,
+    ) -> zbus::Result<()>;
+
     /// A sandbox was destroyed.
     #[zbus(signal)]
     async fn sandbox_removed(
@@ -180,4 +194,16 @@ pub async fn removed(conn: &Connection, name: &str) -> zbus::Result<()> {
         .await?;
     let emitter = SignalEmitter::new(conn, api::MANAGER_PATH)?;
     ManagerObject::sandbox_removed(&emitter, name, path).await
+}
+
+/// Announce progress of a create.
+pub async fn progress(
+    conn: &Connection,
+    name: &str,
+    stage: &str,
+    done: u64,
+    total: u64,
+) -> zbus::Result<()> {
+    let emitter = SignalEmitter::new(conn, api::MANAGER_PATH)?;
+    ManagerObject::create_progress(&emitter, name, stage, done, total).await
 }

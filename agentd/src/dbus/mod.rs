@@ -146,6 +146,12 @@ async fn follow_changes(
                 Err(e) => Err(e),
             },
             Change::Removed(name) => manager::removed(&conn, name).await,
+            Change::Progress {
+                name,
+                stage,
+                done,
+                total,
+            } => manager::progress(&conn, name, stage, *done, *total).await,
             Change::Synced {
                 name,
                 direction,

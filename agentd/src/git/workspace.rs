@@ -6,7 +6,11 @@ use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use std::io::{Read, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+
 use git2::build::{CloneLocal, RepoBuilder};
+use serde::{Deserialize, Serialize};
 
 /// Name of the remote in the workspace that stands for the host project.
 pub const HOST_REMOTE: &str = "host";
@@ -81,20 +85,278 @@ pub fn check_project(path: &Path) -> Result<PathBuf, String> {
     Ok(canon)
 }
 
-/// Clone `project` into `dest` (which must not exist), copying objects.
-pub fn clone_project(project: &Path, dest: &Path) -> Result<(), String> {
+/// argv[1] of the helper that prepares a workspace as the project's owner.
+pub const PREPARE_ARG: &str = "__prepare-workspace";
+
+/// Largest env file copied into a workspace.
+pub const ENV_FILE_MAX: u64 = 1 << 20;
+
+/// What the prepare helper is asked to do (argv[2], JSON).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrepareSpec {
+    /// The host project.
+    pub project: PathBuf,
+    /// The (empty) directory to clone into.
+    pub dest: PathBuf,
+    /// Glob patterns of ignored files at the project root to copy.
+    pub env_files: Vec<String>,
+}
+
+/// A line the prepare helper prints on stdout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PrepareEvent {
+    /// Progress of a stage.
+    Progress {
+        /// What is happening.
+        stage: String,
+        /// Units done.
+        done: u64,
+        /// Units in all (0 = unknown).
+        total: u64,
+    },
+    /// Something the person should know (not carried in, skipped, …).
+    Notice {
+        /// The notice, one sentence.
+        message: String,
+    },
+    /// Finished.
+    Done,
+}
+
+fn emit(e: &PrepareEvent) {
+    let mut out = std::io::stdout().lock();
+    let _ = serde_json::to_writer(&mut out, e);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
+}
+
+/// Entry point of `agentd __prepare-workspace <spec-json>`.
+#[must_use]
+pub fn prepare_main(spec: &str) -> i32 {
+    let spec: PrepareSpec = match serde_json::from_str(spec) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("bad spec: {e}");
+            return 1;
+        }
+    };
+    match prepare(&spec, &mut emit) {
+        Ok(()) => {
+            emit(&PrepareEvent::Done);
+            0
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
+}
+
+/// Clone the project into `spec.dest` and copy its env files, reporting
+/// progress and notices through `event`. Runs as the project's owner.
+pub fn prepare(spec: &PrepareSpec, event: &mut dyn FnMut(&PrepareEvent)) -> Result<(), String> {
+    let project = check_project(&spec.project)?;
+    let host = git2::Repository::open(&project).map_err(|e| e.message().to_owned())?;
+    let notice = |event: &mut dyn FnMut(&PrepareEvent), message: String| {
+        event(&PrepareEvent::Notice { message })
+    };
+    if !host.is_bare() {
+        let mut opts = git2::StatusOptions::new();
+        opts.include_untracked(true).include_ignored(false);
+        if let Ok(st) = host.statuses(Some(&mut opts)) {
+            if !st.is_empty() {
+                notice(
+                    event,
+                    format!(
+                        "{} has {} uncommitted change(s) (including untracked files); they are not carried into \
+                     the sandbox. Commit them and run `agentctl sync NAME --from-host` to bring them over.",
+                        project.display(),
+                        st.len()
+                    ),
+                );
+            }
+        }
+    }
+    if host.head_detached().unwrap_or(false) {
+        notice(
+            event,
+            format!(
+                "{} has a detached HEAD; the workspace starts at the same commit, detached.",
+                project.display()
+            ),
+        );
+    }
+    let subs: Vec<String> = host
+        .submodules()
+        .map(|s| s.iter().map(|m| m.path().display().to_string()).collect())
+        .unwrap_or_default();
+    if !subs.is_empty() {
+        notice(
+            event,
+            format!(
+                "submodules are not cloned into the sandbox ({}); run `git submodule update --init` inside it if it may reach their URLs.",
+                subs.join(", ")
+            ),
+        );
+    }
+    clone_project(&project, &spec.dest, event)?;
+    copy_env_files(&host, &project, &spec.dest, &spec.env_files, event);
+    Ok(())
+}
+
+/// Clone `project` into `dest`, copying objects (never hard-linking).
+pub fn clone_project(
+    project: &Path,
+    dest: &Path,
+    event: &mut dyn FnMut(&PrepareEvent),
+) -> Result<(), String> {
     allow_foreign_owners();
     let url = project
         .to_str()
         .ok_or_else(|| format!("project path {} is not UTF-8", project.display()))?;
+    let mut last = std::time::Instant::now();
+    let mut co = git2::build::CheckoutBuilder::new();
+    co.progress(|_, done, total| {
+        if last.elapsed() >= std::time::Duration::from_millis(100) || done == total {
+            last = std::time::Instant::now();
+            event(&PrepareEvent::Progress {
+                stage: "checking out files".into(),
+                done: done as u64,
+                total: total as u64,
+            });
+        }
+    });
     let mut builder = RepoBuilder::new();
     builder
         .clone_local(CloneLocal::NoLinks)
+        .with_checkout(co)
         .remote_create(|repo, _name, url| repo.remote(HOST_REMOTE, url));
-    builder
+    let repo = builder
         .clone(url, dest)
         .map_err(|e| format!("cloning {} failed: {}", project.display(), e.message()))?;
+    // An empty project: start on the same (unborn) branch as the host.
+    if repo.is_empty().unwrap_or(false) {
+        if let Ok(host) = git2::Repository::open(project) {
+            if let Some(target) = host
+                .find_reference("HEAD")
+                .ok()
+                .and_then(|h| h.symbolic_target().map(str::to_owned))
+            {
+                let _ = repo.set_head(&target);
+            }
+        }
+    }
+    // The host's branches, all of them, as refs/remotes/host/*; the host's
+    // current branch tracks its host counterpart.
+    if let Ok(head) = repo.head() {
+        if let (true, Some(short)) = (head.is_branch(), head.shorthand()) {
+            let short = short.to_owned();
+            if let Ok(mut b) = repo.find_branch(&short, git2::BranchType::Local) {
+                let _ = b.set_upstream(Some(&format!("{HOST_REMOTE}/{short}")));
+            }
+        }
+    }
     Ok(())
+}
+
+/// Copy the ignored files at the project root that match `patterns`:
+/// regular files only, never through a symlink, at most [`ENV_FILE_MAX`].
+fn copy_env_files(
+    host: &git2::Repository,
+    project: &Path,
+    dest: &Path,
+    patterns: &[String],
+    event: &mut dyn FnMut(&PrepareEvent),
+) {
+    let Ok(entries) = fs::read_dir(project) else {
+        return;
+    };
+    let mut names: Vec<String> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    for name in names {
+        if name == ".git" || !patterns.iter().any(|p| glob_match(p, &name)) {
+            continue;
+        }
+        let src = project.join(&name);
+        let skip = |event: &mut dyn FnMut(&PrepareEvent), why: &str| {
+            event(&PrepareEvent::Notice {
+                message: format!("env file {name} was not copied: {why}"),
+            });
+        };
+        match host.is_path_ignored(&name) {
+            Ok(true) => {}
+            _ => continue, // tracked (already cloned) or not ignored: not an env file
+        }
+        let file = match fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+            .open(&src)
+        {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(nix::libc::ELOOP) => {
+                skip(event, "it is a symlink");
+                continue;
+            }
+            Err(e) => {
+                skip(event, &e.to_string());
+                continue;
+            }
+        };
+        let Ok(meta) = file.metadata() else { continue };
+        if !meta.is_file() {
+            skip(event, "it is not a regular file");
+            continue;
+        }
+        if meta.len() > ENV_FILE_MAX {
+            skip(
+                event,
+                &format!(
+                    "it is {} KiB, over the {} KiB limit",
+                    meta.len() >> 10,
+                    ENV_FILE_MAX >> 10
+                ),
+            );
+            continue;
+        }
+        let target = dest.join(&name);
+        let copied = (|| -> std::io::Result<()> {
+            let mut out = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(meta.permissions().mode() & 0o777)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(&target)?;
+            std::io::copy(&mut (&file).take(ENV_FILE_MAX), &mut out)?;
+            Ok(())
+        })();
+        match copied {
+            Ok(()) => event(&PrepareEvent::Notice {
+                message: format!("copied env file {name}"),
+            }),
+            Err(e) => skip(event, &e.to_string()),
+        }
+    }
+}
+
+/// Match a file name against a glob with `*` and `?`.
+#[must_use]
+pub fn glob_match(pattern: &str, name: &str) -> bool {
+    fn go(p: &[char], n: &[char]) -> bool {
+        match (p.first(), n.first()) {
+            (None, None) => true,
+            (Some('*'), _) => go(&p[1..], n) || (!n.is_empty() && go(p, &n[1..])),
+            (Some('?'), Some(_)) => go(&p[1..], &n[1..]),
+            (Some(a), Some(b)) if a == b => go(&p[1..], &n[1..]),
+            _ => false,
+        }
+    }
+    let p: Vec<char> = pattern.chars().collect();
+    let n: Vec<char> = name.chars().collect();
+    go(&p, &n)
 }
 
 /// Hand the tree at `root` to `uid`:`gid`, never following symlinks.
@@ -171,7 +433,7 @@ mod tests {
         );
 
         let dest = dir.path().join("ws");
-        clone_project(&src, &dest).unwrap();
+        clone_project(&src, &dest, &mut |_| {}).unwrap();
         assert_eq!(fs::read_to_string(dest.join("a.txt")).unwrap(), "hello");
         let ws = git2::Repository::open(&dest).unwrap();
         assert!(ws.find_remote(HOST_REMOTE).is_ok());

@@ -26,6 +26,7 @@ use crate::error::{Error, Result};
 use crate::git::sync::WriteSpec;
 use crate::git::transfer::{self, Side, Transfer};
 use crate::git::{refs, workspace};
+use crate::procfs;
 use crate::registry::Registry;
 
 /// What changed, for the D-Bus layer.
@@ -37,6 +38,17 @@ pub enum Change {
     Updated(String),
     /// A sandbox is gone.
     Removed(String),
+    /// Progress of a long operation (creating the workspace).
+    Progress {
+        /// Sandbox name.
+        name: String,
+        /// What is happening.
+        stage: String,
+        /// Units done.
+        done: u64,
+        /// Units in all (0 = unknown).
+        total: u64,
+    },
     /// A sync finished.
     Synced {
         /// Sandbox name.
@@ -255,7 +267,7 @@ impl Manager {
         caller: Caller,
         project: &Path,
         opts: CreateOptions,
-    ) -> Result<Sandbox> {
+    ) -> Result<(Sandbox, Vec<String>)> {
         let mut problems = Vec::new();
         if !project.is_absolute() {
             problems.push(format!(
@@ -330,7 +342,7 @@ impl Manager {
     /// Register `sb` (marked `creating`), prepare its directories and
     /// workspace, then mark it complete. A crash in between is rolled back
     /// by [`Manager::reconcile`].
-    async fn insert_new(&self, sb: Sandbox) -> Result<Sandbox> {
+    async fn insert_new(&self, sb: Sandbox) -> Result<(Sandbox, Vec<String>)> {
         let name = sb.name.clone();
         {
             let mut map = self.sandboxes.lock().unwrap();
@@ -345,18 +357,18 @@ impl Manager {
         }
         let lock = self.op_lock(&name);
         let _guard = lock.lock().await;
-        match self.prepare_dirs(&sb).await {
-            Ok(()) => {}
+        let notices = match self.prepare_dirs(&sb).await {
+            Ok(n) => n,
             Err(e) => {
                 self.forget(&name);
                 let _ = workspace::remove_tree(&self.registry.sandbox_dir(&name));
                 return Err(e);
             }
-        }
+        };
         let done = self.update(&name, |s| s.creating = false)?;
         let _ = self.changes.send(Change::Added(name.clone()));
         tracing::info!(sandbox = %name, project = %done.project_path.display(), owner = done.owner, "sandbox created");
-        Ok(done)
+        Ok((done, notices))
     }
 
     /// Remove `name` from memory and the registry, without touching disk.
@@ -368,49 +380,142 @@ impl Manager {
         }
     }
 
-    async fn prepare_dirs(&self, sb: &Sandbox) -> Result<()> {
+    /// Make the sandbox's directories and, when it has none yet, its
+    /// workspace: cloned by a helper running as the project's owner (so the
+    /// owner's read access is what counts), then handed to the sandbox's uid.
+    /// Returns notices for the person.
+    async fn prepare_dirs(&self, sb: &Sandbox) -> Result<Vec<String>> {
         let spec = self.spec(sb);
         let dir = self.registry.sandbox_dir(&sb.name);
-        let project = sb.project_path.clone();
         let name = sb.name.clone();
         let wsfail = |message: String| Error::Workspace {
             name: name.clone(),
             message,
         };
+        let owner = sb.owner;
         let (uid, gid) = (spec.uid, spec.gid);
-        let registry = self.registry.clone();
-        let sb2 = sb.clone();
-        tokio::task::spawn_blocking(move || -> std::result::Result<(), String> {
-            use std::os::unix::fs::DirBuilderExt;
-            let mut b = std::fs::DirBuilder::new();
-            b.recursive(true).mode(0o700);
-            for d in [&dir, &spec.log_dir, &spec.run_dir, &spec.home] {
-                b.create(d)
-                    .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
-            }
-            // The sandbox's own uid (sync helpers) passes through to its
-            // workspace; everything else here stays agentd's.
-            std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o711))
-                .map_err(|e| format!("cannot set permissions of {}: {e}", dir.display()))?;
-            if !spec.workspace.exists() {
-                let tmp = dir.join("workspace.partial");
-                let _ = workspace::remove_tree(&tmp);
-                workspace::clone_project(&project, &tmp)?;
-                std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-                    .map_err(|e| e.to_string())?;
-                std::fs::rename(&tmp, &spec.workspace).map_err(|e| e.to_string())?;
-            }
-            if nix::unistd::Uid::effective().is_root() {
-                for d in [&spec.workspace, &spec.home] {
-                    workspace::chown_tree(d, uid, gid)
-                        .map_err(|e| format!("cannot chown {}: {e}", d.display()))?;
+        let root = nix::unistd::Uid::effective().is_root();
+        let partial = dir.join("workspace.partial");
+        let need_clone = {
+            let (dir, spec, partial) = (dir.clone(), spec.clone(), partial.clone());
+            tokio::task::spawn_blocking(move || -> std::result::Result<bool, String> {
+                use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+                let mut b = std::fs::DirBuilder::new();
+                b.recursive(true).mode(0o700);
+                for d in [&dir, &spec.log_dir, &spec.run_dir, &spec.home] {
+                    b.create(d)
+                        .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
                 }
+                // The owner's and the sandbox's helpers pass through to their
+                // own directories; everything else here stays agentd's.
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+                    .map_err(|e| format!("cannot set permissions of {}: {e}", dir.display()))?;
+                if root {
+                    std::os::unix::fs::lchown(&spec.home, Some(uid), Some(gid))
+                        .map_err(|e| format!("cannot chown {}: {e}", spec.home.display()))?;
+                }
+                if procfs::is_real_dir(&spec.workspace) {
+                    return Ok(false);
+                }
+                workspace::remove_tree(&partial).map_err(|e| e.to_string())?;
+                b.create(&partial)
+                    .map_err(|e| format!("cannot create {}: {e}", partial.display()))?;
+                if root {
+                    let ogid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(owner))
+                        .ok()
+                        .flatten()
+                        .map_or(owner, |u| u.gid.as_raw());
+                    std::os::unix::fs::lchown(&partial, Some(owner), Some(ogid))
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(true)
+            })
+            .await
+            .map_err(|e| wsfail(e.to_string()))?
+            .map_err(wsfail)?
+        };
+        let mut notices = Vec::new();
+        if need_clone {
+            let prep = workspace::PrepareSpec {
+                project: sb.project_path.clone(),
+                dest: partial.clone(),
+                env_files: sb.config.env_files.clone(),
+            };
+            self.run_prepare(&sb.name, owner, &prep, &mut notices)
+                .await
+                .map_err(wsfail)?;
+            let (partial, ws) = (partial.clone(), spec.workspace.clone());
+            tokio::task::spawn_blocking(move || -> std::result::Result<(), String> {
+                use std::os::unix::fs::PermissionsExt;
+                if root && uid != owner {
+                    workspace::chown_tree(&partial, uid, gid)
+                        .map_err(|e| format!("cannot chown the workspace: {e}"))?;
+                }
+                std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o700))
+                    .map_err(|e| e.to_string())?;
+                std::fs::rename(&partial, &ws).map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|e| wsfail(e.to_string()))?
+            .map_err(wsfail)?;
+        }
+        self.registry.save_config(sb)?;
+        Ok(notices)
+    }
+
+    /// Run the prepare helper as `owner`, forwarding its progress.
+    async fn run_prepare(
+        &self,
+        name: &str,
+        owner: u32,
+        prep: &workspace::PrepareSpec,
+        notices: &mut Vec<String>,
+    ) -> std::result::Result<(), String> {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+        let mut child = auth::command_as(&self.settings.exe, owner)?
+            .arg(workspace::PREPARE_ARG)
+            .arg(serde_json::to_string(prep).map_err(|e| e.to_string())?)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start the workspace helper: {e}"))?;
+        let mut stderr = child.stderr.take().expect("piped");
+        let err_task = tokio::spawn(async move {
+            let mut t = String::new();
+            let _ = stderr.read_to_string(&mut t).await;
+            t
+        });
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("piped")).lines();
+        let mut done = false;
+        while let Ok(Some(line)) = lines.next_line().await {
+            match serde_json::from_str::<workspace::PrepareEvent>(&line) {
+                Ok(workspace::PrepareEvent::Progress { stage, done, total }) => {
+                    let _ = self.changes.send(Change::Progress {
+                        name: name.to_owned(),
+                        stage,
+                        done,
+                        total,
+                    });
+                }
+                Ok(workspace::PrepareEvent::Notice { message }) => {
+                    tracing::info!(sandbox = %name, %message, "workspace");
+                    notices.push(message);
+                }
+                Ok(workspace::PrepareEvent::Done) => done = true,
+                Err(_) => {}
             }
-            registry.save_config(&sb2).map_err(|e| e.to_string())
-        })
-        .await
-        .map_err(|e| wsfail(e.to_string()))?
-        .map_err(wsfail)
+        }
+        let status = child.wait().await.map_err(|e| e.to_string())?;
+        let err = err_task.await.unwrap_or_default();
+        if status.success() && done {
+            Ok(())
+        } else if err.trim().is_empty() {
+            Err("the workspace helper failed without a message".to_owned())
+        } else {
+            Err(err.trim().to_owned())
+        }
     }
 
     /// Start sandbox `name`.
@@ -426,9 +531,16 @@ impl Manager {
         let sb = self.transition(name, Event::Start, |s| s.state_reason.clear())?;
         tracing::info!(sandbox = %name, "starting");
         // Declared sandboxes get their workspace on first start.
-        if let Err(e) = self.prepare_dirs(&sb).await {
-            self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
-            return Err(e);
+        match self.prepare_dirs(&sb).await {
+            Ok(notices) => {
+                for n in notices {
+                    tracing::info!(sandbox = %name, notice = %n, "workspace");
+                }
+            }
+            Err(e) => {
+                self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
+                return Err(e);
+            }
         }
         let spec = self.spec(&sb);
         match backend.start(&spec).await {
