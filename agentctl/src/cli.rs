@@ -29,6 +29,49 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// `agentctl worktree …`.
+#[derive(Debug, Subcommand)]
+pub enum WorktreeCommand {
+    /// Create the worktree of BRANCH at /workspace/.worktrees/BRANCH; a
+    /// missing branch starts from the host's branch of that name, else from
+    /// --from, else from the main worktree's HEAD.
+    #[command(
+        after_help = "Examples:\n  agentctl worktree add myproject feature/login\n  \
+agentctl worktree add myproject spike --from host/main"
+    )]
+    Add {
+        /// Sandbox name.
+        name: String,
+        /// Branch (a valid git branch name; its directory mirrors it).
+        branch: String,
+        /// Where a new branch starts (a branch, tag or commit in the workspace).
+        #[arg(long, value_name = "REF")]
+        from: Option<String>,
+    },
+    /// List the worktrees: branch, path inside the sandbox, head, dirty,
+    /// ahead/behind the host's branch.
+    #[command(visible_alias = "ls")]
+    List {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a worktree (its branch stays). Refuses to drop uncommitted
+    /// work without --force.
+    #[command(visible_alias = "rm")]
+    Remove {
+        /// Sandbox name.
+        name: String,
+        /// Branch of the worktree.
+        branch: String,
+        /// Throw away uncommitted changes.
+        #[arg(long, short)]
+        force: bool,
+    },
+}
+
 /// The verbs.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -133,6 +176,10 @@ touched by --into, and only as a fast-forward of a clean checkout."
         #[arg(long)]
         json: bool,
     },
+    /// Worktrees: one per branch at /workspace/.worktrees/BRANCH, so several
+    /// agents can work on one repository side by side.
+    #[command(subcommand)]
+    Worktree(WorktreeCommand),
     /// Run a command inside a running sandbox; exits with its exit code.
     #[command(
         after_help = "Examples:\n  agentctl exec myproject -- git status\n  agentctl exec myproject --timeout 60 -- make test"

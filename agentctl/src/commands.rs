@@ -9,7 +9,7 @@ use keystone_agent_api::{
 use zbus::Connection;
 use zvariant::Value;
 
-use crate::cli::Command;
+use crate::cli::{Command, WorktreeCommand};
 use crate::output;
 use crate::{Failure, Result};
 
@@ -213,6 +213,68 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             }
             // Scripts tell "nothing new" apart from success.
             Ok(if r.branches.is_empty() { 2 } else { 0 })
+        }
+        Command::Worktree(WorktreeCommand::Add { name, branch, from }) => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let w = sb
+                .add_worktree(&branch, from.as_deref().unwrap_or(""))
+                .await?;
+            println!(
+                "Worktree of '{}' ready at {} ({}).",
+                w.branch,
+                w.path,
+                output::short(&w.head)
+            );
+            println!(
+                "Run in it: agentctl exec {name} -w {} -- git status",
+                w.path
+            );
+            Ok(0)
+        }
+        Command::Worktree(WorktreeCommand::List { name, json }) => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let list = sb.list_worktrees().await?;
+            if json {
+                let v: Vec<_> = list.iter().map(output::worktree_json).collect();
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+            } else {
+                let rows: Vec<Vec<String>> = list
+                    .iter()
+                    .map(|w| {
+                        vec![
+                            if w.branch.is_empty() {
+                                "(detached)".to_owned()
+                            } else {
+                                w.branch.clone()
+                            },
+                            output::short(&w.head),
+                            if w.dirty {
+                                "yes".to_owned()
+                            } else {
+                                "no".to_owned()
+                            },
+                            if w.has_host_branch {
+                                format!("+{} -{}", w.ahead, w.behind)
+                            } else {
+                                "-".to_owned()
+                            },
+                            w.path.clone(),
+                        ]
+                    })
+                    .collect();
+                output::table(&["BRANCH", "HEAD", "DIRTY", "VS HOST", "PATH"], &rows);
+            }
+            Ok(0)
+        }
+        Command::Worktree(WorktreeCommand::Remove {
+            name,
+            branch,
+            force,
+        }) => {
+            let sb = lookup(conn, &manager, &name).await?;
+            sb.remove_worktree(&branch, force).await?;
+            println!("Worktree of '{branch}' removed (the branch is kept).");
+            Ok(0)
         }
         Command::Exec {
             name,

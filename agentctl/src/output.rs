@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use keystone_agent_api::{SandboxSummary, SyncReport};
+use keystone_agent_api::{SandboxSummary, SyncReport, WorktreeInfo};
 use serde_json::{Value, json};
 
 /// A timestamp in µs since the epoch as RFC 3339, or `null` for 0.
@@ -52,6 +52,30 @@ pub fn summary_json(s: &SandboxSummary) -> Value {
     })
 }
 
+/// The first 12 characters of a commit id, or `-`.
+#[must_use]
+pub fn short(id: &str) -> String {
+    if id.is_empty() {
+        "-".to_owned()
+    } else {
+        id.chars().take(12).collect()
+    }
+}
+
+/// The stable JSON form of a worktree.
+#[must_use]
+pub fn worktree_json(w: &WorktreeInfo) -> Value {
+    json!({
+        "branch": if w.branch.is_empty() { Value::Null } else { Value::String(w.branch.clone()) },
+        "path": w.path,
+        "head": if w.head.is_empty() { Value::Null } else { Value::String(w.head.clone()) },
+        "dirty": w.dirty,
+        "main": w.main,
+        "ahead": if w.has_host_branch { json!(w.ahead) } else { Value::Null },
+        "behind": if w.has_host_branch { json!(w.behind) } else { Value::Null },
+    })
+}
+
 /// The stable JSON form of a sync report.
 #[must_use]
 pub fn sync_json(r: &SyncReport) -> Value {
@@ -73,7 +97,6 @@ pub fn sync_json(r: &SyncReport) -> Value {
 
 /// Print a sync report for people.
 pub fn print_sync(name: &str, r: &SyncReport) {
-    let short = |s: &str| s.chars().take(12).collect::<String>();
     for s in &r.skipped {
         eprintln!("skipped: {s}");
     }

@@ -44,6 +44,11 @@ fn main() -> ExitCode {
                 argv.get(2).map_or("", String::as_str),
             ));
         }
+        Some(agentd::git::worktree::WORKTREE_ARG) => {
+            return code(agentd::git::worktree::main(
+                argv.get(2).map_or("", String::as_str),
+            ));
+        }
         Some(agentd::git::sync::READ_ARG) => {
             return code(agentd::git::sync::read_main(
                 argv.get(2).map_or("", String::as_str),

@@ -18,5 +18,5 @@ pub use names::{
 pub use proxy::{ManagerProxy, SandboxProxy};
 pub use types::{
     BackendKind, BranchSync, ExecResult, Network, SandboxConfig, SandboxState, SandboxSummary,
-    SyncMode, SyncReport,
+    SyncMode, SyncReport, WorktreeInfo,
 };

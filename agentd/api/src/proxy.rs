@@ -12,7 +12,7 @@ use zvariant::{OwnedObjectPath, Value};
 use crate::error::Error;
 #[allow(unused_imports, reason = "linked from the docs")]
 use crate::types::SandboxConfig;
-use crate::types::{ExecResult, SandboxSummary, SyncReport};
+use crate::types::{ExecResult, SandboxSummary, SyncReport, WorktreeInfo};
 
 /// `org.keystone.Agent1.Manager` at `/org/keystone/Agent1`.
 #[proxy(
@@ -87,6 +87,19 @@ pub trait Sandbox {
     /// `branch` (s), `dry_run` (b), `into` (s: fast-forward this host
     /// branch), `from_host` (b).
     fn sync(&self, options: HashMap<&str, Value<'_>>) -> Result<SyncReport, Error>;
+
+    /// Create the worktree of `branch` at `/workspace/.worktrees/<branch>`
+    /// (the branch too when missing: from the host's branch of that name,
+    /// else from `from`, else from the main worktree's HEAD; `from` empty =
+    /// default).
+    fn add_worktree(&self, branch: &str, from: &str) -> Result<WorktreeInfo, Error>;
+
+    /// Every worktree, the main one first.
+    fn list_worktrees(&self) -> Result<Vec<WorktreeInfo>, Error>;
+
+    /// Remove the worktree of `branch` (the branch stays); refuses when it
+    /// has uncommitted changes unless `force`.
+    fn remove_worktree(&self, branch: &str, force: bool) -> Result<(), Error>;
 
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]

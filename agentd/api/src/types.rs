@@ -227,6 +227,27 @@ pub struct ExecResult {
     pub stderr: Vec<u8>,
 }
 
+/// A worktree of a sandbox's workspace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct WorktreeInfo {
+    /// Branch checked out (empty when detached).
+    pub branch: String,
+    /// Path inside the sandbox.
+    pub path: String,
+    /// Commit checked out (empty for an unborn branch).
+    pub head: String,
+    /// Uncommitted changes, untracked files included.
+    pub dirty: bool,
+    /// The host has a branch of the same name (`refs/remotes/host/<branch>`).
+    pub has_host_branch: bool,
+    /// Commits ahead of the host's branch.
+    pub ahead: u32,
+    /// Commits behind the host's branch.
+    pub behind: u32,
+    /// The main worktree (`/workspace` itself).
+    pub main: bool,
+}
+
 /// One branch moved by a sync.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct BranchSync {

@@ -148,6 +148,54 @@ impl SandboxObject {
             .map_err(to_dbus)
     }
 
+    /// Create the worktree of `branch` at `/workspace/.worktrees/<branch>`
+    /// (the branch too when missing: from the host's branch of that name,
+    /// else from `from`, else from the main worktree's HEAD; `from` empty =
+    /// default).
+    async fn add_worktree(
+        &self,
+        branch: String,
+        from: String,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<api::WorktreeInfo, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let from = (!from.is_empty()).then_some(from);
+        self.manager
+            .add_worktree(caller, &self.name, &branch, from)
+            .await
+            .map_err(to_dbus)
+    }
+
+    /// Every worktree, the main one first.
+    async fn list_worktrees(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<api::WorktreeInfo>, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .list_worktrees(caller, &self.name)
+            .await
+            .map_err(to_dbus)
+    }
+
+    /// Remove the worktree of `branch` (the branch stays); refuses when it
+    /// has uncommitted changes unless `force`.
+    async fn remove_worktree(
+        &self,
+        branch: String,
+        force: bool,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .remove_worktree(caller, &self.name, &branch, force)
+            .await
+            .map_err(to_dbus)
+    }
+
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
     async fn synced(

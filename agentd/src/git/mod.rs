@@ -4,3 +4,4 @@ pub mod refs;
 pub mod sync;
 pub mod transfer;
 pub mod workspace;
+pub mod worktree;

@@ -321,6 +321,7 @@ fn examine(
 /// Entry point of `agentd __sync-write <spec-json>`.
 #[must_use]
 pub fn write_main(spec: &str) -> i32 {
+    super::workspace::ignore_global_config();
     let spec: WriteSpec = match serde_json::from_str(spec) {
         Ok(s) => s,
         Err(e) => {

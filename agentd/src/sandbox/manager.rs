@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime};
 use keystone_agent_api::types::Ports;
 use keystone_agent_api::{
     BackendKind, BranchSync, ExecResult, SandboxConfig, SandboxState, SandboxSummary, SyncReport,
+    WorktreeInfo,
 };
 use tokio::sync::broadcast;
 
@@ -25,7 +26,7 @@ use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
 use crate::git::sync::WriteSpec;
 use crate::git::transfer::{self, Side, Transfer};
-use crate::git::{refs, workspace};
+use crate::git::{refs, workspace, worktree};
 use crate::procfs;
 use crate::registry::Registry;
 
@@ -891,6 +892,99 @@ impl Manager {
         })
     }
 
+    /// Run the worktree helper for sandbox `name` as the sandbox's uid.
+    async fn worktree_op(
+        &self,
+        caller: Caller,
+        name: &str,
+        req: impl FnOnce(PathBuf) -> worktree::Request,
+    ) -> Result<String> {
+        let sb = self.get(caller, name)?;
+        let spec = self.spec(&sb);
+        let lock = self.op_lock(&format!("{name}/worktrees"));
+        let _guard = lock.lock().await;
+        let req = serde_json::to_string(&req(spec.workspace.clone())).expect("request serializes");
+        let fail = |message: String| Error::Workspace {
+            name: name.to_owned(),
+            message,
+        };
+        let out = auth::command_as(&self.settings.exe, spec.uid)
+            .map_err(fail)?
+            .arg(worktree::WORKTREE_ARG)
+            .arg(&req)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(600), out)
+            .await
+            .map_err(|_| fail("the worktree operation took longer than 10 minutes".into()))?
+            .map_err(|e| fail(e.to_string()))?;
+        let err = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+        match out.status.code() {
+            Some(0) => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+            Some(3) => Err(Error::Conflict(format!("Sandbox '{name}': {err}"))),
+            Some(4) => Err(Error::Invalid(vec![err])),
+            _ => Err(fail(err)),
+        }
+    }
+
+    /// Create the worktree of `branch` in sandbox `name`.
+    pub async fn add_worktree(
+        &self,
+        caller: Caller,
+        name: &str,
+        branch: &str,
+        from: Option<String>,
+    ) -> Result<WorktreeInfo> {
+        let branch_owned = branch.to_owned();
+        let json = self
+            .worktree_op(caller, name, |workspace| worktree::Request::Add {
+                workspace,
+                branch: branch_owned,
+                from,
+            })
+            .await?;
+        let i: worktree::Info = serde_json::from_str(&json).map_err(|e| Error::Workspace {
+            name: name.to_owned(),
+            message: e.to_string(),
+        })?;
+        tracing::info!(sandbox = %name, branch, path = %i.path, "worktree added");
+        Ok(to_api(i))
+    }
+
+    /// The worktrees of sandbox `name`, the main one first.
+    pub async fn list_worktrees(&self, caller: Caller, name: &str) -> Result<Vec<WorktreeInfo>> {
+        let json = self
+            .worktree_op(caller, name, |workspace| worktree::Request::List {
+                workspace,
+            })
+            .await?;
+        let l: Vec<worktree::Info> = serde_json::from_str(&json).map_err(|e| Error::Workspace {
+            name: name.to_owned(),
+            message: e.to_string(),
+        })?;
+        Ok(l.into_iter().map(to_api).collect())
+    }
+
+    /// Remove the worktree of `branch` in sandbox `name`.
+    pub async fn remove_worktree(
+        &self,
+        caller: Caller,
+        name: &str,
+        branch: &str,
+        force: bool,
+    ) -> Result<()> {
+        let branch_owned = branch.to_owned();
+        self.worktree_op(caller, name, |workspace| worktree::Request::Remove {
+            workspace,
+            branch: branch_owned,
+            force,
+        })
+        .await?;
+        tracing::info!(sandbox = %name, branch, force, "worktree removed");
+        Ok(())
+    }
+
     /// Bring the registry in line with reality after a start (or a crash):
     /// roll back half-created sandboxes, apply declared sandboxes, adopt
     /// sandboxes that still run, record those that do not, kill leftovers.
@@ -1065,5 +1159,18 @@ impl Manager {
     #[must_use]
     pub fn is_timeout(e: &BackendError) -> bool {
         matches!(e, BackendError::Timeout(_))
+    }
+}
+
+fn to_api(i: worktree::Info) -> WorktreeInfo {
+    WorktreeInfo {
+        branch: i.branch,
+        path: i.path,
+        head: i.head,
+        dirty: i.dirty,
+        has_host_branch: i.has_host_branch,
+        ahead: i.ahead,
+        behind: i.behind,
+        main: i.main,
     }
 }
