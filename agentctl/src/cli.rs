@@ -176,6 +176,22 @@ touched by --into, and only as a fast-forward of a clean checkout."
         #[arg(long)]
         json: bool,
     },
+    /// Change a sandbox's settings that apply at once.
+    #[command(
+        after_help = "Examples:\n  agentctl set myproject --sync-mode auto-commit\n  \
+agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60"
+    )]
+    Set {
+        /// Sandbox name.
+        name: String,
+        /// manual, auto-commit (every commit comes to the host at once) or
+        /// auto-idle (also snapshots uncommitted work after a quiet period).
+        #[arg(long, value_parser = str::parse::<SyncMode>)]
+        sync_mode: Option<SyncMode>,
+        /// Quiet seconds before an auto-idle snapshot.
+        #[arg(long, value_name = "S")]
+        sync_idle_seconds: Option<u32>,
+    },
     /// Worktrees: one per branch at /workspace/.worktrees/BRANCH, so several
     /// agents can work on one repository side by side.
     #[command(subcommand)]

@@ -174,6 +174,8 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 "created_at": output::rfc3339(sb.created_at().await.map_err(z)?),
                 "started_at": output::rfc3339(sb.started_at().await.map_err(z)?),
                 "limits": sb.limits().await.map_err(z)?,
+                "last_sync_at": output::rfc3339(sb.last_sync_at().await.map_err(z)?),
+                "last_sync_result": sb.last_sync_result().await.map_err(z)?,
                 "ports": sb.ports().await.map_err(z)?,
                 "config": config,
             });
@@ -276,6 +278,29 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             println!("Worktree of '{branch}' removed (the branch is kept).");
             Ok(0)
         }
+        Command::Set {
+            name,
+            sync_mode,
+            sync_idle_seconds,
+        } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let mut settings: HashMap<&str, Value<'_>> = HashMap::new();
+            if let Some(m) = sync_mode {
+                settings.insert("sync_mode", m.as_str().into());
+            }
+            if let Some(i) = sync_idle_seconds {
+                settings.insert("sync_idle_seconds", i.into());
+            }
+            if settings.is_empty() {
+                return Err(Failure::new(
+                    ExitCode::Requirements,
+                    "nothing to set; see `agentctl set --help`",
+                ));
+            }
+            sb.configure(settings).await?;
+            println!("Sandbox '{name}' updated.");
+            Ok(0)
+        }
         Command::Exec {
             name,
             timeout,
@@ -339,6 +364,9 @@ fn print_status(v: &serde_json::Value) {
         println!("Limits:     {}", s("limits"));
     }
     println!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
+    if let Some(at) = v["last_sync_at"].as_str() {
+        println!("Last sync:  {at} ({})", s("last_sync_result"));
+    }
     if v["declared"].as_bool() == Some(true) {
         println!("Declared:   yes (managed by agentd's configuration)");
     }

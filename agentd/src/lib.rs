@@ -125,6 +125,25 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Run the helper named by `argv[1]` (agentd re-executes itself as the
+/// sandbox supervisor and as the git helpers that run with a caller's,
+/// owner's or sandbox's uid). `None` when argv names no helper.
+#[must_use]
+pub fn run_helper(argv: &[String]) -> Option<i32> {
+    let arg = argv.get(2).map_or("", String::as_str);
+    let helpers: [(&str, fn(&str) -> i32); 7] = [
+        (guest::INIT_ARG, |_| guest::init::main()),
+        (auth::CHECK_ARG, auth::check_main),
+        (git::workspace::PREPARE_ARG, git::workspace::prepare_main),
+        (git::sync::READ_ARG, git::sync::read_main),
+        (git::sync::WRITE_ARG, git::sync::write_main),
+        (git::worktree::WORKTREE_ARG, git::worktree::main),
+        (git::snapshot::SNAPSHOT_ARG, git::snapshot::main),
+    ];
+    let name = argv.get(1)?;
+    helpers.iter().find(|(n, _)| n == name).map(|(_, f)| f(arg))
+}
+
 /// `agentd --check-config FILE`: print what is wrong, or a summary.
 pub fn check_config(path: &Path) -> anyhow::Result<String> {
     let c = DaemonConfig::load(path)?;

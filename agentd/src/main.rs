@@ -37,34 +37,8 @@ struct Args {
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().collect();
     // Hidden helper modes: agentd re-executes itself for these.
-    match argv.get(1).map(String::as_str) {
-        Some(agentd::guest::INIT_ARG) => return code(agentd::guest::init::main()),
-        Some(agentd::git::workspace::PREPARE_ARG) => {
-            return code(agentd::git::workspace::prepare_main(
-                argv.get(2).map_or("", String::as_str),
-            ));
-        }
-        Some(agentd::git::worktree::WORKTREE_ARG) => {
-            return code(agentd::git::worktree::main(
-                argv.get(2).map_or("", String::as_str),
-            ));
-        }
-        Some(agentd::git::sync::READ_ARG) => {
-            return code(agentd::git::sync::read_main(
-                argv.get(2).map_or("", String::as_str),
-            ));
-        }
-        Some(agentd::git::sync::WRITE_ARG) => {
-            return code(agentd::git::sync::write_main(
-                argv.get(2).map_or("", String::as_str),
-            ));
-        }
-        Some(agentd::auth::CHECK_ARG) => {
-            return code(agentd::auth::check_main(
-                argv.get(2).map_or("", String::as_str),
-            ));
-        }
-        _ => {}
+    if let Some(c) = agentd::run_helper(&argv) {
+        return code(c);
     }
     let args = Args::parse();
     if let Some(path) = &args.check_config {

@@ -101,6 +101,10 @@ pub trait Sandbox {
     /// has uncommitted changes unless `force`.
     fn remove_worktree(&self, branch: &str, force: bool) -> Result<(), Error>;
 
+    /// Change settings that apply at once: `sync_mode` (s) and
+    /// `sync_idle_seconds` (u).
+    fn configure(&self, settings: HashMap<&str, Value<'_>>) -> Result<(), Error>;
+
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
     fn synced(&self, direction: &str, branches: u32, commits: u32) -> zbus::Result<()>;

@@ -196,6 +196,50 @@ impl SandboxObject {
             .map_err(to_dbus)
     }
 
+    /// Change settings that apply at once: `sync_mode` (s: manual,
+    /// auto-commit, auto-idle) and `sync_idle_seconds` (u).
+    async fn configure(
+        &self,
+        settings: HashMap<String, OwnedValue>,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let mut mode = None;
+        let mut idle = None;
+        let mut problems = Vec::new();
+        for (key, value) in &settings {
+            match key.as_str() {
+                "sync_mode" => match value
+                    .try_clone()
+                    .ok()
+                    .and_then(|v| String::try_from(v).ok())
+                    .map(|s| s.parse::<api::SyncMode>())
+                {
+                    Some(Ok(m)) => mode = Some(m),
+                    Some(Err(e)) => problems.push(format!("sync_mode {e}")),
+                    None => problems.push("sync_mode must be a string".to_owned()),
+                },
+                "sync_idle_seconds" => match u32::try_from(value) {
+                    Ok(v) => idle = Some(v),
+                    Err(_) => problems.push("sync_idle_seconds must be a uint32".to_owned()),
+                },
+                other => problems.push(format!(
+                    "'{other}' cannot be changed on a sandbox (known: sync_mode, sync_idle_seconds)"
+                )),
+            }
+        }
+        if !problems.is_empty() {
+            return Err(to_dbus(crate::error::Error::Invalid(problems)));
+        }
+        let manager = Arc::clone(&self.manager);
+        manager
+            .configure(caller, &self.name, mode, idle)
+            .await
+            .map(|_| ())
+            .map_err(to_dbus)
+    }
+
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
     async fn synced(

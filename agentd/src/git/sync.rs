@@ -164,6 +164,10 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
         }
     }
     let (mut branches, mut skipped) = refs::read_branches(git_dir, "refs/heads");
+    // Snapshots of uncommitted work travel as wip/<branch>.
+    let (wip, wip_skipped) = refs::read_branches(git_dir, super::snapshot::WIP_NAMESPACE);
+    skipped.extend(wip_skipped);
+    branches.extend(wip.into_iter().map(|(b, o)| (format!("wip/{b}"), o)));
     if let Some(only) = &req.branch {
         branches.retain(|b, _| b == only);
         if branches.is_empty() {
@@ -415,7 +419,10 @@ pub fn write(
         read,
         ..WriteReport::default()
     };
-    for u in &report.read.updates {
+    // Deletions first: a removed `a` may make room for a new `a/b`.
+    let mut order: Vec<&Update> = report.read.updates.iter().collect();
+    order.sort_by_key(|u| !u.new.is_empty());
+    for u in order {
         if !refs::valid_branch(&u.branch) {
             return Err(format!(
                 "refusing branch name '{}'",

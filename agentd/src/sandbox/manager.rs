@@ -12,21 +12,21 @@ use std::time::{Duration, SystemTime};
 
 use keystone_agent_api::types::Ports;
 use keystone_agent_api::{
-    BackendKind, BranchSync, ExecResult, SandboxConfig, SandboxState, SandboxSummary, SyncReport,
-    WorktreeInfo,
+    BackendKind, BranchSync, ExecResult, SandboxConfig, SandboxState, SandboxSummary, SyncMode,
+    SyncReport, WorktreeInfo,
 };
 use tokio::sync::broadcast;
 
 use super::Sandbox;
 use super::state::{self, Event, Next};
-use super::validate;
+use super::{validate, watch};
 use crate::auth::{self, Caller};
 use crate::backend::{Backend, BackendError, ExecRequest, SandboxSpec};
 use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
 use crate::git::sync::WriteSpec;
 use crate::git::transfer::{self, Side, Transfer};
-use crate::git::{refs, workspace, worktree};
+use crate::git::{refs, snapshot, workspace, worktree};
 use crate::procfs;
 use crate::registry::Registry;
 
@@ -113,6 +113,7 @@ pub struct Manager {
     op_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     backends: BTreeMap<BackendKind, Arc<dyn Backend>>,
     changes: broadcast::Sender<Change>,
+    watchers: Mutex<HashMap<String, watch::Handle>>,
 }
 
 impl Manager {
@@ -133,6 +134,7 @@ impl Manager {
             op_locks: Mutex::new(HashMap::new()),
             backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
             changes,
+            watchers: Mutex::new(HashMap::new()),
         })
     }
 
@@ -264,7 +266,7 @@ impl Manager {
 
     /// Create a sandbox from the repository at `project` for `caller`.
     pub async fn create(
-        &self,
+        self: &Arc<Self>,
         caller: Caller,
         project: &Path,
         opts: CreateOptions,
@@ -343,7 +345,7 @@ impl Manager {
     /// Register `sb` (marked `creating`), prepare its directories and
     /// workspace, then mark it complete. A crash in between is rolled back
     /// by [`Manager::reconcile`].
-    async fn insert_new(&self, sb: Sandbox) -> Result<(Sandbox, Vec<String>)> {
+    async fn insert_new(self: &Arc<Self>, sb: Sandbox) -> Result<(Sandbox, Vec<String>)> {
         let name = sb.name.clone();
         {
             let mut map = self.sandboxes.lock().unwrap();
@@ -367,6 +369,7 @@ impl Manager {
             }
         };
         let done = self.update(&name, |s| s.creating = false)?;
+        self.apply_sync_mode(&name);
         let _ = self.changes.send(Change::Added(name.clone()));
         tracing::info!(sandbox = %name, project = %done.project_path.display(), owner = done.owner, "sandbox created");
         Ok((done, notices))
@@ -655,6 +658,7 @@ impl Manager {
         if let Ok(backend) = self.backend(sb.backend) {
             backend.kill_strays(&self.live_runtimes_except(name));
         }
+        self.watchers.lock().unwrap().remove(name);
         // Registry first: a crash after this leaves only a directory, which
         // the next start removes.
         self.forget(name);
@@ -892,6 +896,124 @@ impl Manager {
         })
     }
 
+    /// Watch sandbox `name`'s workspace as its sync mode asks (or stop).
+    pub fn apply_sync_mode(self: &Arc<Self>, name: &str) {
+        let mut watchers = self.watchers.lock().unwrap();
+        watchers.remove(name);
+        let Some(sb) = self.snapshot(name) else {
+            return;
+        };
+        if sb.config.sync_mode == SyncMode::Manual || sb.creating {
+            return;
+        }
+        let spec = self.spec(&sb);
+        let idle = Duration::from_secs(u64::from(sb.config.sync_idle_seconds.max(1)));
+        match watch::start(
+            Arc::downgrade(self),
+            name.to_owned(),
+            spec.workspace,
+            sb.config.sync_mode,
+            idle,
+        ) {
+            Ok(h) => {
+                tracing::info!(sandbox = %name, mode = %sb.config.sync_mode, "watching the workspace");
+                watchers.insert(name.to_owned(), h);
+            }
+            Err(e) => {
+                tracing::error!(sandbox = %name, error = %e, "cannot watch the workspace; automatic sync is off");
+                drop(watchers);
+                let _ = self.update(name, |s| {
+                    s.last_sync_result =
+                        format!("automatic sync is off: cannot watch the workspace: {e}");
+                });
+            }
+        }
+    }
+
+    /// An automatic sync of every branch to the host (watcher).
+    pub async fn auto_sync(&self, name: &str) {
+        match self
+            .sync(Caller { uid: 0 }, name, SyncOptions::default())
+            .await
+        {
+            Ok(r) if !r.branches.is_empty() => {}
+            Ok(_) => tracing::debug!(sandbox = %name, "automatic sync: nothing new"),
+            Err(e) => tracing::warn!(sandbox = %name, error = %e, "automatic sync failed"),
+        }
+    }
+
+    /// Snapshot the uncommitted work of worktree `wt` (relative directory;
+    /// empty = main) of sandbox `name`. True when a snapshot was recorded.
+    pub async fn take_snapshot(&self, name: &str, wt: &Path) -> bool {
+        let Some(sb) = self.snapshot(name) else {
+            return false;
+        };
+        let spec = self.spec(&sb);
+        let req = snapshot::Request {
+            workspace: spec.workspace,
+            worktree: wt.to_owned(),
+            sandbox: name.to_owned(),
+            max_file: crate::git::sync::MAX_BLOB,
+        };
+        let Ok(mut cmd) = auth::command_as(&self.settings.exe, spec.uid) else {
+            return false;
+        };
+        let out = cmd
+            .arg(snapshot::SNAPSHOT_ARG)
+            .arg(serde_json::to_string(&req).expect("request serializes"))
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        match tokio::time::timeout(Duration::from_secs(600), out).await {
+            Ok(Ok(o)) if o.status.success() => {
+                let outcome: Option<snapshot::Outcome> = serde_json::from_slice(&o.stdout).ok();
+                match outcome {
+                    Some(snapshot::Outcome {
+                        branch,
+                        commit: Some(c),
+                    }) => {
+                        tracing::info!(sandbox = %name, %branch, commit = %c, "snapshot of uncommitted work");
+                        true
+                    }
+                    _ => false,
+                }
+            }
+            Ok(Ok(o)) => {
+                tracing::warn!(sandbox = %name, error = %String::from_utf8_lossy(&o.stderr).trim(), "snapshot failed");
+                false
+            }
+            _ => false,
+        }
+    }
+
+    /// Change settings that apply at once (sync mode and idle time).
+    pub async fn configure(
+        self: &Arc<Self>,
+        caller: Caller,
+        name: &str,
+        sync_mode: Option<SyncMode>,
+        sync_idle_seconds: Option<u32>,
+    ) -> Result<Sandbox> {
+        self.get(caller, name)?;
+        if sync_idle_seconds == Some(0) {
+            return Err(Error::Invalid(vec![
+                "sync_idle_seconds must be at least 1".to_owned(),
+            ]));
+        }
+        let sb = self.update(name, |s| {
+            if let Some(m) = sync_mode {
+                s.config.sync_mode = m;
+            }
+            if let Some(i) = sync_idle_seconds {
+                s.config.sync_idle_seconds = i;
+            }
+        })?;
+        self.registry.save_config(&sb)?;
+        self.apply_sync_mode(name);
+        tracing::info!(sandbox = %name, mode = %sb.config.sync_mode, idle = sb.config.sync_idle_seconds, "configured");
+        Ok(sb)
+    }
+
     /// Run the worktree helper for sandbox `name` as the sandbox's uid.
     async fn worktree_op(
         &self,
@@ -1054,6 +1176,7 @@ impl Manager {
             {
                 self.monitor(&name);
             }
+            self.apply_sync_mode(&name);
         }
         Ok(())
     }

@@ -4,6 +4,7 @@
 pub mod manager;
 pub mod state;
 pub mod validate;
+pub mod watch;
 
 use std::path::PathBuf;
 use std::time::{SystemTime, UNIX_EPOCH};
