@@ -131,7 +131,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 #[must_use]
 pub fn run_helper(argv: &[String]) -> Option<i32> {
     let arg = argv.get(2).map_or("", String::as_str);
-    let helpers: [(&str, fn(&str) -> i32); 7] = [
+    type Helper = (&'static str, fn(&str) -> i32);
+    let helpers: [Helper; 7] = [
         (guest::INIT_ARG, |_| guest::init::main()),
         (auth::CHECK_ARG, auth::check_main),
         (git::workspace::PREPARE_ARG, git::workspace::prepare_main),
