@@ -215,3 +215,85 @@ fn system_bus_policy_admits_only_root_and_the_group() {
         let _ = bus.wait();
     }
 }
+
+#[test]
+fn a_non_root_owner_syncs_and_can_git_fetch_the_sandbox_remote() {
+    if !common::is_root() {
+        eprintln!("skipped: needs root to act as another uid");
+        return;
+    }
+    let env = Env::new();
+    let repo = env.repo("theirs");
+    // The repository belongs to the person (uid 65534 here).
+    for entry in walk(&repo) {
+        std::os::unix::fs::lchown(&entry, Some(NOBODY), Some(NOBODY)).unwrap();
+    }
+    let as_nobody = |args: &[&str]| {
+        let out = env.ctl_as(Some(NOBODY), args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    as_nobody(&["create", repo.to_str().unwrap()]);
+    as_nobody(&["start", "theirs"]);
+    as_nobody(&[
+        "exec",
+        "theirs",
+        "--",
+        "sh",
+        "-c",
+        "echo w > w.txt && git add w.txt && git -c user.name=A -c user.email=a@example.com commit -qm work",
+    ]);
+    as_nobody(&["sync", "theirs"]);
+    // agentd wrote into the person's repository as the person, not as root.
+    let meta = fs::metadata(repo.join(".git/refs/remotes/sandbox/theirs/main")).unwrap();
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), NOBODY);
+    let git_as_nobody = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&repo)
+            .args(args)
+            .env("HOME", "/nonexistent")
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "git {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(
+        git_as_nobody(&["log", "-1", "--format=%s", "sandbox/theirs/main"]),
+        "work\n"
+    );
+    // The remote agentd configured works with plain git for its owner.
+    as_nobody(&[
+        "exec",
+        "theirs",
+        "--",
+        "sh",
+        "-c",
+        "git -c user.name=A -c user.email=a@example.com commit -q --allow-empty -m more",
+    ]);
+    git_as_nobody(&["fetch", "-q", "sandbox/theirs"]);
+    assert_eq!(
+        git_as_nobody(&["log", "-1", "--format=%s", "sandbox/theirs/main"]),
+        "more\n"
+    );
+}
+
+fn walk(p: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = vec![p.to_owned()];
+    if fs::symlink_metadata(p).unwrap().is_dir() {
+        for e in fs::read_dir(p).unwrap().flatten() {
+            out.extend(walk(&e.path()));
+        }
+    }
+    out
+}

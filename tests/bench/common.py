@@ -1,0 +1,100 @@
+"""Shared pieces of the benchmarks: a private bus, the release agentd, agentctl."""
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = ROOT / "target" / "release"
+
+
+def pct(values, p):
+    values = sorted(values)
+    k = (len(values) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def timed(cmd, **kw):
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, **kw)
+    return (time.perf_counter() - t0) * 1000
+
+
+class Daemon:
+    """A private dbus-daemon and the release agentd in a temp dir."""
+
+    def __init__(self):
+        for b in ("agentd", "agentctl"):
+            if not (BIN / b).exists():
+                sys.exit(f"{BIN / b} missing: run `cargo build --release --bins` first")
+        self.tmp = Path(tempfile.mkdtemp(prefix="ks-bench-", dir="/tmp"))
+        self.tmp.chmod(0o755)
+        sock = self.tmp / "bus.sock"
+        conf = self.tmp / "bus.conf"
+        conf.write_text(f"""<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig><type>session</type><listen>unix:path={sock}</listen><auth>EXTERNAL</auth>
+<policy context="default"><allow user="*"/><allow send_destination="*" eavesdrop="true"/>
+<allow eavesdrop="true"/><allow own="*"/></policy>
+</busconfig>""")
+        self.addr = f"unix:path={sock}"
+        self.bus = subprocess.Popen(["dbus-daemon", f"--config-file={conf}", "--nofork"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while not sock.exists():
+            time.sleep(0.01)
+        self.state = self.tmp / "state"
+        self.agentd = subprocess.Popen(
+            [str(BIN / "agentd"), "--address", self.addr, "--state-dir", str(self.state)],
+            stderr=open(self.tmp / "agentd.log", "w"))
+        self.ctl = [str(BIN / "agentctl"), "--bus", self.addr]
+        deadline = time.time() + 30
+        while subprocess.run(self.ctl + ["list"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             timeout=10).returncode:
+            if time.time() > deadline:
+                sys.exit(f"agentd did not come up; see {self.tmp / 'agentd.log'}")
+            time.sleep(0.05)
+
+    def run(self, *args, **kw):
+        return subprocess.run(self.ctl + list(args), check=True, capture_output=True, text=True, **kw).stdout
+
+    def close(self):
+        self.agentd.terminate()
+        self.agentd.wait(timeout=120)
+        self.bus.terminate()
+        self.bus.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def small_repo(path):
+    path.mkdir(parents=True)
+    subprocess.run(["git", "-C", str(path), "init", "-q", "-b", "main"], check=True)
+    (path / "README.md").write_text("bench\n")
+    g = ["git", "-C", str(path), "-c", "user.name=b", "-c", "user.email=b@example.com"]
+    subprocess.run(g + ["add", "."], check=True)
+    subprocess.run(g + ["commit", "-qm", "bench"], check=True)
+    path.parent.chmod(0o755)
+    return path
+
+
+def rss_kib(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def cpu_ticks(pid):
+    """utime + stime of a process, in clock ticks."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rfind(")") + 2:].split()
+    return int(fields[11]) + int(fields[12])
