@@ -33,8 +33,8 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum WorktreeCommand {
     /// Create the worktree of BRANCH at /workspace/.worktrees/BRANCH; a
-    /// missing branch starts from the host's branch of that name, else from
-    /// --from, else from the main worktree's HEAD.
+    /// missing branch starts at --from when given, else at the host's branch
+    /// of that name (and tracks it), else at the main worktree's HEAD.
     #[command(
         after_help = "Examples:\n  agentctl worktree add myproject feature/login\n  \
 agentctl worktree add myproject spike --from host/main"

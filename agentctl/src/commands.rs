@@ -214,7 +214,11 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 output::print_sync(&name, &r);
             }
             // Scripts tell "nothing new" apart from success.
-            Ok(if r.branches.is_empty() { 2 } else { 0 })
+            Ok(if r.branches.is_empty() && r.into.is_empty() {
+                2
+            } else {
+                0
+            })
         }
         Command::Worktree(WorktreeCommand::Add { name, branch, from }) => {
             let sb = lookup(conn, &manager, &name).await?;

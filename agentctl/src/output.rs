@@ -110,6 +110,9 @@ pub fn print_sync(name: &str, r: &SyncReport) {
                 "from"
             }
         );
+        if !r.into.is_empty() {
+            println!("{}", r.into);
+        }
         return;
     }
     let target = if r.direction == "from-host" {

@@ -110,6 +110,50 @@ pub fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, Strin
     Ok(cmd)
 }
 
+/// A helper command that runs as `uid` but sees only the directories in
+/// `keep` (see [`crate::confine`]): for helpers that open a workspace.
+pub fn command_confined(
+    exe: &Path,
+    uid: u32,
+    keep: &[PathBuf],
+) -> Result<tokio::process::Command, String> {
+    let me = Uid::effective();
+    if !me.is_root() && me.as_raw() != uid {
+        return Err(format!(
+            "agentd runs as uid {me} and cannot act for uid {uid}"
+        ));
+    }
+    let user = User::from_uid(Uid::from_raw(uid)).ok().flatten();
+    let gid = user.as_ref().map_or(uid, |u| u.gid.as_raw());
+    let groups = match &user {
+        Some(u) => {
+            let name = CString::new(u.name.clone()).map_err(|e| e.to_string())?;
+            nix::unistd::getgrouplist(&name, Gid::from_raw(gid))
+                .unwrap_or_else(|_| vec![Gid::from_raw(gid)])
+                .into_iter()
+                .map(Gid::as_raw)
+                .collect()
+        }
+        None => vec![gid],
+    };
+    let c = crate::confine::Confinement {
+        uid,
+        gid,
+        groups,
+        keep: keep.to_vec(),
+    };
+    let mut cmd = tokio::process::Command::new(exe);
+    cmd.env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("LANG", "C.UTF-8")
+        .env("HOME", "/")
+        .env(
+            crate::confine::CONFINE_ENV,
+            serde_json::to_string(&c).map_err(|e| e.to_string())?,
+        );
+    Ok(cmd)
+}
+
 /// Entry point of `agentd __check-project PATH`: prints the canonical path
 /// (exit 0) or the problem (exit 1).
 #[must_use]

@@ -7,6 +7,7 @@ pub mod auth;
 pub mod backend;
 pub mod cgroup;
 pub mod config;
+pub mod confine;
 pub mod dbus;
 pub mod error;
 pub mod git;
@@ -142,7 +143,17 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
         (git::snapshot::SNAPSHOT_ARG, git::snapshot::main),
     ];
     let name = argv.get(1)?;
-    helpers.iter().find(|(n, _)| n == name).map(|(_, f)| f(arg))
+    let (_, f) = helpers.iter().find(|(n, _)| n == name)?;
+    if let Some(spec) = std::env::var_os(confine::CONFINE_ENV) {
+        let applied = serde_json::from_str::<confine::Confinement>(&spec.to_string_lossy())
+            .map_err(|e| e.to_string())
+            .and_then(|c| confine::apply(&c));
+        if let Err(e) = applied {
+            eprintln!("cannot confine the helper: {e}");
+            return Some(1);
+        }
+    }
+    Some(f(arg))
 }
 
 /// `agentd --check-config FILE`: print what is wrong, or a summary.

@@ -98,7 +98,16 @@ impl Registry {
             .create(dir.join("sandboxes"))
             .map_err(io("create", dir))?;
         {
-            use std::os::unix::fs::PermissionsExt;
+            use std::os::unix::fs::{MetadataExt, PermissionsExt};
+            // Helpers running as an owner's or a sandbox's uid must pass
+            // through the state directory to the directories they own.
+            let meta = fs::metadata(dir).map_err(io("read", dir))?;
+            if meta.mode() & 0o011 != 0o011 && meta.uid() == nix::unistd::Uid::effective().as_raw()
+            {
+                let mode = (meta.mode() & 0o7777) | 0o011;
+                fs::set_permissions(dir, fs::Permissions::from_mode(mode))
+                    .map_err(io("set permissions of", dir))?;
+            }
             let d = dir.join("sandboxes");
             fs::set_permissions(&d, fs::Permissions::from_mode(0o711))
                 .map_err(io("set permissions of", &d))?;

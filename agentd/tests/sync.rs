@@ -293,10 +293,55 @@ fn a_hostile_workspace_cannot_hurt_the_host() {
     fs::rename(ws.join(".git"), ws.join("git.real")).unwrap();
     std::os::unix::fs::symlink(repo.join(".git"), ws.join(".git")).unwrap();
     let refs_before = git(&repo, &["for-each-ref"]);
+    let objects_before = count_files(&repo.join(".git/objects"));
     let err = env.fails(3, &["sync", "evil"]);
     assert!(err.contains("not a directory (a symlink?)"), "{err}");
+    // The helpers that write into the workspace never reach the host
+    // project through it: they see nothing but the workspace.
+    assert_ne!(
+        env.ctl(&["sync", "evil", "--from-host"]).status.code(),
+        Some(0)
+    );
+    assert_ne!(
+        env.ctl(&["worktree", "add", "evil", "intruder"])
+            .status
+            .code(),
+        Some(0)
+    );
     assert_eq!(git(&repo, &["for-each-ref"]), refs_before);
+    assert!(!repo.join(".git/worktrees").exists());
+    assert!(!repo.join(".worktrees").exists());
+    // The same with only .git/refs pointing at the host's refs.
+    fs::remove_file(ws.join(".git")).unwrap();
+    fs::rename(ws.join("git.real"), ws.join(".git")).unwrap();
+    fs::rename(ws.join(".git/refs"), ws.join(".git/refs.real")).unwrap();
+    std::os::unix::fs::symlink(repo.join(".git/refs"), ws.join(".git/refs")).unwrap();
+    git(&repo, &["branch", "lure"]);
+    let heads_before = git(&repo, &["for-each-ref", "refs/heads", "refs/remotes/host"]);
+    let _ = env.ctl(&["sync", "evil", "--from-host"]);
+    let _ = env.ctl(&["sync", "evil"]);
+    // (The sandbox's own mirror, refs/remotes/sandbox/evil/*, is its to prune.)
+    assert_eq!(
+        git(&repo, &["for-each-ref", "refs/heads", "refs/remotes/host"]),
+        heads_before
+    );
+    assert!(!git(&repo, &["for-each-ref", "--format=%(refname)"]).contains("refs/remotes/host/"));
+    assert_eq!(count_files(&repo.join(".git/objects")), objects_before);
     assert!(!marker.exists());
     // agentd is fine.
     assert_eq!(env.state("evil"), "running");
+}
+
+fn count_files(dir: &std::path::Path) -> usize {
+    fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            if e.path().is_dir() {
+                count_files(&e.path())
+            } else {
+                1
+            }
+        })
+        .sum()
 }

@@ -34,8 +34,6 @@ def generate(path, files, commits):
         msg = f"commit {c}"
         lines.append(f"data {len(msg)}")
         lines.append(msg)
-        if c:
-            lines.append("from refs/heads/main^0")
         for f in range(per):
             n = c * per + f
             body = f"file {n}\n" + "x" * (n % 200) + "\n"

@@ -89,9 +89,8 @@ pub trait Sandbox {
     fn sync(&self, options: HashMap<&str, Value<'_>>) -> Result<SyncReport, Error>;
 
     /// Create the worktree of `branch` at `/workspace/.worktrees/<branch>`
-    /// (the branch too when missing: from the host's branch of that name,
-    /// else from `from`, else from the main worktree's HEAD; `from` empty =
-    /// default).
+    /// (the branch too when missing: at `from` when not empty, else at the
+    /// host's branch of that name, else at the main worktree's HEAD).
     fn add_worktree(&self, branch: &str, from: &str) -> Result<WorktreeInfo, Error>;
 
     /// Every worktree, the main one first.

@@ -149,9 +149,8 @@ impl SandboxObject {
     }
 
     /// Create the worktree of `branch` at `/workspace/.worktrees/<branch>`
-    /// (the branch too when missing: from the host's branch of that name,
-    /// else from `from`, else from the main worktree's HEAD; `from` empty =
-    /// default).
+    /// (the branch too when missing: at `from` when not empty, else at the
+    /// host's branch of that name, else at the main worktree's HEAD).
     async fn add_worktree(
         &self,
         branch: String,

@@ -101,7 +101,7 @@ pub fn snapshot(req: &Request) -> Result<Outcome, String> {
         .add_all(["*"], IndexAddOption::DEFAULT, Some(&mut skip_big))
         .map_err(|e| format!("reading the work tree: {}", e.message()))?;
     index
-        .update_all(["*"], None)
+        .update_all(["*"], Some(&mut skip_big))
         .map_err(|e| e.message().to_owned())?;
     let tree_id = index.write_tree().map_err(|e| e.message().to_owned())?;
     let wip_ref = format!("{WIP_NAMESPACE}/{branch}");

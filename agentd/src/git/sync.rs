@@ -272,6 +272,21 @@ fn examine(
             c.map_err(|e| format!("branch '{b}': broken history ({}); skipped", e.message()))?;
         commits += 1;
         oldest = Some(c);
+        // Every file any new commit adds is within the cap, not only those
+        // still there at the tip.
+        let commit = repo
+            .find_commit(c)
+            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+        let parent_tree = commit.parent(0).ok().and_then(|p| p.tree().ok());
+        let tree = commit
+            .tree()
+            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+        let diff = repo
+            .diff_tree_to_tree(parent_tree.as_ref(), Some(&tree), None)
+            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+        for d in diff.deltas() {
+            check_size(&odb, b.to_string(), &d, max_blob)?;
+        }
     }
     // The files the new commits bring, each within the cap.
     let base_tree = Oid::from_str(old)
@@ -295,19 +310,6 @@ fn examine(
             .path()
             .or_else(|| d.old_file().path())
             .map(|p| p.to_string_lossy().into_owned());
-        let id = d.new_file().id();
-        if !id.is_zero() {
-            if let Ok((size, ObjectType::Blob)) = odb.read_header(id) {
-                if size as u64 > max_blob {
-                    return Err(format!(
-                        "branch '{b}' adds {} of {} MiB, over the {} MiB limit; skipped",
-                        path.unwrap_or_default(),
-                        size >> 20,
-                        max_blob >> 20
-                    ));
-                }
-            }
-        }
         if files.len() < FILES_LISTED {
             files.extend(path);
         }
@@ -320,6 +322,31 @@ fn examine(
         files_changed,
         files,
     })
+}
+
+/// Refuse a file over `max_blob` that `delta` adds or changes.
+fn check_size(
+    odb: &git2::Odb<'_>,
+    branch: String,
+    d: &git2::DiffDelta<'_>,
+    max_blob: u64,
+) -> Result<(), String> {
+    let id = d.new_file().id();
+    if id.is_zero() {
+        return Ok(());
+    }
+    match odb.read_header(id) {
+        Ok((size, ObjectType::Blob)) if size as u64 > max_blob => Err(format!(
+            "branch '{branch}' adds {} of {} MiB, over the {} MiB limit; skipped",
+            d.new_file()
+                .path()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
+            size >> 20,
+            max_blob >> 20
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Entry point of `agentd __sync-write <spec-json>`.

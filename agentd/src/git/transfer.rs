@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use super::sync::{self, Haves, ReadReport, ReadRequest, WriteReport, WriteSpec};
-use crate::auth::command_as;
+use crate::auth::{command_as, command_confined};
 
 /// Longest a sync may take.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -20,6 +20,18 @@ pub struct Side {
     pub uid: u32,
     /// For the reader: the git directory; for the writer: the repository.
     pub path: PathBuf,
+    /// The sandbox's side: the helper sees only this directory (the
+    /// workspace), see [`crate::confine`].
+    pub confine_to: Option<PathBuf>,
+}
+
+impl Side {
+    fn command(&self, exe: &Path) -> Result<tokio::process::Command, String> {
+        match &self.confine_to {
+            Some(dir) => command_confined(exe, self.uid, std::slice::from_ref(dir)),
+            None => command_as(exe, self.uid),
+        }
+    }
 }
 
 /// What to transfer.
@@ -51,15 +63,16 @@ pub async fn run(exe: &Path, t: Transfer) -> Result<WriteReport, String> {
 
 async fn run_inner(exe: &Path, t: Transfer) -> Result<WriteReport, String> {
     let spec = serde_json::to_string(&t.spec).map_err(|e| e.to_string())?;
-    let mut writer = command_as(exe, t.to.uid)?
-        .arg(sync::WRITE_ARG)
-        .arg(&spec)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("cannot start the sync writer: {e}"))?;
+    let mut writer =
+        t.to.command(exe)?
+            .arg(sync::WRITE_ARG)
+            .arg(&spec)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start the sync writer: {e}"))?;
     let w_err = collect(writer.stderr.take());
     let mut w_out = BufReader::new(writer.stdout.take().expect("piped"));
     let mut line = String::new();
@@ -80,7 +93,9 @@ async fn run_inner(exe: &Path, t: Transfer) -> Result<WriteReport, String> {
         dry_run: t.dry_run,
         max_blob: sync::MAX_BLOB,
     };
-    let mut reader = command_as(exe, t.from.uid)?
+    let mut reader = t
+        .from
+        .command(exe)?
         .arg(sync::READ_ARG)
         .arg(&t.from.path)
         .stdin(Stdio::piped())

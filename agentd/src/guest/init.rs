@@ -112,7 +112,7 @@ struct Handles {
     home: Source,
 }
 
-fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
+pub(crate) fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
     const OPEN_TREE_CLONE: nix::libc::c_uint = 1;
     let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
     // SAFETY: open_tree with a valid NUL-terminated path; returns a new fd.
@@ -136,7 +136,7 @@ fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
     Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
 }
 
-fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), String> {
+pub(crate) fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), String> {
     const MOVE_MOUNT_F_EMPTY_PATH: nix::libc::c_uint = 0x4;
     let empty = CString::default();
     let c = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;

@@ -540,6 +540,10 @@ impl Manager {
                 for n in notices {
                     tracing::info!(sandbox = %name, notice = %n, "workspace");
                 }
+                // A declared sandbox gets its workspace (and watcher) here.
+                if !self.watchers.lock().unwrap().contains_key(name) {
+                    self.apply_sync_mode(name);
+                }
             }
             Err(e) => {
                 self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
@@ -796,10 +800,12 @@ impl Manager {
                 from: Side {
                     uid: sb.owner,
                     path: project_git,
+                    confine_to: None,
                 },
                 to: Side {
                     uid: spec.uid,
                     path: spec.workspace.clone(),
+                    confine_to: Some(spec.workspace.clone()),
                 },
                 spec: WriteSpec {
                     repo: spec.workspace.clone(),
@@ -816,10 +822,12 @@ impl Manager {
                 from: Side {
                     uid: spec.uid,
                     path: spec.workspace.join(".git"),
+                    confine_to: Some(spec.workspace.clone()),
                 },
                 to: Side {
                     uid: sb.owner,
                     path: sb.project_path.clone(),
+                    confine_to: None,
                 },
                 spec: WriteSpec {
                     repo: sb.project_path.clone(),
@@ -950,12 +958,13 @@ impl Manager {
         };
         let spec = self.spec(&sb);
         let req = snapshot::Request {
-            workspace: spec.workspace,
+            workspace: spec.workspace.clone(),
             worktree: wt.to_owned(),
             sandbox: name.to_owned(),
             max_file: crate::git::sync::MAX_BLOB,
         };
-        let Ok(mut cmd) = auth::command_as(&self.settings.exe, spec.uid) else {
+        let keep = [spec.workspace.clone()];
+        let Ok(mut cmd) = auth::command_confined(&self.settings.exe, spec.uid, &keep) else {
             return false;
         };
         let out = cmd
@@ -1030,13 +1039,17 @@ impl Manager {
             name: name.to_owned(),
             message,
         };
-        let out = auth::command_as(&self.settings.exe, spec.uid)
-            .map_err(fail)?
-            .arg(worktree::WORKTREE_ARG)
-            .arg(&req)
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .output();
+        let out = auth::command_confined(
+            &self.settings.exe,
+            spec.uid,
+            std::slice::from_ref(&spec.workspace),
+        )
+        .map_err(fail)?
+        .arg(worktree::WORKTREE_ARG)
+        .arg(&req)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
         let out = tokio::time::timeout(Duration::from_secs(600), out)
             .await
             .map_err(|_| fail("the worktree operation took longer than 10 minutes".into()))?

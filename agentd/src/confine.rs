@@ -1,0 +1,97 @@
+//! Confinement of the helpers that open a sandbox's workspace.
+//!
+//! The workspace belongs to the sandbox, and in the local backend the
+//! sandbox's uid is its owner's. A helper running as that uid in the host's
+//! file system could be led by a symlink the sandbox planted (`.git`,
+//! `.git/refs`, an object directory…) into the owner's other repositories,
+//! the host project included. So these helpers first enter a mount namespace
+//! of their own whose root is an empty tmpfs holding only the directories
+//! they need, at their usual paths; a symlink pointing elsewhere then leads
+//! nowhere. Only after that do they drop to the target uid.
+//!
+//! agentd passes the [`Confinement`] in the `KEYSTONE_CONFINE` environment
+//! variable; [`crate::run_helper`] applies it before the helper's own code.
+
+use std::path::{Path, PathBuf};
+
+use nix::mount::{MntFlags, MsFlags, mount, umount2};
+use nix::sched::{CloneFlags, unshare};
+use nix::unistd::{Gid, Uid};
+use serde::{Deserialize, Serialize};
+
+use crate::guest::init::{move_mount_to, open_tree_clone};
+
+/// Environment variable carrying the confinement (JSON).
+pub const CONFINE_ENV: &str = "KEYSTONE_CONFINE";
+
+/// Where a helper may look, and who it becomes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Confinement {
+    /// Uid to run as (when started as root).
+    pub uid: u32,
+    /// Gid to run as.
+    pub gid: u32,
+    /// Supplementary groups.
+    pub groups: Vec<u32>,
+    /// Directories visible (read-write) at their own paths; nothing else is.
+    pub keep: Vec<PathBuf>,
+}
+
+/// Enter the confinement. Call in a fresh, single-threaded helper process.
+pub fn apply(c: &Confinement) -> Result<(), String> {
+    let root = Uid::effective().is_root();
+    if root {
+        unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}"))?;
+    } else {
+        let (uid, gid) = (Uid::effective(), Gid::effective());
+        unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS)
+            .map_err(|e| format!("unshare: {e}"))?;
+        std::fs::write("/proc/self/setgroups", "deny").map_err(|e| format!("setgroups: {e}"))?;
+        std::fs::write("/proc/self/uid_map", format!("{uid} {uid} 1\n"))
+            .map_err(|e| format!("uid_map: {e}"))?;
+        std::fs::write("/proc/self/gid_map", format!("{gid} {gid} 1\n"))
+            .map_err(|e| format!("gid_map: {e}"))?;
+    }
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        None::<&str>,
+    )
+    .map_err(|e| format!("make / private: {e}"))?;
+    // Detached copies of the kept directories, taken while they are visible.
+    let trees = c
+        .keep
+        .iter()
+        .map(|p| open_tree_clone(p).map(|t| (p.clone(), t)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let base = Path::new("/tmp");
+    mount(
+        Some("tmpfs"),
+        base,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=0755"),
+    )
+    .map_err(|e| format!("mount the new root: {e}"))?;
+    for (path, tree) in &trees {
+        let target = base.join(path.strip_prefix("/").unwrap_or(path));
+        std::fs::create_dir_all(&target).map_err(|e| format!("mkdir {}: {e}", target.display()))?;
+        move_mount_to(tree, &target)?;
+    }
+    std::env::set_current_dir(base).map_err(|e| e.to_string())?;
+    nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
+    std::env::set_current_dir("/").map_err(|e| e.to_string())?;
+    if root {
+        let groups: Vec<Gid> = c.groups.iter().map(|g| Gid::from_raw(*g)).collect();
+        nix::unistd::setgroups(&groups).map_err(|e| format!("setgroups: {e}"))?;
+        let gid = Gid::from_raw(c.gid);
+        nix::unistd::setresgid(gid, gid, gid).map_err(|e| format!("setresgid: {e}"))?;
+        let uid = Uid::from_raw(c.uid);
+        nix::unistd::setresuid(uid, uid, uid).map_err(|e| format!("setresuid: {e}"))?;
+    }
+    Ok(())
+}
