@@ -285,7 +285,7 @@ fn examine(
             .diff_tree_to_tree(parent_tree.as_ref(), Some(&tree), None)
             .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
         for d in diff.deltas() {
-            check_size(&odb, b.to_string(), &d, max_blob)?;
+            check_size(odb, b.to_string(), &d, max_blob)?;
         }
     }
     // The files the new commits bring, each within the cap.
