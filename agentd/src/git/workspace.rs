@@ -161,23 +161,19 @@ pub fn prepare(spec: &PrepareSpec, event: &mut dyn FnMut(&PrepareEvent)) -> Resu
     let notice = |event: &mut dyn FnMut(&PrepareEvent), message: String| {
         event(&PrepareEvent::Notice { message })
     };
-    if !host.is_bare() {
-        let mut opts = git2::StatusOptions::new();
-        opts.include_untracked(true).include_ignored(false);
-        if let Ok(st) = host.statuses(Some(&mut opts)) {
-            if !st.is_empty() {
-                notice(
-                    event,
-                    format!(
-                        "{} has {} uncommitted change(s) (including untracked files); they are not carried into \
-                     the sandbox. Commit them and run `agentctl sync NAME --from-host` to bring them over.",
-                        project.display(),
-                        st.len()
-                    ),
-                );
-            }
-        }
-    }
+    // Counting the host's uncommitted changes walks its whole work tree:
+    // do it on the other core while the clone runs.
+    let dirty_check = (!host.is_bare()).then(|| {
+        let project = project.clone();
+        std::thread::spawn(move || {
+            let host = git2::Repository::open(&project).ok()?;
+            let mut opts = git2::StatusOptions::new();
+            opts.include_untracked(true)
+                .include_ignored(false)
+                .exclude_submodules(true);
+            host.statuses(Some(&mut opts)).ok().map(|s| s.len())
+        })
+    });
     if host.head_detached().unwrap_or(false) {
         notice(
             event,
@@ -201,6 +197,18 @@ pub fn prepare(spec: &PrepareSpec, event: &mut dyn FnMut(&PrepareEvent)) -> Resu
         );
     }
     clone_project(&project, &spec.dest, event)?;
+    if let Some(Ok(Some(n))) = dirty_check.map(std::thread::JoinHandle::join) {
+        if n > 0 {
+            notice(
+                event,
+                format!(
+                    "{} has {n} uncommitted change(s) (including untracked files); they are not carried \
+                     into the sandbox. Commit them and run `agentctl sync NAME --from-host` to bring them over.",
+                    project.display()
+                ),
+            );
+        }
+    }
     copy_env_files(&host, &project, &spec.dest, &spec.env_files, event);
     Ok(())
 }
@@ -217,6 +225,11 @@ pub fn clone_project(
         .ok_or_else(|| format!("project path {} is not UTF-8", project.display()))?;
     let mut last = std::time::Instant::now();
     let mut co = git2::build::CheckoutBuilder::new();
+    // Without any .gitattributes, checkout filters change nothing (the new
+    // repository has no config asking for them) and only cost time.
+    if !uses_attributes(project) {
+        co.disable_filters(true);
+    }
     co.progress(|_, done, total| {
         if last.elapsed() >= std::time::Duration::from_millis(100) || done == total {
             last = std::time::Instant::now();
@@ -258,6 +271,30 @@ pub fn clone_project(
         }
     }
     Ok(())
+}
+
+/// Whether the project's checked-out commit (or its info/attributes) has
+/// any `.gitattributes`.
+fn uses_attributes(project: &Path) -> bool {
+    let Ok(repo) = git2::Repository::open(project) else {
+        return true;
+    };
+    if repo.path().join("info/attributes").exists() {
+        return true;
+    }
+    let Ok(tree) = repo.head().and_then(|h| h.peel_to_tree()) else {
+        return false;
+    };
+    let mut found = false;
+    let _ = tree.walk(git2::TreeWalkMode::PreOrder, |_, entry| {
+        if entry.name_bytes() == b".gitattributes" {
+            found = true;
+            git2::TreeWalkResult::Abort
+        } else {
+            git2::TreeWalkResult::Ok
+        }
+    });
+    found
 }
 
 /// Copy the ignored files at the project root that match `patterns`:
