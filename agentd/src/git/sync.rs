@@ -65,22 +65,9 @@ pub struct ReadRequest {
     pub max_blob: u64,
 }
 
-/// One branch that changes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Update {
-    /// Branch name.
-    pub branch: String,
-    /// Where the destination's ref was (empty: new).
-    pub old: String,
-    /// Where it goes (empty: deleted).
-    pub new: String,
-    /// Commits new to the destination.
-    pub commits: u32,
-    /// Files changed between old and new.
-    pub files_changed: u32,
-    /// Up to 50 of their paths.
-    pub files: Vec<String>,
-}
+/// One branch that changes (the wire type): `old` empty for a new branch,
+/// `new` empty for a removed one.
+pub use keystone_agent_api::BranchSync as Update;
 
 /// The reader's report (its first line on stdout; a pack follows).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

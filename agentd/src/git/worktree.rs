@@ -63,26 +63,8 @@ pub enum Request {
     },
 }
 
-/// One worktree, as listed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Info {
-    /// Branch checked out (empty when detached).
-    pub branch: String,
-    /// Path inside the sandbox.
-    pub path: String,
-    /// Commit checked out (empty for an unborn branch).
-    pub head: String,
-    /// Uncommitted changes (untracked files count).
-    pub dirty: bool,
-    /// Whether the host has a branch of the same name (`refs/remotes/host/<branch>`).
-    pub has_host_branch: bool,
-    /// Commits ahead of the host's branch.
-    pub ahead: u32,
-    /// Commits behind the host's branch.
-    pub behind: u32,
-    /// The main worktree (`/workspace` itself).
-    pub main: bool,
-}
+/// One worktree, as listed (the wire type).
+pub use keystone_agent_api::WorktreeInfo as Info;
 
 /// Why a request failed.
 #[derive(Debug)]

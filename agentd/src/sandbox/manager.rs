@@ -12,8 +12,8 @@ use std::time::{Duration, SystemTime};
 
 use keystone_agent_api::types::Ports;
 use keystone_agent_api::{
-    BackendKind, BranchSync, ExecResult, SandboxConfig, SandboxState, SandboxSummary, SyncMode,
-    SyncReport, WorktreeInfo,
+    BackendKind, ExecResult, SandboxConfig, SandboxState, SandboxSummary, SyncMode, SyncReport,
+    WorktreeInfo,
 };
 use tokio::sync::broadcast;
 
@@ -886,19 +886,7 @@ impl Manager {
         Ok(SyncReport {
             direction: direction.to_owned(),
             dry_run: opts.dry_run,
-            branches: report
-                .read
-                .updates
-                .into_iter()
-                .map(|u| BranchSync {
-                    branch: u.branch,
-                    old: u.old,
-                    new: u.new,
-                    commits: u.commits,
-                    files_changed: u.files_changed,
-                    files: u.files,
-                })
-                .collect(),
+            branches: report.read.updates,
             skipped: report.read.skipped,
             into: report.into.unwrap_or_default(),
         })
@@ -1084,7 +1072,7 @@ impl Manager {
             message: e.to_string(),
         })?;
         tracing::info!(sandbox = %name, branch, path = %i.path, "worktree added");
-        Ok(to_api(i))
+        Ok(i)
     }
 
     /// The worktrees of sandbox `name`, the main one first.
@@ -1098,7 +1086,7 @@ impl Manager {
             name: name.to_owned(),
             message: e.to_string(),
         })?;
-        Ok(l.into_iter().map(to_api).collect())
+        Ok(l)
     }
 
     /// Remove the worktree of `branch` in sandbox `name`.
@@ -1295,18 +1283,5 @@ impl Manager {
     #[must_use]
     pub fn is_timeout(e: &BackendError) -> bool {
         matches!(e, BackendError::Timeout(_))
-    }
-}
-
-fn to_api(i: worktree::Info) -> WorktreeInfo {
-    WorktreeInfo {
-        branch: i.branch,
-        path: i.path,
-        head: i.head,
-        dirty: i.dirty,
-        has_host_branch: i.has_host_branch,
-        ahead: i.ahead,
-        behind: i.behind,
-        main: i.main,
     }
 }
