@@ -11,6 +11,7 @@ pub mod confine;
 pub mod dbus;
 pub mod error;
 pub mod git;
+pub mod naming;
 pub mod guest;
 pub mod procfs;
 pub mod registry;
