@@ -196,7 +196,8 @@ agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60"
     /// agents can work on one repository side by side.
     #[command(subcommand)]
     Worktree(WorktreeCommand),
-    /// Run a command inside a running sandbox; exits with its exit code.
+    /// Run a command inside a running sandbox; its output streams as it runs,
+    /// your stdin reaches it, and agentctl exits with its exit code.
     #[command(
         after_help = "Examples:\n  agentctl exec myproject -- git status\n  agentctl exec myproject --timeout 60 -- make test"
     )]
@@ -207,8 +208,12 @@ agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60"
         #[arg(long, value_name = "S", default_value_t = 0)]
         timeout: u32,
         /// Working directory inside the sandbox. Default: /workspace.
-        #[arg(long, short = 'w', value_name = "DIR")]
+        #[arg(long, short = 'w', value_name = "DIR", conflicts_with = "worktree")]
         workdir: Option<String>,
+        /// Run in the worktree of this branch (/workspace/.worktrees/BRANCH,
+        /// or /workspace for the main worktree's branch).
+        #[arg(long, short = 'b', value_name = "BRANCH")]
+        worktree: Option<String>,
         /// Set an environment variable (repeatable).
         #[arg(long, short, value_name = "KEY=VALUE")]
         env: Vec<String>,

@@ -309,6 +309,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             name,
             timeout,
             workdir,
+            worktree,
             env,
             command,
         } => {
@@ -323,17 +324,16 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 vars.insert(k, v);
             }
             let sb = lookup(conn, &manager, &name).await?;
+            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
+            if let Some(w) = &workdir {
+                opts.insert("cwd", w.as_str().into());
+            }
+            if let Some(b) = &worktree {
+                opts.insert("worktree", b.as_str().into());
+            }
+            opts.insert("timeout_secs", timeout.into());
             let argv: Vec<&str> = command.iter().map(String::as_str).collect();
-            let r = sb
-                .exec(&argv, vars, workdir.as_deref().unwrap_or(""), timeout)
-                .await?;
-            let mut out = std::io::stdout().lock();
-            let _ = out.write_all(&r.stdout);
-            let _ = out.flush();
-            let mut err = std::io::stderr().lock();
-            let _ = err.write_all(&r.stderr);
-            let _ = err.flush();
-            Ok(r.exit_code)
+            crate::exec::run(&sb, &argv, vars, opts).await
         }
     }
 }

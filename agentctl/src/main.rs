@@ -2,6 +2,7 @@
 
 mod cli;
 mod commands;
+mod exec;
 mod output;
 
 use clap::Parser;
@@ -118,6 +119,8 @@ fn main() -> std::process::ExitCode {
         let conn = connect(cli.bus.as_deref()).await?;
         commands::run(&conn, cli.command).await
     });
+    // Do not wait for a stdin reader that is blocked on a terminal.
+    runtime.shutdown_background();
     match result {
         Ok(code) => std::process::ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(f) => {

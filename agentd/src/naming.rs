@@ -44,12 +44,22 @@ fn hex(s: &str) -> u64 {
 /// When `subnet` is not an IPv4 /16 written as `A.B.0.0/16`.
 pub fn derive(name: &str, subnet: &str) -> Result<Names, String> {
     let (a, b) = parse_subnet(subnet)?;
-    let h: String = Sha256::digest(name.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    let h: String = Sha256::digest(name.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let offset = 2 + hex(&h[23..27]) % 65533;
     Ok(Names {
         name: name.to_owned(),
         tap_id: format!("ks{}", &h[0..13]),
-        mac: format!("02:{}:{}:{}:{}:{}", &h[13..15], &h[15..17], &h[17..19], &h[19..21], &h[21..23]),
+        mac: format!(
+            "02:{}:{}:{}:{}:{}",
+            &h[13..15],
+            &h[15..17],
+            &h[17..19],
+            &h[19..21],
+            &h[21..23]
+        ),
         address: format!("{a}.{b}.{}.{}", offset / 256, offset % 256),
         cid: 3 + hex(&h[27..34]),
     })
@@ -58,7 +68,11 @@ pub fn derive(name: &str, subnet: &str) -> Result<Names, String> {
 fn parse_subnet(subnet: &str) -> Result<(u8, u8), String> {
     let bad = || format!("subnet '{subnet}' must be an IPv4 /16 written as A.B.0.0/16");
     let (addr, len) = subnet.split_once('/').ok_or_else(bad)?;
-    let parts: Vec<u8> = addr.split('.').map(str::parse).collect::<Result<_, _>>().map_err(|_| bad())?;
+    let parts: Vec<u8> = addr
+        .split('.')
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .map_err(|_| bad())?;
     match (parts.as_slice(), len) {
         ([a, b, 0, 0], "16") => Ok((*a, *b)),
         _ => Err(bad()),
@@ -73,7 +87,14 @@ mod tests {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/naming.json")
     }
 
-    const NAMES: &[&str] = &["myproject", "api", "web-frontend", "a", "a234567890123456789012345678901", "x1-y2"];
+    const NAMES: &[&str] = &[
+        "myproject",
+        "api",
+        "web-frontend",
+        "a",
+        "a234567890123456789012345678901",
+        "x1-y2",
+    ];
 
     #[test]
     fn values_have_the_documented_shape() {
@@ -92,13 +113,17 @@ mod tests {
     /// The vectors shared with the Nix side. `KEYSTONE_BLESS=1` rewrites them.
     #[test]
     fn shared_vectors_match() {
-        let now: Vec<Names> = NAMES.iter().map(|n| derive(n, DEFAULT_SUBNET).unwrap()).collect();
+        let now: Vec<Names> = NAMES
+            .iter()
+            .map(|n| derive(n, DEFAULT_SUBNET).unwrap())
+            .collect();
         if std::env::var_os("KEYSTONE_BLESS").is_some() {
             let mut text = serde_json::to_string_pretty(&now).unwrap();
             text.push('\n');
             std::fs::write(fixture(), text).unwrap();
         }
-        let committed: Vec<Names> = serde_json::from_slice(&std::fs::read(fixture()).unwrap()).unwrap();
+        let committed: Vec<Names> =
+            serde_json::from_slice(&std::fs::read(fixture()).unwrap()).unwrap();
         assert_eq!(committed, now);
     }
 }

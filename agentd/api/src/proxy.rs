@@ -115,6 +115,20 @@ pub trait Sandbox {
     #[zbus(property)]
     fn last_sync_result(&self) -> zbus::Result<String>;
 
+    /// Run `argv` with the three descriptors as stdin, stdout and stderr;
+    /// returns the exit code. `options`: `cwd` (s), `worktree` (s),
+    /// `timeout_secs` (u).
+    #[allow(clippy::too_many_arguments, reason = "mirrors the D-Bus method")]
+    fn exec_stdio(
+        &self,
+        argv: &[&str],
+        env: HashMap<&str, &str>,
+        options: HashMap<&str, Value<'_>>,
+        stdin: zvariant::Fd<'_>,
+        stdout: zvariant::Fd<'_>,
+        stderr: zvariant::Fd<'_>,
+    ) -> Result<i32, Error>;
+
     /// Sandbox name.
     #[zbus(property)]
     fn name(&self) -> zbus::Result<String>;

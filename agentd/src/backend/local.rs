@@ -11,14 +11,13 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use keystone_agent_api::{BackendKind, ExecResult};
+use keystone_agent_api::BackendKind;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::io::unix::AsyncFd;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use super::{Backend, BackendError, BoxFut, ExecRequest, Runtime, SandboxSpec};
 use crate::cgroup::Cgroups;
@@ -40,9 +39,6 @@ pub const DEFAULT_RO_PATHS: &[&str] = &[
     "/run/current-system",
     "/run/systemd/resolve",
 ];
-
-/// Largest amount of each output stream `Exec` keeps (the rest is dropped).
-pub const EXEC_OUTPUT_CAP: usize = 16 << 20;
 
 /// Settings of the local backend.
 #[derive(Debug, Clone)]
@@ -216,13 +212,9 @@ impl LocalBackend {
         &self,
         spec: &SandboxSpec,
         req: ExecRequest,
-    ) -> Result<ExecResult, BackendError> {
+        stdio: [OwnedFd; 3],
+    ) -> Result<i32, BackendError> {
         let fail = |m: String| BackendError::Failed(m);
-        let (out_r, out_w) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.to_string()))?;
-        let (err_r, err_w) =
-            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.to_string()))?;
-        let devnull = std::fs::File::open("/dev/null").map_err(|e| fail(e.to_string()))?;
         let socket = Self::control_socket(spec);
         let request = proto::Request::Exec {
             argv: req.argv.clone(),
@@ -232,12 +224,11 @@ impl LocalBackend {
         let conn = tokio::task::spawn_blocking(
             move || -> std::io::Result<(UnixStream, proto::Response)> {
                 let s = UnixStream::connect(&socket)?;
-                proto::send_request(
-                    &s,
-                    &request,
-                    &[devnull.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
-                )?;
-                drop((out_w, err_w, devnull));
+                let raw = stdio.each_ref().map(AsRawFd::as_raw_fd);
+                proto::send_request(&s, &request, &raw)?;
+                // The sandbox has its own copies now; ours must go, or the
+                // reader of the command's output would never see its end.
+                drop(stdio);
                 let mut first = String::new();
                 // One byte at a time: the rest of the stream is read async below.
                 let mut b = [0u8; 1];
@@ -265,12 +256,6 @@ impl LocalBackend {
             .set_nonblocking(true)
             .map_err(|e| fail(e.to_string()))?;
         let stream = tokio::net::UnixStream::from_std(stream).map_err(|e| fail(e.to_string()))?;
-        let out_buf = Arc::new(Mutex::new(Vec::new()));
-        let err_buf = Arc::new(Mutex::new(Vec::new()));
-        let readers = [
-            tokio::spawn(read_capped(out_r, Arc::clone(&out_buf))),
-            tokio::spawn(read_capped(err_r, Arc::clone(&err_buf))),
-        ];
         let exit = async {
             let mut lines = tokio::io::BufReader::new(stream).lines();
             match lines.next_line().await {
@@ -281,55 +266,18 @@ impl LocalBackend {
                 _ => Err(fail("the sandbox ended while the command ran".to_owned())),
             }
         };
-        let all = async {
-            let code = exit.await?;
-            // A background process may hold the pipes open: give the output
-            // two seconds to end after the command itself has.
-            let _ = tokio::time::timeout(Duration::from_secs(2), futures_join(readers)).await;
-            let take = |b: &Arc<Mutex<Vec<u8>>>| std::mem::take(&mut *b.lock().unwrap());
-            Ok::<_, BackendError>(ExecResult {
-                exit_code: code,
-                stdout: take(&out_buf),
-                stderr: take(&err_buf),
-            })
-        };
         match req.timeout {
             // Dropping the connection on timeout makes the server kill the
             // command's process group.
-            Some(t) => tokio::time::timeout(t, all).await.map_err(|_| {
+            Some(t) => tokio::time::timeout(t, exit).await.map_err(|_| {
                 BackendError::Timeout(format!(
                     "command '{}' did not finish within {}s and was killed",
                     req.argv.join(" "),
                     t.as_secs()
                 ))
             })?,
-            None => all.await,
+            None => exit.await,
         }
-    }
-}
-
-/// Read a pipe to its end into `out`, keeping at most [`EXEC_OUTPUT_CAP`]
-/// bytes.
-async fn read_capped(fd: OwnedFd, out: Arc<Mutex<Vec<u8>>>) {
-    let Ok(mut rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
-        return;
-    };
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        match rx.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                let mut out = out.lock().unwrap();
-                let room = EXEC_OUTPUT_CAP.saturating_sub(out.len());
-                out.extend_from_slice(&buf[..n.min(room)]);
-            }
-        }
-    }
-}
-
-async fn futures_join(handles: [tokio::task::JoinHandle<()>; 2]) {
-    for h in handles {
-        let _ = h.await;
     }
 }
 
@@ -424,8 +372,9 @@ impl Backend for LocalBackend {
         &'a self,
         spec: &'a SandboxSpec,
         req: ExecRequest,
-    ) -> BoxFut<'a, Result<ExecResult, BackendError>> {
-        Box::pin(self.exec_inner(spec, req))
+        stdio: [OwnedFd; 3],
+    ) -> BoxFut<'a, Result<i32, BackendError>> {
+        Box::pin(self.exec_inner(spec, req, stdio))
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {

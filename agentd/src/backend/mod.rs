@@ -13,8 +13,12 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::Duration;
 
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+
 use keystone_agent_api::{BackendKind, ExecResult, SandboxConfig};
 use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt;
 
 /// A boxed future, so the trait stays object-safe.
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -100,12 +104,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         force: bool,
     ) -> BoxFut<'a, Result<(), BackendError>>;
 
-    /// Run a command in the running sandbox and collect its output.
+    /// Run a command in the running sandbox with `stdio` (stdin, stdout,
+    /// stderr) as its standard streams; resolves to its exit code.
     fn exec<'a>(
         &'a self,
         spec: &'a SandboxSpec,
         req: ExecRequest,
-    ) -> BoxFut<'a, Result<ExecResult, BackendError>>;
+        stdio: [OwnedFd; 3],
+    ) -> BoxFut<'a, Result<i32, BackendError>>;
 
     /// Whether the sandbox described by `rt` is still alive.
     fn is_alive(&self, rt: &Runtime) -> bool;
@@ -117,4 +123,61 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// belong to one of `keep` (sandbox names with a live runtime). Returns
     /// the names of the sandboxes whose leftovers were killed.
     fn kill_strays(&self, keep: &[(String, Runtime)]) -> Vec<String>;
+}
+
+/// Largest amount of each output stream [`capture`] keeps (the rest is
+/// read and dropped).
+pub const EXEC_OUTPUT_CAP: usize = 16 << 20;
+
+/// Run a command with no input and collect its output (D-Bus `Exec`).
+pub async fn capture(
+    backend: &dyn Backend,
+    spec: &SandboxSpec,
+    req: ExecRequest,
+) -> Result<ExecResult, BackendError> {
+    let fail = |e: std::io::Error| BackendError::Failed(e.to_string());
+    let (out_r, out_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.into()))?;
+    let (err_r, err_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.into()))?;
+    let devnull = OwnedFd::from(std::fs::File::open("/dev/null").map_err(fail)?);
+    let out_buf = Arc::new(Mutex::new(Vec::new()));
+    let err_buf = Arc::new(Mutex::new(Vec::new()));
+    let readers = [
+        tokio::spawn(read_capped(out_r, Arc::clone(&out_buf))),
+        tokio::spawn(read_capped(err_r, Arc::clone(&err_buf))),
+    ];
+    let code = backend.exec(spec, req, [devnull, out_w, err_w]).await?;
+    // A background process may hold the pipes open: give the output two
+    // seconds to end after the command itself has.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), async {
+        for r in readers {
+            let _ = r.await;
+        }
+    })
+    .await;
+    let take = |b: &Arc<Mutex<Vec<u8>>>| std::mem::take(&mut *b.lock().unwrap());
+    Ok(ExecResult {
+        exit_code: code,
+        stdout: take(&out_buf),
+        stderr: take(&err_buf),
+    })
+}
+
+/// Read a pipe to its end into `out`, keeping at most [`EXEC_OUTPUT_CAP`] bytes.
+async fn read_capped(fd: OwnedFd, out: Arc<Mutex<Vec<u8>>>) {
+    let Ok(mut rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
+        return;
+    };
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match rx.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let mut out = out.lock().unwrap();
+                let room = EXEC_OUTPUT_CAP.saturating_sub(out.len());
+                out.extend_from_slice(&buf[..n.min(room)]);
+            }
+        }
+    }
 }

@@ -11,7 +11,7 @@ use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
 use super::{Callers, to_dbus};
-use crate::sandbox::manager::{Manager, SyncOptions};
+use crate::sandbox::manager::{ExecCall, Manager, SyncOptions};
 use crate::sandbox::{Sandbox, micros};
 
 /// The object at `/org/keystone/Agent1/sandbox/<name>`.
@@ -114,16 +114,16 @@ impl SandboxObject {
     ) -> Result<(i32, Vec<u8>, Vec<u8>), api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
         let timeout = (timeout_secs > 0).then(|| Duration::from_secs(u64::from(timeout_secs)));
+        let call = ExecCall {
+            argv,
+            env: env.into_iter().collect(),
+            cwd,
+            timeout,
+            ..ExecCall::default()
+        };
         let r = self
             .manager
-            .exec(
-                caller,
-                &self.name,
-                argv,
-                env.into_iter().collect(),
-                cwd,
-                timeout,
-            )
+            .exec(caller, &self.name, call)
             .await
             .map_err(to_dbus)?;
         Ok((r.exit_code, r.stdout, r.stderr))
@@ -268,6 +268,92 @@ impl SandboxObject {
         #[zbus(header)] header: Option<Header<'_>>,
     ) -> fdo::Result<String> {
         self.visible(conn, header).await.map(|s| s.last_sync_result)
+    }
+
+    /// Run `argv` inside the running sandbox with the three passed
+    /// descriptors as its stdin, stdout and stderr, so output streams while
+    /// it runs and input reaches it. `options`: `cwd` (s), `worktree` (s:
+    /// run in that branch's worktree), `timeout_secs` (u). Returns the exit
+    /// code. The command is killed if the caller leaves the bus.
+    async fn exec_stdio(
+        &self,
+        argv: Vec<String>,
+        env: HashMap<String, String>,
+        options: HashMap<String, OwnedValue>,
+        stdin: zvariant::OwnedFd,
+        stdout: zvariant::OwnedFd,
+        stderr: zvariant::OwnedFd,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<i32, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let mut call = ExecCall {
+            argv,
+            env: env.into_iter().collect(),
+            stdio: Some([stdin.into(), stdout.into(), stderr.into()]),
+            ..ExecCall::default()
+        };
+        let mut problems = Vec::new();
+        for (key, value) in &options {
+            let text = || {
+                value
+                    .try_clone()
+                    .ok()
+                    .and_then(|v| String::try_from(v).ok())
+            };
+            match key.as_str() {
+                "cwd" => {
+                    call.cwd = text().unwrap_or_else(|| {
+                        problems.push("cwd must be a string".to_owned());
+                        String::new()
+                    })
+                }
+                "worktree" => {
+                    call.worktree = text().or_else(|| {
+                        problems.push("worktree must be a string".to_owned());
+                        None
+                    })
+                }
+                "timeout_secs" => match u32::try_from(value) {
+                    Ok(0) => {}
+                    Ok(t) => call.timeout = Some(Duration::from_secs(u64::from(t))),
+                    Err(_) => problems.push("timeout_secs must be a uint32".to_owned()),
+                },
+                other => problems.push(format!(
+                    "unknown option '{other}' (known: cwd, worktree, timeout_secs)"
+                )),
+            }
+        }
+        if !problems.is_empty() {
+            return Err(to_dbus(crate::error::Error::Invalid(problems)));
+        }
+        // A caller that leaves the bus (Ctrl-C, a crash) takes its command along.
+        let sender = header.sender().map(|s| s.to_owned());
+        let gone = async {
+            let Some(sender) = sender else {
+                return std::future::pending().await;
+            };
+            let Ok(dbus) = zbus::fdo::DBusProxy::new(conn).await else {
+                return std::future::pending().await;
+            };
+            let Ok(mut changes) = dbus
+                .receive_name_owner_changed_with_args(&[(0, sender.as_str())])
+                .await
+            else {
+                return std::future::pending().await;
+            };
+            use futures_lite::StreamExt as _;
+            while let Some(c) = changes.next().await {
+                if c.args().is_ok_and(|a| a.new_owner().is_none()) {
+                    return;
+                }
+            }
+            std::future::pending().await
+        };
+        tokio::select! {
+            r = self.manager.exec(caller, &self.name, call) => r.map(|r| r.exit_code).map_err(to_dbus),
+            () = gone => Err(api::Error::Backend("the caller left; the command was killed".to_owned())),
+        }
     }
 
     /// Sandbox name.

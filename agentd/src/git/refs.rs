@@ -128,6 +128,18 @@ fn accept(short: &str, hex: &str, out: &mut BTreeMap<String, Oid>, skipped: &mut
     }
 }
 
+/// The branch `<git_dir>/HEAD` names, read without following symlinks.
+#[must_use]
+pub fn head_branch(git_dir: &Path) -> Option<String> {
+    let meta = fs::symlink_metadata(git_dir).ok()?;
+    if !meta.is_dir() {
+        return None;
+    }
+    let text = read_regular(&git_dir.join("HEAD"), REF_FILE_MAX).ok()??;
+    let branch = text.trim().strip_prefix("ref: refs/heads/")?.to_owned();
+    valid_branch(&branch).then_some(branch)
+}
+
 /// Read a regular file (never through a symlink) of at most `max` bytes.
 fn read_regular(path: &Path, max: u64) -> Result<Option<String>, String> {
     let f = match fs::OpenOptions::new()

@@ -63,6 +63,23 @@ pub enum Change {
     },
 }
 
+/// A command to run in a sandbox.
+#[derive(Debug, Default)]
+pub struct ExecCall {
+    /// Program and arguments.
+    pub argv: Vec<String>,
+    /// Extra environment.
+    pub env: BTreeMap<String, String>,
+    /// Working directory inside the sandbox (empty: `/workspace`).
+    pub cwd: String,
+    /// Kill the command after this long.
+    pub timeout: Option<Duration>,
+    /// Run in the worktree of this branch.
+    pub worktree: Option<String>,
+    /// Standard streams to give the command; `None` collects its output.
+    pub stdio: Option<[std::os::fd::OwnedFd; 3]>,
+}
+
 /// Options of a sync.
 #[derive(Debug, Clone, Default)]
 pub struct SyncOptions {
@@ -687,16 +704,17 @@ impl Manager {
             .collect()
     }
 
-    /// Run a command in running sandbox `name`.
-    pub async fn exec(
-        &self,
-        caller: Caller,
-        name: &str,
-        argv: Vec<String>,
-        env: BTreeMap<String, String>,
-        cwd: String,
-        timeout: Option<Duration>,
-    ) -> Result<ExecResult> {
+    /// Run a command in running sandbox `name`: with `call.stdio`, on those
+    /// descriptors (output streams as it runs); without, collecting output.
+    pub async fn exec(&self, caller: Caller, name: &str, call: ExecCall) -> Result<ExecResult> {
+        let ExecCall {
+            argv,
+            env,
+            cwd,
+            timeout,
+            worktree,
+            stdio,
+        } = call;
         let sb = self.get(caller, name)?;
         let mut problems = Vec::new();
         if argv.is_empty() {
@@ -727,10 +745,15 @@ impl Manager {
             });
         }
         let backend = Arc::clone(self.backend(sb.backend)?);
-        let cwd = if cwd.is_empty() {
-            "/workspace".to_owned()
-        } else {
-            cwd
+        let cwd = match (worktree, cwd.is_empty()) {
+            (Some(_), false) => {
+                return Err(Error::Invalid(vec![
+                    "give either a worktree or a working directory, not both".into(),
+                ]));
+            }
+            (Some(branch), true) => self.worktree_dir(&sb, &branch)?,
+            (None, true) => worktree::SANDBOX_ROOT.to_owned(),
+            (None, false) => cwd,
         };
         let req = ExecRequest {
             argv,
@@ -738,13 +761,22 @@ impl Manager {
             cwd,
             timeout,
         };
-        backend
-            .exec(&self.spec(&sb), req)
-            .await
-            .map_err(|source| Error::Backend {
-                name: name.to_owned(),
-                source,
-            })
+        let spec = self.spec(&sb);
+        let result = match stdio {
+            Some(fds) => backend
+                .exec(&spec, req, fds)
+                .await
+                .map(|exit_code| ExecResult {
+                    exit_code,
+                    stdout: Vec::new(),
+                    stderr: Vec::new(),
+                }),
+            None => crate::backend::capture(backend.as_ref(), &spec, req).await,
+        };
+        result.map_err(|source| Error::Backend {
+            name: name.to_owned(),
+            source,
+        })
     }
 
     /// Move branches between the host repository and sandbox `name`.
@@ -1009,6 +1041,31 @@ impl Manager {
         self.apply_sync_mode(name);
         tracing::info!(sandbox = %name, mode = %sb.config.sync_mode, idle = sb.config.sync_idle_seconds, "configured");
         Ok(sb)
+    }
+
+    /// The directory (inside the sandbox) of `branch`'s worktree.
+    fn worktree_dir(&self, sb: &Sandbox, branch: &str) -> Result<String> {
+        if !refs::valid_branch(branch) {
+            return Err(Error::Invalid(vec![format!(
+                "'{}' is not a valid git branch name",
+                branch.escape_debug()
+            )]));
+        }
+        let ws = self.spec(sb).workspace;
+        if procfs::is_real_dir(&ws.join(worktree::dir_of(branch))) {
+            return Ok(format!(
+                "{}/{}",
+                worktree::SANDBOX_ROOT,
+                worktree::dir_of(branch).display()
+            ));
+        }
+        if refs::head_branch(&ws.join(".git")).as_deref() == Some(branch) {
+            return Ok(worktree::SANDBOX_ROOT.to_owned());
+        }
+        Err(Error::Invalid(vec![format!(
+            "sandbox '{}' has no worktree for '{branch}'; create it with `agentctl worktree add {} {branch}`",
+            sb.name, sb.name
+        )]))
     }
 
     /// Run the worktree helper for sandbox `name` as the sandbox's uid.
