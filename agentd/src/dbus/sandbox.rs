@@ -275,6 +275,7 @@ impl SandboxObject {
     /// it runs and input reaches it. `options`: `cwd` (s), `worktree` (s:
     /// run in that branch's worktree), `timeout_secs` (u). Returns the exit
     /// code. The command is killed if the caller leaves the bus.
+    #[allow(clippy::too_many_arguments, reason = "the D-Bus method's arguments")]
     async fn exec_stdio(
         &self,
         argv: Vec<String>,
