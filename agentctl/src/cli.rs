@@ -176,6 +176,18 @@ touched by --into, and only as a fast-forward of a clean checkout."
         #[arg(long)]
         json: bool,
     },
+    /// What was run in a sandbox: every exec with its caller, exit code and
+    /// duration (an append-only log kept by agentd).
+    History {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Only the last N entries.
+        #[arg(long, short = 'n', value_name = "N", default_value_t = 20)]
+        limit: u32,
+    },
     /// Change a sandbox's settings that apply at once.
     #[command(
         after_help = "Examples:\n  agentctl set myproject --sync-mode auto-commit\n  \

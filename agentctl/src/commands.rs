@@ -282,6 +282,36 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             println!("Worktree of '{branch}' removed (the branch is kept).");
             Ok(0)
         }
+        Command::History { name, json, limit } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let entries = sb.history(limit).await?;
+            if json {
+                let v: Vec<_> = entries.iter().map(output::history_json).collect();
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+            } else if entries.is_empty() {
+                println!("Nothing was run in sandbox '{name}' yet.");
+            } else {
+                let rows: Vec<Vec<String>> = entries
+                    .iter()
+                    .map(|e| {
+                        vec![
+                            output::rfc3339(e.time).as_str().unwrap_or("-").to_owned(),
+                            e.uid.to_string(),
+                            e.kind.clone(),
+                            if e.error.is_empty() {
+                                e.exit_code.to_string()
+                            } else {
+                                "failed".to_owned()
+                            },
+                            format!("{:.1}s", e.duration_ms as f64 / 1000.0),
+                            e.detail.clone(),
+                        ]
+                    })
+                    .collect();
+                output::table(&["TIME", "UID", "KIND", "EXIT", "TOOK", "COMMAND"], &rows);
+            }
+            Ok(0)
+        }
         Command::Set {
             name,
             sync_mode,

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use keystone_agent_api::{SandboxSummary, SyncReport, WorktreeInfo};
+use keystone_agent_api::{HistoryEntry, SandboxSummary, SyncReport, WorktreeInfo};
 use serde_json::{Value, json};
 
 /// A timestamp in µs since the epoch as RFC 3339, or `null` for 0.
@@ -60,6 +60,20 @@ pub fn short(id: &str) -> String {
     } else {
         id.chars().take(12).collect()
     }
+}
+
+/// The stable JSON form of a history entry.
+#[must_use]
+pub fn history_json(e: &HistoryEntry) -> Value {
+    json!({
+        "time": rfc3339(e.time),
+        "uid": e.uid,
+        "kind": e.kind,
+        "detail": e.detail,
+        "exit_code": if e.error.is_empty() { json!(e.exit_code) } else { Value::Null },
+        "error": if e.error.is_empty() { Value::Null } else { Value::String(e.error.clone()) },
+        "duration_ms": e.duration_ms,
+    })
 }
 
 /// The stable JSON form of a worktree.

@@ -148,3 +148,26 @@ fn a_killed_agentctl_takes_its_command_along() {
             != Some(0)
     });
 }
+
+#[test]
+fn every_exec_is_in_the_history() {
+    let (env, _) = running("hist");
+    env.ok(&["exec", "hist", "--", "true"]);
+    let _ = env.ctl(&["exec", "hist", "--", "sh", "-c", "exit 4"]);
+    let _ = env.ctl(&["exec", "hist", "--", "no-such-program", "with space"]);
+    let h: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["history", "hist", "--json"])).unwrap();
+    assert_eq!(h.len(), 3, "{h:?}");
+    assert_eq!(h[0]["detail"], "true");
+    assert_eq!(h[0]["exit_code"], 0);
+    assert_eq!(h[1]["detail"], "sh -c 'exit 4'");
+    assert_eq!(h[1]["exit_code"], 4);
+    assert_eq!(h[2]["exit_code"], serde_json::Value::Null);
+    assert!(h[2]["error"].as_str().unwrap().contains("not found"));
+    assert_eq!(h[0]["uid"], nix::unistd::Uid::effective().as_raw());
+    let last: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["history", "hist", "--json", "-n", "1"])).unwrap();
+    assert_eq!(last.len(), 1);
+    assert_eq!(last[0]["detail"], h[2]["detail"]);
+    assert!(env.ok(&["history", "hist"]).starts_with("TIME"));
+}

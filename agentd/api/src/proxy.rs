@@ -12,7 +12,7 @@ use zvariant::{OwnedObjectPath, Value};
 use crate::error::Error;
 #[allow(unused_imports, reason = "linked from the docs")]
 use crate::types::SandboxConfig;
-use crate::types::{ExecResult, SandboxSummary, SyncReport, WorktreeInfo};
+use crate::types::{ExecResult, HistoryEntry, SandboxSummary, SyncReport, WorktreeInfo};
 
 /// `org.keystone.Agent1.Manager` at `/org/keystone/Agent1`.
 #[proxy(
@@ -103,6 +103,9 @@ pub trait Sandbox {
     /// Change settings that apply at once: `sync_mode` (s) and
     /// `sync_idle_seconds` (u).
     fn configure(&self, settings: HashMap<&str, Value<'_>>) -> Result<(), Error>;
+
+    /// The last `limit` entries (0 = all) of the sandbox's history, oldest first.
+    fn history(&self, limit: u32) -> Result<Vec<HistoryEntry>, Error>;
 
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]

@@ -227,6 +227,25 @@ pub struct ExecResult {
     pub stderr: Vec<u8>,
 }
 
+/// One line of a sandbox's history: an exec, attach or copy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct HistoryEntry {
+    /// When it started, µs since the epoch.
+    pub time: u64,
+    /// Caller's uid.
+    pub uid: u32,
+    /// `exec`, `attach` or `cp`.
+    pub kind: String,
+    /// The command line, branch or paths.
+    pub detail: String,
+    /// Exit code; -1 when it failed to run (see `error`).
+    pub exit_code: i32,
+    /// How long it took, in milliseconds.
+    pub duration_ms: u64,
+    /// Why it failed to run, or empty.
+    pub error: String,
+}
+
 /// A worktree of a sandbox's workspace.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct WorktreeInfo {

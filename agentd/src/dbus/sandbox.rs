@@ -239,6 +239,21 @@ impl SandboxObject {
             .map_err(to_dbus)
     }
 
+    /// The last `limit` entries (0 = all) of the sandbox's history, oldest
+    /// first: every exec (and later attach and cp) with its caller, exit code
+    /// and duration.
+    async fn history(
+        &self,
+        limit: u32,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<api::HistoryEntry>, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .history(caller, &self.name, limit as usize)
+            .map_err(to_dbus)
+    }
+
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
     async fn synced(

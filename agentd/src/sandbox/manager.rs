@@ -6,14 +6,15 @@
 //! [`Manager::subscribe`].
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use keystone_agent_api::types::Ports;
 use keystone_agent_api::{
-    BackendKind, ExecResult, SandboxConfig, SandboxState, SandboxSummary, SyncMode, SyncReport,
-    WorktreeInfo,
+    BackendKind, ExecResult, HistoryEntry, SandboxConfig, SandboxState, SandboxSummary, SyncMode,
+    SyncReport, WorktreeInfo,
 };
 use tokio::sync::broadcast;
 
@@ -707,6 +708,77 @@ impl Manager {
     /// Run a command in running sandbox `name`: with `call.stdio`, on those
     /// descriptors (output streams as it runs); without, collecting output.
     pub async fn exec(&self, caller: Caller, name: &str, call: ExecCall) -> Result<ExecResult> {
+        let started = SystemTime::now();
+        let detail = shell_words(&call.argv);
+        let result = self.exec_inner(caller, name, call).await;
+        if self.get(caller, name).is_ok() {
+            let (exit_code, error) = match &result {
+                Ok(r) => (r.exit_code, String::new()),
+                Err(e) => (-1, e.to_string()),
+            };
+            self.record(
+                name,
+                HistoryEntry {
+                    time: super::micros(Some(started)),
+                    uid: caller.uid,
+                    kind: "exec".to_owned(),
+                    detail,
+                    exit_code,
+                    duration_ms: u64::try_from(started.elapsed().unwrap_or_default().as_millis())
+                        .unwrap_or(u64::MAX),
+                    error,
+                },
+            );
+        }
+        result
+    }
+
+    /// Append `entry` to sandbox `name`'s history (`logs/history.jsonl`,
+    /// append-only, one JSON object per line).
+    fn record(&self, name: &str, entry: HistoryEntry) {
+        use std::io::Write as _;
+        let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");
+        let mut line = serde_json::to_vec(&entry).expect("entry serializes");
+        line.push(b'\n');
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .mode(0o600)
+            .open(&path)
+            .and_then(|mut f| f.write_all(&line));
+        if let Err(e) = written {
+            tracing::warn!(sandbox = %name, error = %e, "cannot record history");
+        }
+    }
+
+    /// The last `limit` entries (0 = all) of sandbox `name`'s history.
+    pub fn history(&self, caller: Caller, name: &str, limit: usize) -> Result<Vec<HistoryEntry>> {
+        self.get(caller, name)?;
+        let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => {
+                return Err(Error::Workspace {
+                    name: name.to_owned(),
+                    message: format!("cannot read {}: {e}", path.display()),
+                });
+            }
+        };
+        let all: Vec<HistoryEntry> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let skip = if limit == 0 {
+            0
+        } else {
+            all.len().saturating_sub(limit)
+        };
+        Ok(all.into_iter().skip(skip).collect())
+    }
+
+    async fn exec_inner(&self, caller: Caller, name: &str, call: ExecCall) -> Result<ExecResult> {
         let ExecCall {
             argv,
             env,
@@ -1341,4 +1413,22 @@ impl Manager {
     pub fn is_timeout(e: &BackendError) -> bool {
         matches!(e, BackendError::Timeout(_))
     }
+}
+
+/// A command line as a person would type it (arguments with spaces or
+/// quotes are single-quoted).
+fn shell_words(argv: &[String]) -> String {
+    argv.iter()
+        .map(|a| {
+            if !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c))
+            {
+                a.clone()
+            } else {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
