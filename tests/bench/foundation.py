@@ -69,3 +69,7 @@ def main():
         print(f"{'local backend lifecycle step':<40} {'p50 ms':>8} {'p95 ms':>8}   (n={n})")
         for k, vals in steps.items():
             print(f"{k:<40} {pct(vals, 50):8.2f} {pct(vals, 95):8.2f}")
+
+
+if __name__ == "__main__":
+    main()
