@@ -1,0 +1,388 @@
+# Keystone Agent host module: what the keystone.agent options (./options.nix)
+# generate.
+#
+# - agentd as a system service on the D-Bus system bus, with its JSON
+#   configuration rendered from the options (/etc/keystone-agent/agentd.json)
+#   and its bus policy (members of keystone.agent.group may call it);
+# - one microvm.nix guest per declared sandbox on the microvm backend
+#   (microvm.vms.<name>, booting nixos-modules/guest);
+# - the sandboxes' network: the bridge keystone-br0 with the host at A.B.0.1,
+#   one tap interface per sandbox attached by systemd-networkd, NAT out;
+# - Caddy in front of the sandboxes' dev servers when proxy.enable.
+#
+# Needs microvm.nix's host module for microvm.vms (the flake's
+# nixosModules.default imports it). The names, addresses, JSON rendering and
+# checks are pure functions in ../lib/naming.nix, tested by tests/nix/check.sh.
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+let
+  cfg = config.keystone.agent;
+  pure = import ../lib/naming.nix;
+
+  configPath = "/etc/keystone-agent/agentd.json";
+  configFile = (pkgs.formats.json { }).generate "agentd.json" (pure.renderConfig cfg);
+
+  # Bridge of the sandboxes' tap interfaces. It must not match the taps'
+  # pattern ("ks" + 13 hex digits).
+  bridge = "keystone-br0";
+  tapPattern = "ks" + lib.concatStrings (lib.genList (_: "?") 13);
+
+  # A.B.0.1 (derive throws a message naming the option for a bad subnet;
+  # the assertions report it first).
+  hostAddress = (pure.derive "keystone-agent" cfg.network.subnet).gateway;
+
+  vmNames = pure.microvmSandboxes cfg;
+  settingsOf = pure.sandboxSettings cfg;
+  namesOf = name: pure.derive name cfg.network.subnet;
+  natNames = lib.filter (name: (settingsOf name).network == "nat") vmNames;
+  anyNested = lib.any (name: (settingsOf name).nestedVirt) vmNames;
+
+  # uid of the guest's user `agent`. virtiofs passes uids through unchanged,
+  # and on the host a sandbox's files belong to "the sandbox's uid" (its
+  # owner's, 65534 for sandboxes of root; docs/git.md): the guest's user must
+  # have that uid to own /workspace. Known at evaluation time only when the
+  # owner's uid is fixed in users.users; otherwise 1000, with a warning.
+  guestUid =
+    name:
+    let
+      owner = cfg.sandboxes.${name}.owner;
+      uid = (config.users.users.${owner} or { }).uid or null;
+    in
+    if owner != "root" && uid != null && uid >= 1000 && uid <= 59999 then
+      {
+        inherit uid;
+        matches = true;
+      }
+    else
+      {
+        uid = 1000;
+        matches = false;
+      };
+
+  # microvm.vms.<name> of one declared sandbox.
+  sandboxVm =
+    name:
+    let
+      sandbox = cfg.sandboxes.${name};
+      settings = settingsOf name;
+      names = namesOf name;
+    in
+    {
+      # agentd starts declared sandboxes itself (those with autostart when
+      # it starts), after it has made the workspace on their first start; a
+      # microvm@ unit started by systemd at boot would race it and find no
+      # workspace to share.
+      autostart = false;
+      # A rebuild must not restart a sandbox under a working agent; a changed
+      # guest takes effect at the sandbox's next start.
+      restartIfChanged = false;
+      config = {
+        imports = [
+          ../guest
+          cfg.guestConfig
+          sandbox.guestConfig
+        ];
+        keystone.sandbox = {
+          inherit name;
+          hostStateDir = "${pure.stateDir}/sandboxes/${name}";
+          inherit (settings)
+            memory
+            vcpus
+            nestedVirt
+            persist
+            ;
+          inherit (cfg.microvm) hypervisor shareProto homeSize;
+          inherit (cfg.network) nameservers;
+          vsockCid = names.cid;
+          inherit (guestUid name) uid;
+          interface =
+            if settings.network == "none" then
+              null
+            else
+              {
+                inherit (names)
+                  mac
+                  address
+                  gateway
+                  prefixLength
+                  ;
+                id = names.tapId;
+              };
+        };
+      };
+    };
+
+  uidWarnings = map (
+    name:
+    let
+      owner = cfg.sandboxes.${name}.owner;
+      uid = config.users.users.${owner}.uid;
+    in
+    "keystone.agent.sandboxes.${name}: the guest's user `agent` gets uid 1000, but the sandbox's files on the host belong to "
+    + (
+      if owner == "root" then
+        "uid 65534 (sandboxes of root); give the sandbox another owner"
+      else if uid == null then
+        "${owner}, whose uid is not fixed here; set users.users.${owner}.uid (1000-59999)"
+      else
+        "${owner} (uid ${toString uid}, outside 1000-59999); give the sandbox another owner"
+    )
+    + " so that the agent owns /workspace"
+  ) (lib.filter (name: !(guestUid name).matches && config.users.users ? ${cfg.sandboxes.${name}.owner}) vmNames);
+
+  # Owners outside the access group cannot reach agentd at all.
+  groupWarnings = lib.concatLists (
+    lib.mapAttrsToList (
+      name: sandbox:
+      let
+        user = config.users.users.${sandbox.owner} or null;
+        inGroup =
+          user != null
+          && (
+            lib.elem cfg.group user.extraGroups
+            || user.group == cfg.group
+            || lib.elem sandbox.owner (config.users.groups.${cfg.group}.members or [ ])
+          );
+      in
+      lib.optional (user != null && sandbox.owner != "root" && !inGroup) "keystone.agent.sandboxes.${name}: owner '${sandbox.owner}' is not in the group '${cfg.group}', so agentctl cannot reach agentd as that user; add \"${cfg.group}\" to users.users.${sandbox.owner}.extraGroups"
+    ) cfg.sandboxes
+  );
+
+  # The policy shipped with agentd names the group keystone-agent; another
+  # group needs its own allow rule (policies of all files add up).
+  groupPolicy = pkgs.writeTextDir "share/dbus-1/system.d/org.keystone.Agent1.local.conf" ''
+    <?xml version="1.0"?>
+    <!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+     "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+    <busconfig>
+      <policy group="${cfg.group}">
+        <allow send_destination="org.keystone.Agent1"/>
+      </policy>
+    </busconfig>
+  '';
+in
+{
+  imports = [ ./options.nix ];
+
+  config = lib.mkIf cfg.enable {
+    assertions =
+      map (message: {
+        assertion = false;
+        inherit message;
+      }) (pure.validate cfg)
+      ++ lib.mapAttrsToList (name: sandbox: {
+        assertion = config.users.users ? ${sandbox.owner};
+        message = "keystone.agent.sandboxes.${name}: owner '${sandbox.owner}' is not a user of this host (no users.users.${sandbox.owner})";
+      }) cfg.sandboxes;
+
+    warnings = uidWarnings ++ groupWarnings;
+
+    environment.systemPackages = [ cfg.package ];
+
+    # --- D-Bus ------------------------------------------------------------------
+    users.groups.${cfg.group} = { };
+    services.dbus.packages = [ cfg.package ] ++ lib.optional (cfg.group != pure.optionDefaults.group) groupPolicy;
+
+    # --- agentd -------------------------------------------------------------------
+    environment.etc."keystone-agent/agentd.json".source = configFile;
+
+    systemd.services.agentd = {
+      description = "Keystone Agent daemon: sandboxes for AI coding agents";
+      documentation = [ "https://github.com/keystone-agent/keystone-agent/blob/main/docs/configuration.md" ];
+      wantedBy = [ "multi-user.target" ];
+      # agentd keeps Caddy's routes in step through the admin API and
+      # re-applies them when Caddy restarts or reloads.
+      wants = lib.optional cfg.proxy.enable "caddy.service";
+      after = [ "network.target" ] ++ lib.optional cfg.proxy.enable "caddy.service";
+      # Declarations change with the config file. microVM sandboxes keep
+      # running across the restart (agentd adopts them again); local ones run
+      # in agentd's cgroup and stop with it.
+      restartTriggers = [ configFile ];
+      environment.AGENTD_LOG = lib.mkDefault "info";
+
+      serviceConfig = {
+        Type = "dbus";
+        BusName = "org.keystone.Agent1";
+        ExecStart = "${lib.getExe' cfg.package "agentd"} --system --config ${configPath}";
+        Restart = "on-failure";
+        RestartSec = "2s";
+
+        # /var/lib/keystone-agent: registry, sandboxes/<name>/{workspace,ssh}.
+        # 0711: other users may not list it; agentd sets each sandbox's own
+        # modes (virtiofsd runs as root; with 9p QEMU runs as user microvm).
+        StateDirectory = "keystone-agent";
+        StateDirectoryMode = "0711";
+
+        # Resource limits of local sandboxes: agentd creates their cgroups in
+        # its delegated subtree (cgroup v2).
+        Delegate = "yes";
+
+        # --- Hardening ------------------------------------------------------------
+        # Local sandboxes are agentd's children: they inherit its seccomp
+        # filters, capability bounding set and no_new_privs. The relaxations
+        # below are each what agentd or its sandboxes need.
+
+        # agentd runs as root: it acts for several owners (it drops to the
+        # owner's uid in helpers) and builds namespaces and mounts. These are
+        # the only capabilities it keeps:
+        CapabilityBoundingSet = [
+          "CAP_SYS_ADMIN" # unshare user/mount/pid/uts/ipc/net namespaces, mount, pivot_root
+          "CAP_SYS_CHROOT" # enter a sandbox's root
+          "CAP_SETUID" # helpers become the sandbox owner (setresuid); uid_map of sandboxes
+          "CAP_SETGID" # same for groups (setgroups, setresgid); gid_map
+          "CAP_SETPCAP" # drop capabilities from sandbox processes
+          "CAP_CHOWN" # give workspace files to their owner / the guest's agent uid
+          "CAP_FOWNER" # set modes and times on files of other users in workspaces
+          "CAP_FSETID" # keep modes when changing owners of workspace files
+          "CAP_DAC_OVERRIDE" # write sandbox state and host repositories of other users
+          "CAP_DAC_READ_SEARCH" # read host repositories of other users
+          "CAP_KILL" # signal sandbox processes that run as other uids
+          "CAP_SYS_PTRACE" # read /proc/<pid> of sandbox processes (ports, namespaces)
+          "CAP_NET_ADMIN" # bring up loopback in a sandbox's network namespace
+          "CAP_SYS_RESOURCE" # resource limits of sandbox processes
+        ];
+        # Setuid binaries gain nothing under agentd or in local sandboxes
+        # (agentd drops privileges with setresuid itself, which this allows).
+        NoNewPrivileges = true;
+        RestrictSUIDSGID = true;
+        # /usr, /boot and /etc read-only. Not "strict": agentd writes into host
+        # repositories wherever their owners keep them.
+        ProtectSystem = "full";
+        # Relaxed: host repositories live in /home; agentd reads them to make
+        # workspaces and writes the sandboxes' branches back into them.
+        ProtectHome = false;
+        PrivateTmp = true;
+        ProtectKernelModules = true;
+        # Relaxed: these put read-only mounts over parts of /proc (/proc/sys,
+        # /proc/kmsg, ...), and the kernel refuses to mount a new procfs in a
+        # user namespace while /proc has such overmounts: local sandboxes
+        # could not get their own /proc.
+        ProtectKernelTunables = false;
+        ProtectKernelLogs = false;
+        # Relaxed: with Delegate=yes agentd writes its own cgroup subtree.
+        ProtectControlGroups = false;
+        # Relaxed: its seccomp filter would forbid sethostname in the
+        # sandboxes' own UTS namespaces.
+        ProtectHostname = false;
+        # Relaxed: agentd creates user, mount, pid, uts, ipc, net and cgroup
+        # namespaces for every local sandbox and confined helper.
+        RestrictNamespaces = false;
+        # Relaxed: JIT runtimes in local sandboxes (node, the JVM) need W+X memory.
+        MemoryDenyWriteExecute = false;
+        # No device restrictions (PrivateDevices, DevicePolicy): they apply to
+        # agentd's delegated cgroups too, and sandboxes need /dev/fuse, ttys and
+        # pseudo-terminals of their own.
+        PrivateDevices = false;
+        # D-Bus and helpers (unix), Caddy's admin API (inet), netlink for
+        # sandbox network namespaces, vsock for microVM guests.
+        RestrictAddressFamilies = [
+          "AF_UNIX"
+          "AF_INET"
+          "AF_INET6"
+          "AF_NETLINK"
+          "AF_VSOCK"
+        ];
+        LockPersonality = true;
+        RestrictRealtime = true;
+        SystemCallArchitectures = "native";
+        # No SystemCallFilter: sandboxes run arbitrary programs under it.
+      };
+    };
+
+    # --- Sandboxes as microVMs ---------------------------------------------------
+    microvm.vms = lib.genAttrs vmNames sandboxVm;
+
+    # vhost-vsock: agentd reaches every guest over vsock (QEMU's vhost-vsock).
+    boot.kernelModules = [ "vhost_vsock" ];
+
+    # Nested virtualisation for sandboxes with nestedVirt (the default on most
+    # kernels already; the guest's -cpu flags decide per sandbox).
+    boot.extraModprobeConfig = lib.mkIf anyNested ''
+      options kvm_intel nested=1
+      options kvm_amd nested=1
+    '';
+
+    # --- Network -------------------------------------------------------------------
+    # A bridge with the host at A.B.0.1; every tap interface that microvm.nix
+    # creates for a sandbox ("ks" + 13 hex digits) joins it as an isolated
+    # port: sandboxes reach the host, not each other.
+    systemd.network = {
+      enable = true;
+      netdevs."40-${bridge}".netdevConfig = {
+        Kind = "bridge";
+        Name = bridge;
+      };
+      networks."40-${bridge}" = {
+        matchConfig.Name = bridge;
+        address = [ "${hostAddress}/16" ];
+        networkConfig.ConfigureWithoutCarrier = true;
+        linkConfig.RequiredForOnline = "no";
+      };
+      networks."41-keystone-taps" = {
+        matchConfig.Name = tapPattern;
+        networkConfig.Bridge = bridge;
+        bridgeConfig.Isolated = true;
+        linkConfig.RequiredForOnline = "no";
+      };
+    };
+
+    # Outbound traffic of `nat` sandboxes is masqueraded; `bridge` sandboxes
+    # are on the same bridge without it.
+    networking.nat = lib.mkIf (natNames != [ ]) {
+      enable = true;
+      internalIPs = map (name: "${(namesOf name).address}/32") natNames;
+    };
+
+    # Bridge isolation stops sandboxes at layer 2; this stops them from using
+    # the host as a router to each other.
+    networking.firewall = lib.mkIf (!config.networking.nftables.enable) {
+      extraCommands = ''
+        iptables -w -C FORWARD -i ${bridge} -o ${bridge} -j DROP 2>/dev/null \
+          || iptables -w -I FORWARD -i ${bridge} -o ${bridge} -j DROP
+      '';
+      extraStopCommands = ''
+        iptables -w -D FORWARD -i ${bridge} -o ${bridge} -j DROP 2>/dev/null || true
+      '';
+    };
+    networking.nftables.tables.keystone-agent = lib.mkIf config.networking.nftables.enable {
+      family = "inet";
+      content = ''
+        chain forward {
+          type filter hook forward priority filter; policy accept;
+          iifname "${bridge}" oifname "${bridge}" drop
+        }
+      '';
+    };
+
+    # NetworkManager, where it runs, must leave the bridge and taps alone.
+    networking.networkmanager.unmanaged = [
+      "interface-name:${bridge}"
+      "interface-name:ks*"
+    ];
+
+    # --- Dev-server links ------------------------------------------------------------
+    services.caddy = lib.mkIf cfg.proxy.enable {
+      enable = true;
+      # agentd manages the routes (`<branch>.<sandbox>.<domain>` and
+      # `<sandbox>.<domain>` to the guest's address and port) through Caddy's
+      # admin API on localhost:2019, inserting them before this site's
+      # catch-all. A reload of this Caddyfile (what a rebuild that changes it
+      # does) replaces Caddy's whole configuration and drops every route added
+      # through the API: agentd notices and adds them again.
+      #
+      # Names no public CA would certify (sandbox.local, the default) get
+      # certificates from Caddy's own CA; a public domain needs an ACME DNS
+      # challenge for the wildcard.
+      virtualHosts.${cfg.proxy.domain} = {
+        serverAliases = [ "*.${cfg.proxy.domain}" ];
+        extraConfig = ''
+          respond "keystone-agent: no sandbox serves {host} (no dev server is running there, or the sandbox is stopped)" 404
+        '';
+      };
+    };
+  };
+}

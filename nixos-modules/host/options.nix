@@ -1,0 +1,337 @@
+# Options of the Keystone Agent host module (keystone.agent.*). Options only:
+# what they generate is in ./default.nix. Defaults are taken from
+# ../lib/naming.nix so that the pure renderer and the module agree.
+# Reference with examples: docs/configuration.md.
+{ lib, ... }:
+let
+  inherit (lib) types;
+
+  pure = import ../lib/naming.nix;
+  d = pure.optionDefaults;
+
+  # The settings every sandbox has (agentd's SandboxConfig). `defaults.<key>`
+  # holds the value for all sandboxes, `sandboxes.<name>.<key>` an override.
+  settings = {
+    memory = {
+      type = types.ints.positive;
+      example = 4096;
+      description = "RAM of the sandbox in MiB (at least 1024). agentd: `memory`; microvm.nix: `microvm.mem`.";
+    };
+    vcpus = {
+      type = types.ints.positive;
+      example = 2;
+      description = "Virtual CPUs of the sandbox. agentd: `vcpus`; microvm.nix: `microvm.vcpu`.";
+    };
+    nestedVirt = {
+      type = types.bool;
+      example = false;
+      description = ''
+        Expose the CPU's virtualisation extensions (VT-x/AMD-V) to the sandbox,
+        so that it can run VMs itself. The host's KVM module gets nested
+        virtualisation enabled when any sandbox asks for it. agentd: `nested_virt`.
+      '';
+    };
+    network = {
+      type = types.enum [
+        "nat"
+        "none"
+        "bridge"
+      ];
+      example = "none";
+      description = ''
+        Network of the sandbox. `nat`: a tap interface on the host bridge with
+        its address from {option}`keystone.agent.network.subnet`, outbound
+        traffic masqueraded by the host. `bridge`: the same interface and
+        address, reachable from the host, but no masquerading (route the subnet
+        yourself). `none`: no network interface; the host reaches the sandbox
+        over vsock only, and dev-server links do not work. agentd: `network`.
+      '';
+    };
+    syncMode = {
+      type = types.enum [
+        "manual"
+        "auto-commit"
+        "auto-idle"
+      ];
+      example = "auto-commit";
+      description = ''
+        When agentd brings the sandbox's work back to the host repository:
+        `manual` (on `agentctl sync`), `auto-commit` (every new commit at once),
+        `auto-idle` (a WIP snapshot after {option}`syncIdleSeconds` without
+        file changes). agentd: `sync_mode`.
+      '';
+    };
+    syncIdleSeconds = {
+      type = types.ints.unsigned;
+      example = 60;
+      description = "Quiet time before an `auto-idle` snapshot, in seconds. agentd: `sync_idle_seconds`.";
+    };
+    envFiles = {
+      type = types.listOf types.str;
+      example = [
+        ".env"
+        ".env.local"
+      ];
+      description = ''
+        File-name globs of ignored files at the project root that agentd copies
+        into the workspace (they are not in git, so a clone would miss them).
+        agentd: `env_files`.
+      '';
+    };
+    persist = {
+      type = types.bool;
+      example = false;
+      description = ''
+        Keep the agent's home between starts: a disk image
+        (`/var/lib/microvms/<name>/home.img`, {option}`keystone.agent.microvm.homeSize`
+        MiB) mounted at `/home/agent`. Without it the home is on the guest's
+        tmpfs. The workspace is kept either way. agentd: `persist`.
+      '';
+    };
+  };
+
+  defaultOption =
+    key:
+    lib.mkOption {
+      inherit (settings.${key}) type example description;
+      default = d.defaults.${key};
+    };
+
+  overrideOption =
+    key:
+    lib.mkOption {
+      type = types.nullOr settings.${key}.type;
+      default = null;
+      inherit (settings.${key}) example;
+      description = "Override of {option}`keystone.agent.defaults.${key}` for this sandbox; `null` takes the default.";
+    };
+
+  sandboxModule =
+    { name, ... }:
+    {
+      options = {
+        project = lib.mkOption {
+          # A path literal is taken as its name (toString), never copied into
+          # the store: agentd needs the live repository.
+          type = types.coercedTo types.path toString types.str;
+          example = "/home/alice/src/myproject";
+          description = ''
+            Absolute path of the host git repository. It is never mounted into
+            the sandbox: agentd clones it into
+            `/var/lib/keystone-agent/sandboxes/${name}/workspace` at the
+            sandbox's first start and brings the agent's commits back as
+            `sandbox/${name}/<branch>`.
+          '';
+        };
+        owner = lib.mkOption {
+          type = types.str;
+          example = "alice";
+          description = ''
+            User who owns the sandbox: only this user and root may drive it
+            through agentctl. Must be a user of this host and, to reach agentd,
+            a member of {option}`keystone.agent.group`.
+          '';
+        };
+        backend = lib.mkOption {
+          type = types.nullOr (
+            types.enum [
+              "microvm"
+              "local"
+            ]
+          );
+          default = d.sandbox.backend;
+          example = "local";
+          description = ''
+            Backend of this sandbox; `null` takes {option}`keystone.agent.backend`.
+            `local` runs it in Linux namespaces on the host (no VM, no
+            `microvm.vms` entry; not a security boundary against a hostile agent).
+          '';
+        };
+        autostart = lib.mkOption {
+          type = types.bool;
+          default = d.sandbox.autostart;
+          example = true;
+          description = ''
+            Start the sandbox when agentd starts. agentd does it (after making
+            the workspace on the first start), not microvm.nix.
+          '';
+        };
+        ports = lib.mkOption {
+          type = types.attrsOf types.port;
+          default = d.sandbox.ports;
+          example = {
+            web = 3000;
+          };
+          description = ''
+            Named ports of services in the sandbox (dev servers). agentd
+            publishes them through the proxy in addition to the ports it
+            discovers.
+          '';
+        };
+        guestConfig = lib.mkOption {
+          type = types.deferredModule;
+          default = { };
+          example = lib.literalExpression ''
+            { pkgs, ... }: {
+              keystone.sandbox.agents.codex.enable = true;
+              environment.systemPackages = [ pkgs.nodejs ];
+            }
+          '';
+          description = ''
+            NixOS configuration added to this sandbox's guest, after
+            {option}`keystone.agent.guestConfig`. See nixos-modules/guest for
+            the `keystone.sandbox.*` options of the guest.
+          '';
+        };
+      }
+      // lib.genAttrs (builtins.attrNames settings) overrideOption;
+    };
+in
+{
+  options.keystone.agent = {
+    enable = lib.mkEnableOption "Keystone Agent: the agentd service, its D-Bus policy and the declared sandboxes (one microVM each)";
+
+    package = lib.mkOption {
+      type = types.package;
+      defaultText = lib.literalExpression "keystone-agent.packages.\${system}.default";
+      description = ''
+        Package with `bin/agentd`, `bin/agentctl` and
+        `share/dbus-1/system.d/org.keystone.Agent1.conf`. The flake's
+        `nixosModules.default` sets it (with `lib.mkDefault`).
+      '';
+    };
+
+    group = lib.mkOption {
+      type = types.str;
+      default = d.group;
+      description = ''
+        Group whose members may talk to agentd on the system bus (agentd then
+        checks, per sandbox, that the caller is its owner or root).
+      '';
+    };
+
+    defaults = lib.genAttrs (builtins.attrNames settings) defaultOption;
+
+    backend = lib.mkOption {
+      type = types.enum [
+        "microvm"
+        "kubernetes"
+      ];
+      default = d.backend;
+      description = ''
+        Backend of declared sandboxes and of sandboxes created without
+        `--backend`. `kubernetes` is reserved and refused for now.
+        agentd: `default_backend`.
+      '';
+    };
+
+    microvm = {
+      shareProto = lib.mkOption {
+        type = types.enum [
+          "virtiofs"
+          "9p"
+        ];
+        default = d.microvm.shareProto;
+        description = ''
+          How the workspace, the SSH keys and the host's /nix/store reach the
+          guest. virtiofs (virtiofsd runs as root on the host) is faster; with
+          9p QEMU itself, as user `microvm`, opens the shared directories.
+        '';
+      };
+      hypervisor = lib.mkOption {
+        type = types.enum [
+          "qemu"
+          "cloud-hypervisor"
+        ];
+        default = d.microvm.hypervisor;
+        description = ''
+          microvm.nix hypervisor of the sandboxes (both support tap networking,
+          vsock and virtiofs; cloud-hypervisor has no 9p).
+        '';
+      };
+      homeSize = lib.mkOption {
+        type = types.ints.positive;
+        default = d.microvm.homeSize;
+        description = "Size in MiB of the disk image holding the agent's home of persistent sandboxes.";
+      };
+    };
+
+    kubernetes = {
+      context = lib.mkOption {
+        type = types.str;
+        default = d.kubernetes.context;
+        description = "kubectl context of the kubernetes backend (reserved; the backend does not exist yet).";
+      };
+      namespace = lib.mkOption {
+        type = types.str;
+        default = d.kubernetes.namespace;
+        description = "Namespace of the kubernetes backend's pods (reserved).";
+      };
+      storageClass = lib.mkOption {
+        type = types.str;
+        default = d.kubernetes.storageClass;
+        description = "Storage class of the kubernetes backend's volumes (reserved).";
+      };
+    };
+
+    proxy = {
+      enable = lib.mkEnableOption "dev-server links through Caddy (`<branch>.<sandbox>.<domain>`)";
+      domain = lib.mkOption {
+        type = types.str;
+        default = d.proxy.domain;
+        example = "sandbox.example.org";
+        description = ''
+          Domain under which sandboxes get names: `<sandbox>.<domain>` for the
+          main worktree, `<branch>.<sandbox>.<domain>` for the others.
+        '';
+      };
+    };
+
+    network = {
+      subnet = lib.mkOption {
+        type = types.str;
+        default = d.network.subnet;
+        example = "10.77.0.0/16";
+        description = ''
+          IPv4 /16 (written `A.B.0.0/16`) of the sandboxes' network. The host
+          is `A.B.0.1` on the bridge `keystone-br0`; each sandbox gets an
+          address derived from its name.
+        '';
+      };
+      nameservers = lib.mkOption {
+        type = types.listOf types.str;
+        default = d.network.nameservers;
+        description = "DNS servers the sandboxes use.";
+      };
+    };
+
+    guestConfig = lib.mkOption {
+      type = types.deferredModule;
+      default = { };
+      example = lib.literalExpression ''
+        {
+          keystone.sandbox.agents.claude-code.enable = true; # unfree: allow it on the host
+          keystone.sandbox.agents.gemini-cli.enable = true;
+        }
+      '';
+      description = "NixOS configuration added to every sandbox's guest.";
+    };
+
+    sandboxes = lib.mkOption {
+      type = types.attrsOf (types.submodule sandboxModule);
+      default = { };
+      example = lib.literalExpression ''
+        {
+          webapp = {
+            project = "/home/alice/src/webapp";
+            owner = "alice";
+            ports.web = 3000;
+          };
+        }
+      '';
+      description = ''
+        Sandboxes declared on this host. Names follow ${pure.nameRule}.
+      '';
+    };
+  };
+}

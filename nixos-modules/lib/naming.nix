@@ -1,0 +1,395 @@
+# Pure functions behind the keystone.agent NixOS module:
+#
+# - the deterministic names and numbers of a declared sandbox's microVM
+#   (tap interface, MAC address, IPv4 address, vsock CID);
+# - `renderConfig`: the module's option values -> agentd's JSON configuration
+#   (the schema of agentd/src/config.rs, fixture tests/fixtures/agentd-config.json);
+# - `validate`: the problems behind the module's assertions, each naming the
+#   option or sandbox involved.
+#
+# Builtins only, no nixpkgs `lib`: tests/nix/check.sh evaluates all of this
+# with a plain `nix-instantiate --eval --strict --json` on machines that have
+# Nix but no nixpkgs. agentd/src/naming.rs computes the same names in Rust;
+# tests/fixtures/naming.json holds the vectors both sides are tested against.
+#
+# Everything derives from h = sha256(name) in lowercase hex:
+#
+#   tap id     "ks" + h[0..13]                         (15 characters, the Linux limit)
+#   MAC        "02:" + h[13..15] ":" ... h[21..23]     (locally administered, unicast)
+#   address    offset = 2 + int(h[23..27]) mod 65533;  "A.B.<offset/256>.<offset%256>"
+#              in the subnet "A.B.0.0/16"; A.B.0.1 is the host (never an offset)
+#   vsock CID  3 + int(h[27..34])                      (0-2 are reserved)
+let
+  inherit (builtins)
+    attrNames
+    concatLists
+    concatStringsSep
+    elemAt
+    filter
+    foldl'
+    genList
+    hashString
+    head
+    isString
+    listToAttrs
+    mapAttrs
+    match
+    split
+    stringLength
+    substring
+    ;
+
+  # --- Small helpers (what nixpkgs lib would give) ---------------------------
+
+  chars = s: genList (i: substring i 1 s) (stringLength s);
+
+  digitValues = {
+    "0" = 0;
+    "1" = 1;
+    "2" = 2;
+    "3" = 3;
+    "4" = 4;
+    "5" = 5;
+    "6" = 6;
+    "7" = 7;
+    "8" = 8;
+    "9" = 9;
+    "a" = 10;
+    "b" = 11;
+    "c" = 12;
+    "d" = 13;
+    "e" = 14;
+    "f" = 15;
+  };
+
+  # Lowercase hexadecimal digits -> integer (at most 15 digits fit in Nix's
+  # 64-bit integers; we never take more than 7).
+  hexToInt = s: foldl' (acc: c: acc * 16 + digitValues.${c}) 0 (chars s);
+
+  # Decimal digits -> integer.
+  decToInt = s: foldl' (acc: c: acc * 10 + digitValues.${c}) 0 (chars s);
+
+  mod = a: b: a - (builtins.div a b) * b;
+
+  hasPrefix = prefix: s: substring 0 (stringLength prefix) s == prefix;
+
+  optional = cond: x: if cond then [ x ] else [ ];
+
+  optionalAttrs = cond: set: if cond then set else { };
+
+  # --- Defaults: the one place the module's option defaults are written -------
+
+  # agentd's state directory under the NixOS service (StateDirectory=keystone-agent).
+  stateDir = "/var/lib/keystone-agent";
+
+  defaultSubnet = "10.231.0.0/16";
+
+  # Option defaults of keystone.agent; nixos-modules/host/options.nix takes
+  # its defaults from here so that renderConfig on a partial fixture and the
+  # module agree.
+  optionDefaults = {
+    group = "keystone-agent";
+    backend = "microvm";
+    defaults = {
+      memory = 8192;
+      vcpus = 4;
+      nestedVirt = true;
+      network = "nat";
+      syncMode = "manual";
+      syncIdleSeconds = 30;
+      envFiles = [ ".env*" ];
+      persist = true;
+    };
+    microvm = {
+      shareProto = "virtiofs";
+      hypervisor = "qemu";
+      homeSize = 10240;
+    };
+    kubernetes = {
+      context = "";
+      namespace = "agent-sandboxes";
+      storageClass = "standard";
+    };
+    proxy = {
+      enable = false;
+      domain = "sandbox.local";
+    };
+    network = {
+      subnet = defaultSubnet;
+      nameservers = [
+        "9.9.9.9"
+        "1.1.1.1"
+      ];
+    };
+    # One sandboxes.<name>; project and owner have no default. Every setting
+    # of `defaults` is also a per-sandbox override, null meaning "the default".
+    sandbox = {
+      backend = null;
+      autostart = false;
+      ports = { };
+      memory = null;
+      vcpus = null;
+      nestedVirt = null;
+      network = null;
+      syncMode = null;
+      syncIdleSeconds = null;
+      envFiles = null;
+      persist = null;
+    };
+  };
+
+  # Option name (camelCase, NixOS) -> field name (snake_case, agentd's JSON).
+  settingFields = {
+    memory = "memory";
+    vcpus = "vcpus";
+    nestedVirt = "nested_virt";
+    network = "network";
+    syncMode = "sync_mode";
+    syncIdleSeconds = "sync_idle_seconds";
+    envFiles = "env_files";
+    persist = "persist";
+  };
+
+  # Fill in the defaults of a (possibly partial) keystone.agent attrset. The
+  # module always passes complete values; fixtures may leave defaults out.
+  resolve =
+    cfg:
+    let
+      d = optionDefaults;
+      section = key: d.${key} // (cfg.${key} or { });
+    in
+    d
+    // cfg
+    // {
+      defaults = section "defaults";
+      microvm = section "microvm";
+      kubernetes = section "kubernetes";
+      proxy = section "proxy";
+      network = section "network";
+      sandboxes = mapAttrs (_: s: d.sandbox // s) (cfg.sandboxes or { });
+    };
+
+  # --- Names and numbers ------------------------------------------------------
+
+  # { a, b } of a subnet written "A.B.0.0/16", or null.
+  parseSubnet =
+    subnet:
+    let
+      m = if isString subnet then match "([0-9]{1,3})\\.([0-9]{1,3})\\.0\\.0/16" subnet else null;
+      a = decToInt (head m);
+      b = decToInt (elemAt m 1);
+    in
+    if m == null || a > 255 || b > 255 then null else { inherit a b; };
+
+  subnetRule = "an IPv4 /16 written as A.B.0.0/16";
+
+  # The derived values of sandbox `name` in `subnet` ("A.B.0.0/16").
+  derive =
+    name: subnet:
+    let
+      net = parseSubnet subnet;
+      h = hashString "sha256" name;
+      hex = start: end: substring start (end - start) h;
+      offset = 2 + mod (hexToInt (hex 23 27)) 65533;
+      prefix = "${toString net.a}.${toString net.b}";
+    in
+    if net == null then
+      throw "keystone.agent.network.subnet: '${toString subnet}' must be ${subnetRule}"
+    else
+      {
+        inherit name;
+        tapId = "ks" + hex 0 13;
+        mac = concatStringsSep ":" [
+          "02"
+          (hex 13 15)
+          (hex 15 17)
+          (hex 17 19)
+          (hex 19 21)
+          (hex 21 23)
+        ];
+        address = "${prefix}.${toString (builtins.div offset 256)}.${toString (mod offset 256)}";
+        gateway = "${prefix}.0.1";
+        prefixLength = 16;
+        cid = 3 + hexToInt (hex 27 34);
+      };
+
+  # The shape of an entry of tests/fixtures/naming.json.
+  toVector = d: {
+    inherit (d)
+      name
+      mac
+      address
+      cid
+      ;
+    tap_id = d.tapId;
+  };
+
+  # --- Per-sandbox settings ---------------------------------------------------
+
+  # The sandbox's settings: its non-null overrides over `defaults`.
+  sandboxSettings =
+    cfg: name:
+    let
+      c = resolve cfg;
+      s = c.sandboxes.${name};
+    in
+    mapAttrs (key: default: if (s.${key} or null) == null then default else s.${key}) c.defaults;
+
+  # The backend that runs sandbox `name`.
+  sandboxBackend =
+    cfg: name:
+    let
+      c = resolve cfg;
+      s = c.sandboxes.${name};
+    in
+    if s.backend == null then c.backend else s.backend;
+
+  # Names of the sandboxes that become microvm.nix guests.
+  microvmSandboxes =
+    cfg:
+    filter (name: sandboxBackend cfg name == "microvm") (attrNames (resolve cfg).sandboxes);
+
+  # --- agentd's JSON configuration -------------------------------------------
+
+  renderSettings = s: listToAttrs (map (key: {
+    name = settingFields.${key};
+    value = s.${key};
+  }) (attrNames settingFields));
+
+  renderSandbox =
+    s:
+    {
+      project = toString s.project;
+      inherit (s) owner autostart ports;
+    }
+    // optionalAttrs (s.backend != null) { inherit (s) backend; }
+    // listToAttrs (
+      map (key: {
+        name = settingFields.${key};
+        value = s.${key};
+      }) (filter (key: (s.${key} or null) != null) (attrNames settingFields))
+    );
+
+  # keystone.agent option values -> agentd's configuration (an attrset that
+  # the module writes with pkgs.formats.json). Only fields of agentd's schema
+  # appear: kubernetes.*, microvm.*, network.* and group configure the host,
+  # not agentd. `local` is left out: agentd's defaults (its read-only paths
+  # include /nix and /run/current-system) suit NixOS.
+  renderConfig =
+    cfg:
+    let
+      c = resolve cfg;
+    in
+    {
+      state_dir = stateDir;
+      default_backend = c.backend;
+      defaults = renderSettings c.defaults;
+      proxy = {
+        inherit (c.proxy) enable domain;
+      };
+      sandboxes = mapAttrs (_: renderSandbox) c.sandboxes;
+    };
+
+  # --- Checks -----------------------------------------------------------------
+
+  # Same rule as agentd/src/sandbox/validate.rs (check_name, NAME_RULE).
+  nameRule = "a lowercase letter followed by up to 30 lowercase letters, digits or '-', not ending in '-' (regex [a-z]([a-z0-9-]{0,29}[a-z0-9])?)";
+
+  validName = name: isString name && match "[a-z]([a-z0-9-]{0,29}[a-z0-9])?" name != null;
+
+  # Same rule as agentd's config.rs for proxy.domain.
+  validDomain =
+    domain:
+    let
+      labels = filter isString (split "\\." domain);
+    in
+    isString domain && domain != "" && builtins.all (l: match "[a-z0-9-]{1,63}" l != null) labels;
+
+  # Same checks as agentd's check_config, same wording.
+  settingsProblems =
+    s:
+    optional (s.memory < 1024) "memory ${toString s.memory} MiB is too small: at least 1024 MiB"
+    ++ optional (s.vcpus < 1) "vcpus must be at least 1"
+    ++ map (p: "env_files pattern '${p}' must be a file-name glob at the project root (no '/')") (
+      filter (p: p == "" || p == "." || p == ".." || match ".*/.*" p != null) s.envFiles
+    );
+
+  # Every problem of a keystone.agent configuration, as assertion messages.
+  # Per-sandbox messages start with "keystone.agent.sandboxes.<name>: ".
+  # (Whether each owner is a user of the host needs config.users.users; the
+  # module checks that itself.)
+  validate =
+    cfg:
+    let
+      c = resolve cfg;
+      names = attrNames c.sandboxes;
+      net = parseSubnet c.network.subnet;
+      vmNames = microvmSandboxes c;
+      derived =
+        if net == null then
+          { }
+        else
+          listToAttrs (
+            map (name: {
+              inherit name;
+              value = derive name c.network.subnet;
+            }) vmNames
+          );
+
+      clashes =
+        name: field: what:
+        if !(derived ? ${name}) then
+          [ ]
+        else
+          map (other: "${what} ${toString derived.${name}.${field}} clashes with sandbox '${other}'; rename one of them") (
+            filter (other: other != name && derived.${other}.${field} == derived.${name}.${field}) vmNames
+          );
+
+      global =
+        optional (c.backend == "kubernetes")
+          "keystone.agent.backend: the kubernetes backend is not supported yet; use \"microvm\""
+        ++ optional (net == null) "keystone.agent.network.subnet: '${toString c.network.subnet}' must be ${subnetRule}"
+        ++ optional (c.microvm.hypervisor == "cloud-hypervisor" && c.microvm.shareProto != "virtiofs")
+          "keystone.agent.microvm.shareProto: cloud-hypervisor shares directories over virtiofs only; set it to \"virtiofs\""
+        ++ optional (!validDomain c.proxy.domain)
+          "keystone.agent.proxy.domain: '${toString c.proxy.domain}' is not a lowercase DNS name"
+        ++ map (m: "keystone.agent.defaults: ${m}") (settingsProblems c.defaults);
+
+      perSandbox =
+        name:
+        let
+          s = c.sandboxes.${name};
+          project = toString (s.project or "");
+        in
+        map (m: "keystone.agent.sandboxes.${name}: ${m}") (
+          optional (!validName name) "name '${name}' is not valid: use ${nameRule}"
+          ++ optional (!hasPrefix "/" project) "project ${project} must be an absolute path"
+          ++ optional ((s.owner or "") == "") "owner must be a user name"
+          ++ settingsProblems (sandboxSettings c name)
+          ++ clashes name "tapId" "tap interface"
+          ++ clashes name "address" "address"
+          ++ clashes name "cid" "vsock CID"
+        );
+    in
+    global ++ concatLists (map perSandbox names);
+in
+{
+  inherit
+    stateDir
+    defaultSubnet
+    optionDefaults
+    settingFields
+    resolve
+    hexToInt
+    parseSubnet
+    derive
+    toVector
+    sandboxSettings
+    sandboxBackend
+    microvmSandboxes
+    renderConfig
+    nameRule
+    validName
+    validate
+    ;
+}

@@ -1,0 +1,31 @@
+# A keystone.agent configuration with one of each problem `validate`
+# (nixos-modules/lib/naming.nix) must report, for tests/nix/check.sh.
+# Expected messages: tests/nix/bad-config.expected.json.
+{
+  defaults.memory = 512;
+  sandboxes = {
+    # Not a valid name (upper case, '_').
+    Bad_Name = {
+      project = "/srv/src/bad";
+      owner = "root";
+    };
+    # A relative project path.
+    rel = {
+      project = "src/rel";
+      owner = "root";
+      memory = 2048;
+    };
+    # Two names whose derived addresses are the same (10.231.228.180).
+    sbx95 = {
+      project = "/srv/src/a";
+      owner = "root";
+      memory = 1024;
+    };
+    sbx117 = {
+      project = "/srv/src/b";
+      owner = "root";
+      memory = 1024;
+      envFiles = [ "config/.env" ];
+    };
+  };
+}

@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# Nix checks that run without nixpkgs: what a machine with only Debian's
+# nix-bin (Nix 2.8) can verify of the flake and the NixOS modules.
+#
+#   (a) every .nix file parses (nix-instantiate --parse);
+#   (b) nixos-modules/lib/naming.nix derives the same tap ids, MACs, addresses
+#       and vsock CIDs as agentd (the vectors in tests/fixtures/naming.json);
+#   (c) renderConfig turns tests/fixtures/nix-config.nix into the expected
+#       JSON, which `agentd --check-config` accepts; validate reports the
+#       expected problems of tests/nix/bad-config.nix, and agentd finds the
+#       same ones in that configuration's JSON;
+#   (d) flake.lock is current for flake.nix's inputs (offline, no fetching).
+#
+# The module evaluation, package builds and NixOS VM tests need nixpkgs and
+# KVM: `nix flake check` (docs/configuration.md, "What runs where").
+#
+# Usage, from the repository root: tests/nix/check.sh
+# Environment: AGENTD (default target/debug/agentd), the agentd binary for (c).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+
+passed=0
+failed=0
+pass() {
+  passed=$((passed + 1))
+  echo "  ok    $*"
+}
+fail() {
+  failed=$((failed + 1))
+  echo "  FAIL  $*"
+}
+
+if ! command -v nix-instantiate >/dev/null; then
+  echo "nix-instantiate not found: install Nix (Debian: apt-get install -y nix-bin)" >&2
+  exit 1
+fi
+
+tmp=$(mktemp -d)
+# (d) leaves a read-only Nix store under $tmp.
+trap 'chmod -R u+w "$tmp" 2>/dev/null; rm -rf "$tmp"' EXIT
+
+# Parsing and evaluating need no Nix store at all: `--store dummy://` lets
+# any user run these checks, with or without a Nix daemon.
+nix_parse() {
+  nix-instantiate --store dummy:// --parse "$1"
+}
+
+# Evaluate a Nix expression (relative paths are relative to the repository
+# root) and print it as JSON on one line, attributes sorted.
+nix_json() {
+  nix-instantiate --store dummy:// --eval --strict --json --expr "$1"
+}
+
+# Print two one-line JSON values one item per line, and their diff.
+show_diff() {
+  local label_a=$1 a=$2 label_b=$3 b=$4
+  printf '%s\n' "$a" | sed -e 's/,"/,\n"/g' -e 's/{"/{\n"/g' >"$tmp/a"
+  printf '%s\n' "$b" | sed -e 's/,"/,\n"/g' -e 's/{"/{\n"/g' >"$tmp/b"
+  diff -u --label "$label_a" --label "$label_b" "$tmp/a" "$tmp/b" | sed 's/^/        /' || true
+}
+
+lib=./nixos-modules/lib/naming.nix
+
+# --- (a) -----------------------------------------------------------------------
+echo "== (a) nix-instantiate --parse on every .nix file"
+owned=(flake.nix nixos-modules guest-image tests/nixos tests/nix tests/fixtures)
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  mapfile -t nix_files < <(
+    {
+      git ls-files -- '*.nix'
+      git ls-files --others --exclude-standard -- "${owned[@]}" | grep '\.nix$' || true
+    } | sort -u
+  )
+else
+  mapfile -t nix_files < <(find . -name '*.nix' -not -path './target/*' | sed 's|^\./||' | sort)
+fi
+if ((${#nix_files[@]} == 0)); then
+  fail "no .nix files found"
+fi
+for f in "${nix_files[@]}"; do
+  [[ -f $f ]] || continue # tracked but deleted in the work tree
+  if err=$(nix_parse "$f" 2>&1 >/dev/null); then
+    pass "parse $f"
+  else
+    fail "parse $f"
+    printf '%s\n' "$err" | sed 's/^/        /'
+  fi
+done
+
+# --- (b) -----------------------------------------------------------------------
+echo "== (b) naming.nix against agentd's vectors (tests/fixtures/naming.json)"
+vectors=tests/fixtures/naming.json
+subnet=10.231.0.0/16
+if [[ ! -f $vectors ]]; then
+  fail "$vectors does not exist: agentd's naming tests write it (KEYSTONE_BLESS=1 cargo test -p agentd naming)"
+else
+  count=$(nix_json "builtins.length (builtins.fromJSON (builtins.readFile ./$vectors))")
+  if ((count == 0)); then
+    fail "$vectors holds no vectors"
+  fi
+  for ((i = 0; i < count; i++)); do
+    entry="builtins.elemAt (builtins.fromJSON (builtins.readFile ./$vectors)) $i"
+    want=$(nix_json "$entry")
+    name=$(printf '%s' "$want" | sed -n 's/.*"name":"\([^"]*\)".*/\1/p')
+    if got=$(nix_json "let n = import $lib; in n.toVector (n.derive ($entry).name \"$subnet\")" 2>&1); then
+      if [[ $got == "$want" ]]; then
+        pass "'$name': $got"
+      else
+        fail "'$name': naming.nix differs from agentd"
+        show_diff "agentd (naming.json)" "$want" "naming.nix" "$got"
+      fi
+    else
+      fail "'$name': naming.nix failed"
+      printf '%s\n' "$got" | sed 's/^/        /'
+    fi
+  done
+fi
+
+# --- (c) -----------------------------------------------------------------------
+echo "== (c) renderConfig and validate on fixture configurations"
+agentd=${AGENTD:-target/debug/agentd}
+
+good=./tests/fixtures/nix-config.nix
+rendered="$tmp/agentd.json"
+if nix_json "(import $lib).renderConfig (import $good)" >"$rendered" 2>"$tmp/err"; then
+  pass "renderConfig $good"
+  expected=$(nix_json "builtins.fromJSON (builtins.readFile ./tests/nix/nix-config.expected.json)")
+  got=$(cat "$rendered")
+  if [[ $got == "$expected" ]]; then
+    pass "rendered JSON equals tests/nix/nix-config.expected.json"
+  else
+    fail "rendered JSON differs from tests/nix/nix-config.expected.json"
+    show_diff "expected" "$expected" "renderConfig" "$got"
+  fi
+  if [[ ! -x $agentd ]]; then
+    fail "$agentd --check-config: no agentd binary (cargo build -p agentd, or set AGENTD)"
+  elif out=$("$agentd" --check-config "$rendered" 2>&1); then
+    pass "agentd --check-config accepts it: $out"
+  else
+    fail "agentd --check-config refuses the rendered JSON"
+    printf '%s\n' "$out" | sed 's/^/        /'
+    echo "        rendered: $got"
+  fi
+else
+  fail "renderConfig $good"
+  sed 's/^/        /' "$tmp/err"
+fi
+
+problems=$(nix_json "(import $lib).validate (import $good)")
+if [[ $problems == "[]" ]]; then
+  pass "validate $good: no problems"
+else
+  fail "validate $good: $problems"
+fi
+
+bad=./tests/nix/bad-config.nix
+got=$(nix_json "(import $lib).validate (import $bad)")
+expected=$(nix_json "builtins.fromJSON (builtins.readFile ./tests/nix/bad-config.expected.json)")
+if [[ $got == "$expected" ]]; then
+  pass "validate $bad: the expected $(nix_json "builtins.length (builtins.fromJSON (builtins.readFile ./tests/nix/bad-config.expected.json))") problems (bad name, relative project, address clash, ...)"
+else
+  fail "validate $bad differs from tests/nix/bad-config.expected.json"
+  printf '%s\n' "$expected" | sed 's/","/",\n"/g' >"$tmp/a"
+  printf '%s\n' "$got" | sed 's/","/",\n"/g' >"$tmp/b"
+  diff -u --label expected --label validate "$tmp/a" "$tmp/b" | sed 's/^/        /' || true
+fi
+
+# agentd must find the same problems in the bad configuration's JSON (it does
+# not know about addresses, so the module may report more).
+if [[ -x $agentd ]]; then
+  nix_json "(import $lib).renderConfig (import $bad)" >"$tmp/bad.json"
+  if out=$("$agentd" --check-config "$tmp/bad.json" 2>&1); then
+    fail "agentd --check-config accepts the bad configuration"
+  else
+    missing=0
+    while IFS= read -r problem; do
+      if [[ $(PROBLEM="keystone.agent.$problem" nix_json \
+        "builtins.elem (builtins.getEnv \"PROBLEM\") ((import $lib).validate (import $bad))") != true ]]; then
+        missing=$((missing + 1))
+        echo "        agentd reports, validate does not: $problem"
+      fi
+    done < <(printf '%s\n' "$out" | sed -n 's/^  - //p')
+    n=$(printf '%s\n' "$out" | grep -c '^  - ' || true)
+    if ((n > 0 && missing == 0)); then
+      pass "agentd --check-config refuses it with $n problems, each also reported by validate"
+    else
+      fail "agentd and validate disagree about the bad configuration"
+      printf '%s\n' "$out" | sed 's/^/        /'
+    fi
+  fi
+fi
+
+kube=$(nix_json "(import $lib).validate { backend = \"kubernetes\"; }")
+if [[ $kube == '["keystone.agent.backend: the kubernetes backend is not supported yet; use \"microvm\""]' ]]; then
+  pass "validate: backend = \"kubernetes\" is refused"
+else
+  fail "validate: backend = \"kubernetes\": $kube"
+fi
+
+# --- (d) -----------------------------------------------------------------------
+echo "== (d) flake.lock is current for flake.nix"
+# Untracked files are invisible to a flake in a git repository: check a copy.
+# The copy goes into a throw-away store of our own (no daemon, no root).
+mkdir "$tmp/flake"
+cp flake.nix flake.lock "$tmp/flake/"
+if ! command -v nix >/dev/null; then
+  fail "flake.lock: the nix command is missing"
+elif out=$(nix --store "$tmp/store" --extra-experimental-features 'nix-command flakes' \
+  flake metadata --offline --no-update-lock-file "path:$tmp/flake" 2>&1); then
+  for pin in \
+    "github:NixOS/nixpkgs/643809054d65fdd466a63e3155b8c498cb483c04" \
+    "github:microvm-nix/microvm.nix/71beea0076cd46dafcee97a5a2e7d00cbba5bd2f" \
+    "rev=a7762d6f54b40560dd5255ce902e6e6a5d980fe9" \
+    "follows input 'nixpkgs'"; do
+    if grep -qF -- "$pin" <<<"$out"; then
+      pass "flake.lock: $pin"
+    else
+      fail "flake.lock: $pin not in nix flake metadata"
+      printf '%s\n' "$out" | sed 's/^/        /'
+    fi
+  done
+else
+  fail "nix flake metadata --no-update-lock-file: flake.lock does not match flake.nix"
+  printf '%s\n' "$out" | sed 's/^/        /'
+fi
+
+echo "nix checks: $passed passed, $failed failed"
+((failed == 0))
