@@ -9,7 +9,11 @@ use std::process::Command;
 
 #[test]
 fn nix_checks_pass() {
-    if Command::new("nix-instantiate").arg("--version").output().is_err() {
+    if Command::new("nix-instantiate")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         eprintln!("skipped: nix-instantiate is not installed (apt-get install nix-bin)");
         return;
     }
@@ -20,7 +24,14 @@ fn nix_checks_pass() {
         .env("AGENTD", env!("CARGO_BIN_EXE_agentd"))
         .output()
         .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "tests/nix/check.sh failed:\n{text}");
-    assert!(text.contains("nix checks:") && text.contains(", 0 failed"), "{text}");
+    assert!(
+        text.contains("nix checks:") && text.contains(", 0 failed"),
+        "{text}"
+    );
 }
