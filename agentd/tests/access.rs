@@ -97,18 +97,8 @@ fn system_like_bus(
     dir: &std::path::Path,
     policy: &std::path::Path,
 ) -> (std::process::Child, String) {
-    let sock = dir.join("system.sock");
-    let conf = dir.join("system.conf");
-    fs::write(
-        &conf,
-        format!(
-            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <listen>unix:path={}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
+    let body = format!(
+        r#"<policy context="default">
     <allow user="*"/>
     <deny own="*"/>
     <deny send_type="method_call"/>
@@ -121,26 +111,10 @@ fn system_like_bus(
     <allow receive_type="signal"/>
     <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
   </policy>
-  <include>{}</include>
-</busconfig>
-"#,
-            sock.display(),
-            policy.display()
-        ),
-    )
-    .unwrap();
-    let child = std::process::Command::new("dbus-daemon")
-        .arg(format!("--config-file={}", conf.display()))
-        .arg("--nofork")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    common::wait_for(
-        "the system-like bus",
-        std::time::Duration::from_secs(10),
-        || sock.exists(),
+  <include>{}</include>"#,
+        policy.display()
     );
+    let (child, sock) = common::spawn_bus(dir, "system", "system", &body);
     (child, format!("unix:path={}", sock.display()))
 }
 

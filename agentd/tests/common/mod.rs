@@ -62,37 +62,17 @@ impl Env {
             .unwrap();
         // Other uids (the permission tests) must reach the bus socket.
         fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
-        let sock = tmp.path().join("bus.sock");
-        let conf = tmp.path().join("bus.conf");
-        fs::write(
-            &conf,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <listen>unix:path={}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
+        let (dbus, sock) = spawn_bus(
+            tmp.path(),
+            "bus",
+            "session",
+            r#"<policy context="default">
     <allow user="*"/>
     <allow send_destination="*" eavesdrop="true"/>
     <allow eavesdrop="true"/>
     <allow own="*"/>
-  </policy>
-</busconfig>
-"#,
-                sock.display()
-            ),
-        )
-        .unwrap();
-        let dbus = Command::new("dbus-daemon")
-            .arg(format!("--config-file={}", conf.display()))
-            .arg("--nofork")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("dbus-daemon must be installed (apt-get install dbus)");
-        wait_for("the bus socket", Duration::from_secs(10), || sock.exists());
+  </policy>"#,
+        );
         let address = format!("unix:path={}", sock.display());
         let state_dir = tmp.path().join("state");
         Self {
@@ -285,6 +265,38 @@ impl Drop for Env {
         let _ = self.dbus.kill();
         let _ = self.dbus.wait();
     }
+}
+
+/// Start a dbus-daemon of `kind` (`session` or `system`) listening on
+/// `<dir>/<name>.sock`, with `body` (policies, includes) as its rules.
+pub fn spawn_bus(dir: &Path, name: &str, kind: &str, body: &str) -> (Child, PathBuf) {
+    let sock = dir.join(format!("{name}.sock"));
+    let conf = dir.join(format!("{name}.conf"));
+    fs::write(
+        &conf,
+        format!(
+            r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>{kind}</type>
+  <listen>unix:path={}</listen>
+  <auth>EXTERNAL</auth>
+  {body}
+</busconfig>
+"#,
+            sock.display()
+        ),
+    )
+    .unwrap();
+    let child = Command::new("dbus-daemon")
+        .arg(format!("--config-file={}", conf.display()))
+        .arg("--nofork")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("dbus-daemon must be installed (apt-get install dbus)");
+    wait_for("the bus socket", Duration::from_secs(10), || sock.exists());
+    (child, sock)
 }
 
 pub fn git(dir: &Path, args: &[&str]) -> String {
