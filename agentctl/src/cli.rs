@@ -176,6 +176,18 @@ touched by --into, and only as a fast-forward of a clean checkout."
         #[arg(long)]
         json: bool,
     },
+    /// Copy files or directories into or out of a sandbox (modes kept; on
+    /// your side a symlink from the sandbox is never followed).
+    #[command(
+        after_help = "Examples:\n  agentctl cp ./data myproject:/workspace/data\n  \
+agentctl cp myproject:/workspace/build/report.html ."
+    )]
+    Cp {
+        /// Source: a local path, or NAME:/path in a sandbox.
+        src: String,
+        /// Destination: a local path, or NAME:/path in a sandbox.
+        dest: String,
+    },
     /// What was run in a sandbox: every exec with its caller, exit code and
     /// duration (an append-only log kept by agentd).
     History {

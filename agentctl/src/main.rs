@@ -2,6 +2,7 @@
 
 mod cli;
 mod commands;
+mod cp;
 mod exec;
 mod output;
 

@@ -330,6 +330,15 @@ impl SandboxObject {
                         None
                     })
                 }
+                "record_as" => match text().as_deref() {
+                    Some(r) => match r.split_once(' ') {
+                        Some(("cp", detail)) => {
+                            call.record_as = Some(("cp".to_owned(), detail.to_owned()))
+                        }
+                        _ => problems.push("record_as must be 'cp <description>'".to_owned()),
+                    },
+                    None => problems.push("record_as must be a string".to_owned()),
+                },
                 "timeout_secs" => match u32::try_from(value) {
                     Ok(0) => {}
                     Ok(t) => call.timeout = Some(Duration::from_secs(u64::from(t))),

@@ -79,6 +79,9 @@ pub struct ExecCall {
     pub worktree: Option<String>,
     /// Standard streams to give the command; `None` collects its output.
     pub stdio: Option<[std::os::fd::OwnedFd; 3]>,
+    /// Record it in the history as this kind and detail (e.g. a copy)
+    /// instead of as the command line.
+    pub record_as: Option<(String, String)>,
 }
 
 /// Options of a sync.
@@ -709,7 +712,10 @@ impl Manager {
     /// descriptors (output streams as it runs); without, collecting output.
     pub async fn exec(&self, caller: Caller, name: &str, call: ExecCall) -> Result<ExecResult> {
         let started = SystemTime::now();
-        let detail = shell_words(&call.argv);
+        let (kind, detail) = call
+            .record_as
+            .clone()
+            .unwrap_or_else(|| ("exec".to_owned(), shell_words(&call.argv)));
         let result = self.exec_inner(caller, name, call).await;
         if self.get(caller, name).is_ok() {
             let (exit_code, error) = match &result {
@@ -721,7 +727,7 @@ impl Manager {
                 HistoryEntry {
                     time: super::micros(Some(started)),
                     uid: caller.uid,
-                    kind: "exec".to_owned(),
+                    kind,
                     detail,
                     exit_code,
                     duration_ms: u64::try_from(started.elapsed().unwrap_or_default().as_millis())
@@ -786,6 +792,7 @@ impl Manager {
             timeout,
             worktree,
             stdio,
+            ..
         } = call;
         let sb = self.get(caller, name)?;
         let mut problems = Vec::new();

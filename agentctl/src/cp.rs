@@ -1,0 +1,423 @@
+//! `agentctl cp`: files and directories into and out of a sandbox, as a tar
+//! stream through the same pipes as `exec` (the sandbox runs `tar`).
+//!
+//! Copying out never trusts the sandbox: the archive is unpacked with the
+//! `tar` crate, which refuses absolute paths, `..` and any entry whose parent
+//! resolves outside the destination (a symlink planted by the sandbox is
+//! created as a symlink and never followed). Modes are preserved; owners are
+//! not.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use keystone_agent_api::{self as api, ExitCode, SandboxProxy};
+use nix::fcntl::OFlag;
+use zvariant::Value;
+
+use crate::{Failure, Result};
+
+/// One side of a copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A path on this machine.
+    Local(PathBuf),
+    /// `NAME:/path` inside a sandbox.
+    Sandbox {
+        /// Sandbox name.
+        name: String,
+        /// Absolute path inside it.
+        path: String,
+    },
+}
+
+impl Endpoint {
+    /// `NAME:/abs/path` is a sandbox path; anything else is local (write
+    /// `./a:b` for a local file with a colon).
+    #[must_use]
+    pub fn parse(s: &str) -> Self {
+        if let Some((name, path)) = s.split_once(':') {
+            let name_ok = !name.is_empty()
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+            if name_ok && path.starts_with('/') {
+                return Self::Sandbox {
+                    name: name.to_owned(),
+                    path: path.to_owned(),
+                };
+            }
+        }
+        Self::Local(PathBuf::from(s))
+    }
+}
+
+fn fail(code: ExitCode, msg: impl Into<String>) -> Failure {
+    Failure::new(code, msg)
+}
+
+fn pipe() -> Result<(OwnedFd, OwnedFd)> {
+    nix::unistd::pipe2(OFlag::O_CLOEXEC)
+        .map_err(|e| fail(ExitCode::Failed, format!("cannot create a pipe: {e}")))
+}
+
+fn split(path: &str) -> (String, String) {
+    let p = Path::new(path);
+    let parent = p
+        .parent()
+        .map_or_else(|| "/".to_owned(), |d| d.display().to_string());
+    let base = p
+        .file_name()
+        .map(|b| b.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    (
+        if parent.is_empty() {
+            "/".to_owned()
+        } else {
+            parent
+        },
+        base,
+    )
+}
+
+/// Run `argv` in the sandbox with the given stdin and stdout; stderr is
+/// collected for the error message.
+async fn run(
+    sb: &SandboxProxy<'_>,
+    argv: &[&str],
+    stdin: &OwnedFd,
+    stdout: &OwnedFd,
+    record: &str,
+) -> Result<(i32, String)> {
+    let (err_r, err_w) = pipe()?;
+    let collect = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::fs::File::from(err_r).read_to_string(&mut s);
+        s
+    });
+    let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
+    if !record.is_empty() {
+        opts.insert("record_as", format!("cp {record}").into());
+    }
+    let code = sb
+        .exec_stdio(
+            argv,
+            HashMap::new(),
+            opts,
+            stdin.as_fd().into(),
+            stdout.as_fd().into(),
+            err_w.as_fd().into(),
+        )
+        .await;
+    drop(err_w);
+    let err = collect.join().unwrap_or_default();
+    Ok((code?, err.trim().to_owned()))
+}
+
+fn bar(total: Option<u64>) -> Option<indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let b = match total {
+        Some(t) => indicatif::ProgressBar::new(t),
+        None => indicatif::ProgressBar::new_spinner(),
+    };
+    b.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bytes:>10} {bar:30} {total_bytes} {bytes_per_sec}",
+        )
+        .expect("template")
+        .progress_chars("=> "),
+    );
+    Some(b)
+}
+
+fn local_size(p: &Path) -> u64 {
+    let Ok(m) = std::fs::symlink_metadata(p) else {
+        return 0;
+    };
+    if m.is_dir() {
+        std::fs::read_dir(p)
+            .map(|d| d.flatten().map(|e| local_size(&e.path())).sum())
+            .unwrap_or(0)
+    } else {
+        m.len()
+    }
+}
+
+/// A writer that counts bytes for the progress bar.
+struct Counting<W> {
+    inner: W,
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl<W: Write> Write for Counting<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        if let Some(b) = &self.bar {
+            b.inc(n as u64);
+        }
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Copy `local` into the sandbox at `dest` (into it when it is a directory).
+pub async fn copy_in(sb: &SandboxProxy<'_>, name: &str, local: &Path, dest: &str) -> Result<()> {
+    let meta = std::fs::symlink_metadata(local)
+        .map_err(|e| fail(ExitCode::NotFound, format!("{}: {e}", local.display())))?;
+    let devnull = OwnedFd::from(
+        std::fs::File::open("/dev/null").map_err(|e| fail(ExitCode::Failed, e.to_string()))?,
+    );
+    let (out_r, out_w) = pipe()?;
+    drop(out_r);
+    let (is_dir, _) = run(sb, &["test", "-d", dest], &devnull, &out_w, "").await?;
+    let (dir, entry) = if is_dir == 0 {
+        (
+            dest.to_owned(),
+            local
+                .file_name()
+                .map(|b| b.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        )
+    } else {
+        split(dest)
+    };
+    if entry.is_empty() {
+        return Err(fail(
+            ExitCode::Requirements,
+            format!("cannot copy {} to {dest}", local.display()),
+        ));
+    }
+    let (in_r, in_w) = pipe()?;
+    let bar = bar(Some(local_size(local)));
+    let src = local.to_owned();
+    let entry_name = entry.clone();
+    let writer_bar = bar.clone();
+    let producer = std::thread::spawn(move || -> std::io::Result<()> {
+        let out = Counting {
+            inner: std::fs::File::from(in_w),
+            bar: writer_bar,
+        };
+        let mut b = tar::Builder::new(out);
+        b.follow_symlinks(false);
+        if meta.is_dir() {
+            b.append_dir_all(&entry_name, &src)?;
+        } else {
+            b.append_path_with_name(&src, &entry_name)?;
+        }
+        b.into_inner()?.flush()
+    });
+    let record = format!("{} -> {name}:{dest}", local.display());
+    let (code, err) = run(
+        sb,
+        &["tar", "-x", "-p", "--no-same-owner", "-C", &dir],
+        &in_r,
+        &out_w,
+        &record,
+    )
+    .await?;
+    drop(in_r);
+    let produced = producer
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("panicked")));
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    if code != 0 {
+        return Err(fail(
+            ExitCode::Failed,
+            format!("copying into {name}:{dest} failed: {err}"),
+        ));
+    }
+    produced.map_err(|e| {
+        fail(
+            ExitCode::Failed,
+            format!("reading {}: {e}", local.display()),
+        )
+    })?;
+    Ok(())
+}
+
+/// Copy `src` out of the sandbox to `local` (into it when it is a directory).
+pub async fn copy_out(sb: &SandboxProxy<'_>, name: &str, src: &str, local: &Path) -> Result<()> {
+    let (dir, base) = split(src);
+    if base.is_empty() {
+        return Err(fail(
+            ExitCode::Requirements,
+            format!("cannot copy {name}:{src}"),
+        ));
+    }
+    let (into, rename) = if std::fs::symlink_metadata(local).is_ok_and(|m| m.is_dir()) {
+        (local.to_owned(), None)
+    } else {
+        let parent = local
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let tmp = tempdir_in(parent)?;
+        (tmp, Some(local.to_owned()))
+    };
+    let devnull = OwnedFd::from(
+        std::fs::File::open("/dev/null").map_err(|e| fail(ExitCode::Failed, e.to_string()))?,
+    );
+    let (out_r, out_w) = pipe()?;
+    let bar = bar(None);
+    let consumer_bar = bar.clone();
+    let target = into.clone();
+    let consumer = std::thread::spawn(move || -> std::io::Result<()> {
+        let reader = std::fs::File::from(out_r);
+        let reader: Box<dyn Read> = match &consumer_bar {
+            Some(b) => Box::new(b.wrap_read(reader)),
+            None => Box::new(reader),
+        };
+        let mut archive = tar::Archive::new(reader);
+        archive.set_preserve_permissions(true);
+        archive.set_preserve_mtime(true);
+        archive.set_unpack_xattrs(false);
+        archive.set_overwrite(true);
+        for entry in archive.entries()? {
+            let mut entry = entry?;
+            let path = entry.path()?.into_owned();
+            if !entry.unpack_in(&target)? {
+                return Err(std::io::Error::other(format!(
+                    "refused {} (it would land outside the destination)",
+                    path.display()
+                )));
+            }
+        }
+        Ok(())
+    });
+    let record = format!("{name}:{src} -> {}", local.display());
+    let (code, err) = run(
+        sb,
+        &["tar", "-c", "-C", &dir, "--", &base],
+        &devnull,
+        &out_w,
+        &record,
+    )
+    .await?;
+    drop(out_w);
+    let unpacked = consumer
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("panicked")));
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let cleanup = |ok: bool| -> Result<()> {
+        if let Some(dest) = &rename {
+            if ok {
+                std::fs::rename(into.join(&base), dest).map_err(|e| {
+                    fail(
+                        ExitCode::Failed,
+                        format!("cannot create {}: {e}", dest.display()),
+                    )
+                })?;
+            }
+            let _ = std::fs::remove_dir_all(&into);
+        }
+        Ok(())
+    };
+    if code != 0 {
+        cleanup(false)?;
+        return Err(fail(
+            ExitCode::Failed,
+            format!("copying {name}:{src} failed: {err}"),
+        ));
+    }
+    if let Err(e) = unpacked {
+        cleanup(false)?;
+        return Err(fail(
+            ExitCode::Failed,
+            format!("unpacking {name}:{src}: {e}"),
+        ));
+    }
+    cleanup(true)
+}
+
+fn tempdir_in(parent: &Path) -> Result<PathBuf> {
+    for n in 0..1000 {
+        let p = parent.join(format!(".agentctl-cp-{}-{n}", std::process::id()));
+        if std::fs::create_dir(&p).is_ok() {
+            return Ok(p);
+        }
+    }
+    Err(fail(
+        ExitCode::Failed,
+        format!(
+            "cannot create a temporary directory in {}",
+            parent.display()
+        ),
+    ))
+}
+
+/// `agentctl cp SRC DEST`.
+pub async fn run_cp(
+    conn: &zbus::Connection,
+    manager: &api::ManagerProxy<'_>,
+    src: &str,
+    dest: &str,
+) -> Result<i32> {
+    let lookup = |name: String| async move {
+        let path = manager.get_sandbox(&name).await?;
+        let sb = SandboxProxy::builder(conn)
+            .path(path)
+            .map_err(api::Error::ZBus)?
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await
+            .map_err(api::Error::ZBus)?;
+        Ok::<_, Failure>(sb)
+    };
+    match (Endpoint::parse(src), Endpoint::parse(dest)) {
+        (Endpoint::Local(l), Endpoint::Sandbox { name, path }) => {
+            let sb = lookup(name.clone()).await?;
+            copy_in(&sb, &name, &l, &path).await?;
+        }
+        (Endpoint::Sandbox { name, path }, Endpoint::Local(l)) => {
+            let sb = lookup(name.clone()).await?;
+            copy_out(&sb, &name, &path, &l).await?;
+        }
+        _ => {
+            return Err(fail(
+                ExitCode::Requirements,
+                "exactly one side must be NAME:/absolute/path inside a sandbox (e.g. `agentctl cp ./src myproject:/workspace/src`)",
+            ));
+        }
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            Endpoint::parse("proj:/workspace/a"),
+            Endpoint::Sandbox {
+                name: "proj".into(),
+                path: "/workspace/a".into()
+            }
+        );
+        assert_eq!(
+            Endpoint::parse("./proj:/x"),
+            Endpoint::Local("./proj:/x".into())
+        );
+        assert_eq!(
+            Endpoint::parse("proj:rel"),
+            Endpoint::Local("proj:rel".into())
+        );
+        assert_eq!(
+            Endpoint::parse("/abs/path"),
+            Endpoint::Local("/abs/path".into())
+        );
+        assert_eq!(split("/workspace/a/b"), ("/workspace/a".into(), "b".into()));
+        assert_eq!(split("/a"), ("/".into(), "a".into()));
+    }
+}
