@@ -226,3 +226,54 @@ fn check_config_accepts_the_fixture_and_lists_every_problem() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown field `sandbox`"));
 }
+
+#[test]
+fn exec_over_the_bus_returns_output_exit_code_and_named_timeout() {
+    let env = Env::new();
+    let repo = env.repo("busexec");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "busexec"]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let conn = zbus::connection::Builder::address(env.address.as_str())
+            .unwrap()
+            .build()
+            .await
+            .unwrap();
+        let sb = keystone_agent_api::SandboxProxy::builder(&conn)
+            .path("/org/keystone/Agent1/sandbox/busexec")
+            .unwrap()
+            .build()
+            .await
+            .unwrap();
+        let env_vars = std::collections::HashMap::from([("GREETING", "hi")]);
+        let r = sb
+            .exec(
+                &["sh", "-c", "echo $GREETING; pwd; echo oops >&2; exit 5"],
+                env_vars,
+                "/tmp",
+                0,
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.exit_code, 5);
+        assert_eq!(r.stdout, b"hi\n/tmp\n");
+        assert_eq!(r.stderr, b"oops\n");
+        match sb
+            .exec(&["sleep", "30"], std::collections::HashMap::new(), "", 1)
+            .await
+        {
+            Err(keystone_agent_api::Error::Timeout(m)) => assert!(m.contains("within 1s"), "{m}"),
+            other => panic!("expected a Timeout error, got {other:?}"),
+        }
+        match sb.exec(&[], std::collections::HashMap::new(), "", 0).await {
+            Err(keystone_agent_api::Error::InvalidArgument(m)) => {
+                assert!(m.contains("no command"), "{m}")
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    });
+}
