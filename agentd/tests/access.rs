@@ -225,23 +225,7 @@ fn a_non_root_owner_syncs_and_can_git_fetch_the_sandbox_remote() {
     // agentd wrote into the person's repository as the person, not as root.
     let meta = fs::metadata(repo.join(".git/refs/remotes/sandbox/theirs/main")).unwrap();
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), NOBODY);
-    let git_as_nobody = |args: &[&str]| {
-        let out = std::process::Command::new("git")
-            .arg("-C")
-            .arg(&repo)
-            .args(args)
-            .env("HOME", "/nonexistent")
-            .uid(NOBODY)
-            .gid(NOBODY)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "git {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let git_as_nobody = |args: &[&str]| common::git_as(Some(NOBODY), &repo, args);
     assert_eq!(
         git_as_nobody(&["log", "-1", "--format=%s", "sandbox/theirs/main"]),
         "work\n"

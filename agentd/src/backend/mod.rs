@@ -87,6 +87,14 @@ pub enum BackendError {
     Timeout(String),
 }
 
+impl BackendError {
+    /// Whether the operation ran out of time (D-Bus `Timeout`).
+    #[must_use]
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Self::Timeout(_))
+    }
+}
+
 /// Runs sandboxes.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Which backend this is.

@@ -82,7 +82,7 @@ pub fn to_dbus(e: Error) -> api::Error {
         Error::InvalidState { .. } => api::Error::InvalidState(msg),
         Error::Invalid(_) => api::Error::InvalidArgument(msg),
         Error::PermissionDenied(_) => api::Error::PermissionDenied(msg),
-        Error::Backend { source, .. } if Manager::is_timeout(&source) => api::Error::Timeout(msg),
+        Error::Backend { source, .. } if source.is_timeout() => api::Error::Timeout(msg),
         Error::Conflict(_) => api::Error::Conflict(msg),
         Error::Backend { .. }
         | Error::Workspace { .. }

@@ -43,12 +43,8 @@ pub struct Outcome {
 #[must_use]
 pub fn main(req: &str) -> i32 {
     super::workspace::ignore_global_config();
-    let req: Request = match serde_json::from_str(req) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("bad request: {e}");
-            return 1;
-        }
+    let Some(req) = super::parse_request::<Request>(req) else {
+        return 1;
     };
     match snapshot(&req) {
         Ok(o) => {

@@ -117,12 +117,8 @@ pub fn read_main(git_dir: &str) -> i32 {
         eprintln!("cannot read the request: {e}");
         return 1;
     }
-    let req: ReadRequest = match serde_json::from_str(&input) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("bad request: {e}");
-            return 1;
-        }
+    let Some(req) = super::parse_request::<ReadRequest>(&input) else {
+        return 1;
     };
     let mut out = std::io::stdout().lock();
     match read(Path::new(git_dir), &req, &mut out) {
@@ -340,12 +336,8 @@ fn check_size(
 #[must_use]
 pub fn write_main(spec: &str) -> i32 {
     super::workspace::ignore_global_config();
-    let spec: WriteSpec = match serde_json::from_str(spec) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("bad spec: {e}");
-            return 1;
-        }
+    let Some(spec) = super::parse_request::<WriteSpec>(spec) else {
+        return 1;
     };
     let mut stdout = std::io::stdout().lock();
     let stdin = std::io::stdin().lock();

@@ -134,12 +134,8 @@ fn emit(e: &PrepareEvent) {
 /// Entry point of `agentd __prepare-workspace <spec-json>`.
 #[must_use]
 pub fn prepare_main(spec: &str) -> i32 {
-    let spec: PrepareSpec = match serde_json::from_str(spec) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("bad spec: {e}");
-            return 1;
-        }
+    let Some(spec) = super::parse_request::<PrepareSpec>(spec) else {
+        return 1;
     };
     match prepare(&spec, &mut emit) {
         Ok(()) => {

@@ -103,12 +103,8 @@ pub fn dir_of(branch: &str) -> PathBuf {
 #[must_use]
 pub fn main(req: &str) -> i32 {
     super::workspace::ignore_global_config();
-    let req: Request = match serde_json::from_str(req) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("bad request: {e}");
-            return 1;
-        }
+    let Some(req) = super::parse_request::<Request>(req) else {
+        return 1;
     };
     let result = match &req {
         Request::Add {

@@ -22,7 +22,7 @@ use super::Sandbox;
 use super::state::{self, Event, Next};
 use super::{validate, watch};
 use crate::auth::{self, Caller};
-use crate::backend::{Backend, BackendError, ExecRequest, SandboxSpec};
+use crate::backend::{Backend, ExecRequest, SandboxSpec};
 use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
 use crate::git::sync::WriteSpec;
@@ -716,26 +716,26 @@ impl Manager {
             .record_as
             .clone()
             .unwrap_or_else(|| ("exec".to_owned(), shell_words(&call.argv)));
-        let result = self.exec_inner(caller, name, call).await;
-        if self.get(caller, name).is_ok() {
-            let (exit_code, error) = match &result {
-                Ok(r) => (r.exit_code, String::new()),
-                Err(e) => (-1, e.to_string()),
-            };
-            self.record(
-                name,
-                HistoryEntry {
-                    time: super::micros(Some(started)),
-                    uid: caller.uid,
-                    kind,
-                    detail,
-                    exit_code,
-                    duration_ms: u64::try_from(started.elapsed().unwrap_or_default().as_millis())
-                        .unwrap_or(u64::MAX),
-                    error,
-                },
-            );
-        }
+        // Only callers who may use the sandbox get a history entry.
+        let sb = self.get(caller, name)?;
+        let result = self.exec_inner(&sb, call).await;
+        let (exit_code, error) = match &result {
+            Ok(r) => (r.exit_code, String::new()),
+            Err(e) => (-1, e.to_string()),
+        };
+        self.record(
+            name,
+            HistoryEntry {
+                time: super::micros(Some(started)),
+                uid: caller.uid,
+                kind,
+                detail,
+                exit_code,
+                duration_ms: u64::try_from(started.elapsed().unwrap_or_default().as_millis())
+                    .unwrap_or(u64::MAX),
+                error,
+            },
+        );
         result
     }
 
@@ -784,7 +784,8 @@ impl Manager {
         Ok(all.into_iter().skip(skip).collect())
     }
 
-    async fn exec_inner(&self, caller: Caller, name: &str, call: ExecCall) -> Result<ExecResult> {
+    async fn exec_inner(&self, sb: &Sandbox, call: ExecCall) -> Result<ExecResult> {
+        let name = sb.name.as_str();
         let ExecCall {
             argv,
             env,
@@ -794,7 +795,6 @@ impl Manager {
             stdio,
             ..
         } = call;
-        let sb = self.get(caller, name)?;
         let mut problems = Vec::new();
         if argv.is_empty() {
             problems.push("no command given".to_owned());
@@ -830,7 +830,7 @@ impl Manager {
                     "give either a worktree or a working directory, not both".into(),
                 ]));
             }
-            (Some(branch), true) => self.worktree_dir(&sb, &branch)?,
+            (Some(branch), true) => self.worktree_dir(sb, &branch)?,
             (None, true) => worktree::SANDBOX_ROOT.to_owned(),
             (None, false) => cwd,
         };
@@ -840,7 +840,7 @@ impl Manager {
             cwd,
             timeout,
         };
-        let spec = self.spec(&sb);
+        let spec = self.spec(sb);
         let result = match stdio {
             Some(fds) => backend
                 .exec(&spec, req, fds)
@@ -1413,12 +1413,6 @@ impl Manager {
         for s in stops {
             s.await;
         }
-    }
-
-    /// Map a backend error kind, for the D-Bus layer.
-    #[must_use]
-    pub fn is_timeout(e: &BackendError) -> bool {
-        matches!(e, BackendError::Timeout(_))
     }
 }
 

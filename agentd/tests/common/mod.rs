@@ -300,12 +300,17 @@ pub fn spawn_bus(dir: &Path, name: &str, kind: &str, body: &str) -> (Child, Path
 }
 
 pub fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .output()
-        .unwrap();
+    git_as(None, dir, args)
+}
+
+/// Run git in `dir` (as `uid` when given, root only); must succeed.
+pub fn git_as(uid: Option<u32>, dir: &Path, args: &[&str]) -> String {
+    let mut cmd = Command::new("git");
+    cmd.arg("-C").arg(dir).args(args);
+    if let Some(uid) = uid {
+        cmd.env("HOME", "/nonexistent").uid(uid).gid(uid);
+    }
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "git {args:?}: {}",
