@@ -220,14 +220,51 @@ agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60"
     /// agents can work on one repository side by side.
     #[command(subcommand)]
     Worktree(WorktreeCommand),
+    /// Attach your terminal to the Zellij session of a worktree
+    /// (`<name>-<branch>`). Starts the sandbox if it is stopped, creates the
+    /// worktree and the session if they are missing. Detach with Ctrl+o d:
+    /// the session keeps running, and attaching again shows the same screen.
+    #[command(
+        after_help = "Examples:\n  agentctl attach myproject            # the main worktree's branch\n  \
+agentctl attach myproject feature-x  # /workspace/.worktrees/feature-x\n\n\
+A project can bring its own layout in .keystone/layout.kdl (in the worktree)."
+    )]
+    Attach {
+        /// Sandbox name.
+        name: String,
+        /// Branch of the worktree. Default: the main worktree's branch.
+        branch: Option<String>,
+    },
+    /// List the Zellij sessions of a sandbox: name, branch, attached
+    /// clients, age.
+    Sessions {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// End the Zellij session of a worktree (its shells and programs end;
+    /// the worktree stays).
+    KillSession {
+        /// Sandbox name.
+        name: String,
+        /// Branch of the worktree.
+        branch: String,
+    },
     /// Run a command inside a running sandbox; its output streams as it runs,
     /// your stdin reaches it, and agentctl exits with its exit code.
     #[command(
-        after_help = "Examples:\n  agentctl exec myproject -- git status\n  agentctl exec myproject --timeout 60 -- make test"
+        after_help = "Examples:\n  agentctl exec myproject -- git status\n  agentctl exec myproject --timeout 60 -- make test\n  \
+agentctl exec -t myproject -b feature-x -- bash   # an interactive shell in a worktree"
     )]
     Exec {
         /// Sandbox name.
         name: String,
+        /// Give the command a terminal (interactive programs, shells):
+        /// yours is handed over as `agentctl attach` does.
+        #[arg(long, short = 't')]
+        tty: bool,
         /// Kill the command after this many seconds (0 = never).
         #[arg(long, value_name = "S", default_value_t = 0)]
         timeout: u32,

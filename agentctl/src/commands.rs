@@ -265,10 +265,18 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                                 "-".to_owned()
                             },
                             w.path.clone(),
+                            if w.session.is_empty() {
+                                "-".to_owned()
+                            } else {
+                                w.session.clone()
+                            },
                         ]
                     })
                     .collect();
-                output::table(&["BRANCH", "HEAD", "DIRTY", "VS HOST", "PATH"], &rows);
+                output::table(
+                    &["BRANCH", "HEAD", "DIRTY", "VS HOST", "PATH", "SESSION"],
+                    &rows,
+                );
             }
             Ok(0)
         }
@@ -336,8 +344,58 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             println!("Sandbox '{name}' updated.");
             Ok(0)
         }
+        Command::Attach { name, branch } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let opts = crate::tty::terminal_options("agentctl attach")?;
+            let (fd, process, session, notices) =
+                sb.attach(branch.as_deref().unwrap_or(""), opts).await?;
+            for n in &notices {
+                eprintln!("{n}");
+            }
+            set_title(&session);
+            crate::tty::bridge(fd.into(), sb.wait_process(process)).await
+        }
+        Command::Sessions { name, json } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let list = sb.sessions().await?;
+            if json {
+                let v: Vec<_> = list.iter().map(output::session_json).collect();
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+            } else if list.is_empty() {
+                println!("No sessions in sandbox '{name}'; `agentctl attach {name}` starts one.");
+            } else {
+                let rows: Vec<Vec<String>> = list
+                    .iter()
+                    .map(|s| {
+                        vec![
+                            s.name.clone(),
+                            if s.branch.is_empty() {
+                                "-".to_owned()
+                            } else {
+                                s.branch.clone()
+                            },
+                            s.clients.to_string(),
+                            if s.created_at == 0 {
+                                "-".to_owned()
+                            } else {
+                                output::ago(s.created_at)
+                            },
+                        ]
+                    })
+                    .collect();
+                output::table(&["SESSION", "BRANCH", "CLIENTS", "CREATED"], &rows);
+            }
+            Ok(0)
+        }
+        Command::KillSession { name, branch } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let session = sb.kill_session(&branch).await?;
+            println!("Session '{session}' ended.");
+            Ok(0)
+        }
         Command::Exec {
             name,
+            tty,
             timeout,
             workdir,
             worktree,
@@ -364,8 +422,21 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             }
             opts.insert("timeout_secs", timeout.into());
             let argv: Vec<&str> = command.iter().map(String::as_str).collect();
+            if tty {
+                opts.extend(crate::tty::terminal_options("agentctl exec --tty")?);
+                let (fd, process) = sb.open_terminal(&argv, vars, opts).await?;
+                return crate::tty::bridge(fd.into(), sb.wait_process(process)).await;
+            }
             crate::exec::run(&sb, &argv, vars, opts).await
         }
+    }
+}
+
+/// Name the terminal window after the session while attached.
+fn set_title(session: &str) {
+    if std::io::stdout().is_terminal() {
+        print!("\x1b]0;{session}\x07");
+        let _ = std::io::stdout().flush();
     }
 }
 

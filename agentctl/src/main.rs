@@ -5,6 +5,7 @@ mod commands;
 mod cp;
 mod exec;
 mod output;
+mod tty;
 
 use clap::Parser;
 use keystone_agent_api::{self as api, ExitCode};

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use keystone_agent_api::{HistoryEntry, SandboxSummary, SyncReport, WorktreeInfo};
+use keystone_agent_api::{HistoryEntry, SandboxSummary, SessionInfo, SyncReport, WorktreeInfo};
 use serde_json::{Value, json};
 
 /// A timestamp in µs since the epoch as RFC 3339, or `null` for 0.
@@ -87,6 +87,18 @@ pub fn worktree_json(w: &WorktreeInfo) -> Value {
         "main": w.main,
         "ahead": if w.has_host_branch { json!(w.ahead) } else { Value::Null },
         "behind": if w.has_host_branch { json!(w.behind) } else { Value::Null },
+        "session": if w.session.is_empty() { Value::Null } else { Value::String(w.session.clone()) },
+    })
+}
+
+/// The stable JSON form of a session.
+#[must_use]
+pub fn session_json(s: &SessionInfo) -> Value {
+    json!({
+        "name": s.name,
+        "branch": if s.branch.is_empty() { Value::Null } else { Value::String(s.branch.clone()) },
+        "clients": s.clients,
+        "created_at": rfc3339(s.created_at),
     })
 }
 

@@ -62,6 +62,10 @@ pub struct LocalConfig {
     pub stop_grace_seconds: u32,
     /// Seconds a sandbox may take to answer after start.
     pub start_timeout_seconds: u32,
+    /// Zellij 0.45.x binary shown at `/run/keystone/bin/zellij` inside
+    /// local sandboxes; default: `zellij` on PATH.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zellij: Option<PathBuf>,
 }
 
 impl Default for LocalConfig {
@@ -70,6 +74,7 @@ impl Default for LocalConfig {
             ro_paths: crate::backend::local::default_ro_paths(),
             stop_grace_seconds: 10,
             start_timeout_seconds: 30,
+            zellij: None,
         }
     }
 }

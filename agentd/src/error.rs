@@ -9,6 +9,9 @@ pub enum Error {
     /// No such sandbox (for this caller).
     #[error("No sandbox named '{0}'; `agentctl list` shows yours")]
     NotFound(String),
+    /// Something other than a sandbox does not exist; the text names it.
+    #[error("{0}")]
+    Missing(String),
     /// The name is taken.
     #[error("A sandbox named '{0}' already exists; choose another name with --name")]
     AlreadyExists(String),

@@ -40,6 +40,8 @@ pub struct Options {
     pub config: Option<PathBuf>,
     /// State directory override.
     pub state_dir: Option<PathBuf>,
+    /// Zellij binary override.
+    pub zellij: Option<PathBuf>,
 }
 
 /// The state directory: `--state-dir`, else the config's `state_dir`, else
@@ -86,12 +88,23 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .with_context(|| format!("state directory {}", dir.display()))?;
     tracing::info!(state_dir = %dir.display(), sandboxes = sandboxes.len(), "registry loaded");
     let exe = std::env::current_exe().context("cannot find agentd's own binary")?;
+    let zellij =
+        guest::tools::find_zellij(opts.zellij.as_deref().or(config.local.zellij.as_deref()));
+    match &zellij {
+        Ok(z) => tracing::info!(zellij = %z.display(), "sessions enabled"),
+        Err(e) => tracing::warn!("sessions disabled: {e}"),
+    }
+    let guest_dir = guest::tools::install(&dir, zellij.as_deref().ok())
+        .map_err(|e| tracing::warn!("cannot assemble the sandbox tools: {e}"))
+        .ok();
     let local: Arc<dyn Backend> = Arc::new(LocalBackend::new(LocalSettings {
         exe: exe.clone(),
         state_dir: dir.clone(),
         ro_paths: config.local.ro_paths.clone(),
         stop_grace: Duration::from_secs(u64::from(config.local.stop_grace_seconds)),
         start_timeout: Duration::from_secs(u64::from(config.local.start_timeout_seconds)),
+        guest_dir,
+        sessions: zellij.map(|_| ()),
     }));
     let manager = Manager::new(
         registry,

@@ -26,6 +26,10 @@ struct Args {
     /// Configuration file (JSON, as the NixOS module renders it).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Zellij 0.45.x binary for the sessions of local sandboxes (default:
+    /// `zellij` on PATH, else the build cached by tests/install-zellij.sh).
+    #[arg(long, value_name = "FILE", env = "KEYSTONE_ZELLIJ")]
+    zellij: Option<PathBuf>,
     /// State directory (registry, workspaces, logs).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
@@ -71,6 +75,7 @@ fn main() -> ExitCode {
         bus,
         config: args.config,
         state_dir: args.state_dir,
+        zellij: args.zellij,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -18,5 +18,5 @@ pub use names::{
 pub use proxy::{ManagerProxy, SandboxProxy};
 pub use types::{
     BackendKind, BranchSync, ExecResult, HistoryEntry, Network, SandboxConfig, SandboxState,
-    SandboxSummary, SyncMode, SyncReport, WorktreeInfo,
+    SandboxSummary, SessionInfo, SyncMode, SyncReport, WorktreeInfo,
 };

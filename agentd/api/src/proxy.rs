@@ -132,6 +132,35 @@ pub trait Sandbox {
         stderr: zvariant::Fd<'_>,
     ) -> Result<i32, Error>;
 
+    /// Run a command on a new pseudo-terminal inside the sandbox; returns
+    /// the terminal's master side and a process id for `WaitProcess`.
+    /// `options`: `cwd` (s), `worktree` (s), `timeout_secs` (u), `rows`,
+    /// `cols` (q), `term` (s).
+    fn open_terminal(
+        &self,
+        argv: &[&str],
+        env: HashMap<&str, &str>,
+        options: HashMap<&str, Value<'_>>,
+    ) -> Result<(zvariant::OwnedFd, u32), Error>;
+
+    /// Attach to the Zellij session of `branch` (empty: the main
+    /// worktree's branch); returns the terminal, process id, session name
+    /// and notices. `options`: `rows`, `cols` (q), `term` (s).
+    fn attach(
+        &self,
+        branch: &str,
+        options: HashMap<&str, Value<'_>>,
+    ) -> Result<(zvariant::OwnedFd, u32, String, Vec<String>), Error>;
+
+    /// Exit code of a terminal's command, once it ends.
+    fn wait_process(&self, process: u32) -> Result<i32, Error>;
+
+    /// The Zellij sessions running in the sandbox.
+    fn sessions(&self) -> Result<Vec<crate::SessionInfo>, Error>;
+
+    /// End the Zellij session of `branch`; returns its name.
+    fn kill_session(&self, branch: &str) -> Result<String, Error>;
+
     /// Sandbox name.
     #[zbus(property)]
     fn name(&self) -> zbus::Result<String>;

@@ -265,6 +265,23 @@ pub struct WorktreeInfo {
     pub behind: u32,
     /// The main worktree (`/workspace` itself).
     pub main: bool,
+    /// Name of the worktree's Zellij session when it has one running.
+    #[serde(default)]
+    pub session: String,
+}
+
+/// A Zellij session in a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct SessionInfo {
+    /// Session name (`<sandbox>-<branch>` for a worktree's session).
+    pub name: String,
+    /// Branch of the worktree it belongs to; empty for a session that no
+    /// worktree's name matches.
+    pub branch: String,
+    /// Clients attached now.
+    pub clients: u32,
+    /// When it was created (µs since the epoch; 0 when unknown).
+    pub created_at: u64,
 }
 
 /// One branch moved by a sync.

@@ -19,7 +19,7 @@ use nix::unistd::Pid;
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
-use super::{Backend, BackendError, BoxFut, ExecRequest, Runtime, SandboxSpec};
+use super::{Backend, BackendError, BoxFut, ExecRequest, Runtime, SandboxSpec, TtyProcess};
 use crate::cgroup::Cgroups;
 use crate::guest::init::{InitReport, InitSpec};
 use crate::guest::{INIT_ARG, proto};
@@ -53,6 +53,11 @@ pub struct LocalSettings {
     pub stop_grace: Duration,
     /// Limit for a start to answer.
     pub start_timeout: Duration,
+    /// Host directory shown read-only at `/run/keystone` (the tools of
+    /// [`crate::guest::tools`]).
+    pub guest_dir: Option<PathBuf>,
+    /// Whether sessions work, or why not.
+    pub sessions: Result<(), String>,
 }
 
 /// The local namespace backend.
@@ -108,6 +113,7 @@ impl LocalBackend {
             control_socket: socket.clone(),
             network_none: spec.config.network == keystone_agent_api::Network::None,
             ro_paths: self.settings.ro_paths.clone(),
+            guest_dir: self.settings.guest_dir.clone(),
             stop_grace_ms: u64::try_from(self.settings.stop_grace.as_millis()).unwrap_or(u64::MAX),
             cgroup,
         };
@@ -208,45 +214,28 @@ impl LocalBackend {
         }
     }
 
-    async fn exec_inner(
-        &self,
+    /// Send `request` (with `fds`) to the sandbox's control server and read
+    /// the `started` answer with the descriptors it carries.
+    async fn send_control(
         spec: &SandboxSpec,
-        req: ExecRequest,
-        stdio: [OwnedFd; 3],
-    ) -> Result<i32, BackendError> {
+        request: proto::Request,
+        fds: Vec<OwnedFd>,
+    ) -> Result<(tokio::net::UnixStream, Vec<OwnedFd>), BackendError> {
         let fail = |m: String| BackendError::Failed(m);
         let socket = Self::control_socket(spec);
-        let request = proto::Request::Exec {
-            argv: req.argv.clone(),
-            env: req.env,
-            cwd: req.cwd,
-        };
-        let conn = tokio::task::spawn_blocking(
-            move || -> std::io::Result<(UnixStream, proto::Response)> {
-                let s = UnixStream::connect(&socket)?;
-                let raw = stdio.each_ref().map(AsRawFd::as_raw_fd);
-                proto::send_request(&s, &request, &raw)?;
-                // The sandbox has its own copies now; ours must go, or the
-                // reader of the command's output would never see its end.
-                drop(stdio);
-                let mut first = String::new();
-                // One byte at a time: the rest of the stream is read async below.
-                let mut b = [0u8; 1];
-                while std::io::Read::read(&mut &s, &mut b)? == 1 {
-                    if b[0] == b'\n' {
-                        break;
-                    }
-                    first.push(char::from(b[0]));
-                }
-                let resp = serde_json::from_str(&first)
-                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-                Ok((s, resp))
-            },
-        )
+        let (stream, first, got) = tokio::task::spawn_blocking(move || {
+            let s = UnixStream::connect(&socket)?;
+            let raw: Vec<_> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+            proto::send_request(&s, &request, &raw)?;
+            // The sandbox has its own copies now; ours must go, or the
+            // reader of the command's output would never see its end.
+            drop(fds);
+            let (first, got) = proto::read_first_response(&s)?;
+            std::io::Result::Ok((s, first, got))
+        })
         .await
         .map_err(|e| fail(e.to_string()))?
         .map_err(|e| fail(format!("cannot reach the sandbox's control socket: {e}")))?;
-        let (stream, first) = conn;
         match first {
             proto::Response::Started { .. } => {}
             proto::Response::Error { message } => return Err(fail(message)),
@@ -256,28 +245,82 @@ impl LocalBackend {
             .set_nonblocking(true)
             .map_err(|e| fail(e.to_string()))?;
         let stream = tokio::net::UnixStream::from_std(stream).map_err(|e| fail(e.to_string()))?;
+        Ok((stream, got))
+    }
+
+    /// Resolve to the exit code the control server reports on `stream`;
+    /// past `timeout`, hang up (which kills the command) and fail.
+    async fn exit_code(
+        stream: tokio::net::UnixStream,
+        timeout: Option<Duration>,
+        argv: &[String],
+    ) -> Result<i32, BackendError> {
         let exit = async {
             let mut lines = tokio::io::BufReader::new(stream).lines();
             match lines.next_line().await {
                 Ok(Some(l)) => match serde_json::from_str(&l) {
                     Ok(proto::Response::Exit { code }) => Ok(code),
-                    _ => Err(fail(format!("unexpected answer: {l}"))),
+                    _ => Err(BackendError::Failed(format!("unexpected answer: {l}"))),
                 },
-                _ => Err(fail("the sandbox ended while the command ran".to_owned())),
+                _ => Err(BackendError::Failed(
+                    "the sandbox ended while the command ran".to_owned(),
+                )),
             }
         };
-        match req.timeout {
+        match timeout {
             // Dropping the connection on timeout makes the server kill the
             // command's process group.
             Some(t) => tokio::time::timeout(t, exit).await.map_err(|_| {
                 BackendError::Timeout(format!(
                     "command '{}' did not finish within {}s and was killed",
-                    req.argv.join(" "),
+                    argv.join(" "),
                     t.as_secs()
                 ))
             })?,
             None => exit.await,
         }
+    }
+
+    async fn exec_inner(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+        stdio: [OwnedFd; 3],
+    ) -> Result<i32, BackendError> {
+        let request = proto::Request::Exec {
+            argv: req.argv.clone(),
+            env: req.env,
+            cwd: req.cwd,
+        };
+        let (stream, _) = Self::send_control(spec, request, Vec::from(stdio)).await?;
+        Self::exit_code(stream, req.timeout, &req.argv).await
+    }
+
+    async fn exec_tty_inner(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+        (rows, cols): (u16, u16),
+    ) -> Result<TtyProcess, BackendError> {
+        let request = proto::Request::ExecTty {
+            argv: req.argv.clone(),
+            env: req.env,
+            cwd: req.cwd,
+            rows,
+            cols,
+        };
+        let (stream, fds) = Self::send_control(spec, request, Vec::new()).await?;
+        let Some(terminal) = fds.into_iter().next() else {
+            return Err(BackendError::Failed(
+                "the sandbox did not hand over a terminal".to_owned(),
+            ));
+        };
+        let argv = req.argv;
+        let timeout = req.timeout;
+        Ok(TtyProcess {
+            terminal,
+            exit: Box::pin(async move { Self::exit_code(stream, timeout, &argv).await }),
+        })
     }
 }
 
@@ -375,6 +418,19 @@ impl Backend for LocalBackend {
         stdio: [OwnedFd; 3],
     ) -> BoxFut<'a, Result<i32, BackendError>> {
         Box::pin(self.exec_inner(spec, req, stdio))
+    }
+
+    fn exec_tty<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+        size: (u16, u16),
+    ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
+        Box::pin(self.exec_tty_inner(spec, req, size))
+    }
+
+    fn sessions(&self) -> Result<(), String> {
+        self.settings.sessions.clone()
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {

@@ -95,6 +95,22 @@ impl BackendError {
     }
 }
 
+/// A command running on a pseudo-terminal inside a sandbox.
+pub struct TtyProcess {
+    /// The terminal's master side, for the caller to read and write.
+    pub terminal: OwnedFd,
+    /// Resolves to the command's exit code.
+    pub exit: BoxFut<'static, Result<i32, BackendError>>,
+}
+
+impl std::fmt::Debug for TtyProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TtyProcess")
+            .field("terminal", &self.terminal)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Runs sandboxes.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Which backend this is.
@@ -120,6 +136,21 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         req: ExecRequest,
         stdio: [OwnedFd; 3],
     ) -> BoxFut<'a, Result<i32, BackendError>>;
+
+    /// Run a command in the running sandbox on a new pseudo-terminal of
+    /// `size` (rows, columns) inside it, as the leader of its own session.
+    /// Resolves once it runs, with the terminal's master side.
+    fn exec_tty<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+        size: (u16, u16),
+    ) -> BoxFut<'a, Result<TtyProcess, BackendError>>;
+
+    /// Whether Zellij sessions work in this backend's sandboxes, or why not.
+    fn sessions(&self) -> Result<(), String> {
+        Ok(())
+    }
 
     /// Whether the sandbox described by `rt` is still alive.
     fn is_alive(&self, rt: &Runtime) -> bool;

@@ -77,7 +77,7 @@ impl Callers {
 pub fn to_dbus(e: Error) -> api::Error {
     let msg = e.to_string();
     match e {
-        Error::NotFound(_) => api::Error::NotFound(msg),
+        Error::NotFound(_) | Error::Missing(_) => api::Error::NotFound(msg),
         Error::AlreadyExists(_) => api::Error::AlreadyExists(msg),
         Error::InvalidState { .. } => api::Error::InvalidState(msg),
         Error::Invalid(_) => api::Error::InvalidArgument(msg),

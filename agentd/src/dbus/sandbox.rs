@@ -11,7 +11,7 @@ use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
 use super::{Callers, to_dbus};
-use crate::sandbox::manager::{ExecCall, Manager, SyncOptions};
+use crate::sandbox::manager::{ExecCall, Manager, SyncOptions, TtyOptions};
 use crate::sandbox::{Sandbox, micros};
 
 /// The object at `/org/keystone/Agent1/sandbox/<name>`.
@@ -309,76 +309,127 @@ impl SandboxObject {
             stdio: Some([stdin.into(), stdout.into(), stderr.into()]),
             ..ExecCall::default()
         };
-        let mut problems = Vec::new();
-        for (key, value) in &options {
-            let text = || {
-                value
-                    .try_clone()
-                    .ok()
-                    .and_then(|v| String::try_from(v).ok())
-            };
-            match key.as_str() {
-                "cwd" => {
-                    call.cwd = text().unwrap_or_else(|| {
-                        problems.push("cwd must be a string".to_owned());
-                        String::new()
-                    })
-                }
-                "worktree" => {
-                    call.worktree = text().or_else(|| {
-                        problems.push("worktree must be a string".to_owned());
-                        None
-                    })
-                }
-                "record_as" => match text().as_deref() {
-                    Some(r) => match r.split_once(' ') {
-                        Some(("cp", detail)) => {
-                            call.record_as = Some(("cp".to_owned(), detail.to_owned()))
-                        }
-                        _ => problems.push("record_as must be 'cp <description>'".to_owned()),
-                    },
-                    None => problems.push("record_as must be a string".to_owned()),
-                },
-                "timeout_secs" => match u32::try_from(value) {
-                    Ok(0) => {}
-                    Ok(t) => call.timeout = Some(Duration::from_secs(u64::from(t))),
-                    Err(_) => problems.push("timeout_secs must be a uint32".to_owned()),
-                },
-                other => problems.push(format!(
-                    "unknown option '{other}' (known: cwd, worktree, timeout_secs)"
-                )),
-            }
-        }
+        let problems = exec_options(&options, &mut call, None);
         if !problems.is_empty() {
             return Err(to_dbus(crate::error::Error::Invalid(problems)));
         }
         // A caller that leaves the bus (Ctrl-C, a crash) takes its command along.
-        let sender = header.sender().map(|s| s.to_owned());
-        let gone = async {
-            let Some(sender) = sender else {
-                return std::future::pending().await;
-            };
-            let Ok(dbus) = zbus::fdo::DBusProxy::new(conn).await else {
-                return std::future::pending().await;
-            };
-            let Ok(mut changes) = dbus
-                .receive_name_owner_changed_with_args(&[(0, sender.as_str())])
-                .await
-            else {
-                return std::future::pending().await;
-            };
-            use futures_lite::StreamExt as _;
-            while let Some(c) = changes.next().await {
-                if c.args().is_ok_and(|a| a.new_owner().is_none()) {
-                    return;
-                }
-            }
-            std::future::pending().await
-        };
+        let gone = caller_gone(conn, &header);
         tokio::select! {
             r = self.manager.exec(caller, &self.name, call) => r.map(|r| r.exit_code).map_err(to_dbus),
             () = gone => Err(api::Error::Backend("the caller left; the command was killed".to_owned())),
         }
+    }
+
+    /// Run a command on a new pseudo-terminal inside the sandbox and hand
+    /// the terminal's master side to the caller, who reads and writes it
+    /// and sets its window size. `options`: `cwd` (s), `worktree` (s),
+    /// `timeout_secs` (u), `rows` and `cols` (q: the initial size), `term`
+    /// (s: `TERM` inside). Returns the terminal and a process id for
+    /// `WaitProcess`.
+    async fn open_terminal(
+        &self,
+        argv: Vec<String>,
+        env: HashMap<String, String>,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(zvariant::OwnedFd, u32), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let mut call = ExecCall {
+            argv,
+            env: env.into_iter().collect(),
+            ..ExecCall::default()
+        };
+        let mut tty = TtyOptions::default();
+        let problems = exec_options(&options, &mut call, Some(&mut tty));
+        if !problems.is_empty() {
+            return Err(to_dbus(crate::error::Error::Invalid(problems)));
+        }
+        let t = self
+            .manager
+            .open_terminal(caller, &self.name, call, &tty)
+            .await
+            .map_err(to_dbus)?;
+        Ok((t.fd.into(), t.process))
+    }
+
+    /// Attach to the Zellij session of `branch`'s worktree (empty: the
+    /// main worktree's branch), named `<sandbox>-<branch>`: starts the
+    /// sandbox if it is stopped, creates the worktree if it is missing and
+    /// the session if it does not run, then runs the Zellij client on a
+    /// terminal as `OpenTerminal` does. `options`: `rows`, `cols` (q),
+    /// `term` (s). Returns the terminal, the process id, the session name
+    /// and notices (what was started or created on the way).
+    async fn attach(
+        &self,
+        branch: String,
+        options: HashMap<String, OwnedValue>,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(zvariant::OwnedFd, u32, String, Vec<String>), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let mut tty = TtyOptions::default();
+        let problems = tty_options(&options, &mut tty);
+        if !problems.is_empty() {
+            return Err(to_dbus(crate::error::Error::Invalid(problems)));
+        }
+        let branch = (!branch.is_empty()).then_some(branch);
+        let a = self
+            .manager
+            .attach(caller, &self.name, branch, &tty)
+            .await
+            .map_err(to_dbus)?;
+        Ok((
+            a.terminal.fd.into(),
+            a.terminal.process,
+            a.session,
+            a.notices,
+        ))
+    }
+
+    /// Wait for the command of a terminal from `OpenTerminal` or `Attach`
+    /// to end; returns its exit code (`128 + signal` when killed). Exit
+    /// codes are kept for five minutes after the command ends.
+    async fn wait_process(
+        &self,
+        process: u32,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<i32, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .wait_process(caller, &self.name, process)
+            .await
+            .map_err(to_dbus)
+    }
+
+    /// The Zellij sessions running in the sandbox (none when it is not
+    /// running): name, branch, attached clients, creation time (µs).
+    async fn sessions(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<api::SessionInfo>, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .sessions(caller, &self.name)
+            .await
+            .map_err(to_dbus)
+    }
+
+    /// End the Zellij session of `branch`'s worktree; returns its name.
+    async fn kill_session(
+        &self,
+        branch: String,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<String, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .kill_session(caller, &self.name, &branch)
+            .await
+            .map_err(to_dbus)
     }
 
     /// Sandbox name.
@@ -674,4 +725,123 @@ pub async fn synced(
     };
     let emitter = SignalEmitter::new(conn, path)?;
     SandboxObject::synced(&emitter, direction, branches, commits).await
+}
+
+/// Read the options of `ExecStdio` (and, with `tty`, of `OpenTerminal`)
+/// into `call`; returns every problem.
+fn exec_options(
+    options: &HashMap<String, OwnedValue>,
+    call: &mut ExecCall,
+    mut tty: Option<&mut TtyOptions>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (key, value) in options {
+        let text = || {
+            value
+                .try_clone()
+                .ok()
+                .and_then(|v| String::try_from(v).ok())
+        };
+        match key.as_str() {
+            "cwd" => {
+                call.cwd = text().unwrap_or_else(|| {
+                    problems.push("cwd must be a string".to_owned());
+                    String::new()
+                })
+            }
+            "worktree" => {
+                call.worktree = text().or_else(|| {
+                    problems.push("worktree must be a string".to_owned());
+                    None
+                })
+            }
+            "record_as" => match text().as_deref() {
+                Some(r) => match r.split_once(' ') {
+                    Some(("cp", detail)) => {
+                        call.record_as = Some(("cp".to_owned(), detail.to_owned()))
+                    }
+                    _ => problems.push("record_as must be 'cp <description>'".to_owned()),
+                },
+                None => problems.push("record_as must be a string".to_owned()),
+            },
+            "timeout_secs" => match u32::try_from(value) {
+                Ok(0) => {}
+                Ok(t) => call.timeout = Some(Duration::from_secs(u64::from(t))),
+                Err(_) => problems.push("timeout_secs must be a uint32".to_owned()),
+            },
+            other => match tty.as_deref_mut() {
+                Some(t) if TTY_KEYS.contains(&other) => {
+                    let one = HashMap::from([(
+                        other.to_owned(),
+                        value.try_clone().expect("plain values clone"),
+                    )]);
+                    problems.extend(tty_options(&one, t));
+                }
+                _ => problems.push(format!(
+                    "unknown option '{other}' (known: cwd, worktree, timeout_secs{})",
+                    if tty.is_some() {
+                        ", rows, cols, term"
+                    } else {
+                        ""
+                    }
+                )),
+            },
+        }
+    }
+    problems
+}
+
+const TTY_KEYS: &[&str] = &["rows", "cols", "term"];
+
+/// Read `rows`, `cols` and `term` into `tty`; any other key is a problem.
+fn tty_options(options: &HashMap<String, OwnedValue>, tty: &mut TtyOptions) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (key, value) in options {
+        match key.as_str() {
+            "rows" => match u16::try_from(value) {
+                Ok(n) => tty.rows = n,
+                Err(_) => problems.push("rows must be a uint16".to_owned()),
+            },
+            "cols" => match u16::try_from(value) {
+                Ok(n) => tty.cols = n,
+                Err(_) => problems.push("cols must be a uint16".to_owned()),
+            },
+            "term" => match value
+                .try_clone()
+                .ok()
+                .and_then(|v| String::try_from(v).ok())
+            {
+                Some(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()) => tty.term = t,
+                _ => problems.push("term must be a non-empty printable string".to_owned()),
+            },
+            other => problems.push(format!(
+                "unknown option '{other}' (known: rows, cols, term)"
+            )),
+        }
+    }
+    problems
+}
+
+/// Resolves when the sender of `header` leaves the bus (never, if that
+/// cannot be watched).
+async fn caller_gone(conn: &Connection, header: &Header<'_>) {
+    use futures_lite::StreamExt as _;
+    let Some(sender) = header.sender().map(|s| s.to_owned()) else {
+        return std::future::pending().await;
+    };
+    let Ok(dbus) = zbus::fdo::DBusProxy::new(conn).await else {
+        return std::future::pending().await;
+    };
+    let Ok(mut changes) = dbus
+        .receive_name_owner_changed_with_args(&[(0, sender.as_str())])
+        .await
+    else {
+        return std::future::pending().await;
+    };
+    while let Some(c) = changes.next().await {
+        if c.args().is_ok_and(|a| a.new_owner().is_none()) {
+            return;
+        }
+    }
+    std::future::pending().await
 }

@@ -392,6 +392,7 @@ fn info(
         ahead: u32::try_from(ahead).unwrap_or(u32::MAX),
         behind: u32::try_from(behind).unwrap_or(u32::MAX),
         main: is_main,
+        session: String::new(),
     })
 }
 

@@ -43,6 +43,9 @@ pub struct InitSpec {
     /// Host paths shown read-only at the same place (directories are
     /// bind-mounted, symlinks recreated; missing ones skipped).
     pub ro_paths: Vec<PathBuf>,
+    /// Host directory shown read-only at `/run/keystone` (agentd's tools).
+    #[serde(default)]
+    pub guest_dir: Option<PathBuf>,
     /// How long the init waits for processes after SIGTERM before SIGKILL.
     pub stop_grace_ms: u64,
     /// cgroup v2 directory to join before the namespaces are made, if any.
@@ -110,6 +113,7 @@ enum Source {
 struct Handles {
     workspace: Source,
     home: Source,
+    guest: Option<Source>,
 }
 
 pub(crate) fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
@@ -196,10 +200,13 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
     let handles = Handles {
         workspace: source(&spec.workspace)?,
         home: source(&spec.home)?,
+        guest: spec.guest_dir.as_deref().map(source).transpose()?,
     };
 
-    let (go_r, go_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
-    let (st_r, st_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    // Close-on-exec: nothing the sandbox runs may inherit the handshake.
+    let cloexec = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"));
+    let (go_r, go_w) = cloexec()?;
+    let (st_r, st_w) = cloexec()?;
 
     let mut flags = CloneFlags::CLONE_NEWUSER
         | CloneFlags::CLONE_NEWNS
@@ -315,6 +322,7 @@ fn init(
     let handles = Handles {
         workspace: tree(&handles.workspace)?,
         home: tree(&handles.home)?,
+        guest: handles.guest.as_ref().map(tree).transpose()?,
     };
     build_root(spec, &handles)?;
     if spec.network_none {
@@ -401,6 +409,9 @@ fn timed_wait(signals: &SigSet, timeout: Duration) -> Option<Signal> {
 }
 
 const TMPFS_ROOT: &str = "/tmp";
+
+/// Where agentd's tools appear inside the sandbox.
+const GUEST_DIR: &str = "/run/keystone";
 
 /// Assemble the sandbox's root file system and pivot into it.
 fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
@@ -500,6 +511,10 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     }
     for host in spec.ro_paths.iter().filter(|p| p.starts_with("/run")) {
         expose(host)?;
+    }
+    if let Some(guest) = &handles.guest {
+        bind_fd(guest, GUEST_DIR)?;
+        make_readonly(&at(GUEST_DIR))?;
     }
 
     let proc = at("/proc");

@@ -11,6 +11,7 @@
 pub mod init;
 pub mod proto;
 pub mod server;
+pub mod tools;
 
 /// argv[1] that makes the agentd binary act as a sandbox supervisor.
 pub const INIT_ARG: &str = "__sandbox-init";

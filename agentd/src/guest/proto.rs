@@ -33,6 +33,22 @@ pub enum Request {
         /// Working directory inside the sandbox.
         cwd: String,
     },
+    /// Run a command on a new pseudo-terminal inside the sandbox, as the
+    /// leader of its own session with the terminal as its controlling one.
+    /// The [`Response::Started`] line carries the terminal's master side as
+    /// `SCM_RIGHTS`; the server keeps no copy of it.
+    ExecTty {
+        /// Program and arguments; the program is looked up in `PATH`.
+        argv: Vec<String>,
+        /// Variables added to (and overriding) the sandbox's base environment.
+        env: BTreeMap<String, String>,
+        /// Working directory inside the sandbox.
+        cwd: String,
+        /// Initial window size: rows.
+        rows: u16,
+        /// Initial window size: columns.
+        cols: u16,
+    },
 }
 
 /// What the control server answers.
@@ -142,6 +158,73 @@ pub fn send_response(mut sock: &UnixStream, resp: &Response) -> io::Result<()> {
     sock.write_all(&line)
 }
 
+/// Write one response line with `fds` attached to its first byte.
+pub fn send_response_with_fds(sock: &UnixStream, resp: &Response, fds: &[RawFd]) -> io::Result<()> {
+    let mut line = serde_json::to_vec(resp).map_err(io::Error::other)?;
+    line.push(b'\n');
+    let cmsg = [ControlMessage::ScmRights(fds)];
+    let mut sent = sendmsg::<()>(
+        sock.as_raw_fd(),
+        &[io::IoSlice::new(&line)],
+        &cmsg,
+        MsgFlags::empty(),
+        None,
+    )?;
+    while sent < line.len() {
+        sent += (&*sock).write(&line[sent..])?;
+    }
+    Ok(())
+}
+
+/// Read the first response line byte by byte (so nothing after it is
+/// consumed), with any descriptors attached to it.
+pub fn read_first_response(sock: &UnixStream) -> io::Result<(Response, Vec<OwnedFd>)> {
+    let mut line = Vec::new();
+    let mut fds = Vec::new();
+    loop {
+        let mut byte = [0u8; 1];
+        let mut cmsg_space = nix::cmsg_space!([RawFd; 4]);
+        let n = {
+            let mut iov = [io::IoSliceMut::new(&mut byte)];
+            let msg = recvmsg::<()>(
+                sock.as_raw_fd(),
+                &mut iov,
+                Some(&mut cmsg_space),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )?;
+            for c in msg.cmsgs()? {
+                if let ControlMessageOwned::ScmRights(raw) = c {
+                    for fd in raw {
+                        // SAFETY: the kernel just installed these descriptors
+                        // in this process for us; nothing else owns them.
+                        fds.push(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+                    }
+                }
+            }
+            msg.bytes
+        };
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the sandbox closed the control connection",
+            ));
+        }
+        if byte[0] == b'\n' {
+            break;
+        }
+        line.push(byte[0]);
+        if line.len() > MAX_REQUEST {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "response too large",
+            ));
+        }
+    }
+    let resp =
+        serde_json::from_slice(&line).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    Ok((resp, fds))
+}
+
 /// Read one response line; `None` at end of stream.
 pub fn read_response(reader: &mut impl BufRead) -> io::Result<Option<Response>> {
     let mut line = String::new();
@@ -177,7 +260,7 @@ mod tests {
                 assert_eq!(env["A"], "1");
                 assert_eq!(cwd, "/workspace");
             }
-            Request::Hello => panic!("wrong request"),
+            other => panic!("wrong request: {other:?}"),
         }
     }
 
@@ -197,5 +280,22 @@ mod tests {
             Some(Response::Exit { code: 3 })
         );
         assert_eq!(read_response(&mut r).unwrap(), None);
+    }
+
+    #[test]
+    fn first_response_carries_descriptors_and_leaves_the_rest() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let devnull = std::fs::File::open("/dev/null").unwrap();
+        send_response_with_fds(&a, &Response::Started { pid: 9 }, &[devnull.as_raw_fd()]).unwrap();
+        send_response(&a, &Response::Exit { code: 0 }).unwrap();
+        drop(a);
+        let (first, fds) = read_first_response(&b).unwrap();
+        assert_eq!(first, Response::Started { pid: 9 });
+        assert_eq!(fds.len(), 1);
+        let mut r = BufReader::new(b);
+        assert_eq!(
+            read_response(&mut r).unwrap(),
+            Some(Response::Exit { code: 0 })
+        );
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Read;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, Stdio};
@@ -49,7 +49,160 @@ fn handle(conn: &UnixStream, hostname: &str) -> std::io::Result<()> {
             },
         ),
         Request::Exec { argv, env, cwd } => exec(conn, &argv, &env, &cwd, hostname, fds),
+        Request::ExecTty {
+            argv,
+            env,
+            cwd,
+            rows,
+            cols,
+        } => exec_tty(conn, &argv, &env, &cwd, hostname, (rows, cols)),
     }
+}
+
+fn send_error(conn: &UnixStream, message: impl Into<String>) -> std::io::Result<()> {
+    proto::send_response(
+        conn,
+        &Response::Error {
+            message: message.into(),
+        },
+    )
+}
+
+/// The command with the sandbox's base environment, or why there is none.
+fn command(
+    argv: &[String],
+    env: &BTreeMap<String, String>,
+    cwd: &str,
+    hostname: &str,
+) -> Result<Command, String> {
+    let Some((program, args)) = argv.split_first() else {
+        return Err("empty command".into());
+    };
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", BASE_PATH)
+        .env("HOME", "/root")
+        .env("USER", "root")
+        .env("LOGNAME", "root")
+        .env("SHELL", login_shell())
+        .env("LANG", "C.UTF-8")
+        .env("HOSTNAME", hostname)
+        .env("KEYSTONE_SANDBOX", hostname)
+        .envs(env)
+        .current_dir(cwd);
+    // SAFETY: sigaction and close_range are async-signal-safe; the closure
+    // touches no memory shared with the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            // A command starts with default signal dispositions whatever
+            // agentd inherited (nohup ignores SIGHUP, for one: a terminal's
+            // hang-up must end the command).
+            for sig in Signal::iterator() {
+                if !matches!(sig, Signal::SIGKILL | Signal::SIGSTOP) {
+                    let _ = nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigDfl);
+                }
+            }
+            // And with no descriptor but its standard streams.
+            const CLOSE_RANGE_CLOEXEC: nix::libc::c_uint = 4;
+            nix::libc::syscall(
+                nix::libc::SYS_close_range,
+                3u32,
+                u32::MAX,
+                CLOSE_RANGE_CLOEXEC,
+            );
+            Ok(())
+        });
+    }
+    Ok(cmd)
+}
+
+/// bash when the sandbox has it, else sh.
+fn login_shell() -> &'static str {
+    if std::path::Path::new("/bin/bash").exists() {
+        "/bin/bash"
+    } else {
+        "/bin/sh"
+    }
+}
+
+fn spawn_error(argv: &[String], cwd: &str, e: &std::io::Error) -> String {
+    let program = argv.first().map_or("", String::as_str);
+    if e.kind() == std::io::ErrorKind::NotFound {
+        format!("command '{program}' not found in the sandbox (or cwd '{cwd}' missing)")
+    } else {
+        format!("cannot run '{program}' in '{cwd}': {e}")
+    }
+}
+
+/// Run `argv` on a new pseudo-terminal of `size` (rows, columns) and hand
+/// the master side to agentd with the `started` line.
+fn exec_tty(
+    conn: &UnixStream,
+    argv: &[String],
+    env: &BTreeMap<String, String>,
+    cwd: &str,
+    hostname: &str,
+    size: (u16, u16),
+) -> std::io::Result<()> {
+    let mut cmd = match command(argv, env, cwd, hostname) {
+        Ok(c) => c,
+        Err(message) => return send_error(conn, message),
+    };
+    let (master, slave) = match open_pty(size) {
+        Ok(p) => p,
+        Err(e) => return send_error(conn, format!("cannot open a terminal in the sandbox: {e}")),
+    };
+    cmd.stdin(Stdio::from(slave.try_clone()?))
+        .stdout(Stdio::from(slave.try_clone()?))
+        .stderr(Stdio::from(slave));
+    // SAFETY: setsid and ioctl are async-signal-safe; the closure touches
+    // no memory shared with the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            nix::unistd::setsid()?;
+            if nix::libc::ioctl(0, nix::libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => return send_error(conn, spawn_error(argv, cwd, &e)),
+    };
+    // Our copies of the slave side go with the Command; the master goes to
+    // agentd, and only agentd's caller keeps it.
+    drop(cmd);
+    let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
+    proto::send_response_with_fds(conn, &Response::Started { pid }, &[master.as_raw_fd()])?;
+    drop(master);
+    wait_reporting(conn, child, pid)
+}
+
+/// A new pseudo-terminal pair (master, slave) of `size`, both close-on-exec.
+fn open_pty((rows, cols): (u16, u16)) -> nix::Result<(OwnedFd, OwnedFd)> {
+    use nix::fcntl::OFlag;
+    let master = nix::pty::posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)?;
+    nix::pty::grantpt(&master)?;
+    nix::pty::unlockpt(&master)?;
+    let path = nix::pty::ptsname_r(&master)?;
+    let slave = nix::fcntl::open(
+        path.as_str(),
+        OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )?;
+    let ws = nix::libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one winsize from the valid pointer.
+    if unsafe { nix::libc::ioctl(master.as_raw_fd(), nix::libc::TIOCSWINSZ, &ws) } < 0 {
+        return Err(nix::Error::last());
+    }
+    Ok((OwnedFd::from(master), slave))
 }
 
 fn exec(
@@ -61,54 +214,35 @@ fn exec(
     fds: Vec<OwnedFd>,
 ) -> std::io::Result<()> {
     let Ok([stdin, stdout, stderr]) = <[OwnedFd; 3]>::try_from(fds) else {
-        return proto::send_response(
-            conn,
-            &Response::Error {
-                message: "exec needs exactly three descriptors".into(),
-            },
-        );
+        return send_error(conn, "exec needs exactly three descriptors");
     };
-    let Some((program, args)) = argv.split_first() else {
-        return proto::send_response(
-            conn,
-            &Response::Error {
-                message: "empty command".into(),
-            },
-        );
+    let mut cmd = match command(argv, env, cwd, hostname) {
+        Ok(c) => c,
+        Err(message) => return send_error(conn, message),
     };
-    let mut cmd = Command::new(program);
-    cmd.args(args)
-        .env_clear()
-        .env("PATH", BASE_PATH)
-        .env("HOME", "/root")
-        .env("USER", "root")
-        .env("LOGNAME", "root")
-        .env("LANG", "C.UTF-8")
-        .env("HOSTNAME", hostname)
-        .env("KEYSTONE_SANDBOX", hostname)
-        .envs(env)
-        .current_dir(cwd)
-        .stdin(Stdio::from(stdin))
+    cmd.stdin(Stdio::from(stdin))
         .stdout(Stdio::from(stdout))
         .stderr(Stdio::from(stderr))
         .process_group(0);
-    let mut child = match cmd.spawn() {
+    let child = match cmd.spawn() {
         Ok(c) => c,
-        Err(e) => {
-            let message = if e.kind() == std::io::ErrorKind::NotFound {
-                format!("command '{program}' not found in the sandbox (or cwd '{cwd}' missing)")
-            } else {
-                format!("cannot run '{program}' in '{cwd}': {e}")
-            };
-            return proto::send_response(conn, &Response::Error { message });
-        }
+        Err(e) => return send_error(conn, spawn_error(argv, cwd, &e)),
     };
     // The std Command holds copies of the descriptors until it is dropped;
     // drop it now so the command's stdout reaches EOF when the command ends.
     drop(cmd);
     let pid = i32::try_from(child.id()).unwrap_or(i32::MAX);
     proto::send_response(conn, &Response::Started { pid })?;
+    wait_reporting(conn, child, pid)
+}
 
+/// Wait for `child` (its own process group `pid`), killing the group if
+/// agentd hangs up first, and report its exit.
+fn wait_reporting(
+    conn: &UnixStream,
+    mut child: std::process::Child,
+    pid: i32,
+) -> std::io::Result<()> {
     let done = Arc::new(AtomicBool::new(false));
     let watcher = {
         let conn = conn.try_clone()?;

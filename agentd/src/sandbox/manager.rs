@@ -31,6 +31,9 @@ use crate::git::{refs, snapshot, workspace, worktree};
 use crate::procfs;
 use crate::registry::Registry;
 
+mod session;
+pub use session::{Attached, Terminal, TtyOptions, session_name};
+
 /// What changed, for the D-Bus layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
@@ -135,6 +138,8 @@ pub struct Manager {
     backends: BTreeMap<BackendKind, Arc<dyn Backend>>,
     changes: broadcast::Sender<Change>,
     watchers: Mutex<HashMap<String, watch::Handle>>,
+    terminals: Mutex<HashMap<u32, session::TermEntry>>,
+    next_terminal: std::sync::atomic::AtomicU32,
 }
 
 impl Manager {
@@ -156,6 +161,8 @@ impl Manager {
             backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
             changes,
             watchers: Mutex::new(HashMap::new()),
+            terminals: Mutex::new(HashMap::new()),
+            next_terminal: std::sync::atomic::AtomicU32::new(1),
         })
     }
 
@@ -784,7 +791,31 @@ impl Manager {
         Ok(all.into_iter().skip(skip).collect())
     }
 
-    async fn exec_inner(&self, sb: &Sandbox, call: ExecCall) -> Result<ExecResult> {
+    async fn exec_inner(&self, sb: &Sandbox, mut call: ExecCall) -> Result<ExecResult> {
+        let stdio = call.stdio.take();
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        let req = self.exec_request(sb, call)?;
+        let spec = self.spec(sb);
+        let result = match stdio {
+            Some(fds) => backend
+                .exec(&spec, req, fds)
+                .await
+                .map(|exit_code| ExecResult {
+                    exit_code,
+                    stdout: Vec::new(),
+                    stderr: Vec::new(),
+                }),
+            None => crate::backend::capture(backend.as_ref(), &spec, req).await,
+        };
+        result.map_err(|source| Error::Backend {
+            name: sb.name.clone(),
+            source,
+        })
+    }
+
+    /// Check `call` against running sandbox `sb` and resolve its working
+    /// directory.
+    fn exec_request(&self, sb: &Sandbox, call: ExecCall) -> Result<ExecRequest> {
         let name = sb.name.as_str();
         let ExecCall {
             argv,
@@ -792,7 +823,6 @@ impl Manager {
             cwd,
             timeout,
             worktree,
-            stdio,
             ..
         } = call;
         let mut problems = Vec::new();
@@ -823,7 +853,6 @@ impl Manager {
                 hint: "start it with `agentctl start`",
             });
         }
-        let backend = Arc::clone(self.backend(sb.backend)?);
         let cwd = match (worktree, cwd.is_empty()) {
             (Some(_), false) => {
                 return Err(Error::Invalid(vec![
@@ -834,27 +863,11 @@ impl Manager {
             (None, true) => worktree::SANDBOX_ROOT.to_owned(),
             (None, false) => cwd,
         };
-        let req = ExecRequest {
+        Ok(ExecRequest {
             argv,
             env,
             cwd,
             timeout,
-        };
-        let spec = self.spec(sb);
-        let result = match stdio {
-            Some(fds) => backend
-                .exec(&spec, req, fds)
-                .await
-                .map(|exit_code| ExecResult {
-                    exit_code,
-                    stdout: Vec::new(),
-                    stderr: Vec::new(),
-                }),
-            None => crate::backend::capture(backend.as_ref(), &spec, req).await,
-        };
-        result.map_err(|source| Error::Backend {
-            name: name.to_owned(),
-            source,
         })
     }
 
@@ -1124,6 +1137,16 @@ impl Manager {
 
     /// The directory (inside the sandbox) of `branch`'s worktree.
     fn worktree_dir(&self, sb: &Sandbox, branch: &str) -> Result<String> {
+        self.find_worktree_dir(sb, branch)?.ok_or_else(|| {
+            Error::Invalid(vec![format!(
+                "sandbox '{}' has no worktree for '{branch}'; create it with `agentctl worktree add {} {branch}`",
+                sb.name, sb.name
+            )])
+        })
+    }
+
+    /// The directory (inside the sandbox) of `branch`'s worktree, if it has one.
+    fn find_worktree_dir(&self, sb: &Sandbox, branch: &str) -> Result<Option<String>> {
         if !refs::valid_branch(branch) {
             return Err(Error::Invalid(vec![format!(
                 "'{}' is not a valid git branch name",
@@ -1132,19 +1155,16 @@ impl Manager {
         }
         let ws = self.spec(sb).workspace;
         if procfs::is_real_dir(&ws.join(worktree::dir_of(branch))) {
-            return Ok(format!(
+            return Ok(Some(format!(
                 "{}/{}",
                 worktree::SANDBOX_ROOT,
                 worktree::dir_of(branch).display()
-            ));
+            )));
         }
         if refs::head_branch(&ws.join(".git")).as_deref() == Some(branch) {
-            return Ok(worktree::SANDBOX_ROOT.to_owned());
+            return Ok(Some(worktree::SANDBOX_ROOT.to_owned()));
         }
-        Err(Error::Invalid(vec![format!(
-            "sandbox '{}' has no worktree for '{branch}'; create it with `agentctl worktree add {} {branch}`",
-            sb.name, sb.name
-        )]))
+        Ok(None)
     }
 
     /// Run the worktree helper for sandbox `name` as the sandbox's uid.
@@ -1211,8 +1231,22 @@ impl Manager {
         Ok(i)
     }
 
-    /// The worktrees of sandbox `name`, the main one first.
+    /// The worktrees of sandbox `name`, the main one first, each with its
+    /// running session.
     pub async fn list_worktrees(&self, caller: Caller, name: &str) -> Result<Vec<WorktreeInfo>> {
+        let mut list = self.list_worktrees_raw(caller, name).await?;
+        let sb = self.get(caller, name)?;
+        let running = self.running_sessions(&sb).await;
+        for w in list.iter_mut().filter(|w| !w.branch.is_empty()) {
+            let s = session_name(name, &w.branch);
+            if running.contains(&s) {
+                w.session = s;
+            }
+        }
+        Ok(list)
+    }
+
+    async fn list_worktrees_raw(&self, caller: Caller, name: &str) -> Result<Vec<WorktreeInfo>> {
         let json = self
             .worktree_op(caller, name, |workspace| worktree::Request::List {
                 workspace,

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod term;
+
 pub const AGENTD: &str = env!("CARGO_BIN_EXE_agentd");
 
 /// agentctl is built next to agentd (its own package's tests make cargo

@@ -1,0 +1,165 @@
+//! The tools agentd gives every local sandbox, read-only at `/run/keystone`:
+//! the Zellij binary (`bin/zellij`) and agentd's Zellij configuration and
+//! default layout (`share/zellij/`). agentd assembles them in its state
+//! directory (`guest/`) at startup.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::registry::atomic_write;
+
+/// The Zellij release agentd's sessions are made for (client and server
+/// must be the same version).
+pub const ZELLIJ_VERSION: &str = "0.45";
+
+/// Zellij release that `tests/install-zellij.sh` builds.
+const ZELLIJ_PINNED: &str = "0.45.1";
+
+const CONFIG_KDL: &str = include_str!("../../share/zellij/config.kdl");
+const LAYOUT_KDL: &str = include_str!("../../share/zellij/layout.kdl");
+
+/// Where `tests/install-zellij.sh` caches its build.
+fn cached_zellij() -> Option<PathBuf> {
+    let cache = std::env::var_os("KEYSTONE_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("keystone-agent"))
+        })
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/keystone-agent"))
+        })?;
+    Some(cache.join(format!("zellij-{ZELLIJ_PINNED}/bin/zellij")))
+}
+
+/// The Zellij binary to give sandboxes: `configured`, else `zellij` on
+/// `PATH`, else the cached build of `tests/install-zellij.sh`. Checks that
+/// it runs and is the right release.
+pub fn find_zellij(configured: Option<&Path>) -> Result<PathBuf, String> {
+    let path = match configured {
+        Some(p) => p.to_owned(),
+        None => std::env::var_os("PATH")
+            .into_iter()
+            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .map(|d| d.join("zellij"))
+            .chain(cached_zellij())
+            .find(|p| p.is_file())
+            .ok_or_else(|| {
+                format!(
+                    "no zellij found on PATH or in the cache; install Zellij {ZELLIJ_PINNED} with \
+                     `tests/install-zellij.sh` and restart agentd (or pass --zellij PATH)"
+                )
+            })?,
+    };
+    let out = std::process::Command::new(&path)
+        .arg("--version")
+        .output()
+        .map_err(|e| format!("cannot run {} --version: {e}", path.display()))?;
+    let version = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    if !version.starts_with(&format!("zellij {ZELLIJ_VERSION}.")) {
+        return Err(format!(
+            "{} is '{version}', but sessions need Zellij {ZELLIJ_VERSION}.x; install it with \
+             `tests/install-zellij.sh` and pass --zellij PATH",
+            path.display()
+        ));
+    }
+    Ok(path)
+}
+
+/// Assemble `<state>/guest` (shown at `/run/keystone` in sandboxes):
+/// `share/zellij/{config.kdl,layout.kdl}` always, `bin/zellij` from
+/// `zellij` when there is one. Returns the directory.
+pub fn install(state_dir: &Path, zellij: Option<&Path>) -> Result<PathBuf, String> {
+    let dir = state_dir.join("guest");
+    let share = dir.join("share/zellij");
+    let bin = dir.join("bin");
+    for d in [&dir, &dir.join("share"), &share, &bin] {
+        fs::create_dir_all(d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+        // Readable by every sandbox uid (root's sandboxes run as nobody).
+        fs::set_permissions(d, fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("cannot set the mode of {}: {e}", d.display()))?;
+    }
+    for (name, text) in [("config.kdl", CONFIG_KDL), ("layout.kdl", LAYOUT_KDL)] {
+        let path = share.join(name);
+        if fs::read_to_string(&path).ok().as_deref() != Some(text) {
+            atomic_write(&path, text.as_bytes()).map_err(|e| e.to_string())?;
+        }
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o644))
+            .map_err(|e| format!("cannot set the mode of {}: {e}", path.display()))?;
+    }
+    let target = bin.join("zellij");
+    match zellij {
+        Some(src) => {
+            if !same_file(src, &target) {
+                // A copy, not a link: the sandbox's binary must not change
+                // under a running session, whatever happens to the source.
+                let tmp = bin.join(".zellij.tmp");
+                fs::copy(src, &tmp)
+                    .and_then(|_| fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)))
+                    .and_then(|()| fs::rename(&tmp, &target))
+                    .map_err(|e| {
+                        format!("cannot copy {} to {}: {e}", src.display(), target.display())
+                    })?;
+            }
+        }
+        None => {
+            let _ = fs::remove_file(&target);
+        }
+    }
+    Ok(dir)
+}
+
+/// Whether `a` and `b` have the same size and contents.
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (fs::metadata(a), fs::metadata(b)) {
+        (Ok(ma), Ok(mb)) if ma.len() == mb.len() => {
+            matches!((fs::read(a), fs::read(b)), (Ok(x), Ok(y)) if x == y)
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn install_writes_the_share_and_copies_the_binary_once() {
+        let state = tempfile::tempdir().unwrap();
+        let src = state.path().join("zellij-src");
+        fs::write(&src, b"#!/bin/sh\necho zellij 0.45.1\n").unwrap();
+        let dir = install(state.path(), Some(&src)).unwrap();
+        assert_eq!(
+            fs::read_to_string(dir.join("share/zellij/config.kdl")).unwrap(),
+            CONFIG_KDL
+        );
+        let bin = dir.join("bin/zellij");
+        assert_eq!(fs::read(&bin).unwrap(), fs::read(&src).unwrap());
+        assert_eq!(
+            fs::metadata(&bin).unwrap().permissions().mode() & 0o777,
+            0o755
+        );
+        // Unchanged source: the copy stays (same inode).
+        let ino = std::os::unix::fs::MetadataExt::ino(&fs::metadata(&bin).unwrap());
+        install(state.path(), Some(&src)).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::ino(&fs::metadata(&bin).unwrap()),
+            ino
+        );
+        // No zellij: no binary inside.
+        install(state.path(), None).unwrap();
+        assert!(!bin.exists());
+    }
+
+    #[test]
+    fn a_zellij_of_another_release_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("zellij");
+        fs::write(&fake, "#!/bin/sh\necho zellij 0.44.0\n").unwrap();
+        fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+        let err = find_zellij(Some(&fake)).unwrap_err();
+        assert!(err.contains("0.44.0") && err.contains("0.45"), "{err}");
+        fs::write(&fake, "#!/bin/sh\necho zellij 0.45.1\n").unwrap();
+        assert_eq!(find_zellij(Some(&fake)).unwrap(), fake);
+    }
+}

@@ -1,0 +1,289 @@
+//! Terminals handed over D-Bus, driven in a real terminal (tmux): `agentctl
+//! exec --tty` and `agentctl attach` into the real Zellij inside a sandbox.
+
+mod common;
+
+use std::fs;
+use std::time::Duration;
+
+use common::term::{Terminal, is_cooked};
+use common::{Env, agentctl, git, wait_for};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn running(name: &str) -> (Env, std::path::PathBuf) {
+    let env = Env::new();
+    let repo = env.repo(name);
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", name]);
+    (env, repo)
+}
+
+/// The shell line that runs agentctl with `args` on this test's bus.
+fn ctl_line(env: &Env, args: &str) -> String {
+    format!("{} --bus {} {args}", agentctl().display(), env.address)
+}
+
+/// SIGTERM every agentctl on this test's bus running `verb`.
+fn term_agentctl(env: &Env, verb: &str) {
+    let pids = agentd::procfs::pids_with_args(&["--bus", &env.address, verb]);
+    assert!(!pids.is_empty(), "no agentctl {verb} runs");
+    for (pid, _) in pids {
+        kill(Pid::from_raw(pid), Signal::SIGTERM).unwrap();
+    }
+}
+
+fn history(env: &Env, name: &str) -> Vec<serde_json::Value> {
+    serde_json::from_str(&env.ok(&["history", name, "--json"])).unwrap()
+}
+
+#[test]
+fn exec_tty_hands_over_a_terminal_of_our_size_and_gives_ours_back() {
+    let (env, _) = running("tty");
+    let t = Terminal::new(env.tmp.path(), 100, 30, &[]);
+    t.line(&format!(
+        "{}; echo code=$?",
+        ctl_line(&env, "exec --tty tty -- bash --norc --noprofile")
+    ));
+    t.line("echo inside-$(tty)-$(stty size | tr ' ' x)");
+    t.wait_screen("the sandbox's terminal", LONG, |s| {
+        s.contains("inside-/dev/pts/") && s.contains("-30x100")
+    });
+    // A resize reaches the program inside.
+    t.resize(120, 40);
+    t.line("echo now-$(stty size | tr ' ' x)");
+    t.wait_screen("the new size inside", LONG, |s| s.contains("now-40x120"));
+    // Typing reaches it; its exit code is agentctl's.
+    t.line("exit 7");
+    t.wait_screen("agentctl to exit", LONG, |s| s.contains("code=7"));
+    let stty = t.stty("after-exit");
+    assert!(is_cooked(&stty), "terminal left raw:\n{stty}");
+    let h = history(&env, "tty");
+    let last = h.last().unwrap();
+    assert_eq!(last["kind"], "exec");
+    assert_eq!(last["exit_code"], 7);
+}
+
+#[test]
+fn a_killed_agentctl_gives_the_terminal_back_and_ends_the_command() {
+    let (env, _) = running("killed");
+    let t = Terminal::new(env.tmp.path(), 80, 24, &[]);
+    t.line(&format!(
+        "{}; echo ended=$?",
+        ctl_line(&env, "exec -t killed -- sleep 7777")
+    ));
+    wait_for("sleep in the sandbox", LONG, || {
+        !agentd::procfs::pids_with_args(&["7777"]).is_empty()
+    });
+    term_agentctl(&env, "exec");
+    t.wait_screen("agentctl to exit", LONG, |s| s.contains("ended=143"));
+    let stty = t.stty("after-kill");
+    assert!(is_cooked(&stty), "terminal left raw:\n{stty}");
+    // The terminal's hang-up ended the command inside.
+    wait_for("sleep to end", LONG, || {
+        agentd::procfs::pids_with_args(&["7777"]).is_empty()
+    });
+    wait_for("the history entry", LONG, || {
+        history(&env, "killed")
+            .last()
+            .is_some_and(|e| e["detail"] == "sleep 7777" && e["exit_code"] == 129)
+    });
+}
+
+#[test]
+fn tty_without_a_terminal_is_refused() {
+    let (env, _) = running("notty");
+    let err = env.fails(4, &["exec", "--tty", "notty", "--", "true"]);
+    assert!(err.contains("needs a terminal"), "{err}");
+    let err = env.fails(4, &["attach", "notty"]);
+    assert!(err.contains("needs a terminal"), "{err}");
+}
+
+/// A running agentd that found Zellij (tests/install-zellij.sh).
+fn with_zellij(env: &Env) {
+    assert!(
+        env.log().contains("sessions enabled"),
+        "agentd found no Zellij 0.45: run tests/install-zellij.sh (or tests/run.sh) first\n{}",
+        env.log()
+    );
+}
+
+#[test]
+fn attach_creates_the_worktree_and_session_and_detach_keeps_it() {
+    let env = Env::new();
+    with_zellij(&env);
+    let repo = env.repo("att");
+    // The project's own layout is used for new sessions.
+    fs::create_dir_all(repo.join(".keystone")).unwrap();
+    fs::write(
+        repo.join(".keystone/layout.kdl"),
+        "layout {\n    pane name=\"project-layout-pane\"\n}\n",
+    )
+    .unwrap();
+    git(&repo, &["add", "."]);
+    git(
+        &repo,
+        &[
+            "-c",
+            "user.name=T",
+            "-c",
+            "user.email=t@e",
+            "commit",
+            "-qm",
+            "layout",
+        ],
+    );
+    env.ok(&["create", repo.to_str().unwrap()]);
+    assert_eq!(env.state("att"), "stopped");
+
+    let t = Terminal::new(env.tmp.path(), 100, 30, &[]);
+    t.line(&format!(
+        "{}; echo attach-exit=$?",
+        ctl_line(&env, "attach att feature")
+    ));
+    // Zellij's screen: the project's layout, a shell in the new worktree.
+    t.wait_screen("the project's layout", LONG, |s| {
+        s.contains("project-layout-pane")
+    });
+    t.line("echo at-$(pwd)");
+    t.wait_screen("the worktree's path", LONG, |s| {
+        s.contains("at-/workspace/.worktrees/feature")
+    });
+    t.line("echo typed-$((6*7))");
+    t.wait_screen("typing to reach the shell", LONG, |s| {
+        s.contains("typed-42")
+    });
+    // A resize reaches the pane by the same amount.
+    let size = |t: &Terminal, tag: &str| -> (u32, u32) {
+        t.line(&format!("echo {tag}-$(stty size | tr ' ' x)-end"));
+        let s = t.wait_screen("stty size", LONG, |s| {
+            s.lines().any(|l| {
+                l.contains(&format!("{tag}-"))
+                    && l.contains("x")
+                    && l.contains("-end")
+                    && !l.contains("$(")
+            })
+        });
+        let line = s
+            .lines()
+            .find(|l| l.contains(&format!("{tag}-")) && !l.contains("$("))
+            .unwrap();
+        let v = line.split(&format!("{tag}-")).nth(1).unwrap();
+        let v = v.split("-end").next().unwrap();
+        let (r, c) = v.split_once('x').unwrap();
+        (r.trim().parse().unwrap(), c.trim().parse().unwrap())
+    };
+    let (r1, c1) = size(&t, "before");
+    t.resize(120, 40);
+    t.wait_screen("zellij to redraw", LONG, |s| s.lines().count() >= 40);
+    let (r2, c2) = size(&t, "after");
+    assert_eq!(
+        (r2 - r1, c2 - c1),
+        (10, 20),
+        "pane {r1}x{c1} became {r2}x{c2}"
+    );
+
+    // Detach (Ctrl+o d): agentctl exits 0 and the terminal is sane.
+    t.keys(&["C-o"]);
+    t.keys(&["d"]);
+    let s = t.wait_screen("agentctl to exit", LONG, |s| s.contains("attach-exit=0"));
+    assert!(s.contains("Sandbox 'att' was stopped; started it"), "{s}");
+    assert!(s.contains("Created the worktree of 'feature'"), "{s}");
+    assert!(is_cooked(&t.stty("after-detach")));
+    assert_eq!(env.state("att"), "running");
+
+    // The session survives, with no client now.
+    let sessions: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["sessions", "att", "--json"])).unwrap();
+    assert_eq!(sessions.len(), 1, "{sessions:?}");
+    assert_eq!(sessions[0]["name"], "att-feature");
+    assert_eq!(sessions[0]["branch"], "feature");
+    assert_eq!(sessions[0]["clients"], 0);
+    assert!(sessions[0]["created_at"].is_string());
+    let worktrees: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["worktree", "list", "att", "--json"])).unwrap();
+    let feature = worktrees.iter().find(|w| w["branch"] == "feature").unwrap();
+    assert_eq!(feature["session"], "att-feature");
+    assert!(
+        worktrees
+            .iter()
+            .any(|w| w["branch"] == "main" && w["session"].is_null())
+    );
+
+    // Re-attaching shows the same screen.
+    t.line("clear");
+    t.line(&format!(
+        "{}; echo again-exit=$?",
+        ctl_line(&env, "attach att feature")
+    ));
+    t.wait_screen("the same screen", LONG, |s| s.contains("typed-42"));
+    let sessions: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["sessions", "att", "--json"])).unwrap();
+    assert_eq!(sessions[0]["clients"], 1);
+
+    // agentctl killed while attached: the terminal comes back sane, the
+    // session stays.
+    term_agentctl(&env, "attach");
+    t.wait_screen("agentctl to exit", LONG, |s| s.contains("again-exit=143"));
+    assert!(is_cooked(&t.stty("after-kill")));
+    wait_for("the client to leave", LONG, || {
+        let s: Vec<serde_json::Value> =
+            serde_json::from_str(&env.ok(&["sessions", "att", "--json"])).unwrap();
+        s.len() == 1 && s[0]["clients"] == 0
+    });
+
+    // Every attach is in the history.
+    let attaches: Vec<_> = history(&env, "att")
+        .into_iter()
+        .filter(|e| e["kind"] == "attach")
+        .collect();
+    assert_eq!(attaches.len(), 2, "{attaches:?}");
+    assert!(attaches.iter().all(|e| e["detail"] == "feature"));
+    assert_eq!(attaches[0]["exit_code"], 0);
+
+    // kill-session ends it; a second time there is nothing to end.
+    let out = env.ok(&["kill-session", "att", "feature"]);
+    assert!(out.contains("att-feature"), "{out}");
+    assert_eq!(env.ok(&["sessions", "att", "--json"]).trim(), "[]");
+    let err = env.fails(1, &["kill-session", "att", "feature"]);
+    assert!(err.contains("no session for branch 'feature'"), "{err}");
+}
+
+#[test]
+fn attach_defaults_to_the_main_branch_and_rejects_bad_branches() {
+    let (env, _) = running("main-att");
+    with_zellij(&env);
+    let err = env.fails(4, &["kill-session", "main-att", "bad..name"]);
+    assert!(err.contains("not a valid git branch name"), "{err}");
+    let t = Terminal::new(env.tmp.path(), 90, 25, &[]);
+    t.line(&ctl_line(
+        &env,
+        "attach main-att 'bad..name'; echo bad-exit=$?",
+    ));
+    let s = t.wait_screen("the refusal", LONG, |s| s.contains("bad-exit="));
+    assert!(
+        s.contains("bad-exit=4") && s.contains("not a valid git branch name"),
+        "{s}"
+    );
+    t.line("clear");
+    t.line(&format!(
+        "{}; echo main-exit=$?",
+        ctl_line(&env, "attach main-att")
+    ));
+    // agentd's default layout: the compact bar names the session.
+    t.wait_screen("the default layout", LONG, |s| s.contains("main-att-main"));
+    t.line("echo at-$(pwd)");
+    t.wait_screen("the main worktree", LONG, |s| {
+        s.contains("at-/workspace\n") || s.contains("at-/workspace ")
+    });
+    t.keys(&["C-o"]);
+    t.keys(&["d"]);
+    t.wait_screen("agentctl to exit", LONG, |s| s.contains("main-exit=0"));
+    let out = env.ok(&["sessions", "main-att"]);
+    assert!(
+        out.contains("main-att-main") && out.contains("main"),
+        "{out}"
+    );
+}
