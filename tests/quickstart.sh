@@ -19,6 +19,11 @@ fi
 
 echo "==> building agentd and agentctl"
 cargo build --quiet --bins
+# Sessions (agentctl attach) run the pinned Zellij inside the sandbox: built
+# once into a cache (about 20 minutes the first time), reused after that.
+echo "==> Zellij for sessions"
+KEYSTONE_ZELLIJ="$(tests/install-zellij.sh)"
+export KEYSTONE_ZELLIJ
 bin="$PWD/target/debug"
 state="${XDG_STATE_HOME:-$HOME/.local/state}/keystone/agent"
 mkdir -p "$state"
@@ -68,6 +73,7 @@ Sandbox '$name' is running. Try:
   export DBUS_SESSION_BUS_ADDRESS=$DBUS_SESSION_BUS_ADDRESS
   $bin/agentctl list
   $bin/agentctl exec $name -- git status
+  $bin/agentctl attach $name              # a Zellij session in /workspace; detach with Ctrl+o d
   $bin/agentctl stop $name && $bin/agentctl destroy $name
 agentd keeps running in the background (log: $state/agentd.log); stop it with: pkill -f 'agentd --session'
 MSG

@@ -119,7 +119,7 @@ fn attach_creates_the_worktree_and_session_and_detach_keeps_it() {
     fs::create_dir_all(repo.join(".keystone")).unwrap();
     fs::write(
         repo.join(".keystone/layout.kdl"),
-        "layout {\n    pane name=\"project-layout-pane\"\n}\n",
+        "layout {\n    pane focus=true\n    pane size=4 command=\"echo\" {\n        args \"project-layout-pane\"\n    }\n}\n",
     )
     .unwrap();
     git(&repo, &["add", "."]);
@@ -136,7 +136,7 @@ fn attach_creates_the_worktree_and_session_and_detach_keeps_it() {
         ],
     );
     env.ok(&["create", repo.to_str().unwrap()]);
-    assert_eq!(env.state("att"), "stopped");
+    assert_eq!(env.state("att"), "created");
 
     let t = Terminal::new(env.tmp.path(), 100, 30, &[]);
     t.line(&format!(
@@ -189,7 +189,7 @@ fn attach_creates_the_worktree_and_session_and_detach_keeps_it() {
     t.keys(&["C-o"]);
     t.keys(&["d"]);
     let s = t.wait_screen("agentctl to exit", LONG, |s| s.contains("attach-exit=0"));
-    assert!(s.contains("Sandbox 'att' was stopped; started it"), "{s}");
+    assert!(s.contains("Sandbox 'att' was created; started it"), "{s}");
     assert!(s.contains("Created the worktree of 'feature'"), "{s}");
     assert!(is_cooked(&t.stty("after-detach")));
     assert_eq!(env.state("att"), "running");
@@ -262,7 +262,9 @@ fn attach_defaults_to_the_main_branch_and_rejects_bad_branches() {
         &env,
         "attach main-att 'bad..name'; echo bad-exit=$?",
     ));
-    let s = t.wait_screen("the refusal", LONG, |s| s.contains("bad-exit="));
+    let s = t.wait_screen("the refusal", LONG, |s| {
+        s.lines().any(|l| l.starts_with("bad-exit="))
+    });
     assert!(
         s.contains("bad-exit=4") && s.contains("not a valid git branch name"),
         "{s}"
