@@ -208,8 +208,13 @@
             pkgs.dbus
             pkgs.systemd
             pkgs.util-linux
+            pkgs.tmux
           ];
-          script = "cargo test --workspace --frozen";
+          # The session tests attach to the same Zellij the guests run.
+          script = ''
+            export KEYSTONE_ZELLIJ=${pkgs.callPackage ./nixos-modules/pkgs/zellij.nix { }}/bin/zellij
+            cargo test --workspace --frozen
+          '';
         };
 
         guest-image = self.packages.${system}.guest-image;
@@ -228,6 +233,8 @@
           pkgs.rust-analyzer
           pkgs.git
           pkgs.dbus
+          pkgs.tmux
+          (pkgs.callPackage ./nixos-modules/pkgs/zellij.nix { })
           pkgs.nixfmt
         ];
       };

@@ -80,6 +80,13 @@ in
       description = "Name of the sandbox (also the guest's host name).";
     };
 
+    zellij = lib.mkOption {
+      type = types.package;
+      default = pkgs.callPackage ../pkgs/zellij.nix { };
+      defaultText = lib.literalMD "Zellij 0.45.1 built from crates.io";
+      description = "Zellij for the sandbox's sessions; must be a 0.45.x release.";
+    };
+
     hostStateDir = lib.mkOption {
       type = types.str;
       default = "/var/lib/keystone-agent/sandboxes/${cfg.name}";
@@ -175,7 +182,15 @@ in
     assertions = map (agent: {
       assertion = !(pkgs.${agent}.meta.unfree or false) || unfreeAllowed pkgs.${agent};
       message = "keystone.sandbox.agents.${agent}: ${agent} has an unfree license; allow it in the host's nixpkgs config (nixpkgs.config.allowUnfree, or allowUnfreePredicate naming \"${agent}\"): the sandboxes use the host's package set";
-    }) enabledCLIs;
+    }) enabledCLIs
+    ++ [
+      {
+        # A Zellij client and server must be the same release; agentd's
+        # sessions are made for 0.45.
+        assertion = lib.versions.majorMinor cfg.zellij.version == "0.45";
+        message = "keystone.sandbox.zellij: sessions need Zellij 0.45.x, but the package is ${cfg.zellij.version}";
+      }
+    ];
 
     # The guest's root is a tmpfs recreated at every boot; nothing stateful
     # depends on this.
@@ -247,7 +262,17 @@ in
     };
 
     # A fresh ext4 volume's root belongs to root: give the home to the agent.
-    systemd.tmpfiles.rules = [ "d /home/agent 0700 agent users -" ];
+    # /run/keystone is the sandbox contract every backend keeps (see
+    # docs/architecture.md, "Sessions"): agentd runs bin/zellij with the
+    # configuration and default layout in share/zellij.
+    systemd.tmpfiles.rules = [
+      "d /home/agent 0700 agent users -"
+      "d /run/keystone 0755 root root -"
+      "d /run/keystone/bin 0755 root root -"
+      "d /run/keystone/share 0755 root root -"
+      "L+ /run/keystone/bin/zellij - - - - ${cfg.zellij}/bin/zellij"
+      "L+ /run/keystone/share/zellij - - - - ${../../agentd/share/zellij}"
+    ];
 
     users.users.agent = {
       isNormalUser = true;
@@ -316,7 +341,7 @@ in
     # --- Tools -------------------------------------------------------------------
     environment.systemPackages = [
       pkgs.git
-      pkgs.zellij
+      cfg.zellij
     ]
     ++ map (agent: pkgs.${agent}) enabledCLIs;
 
@@ -330,12 +355,9 @@ in
       ];
     };
 
-    # System-wide Zellij config: without one, Zellij's first run opens a setup
-    # wizard in every new session.
-    environment.etc."zellij/config.kdl".text = ''
-      show_startup_tips false
-      show_release_notes false
-    '';
+    # System-wide Zellij config (the one agentd's sessions use): without one,
+    # a Zellij started by hand opens a setup wizard.
+    environment.etc."zellij/config.kdl".source = ../../agentd/share/zellij/config.kdl;
 
     programs.direnv = {
       enable = true;
