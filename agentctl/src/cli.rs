@@ -244,6 +244,27 @@ A project can bring its own layout in .keystone/layout.kdl (in the worktree)."
         #[arg(long)]
         json: bool,
     },
+    /// Dev-server links of a sandbox: every TCP port its worktrees listen
+    /// on gets a name through Caddy (`BRANCH.NAME.DOMAIN`, `NAME.DOMAIN` for
+    /// the main worktree, `PORT-BRANCH.NAME.DOMAIN` for each port).
+    #[command(after_help = "Example:\n  agentctl ports myproject\n  \
+LINK                                      BRANCH  PORT\n  \
+https://main.myproject.sandbox.local/      main    5173")]
+    Ports {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the dev-server link of a worktree (default: the main one) and
+    /// open it in your browser when there is a display.
+    Open {
+        /// Sandbox name.
+        name: String,
+        /// Branch of the worktree.
+        branch: Option<String>,
+    },
     /// End the Zellij session of a worktree (its shells and programs end;
     /// the worktree stays).
     KillSession {

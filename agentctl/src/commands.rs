@@ -178,6 +178,10 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 "last_sync_result": sb.last_sync_result().await.map_err(z)?,
                 "ports": sb.ports().await.map_err(z)?,
                 "config": config,
+                "routes": match sb.list_routes().await {
+                    Ok((routes, _)) => routes.iter().map(output::route_json).collect::<Vec<_>>(),
+                    Err(_) => Vec::new(),
+                },
             });
             if json {
                 println!("{}", serde_json::to_string_pretty(&v).expect("json"));
@@ -387,6 +391,94 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             }
             Ok(0)
         }
+        Command::Ports { name, json } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let (routes, info) = sb.list_routes().await?;
+            if json {
+                let v = serde_json::json!({
+                    "domain": info.get("domain"),
+                    "ca_file": info.get("ca_file"),
+                    "disabled": info.get("disabled"),
+                    "routes": routes.iter().map(output::route_json).collect::<Vec<_>>(),
+                });
+                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+                return Ok(0);
+            }
+            if let Some(why) = info.get("disabled") {
+                println!("No dev-server links: {why}.");
+                return Ok(0);
+            }
+            if routes.is_empty() {
+                println!(
+                    "Nothing in sandbox '{name}' listens on a TCP port. Start a dev server in a \
+                     worktree (e.g. `npm run dev` in `agentctl attach {name}`) and its link appears."
+                );
+            } else {
+                let rows: Vec<Vec<String>> = routes
+                    .iter()
+                    .map(|r| vec![r.url.clone(), r.branch.clone(), r.port.to_string()])
+                    .collect();
+                output::table(&["LINK", "BRANCH", "PORT"], &rows);
+            }
+            if let Some(ca) = info.get("ca_file") {
+                println!("\nHTTPS links use Caddy's own CA; trust its root certificate once: {ca}");
+            }
+            Ok(0)
+        }
+        Command::Open { name, branch } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            let (routes, info) = sb.list_routes().await?;
+            if let Some(why) = info.get("disabled") {
+                return Err(Failure::new(
+                    ExitCode::Requirements,
+                    format!("no dev-server links: {why}"),
+                ));
+            }
+            let domain = info.get("domain").cloned().unwrap_or_default();
+            let pick = match &branch {
+                // The worktree's dev server: its link without a port prefix.
+                Some(b) => routes.iter().find(|r| {
+                    &r.branch == b
+                        && !r
+                            .host
+                            .split('-')
+                            .next()
+                            .is_some_and(|p| p.bytes().all(|c| c.is_ascii_digit()))
+                }),
+                None => routes.iter().find(|r| r.host == format!("{name}.{domain}")),
+            };
+            let Some(route) = pick.or_else(|| {
+                if branch.is_none() {
+                    routes.first()
+                } else {
+                    None
+                }
+            }) else {
+                return Err(Failure::new(
+                    ExitCode::NotFound,
+                    format!(
+                        "no dev server runs in sandbox '{name}'{}; start one there and try again \
+                         (`agentctl ports {name}` lists what listens)",
+                        branch
+                            .as_ref()
+                            .map(|b| format!(" for branch '{b}'"))
+                            .unwrap_or_default()
+                    ),
+                ));
+            };
+            println!("{}", route.url);
+            let display = std::env::var_os("DISPLAY").is_some()
+                || std::env::var_os("WAYLAND_DISPLAY").is_some();
+            if display {
+                let _ = std::process::Command::new("xdg-open")
+                    .arg(&route.url)
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .spawn();
+            }
+            Ok(0)
+        }
         Command::KillSession { name, branch } => {
             let sb = lookup(conn, &manager, &name).await?;
             let session = sb.kill_session(&branch).await?;
@@ -477,6 +569,19 @@ fn print_status(v: &serde_json::Value) {
         println!("Declared:   yes (managed by agentd's configuration)");
     }
     println!("Id:         {}", s("id"));
+    for (i, r) in v["routes"].as_array().into_iter().flatten().enumerate() {
+        println!(
+            "{}{} → port {} ({})",
+            if i == 0 {
+                "Links:      "
+            } else {
+                "            "
+            },
+            r["url"].as_str().unwrap_or("?"),
+            r["port"],
+            r["branch"].as_str().unwrap_or("-")
+        );
+    }
 }
 
 async fn sandbox<'a>(

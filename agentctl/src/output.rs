@@ -2,7 +2,9 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use keystone_agent_api::{HistoryEntry, SandboxSummary, SessionInfo, SyncReport, WorktreeInfo};
+use keystone_agent_api::{
+    HistoryEntry, RouteInfo, SandboxSummary, SessionInfo, SyncReport, WorktreeInfo,
+};
 use serde_json::{Value, json};
 
 /// A timestamp in µs since the epoch as RFC 3339, or `null` for 0.
@@ -89,6 +91,12 @@ pub fn worktree_json(w: &WorktreeInfo) -> Value {
         "behind": if w.has_host_branch { json!(w.behind) } else { Value::Null },
         "session": if w.session.is_empty() { Value::Null } else { Value::String(w.session.clone()) },
     })
+}
+
+/// The stable JSON form of a dev-server link.
+#[must_use]
+pub fn route_json(r: &RouteInfo) -> Value {
+    json!({ "host": r.host, "url": r.url, "branch": r.branch, "port": r.port })
 }
 
 /// The stable JSON form of a session.

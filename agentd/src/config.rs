@@ -41,6 +41,20 @@ pub struct ProxyConfig {
     pub enable: bool,
     /// Domain under which sandboxes get names.
     pub domain: String,
+    /// Caddy's admin API.
+    pub caddy_admin: String,
+    /// Name of the Caddy server agentd owns (created when missing).
+    pub server: String,
+    /// Addresses that server listens on (`:443` serves HTTPS with
+    /// certificates from Caddy's internal CA for names like `*.local`).
+    pub listen: Vec<String>,
+    /// Loopback address of agentd's own pages (Caddy's catch-all); port 0
+    /// picks a free one.
+    pub pages_listen: String,
+    /// Caddy's root certificate, shown by `agentctl ports` so a browser can
+    /// trust the links.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for ProxyConfig {
@@ -48,6 +62,11 @@ impl Default for ProxyConfig {
         Self {
             enable: false,
             domain: "sandbox.local".to_owned(),
+            caddy_admin: "http://127.0.0.1:2019".to_owned(),
+            server: "keystone-agent".to_owned(),
+            listen: vec![":443".to_owned()],
+            pages_listen: "127.0.0.1:0".to_owned(),
+            ca_file: None,
         }
     }
 }
@@ -208,6 +227,26 @@ impl DaemonConfig {
         let mut d = Vec::new();
         validate::check_config(&self.defaults, &mut d);
         p.extend(d.into_iter().map(|m| format!("defaults: {m}")));
+        if !self.proxy.caddy_admin.starts_with("http://") {
+            p.push(format!(
+                "proxy.caddy_admin '{}' must be an http:// address",
+                self.proxy.caddy_admin
+            ));
+        }
+        if self
+            .proxy
+            .pages_listen
+            .parse::<std::net::SocketAddr>()
+            .is_err()
+        {
+            p.push(format!(
+                "proxy.pages_listen '{}' must be an address like 127.0.0.1:7917",
+                self.proxy.pages_listen
+            ));
+        }
+        if self.proxy.enable && self.proxy.listen.is_empty() {
+            p.push("proxy.listen must name at least one address".to_owned());
+        }
         if self.proxy.domain.is_empty()
             || !self.proxy.domain.split('.').all(|l| {
                 !l.is_empty()

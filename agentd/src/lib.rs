@@ -14,6 +14,7 @@ pub mod git;
 pub mod guest;
 pub mod naming;
 pub mod procfs;
+pub mod proxy;
 pub mod registry;
 pub mod sandbox;
 
@@ -117,6 +118,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         vec![local],
     );
     manager.reconcile(&config)?;
+    if config.proxy.enable {
+        let proxy = proxy::Proxy::start(config.proxy.clone(), Arc::clone(&manager)).await?;
+        manager.set_proxy(proxy);
+    }
     let conn = dbus::serve(&opts.bus, Arc::clone(&manager)).await.map_err(|e| match &opts.bus {
         Bus::System => anyhow::anyhow!(
             "cannot serve {} on the system bus: {e}\nhint: install agentd's D-Bus policy (share/dbus-1/system.d/{}.conf) and run as root, or use --session",

@@ -1,6 +1,7 @@
 //! Small readers of `/proc`, used to recognise a sandbox's processes across
 //! agentd restarts without trusting pids alone (pids are reused).
 
+use std::collections::HashMap;
 use std::fs;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
@@ -110,5 +111,99 @@ mod tests {
         assert!(pids_in_ns(pid_ns(me).unwrap()).contains(&me));
         assert!(cmdline(me).unwrap()[0].contains("agentd"));
         assert!(pidfd_open(me).is_ok());
+    }
+}
+
+/// TCP sockets in state LISTEN in the network namespace of `pid`, by inode.
+#[must_use]
+pub fn tcp_listeners(pid: i32) -> HashMap<u64, (std::net::IpAddr, u16)> {
+    let mut out = HashMap::new();
+    for file in ["tcp", "tcp6"] {
+        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")) else {
+            continue;
+        };
+        out.extend(text.lines().skip(1).filter_map(parse_tcp_line));
+    }
+    out
+}
+
+/// One line of `/proc/net/tcp{,6}` if it is a listening socket:
+/// (inode, (address, port)).
+fn parse_tcp_line(line: &str) -> Option<(u64, (std::net::IpAddr, u16))> {
+    const LISTEN: &str = "0A";
+    let f: Vec<&str> = line.split_whitespace().collect();
+    if f.get(3) != Some(&LISTEN) {
+        return None;
+    }
+    let (addr, port) = f.get(1)?.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    // The kernel prints each 32-bit word of the address in host order.
+    let mut bytes = Vec::with_capacity(16);
+    for chunk in addr.as_bytes().chunks(8) {
+        let word = u32::from_str_radix(std::str::from_utf8(chunk).ok()?, 16).ok()?;
+        bytes.extend_from_slice(&word.to_ne_bytes());
+    }
+    let ip = match bytes.len() {
+        4 => std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+        _ => return None,
+    };
+    let inode = f.get(9)?.parse().ok()?;
+    Some((inode, (ip, port)))
+}
+
+/// Inodes of the sockets process `pid` has open.
+#[must_use]
+pub fn socket_inodes(pid: i32) -> Vec<u64> {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| {
+        let link = std::fs::read_link(e.ok()?.path()).ok()?;
+        let s = link.to_str()?;
+        s.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+    })
+    .collect()
+}
+
+/// Working directory of `pid`, as that process sees it.
+#[must_use]
+pub fn cwd(pid: i32) -> Option<String> {
+    std::fs::read_link(format!("/proc/{pid}/cwd"))
+        .ok()
+        .and_then(|p| p.to_str().map(str::to_owned))
+}
+
+#[cfg(test)]
+mod tcp_tests {
+    use super::*;
+
+    #[test]
+    fn listening_sockets_are_parsed_from_proc_net_tcp() {
+        let v4 = "   0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1 0000000000000000 100 0 0 10 0";
+        let (inode, (ip, port)) = parse_tcp_line(v4).unwrap();
+        assert_eq!(
+            (inode, ip.to_string(), port),
+            (4242, "127.0.0.1".into(), 8000)
+        );
+        let v6 = "   1: 00000000000000000000000001000000:0BB8 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 77 1 0000000000000000 100 0 0 10 0";
+        let (_, (ip, port)) = parse_tcp_line(v6).unwrap();
+        assert_eq!((ip.to_string(), port), ("::1".into(), 3000));
+        let established = v4.replacen(" 0A ", " 01 ", 1);
+        assert!(parse_tcp_line(&established).is_none());
+    }
+
+    #[test]
+    fn our_own_listener_is_found() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let me = i32::try_from(std::process::id()).unwrap();
+        let listeners = tcp_listeners(me);
+        let ours = socket_inodes(me);
+        assert!(
+            ours.iter()
+                .any(|i| listeners.get(i).is_some_and(|(_, p)| *p == port)),
+            "port {port} not found"
+        );
     }
 }

@@ -158,6 +158,10 @@ pub trait Sandbox {
     /// The Zellij sessions running in the sandbox.
     fn sessions(&self) -> Result<Vec<crate::SessionInfo>, Error>;
 
+    /// The dev-server links (host, branch, port, URL) and facts about the
+    /// proxy (`domain`, `ca_file`, `disabled`).
+    fn list_routes(&self) -> Result<(Vec<crate::RouteInfo>, HashMap<String, String>), Error>;
+
     /// End the Zellij session of `branch`; returns its name.
     fn kill_session(&self, branch: &str) -> Result<String, Error>;
 

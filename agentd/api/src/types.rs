@@ -270,6 +270,19 @@ pub struct WorktreeInfo {
     pub session: String,
 }
 
+/// A dev-server link of a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct RouteInfo {
+    /// Host name, e.g. `main.myproject.sandbox.local`.
+    pub host: String,
+    /// Branch of the worktree whose process listens.
+    pub branch: String,
+    /// Port it listens on inside the sandbox.
+    pub port: u32,
+    /// The link.
+    pub url: String,
+}
+
 /// A Zellij session in a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct SessionInfo {

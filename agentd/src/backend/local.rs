@@ -429,6 +429,53 @@ impl Backend for LocalBackend {
         Box::pin(self.exec_tty_inner(spec, req, size))
     }
 
+    fn listeners(&self, rt: &Runtime) -> Vec<super::Listener> {
+        if !self.is_alive(rt) || rt.pid_ns == 0 {
+            return Vec::new();
+        }
+        // The init's view of the network: the sandbox's own namespace, or
+        // the host's for `nat` (then only the sandbox's processes count).
+        let listening = procfs::tcp_listeners(rt.init_pid);
+        if listening.is_empty() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for pid in procfs::pids_in_ns(rt.pid_ns) {
+            for inode in procfs::socket_inodes(pid) {
+                if let Some(&(addr, port)) = listening.get(&inode) {
+                    let cwd = procfs::cwd(pid).unwrap_or_default();
+                    out.push(super::Listener {
+                        addr,
+                        port,
+                        pid,
+                        cwd,
+                    });
+                }
+            }
+        }
+        out.sort_by_key(|l| (l.port, l.pid));
+        out.dedup_by_key(|l| l.port);
+        out
+    }
+
+    fn connect<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        addr: std::net::IpAddr,
+        port: u16,
+    ) -> BoxFut<'a, Result<OwnedFd, BackendError>> {
+        Box::pin(async move {
+            let request = proto::Request::Connect {
+                host: addr.to_string(),
+                port,
+            };
+            let (_, fds) = Self::send_control(spec, request, Vec::new()).await?;
+            fds.into_iter().next().ok_or_else(|| {
+                BackendError::Failed("the sandbox did not hand over a connection".to_owned())
+            })
+        })
+    }
+
     fn sessions(&self) -> Result<(), String> {
         self.settings.sessions.clone()
     }

@@ -111,6 +111,19 @@ impl std::fmt::Debug for TtyProcess {
     }
 }
 
+/// A TCP listener inside a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listener {
+    /// Address it is bound to (inside the sandbox).
+    pub addr: std::net::IpAddr,
+    /// Port.
+    pub port: u16,
+    /// The listening process (pid as agentd sees it).
+    pub pid: i32,
+    /// Its working directory inside the sandbox.
+    pub cwd: String,
+}
+
 /// Runs sandboxes.
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Which backend this is.
@@ -151,6 +164,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn sessions(&self) -> Result<(), String> {
         Ok(())
     }
+
+    /// The TCP listeners of the sandbox's processes.
+    fn listeners(&self, rt: &Runtime) -> Vec<Listener>;
+
+    /// A TCP connection to `addr:port` inside the running sandbox.
+    fn connect<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        addr: std::net::IpAddr,
+        port: u16,
+    ) -> BoxFut<'a, Result<OwnedFd, BackendError>>;
 
     /// Whether the sandbox described by `rt` is still alive.
     fn is_alive(&self, rt: &Runtime) -> bool;

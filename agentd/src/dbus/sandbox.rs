@@ -418,6 +418,23 @@ impl SandboxObject {
             .map_err(to_dbus)
     }
 
+    /// The sandbox's dev-server links, looked for now: one entry per host
+    /// name (host, branch, port inside, URL), and facts about the proxy:
+    /// `domain`, `ca_file` (Caddy's root certificate) or `disabled`.
+    async fn list_routes(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(Vec<api::RouteInfo>, HashMap<String, String>), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let (routes, info) = self
+            .manager
+            .ports(caller, &self.name)
+            .await
+            .map_err(to_dbus)?;
+        Ok((routes, info.into_iter().collect()))
+    }
+
     /// End the Zellij session of `branch`'s worktree; returns its name.
     async fn kill_session(
         &self,

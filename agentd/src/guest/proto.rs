@@ -49,9 +49,20 @@ pub enum Request {
         /// Initial window size: columns.
         cols: u16,
     },
+    /// Open a TCP connection inside the sandbox's network namespace (to a
+    /// dev server there) and hand over the connected socket.
+    Connect {
+        /// Address to connect to, e.g. `127.0.0.1` or `::1`.
+        host: String,
+        /// TCP port.
+        port: u16,
+    },
 }
 
 /// What the control server answers.
+///
+/// For [`Request::Connect`], the answer is [`Response::Started`] (pid 0)
+/// with the connected socket attached, or [`Response::Error`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub enum Response {

@@ -140,6 +140,7 @@ pub struct Manager {
     watchers: Mutex<HashMap<String, watch::Handle>>,
     terminals: Mutex<HashMap<u32, session::TermEntry>>,
     next_terminal: std::sync::atomic::AtomicU32,
+    proxy: std::sync::OnceLock<Arc<crate::proxy::Proxy>>,
 }
 
 impl Manager {
@@ -163,7 +164,89 @@ impl Manager {
             watchers: Mutex::new(HashMap::new()),
             terminals: Mutex::new(HashMap::new()),
             next_terminal: std::sync::atomic::AtomicU32::new(1),
+            proxy: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Give the manager the dev-server proxy (once, at startup).
+    pub fn set_proxy(&self, proxy: Arc<crate::proxy::Proxy>) {
+        let _ = self.proxy.set(proxy);
+    }
+
+    /// The dev-server links of sandbox `name`, looked for now: its routes,
+    /// and facts about the proxy (`domain`, `ca_file`, or `disabled`).
+    pub async fn ports(
+        &self,
+        caller: Caller,
+        name: &str,
+    ) -> Result<(Vec<keystone_agent_api::RouteInfo>, BTreeMap<String, String>)> {
+        self.get(caller, name)?;
+        let Some(proxy) = self.proxy.get() else {
+            let info = BTreeMap::from([(
+                "disabled".to_owned(),
+                "dev-server links are off in this agentd (proxy.enable in its configuration)"
+                    .to_owned(),
+            )]);
+            return Ok((Vec::new(), info));
+        };
+        let routes = proxy.sync(name).await.map_err(|message| Error::Backend {
+            name: name.to_owned(),
+            source: crate::backend::BackendError::Failed(message),
+        })?;
+        let mut info = BTreeMap::from([("domain".to_owned(), proxy.domain().to_owned())]);
+        let ca = proxy.ca_file();
+        if !ca.is_empty() {
+            info.insert("ca_file".to_owned(), ca);
+        }
+        Ok((routes, info))
+    }
+
+    /// The TCP listeners inside running sandbox `name`.
+    pub async fn listeners(&self, name: &str) -> Vec<crate::backend::Listener> {
+        let Some(sb) = self.snapshot(name) else {
+            return Vec::new();
+        };
+        let (Some(rt), Ok(backend)) = (sb.runtime.clone(), self.backend(sb.backend)) else {
+            return Vec::new();
+        };
+        let backend = Arc::clone(backend);
+        tokio::task::spawn_blocking(move || backend.listeners(&rt))
+            .await
+            .unwrap_or_default()
+    }
+
+    /// A TCP connection to `addr:port` inside running sandbox `name`.
+    pub async fn connect_inside(
+        &self,
+        name: &str,
+        addr: std::net::IpAddr,
+        port: u16,
+    ) -> std::result::Result<std::os::fd::OwnedFd, String> {
+        let sb = self
+            .snapshot(name)
+            .filter(|s| s.state == SandboxState::Running)
+            .ok_or_else(|| format!("sandbox '{name}' is not running"))?;
+        let backend = Arc::clone(self.backend(sb.backend).map_err(|e| e.to_string())?);
+        backend
+            .connect(&self.spec(&sb), addr, port)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// (branch, path inside) of every worktree of sandbox `name`, the main
+    /// one first.
+    pub async fn worktree_paths(&self, name: &str) -> Vec<(String, String)> {
+        let Some(sb) = self.snapshot(name) else {
+            return Vec::new();
+        };
+        let owner = Caller { uid: sb.owner };
+        match self.list_worktrees_raw(owner, name).await {
+            Ok(list) => list.into_iter().map(|w| (w.branch, w.path)).collect(),
+            Err(e) => {
+                tracing::warn!(sandbox = %name, error = %e, "cannot list worktrees");
+                vec![(String::new(), worktree::SANDBOX_ROOT.to_owned())]
+            }
+        }
     }
 
     /// Changes from now on.

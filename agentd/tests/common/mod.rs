@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod caddy;
 pub mod term;
 
 pub const AGENTD: &str = env!("CARGO_BIN_EXE_agentd");

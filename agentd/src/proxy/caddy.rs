@@ -1,0 +1,219 @@
+//! A small client of Caddy's admin API (JSON over HTTP, hyper).
+//!
+//! agentd owns one Caddy server (`ProxyConfig::server`): it creates it when
+//! it is missing, keeps a catch-all route last in it (to agentd's own pages),
+//! and adds its routes in front of that, each tagged with an `@id` that
+//! starts with [`ID_PREFIX`].
+
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper::{Method, Request, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+
+/// Every `@id` agentd gives a route starts with this.
+pub const ID_PREFIX: &str = "keystone-agent.";
+
+/// `@id` of the catch-all route.
+pub const FALLBACK_ID: &str = "keystone-agent.fallback";
+
+/// Caddy's admin API at one address.
+#[derive(Debug, Clone)]
+pub struct Caddy {
+    base: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Caddy {
+    /// A client of the admin API at `base` (e.g. `http://127.0.0.1:2019`).
+    #[must_use]
+    pub fn new(base: &str) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        Self {
+            base: base.trim_end_matches('/').to_owned(),
+            client: Client::builder(TokioExecutor::new()).build(connector),
+        }
+    }
+
+    async fn call(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let uri = format!("{}{path}", self.base);
+        let body = body.map(|b| b.to_string()).unwrap_or_default();
+        let req = Request::builder()
+            .method(method.clone())
+            .uri(&uri)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        let send = async {
+            let resp =
+                self.client.request(req).await.map_err(|e| {
+                    format!("Caddy's admin API at {} is not reachable: {e}", self.base)
+                })?;
+            let status = resp.status();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok((status, bytes))
+        };
+        tokio::time::timeout(Duration::from_secs(10), send)
+            .await
+            .map_err(|_| format!("Caddy did not answer {method} {path} within 10 s"))?
+    }
+
+    /// `method path` that must succeed (2xx).
+    async fn ok(&self, method: Method, path: &str, body: Option<&Value>) -> Result<Bytes, String> {
+        let (status, bytes) = self.call(method.clone(), path, body).await?;
+        if status.is_success() {
+            Ok(bytes)
+        } else {
+            Err(format!(
+                "Caddy refused {method} {path} ({status}): {}",
+                String::from_utf8_lossy(&bytes).trim()
+            ))
+        }
+    }
+
+    /// Whether a config object with `@id` `id` exists.
+    pub async fn exists(&self, id: &str) -> Result<bool, String> {
+        let (status, body) = self.call(Method::GET, &format!("/id/{id}"), None).await?;
+        match status {
+            s if s.is_success() => Ok(true),
+            StatusCode::NOT_FOUND => Ok(false),
+            s => Err(format!(
+                "Caddy answered {s} for /id/{id}: {}",
+                String::from_utf8_lossy(&body).trim()
+            )),
+        }
+    }
+
+    /// The config value at `path`; `Null` when it (or a parent) is missing.
+    async fn get(&self, path: &str) -> Result<Value, String> {
+        let (status, bytes) = self.call(Method::GET, path, None).await?;
+        let text = String::from_utf8_lossy(&bytes);
+        if status.is_success() {
+            serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+        } else if status == StatusCode::BAD_REQUEST && text.contains("invalid traversal path") {
+            // 2.6's answer when a parent object does not exist.
+            Ok(Value::Null)
+        } else {
+            Err(format!(
+                "Caddy refused GET {path} ({status}): {}",
+                text.trim()
+            ))
+        }
+    }
+
+    /// The routes of `server` (empty when it has none or does not exist).
+    pub async fn routes(&self, server: &str) -> Result<Vec<Value>, String> {
+        Ok(
+            match self
+                .get(&format!("/config/apps/http/servers/{server}/routes"))
+                .await?
+            {
+                Value::Array(a) => a,
+                _ => Vec::new(),
+            },
+        )
+    }
+
+    /// Make sure `server` exists, listening on `listen`, with `fallback` as
+    /// its last route; HTTPS (certificates by Caddy's automatic HTTPS)
+    /// only when `https`. Returns whether anything had to be created.
+    pub async fn ensure_server(
+        &self,
+        server: &str,
+        listen: &[String],
+        https: bool,
+        fallback: &Value,
+    ) -> Result<bool, String> {
+        let path = format!("/config/apps/http/servers/{server}");
+        if self.get(&path).await?.is_null() {
+            let body = json!({
+                "listen": listen,
+                "automatic_https": { "disable": !https },
+                "routes": [fallback],
+            });
+            self.ok(Method::PUT, &path, Some(&body)).await?;
+            return Ok(true);
+        }
+        if self.exists(FALLBACK_ID).await? {
+            return Ok(false);
+        }
+        self.ok(Method::POST, &format!("{path}/routes"), Some(fallback))
+            .await?;
+        Ok(true)
+    }
+
+    /// Put `route` (with its `@id`) into `server`: replaced in place when
+    /// its id exists (Caddy 2.6 would accept a duplicate), else inserted
+    /// just before the catch-all.
+    pub async fn put_route(&self, server: &str, route: &Value) -> Result<(), String> {
+        let id = route["@id"].as_str().ok_or("a route without @id")?;
+        if self.exists(id).await? {
+            self.ok(Method::PATCH, &format!("/id/{id}"), Some(route))
+                .await?;
+            return Ok(());
+        }
+        let routes = self.routes(server).await?;
+        let at = routes
+            .iter()
+            .position(|r| r["@id"] == FALLBACK_ID)
+            .unwrap_or(routes.len());
+        self.ok(
+            Method::PUT,
+            &format!("/config/apps/http/servers/{server}/routes/{at}"),
+            Some(route),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Remove the config object `id` (nothing if it is gone already).
+    pub async fn remove(&self, id: &str) -> Result<(), String> {
+        if self.exists(id).await? {
+            self.ok(Method::DELETE, &format!("/id/{id}"), None).await?;
+        }
+        Ok(())
+    }
+}
+
+/// A route sending `hosts` to `dial` (`host:port`), tagged `id`.
+#[must_use]
+pub fn route(id: &str, hosts: &[String], dial: &str) -> Value {
+    json!({
+        "@id": id,
+        "match": [{ "host": hosts }],
+        "handle": [{
+            "handler": "reverse_proxy",
+            "upstreams": [{ "dial": dial }],
+        }],
+        "terminal": true,
+    })
+}
+
+/// The catch-all route: everything else goes to agentd's pages at `dial`.
+#[must_use]
+pub fn fallback(dial: &str) -> Value {
+    json!({
+        "@id": FALLBACK_ID,
+        "handle": [{
+            "handler": "reverse_proxy",
+            "upstreams": [{ "dial": dial }],
+        }],
+        "terminal": true,
+    })
+}

@@ -1,0 +1,597 @@
+//! Dev-server links: `<branch>.<sandbox>.<domain>` routes kept in step
+//! through Caddy's admin API.
+//!
+//! Discovery is driven by demand, so an idle agentd does no work: a request
+//! for a name that has no route reaches agentd's own page server (Caddy's
+//! catch-all). agentd then looks for listeners in that sandbox (one read of
+//! `/proc`), adds the routes it finds and redirects the request to itself,
+//! now routed. `agentctl ports` looks the same way. A route whose dev server
+//! went away is noticed by its forwarder (the connection inside fails) and
+//! the sandbox is looked at again; a sandbox that stops loses its routes at
+//! once. Caddy itself is checked every few seconds with one request for the
+//! catch-all's id: after a restart or a reload (which drops every route added
+//! through the API), agentd puts its server and routes back.
+//!
+//! Caddy never reaches into a sandbox itself. Each route points at a
+//! forwarder of agentd's on a loopback port; for every connection the
+//! forwarder asks the sandbox (its control server) for a TCP connection to
+//! the dev server inside and copies bytes both ways. That works the same
+//! whatever the sandbox's network (its own namespace, `none`, a VM), needs
+//! no root, no addresses and no firewall rules, and listens on nothing but
+//! loopback.
+
+pub mod caddy;
+pub mod names;
+mod pages;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use keystone_agent_api::{RouteInfo, SandboxState};
+use tokio::net::TcpListener;
+
+use crate::backend::Listener;
+use crate::config::ProxyConfig;
+use crate::sandbox::manager::{Change, Manager};
+use caddy::Caddy;
+
+/// How often agentd checks that Caddy still has its server.
+const WATCH_INTERVAL: Duration = Duration::from_secs(2);
+
+/// A route agentd keeps: one port of one worktree.
+#[derive(Debug)]
+struct Route {
+    /// Caddy `@id`.
+    id: String,
+    /// Host names, the first one the preferred.
+    hosts: Vec<String>,
+    /// Branch of the worktree.
+    branch: String,
+    /// Where the dev server listens inside.
+    target: (IpAddr, u16),
+    /// agentd's forwarder for it (loopback).
+    forward: SocketAddr,
+    /// The forwarder's accept loop.
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Route {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The dev-server links of every sandbox.
+#[derive(Debug)]
+pub struct Proxy {
+    cfg: ProxyConfig,
+    manager: Arc<Manager>,
+    caddy: Caddy,
+    /// Where agentd's pages listen (Caddy's catch-all dials it).
+    pages: SocketAddr,
+    /// Routes by sandbox.
+    routes: tokio::sync::Mutex<BTreeMap<String, Vec<Route>>>,
+    /// When the page server last redirected a host (loop guard).
+    redirected: Mutex<HashMap<String, Instant>>,
+    /// Caddy's server must be (re)built before the next route change.
+    stale: std::sync::atomic::AtomicBool,
+    /// Sandboxes to look at again (a forwarder found its dev server gone).
+    recheck: tokio::sync::mpsc::UnboundedSender<String>,
+}
+
+impl Proxy {
+    /// Start the proxy: agentd's page server, the Caddy watchdog and the
+    /// reaction to sandboxes stopping.
+    pub async fn start(cfg: ProxyConfig, manager: Arc<Manager>) -> anyhow::Result<Arc<Self>> {
+        let pages_listener = TcpListener::bind(&cfg.pages_listen).await.map_err(|e| {
+            anyhow::anyhow!(
+                "cannot listen on {} for agentd's pages: {e}",
+                cfg.pages_listen
+            )
+        })?;
+        let pages = pages_listener.local_addr()?;
+        let (recheck, mut rechecks) = tokio::sync::mpsc::unbounded_channel();
+        let proxy = Arc::new(Self {
+            recheck,
+            caddy: Caddy::new(&cfg.caddy_admin),
+            cfg,
+            manager,
+            pages,
+            routes: tokio::sync::Mutex::new(BTreeMap::new()),
+            redirected: Mutex::new(HashMap::new()),
+            stale: std::sync::atomic::AtomicBool::new(true),
+        });
+        tokio::spawn(pages::serve(pages_listener, Arc::clone(&proxy)));
+        tokio::spawn(Arc::clone(&proxy).watch_caddy());
+        tokio::spawn(Arc::clone(&proxy).follow_sandboxes());
+        let p = Arc::clone(&proxy);
+        tokio::spawn(async move {
+            while let Some(name) = rechecks.recv().await {
+                let _ = p.sync(&name).await;
+            }
+        });
+        tracing::info!(domain = %proxy.cfg.domain, caddy = %proxy.cfg.caddy_admin, pages = %pages, "dev-server links enabled");
+        Ok(proxy)
+    }
+
+    /// The proxy's domain.
+    #[must_use]
+    pub fn domain(&self) -> &str {
+        &self.cfg.domain
+    }
+
+    /// Caddy's root certificate, if configured.
+    #[must_use]
+    pub fn ca_file(&self) -> String {
+        self.cfg
+            .ca_file
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
+    }
+
+    /// Whether the links are HTTPS: when the server listens on port 443.
+    fn https(&self) -> bool {
+        self.cfg.listen.iter().any(|l| l.ends_with(":443"))
+    }
+
+    fn url(&self, host: &str) -> String {
+        let scheme = if self.https() { "https" } else { "http" };
+        let port = self
+            .cfg
+            .listen
+            .first()
+            .and_then(|l| l.rsplit_once(':'))
+            .map(|(_, p)| p)
+            .filter(|p| *p != "443" && *p != "80")
+            .map(|p| format!(":{p}"))
+            .unwrap_or_default();
+        format!("{scheme}://{host}{port}/")
+    }
+
+    /// Check Caddy now and then; rebuild agentd's server when it is gone.
+    async fn watch_caddy(self: Arc<Self>) {
+        let mut reported = false;
+        loop {
+            let present = self.caddy.exists(caddy::FALLBACK_ID).await;
+            match present {
+                Ok(true) if !self.stale.load(std::sync::atomic::Ordering::SeqCst) => {}
+                Ok(_) => match self.apply_all().await {
+                    Ok(()) => reported = false,
+                    Err(e) => tracing::warn!("cannot set up Caddy: {e}"),
+                },
+                Err(e) => {
+                    self.stale.store(true, std::sync::atomic::Ordering::SeqCst);
+                    if !reported {
+                        tracing::warn!("{e}; dev-server links wait for Caddy");
+                        reported = true;
+                    }
+                }
+            }
+            tokio::time::sleep(WATCH_INTERVAL).await;
+        }
+    }
+
+    /// Build agentd's server in Caddy and put every route back.
+    async fn apply_all(&self) -> Result<(), String> {
+        let routes = self.routes.lock().await;
+        let fallback = caddy::fallback(&self.pages.to_string());
+        let created = self
+            .caddy
+            .ensure_server(&self.cfg.server, &self.cfg.listen, self.https(), &fallback)
+            .await?;
+        let keep: Vec<&str> = routes.values().flatten().map(|r| r.id.as_str()).collect();
+        // Routes of ours that Caddy has but we no longer want.
+        for r in self.caddy.routes(&self.cfg.server).await? {
+            if let Some(id) = r["@id"].as_str() {
+                if id.starts_with(caddy::ID_PREFIX)
+                    && id != caddy::FALLBACK_ID
+                    && !keep.contains(&id)
+                {
+                    self.caddy.remove(id).await?;
+                }
+            }
+        }
+        for r in routes.values().flatten() {
+            self.caddy
+                .put_route(
+                    &self.cfg.server,
+                    &caddy::route(&r.id, &r.hosts, &r.forward.to_string()),
+                )
+                .await?;
+        }
+        self.stale.store(false, std::sync::atomic::Ordering::SeqCst);
+        if created || !keep.is_empty() {
+            tracing::info!(server = %self.cfg.server, routes = keep.len(), "Caddy configured");
+        }
+        Ok(())
+    }
+
+    /// Drop the routes of sandboxes that stop or go away.
+    async fn follow_sandboxes(self: Arc<Self>) {
+        let mut changes = self.manager.subscribe();
+        loop {
+            match changes.recv().await {
+                Ok(Change::Updated(name) | Change::Removed(name)) => {
+                    let running = self
+                        .manager
+                        .snapshot(&name)
+                        .is_some_and(|s| s.state == SandboxState::Running);
+                    if !running && self.routes.lock().await.contains_key(&name) {
+                        let _ = self.sync(&name).await;
+                    }
+                }
+                Ok(_) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    }
+
+    /// Look at sandbox `name` now and bring its routes in line with its
+    /// listeners; returns its routes.
+    pub async fn sync(self: &Arc<Self>, name: &str) -> Result<Vec<RouteInfo>, String> {
+        let wanted = self.wanted(name).await;
+        let mut all = self.routes.lock().await;
+        let mut current = all.remove(name).unwrap_or_default();
+        let mut next = Vec::new();
+        let mut problems = Vec::new();
+        for w in wanted {
+            let existing = current
+                .iter()
+                .position(|r| r.target == w.target)
+                .map(|i| current.remove(i));
+            let route = match existing {
+                Some(mut r) if r.hosts == w.hosts && r.branch == w.branch => {
+                    // Unchanged.
+                    r.branch = w.branch;
+                    r
+                }
+                Some(mut r) => {
+                    r.hosts = w.hosts;
+                    r.branch = w.branch;
+                    if let Err(e) = self.put(&r).await {
+                        problems.push(e);
+                    }
+                    r
+                }
+                None => {
+                    let r = match self.new_route(name, w).await {
+                        Ok(r) => r,
+                        Err(e) => {
+                            problems.push(e);
+                            continue;
+                        }
+                    };
+                    if let Err(e) = self.put(&r).await {
+                        problems.push(e);
+                    }
+                    r
+                }
+            };
+            next.push(route);
+        }
+        for gone in current {
+            tracing::info!(sandbox = %name, hosts = ?gone.hosts, "route removed");
+            if let Err(e) = self.caddy.remove(&gone.id).await {
+                self.stale.store(true, std::sync::atomic::Ordering::SeqCst);
+                problems.push(e);
+            }
+        }
+        let infos = next
+            .iter()
+            .flat_map(|r| {
+                r.hosts.iter().map(|h| RouteInfo {
+                    host: h.clone(),
+                    branch: r.branch.clone(),
+                    port: u32::from(r.target.1),
+                    url: self.url(h),
+                })
+            })
+            .collect();
+        if !next.is_empty() {
+            all.insert(name.to_owned(), next);
+        }
+        drop(all);
+        if let Some(p) = problems.into_iter().next() {
+            tracing::warn!(sandbox = %name, "{p}");
+        }
+        Ok(infos)
+    }
+
+    async fn put(&self, r: &Route) -> Result<(), String> {
+        let route = caddy::route(&r.id, &r.hosts, &r.forward.to_string());
+        let result = self.caddy.put_route(&self.cfg.server, &route).await;
+        match &result {
+            Ok(()) => tracing::info!(hosts = ?r.hosts, port = r.target.1, "route added"),
+            Err(_) => self.stale.store(true, std::sync::atomic::Ordering::SeqCst),
+        }
+        result
+    }
+
+    /// A forwarder and a route record for `w` in sandbox `name`.
+    async fn new_route(self: &Arc<Self>, name: &str, w: Wanted) -> Result<Route, String> {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+            .await
+            .map_err(|e| format!("cannot open a forwarder: {e}"))?;
+        let forward = listener.local_addr().map_err(|e| e.to_string())?;
+        let task = tokio::spawn(Arc::clone(self).forward(listener, name.to_owned(), w.target));
+        Ok(Route {
+            id: format!("{}{name}.{}", caddy::ID_PREFIX, w.target.1),
+            hosts: w.hosts,
+            branch: w.branch,
+            target: w.target,
+            forward,
+            task,
+        })
+    }
+
+    /// Accept on `listener` and join each connection to `target` inside
+    /// sandbox `name`.
+    async fn forward(self: Arc<Self>, listener: TcpListener, name: String, target: (IpAddr, u16)) {
+        loop {
+            let Ok((mut outside, _)) = listener.accept().await else {
+                continue;
+            };
+            let _ = outside.set_nodelay(true);
+            let this = Arc::clone(&self);
+            let name = name.clone();
+            tokio::spawn(async move {
+                match this.manager.connect_inside(&name, target.0, target.1).await {
+                    Ok(fd) => {
+                        let std = std::net::TcpStream::from(fd);
+                        if std.set_nonblocking(true).is_err() {
+                            return;
+                        }
+                        let Ok(mut inside) = tokio::net::TcpStream::from_std(std) else {
+                            return;
+                        };
+                        let _ = tokio::io::copy_bidirectional(&mut outside, &mut inside).await;
+                    }
+                    Err(e) => {
+                        // The dev server went away: look again.
+                        tracing::info!(sandbox = %name, port = target.1, error = %e, "dev server gone");
+                        drop(outside);
+                        let _ = this.recheck.send(name);
+                    }
+                }
+            });
+        }
+    }
+
+    /// The routes sandbox `name` should have now.
+    async fn wanted(&self, name: &str) -> Vec<Wanted> {
+        let Some(sb) = self.manager.snapshot(name) else {
+            return Vec::new();
+        };
+        if sb.state != SandboxState::Running {
+            return Vec::new();
+        }
+        let listeners = self.manager.listeners(name).await;
+        if listeners.is_empty() {
+            return Vec::new();
+        }
+        let worktrees = self.manager.worktree_paths(name).await;
+        plan(name, &self.cfg.domain, &listeners, &worktrees, &sb.ports)
+    }
+
+    /// Whether agentd has a route for `host` now.
+    async fn routed(&self, host: &str) -> bool {
+        self.routes
+            .lock()
+            .await
+            .values()
+            .flatten()
+            .any(|r| r.hosts.iter().any(|h| h == host))
+    }
+
+    /// Whether the page server may redirect `host` again (one redirect per
+    /// host every 3 s, so a route Caddy will not take cannot loop).
+    fn may_redirect(&self, host: &str) -> bool {
+        let mut map = self.redirected.lock().unwrap();
+        let now = Instant::now();
+        map.retain(|_, t| now.duration_since(*t) < Duration::from_secs(3));
+        if map.contains_key(host) {
+            return false;
+        }
+        map.insert(host.to_owned(), now);
+        true
+    }
+}
+
+/// A route to be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Wanted {
+    hosts: Vec<String>,
+    branch: String,
+    target: (IpAddr, u16),
+}
+
+/// Where to connect for a listener bound to `addr`.
+fn dial_addr(addr: IpAddr) -> IpAddr {
+    match addr {
+        IpAddr::V4(a) if a.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(a) if a.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        a => a,
+    }
+}
+
+/// The routes of sandbox `sandbox` for its `listeners`, given its worktrees
+/// (branch, path inside) with the main one first, and its declared ports.
+fn plan(
+    sandbox: &str,
+    domain: &str,
+    listeners: &[Listener],
+    worktrees: &[(String, String)],
+    declared: &BTreeMap<String, u32>,
+) -> Vec<Wanted> {
+    // Each listener's worktree: the longest path that holds its cwd; the
+    // main worktree when none does.
+    let mut by_worktree: BTreeMap<usize, Vec<&Listener>> = BTreeMap::new();
+    for l in listeners {
+        let idx = worktrees
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, path))| {
+                l.cwd == *path
+                    || l.cwd
+                        .starts_with(&format!("{}/", path.trim_end_matches('/')))
+            })
+            .max_by_key(|(_, (_, path))| path.len())
+            .map_or(0, |(i, _)| i);
+        by_worktree.entry(idx).or_default().push(l);
+    }
+    let declared_names: BTreeMap<u16, Vec<&str>> =
+        declared.iter().fold(BTreeMap::new(), |mut m, (n, p)| {
+            if let Ok(p) = u16::try_from(*p) {
+                m.entry(p).or_insert_with(Vec::new).push(n.as_str());
+            }
+            m
+        });
+    let taken: Vec<String> = declared
+        .keys()
+        .map(|n| format!("{n}.{sandbox}.{domain}"))
+        .collect();
+    let mut out = Vec::new();
+    for (idx, mut ls) in by_worktree {
+        let branch = worktrees
+            .get(idx)
+            .map(|(b, _)| b.clone())
+            .unwrap_or_default();
+        let label = names::label(if branch.is_empty() {
+            "detached"
+        } else {
+            &branch
+        });
+        ls.sort_by_key(|l| l.port);
+        // The worktree's dev server: a declared port it listens on, else
+        // its lowest port.
+        let primary = ls
+            .iter()
+            .find(|l| declared_names.contains_key(&l.port))
+            .or(ls.first())
+            .map(|l| l.port);
+        for l in ls {
+            let mut hosts = Vec::new();
+            for n in declared_names.get(&l.port).into_iter().flatten() {
+                hosts.push(format!("{n}.{sandbox}.{domain}"));
+            }
+            if Some(l.port) == primary {
+                hosts.push(format!("{label}.{sandbox}.{domain}"));
+                if idx == 0 {
+                    hosts.push(format!("{sandbox}.{domain}"));
+                }
+            }
+            hosts.push(format!("{}-{label}.{sandbox}.{domain}", l.port));
+            // Declared names win over a branch label that equals one.
+            let own: Vec<String> = declared_names
+                .get(&l.port)
+                .into_iter()
+                .flatten()
+                .map(|n| format!("{n}.{sandbox}.{domain}"))
+                .collect();
+            hosts.retain(|h| own.contains(h) || !taken.contains(h));
+            hosts.dedup();
+            out.push(Wanted {
+                hosts,
+                branch: branch.clone(),
+                target: (dial_addr(l.addr), l.port),
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn l(port: u16, cwd: &str) -> Listener {
+        Listener {
+            addr: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            port,
+            pid: 1,
+            cwd: cwd.into(),
+        }
+    }
+
+    fn worktrees() -> Vec<(String, String)> {
+        vec![
+            ("main".into(), "/workspace".into()),
+            ("feature/x".into(), "/workspace/.worktrees/feature/x".into()),
+        ]
+    }
+
+    #[test]
+    fn listeners_become_routes_per_worktree() {
+        let got = plan(
+            "p",
+            "sandbox.local",
+            &[
+                l(8000, "/workspace/web"),
+                l(9000, "/workspace"),
+                l(3000, "/workspace/.worktrees/feature/x/app"),
+                l(5000, "/tmp"),
+            ],
+            &worktrees(),
+            &BTreeMap::new(),
+        );
+        let hosts: Vec<(u16, Vec<String>)> =
+            got.iter().map(|w| (w.target.1, w.hosts.clone())).collect();
+        let fx = names::label("feature/x");
+        assert_eq!(
+            hosts,
+            vec![
+                (
+                    5000,
+                    vec![
+                        "main.p.sandbox.local".to_owned(),
+                        "p.sandbox.local".to_owned(),
+                        "5000-main.p.sandbox.local".to_owned()
+                    ]
+                ),
+                (8000, vec!["8000-main.p.sandbox.local".to_owned()]),
+                (9000, vec!["9000-main.p.sandbox.local".to_owned()]),
+                (
+                    3000,
+                    vec![
+                        format!("{fx}.p.sandbox.local"),
+                        format!("3000-{fx}.p.sandbox.local")
+                    ]
+                ),
+            ]
+        );
+        assert_eq!(got[0].target.0, IpAddr::V4(Ipv4Addr::LOCALHOST));
+        assert_eq!(got[3].branch, "feature/x");
+    }
+
+    #[test]
+    fn declared_ports_take_precedence() {
+        let declared = BTreeMap::from([("web".to_owned(), 8000), ("main".to_owned(), 9000)]);
+        let got = plan(
+            "p",
+            "d",
+            &[
+                l(3000, "/workspace"),
+                l(8000, "/workspace"),
+                l(9000, "/workspace"),
+            ],
+            &worktrees(),
+            &declared,
+        );
+        let find = |port| {
+            got.iter()
+                .find(|w| w.target.1 == port)
+                .unwrap()
+                .hosts
+                .clone()
+        };
+        // 8000 is declared, so it is the main worktree's dev server; the
+        // declared name "main" takes `main.p.d` for port 9000.
+        assert_eq!(find(8000), vec!["web.p.d", "p.d", "8000-main.p.d"]);
+        assert_eq!(find(9000), vec!["main.p.d", "9000-main.p.d"]);
+        assert_eq!(find(3000), vec!["3000-main.p.d"]);
+    }
+}

@@ -1,0 +1,172 @@
+//! agentd's own small HTTP server behind Caddy's catch-all: it answers
+//! every request that no route took. For a host of a running sandbox it
+//! looks for the dev server and, once routed, sends the browser back to the
+//! same address; otherwise it explains: 503 for a sandbox that is not
+//! running, 404 for a name nobody serves.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use keystone_agent_api::SandboxState;
+use tokio::net::TcpListener;
+
+use super::{Proxy, names};
+
+/// Serve `listener` for ever.
+pub(super) async fn serve(listener: TcpListener, proxy: Arc<Proxy>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let proxy = Arc::clone(&proxy);
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let proxy = Arc::clone(&proxy);
+                async move { Ok::<_, Infallible>(answer(&proxy, &req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let host = req
+        .headers()
+        .get(hyper::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| req.uri().host())
+        .unwrap_or_default();
+    let host = host
+        .rsplit_once(':')
+        .filter(|(_, port)| port.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(host, |(h, _)| h)
+        .trim_end_matches('.')
+        .to_ascii_lowercase();
+    let domain = proxy.domain().to_owned();
+    let Some((sandbox, _)) = names::split_host(&host, &domain) else {
+        return page(
+            StatusCode::NOT_FOUND,
+            "Not a sandbox address",
+            &format!(
+                "<p><code>{}</code> is not a sandbox name under <code>{}</code>.</p>\
+                 <p>Dev-server links look like <code>BRANCH.SANDBOX.{}</code> and \
+                 <code>SANDBOX.{}</code> (the main worktree).</p>",
+                esc(&host),
+                esc(&domain),
+                esc(&domain),
+                esc(&domain)
+            ),
+        );
+    };
+    let Some(sb) = proxy.manager.snapshot(sandbox).filter(|s| !s.creating) else {
+        return page(
+            StatusCode::NOT_FOUND,
+            "No such sandbox",
+            &format!(
+                "<p>There is no sandbox named <code>{}</code> under <code>{}</code>.</p>\
+                 <p><code>agentctl list</code> shows the sandboxes.</p>",
+                esc(sandbox),
+                esc(&domain)
+            ),
+        );
+    };
+    if sb.state != SandboxState::Running {
+        let reason = if sb.state_reason.is_empty() {
+            String::new()
+        } else {
+            format!("<p>Reason: {}</p>", esc(&sb.state_reason))
+        };
+        return page(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Sandbox not running",
+            &format!(
+                "<p>Sandbox <code>{name}</code> is <strong>{state}</strong>.</p>{reason}\
+                 <p>Start it with <code>agentctl start {name}</code>, then reload this page.</p>",
+                name = esc(&sb.name),
+                state = sb.state,
+            ),
+        );
+    }
+    // Routed already: Caddy lost the route (restart, reload). Otherwise:
+    // look for the dev server now.
+    let routed = if proxy.routed(&host).await {
+        proxy.stale.store(true, std::sync::atomic::Ordering::SeqCst);
+        proxy.apply_all().await.is_ok()
+    } else {
+        let _ = proxy.sync(&sb.name).await;
+        proxy.routed(&host).await
+    };
+    if routed && proxy.may_redirect(&host) {
+        let target = req
+            .uri()
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        return Response::builder()
+            .status(StatusCode::TEMPORARY_REDIRECT)
+            .header(hyper::header::LOCATION, target)
+            .header(hyper::header::CACHE_CONTROL, "no-store")
+            .body(Full::new(Bytes::new()))
+            .expect("a valid response");
+    }
+    let routes = proxy.sync(&sb.name).await.unwrap_or_default();
+    let list = if routes.is_empty() {
+        "<p>Nothing in it listens on a TCP port now.</p>".to_owned()
+    } else {
+        let items: String = routes
+            .iter()
+            .map(|r| {
+                format!(
+                    "<li><a href=\"{u}\">{h}</a> — port {p}, branch {b}</li>",
+                    u = esc(&r.url),
+                    h = esc(&r.host),
+                    p = r.port,
+                    b = esc(&r.branch)
+                )
+            })
+            .collect();
+        format!("<p>Its dev servers:</p><ul>{items}</ul>")
+    };
+    page(
+        StatusCode::NOT_FOUND,
+        "No dev server here",
+        &format!(
+            "<p>No dev server of sandbox <code>{name}</code> answers to <code>{host}</code>. \
+             Start one in the worktree (<code>agentctl attach {name} BRANCH</code>, then e.g. \
+             <code>npm run dev</code>) and reload.</p>{list}\
+             <p><code>agentctl ports {name}</code> lists its links.</p>",
+            name = esc(&sb.name),
+            host = esc(&host),
+        ),
+    )
+}
+
+fn page(status: StatusCode, title: &str, body: &str) -> Response<Full<Bytes>> {
+    let html = format!(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>{title}</title>\
+         <style>body{{font-family:sans-serif;max-width:40em;margin:4em auto;line-height:1.5}}\
+         code{{background:#eee;padding:0 .2em}}</style></head>\
+         <body><h1>{title}</h1>{body}<hr><small>keystone-agent</small></body></html>\n"
+    );
+    Response::builder()
+        .status(status)
+        .header(hyper::header::CONTENT_TYPE, "text/html; charset=utf-8")
+        .header(hyper::header::CACHE_CONTROL, "no-store")
+        .body(Full::new(Bytes::from(html)))
+        .expect("a valid response")
+}
+
+/// HTML-escape `s`.
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&#39;")
+}

@@ -1,0 +1,165 @@
+//! A real Caddy for tests, on loopback ports of its own, and a plain
+//! HTTP/1.1 client that sends any Host header.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use super::wait_for;
+
+/// A free loopback port (bound and released).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Caddy {
+    dir: PathBuf,
+    pub admin: u16,
+    pub http: u16,
+    child: Option<Child>,
+}
+
+impl Caddy {
+    /// Start Caddy with nothing but its admin API configured.
+    pub fn start(dir: &Path) -> Self {
+        let dir = dir.join("caddy");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = Self {
+            dir,
+            admin: free_port(),
+            http: free_port(),
+            child: None,
+        };
+        c.restart();
+        c
+    }
+
+    /// (Re)start the Caddy process with its initial configuration, as a
+    /// restart or a reload of a Caddyfile would: API routes are gone.
+    pub fn restart(&mut self) {
+        self.stop();
+        let config = self.dir.join("caddy.json");
+        std::fs::write(
+            &config,
+            format!(r#"{{"admin":{{"listen":"127.0.0.1:{}"}}}}"#, self.admin),
+        )
+        .unwrap();
+        let log = std::fs::File::create(self.dir.join("caddy.log")).unwrap();
+        let child = Command::new("caddy")
+            .args(["run", "--config"])
+            .arg(&config)
+            .env("HOME", &self.dir)
+            .env("XDG_DATA_HOME", self.dir.join("data"))
+            .env("XDG_CONFIG_HOME", self.dir.join("config"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("caddy must be installed (apt-get install caddy)");
+        self.child = Some(child);
+        let admin = self.admin;
+        wait_for("Caddy's admin API", Duration::from_secs(20), || {
+            TcpStream::connect(("127.0.0.1", admin)).is_ok()
+        });
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The `proxy` section of agentd's configuration for this Caddy.
+    pub fn agentd_config(&self) -> String {
+        format!(
+            r#"{{"proxy":{{"enable":true,"domain":"sandbox.local","caddy_admin":"http://127.0.0.1:{}","listen":["127.0.0.1:{}"],"ca_file":"/ca/root.crt"}}}}"#,
+            self.admin, self.http
+        )
+    }
+
+    /// `@id`s of the routes of agentd's server.
+    pub fn route_ids(&self) -> Vec<String> {
+        let (status, body) = http(
+            self.admin,
+            &format!("127.0.0.1:{}", self.admin),
+            "GET",
+            "/config/apps/http/servers/keystone-agent/routes",
+        );
+        if status != 200 {
+            return Vec::new();
+        }
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r["@id"].as_str().map(str::to_owned))
+            .collect()
+    }
+
+    /// GET `path` from the proxy with `Host: host`.
+    pub fn get(&self, host: &str, path: &str) -> (u16, String) {
+        http(self.http, host, "GET", path)
+    }
+}
+
+impl Drop for Caddy {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// One HTTP/1.1 request to 127.0.0.1:`port`; (status, body). Status 0 when
+/// the connection failed.
+pub fn http(port: u16, host: &str, method: &str, path: &str) -> (u16, String) {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).is_err() {
+        return (0, String::new());
+    }
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(head, b)| {
+            if head
+                .to_ascii_lowercase()
+                .contains("transfer-encoding: chunked")
+            {
+                dechunk(b)
+            } else {
+                b.to_owned()
+            }
+        })
+        .unwrap_or_default();
+    (status, body)
+}
+
+fn dechunk(mut b: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = b.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        b = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}

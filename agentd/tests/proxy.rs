@@ -1,0 +1,273 @@
+//! Dev-server links through a real Caddy: a server started in a sandbox
+//! worktree answers at its name, one name per worktree, a stopped sandbox
+//! gets agentd's 503 page, routes come back after Caddy restarts, never
+//! twice, and WebSockets pass.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::caddy::{Caddy, free_port};
+use common::{Env, wait_for};
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+/// agentd configured for a fresh Caddy, and a running sandbox `name`.
+fn setup(name: &str) -> (Env, Caddy) {
+    let mut env = Env::bus_only();
+    let caddy = Caddy::start(env.tmp.path());
+    let config = env.tmp.path().join("agentd.json");
+    std::fs::write(&config, caddy.agentd_config()).unwrap();
+    env.config = Some(config);
+    env.start_agentd();
+    let repo = env.repo(name);
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", name]);
+    (env, caddy)
+}
+
+/// Start `python3 -m http.server PORT` in `branch`'s worktree, serving a
+/// file `who.txt` that says `who`.
+fn dev_server(env: &Env, name: &str, branch: &str, port: u16, who: &str) {
+    env.ok(&[
+        "exec",
+        name,
+        "-b",
+        branch,
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "echo {who} > who.txt; python3 -m http.server {port} --bind 127.0.0.1 >/dev/null 2>&1 &"
+        ),
+    ]);
+}
+
+/// GET through Caddy until `pred` holds for (status, body); returns them.
+fn until(caddy: &Caddy, host: &str, path: &str, pred: impl Fn(u16, &str) -> bool) -> (u16, String) {
+    let start = Instant::now();
+    loop {
+        let (s, b) = caddy.get(host, path);
+        if pred(s, &b) {
+            return (s, b);
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "{host}{path}: still {s} after {DEADLINE:?}: {b}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// agentd's routes, the catch-all aside.
+fn ours(ids: &[String]) -> Vec<&String> {
+    ids.iter()
+        .filter(|i| i.starts_with("keystone-agent.") && *i != "keystone-agent.fallback")
+        .collect()
+}
+
+#[test]
+fn each_worktree_gets_its_link_and_routes_stay_in_step_with_caddy() {
+    let (env, mut caddy) = setup("web");
+    env.ok(&["worktree", "add", "web", "feature"]);
+    let (p_main, p_feat) = (free_port(), free_port());
+    dev_server(&env, "web", "main", p_main, "main-server");
+    dev_server(&env, "web", "feature", p_feat, "feature-server");
+
+    // The first request finds the dev server; the link answers.
+    let (_, body) = until(&caddy, "web.sandbox.local", "/who.txt", |s, _| s == 200);
+    assert_eq!(body.trim(), "main-server");
+    let (_, body) = until(&caddy, "main.web.sandbox.local", "/who.txt", |s, _| {
+        s == 200
+    });
+    assert_eq!(body.trim(), "main-server");
+    let (_, body) = until(&caddy, "feature.web.sandbox.local", "/who.txt", |s, _| {
+        s == 200
+    });
+    assert_eq!(body.trim(), "feature-server");
+    let host = format!("{p_feat}-feature.web.sandbox.local");
+    let (_, body) = until(&caddy, &host, "/who.txt", |s, _| s == 200);
+    assert_eq!(body.trim(), "feature-server");
+
+    // agentctl ports and status list the links, with Caddy's CA.
+    let ports: serde_json::Value =
+        serde_json::from_str(&env.ok(&["ports", "web", "--json"])).unwrap();
+    let hosts: Vec<&str> = ports["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["host"].as_str().unwrap())
+        .collect();
+    for h in [
+        "web.sandbox.local",
+        "main.web.sandbox.local",
+        "feature.web.sandbox.local",
+        host.as_str(),
+    ] {
+        assert!(hosts.contains(&h), "{h} missing from {hosts:?}");
+    }
+    assert_eq!(ports["ca_file"], "/ca/root.crt");
+    let text = env.ok(&["ports", "web"]);
+    assert!(text.contains("/ca/root.crt"), "{text}");
+    let status = env.status("web");
+    assert_eq!(status["routes"].as_array().unwrap().len(), hosts.len());
+    let open = env.ok(&["open", "web", "feature"]);
+    assert_eq!(
+        open.trim(),
+        format!("http://feature.web.sandbox.local:{}/", caddy.http)
+    );
+
+    // Repeated events add nothing twice: one route per port (two dev
+    // servers), the catch-all last.
+    for _ in 0..3 {
+        env.ok(&["ports", "web"]);
+        caddy.get("nothing.web.sandbox.local", "/");
+    }
+    let ids = caddy.route_ids();
+    assert_eq!(ours(&ids).len(), 2, "{ids:?}");
+    assert_eq!(ids.last().unwrap(), "keystone-agent.fallback");
+
+    // Caddy restarted with its file config (as a reload does): agentd puts
+    // its server and routes back.
+    caddy.restart();
+    let (_, body) = until(&caddy, "feature.web.sandbox.local", "/who.txt", |s, _| {
+        s == 200
+    });
+    assert_eq!(body.trim(), "feature-server");
+    wait_for("every route back", DEADLINE, || {
+        ours(&caddy.route_ids()).len() == 2
+    });
+    let ids = caddy.route_ids();
+    assert_eq!(ours(&ids).len(), 2, "{ids:?}");
+
+    // A dev server that goes away loses its route.
+    env.ok(&[
+        "exec",
+        "web",
+        "--",
+        "pkill",
+        "-f",
+        &format!("http.server {p_feat}"),
+    ]);
+    let (_, body) = until(&caddy, "feature.web.sandbox.local", "/who.txt", |s, b| {
+        s == 404 && b.contains("No dev server")
+    });
+    assert!(body.contains("agentctl ports web"), "{body}");
+    let start = Instant::now();
+    while ours(&caddy.route_ids()).len() != 1 {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the route stays: {:?}\n{}",
+            caddy.route_ids(),
+            env.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // A stopped sandbox: agentd's 503 page says what to do.
+    env.ok(&["stop", "web"]);
+    let (_, body) = until(&caddy, "web.sandbox.local", "/who.txt", |s, _| s == 503);
+    assert!(
+        body.contains("<code>web</code> is <strong>stopped</strong>"),
+        "{body}"
+    );
+    assert!(body.contains("agentctl start web"), "{body}");
+    assert!(
+        ours(&caddy.route_ids()).is_empty(),
+        "{:?}",
+        caddy.route_ids()
+    );
+
+    // Names nobody serves: 404 naming the domain.
+    let (s, body) = caddy.get("nope.sandbox.local", "/");
+    assert_eq!(s, 404);
+    assert!(
+        body.contains("no sandbox named <code>nope</code>"),
+        "{body}"
+    );
+    let (s, body) = caddy.get("a.b.c.sandbox.local", "/");
+    assert_eq!(s, 404);
+    assert!(body.contains("sandbox.local"), "{body}");
+}
+
+/// A WebSocket echo server (stdlib only).
+const WS_SERVER: &str = r#"
+import base64, hashlib, socket, sys, threading
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen()
+def read(c, n):
+    b = b""
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d: raise EOFError
+        b += d
+    return b
+def serve(c):
+    req = b""
+    while b"\r\n\r\n" not in req:
+        d = c.recv(4096)
+        if not d: return
+        req += d
+    keys = [l.split(b":", 1)[1].strip() for l in req.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key:")]
+    if not keys:
+        c.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"); return
+    acc = base64.b64encode(hashlib.sha1(keys[0] + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: " + acc + b"\r\n\r\n")
+    try:
+        while True:
+            h = read(c, 2); n = h[1] & 0x7f
+            if n == 126: n = int.from_bytes(read(c, 2), "big")
+            mask = read(c, 4); data = bytes(b ^ mask[i % 4] for i, b in enumerate(read(c, n)))
+            if h[0] & 0x0f == 8: return
+            c.sendall(bytes([0x81, len(data)]) + data)
+    except EOFError:
+        return
+while True:
+    c, _ = s.accept(); threading.Thread(target=serve, args=(c,), daemon=True).start()
+"#;
+
+#[test]
+fn a_websocket_upgrade_passes_through() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+
+    let (env, caddy) = setup("wsb");
+    let port = free_port();
+    env.ok(&[
+        "exec",
+        "wsb",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "python3 -c '{}' {port} >/dev/null 2>&1 &",
+            WS_SERVER.replace('\'', "'\\''")
+        ),
+    ]);
+    // Discovery on demand: `agentctl ports` finds it.
+    wait_for("the WebSocket server's link", DEADLINE, || {
+        env.ok(&["ports", "wsb"]).contains("main.wsb.sandbox.local")
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", caddy.http))
+            .await
+            .unwrap();
+        let url = format!("ws://main.wsb.sandbox.local:{}/socket", caddy.http);
+        let (mut ws, resp) = tokio_tungstenite::client_async(url, stream)
+            .await
+            .expect("the upgrade passes through Caddy and agentd");
+        assert_eq!(resp.status(), 101);
+        ws.send(Message::text("hello through the proxy"))
+            .await
+            .unwrap();
+        let echo = ws.next().await.unwrap().unwrap();
+        assert_eq!(
+            echo.into_text().unwrap().as_str(),
+            "hello through the proxy"
+        );
+    });
+}
