@@ -27,7 +27,7 @@ def timed(cmd, **kw):
 class Daemon:
     """A private dbus-daemon and the release agentd in a temp dir."""
 
-    def __init__(self):
+    def __init__(self, extra_args=()):
         for b in ("agentd", "agentctl"):
             if not (BIN / b).exists():
                 sys.exit(f"{BIN / b} missing: run `cargo build --release --bins` first")
@@ -48,7 +48,7 @@ class Daemon:
             time.sleep(0.01)
         self.state = self.tmp / "state"
         self.agentd = subprocess.Popen(
-            [str(BIN / "agentd"), "--address", self.addr, "--state-dir", str(self.state)],
+            [str(BIN / "agentd"), "--address", self.addr, "--state-dir", str(self.state), *extra_args],
             stderr=open(self.tmp / "agentd.log", "w"))
         self.ctl = [str(BIN / "agentctl"), "--bus", self.addr]
         deadline = time.time() + 30

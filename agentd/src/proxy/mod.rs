@@ -332,7 +332,7 @@ impl Proxy {
     /// sandbox `name`.
     async fn forward(self: Arc<Self>, listener: TcpListener, name: String, target: (IpAddr, u16)) {
         loop {
-            let Ok((mut outside, _)) = listener.accept().await else {
+            let Ok((outside, _)) = listener.accept().await else {
                 continue;
             };
             let _ = outside.set_nodelay(true);
@@ -345,10 +345,10 @@ impl Proxy {
                         if std.set_nonblocking(true).is_err() {
                             return;
                         }
-                        let Ok(mut inside) = tokio::net::TcpStream::from_std(std) else {
+                        let Ok(inside) = tokio::net::TcpStream::from_std(std) else {
                             return;
                         };
-                        let _ = tokio::io::copy_bidirectional(&mut outside, &mut inside).await;
+                        join(outside, inside).await;
                     }
                     Err(e) => {
                         // The dev server went away: look again.
@@ -398,6 +398,53 @@ impl Proxy {
         }
         map.insert(host.to_owned(), now);
         true
+    }
+}
+
+/// Copy bytes both ways between `a` and `b` until both directions end.
+///
+/// Every read re-arms `TCP_QUICKACK`: a dev server that writes a response
+/// in two pieces (headers, then body) under Nagle's algorithm would
+/// otherwise wait for our delayed ACK of the first piece, 40 ms a request.
+async fn join(a: tokio::net::TcpStream, b: tokio::net::TcpStream) {
+    async fn pump(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            quickack(from.as_ref());
+            match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if to.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+    let (ar, aw) = a.into_split();
+    let (br, bw) = b.into_split();
+    tokio::join!(pump(ar, bw), pump(br, aw));
+}
+
+/// Ask the kernel to acknowledge what arrives on `s` at once.
+fn quickack(s: &tokio::net::TcpStream) {
+    use std::os::fd::AsRawFd;
+    let one: nix::libc::c_int = 1;
+    // SAFETY: setsockopt reads one c_int from the valid pointer; the socket
+    // is open for the lifetime of `s`.
+    unsafe {
+        nix::libc::setsockopt(
+            s.as_raw_fd(),
+            nix::libc::IPPROTO_TCP,
+            nix::libc::TCP_QUICKACK,
+            std::ptr::from_ref(&one).cast(),
+            std::mem::size_of_val(&one) as nix::libc::socklen_t,
+        );
     }
 }
 
