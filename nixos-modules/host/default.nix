@@ -24,7 +24,14 @@ let
   pure = import ../lib/naming.nix;
 
   configPath = "/etc/keystone-agent/agentd.json";
-  configFile = (pkgs.formats.json { }).generate "agentd.json" (pure.renderConfig cfg);
+  # Where Caddy (services.caddy, user caddy, data under /var/lib/caddy) keeps
+  # its internal CA's root certificate: `agentctl ports` points people at it.
+  caddyRootCert = "/var/lib/caddy/.local/share/caddy/pki/authorities/local/root.crt";
+  configFile = (pkgs.formats.json { }).generate "agentd.json" (
+    lib.recursiveUpdate (pure.renderConfig cfg) (
+      lib.optionalAttrs cfg.proxy.enable { proxy.ca_file = caddyRootCert; }
+    )
+  );
 
   # Bridge of the sandboxes' tap interfaces. It must not match the taps'
   # pattern ("ks" + 13 hex digits).
@@ -365,24 +372,30 @@ in
     ];
 
     # --- Dev-server links ------------------------------------------------------------
+    # agentd owns a server of its own in Caddy (`keystone-agent`, on :443),
+    # made through the admin API on localhost:2019: its routes
+    # (`<branch>.<sandbox>.<domain>`, `<sandbox>.<domain>`) lead to agentd's
+    # forwarders on loopback, and a catch-all leads to agentd's pages (503 for
+    # a stopped sandbox, 404 for unknown names). A reload of the Caddyfile
+    # (what a rebuild that changes it does) replaces Caddy's whole
+    # configuration and drops that server: agentd checks every two seconds
+    # and puts it back. No virtual host is declared here, so nothing else in
+    # Caddy claims :443 for the domain.
+    #
+    # Names no public CA would certify (sandbox.local, the default) get
+    # certificates from Caddy's own CA; its root certificate is
+    # ${caddyRootCert}.
     services.caddy = lib.mkIf cfg.proxy.enable {
       enable = true;
-      # agentd manages the routes (`<branch>.<sandbox>.<domain>` and
-      # `<sandbox>.<domain>` to the guest's address and port) through Caddy's
-      # admin API on localhost:2019, inserting them before this site's
-      # catch-all. A reload of this Caddyfile (what a rebuild that changes it
-      # does) replaces Caddy's whole configuration and drops every route added
-      # through the API: agentd notices and adds them again.
-      #
-      # Names no public CA would certify (sandbox.local, the default) get
-      # certificates from Caddy's own CA; a public domain needs an ACME DNS
-      # challenge for the wildcard.
-      virtualHosts.${cfg.proxy.domain} = {
-        serverAliases = [ "*.${cfg.proxy.domain}" ];
-        extraConfig = ''
-          respond "keystone-agent: no sandbox serves {host} (no dev server is running there, or the sandbox is stopped)" 404
-        '';
-      };
+    };
+
+    # Browsers on this machine resolve `*.<domain>` through dnsmasq, which
+    # answers every name under the domain with the loopback address (where
+    # Caddy listens) and forwards everything else.
+    services.dnsmasq = lib.mkIf cfg.proxy.enable {
+      enable = true;
+      resolveLocalQueries = true;
+      settings.address = [ "/${cfg.proxy.domain}/127.0.0.1" ];
     };
   };
 }
