@@ -39,9 +39,28 @@ if [ -z "${DBUS_SESSION_BUS_ADDRESS:-}" ]; then
 fi
 ctl=("$bin/agentctl" --bus session)
 
+# Dev-server links when Caddy is installed: Caddy with only its admin API on
+# localhost:2019; agentd adds a server on 127.0.0.1:8080 for names under
+# sandbox.localhost, which browsers resolve to this machine by themselves.
+agentd_args=(--session)
+if command -v caddy >/dev/null; then
+  config="$state/agentd.json"
+  cat >"$config" <<'JSON'
+{"proxy": {"enable": true, "domain": "sandbox.localhost", "listen": ["127.0.0.1:8080"]}}
+JSON
+  agentd_args+=(--config "$config")
+  if ! (exec 3<>/dev/tcp/127.0.0.1/2019) 2>/dev/null; then
+    echo '{"admin": {"listen": "127.0.0.1:2019"}}' >"$state/caddy.json"
+    echo "==> starting Caddy (admin API on 127.0.0.1:2019, log: $state/caddy.log)"
+    nohup caddy run --config "$state/caddy.json" >>"$state/caddy.log" 2>&1 &
+  fi
+else
+  echo "==> no caddy: dev-server links are off (Debian/Ubuntu: sudo apt-get install -y caddy)"
+fi
+
 if ! "${ctl[@]}" list >/dev/null 2>&1; then
   echo "==> starting agentd --session (log: $state/agentd.log)"
-  nohup "$bin/agentd" --session >>"$state/agentd.log" 2>&1 &
+  nohup "$bin/agentd" "${agentd_args[@]}" >>"$state/agentd.log" 2>&1 &
   for _ in $(seq 100); do "${ctl[@]}" list >/dev/null 2>&1 && break; sleep 0.1; done
 fi
 
@@ -70,10 +89,12 @@ echo "==> inside the sandbox:"
 cat <<MSG
 
 Sandbox '$name' is running. Try:
-  export DBUS_SESSION_BUS_ADDRESS=$DBUS_SESSION_BUS_ADDRESS
+  export AGENTCTL_BUS=session DBUS_SESSION_BUS_ADDRESS=$DBUS_SESSION_BUS_ADDRESS
   $bin/agentctl list
   $bin/agentctl exec $name -- git status
   $bin/agentctl attach $name              # a Zellij session in /workspace; detach with Ctrl+o d
+  $bin/agentctl exec $name -- sh -c 'python3 -m http.server 8000 >/dev/null 2>&1 &'
+  $bin/agentctl open $name                # http://$name.sandbox.localhost:8080/ (needs caddy)
   $bin/agentctl stop $name && $bin/agentctl destroy $name
 agentd keeps running in the background (log: $state/agentd.log); stop it with: pkill -f 'agentd --session'
 MSG
