@@ -48,6 +48,11 @@ pub struct ProxyConfig {
     /// Addresses that server listens on (`:443` serves HTTPS with
     /// certificates from Caddy's internal CA for names like `*.local`).
     pub listen: Vec<String>,
+    /// Serve the links over HTTPS (certificates from Caddy's automatic
+    /// HTTPS: its internal CA for names like `*.local`); default: when a
+    /// `listen` address is port 443.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub https: Option<bool>,
     /// Loopback address of agentd's own pages (Caddy's catch-all); port 0
     /// picks a free one.
     pub pages_listen: String,
@@ -65,6 +70,7 @@ impl Default for ProxyConfig {
             caddy_admin: "http://127.0.0.1:2019".to_owned(),
             server: "keystone-agent".to_owned(),
             listen: vec![":443".to_owned()],
+            https: None,
             pages_listen: "127.0.0.1:0".to_owned(),
             ca_file: None,
         }

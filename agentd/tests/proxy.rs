@@ -14,10 +14,14 @@ const DEADLINE: Duration = Duration::from_secs(30);
 
 /// agentd configured for a fresh Caddy, and a running sandbox `name`.
 fn setup(name: &str) -> (Env, Caddy) {
+    setup_with(name, false)
+}
+
+fn setup_with(name: &str, https: bool) -> (Env, Caddy) {
     let mut env = Env::bus_only();
     let caddy = Caddy::start(env.tmp.path());
     let config = env.tmp.path().join("agentd.json");
-    std::fs::write(&config, caddy.agentd_config()).unwrap();
+    std::fs::write(&config, caddy.agentd_config(https)).unwrap();
     env.config = Some(config);
     env.start_agentd();
     let repo = env.repo(name);
@@ -106,9 +110,10 @@ fn each_worktree_gets_its_link_and_routes_stay_in_step_with_caddy() {
     ] {
         assert!(hosts.contains(&h), "{h} missing from {hosts:?}");
     }
-    assert_eq!(ports["ca_file"], "/ca/root.crt");
+    let ca = caddy.root_cert().display().to_string();
+    assert_eq!(ports["ca_file"], ca.as_str());
     let text = env.ok(&["ports", "web"]);
-    assert!(text.contains("/ca/root.crt"), "{text}");
+    assert!(text.contains(&ca), "{text}");
     let status = env.status("web");
     assert_eq!(status["routes"].as_array().unwrap().len(), hosts.len());
     let open = env.ok(&["open", "web", "feature"]);
@@ -270,4 +275,42 @@ fn a_websocket_upgrade_passes_through() {
             "hello through the proxy"
         );
     });
+}
+
+#[test]
+fn https_links_carry_certificates_of_caddys_own_ca() {
+    let (env, caddy) = setup_with("tls", true);
+    let port = free_port();
+    dev_server(&env, "tls", "main", port, "over-tls");
+    let url = format!("https://tls.sandbox.local:{}/", caddy.http);
+    let mut ports = serde_json::Value::Null;
+    wait_for("the link", DEADLINE, || {
+        ports = serde_json::from_str(&env.ok(&["ports", "tls", "--json"])).unwrap();
+        ports["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["url"] == url.as_str())
+    });
+    // curl trusts nothing but the CA file `agentctl ports` names.
+    let ca = ports["ca_file"].as_str().unwrap().to_owned();
+    let start = Instant::now();
+    loop {
+        let out = std::process::Command::new("curl")
+            .args(["-sS", "--max-time", "5", "--cacert", &ca, "--resolve"])
+            .arg(format!("tls.sandbox.local:{}:127.0.0.1", caddy.http))
+            .arg(format!("{url}who.txt"))
+            .output()
+            .expect("curl must be installed (apt-get install curl)");
+        if out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "over-tls" {
+            break;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no verified HTTPS answer: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

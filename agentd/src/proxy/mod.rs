@@ -132,9 +132,12 @@ impl Proxy {
             .unwrap_or_default()
     }
 
-    /// Whether the links are HTTPS: when the server listens on port 443.
+    /// Whether the links are HTTPS (by default: when the server listens on
+    /// port 443).
     fn https(&self) -> bool {
-        self.cfg.listen.iter().any(|l| l.ends_with(":443"))
+        self.cfg
+            .https
+            .unwrap_or_else(|| self.cfg.listen.iter().any(|l| l.ends_with(":443")))
     }
 
     fn url(&self, host: &str) -> String {
@@ -145,7 +148,7 @@ impl Proxy {
             .first()
             .and_then(|l| l.rsplit_once(':'))
             .map(|(_, p)| p)
-            .filter(|p| *p != "443" && *p != "80")
+            .filter(|p| *p != if self.https() { "443" } else { "80" })
             .map(|p| format!(":{p}"))
             .unwrap_or_default();
         format!("{scheme}://{host}{port}/")

@@ -47,7 +47,11 @@ impl Caddy {
         let config = self.dir.join("caddy.json");
         std::fs::write(
             &config,
-            format!(r#"{{"admin":{{"listen":"127.0.0.1:{}"}}}}"#, self.admin),
+            // No root certificate in the machine's trust store.
+            format!(
+                r#"{{"admin":{{"listen":"127.0.0.1:{}"}},"apps":{{"pki":{{"certificate_authorities":{{"local":{{"install_trust":false}}}}}}}}}}"#,
+                self.admin
+            ),
         )
         .unwrap();
         let log = std::fs::File::create(self.dir.join("caddy.log")).unwrap();
@@ -76,11 +80,18 @@ impl Caddy {
     }
 
     /// The `proxy` section of agentd's configuration for this Caddy.
-    pub fn agentd_config(&self) -> String {
+    pub fn agentd_config(&self, https: bool) -> String {
         format!(
-            r#"{{"proxy":{{"enable":true,"domain":"sandbox.local","caddy_admin":"http://127.0.0.1:{}","listen":["127.0.0.1:{}"],"ca_file":"/ca/root.crt"}}}}"#,
-            self.admin, self.http
+            r#"{{"proxy":{{"enable":true,"domain":"sandbox.local","caddy_admin":"http://127.0.0.1:{}","listen":["127.0.0.1:{}"],"https":{https},"ca_file":"{}"}}}}"#,
+            self.admin,
+            self.http,
+            self.root_cert().display()
         )
+    }
+
+    /// Where this Caddy keeps its internal CA's root certificate.
+    pub fn root_cert(&self) -> PathBuf {
+        self.dir.join("data/caddy/pki/authorities/local/root.crt")
     }
 
     /// `@id`s of the routes of agentd's server.
