@@ -29,6 +29,8 @@ pub struct DaemonConfig {
     pub proxy: ProxyConfig,
     /// The local namespace backend.
     pub local: LocalConfig,
+    /// The microvm.nix backend.
+    pub microvm: MicrovmConfig,
     /// Sandboxes declared by the administrator (NixOS `sandboxes.<name>`).
     pub sandboxes: BTreeMap<String, DeclaredSandbox>,
 }
@@ -73,6 +75,38 @@ impl Default for ProxyConfig {
             https: None,
             pages_listen: "127.0.0.1:0".to_owned(),
             ca_file: None,
+        }
+    }
+}
+
+/// microvm backend settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MicrovmConfig {
+    /// Where systemd's D-Bus API is: `system`, or a D-Bus address.
+    pub systemd_bus: String,
+    /// User agentd logs in as in a guest.
+    pub ssh_user: String,
+    /// Port of a guest's sshd.
+    pub ssh_port: u16,
+    /// A guest's address; default: derived from its name and `subnet`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssh_host: Option<String>,
+    /// The sandboxes' subnet (`A.B.0.0/16`), as the NixOS module has it.
+    pub subnet: String,
+    /// Seconds a guest may take to become active and answer.
+    pub start_timeout_seconds: u32,
+}
+
+impl Default for MicrovmConfig {
+    fn default() -> Self {
+        Self {
+            systemd_bus: "system".to_owned(),
+            ssh_user: "agent".to_owned(),
+            ssh_port: 22,
+            ssh_host: None,
+            subnet: crate::naming::DEFAULT_SUBNET.to_owned(),
+            start_timeout_seconds: 120,
         }
     }
 }
@@ -252,6 +286,9 @@ impl DaemonConfig {
         }
         if self.proxy.enable && self.proxy.listen.is_empty() {
             p.push("proxy.listen must name at least one address".to_owned());
+        }
+        if let Err(e) = crate::naming::derive("x", &self.microvm.subnet) {
+            p.push(format!("microvm.subnet: {e}"));
         }
         if self.proxy.domain.is_empty()
             || !self.proxy.domain.split('.').all(|l| {

@@ -27,6 +27,7 @@ use keystone_agent_api::BackendKind;
 
 use crate::backend::Backend;
 use crate::backend::local::{LocalBackend, LocalSettings};
+use crate::backend::microvm::{MicrovmBackend, MicrovmSettings};
 use crate::config::DaemonConfig;
 use crate::dbus::Bus;
 use crate::registry::Registry;
@@ -107,6 +108,23 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         guest_dir,
         sessions: zellij.map(|_| ()),
     }));
+    let microvm = Arc::new(MicrovmBackend::new(MicrovmSettings {
+        systemd_bus: config.microvm.systemd_bus.clone(),
+        ssh_user: config.microvm.ssh_user.clone(),
+        ssh_port: config.microvm.ssh_port,
+        ssh_host: config.microvm.ssh_host.clone(),
+        subnet: config.microvm.subnet.clone(),
+        start_timeout: Duration::from_secs(u64::from(config.microvm.start_timeout_seconds)),
+    }));
+    // Ask systemd about the guests before the registry is reconciled.
+    let guests: Vec<String> = sandboxes
+        .iter()
+        .filter(|s| s.backend == BackendKind::Microvm && s.runtime.is_some())
+        .map(|s| s.name.clone())
+        .collect();
+    if !guests.is_empty() {
+        microvm.prime(&guests).await;
+    }
     let manager = Manager::new(
         registry,
         sandboxes,
@@ -115,7 +133,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             default_backend: config.default_backend.unwrap_or(BackendKind::Local),
             defaults: config.defaults.clone(),
         },
-        vec![local],
+        vec![local, microvm],
     );
     manager.reconcile(&config)?;
     if config.proxy.enable {

@@ -176,6 +176,7 @@ impl LocalBackend {
             init_start_time: procfs::start_time(init_pid).unwrap_or(0),
             pid_ns: procfs::pid_ns(init_pid).unwrap_or(0),
             limits,
+            unit: String::new(),
         };
         // Running means answering on the control channel.
         let deadline = Instant::now() + self.settings.start_timeout;

@@ -6,6 +6,8 @@
 //! stores in the registry.
 
 pub mod local;
+pub mod microvm;
+pub mod ssh;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -61,6 +63,9 @@ pub struct Runtime {
     /// Resource limits in force, or why there are none.
     #[serde(default)]
     pub limits: String,
+    /// The systemd unit that runs the sandbox (`microvm` backend).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub unit: String,
 }
 
 /// A command to run in a sandbox.

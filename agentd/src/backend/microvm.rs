@@ -1,0 +1,537 @@
+//! The `microvm` backend: a sandbox is a microvm.nix guest that runs as the
+//! systemd unit `microvm@<name>.service` (declared by the NixOS module).
+//!
+//! agentd starts and stops the unit through systemd's D-Bus API and follows
+//! its `ActiveState` through `PropertiesChanged` (no polling). A sandbox is
+//! `running` once the guest's sshd answers with the host key agentd pinned
+//! for it; commands, terminals and connections to dev servers go through
+//! that sshd with agentd's own key (see [`super::ssh`]).
+//!
+//! What agentd uses of systemd, and what the test double implements, is
+//! written down in docs/architecture.md ("The systemd contract").
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use futures_lite::StreamExt as _;
+use keystone_agent_api::BackendKind;
+use zbus::zvariant::OwnedObjectPath;
+
+use super::ssh::{self, SshTarget};
+use super::{
+    Backend, BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess,
+};
+
+#[zbus::proxy(
+    interface = "org.freedesktop.systemd1.Manager",
+    default_service = "org.freedesktop.systemd1",
+    default_path = "/org/freedesktop/systemd1"
+)]
+trait SystemdManager {
+    /// Ask systemd to send unit signals (PropertiesChanged).
+    fn subscribe(&self) -> zbus::Result<()>;
+    /// The object of unit `name`, loading it if needed.
+    fn load_unit(&self, name: &str) -> zbus::Result<OwnedObjectPath>;
+    /// Queue a start job.
+    fn start_unit(&self, name: &str, mode: &str) -> zbus::Result<OwnedObjectPath>;
+    /// Queue a stop job.
+    fn stop_unit(&self, name: &str, mode: &str) -> zbus::Result<OwnedObjectPath>;
+}
+
+#[zbus::proxy(
+    interface = "org.freedesktop.systemd1.Unit",
+    default_service = "org.freedesktop.systemd1"
+)]
+trait SystemdUnit {
+    /// `active`, `inactive`, `failed`, `activating`, `deactivating`, …
+    #[zbus(property)]
+    fn active_state(&self) -> zbus::Result<String>;
+    /// The unit type's finer state (`running`, `dead`, …).
+    #[zbus(property)]
+    fn sub_state(&self) -> zbus::Result<String>;
+}
+
+#[zbus::proxy(
+    interface = "org.freedesktop.systemd1.Service",
+    default_service = "org.freedesktop.systemd1"
+)]
+trait SystemdService {
+    /// Why the service last stopped (`success`, `exit-code`, `signal`, …).
+    #[zbus(property)]
+    fn result(&self) -> zbus::Result<String>;
+}
+
+/// Settings of the microvm backend.
+#[derive(Debug, Clone)]
+pub struct MicrovmSettings {
+    /// Where systemd is: `system`, or a D-Bus address (the test double).
+    pub systemd_bus: String,
+    /// User agentd logs in as in the guest.
+    pub ssh_user: String,
+    /// Port of the guest's sshd.
+    pub ssh_port: u16,
+    /// The guest's address; default: derived from the name and `subnet`.
+    pub ssh_host: Option<String>,
+    /// The sandboxes' subnet (`A.B.0.0/16`), as the NixOS module has it.
+    pub subnet: String,
+    /// Limit for the unit to become active and the guest to answer.
+    pub start_timeout: Duration,
+}
+
+/// The microvm.nix backend.
+#[derive(Debug)]
+pub struct MicrovmBackend {
+    settings: MicrovmSettings,
+    conn: tokio::sync::OnceCell<zbus::Connection>,
+    /// Last known `ActiveState` of each unit.
+    states: Mutex<HashMap<String, String>>,
+}
+
+fn unit_name(sandbox: &str) -> String {
+    format!("microvm@{sandbox}.service")
+}
+
+fn fail(m: impl Into<String>) -> BackendError {
+    BackendError::Failed(m.into())
+}
+
+impl MicrovmBackend {
+    /// A backend with these settings; systemd is reached on first use.
+    #[must_use]
+    pub fn new(settings: MicrovmSettings) -> Self {
+        Self {
+            settings,
+            conn: tokio::sync::OnceCell::new(),
+            states: Mutex::new(HashMap::new()),
+        }
+    }
+
+    async fn conn(&self) -> Result<&zbus::Connection, BackendError> {
+        self.conn
+            .get_or_try_init(|| async {
+                let c = match self.settings.systemd_bus.as_str() {
+                    "system" => zbus::Connection::system().await,
+                    addr => match zbus::connection::Builder::address(addr) {
+                        Ok(b) => b.build().await,
+                        Err(e) => Err(e),
+                    },
+                }
+                .map_err(|e| fail(format!("cannot reach systemd on the {} bus: {e}", self.settings.systemd_bus)))?;
+                // Unit signals only flow to subscribers.
+                SystemdManagerProxy::new(&c)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?
+                    .subscribe()
+                    .await
+                    .map_err(|e| fail(format!("systemd refused Subscribe: {e}")))?;
+                Ok(c)
+            })
+            .await
+    }
+
+    async fn unit(&self, sandbox: &str) -> Result<(SystemdUnitProxy<'static>, String), BackendError> {
+        let conn = self.conn().await?;
+        let mgr = SystemdManagerProxy::new(conn)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let name = unit_name(sandbox);
+        let path = mgr
+            .load_unit(&name)
+            .await
+            .map_err(|e| fail(format!("systemd does not know {name}: {e}")))?;
+        let unit = SystemdUnitProxy::builder(conn)
+            .path(path)
+            .map_err(|e| fail(e.to_string()))?
+            .build()
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        Ok((unit, name))
+    }
+
+    /// Record the states of the units of `sandboxes` (before agentd
+    /// reconciles its registry, which asks [`Backend::is_alive`]).
+    pub async fn prime(&self, sandboxes: &[String]) {
+        for s in sandboxes {
+            match self.unit(s).await {
+                Ok((unit, name)) => {
+                    let state = unit.active_state().await.unwrap_or_default();
+                    self.states.lock().unwrap().insert(name, state);
+                }
+                Err(e) => tracing::warn!(sandbox = %s, error = %e, "cannot ask systemd"),
+            }
+        }
+    }
+
+    fn target(&self, spec: &SandboxSpec) -> Result<SshTarget, BackendError> {
+        let dir = sandbox_dir(spec);
+        let host = match &self.settings.ssh_host {
+            Some(h) => h.clone(),
+            None => crate::naming::derive(&spec.name, &self.settings.subnet)
+                .map_err(fail)?
+                .address,
+        };
+        Ok(SshTarget {
+            user: self.settings.ssh_user.clone(),
+            host,
+            port: self.settings.ssh_port,
+            key: dir.join("client/id_ed25519"),
+            known_hosts: dir.join("client/known_hosts"),
+            alias: format!("keystone-{}", spec.name),
+        })
+    }
+
+    /// Follow `unit`'s `ActiveState` (through `changes`, made before the
+    /// job was queued) until `done(state, seen)` holds, where `seen` lists
+    /// the states passed through so far; `None` after `limit`.
+    async fn wait_state(
+        &self,
+        unit: &SystemdUnitProxy<'static>,
+        mut changes: zbus::proxy::PropertyStream<'static, String>,
+        name: &str,
+        limit: Duration,
+        done: impl Fn(&str, &[String]) -> bool,
+    ) -> Option<String> {
+        let deadline = Instant::now() + limit;
+        let mut seen: Vec<String> = Vec::new();
+        let mut state = unit.active_state().await.unwrap_or_default();
+        loop {
+            self.states
+                .lock()
+                .unwrap()
+                .insert(name.to_owned(), state.clone());
+            if done(&state, &seen) {
+                return Some(state);
+            }
+            seen.push(state.clone());
+            let left = deadline.checked_duration_since(Instant::now())?;
+            let change = tokio::time::timeout(left, changes.next()).await.ok()??;
+            state = change.get().await.unwrap_or_default();
+        }
+    }
+
+    async fn failure(&self, conn: &zbus::Connection, unit: &SystemdUnitProxy<'static>, name: &str) -> BackendError {
+        let result = match SystemdServiceProxy::builder(conn).path(unit.inner().path().to_owned()) {
+            Ok(b) => match b.build().await {
+                Ok(s) => s.result().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            },
+            Err(_) => String::new(),
+        };
+        let log = tokio::process::Command::new("journalctl")
+            .args(["-u", name, "-n", "10", "--no-pager", "-o", "cat"])
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+            .filter(|t| !t.is_empty())
+            .map(|t| format!("\nlast lines of its log (journalctl -u {name}):\n  {}", t.replace('\n', "\n  ")))
+            .unwrap_or_default();
+        fail(format!(
+            "{name} failed (result: {}){log}",
+            if result.is_empty() { "unknown" } else { &result }
+        ))
+    }
+
+    async fn start_inner(&self, spec: &SandboxSpec) -> Result<Runtime, BackendError> {
+        let target = self.target(spec)?;
+        let dir = sandbox_dir(spec);
+        let alias = target.alias.clone();
+        tokio::task::spawn_blocking(move || ssh::provision(&dir, &alias))
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .map_err(fail)?;
+        let conn = self.conn().await?.clone();
+        let (unit, name) = self.unit(&spec.name).await?;
+        let mgr = SystemdManagerProxy::new(&conn)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let limit = self.settings.start_timeout;
+        let started = Instant::now();
+        let changes = unit.receive_active_state_changed().await;
+        mgr.start_unit(&name, "replace")
+            .await
+            .map_err(|e| fail(format!("systemd refused to start {name}: {e}")))?;
+        // Done when active; failed or back to inactive only once the job
+        // has been seen at work (the state before it may be either).
+        let done = |s: &str, seen: &[String]| {
+            s == "active"
+                || (matches!(s, "failed" | "inactive") && seen.iter().any(|x| x == "activating"))
+        };
+        match self.wait_state(&unit, changes, &name, limit, done).await.as_deref() {
+            Some("active") => {}
+            Some("failed" | "inactive") => return Err(self.failure(&conn, &unit, &name).await),
+            Some(other) => return Err(fail(format!("{name} is {other} after its start job"))),
+            None => {
+                return Err(BackendError::Timeout(format!(
+                    "{name} did not become active within {}s",
+                    limit.as_secs()
+                )));
+            }
+        }
+        // Running means the guest answers, with the pinned host key.
+        loop {
+            let out = target
+                .command()
+                .arg(&target.host)
+                .arg("true")
+                .stdout(Stdio::null())
+                .output()
+                .await
+                .map_err(|e| fail(format!("cannot run ssh (install openssh-client): {e}")))?;
+            if out.status.success() {
+                break;
+            }
+            let last = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+            if self.states.lock().unwrap().get(&name).map(String::as_str) != Some("active") {
+                return Err(self.failure(&conn, &unit, &name).await);
+            }
+            if started.elapsed() > limit {
+                return Err(BackendError::Timeout(format!(
+                    "the guest of {name} did not answer on ssh://{}:{} within {}s: {last}",
+                    target.host,
+                    target.port,
+                    limit.as_secs()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(Runtime {
+            supervisor_pid: 0,
+            init_pid: 0,
+            init_start_time: 0,
+            pid_ns: 0,
+            limits: format!("set by {name}"),
+            unit: name,
+        })
+    }
+
+    async fn stop_inner(&self, spec: &SandboxSpec) -> Result<(), BackendError> {
+        let conn = self.conn().await?.clone();
+        let (unit, name) = self.unit(&spec.name).await?;
+        let mgr = SystemdManagerProxy::new(&conn)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let changes = unit.receive_active_state_changed().await;
+        mgr.stop_unit(&name, "replace")
+            .await
+            .map_err(|e| fail(format!("systemd refused to stop {name}: {e}")))?;
+        let done = |s: &str, _: &[String]| matches!(s, "inactive" | "failed");
+        match self
+            .wait_state(&unit, changes, &name, Duration::from_secs(120), done)
+            .await
+            .as_deref()
+        {
+            Some("inactive" | "failed") => Ok(()),
+            Some(other) => Err(fail(format!("{name} is {other} after its stop job"))),
+            None => Err(BackendError::Timeout(format!("{name} did not stop within 120s"))),
+        }
+    }
+
+    async fn exec_inner(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+        [stdin, stdout, stderr]: [OwnedFd; 3],
+    ) -> Result<i32, BackendError> {
+        let target = self.target(spec)?;
+        let mut child = target
+            .command()
+            .arg(&target.host)
+            .arg(ssh::remote_command(&req.argv, &req.env, &req.cwd))
+            .stdin(Stdio::from(stdin))
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::from(stderr))
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+        let wait = child.wait();
+        let status = match req.timeout {
+            Some(t) => tokio::time::timeout(t, wait).await.map_err(|_| {
+                BackendError::Timeout(format!(
+                    "command '{}' did not finish within {}s and was killed",
+                    req.argv.join(" "),
+                    t.as_secs()
+                ))
+            })?,
+            None => wait.await,
+        }
+        .map_err(|e| fail(e.to_string()))?;
+        Ok(exit_code(status))
+    }
+
+    async fn exec_tty_inner(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+        (rows, cols): (u16, u16),
+    ) -> Result<TtyProcess, BackendError> {
+        let target = self.target(spec)?;
+        let ws = nix::pty::Winsize {
+            ws_row: rows,
+            ws_col: cols,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| fail(e.to_string()))?;
+        for fd in [&pty.master, &pty.slave] {
+            let _ = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+        }
+        let slave = pty.slave;
+        let mut cmd = target.command();
+        cmd.arg("-tt")
+            .arg(&target.host)
+            .arg(ssh::remote_command(&req.argv, &req.env, &req.cwd))
+            .stdin(Stdio::from(slave.try_clone().map_err(|e| fail(e.to_string()))?))
+            .stdout(Stdio::from(slave.try_clone().map_err(|e| fail(e.to_string()))?))
+            .stderr(Stdio::from(slave))
+            .kill_on_drop(true);
+        // SAFETY: setsid and ioctl are async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::unistd::setsid()?;
+                if nix::libc::ioctl(0, nix::libc::TIOCSCTTY, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+        drop(cmd);
+        Ok(TtyProcess {
+            terminal: pty.master,
+            exit: Box::pin(async move {
+                child.wait().await.map(exit_code).map_err(|e| fail(e.to_string()))
+            }),
+        })
+    }
+}
+
+fn exit_code(status: std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}
+
+/// The sandbox's directory in agentd's state (parent of its workspace).
+fn sandbox_dir(spec: &SandboxSpec) -> PathBuf {
+    spec.workspace
+        .parent()
+        .map_or_else(|| spec.workspace.clone(), std::path::Path::to_path_buf)
+}
+
+impl Backend for MicrovmBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Microvm
+    }
+
+    fn start<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<Runtime, BackendError>> {
+        Box::pin(self.start_inner(spec))
+    }
+
+    fn stop<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        _rt: &'a Runtime,
+        _force: bool,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(self.stop_inner(spec))
+    }
+
+    fn exec<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+        stdio: [OwnedFd; 3],
+    ) -> BoxFut<'a, Result<i32, BackendError>> {
+        Box::pin(self.exec_inner(spec, req, stdio))
+    }
+
+    fn exec_tty<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+        size: (u16, u16),
+    ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
+        Box::pin(self.exec_tty_inner(spec, req, size))
+    }
+
+    fn listeners(&self, _rt: &Runtime) -> Vec<Listener> {
+        // Not yet: a guest's listeners would be read over ssh.
+        Vec::new()
+    }
+
+    fn connect<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        addr: std::net::IpAddr,
+        port: u16,
+    ) -> BoxFut<'a, Result<OwnedFd, BackendError>> {
+        Box::pin(async move {
+            let target = self.target(spec)?;
+            let (ours, theirs) = nix::sys::socket::socketpair(
+                nix::sys::socket::AddressFamily::Unix,
+                nix::sys::socket::SockType::Stream,
+                None,
+                nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            )
+            .map_err(|e| fail(e.to_string()))?;
+            let stdin = theirs.try_clone().map_err(|e| fail(e.to_string()))?;
+            let mut child = target
+                .command()
+                .arg("-W")
+                .arg(format!("{addr}:{port}"))
+                .arg(&target.host)
+                .stdin(Stdio::from(stdin))
+                .stdout(Stdio::from(theirs))
+                .spawn()
+                .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+            // Reap it when the connection ends.
+            tokio::spawn(async move {
+                let _ = child.wait().await;
+            });
+            Ok(ours)
+        })
+    }
+
+    fn is_alive(&self, rt: &Runtime) -> bool {
+        self.states.lock().unwrap().get(&rt.unit).map(String::as_str) == Some("active")
+    }
+
+    fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
+        Box::pin(async move {
+            let Some(sandbox) = rt
+                .unit
+                .strip_prefix("microvm@")
+                .and_then(|s| s.strip_suffix(".service"))
+            else {
+                return;
+            };
+            let Ok((unit, name)) = self.unit(sandbox).await else {
+                return;
+            };
+            let mut changes = unit.receive_active_state_changed().await;
+            loop {
+                let state = unit.active_state().await.unwrap_or_default();
+                self.states.lock().unwrap().insert(name.clone(), state.clone());
+                if matches!(state.as_str(), "inactive" | "failed") {
+                    return;
+                }
+                if changes.next().await.is_none() {
+                    return;
+                }
+            }
+        })
+    }
+
+    fn kill_strays(&self, _keep: &[(String, Runtime)]) -> Vec<String> {
+        // systemd owns every process of a microVM.
+        Vec::new()
+    }
+}
