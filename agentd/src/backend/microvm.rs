@@ -120,7 +120,12 @@ impl MicrovmBackend {
                         Err(e) => Err(e),
                     },
                 }
-                .map_err(|e| fail(format!("cannot reach systemd on the {} bus: {e}", self.settings.systemd_bus)))?;
+                .map_err(|e| {
+                    fail(format!(
+                        "cannot reach systemd on the {} bus: {e}",
+                        self.settings.systemd_bus
+                    ))
+                })?;
                 // Unit signals only flow to subscribers.
                 SystemdManagerProxy::new(&c)
                     .await
@@ -133,7 +138,10 @@ impl MicrovmBackend {
             .await
     }
 
-    async fn unit(&self, sandbox: &str) -> Result<(SystemdUnitProxy<'static>, String), BackendError> {
+    async fn unit(
+        &self,
+        sandbox: &str,
+    ) -> Result<(SystemdUnitProxy<'static>, String), BackendError> {
         let conn = self.conn().await?;
         let mgr = SystemdManagerProxy::new(conn)
             .await
@@ -170,9 +178,11 @@ impl MicrovmBackend {
         let dir = sandbox_dir(spec);
         let host = match &self.settings.ssh_host {
             Some(h) => h.clone(),
-            None => crate::naming::derive(&spec.name, &self.settings.subnet)
-                .map_err(fail)?
-                .address,
+            None => {
+                crate::naming::derive(&spec.name, &self.settings.subnet)
+                    .map_err(fail)?
+                    .address
+            }
         };
         Ok(SshTarget {
             user: self.settings.ssh_user.clone(),
@@ -213,7 +223,12 @@ impl MicrovmBackend {
         }
     }
 
-    async fn failure(&self, conn: &zbus::Connection, unit: &SystemdUnitProxy<'static>, name: &str) -> BackendError {
+    async fn failure(
+        &self,
+        conn: &zbus::Connection,
+        unit: &SystemdUnitProxy<'static>,
+        name: &str,
+    ) -> BackendError {
         let result = match SystemdServiceProxy::builder(conn).path(unit.inner().path().to_owned()) {
             Ok(b) => match b.build().await {
                 Ok(s) => s.result().await.unwrap_or_default(),
@@ -230,11 +245,20 @@ impl MicrovmBackend {
             .filter(|o| o.status.success())
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
             .filter(|t| !t.is_empty())
-            .map(|t| format!("\nlast lines of its log (journalctl -u {name}):\n  {}", t.replace('\n', "\n  ")))
+            .map(|t| {
+                format!(
+                    "\nlast lines of its log (journalctl -u {name}):\n  {}",
+                    t.replace('\n', "\n  ")
+                )
+            })
             .unwrap_or_default();
         fail(format!(
             "{name} failed (result: {}){log}",
-            if result.is_empty() { "unknown" } else { &result }
+            if result.is_empty() {
+                "unknown"
+            } else {
+                &result
+            }
         ))
     }
 
@@ -263,7 +287,11 @@ impl MicrovmBackend {
             s == "active"
                 || (matches!(s, "failed" | "inactive") && seen.iter().any(|x| x == "activating"))
         };
-        match self.wait_state(&unit, changes, &name, limit, done).await.as_deref() {
+        match self
+            .wait_state(&unit, changes, &name, limit, done)
+            .await
+            .as_deref()
+        {
             Some("active") => {}
             Some("failed" | "inactive") => return Err(self.failure(&conn, &unit, &name).await),
             Some(other) => return Err(fail(format!("{name} is {other} after its start job"))),
@@ -288,6 +316,13 @@ impl MicrovmBackend {
                 break;
             }
             let last = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+            if last.contains("Host key verification failed") {
+                return Err(fail(format!(
+                    "the guest of {name} presented a host key other than the one agentd \
+                     provisioned for it ({}); refusing to talk to it: {last}",
+                    target.known_hosts.display()
+                )));
+            }
             if self.states.lock().unwrap().get(&name).map(String::as_str) != Some("active") {
                 return Err(self.failure(&conn, &unit, &name).await);
             }
@@ -329,7 +364,9 @@ impl MicrovmBackend {
         {
             Some("inactive" | "failed") => Ok(()),
             Some(other) => Err(fail(format!("{name} is {other} after its stop job"))),
-            None => Err(BackendError::Timeout(format!("{name} did not stop within 120s"))),
+            None => Err(BackendError::Timeout(format!(
+                "{name} did not stop within 120s"
+            ))),
         }
     }
 
@@ -380,15 +417,22 @@ impl MicrovmBackend {
         };
         let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| fail(e.to_string()))?;
         for fd in [&pty.master, &pty.slave] {
-            let _ = nix::fcntl::fcntl(fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+            let _ = nix::fcntl::fcntl(
+                fd,
+                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+            );
         }
         let slave = pty.slave;
         let mut cmd = target.command();
         cmd.arg("-tt")
             .arg(&target.host)
             .arg(ssh::remote_command(&req.argv, &req.env, &req.cwd))
-            .stdin(Stdio::from(slave.try_clone().map_err(|e| fail(e.to_string()))?))
-            .stdout(Stdio::from(slave.try_clone().map_err(|e| fail(e.to_string()))?))
+            .stdin(Stdio::from(
+                slave.try_clone().map_err(|e| fail(e.to_string()))?,
+            ))
+            .stdout(Stdio::from(
+                slave.try_clone().map_err(|e| fail(e.to_string()))?,
+            ))
             .stderr(Stdio::from(slave))
             .kill_on_drop(true);
         // SAFETY: setsid and ioctl are async-signal-safe.
@@ -401,12 +445,18 @@ impl MicrovmBackend {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
         drop(cmd);
         Ok(TtyProcess {
             terminal: pty.master,
             exit: Box::pin(async move {
-                child.wait().await.map(exit_code).map_err(|e| fail(e.to_string()))
+                child
+                    .wait()
+                    .await
+                    .map(exit_code)
+                    .map_err(|e| fail(e.to_string()))
             }),
         })
     }
@@ -501,7 +551,12 @@ impl Backend for MicrovmBackend {
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {
-        self.states.lock().unwrap().get(&rt.unit).map(String::as_str) == Some("active")
+        self.states
+            .lock()
+            .unwrap()
+            .get(&rt.unit)
+            .map(String::as_str)
+            == Some("active")
     }
 
     fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
@@ -519,7 +574,10 @@ impl Backend for MicrovmBackend {
             let mut changes = unit.receive_active_state_changed().await;
             loop {
                 let state = unit.active_state().await.unwrap_or_default();
-                self.states.lock().unwrap().insert(name.clone(), state.clone());
+                self.states
+                    .lock()
+                    .unwrap()
+                    .insert(name.clone(), state.clone());
                 if matches!(state.as_str(), "inactive" | "failed") {
                     return;
                 }

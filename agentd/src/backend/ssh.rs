@@ -105,9 +105,19 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), String> {
     }
     let host_key = guest.join("ssh_host_ed25519_key");
     let client_key = client.join("id_ed25519");
-    for (key, comment) in [(&host_key, format!("{alias} host")), (&client_key, "agentd".into())] {
+    let pin = client.join("known_hosts");
+    if pin.exists() && host_key.exists() && client_key.exists() {
+        // Provisioned before: the pin is never taken again from the key
+        // files, so a host key that changed since is refused.
+        return Ok(());
+    }
+    for (key, comment) in [
+        (&host_key, format!("{alias} host")),
+        (&client_key, "agentd".into()),
+    ] {
         if key.exists() {
-            continue;
+            let _ = fs::remove_file(key);
+            let _ = fs::remove_file(key.with_extension("pub"));
         }
         let out = std::process::Command::new("ssh-keygen")
             .args(["-q", "-t", "ed25519", "-N", "", "-C", &comment, "-f"])
@@ -137,7 +147,11 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), String> {
     let (Some(kind), Some(key)) = (parts.next(), parts.next()) else {
         return Err("the guest's host key is malformed".to_owned());
     };
-    write(client.join("known_hosts"), format!("{alias} {kind} {key}\n"), 0o600)?;
+    write(
+        client.join("known_hosts"),
+        format!("{alias} {kind} {key}\n"),
+        0o600,
+    )?;
     // sshd refuses a host key others can read.
     fs::set_permissions(&host_key, fs::Permissions::from_mode(0o600))
         .map_err(|e| format!("cannot set the mode of {}: {e}", host_key.display()))
@@ -150,7 +164,11 @@ mod tests {
     #[test]
     fn remote_commands_quote_every_word() {
         let env = std::collections::BTreeMap::from([("A".to_owned(), "it's".to_owned())]);
-        let cmd = remote_command(&["echo".into(), "a b".into(), "$(x)".into()], &env, "/workspace");
+        let cmd = remote_command(
+            &["echo".into(), "a b".into(), "$(x)".into()],
+            &env,
+            "/workspace",
+        );
         assert_eq!(
             cmd,
             "cd '/workspace' && exec env 'A=it'\\''s' 'echo' 'a b' '$(x)'"
@@ -173,7 +191,13 @@ mod tests {
         let auth = fs::read_to_string(dir.path().join("ssh/authorized_keys")).unwrap();
         let client = fs::read_to_string(dir.path().join("client/id_ed25519.pub")).unwrap();
         assert_eq!(auth, client);
-        // A second start keeps the same keys.
+        // A second start keeps the same keys and the pin, even when the
+        // host key file changed meanwhile.
+        fs::write(
+            dir.path().join("ssh/ssh_host_ed25519_key.pub"),
+            "ssh-ed25519 AAAAother x",
+        )
+        .unwrap();
         provision(dir.path(), "keystone-x").unwrap();
         assert_eq!(
             fs::read_to_string(dir.path().join("client/known_hosts")).unwrap(),

@@ -11,6 +11,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 pub mod caddy;
+pub mod systemd;
 pub mod term;
 
 pub const AGENTD: &str = env!("CARGO_BIN_EXE_agentd");
