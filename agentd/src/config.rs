@@ -71,7 +71,7 @@ impl Default for ProxyConfig {
             domain: "sandbox.local".to_owned(),
             caddy_admin: "http://127.0.0.1:2019".to_owned(),
             server: "keystone-agent".to_owned(),
-            listen: vec![":443".to_owned()],
+            listen: vec!["127.0.0.1:443".to_owned()],
             https: None,
             pages_listen: "127.0.0.1:0".to_owned(),
             ca_file: None,

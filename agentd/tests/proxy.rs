@@ -277,40 +277,79 @@ fn a_websocket_upgrade_passes_through() {
     });
 }
 
+/// `curl` over HTTPS through Caddy trusting only `ca`, following redirects:
+/// (status, body), or None when TLS or the connection failed.
+fn curl_tls(caddy: &Caddy, ca: &str, host: &str, path: &str) -> Option<(u16, String)> {
+    let out = std::process::Command::new("curl")
+        .args([
+            "-sS",
+            "-L",
+            "--max-time",
+            "5",
+            "--cacert",
+            ca,
+            "-w",
+            "\n%{http_code}",
+            "--resolve",
+        ])
+        .arg(format!("{host}:{}:127.0.0.1", caddy.http))
+        .arg(format!("https://{host}:{}{path}", caddy.http))
+        .output()
+        .expect("curl must be installed (apt-get install curl)");
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n')?;
+    Some((code.trim().parse().ok()?, body.to_owned()))
+}
+
 #[test]
 fn https_links_carry_certificates_of_caddys_own_ca() {
     let (env, caddy) = setup_with("tls", true);
+    let ca = caddy.root_cert().display().to_string();
+    // Names nobody asked about yet get certificates on demand: agentd's
+    // pages answer over verified HTTPS too.
+    let start = Instant::now();
+    let (status, body) = loop {
+        if let Some(r) = curl_tls(&caddy, &ca, "nope.sandbox.local", "/") {
+            break r;
+        }
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no verified HTTPS answer from agentd's pages"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(status, 404, "{body}");
+    assert!(
+        body.contains("no sandbox named <code>nope</code>"),
+        "{body}"
+    );
+
+    // A dev server's first request over HTTPS finds it (discovery, route,
+    // redirect) with a certificate curl verifies against `ca_file`.
     let port = free_port();
     dev_server(&env, "tls", "main", port, "over-tls");
+    let start = Instant::now();
+    loop {
+        if let Some((200, body)) = curl_tls(&caddy, &ca, "tls.sandbox.local", "/who.txt") {
+            assert_eq!(body.trim(), "over-tls");
+            break;
+        }
+        assert!(start.elapsed() < DEADLINE, "the HTTPS link never answered");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ports: serde_json::Value =
+        serde_json::from_str(&env.ok(&["ports", "tls", "--json"])).unwrap();
+    assert_eq!(ports["ca_file"], ca.as_str());
     let url = format!("https://tls.sandbox.local:{}/", caddy.http);
-    let mut ports = serde_json::Value::Null;
-    wait_for("the link", DEADLINE, || {
-        ports = serde_json::from_str(&env.ok(&["ports", "tls", "--json"])).unwrap();
+    assert!(
         ports["routes"]
             .as_array()
             .unwrap()
             .iter()
-            .any(|r| r["url"] == url.as_str())
-    });
-    // curl trusts nothing but the CA file `agentctl ports` names.
-    let ca = ports["ca_file"].as_str().unwrap().to_owned();
-    let start = Instant::now();
-    loop {
-        let out = std::process::Command::new("curl")
-            .args(["-sS", "--max-time", "5", "--cacert", &ca, "--resolve"])
-            .arg(format!("tls.sandbox.local:{}:127.0.0.1", caddy.http))
-            .arg(format!("{url}who.txt"))
-            .output()
-            .expect("curl must be installed (apt-get install curl)");
-        if out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "over-tls" {
-            break;
-        }
-        assert!(
-            start.elapsed() < DEADLINE,
-            "no verified HTTPS answer: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+            .any(|r| r["url"] == url.as_str()),
+        "{ports}"
+    );
 }

@@ -21,6 +21,9 @@ pub const ID_PREFIX: &str = "keystone-agent.";
 /// `@id` of the catch-all route.
 pub const FALLBACK_ID: &str = "keystone-agent.fallback";
 
+/// `@id` of the TLS automation policy (certificates on demand).
+pub const TLS_ID: &str = "keystone-agent.tls";
+
 /// Caddy's admin API at one address.
 #[derive(Debug, Clone)]
 pub struct Caddy {
@@ -142,11 +145,17 @@ impl Caddy {
     ) -> Result<bool, String> {
         let path = format!("/config/apps/http/servers/{server}");
         if self.get(&path).await?.is_null() {
-            let body = json!({
+            let mut body = json!({
                 "listen": listen,
                 "automatic_https": { "disable": !https },
                 "routes": [fallback],
             });
+            if https {
+                // TLS for every name, with certificates on demand (the
+                // policy of `ensure_tls`), not only for names with a route:
+                // the catch-all must answer over HTTPS too.
+                body["tls_connection_policies"] = json!([{}]);
+            }
             self.ok(Method::PUT, &path, Some(&body)).await?;
             return Ok(true);
         }
@@ -156,6 +165,58 @@ impl Caddy {
         self.ok(Method::POST, &format!("{path}/routes"), Some(fallback))
             .await?;
         Ok(true)
+    }
+
+    /// Make sure Caddy issues certificates on demand, from its internal CA,
+    /// for `domain` and the one and two labels below it, asking `ask`
+    /// (agentd's pages) before each.
+    pub async fn ensure_tls(&self, domain: &str, ask: &str) -> Result<(), String> {
+        let policy = json!({
+            "@id": TLS_ID,
+            "subjects": [domain, format!("*.{domain}"), format!("*.*.{domain}")],
+            "issuers": [{ "module": "internal" }],
+            "on_demand": true,
+        });
+        let on_demand = json!({ "ask": ask });
+        if self.exists(TLS_ID).await? {
+            self.ok(Method::PATCH, &format!("/id/{TLS_ID}"), Some(&policy))
+                .await?;
+        } else if self.get("/config/apps/tls/automation").await?.is_null() {
+            let automation = json!({ "policies": [policy], "on_demand": on_demand });
+            self.ok(
+                Method::PUT,
+                "/config/apps/tls/automation",
+                Some(&automation),
+            )
+            .await?;
+            return Ok(());
+        } else if self
+            .get("/config/apps/tls/automation/policies")
+            .await?
+            .is_null()
+        {
+            self.ok(
+                Method::PUT,
+                "/config/apps/tls/automation/policies",
+                Some(&json!([policy])),
+            )
+            .await?;
+        } else {
+            // Before the others: the first policy that matches a name wins.
+            self.ok(
+                Method::PUT,
+                "/config/apps/tls/automation/policies/0",
+                Some(&policy),
+            )
+            .await?;
+        }
+        self.ok(
+            Method::POST,
+            "/config/apps/tls/automation/on_demand",
+            Some(&on_demand),
+        )
+        .await?;
+        Ok(())
     }
 
     /// Put `route` (with its `@id`) into `server`: replaced in place when

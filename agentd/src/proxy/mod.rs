@@ -141,16 +141,22 @@ impl Proxy {
     }
 
     fn url(&self, host: &str) -> String {
-        let scheme = if self.https() { "https" } else { "http" };
-        let port = self
+        let (scheme, default) = if self.https() {
+            ("https", "443")
+        } else {
+            ("http", "80")
+        };
+        let ports: Vec<&str> = self
             .cfg
             .listen
-            .first()
-            .and_then(|l| l.rsplit_once(':'))
-            .map(|(_, p)| p)
-            .filter(|p| *p != if self.https() { "443" } else { "80" })
-            .map(|p| format!(":{p}"))
-            .unwrap_or_default();
+            .iter()
+            .filter_map(|l| l.rsplit_once(':').map(|(_, p)| p))
+            .collect();
+        let port = if ports.contains(&default) {
+            String::new()
+        } else {
+            ports.first().map(|p| format!(":{p}")).unwrap_or_default()
+        };
         format!("{scheme}://{host}{port}/")
     }
 
@@ -181,6 +187,10 @@ impl Proxy {
     async fn apply_all(&self) -> Result<(), String> {
         let routes = self.routes.lock().await;
         let fallback = caddy::fallback(&self.pages.to_string());
+        if self.https() {
+            let ask = format!("http://{}/ask", self.pages);
+            self.caddy.ensure_tls(&self.cfg.domain, &ask).await?;
+        }
         let created = self
             .caddy
             .ensure_server(&self.cfg.server, &self.cfg.listen, self.https(), &fallback)

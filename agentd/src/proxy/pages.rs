@@ -49,6 +49,31 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
         .trim_end_matches('.')
         .to_ascii_lowercase();
     let domain = proxy.domain().to_owned();
+    // Caddy asks before it makes a certificate on demand: only for names
+    // under the domain.
+    if req.uri().path() == "/ask"
+        && host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+    {
+        let asked = req
+            .uri()
+            .query()
+            .unwrap_or_default()
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("domain="))
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        let ok = names::split_host(&asked, &domain).is_some();
+        return Response::builder()
+            .status(if ok {
+                StatusCode::OK
+            } else {
+                StatusCode::FORBIDDEN
+            })
+            .body(Full::new(Bytes::new()))
+            .expect("a valid response");
+    }
     let Some((sandbox, _)) = names::split_host(&host, &domain) else {
         return page(
             StatusCode::NOT_FOUND,
@@ -102,7 +127,18 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
         let _ = proxy.sync(&sb.name).await;
         proxy.routed(&host).await
     };
-    if routed && proxy.may_redirect(&host) {
+    if routed && !proxy.may_redirect(&host) {
+        return page(
+            StatusCode::BAD_GATEWAY,
+            "Route not taken",
+            &format!(
+                "<p>agentd gave Caddy a route for <code>{}</code>, but requests still arrive \
+                 here. agentd's log says why.</p>",
+                esc(&host)
+            ),
+        );
+    }
+    if routed {
         let target = req
             .uri()
             .path_and_query()
