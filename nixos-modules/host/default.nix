@@ -29,7 +29,10 @@ let
   caddyRootCert = "/var/lib/caddy/.local/share/caddy/pki/authorities/local/root.crt";
   configFile = (pkgs.formats.json { }).generate "agentd.json" (
     lib.recursiveUpdate (pure.renderConfig cfg) (
-      lib.optionalAttrs cfg.proxy.enable { proxy.ca_file = caddyRootCert; }
+      # agentd reaches each guest's sshd at the address derived from this
+      # subnet (the same function as the guests' static addresses).
+      { microvm.subnet = cfg.network.subnet; }
+      // lib.optionalAttrs cfg.proxy.enable { proxy.ca_file = caddyRootCert; }
     )
   );
 
