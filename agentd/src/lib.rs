@@ -115,6 +115,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         ssh_host: config.microvm.ssh_host.clone(),
         subnet: config.microvm.subnet.clone(),
         start_timeout: Duration::from_secs(u64::from(config.microvm.start_timeout_seconds)),
+        state_dir: dir.clone(),
     }));
     // Ask systemd about the guests before the registry is reconciled.
     let guests: Vec<String> = sandboxes

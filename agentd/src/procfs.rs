@@ -129,7 +129,7 @@ pub fn tcp_listeners(pid: i32) -> HashMap<u64, (std::net::IpAddr, u16)> {
 
 /// One line of `/proc/net/tcp{,6}` if it is a listening socket:
 /// (inode, (address, port)).
-fn parse_tcp_line(line: &str) -> Option<(u64, (std::net::IpAddr, u16))> {
+pub fn parse_tcp_line(line: &str) -> Option<(u64, (std::net::IpAddr, u16))> {
     const LISTEN: &str = "0A";
     let f: Vec<&str> = line.split_whitespace().collect();
     if f.get(3) != Some(&LISTEN) {

@@ -103,8 +103,8 @@ pkgs.testers.runNixOSTest {
         # Until agentd adds a route, the site's catch-all answers (with a
         # certificate from Caddy's own CA, issued on the first request).
         host.wait_until_succeeds(
-            "curl -sk --resolve demo.sandbox.local:443:127.0.0.1 https://demo.sandbox.local/"
-            " | grep -q 'no sandbox serves demo.sandbox.local'",
+            "curl -s --cacert /var/lib/caddy/.local/share/caddy/pki/authorities/local/root.crt"
+            " https://demo.sandbox.local/ | grep -q 'agentctl start demo'",
             timeout=60,
         )
 
@@ -139,8 +139,8 @@ pkgs.testers.runNixOSTest {
             " 'nohup python3 -m http.server 8000 >/dev/null 2>&1 &'"
         ))
         host.wait_until_succeeds(
-            "curl -sfk --resolve demo.sandbox.local:443:127.0.0.1 https://demo.sandbox.local/"
-            " | grep -q hello.txt",
+            "curl -sfL --cacert /var/lib/caddy/.local/share/caddy/pki/authorities/local/root.crt"
+            " https://demo.sandbox.local/ | grep -q hello.txt",
             timeout=120,
         )
 

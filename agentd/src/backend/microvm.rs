@@ -80,6 +80,8 @@ pub struct MicrovmSettings {
     pub subnet: String,
     /// Limit for the unit to become active and the guest to answer.
     pub start_timeout: Duration,
+    /// agentd's state directory (`sandboxes/<name>/` holds the keys).
+    pub state_dir: PathBuf,
 }
 
 /// The microvm.nix backend.
@@ -462,6 +464,39 @@ impl MicrovmBackend {
     }
 }
 
+/// Parse what the listener script prints: `/proc/net/tcp{,6}` lines, `--`,
+/// then `PID socket:[INODE] CWD` lines.
+fn parse_guest_listeners(text: &str) -> Vec<Listener> {
+    let (table, sockets) = text.split_once("\n--\n").unwrap_or((text, ""));
+    let listening: HashMap<u64, (std::net::IpAddr, u16)> = table
+        .lines()
+        .filter_map(crate::procfs::parse_tcp_line)
+        .collect();
+    let mut out = Vec::new();
+    for line in sockets.lines() {
+        let mut parts = line.splitn(3, ' ');
+        let (Some(pid), Some(sock), Some(cwd)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let inode = sock
+            .strip_prefix("socket:[")
+            .and_then(|s| s.strip_suffix(']'))
+            .and_then(|s| s.parse::<u64>().ok());
+        if let (Some(&(addr, port)), Ok(pid)) = (inode.and_then(|i| listening.get(&i)), pid.parse())
+        {
+            out.push(Listener {
+                addr,
+                port,
+                pid,
+                cwd: cwd.to_owned(),
+            });
+        }
+    }
+    out.sort_by_key(|l| (l.port, l.pid));
+    out.dedup_by_key(|l| l.port);
+    out
+}
+
 fn exit_code(status: std::process::ExitStatus) -> i32 {
     use std::os::unix::process::ExitStatusExt;
     status
@@ -512,9 +547,44 @@ impl Backend for MicrovmBackend {
         Box::pin(self.exec_tty_inner(spec, req, size))
     }
 
-    fn listeners(&self, _rt: &Runtime) -> Vec<Listener> {
-        // Not yet: a guest's listeners would be read over ssh.
-        Vec::new()
+    fn listeners(&self, rt: &Runtime) -> Vec<Listener> {
+        let Some(sandbox) = rt
+            .unit
+            .strip_prefix("microvm@")
+            .and_then(|s| s.strip_suffix(".service"))
+        else {
+            return Vec::new();
+        };
+        let dir = self.settings.state_dir.join("sandboxes").join(sandbox);
+        let spec_like = SandboxSpec {
+            name: sandbox.to_owned(),
+            uid: 0,
+            gid: 0,
+            workspace: dir.join("workspace"),
+            home: dir.join("home"),
+            run_dir: dir.join("run"),
+            log_dir: dir.join("logs"),
+            config: keystone_agent_api::SandboxConfig::default(),
+        };
+        let Ok(target) = self.target(&spec_like) else {
+            return Vec::new();
+        };
+        // The guest's socket table, then each of the agent's sockets with
+        // its process's working directory; parsed here.
+        let script = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; echo --; \
+            for p in /proc/[0-9]*; do c=$(readlink $p/cwd 2>/dev/null) || continue; \
+            for f in $p/fd/*; do l=$(readlink $f 2>/dev/null) && case $l in socket:*) \
+            echo \"${p#/proc/} $l $c\";; esac; done; done";
+        let out = target
+            .std_command()
+            .arg(&target.host)
+            .arg(script)
+            .stdin(Stdio::null())
+            .output();
+        let Ok(out) = out else {
+            return Vec::new();
+        };
+        parse_guest_listeners(&String::from_utf8_lossy(&out.stdout))
     }
 
     fn connect<'a>(
@@ -591,5 +661,32 @@ impl Backend for MicrovmBackend {
     fn kill_strays(&self, _keep: &[(String, Runtime)]) -> Vec<String> {
         // systemd owns every process of a microVM.
         Vec::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guest_listeners_are_joined_to_their_processes() {
+        let text = "  sl  local_address rem_address   st\n\
+   0: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 111 1 0 100 0 0 10 0\n\
+   1: 0100007F:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 222 1 0 100 0 0 10 0\n\
+   2: 0100007F:9C40 0100007F:1F40 01 00000000:00000000 00:00000000 00000000  1000        0 333 1 0 100 0 0 10 0\n\
+--\n\
+812 socket:[111] /workspace/.worktrees/feature x\n\
+812 socket:[333] /workspace/.worktrees/feature x\n\
+900 socket:[444] /home/agent\n";
+        let got = parse_guest_listeners(text);
+        assert_eq!(
+            got,
+            vec![Listener {
+                addr: std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                port: 8000,
+                pid: 812,
+                cwd: "/workspace/.worktrees/feature x".into(),
+            }]
+        );
     }
 }

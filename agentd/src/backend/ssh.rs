@@ -33,7 +33,13 @@ impl SshTarget {
     /// `ssh` with every option set and no remote command yet.
     #[must_use]
     pub fn command(&self) -> tokio::process::Command {
-        let mut c = tokio::process::Command::new("ssh");
+        tokio::process::Command::from(self.std_command())
+    }
+
+    /// [`SshTarget::command`] for blocking use.
+    #[must_use]
+    pub fn std_command(&self) -> std::process::Command {
+        let mut c = std::process::Command::new("ssh");
         c.arg("-F")
             .arg("/dev/null")
             .arg("-i")
