@@ -52,11 +52,11 @@ fn sandbox_that_died_with_agentd_down_becomes_stopped() {
     env.ok(&["start", "gone"]);
     env.kill_agentd();
     for pid in env.sandbox_pids() {
-        nix::sys::signal::kill(
+        // The init may already be gone with its supervisor (ESRCH).
+        let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid),
             nix::sys::signal::Signal::SIGKILL,
-        )
-        .unwrap();
+        );
     }
     wait_for("the sandbox to die", Duration::from_secs(5), || {
         env.sandbox_pids().is_empty()

@@ -213,6 +213,12 @@ in
       # in agentd's cgroup and stop with it.
       restartTriggers = [ configFile ];
       environment.AGENTD_LOG = lib.mkDefault "info";
+      # ssh and ssh-keygen reach and provision the guests; git for helpers
+      # that shell out.
+      path = [
+        pkgs.openssh
+        pkgs.git
+      ];
 
       serviceConfig = {
         Type = "dbus";

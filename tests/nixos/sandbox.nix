@@ -8,10 +8,10 @@
 # machines that only have Nix 2.8 and no nixpkgs (tests/nix/check.sh runs
 # there instead).
 #
-# agentd's microvm backend (starting and stopping microvm@<name>.service
-# through systemd's D-Bus API, reaching the guest over vsock) is not written
-# yet. Until it is, the steps from `agentctl start` on are EXPECTED TO FAIL:
-# this file is the contract that backend must meet, written before it.
+# agentd's microvm backend starts and stops microvm@<name>.service through
+# systemd's D-Bus API and reaches the guest's sshd at its tap address with the
+# keys it provisioned (the host key pinned). This is the real path of what
+# agentd/tests/microvm.rs checks against a test double of systemd.
 { pkgs, self }:
 pkgs.testers.runNixOSTest {
   name = "keystone-agent-sandbox";

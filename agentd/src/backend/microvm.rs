@@ -325,7 +325,14 @@ impl MicrovmBackend {
                     target.known_hosts.display()
                 )));
             }
-            if self.states.lock().unwrap().get(&name).map(String::as_str) != Some("active") {
+            // The proxy's cached state follows PropertiesChanged: a guest
+            // that dies while booting ends the wait at once.
+            let state = unit.active_state().await.unwrap_or_default();
+            self.states
+                .lock()
+                .unwrap()
+                .insert(name.clone(), state.clone());
+            if state != "active" {
                 return Err(self.failure(&conn, &unit, &name).await);
             }
             if started.elapsed() > limit {

@@ -1512,12 +1512,14 @@ impl Manager {
 
     /// Stop every running sandbox (agentd is shutting down).
     pub async fn shutdown(&self) {
+        // microVMs are systemd units of their own: they run on while agentd
+        // restarts (a configuration change) and are adopted again.
         let running: Vec<String> = self
             .sandboxes
             .lock()
             .unwrap()
             .values()
-            .filter(|s| s.state == SandboxState::Running)
+            .filter(|s| s.state == SandboxState::Running && s.backend != BackendKind::Microvm)
             .map(|s| s.name.clone())
             .collect();
         let stops = running.iter().map(|name| async move {
