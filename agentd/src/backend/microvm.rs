@@ -418,20 +418,8 @@ impl MicrovmBackend {
         (rows, cols): (u16, u16),
     ) -> Result<TtyProcess, BackendError> {
         let target = self.target(spec)?;
-        let ws = nix::pty::Winsize {
-            ws_row: rows,
-            ws_col: cols,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
-        let pty = nix::pty::openpty(Some(&ws), None).map_err(|e| fail(e.to_string()))?;
-        for fd in [&pty.master, &pty.slave] {
-            let _ = nix::fcntl::fcntl(
-                fd,
-                nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
-            );
-        }
-        let slave = pty.slave;
+        let (master, slave) =
+            crate::guest::open_pty((rows, cols)).map_err(|e| fail(e.to_string()))?;
         let mut cmd = target.command();
         cmd.arg("-tt")
             .arg(&target.host)
@@ -444,22 +432,16 @@ impl MicrovmBackend {
             ))
             .stderr(Stdio::from(slave))
             .kill_on_drop(true);
-        // SAFETY: setsid and ioctl are async-signal-safe.
+        // SAFETY: take_terminal only makes async-signal-safe calls.
         unsafe {
-            cmd.pre_exec(|| {
-                nix::unistd::setsid()?;
-                if nix::libc::ioctl(0, nix::libc::TIOCSCTTY, 0) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
+            cmd.pre_exec(crate::guest::take_terminal);
         }
         let mut child = cmd
             .spawn()
             .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
         drop(cmd);
         Ok(TtyProcess {
-            terminal: pty.master,
+            terminal: master,
             exit: Box::pin(async move {
                 child
                     .wait()

@@ -126,15 +126,7 @@ pub fn recv_request(sock: &UnixStream) -> io::Result<(Request, Vec<OwnedFd>)> {
             Some(&mut cmsg_space),
             MsgFlags::MSG_CMSG_CLOEXEC,
         )?;
-        for c in msg.cmsgs()? {
-            if let ControlMessageOwned::ScmRights(raw) = c {
-                for fd in raw {
-                    // SAFETY: the kernel just installed these descriptors in
-                    // this process for us; nothing else owns them.
-                    fds.push(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
-                }
-            }
-        }
+        fds.extend(received_fds(&msg)?);
         msg.bytes
     };
     if n < 4 {
@@ -160,6 +152,21 @@ pub fn recv_request(sock: &UnixStream) -> io::Result<(Request, Vec<OwnedFd>)> {
     let req =
         serde_json::from_slice(&body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
     Ok((req, fds))
+}
+
+/// The descriptors that came with `msg`, owned.
+fn received_fds(msg: &nix::sys::socket::RecvMsg<'_, '_, ()>) -> io::Result<Vec<OwnedFd>> {
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(raw) = c {
+            for fd in raw {
+                // SAFETY: the kernel just installed these descriptors in this
+                // process for us; nothing else owns them.
+                fds.push(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+            }
+        }
+    }
+    Ok(fds)
 }
 
 /// Write one response line.
@@ -203,15 +210,7 @@ pub fn read_first_response(sock: &UnixStream) -> io::Result<(Response, Vec<Owned
                 Some(&mut cmsg_space),
                 MsgFlags::MSG_CMSG_CLOEXEC,
             )?;
-            for c in msg.cmsgs()? {
-                if let ControlMessageOwned::ScmRights(raw) = c {
-                    for fd in raw {
-                        // SAFETY: the kernel just installed these descriptors
-                        // in this process for us; nothing else owns them.
-                        fds.push(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
-                    }
-                }
-            }
+            fds.extend(received_fds(&msg)?);
             msg.bytes
         };
         if n == 0 {

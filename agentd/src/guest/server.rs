@@ -169,23 +169,16 @@ fn exec_tty(
         Ok(c) => c,
         Err(message) => return send_error(conn, message),
     };
-    let (master, slave) = match open_pty(size) {
+    let (master, slave) = match super::open_pty(size) {
         Ok(p) => p,
         Err(e) => return send_error(conn, format!("cannot open a terminal in the sandbox: {e}")),
     };
     cmd.stdin(Stdio::from(slave.try_clone()?))
         .stdout(Stdio::from(slave.try_clone()?))
         .stderr(Stdio::from(slave));
-    // SAFETY: setsid and ioctl are async-signal-safe; the closure touches
-    // no memory shared with the parent.
+    // SAFETY: take_terminal only makes async-signal-safe calls.
     unsafe {
-        cmd.pre_exec(|| {
-            nix::unistd::setsid()?;
-            if nix::libc::ioctl(0, nix::libc::TIOCSCTTY, 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+        cmd.pre_exec(super::take_terminal);
     }
     let child = match cmd.spawn() {
         Ok(c) => c,
@@ -198,31 +191,6 @@ fn exec_tty(
     proto::send_response_with_fds(conn, &Response::Started { pid }, &[master.as_raw_fd()])?;
     drop(master);
     wait_reporting(conn, child, pid)
-}
-
-/// A new pseudo-terminal pair (master, slave) of `size`, both close-on-exec.
-fn open_pty((rows, cols): (u16, u16)) -> nix::Result<(OwnedFd, OwnedFd)> {
-    use nix::fcntl::OFlag;
-    let master = nix::pty::posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)?;
-    nix::pty::grantpt(&master)?;
-    nix::pty::unlockpt(&master)?;
-    let path = nix::pty::ptsname_r(&master)?;
-    let slave = nix::fcntl::open(
-        path.as_str(),
-        OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )?;
-    let ws = nix::libc::winsize {
-        ws_row: rows,
-        ws_col: cols,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
-    // SAFETY: TIOCSWINSZ reads one winsize from the valid pointer.
-    if unsafe { nix::libc::ioctl(master.as_raw_fd(), nix::libc::TIOCSWINSZ, &ws) } < 0 {
-        return Err(nix::Error::last());
-    }
-    Ok((OwnedFd::from(master), slave))
 }
 
 fn exec(
