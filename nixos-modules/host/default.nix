@@ -213,10 +213,12 @@ in
       # in agentd's cgroup and stop with it.
       restartTriggers = [ configFile ];
       environment.AGENTD_LOG = lib.mkDefault "info";
-      # ssh and ssh-keygen reach and provision the guests; git for helpers
-      # that shell out.
+      # ssh and ssh-keygen reach and provision the guests (socat carries ssh
+      # over vsock to guests without a network); git for helpers that shell
+      # out.
       path = [
         pkgs.openssh
+        pkgs.socat
         pkgs.git
       ];
 

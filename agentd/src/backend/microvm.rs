@@ -91,6 +91,8 @@ pub struct MicrovmBackend {
     conn: tokio::sync::OnceCell<zbus::Connection>,
     /// Last known `ActiveState` of each unit.
     states: Mutex<HashMap<String, String>>,
+    /// Settings of the sandboxes started, for calls that get no spec.
+    configs: Mutex<HashMap<String, keystone_agent_api::SandboxConfig>>,
 }
 
 fn unit_name(sandbox: &str) -> String {
@@ -109,6 +111,7 @@ impl MicrovmBackend {
             settings,
             conn: tokio::sync::OnceCell::new(),
             states: Mutex::new(HashMap::new()),
+            configs: Mutex::new(HashMap::new()),
         }
     }
 
@@ -178,14 +181,17 @@ impl MicrovmBackend {
 
     fn target(&self, spec: &SandboxSpec) -> Result<SshTarget, BackendError> {
         let dir = sandbox_dir(spec);
-        let host = match &self.settings.ssh_host {
-            Some(h) => h.clone(),
-            None => {
-                crate::naming::derive(&spec.name, &self.settings.subnet)
-                    .map_err(fail)?
-                    .address
-            }
-        };
+        let names = crate::naming::derive(&spec.name, &self.settings.subnet).map_err(fail)?;
+        let host = self
+            .settings
+            .ssh_host
+            .clone()
+            .unwrap_or_else(|| names.address.clone());
+        // A guest without a network is reached over vsock (its sshd listens
+        // on vsock port 22 too).
+        let proxy_command = (spec.config.network == keystone_agent_api::Network::None
+            && self.settings.ssh_host.is_none())
+        .then(|| format!("socat - VSOCK-CONNECT:{}:22", names.cid));
         Ok(SshTarget {
             user: self.settings.ssh_user.clone(),
             host,
@@ -193,6 +199,7 @@ impl MicrovmBackend {
             key: dir.join("client/id_ed25519"),
             known_hosts: dir.join("client/known_hosts"),
             alias: format!("keystone-{}", spec.name),
+            proxy_command,
         })
     }
 
@@ -265,6 +272,10 @@ impl MicrovmBackend {
     }
 
     async fn start_inner(&self, spec: &SandboxSpec) -> Result<Runtime, BackendError> {
+        self.configs
+            .lock()
+            .unwrap()
+            .insert(spec.name.clone(), spec.config.clone());
         let target = self.target(spec)?;
         let dir = sandbox_dir(spec);
         let alias = target.alias.clone();
@@ -553,7 +564,13 @@ impl Backend for MicrovmBackend {
             home: dir.join("home"),
             run_dir: dir.join("run"),
             log_dir: dir.join("logs"),
-            config: keystone_agent_api::SandboxConfig::default(),
+            config: self
+                .configs
+                .lock()
+                .unwrap()
+                .get(sandbox)
+                .cloned()
+                .unwrap_or_default(),
         };
         let Ok(target) = self.target(&spec_like) else {
             return Vec::new();
@@ -656,6 +673,67 @@ impl Backend for MicrovmBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn spec(name: &str, network: keystone_agent_api::Network) -> SandboxSpec {
+        SandboxSpec {
+            name: name.into(),
+            uid: 0,
+            gid: 0,
+            workspace: PathBuf::from("/state/sandboxes")
+                .join(name)
+                .join("workspace"),
+            home: PathBuf::new(),
+            run_dir: PathBuf::new(),
+            log_dir: PathBuf::new(),
+            config: keystone_agent_api::SandboxConfig {
+                network,
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn guests_are_reached_at_their_address_or_over_vsock() {
+        let b = MicrovmBackend::new(MicrovmSettings {
+            systemd_bus: "system".into(),
+            ssh_user: "agent".into(),
+            ssh_port: 22,
+            ssh_host: None,
+            subnet: crate::naming::DEFAULT_SUBNET.into(),
+            start_timeout: Duration::from_secs(1),
+            state_dir: PathBuf::from("/state"),
+        });
+        let names = crate::naming::derive("demo", crate::naming::DEFAULT_SUBNET).unwrap();
+        let nat = b
+            .target(&spec("demo", keystone_agent_api::Network::Nat))
+            .unwrap();
+        assert_eq!(nat.host, names.address);
+        assert_eq!(nat.proxy_command, None);
+        assert_eq!(
+            nat.key,
+            PathBuf::from("/state/sandboxes/demo/client/id_ed25519")
+        );
+        let none = b
+            .target(&spec("demo", keystone_agent_api::Network::None))
+            .unwrap();
+        assert_eq!(
+            none.proxy_command.as_deref(),
+            Some(format!("socat - VSOCK-CONNECT:{}:22", names.cid).as_str())
+        );
+        let args: Vec<String> = none
+            .std_command()
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            args.contains(&"StrictHostKeyChecking=yes".to_owned()),
+            "{args:?}"
+        );
+        assert!(
+            args.iter().any(|a| a.starts_with("ProxyCommand=socat")),
+            "{args:?}"
+        );
+    }
 
     #[test]
     fn guest_listeners_are_joined_to_their_processes() {

@@ -27,6 +27,8 @@ pub struct SshTarget {
     pub known_hosts: PathBuf,
     /// Name the pin is recorded under (independent of address and port).
     pub alias: String,
+    /// How to reach the guest instead of TCP (e.g. over vsock).
+    pub proxy_command: Option<String>,
 }
 
 impl SshTarget {
@@ -64,6 +66,11 @@ impl SshTarget {
             ])
             .arg("-o")
             .arg(format!("HostKeyAlias={}", self.alias))
+            .args(
+                self.proxy_command
+                    .iter()
+                    .flat_map(|p| ["-o".to_owned(), format!("ProxyCommand={p}")]),
+            )
             .arg("-p")
             .arg(self.port.to_string())
             .arg("-l")
