@@ -346,6 +346,8 @@ impl Proxy {
     async fn forward(self: Arc<Self>, listener: TcpListener, name: String, target: (IpAddr, u16)) {
         loop {
             let Ok((outside, _)) = listener.accept().await else {
+                // Out of descriptors, most likely: do not spin.
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             };
             let _ = outside.set_nodelay(true);

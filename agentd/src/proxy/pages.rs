@@ -20,6 +20,7 @@ use super::{Proxy, names};
 pub(super) async fn serve(listener: TcpListener, proxy: Arc<Proxy>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             continue;
         };
         let proxy = Arc::clone(&proxy);
@@ -120,12 +121,18 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
     }
     // Routed already: Caddy lost the route (restart, reload). Otherwise:
     // look for the dev server now.
+    let mut found = None;
     let routed = if proxy.routed(&host).await {
         proxy.stale.store(true, std::sync::atomic::Ordering::SeqCst);
         proxy.apply_all().await.is_ok()
     } else {
-        let _ = proxy.sync(&sb.name).await;
-        proxy.routed(&host).await
+        let routes = match found {
+            Some(r) => r,
+            None => proxy.sync(&sb.name).await.unwrap_or_default(),
+        };
+        let routed = routes.iter().any(|r| r.host == host);
+        found = Some(routes);
+        routed
     };
     if routed && !proxy.may_redirect(&host) {
         return page(
@@ -151,7 +158,10 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
             .body(Full::new(Bytes::new()))
             .expect("a valid response");
     }
-    let routes = proxy.sync(&sb.name).await.unwrap_or_default();
+    let routes = match found {
+        Some(r) => r,
+        None => proxy.sync(&sb.name).await.unwrap_or_default(),
+    };
     let list = if routes.is_empty() {
         "<p>Nothing in it listens on a TCP port now.</p>".to_owned()
     } else {
