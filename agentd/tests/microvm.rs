@@ -140,3 +140,52 @@ fn a_unit_that_fails_to_start_is_reported_with_its_result() {
         "{st}"
     );
 }
+
+#[test]
+fn a_running_guest_outlives_agentd_and_is_adopted_with_its_terminal() {
+    let Some((mut env, fake)) = setup() else {
+        return;
+    };
+    let repo = env.repo("keep");
+    env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
+    env.ok(&["start", "keep"]);
+
+    // agentd stops (SIGTERM, as a restart does): the unit keeps running.
+    let status = env.term_agentd();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        !fake
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|c| c.starts_with("StopUnit")),
+        "agentd stopped the guest on its way out"
+    );
+    // The next agentd asks systemd and adopts it.
+    env.start_agentd();
+    assert_eq!(env.state("keep"), "running");
+    assert_eq!(env.ok(&["exec", "keep", "--", "pwd"]), "/workspace\n");
+
+    // A terminal over ssh: our size inside, typing reaches the shell, the
+    // exit code comes back, our terminal is sane after.
+    let t = common::term::Terminal::new(env.tmp.path(), 100, 30, &[]);
+    t.line(&format!(
+        "{} --bus {} exec --tty keep -- sh; echo code=$?",
+        common::agentctl().display(),
+        env.address
+    ));
+    t.line("echo size-$(stty size | tr ' ' x)");
+    t.wait_screen(
+        "the guest's terminal",
+        std::time::Duration::from_secs(60),
+        |s| s.contains("size-30x100"),
+    );
+    t.line("exit 5");
+    t.wait_screen(
+        "agentctl to exit",
+        std::time::Duration::from_secs(60),
+        |s| s.contains("code=5"),
+    );
+    assert!(common::term::is_cooked(&t.stty("after")));
+}
