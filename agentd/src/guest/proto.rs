@@ -97,18 +97,23 @@ pub fn send_request(sock: &UnixStream, req: &Request, fds: &[RawFd]) -> io::Resu
     let mut msg = Vec::with_capacity(4 + body.len());
     msg.extend_from_slice(&len);
     msg.extend_from_slice(&body);
+    send_with_fds(sock, &msg, fds)
+}
+
+/// Send `bytes` with `fds` attached to the first of them.
+fn send_with_fds(sock: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
     let cmsg = [ControlMessage::ScmRights(fds)];
     let cmsgs: &[ControlMessage<'_>] = if fds.is_empty() { &[] } else { &cmsg };
     let mut sent = sendmsg::<()>(
         sock.as_raw_fd(),
-        &[io::IoSlice::new(&msg)],
+        &[io::IoSlice::new(bytes)],
         cmsgs,
         MsgFlags::empty(),
         None,
     )?;
     // The descriptors went with the first chunk; send whatever is left plainly.
-    while sent < msg.len() {
-        sent += (&*sock).write(&msg[sent..])?;
+    while sent < bytes.len() {
+        sent += (&*sock).write(&bytes[sent..])?;
     }
     Ok(())
 }
@@ -180,18 +185,7 @@ pub fn send_response(mut sock: &UnixStream, resp: &Response) -> io::Result<()> {
 pub fn send_response_with_fds(sock: &UnixStream, resp: &Response, fds: &[RawFd]) -> io::Result<()> {
     let mut line = serde_json::to_vec(resp).map_err(io::Error::other)?;
     line.push(b'\n');
-    let cmsg = [ControlMessage::ScmRights(fds)];
-    let mut sent = sendmsg::<()>(
-        sock.as_raw_fd(),
-        &[io::IoSlice::new(&line)],
-        &cmsg,
-        MsgFlags::empty(),
-        None,
-    )?;
-    while sent < line.len() {
-        sent += (&*sock).write(&line[sent..])?;
-    }
-    Ok(())
+    send_with_fds(sock, &line, fds)
 }
 
 /// Read the first response line byte by byte (so nothing after it is
