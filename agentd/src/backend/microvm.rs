@@ -200,6 +200,7 @@ impl MicrovmBackend {
             known_hosts: dir.join("client/known_hosts"),
             alias: format!("keystone-{}", spec.name),
             proxy_command,
+            control_path: None,
         })
     }
 
@@ -317,19 +318,11 @@ impl MicrovmBackend {
         }
         // Running means the guest answers, with the pinned host key.
         loop {
-            let out = target
-                .command()
-                .arg(&target.host)
-                .arg("true")
-                .stdout(Stdio::null())
-                .output()
-                .await
-                .map_err(|e| fail(format!("cannot run ssh (install openssh-client): {e}")))?;
-            if out.status.success() {
-                break;
-            }
-            let last = String::from_utf8_lossy(&out.stderr).trim().to_owned();
-            if last.contains("Host key verification failed") {
+            let last = match target.answers().await {
+                Ok(()) => break,
+                Err(e) => e,
+            };
+            if ssh::host_key_refused(&last) {
                 return Err(fail(format!(
                     "the guest of {name} presented a host key other than the one agentd \
                      provisioned for it ({}); refusing to talk to it: {last}",
@@ -389,119 +382,6 @@ impl MicrovmBackend {
             ))),
         }
     }
-
-    async fn exec_inner(
-        &self,
-        spec: &SandboxSpec,
-        req: ExecRequest,
-        [stdin, stdout, stderr]: [OwnedFd; 3],
-    ) -> Result<i32, BackendError> {
-        let target = self.target(spec)?;
-        let mut child = target
-            .command()
-            .arg(&target.host)
-            .arg(ssh::remote_command(&req.argv, &req.env, &req.cwd))
-            .stdin(Stdio::from(stdin))
-            .stdout(Stdio::from(stdout))
-            .stderr(Stdio::from(stderr))
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
-        let wait = child.wait();
-        let status = match req.timeout {
-            Some(t) => tokio::time::timeout(t, wait).await.map_err(|_| {
-                BackendError::Timeout(format!(
-                    "command '{}' did not finish within {}s and was killed",
-                    req.argv.join(" "),
-                    t.as_secs()
-                ))
-            })?,
-            None => wait.await,
-        }
-        .map_err(|e| fail(e.to_string()))?;
-        Ok(exit_code(status))
-    }
-
-    async fn exec_tty_inner(
-        &self,
-        spec: &SandboxSpec,
-        req: ExecRequest,
-        (rows, cols): (u16, u16),
-    ) -> Result<TtyProcess, BackendError> {
-        let target = self.target(spec)?;
-        let (master, slave) =
-            crate::guest::open_pty((rows, cols)).map_err(|e| fail(e.to_string()))?;
-        let mut cmd = target.command();
-        cmd.arg("-tt")
-            .arg(&target.host)
-            .arg(ssh::remote_command(&req.argv, &req.env, &req.cwd))
-            .stdin(Stdio::from(
-                slave.try_clone().map_err(|e| fail(e.to_string()))?,
-            ))
-            .stdout(Stdio::from(
-                slave.try_clone().map_err(|e| fail(e.to_string()))?,
-            ))
-            .stderr(Stdio::from(slave))
-            .kill_on_drop(true);
-        // SAFETY: take_terminal only makes async-signal-safe calls.
-        unsafe {
-            cmd.pre_exec(crate::guest::take_terminal);
-        }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
-        drop(cmd);
-        Ok(TtyProcess {
-            terminal: master,
-            exit: Box::pin(async move {
-                child
-                    .wait()
-                    .await
-                    .map(exit_code)
-                    .map_err(|e| fail(e.to_string()))
-            }),
-        })
-    }
-}
-
-/// Parse what the listener script prints: `/proc/net/tcp{,6}` lines, `--`,
-/// then `PID socket:[INODE] CWD` lines.
-fn parse_guest_listeners(text: &str) -> Vec<Listener> {
-    let (table, sockets) = text.split_once("\n--\n").unwrap_or((text, ""));
-    let listening: HashMap<u64, (std::net::IpAddr, u16)> = table
-        .lines()
-        .filter_map(crate::procfs::parse_tcp_line)
-        .collect();
-    let mut out = Vec::new();
-    for line in sockets.lines() {
-        let mut parts = line.splitn(3, ' ');
-        let (Some(pid), Some(sock), Some(cwd)) = (parts.next(), parts.next(), parts.next()) else {
-            continue;
-        };
-        let inode = sock
-            .strip_prefix("socket:[")
-            .and_then(|s| s.strip_suffix(']'))
-            .and_then(|s| s.parse::<u64>().ok());
-        if let (Some(&(addr, port)), Ok(pid)) = (inode.and_then(|i| listening.get(&i)), pid.parse())
-        {
-            out.push(Listener {
-                addr,
-                port,
-                pid,
-                cwd: cwd.to_owned(),
-            });
-        }
-    }
-    out.sort_by_key(|l| (l.port, l.pid));
-    out.dedup_by_key(|l| l.port);
-    out
-}
-
-fn exit_code(status: std::process::ExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
-    status
-        .code()
-        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
 }
 
 /// The sandbox's directory in agentd's state (parent of its workspace).
@@ -535,7 +415,7 @@ impl Backend for MicrovmBackend {
         req: ExecRequest,
         stdio: [OwnedFd; 3],
     ) -> BoxFut<'a, Result<i32, BackendError>> {
-        Box::pin(self.exec_inner(spec, req, stdio))
+        Box::pin(async move { self.target(spec)?.exec(req, stdio).await })
     }
 
     fn exec_tty<'a>(
@@ -544,7 +424,7 @@ impl Backend for MicrovmBackend {
         req: ExecRequest,
         size: (u16, u16),
     ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
-        Box::pin(self.exec_tty_inner(spec, req, size))
+        Box::pin(async move { self.target(spec)?.exec_tty(req, size) })
     }
 
     fn listeners(&self, rt: &Runtime) -> Vec<Listener> {
@@ -575,22 +455,7 @@ impl Backend for MicrovmBackend {
         let Ok(target) = self.target(&spec_like) else {
             return Vec::new();
         };
-        // The guest's socket table, then each of the agent's sockets with
-        // its process's working directory; parsed here.
-        let script = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; echo --; \
-            for p in /proc/[0-9]*; do c=$(readlink $p/cwd 2>/dev/null) || continue; \
-            for f in $p/fd/*; do l=$(readlink $f 2>/dev/null) && case $l in socket:*) \
-            echo \"${p#/proc/} $l $c\";; esac; done; done";
-        let out = target
-            .std_command()
-            .arg(&target.host)
-            .arg(script)
-            .stdin(Stdio::null())
-            .output();
-        let Ok(out) = out else {
-            return Vec::new();
-        };
-        parse_guest_listeners(&String::from_utf8_lossy(&out.stdout))
+        target.listeners()
     }
 
     fn connect<'a>(
@@ -599,31 +464,7 @@ impl Backend for MicrovmBackend {
         addr: std::net::IpAddr,
         port: u16,
     ) -> BoxFut<'a, Result<OwnedFd, BackendError>> {
-        Box::pin(async move {
-            let target = self.target(spec)?;
-            let (ours, theirs) = nix::sys::socket::socketpair(
-                nix::sys::socket::AddressFamily::Unix,
-                nix::sys::socket::SockType::Stream,
-                None,
-                nix::sys::socket::SockFlag::SOCK_CLOEXEC,
-            )
-            .map_err(|e| fail(e.to_string()))?;
-            let stdin = theirs.try_clone().map_err(|e| fail(e.to_string()))?;
-            let mut child = target
-                .command()
-                .arg("-W")
-                .arg(format!("{addr}:{port}"))
-                .arg(&target.host)
-                .stdin(Stdio::from(stdin))
-                .stdout(Stdio::from(theirs))
-                .spawn()
-                .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
-            // Reap it when the connection ends.
-            tokio::spawn(async move {
-                let _ = child.wait().await;
-            });
-            Ok(ours)
-        })
+        Box::pin(async move { self.target(spec)?.connect(addr, port) })
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {
@@ -732,28 +573,6 @@ mod tests {
         assert!(
             args.iter().any(|a| a.starts_with("ProxyCommand=socat")),
             "{args:?}"
-        );
-    }
-
-    #[test]
-    fn guest_listeners_are_joined_to_their_processes() {
-        let text = "  sl  local_address rem_address   st\n\
-   0: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 111 1 0 100 0 0 10 0\n\
-   1: 0100007F:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 222 1 0 100 0 0 10 0\n\
-   2: 0100007F:9C40 0100007F:1F40 01 00000000:00000000 00:00000000 00000000  1000        0 333 1 0 100 0 0 10 0\n\
---\n\
-812 socket:[111] /workspace/.worktrees/feature x\n\
-812 socket:[333] /workspace/.worktrees/feature x\n\
-900 socket:[444] /home/agent\n";
-        let got = parse_guest_listeners(text);
-        assert_eq!(
-            got,
-            vec![Listener {
-                addr: std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
-                port: 8000,
-                pid: 812,
-                cwd: "/workspace/.worktrees/feature x".into(),
-            }]
         );
     }
 }

@@ -1,4 +1,5 @@
-//! The SSH side of guests that run their own sshd (the `microvm` backend).
+//! The SSH side of guests that run their own sshd (the `microvm` and `vm`
+//! backends).
 //!
 //! agentd provisions, per sandbox, a host key for the guest and a client
 //! key for itself. The guest reads `ssh/` (its host key and
@@ -7,10 +8,14 @@
 //! checks the guest's host key against that pin (`StrictHostKeyChecking=yes`
 //! with agentd's own known-hosts file) and logs in with the key only.
 
+use std::collections::HashMap;
 use std::fs;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+
+use super::{BackendError, ExecRequest, Listener, TtyProcess};
 
 /// How agentd reaches one guest's sshd.
 #[derive(Debug, Clone)]
@@ -29,6 +34,9 @@ pub struct SshTarget {
     pub alias: String,
     /// How to reach the guest instead of TCP (e.g. over vsock).
     pub proxy_command: Option<String>,
+    /// Socket of a shared master connection (`ControlMaster`), which
+    /// commands after the first reuse instead of a new handshake each.
+    pub control_path: Option<PathBuf>,
 }
 
 impl SshTarget {
@@ -71,6 +79,16 @@ impl SshTarget {
                     .iter()
                     .flat_map(|p| ["-o".to_owned(), format!("ProxyCommand={p}")]),
             )
+            .args(self.control_path.iter().flat_map(|p| {
+                [
+                    "-o".to_owned(),
+                    "ControlMaster=auto".to_owned(),
+                    "-o".to_owned(),
+                    format!("ControlPath={}", p.display()),
+                    "-o".to_owned(),
+                    "ControlPersist=yes".to_owned(),
+                ]
+            }))
             .arg("-p")
             .arg(self.port.to_string())
             .arg("-l")
@@ -78,6 +96,168 @@ impl SshTarget {
             .stdin(Stdio::null());
         c
     }
+
+    /// `ssh … true`: `Ok` once the guest answers, else what ssh said.
+    pub async fn answers(&self) -> Result<(), String> {
+        let out = self
+            .command()
+            .arg(&self.host)
+            .arg("true")
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        match tokio::time::timeout(std::time::Duration::from_secs(20), out).await {
+            Err(_) => Err("ssh did not finish within 20s".to_owned()),
+            Ok(Err(e)) => Err(format!("cannot run ssh (install openssh-client): {e}")),
+            Ok(Ok(o)) if o.status.success() => Ok(()),
+            Ok(Ok(o)) => Err(String::from_utf8_lossy(&o.stderr).trim().to_owned()),
+        }
+    }
+
+    /// Run a command in the guest with `stdio` as its standard streams.
+    pub async fn exec(
+        &self,
+        req: ExecRequest,
+        [stdin, stdout, stderr]: [OwnedFd; 3],
+    ) -> Result<i32, BackendError> {
+        let mut child = self
+            .command()
+            .arg(&self.host)
+            .arg(remote_command(&req.argv, &req.env, &req.cwd))
+            .stdin(Stdio::from(stdin))
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::from(stderr))
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+        let wait = child.wait();
+        let status = match req.timeout {
+            Some(t) => tokio::time::timeout(t, wait).await.map_err(|_| {
+                BackendError::Timeout(format!(
+                    "command '{}' did not finish within {}s and was killed",
+                    req.argv.join(" "),
+                    t.as_secs()
+                ))
+            })?,
+            None => wait.await,
+        }
+        .map_err(|e| fail(e.to_string()))?;
+        Ok(exit_code(status))
+    }
+
+    /// Run a command in the guest on a pseudo-terminal of `size` (rows,
+    /// columns): a host pty with `ssh -tt`, which gives the guest one too.
+    pub fn exec_tty(
+        &self,
+        req: ExecRequest,
+        (rows, cols): (u16, u16),
+    ) -> Result<TtyProcess, BackendError> {
+        let (master, slave) =
+            crate::guest::open_pty((rows, cols)).map_err(|e| fail(e.to_string()))?;
+        let mut cmd = self.command();
+        cmd.arg("-tt")
+            .arg(&self.host)
+            .arg(remote_command(&req.argv, &req.env, &req.cwd))
+            .stdin(Stdio::from(
+                slave.try_clone().map_err(|e| fail(e.to_string()))?,
+            ))
+            .stdout(Stdio::from(
+                slave.try_clone().map_err(|e| fail(e.to_string()))?,
+            ))
+            .stderr(Stdio::from(slave))
+            .kill_on_drop(true);
+        // SAFETY: take_terminal only makes async-signal-safe calls.
+        unsafe {
+            cmd.pre_exec(crate::guest::take_terminal);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+        drop(cmd);
+        Ok(TtyProcess {
+            terminal: master,
+            exit: Box::pin(async move {
+                child
+                    .wait()
+                    .await
+                    .map(exit_code)
+                    .map_err(|e| fail(e.to_string()))
+            }),
+        })
+    }
+
+    /// A TCP connection to `addr:port` inside the guest (`ssh -W`).
+    pub fn connect(&self, addr: std::net::IpAddr, port: u16) -> Result<OwnedFd, BackendError> {
+        let (ours, theirs) = nix::sys::socket::socketpair(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::Stream,
+            None,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(|e| fail(e.to_string()))?;
+        let stdin = theirs.try_clone().map_err(|e| fail(e.to_string()))?;
+        let mut child = self
+            .command()
+            .arg("-W")
+            .arg(format!("{addr}:{port}"))
+            .arg(&self.host)
+            .stdin(Stdio::from(stdin))
+            .stdout(Stdio::from(theirs))
+            .spawn()
+            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+        // Reap it when the connection ends.
+        tokio::spawn(async move {
+            let _ = child.wait().await;
+        });
+        Ok(ours)
+    }
+
+    /// The guest's TCP listeners with their processes' working directories
+    /// (blocking: one ssh round trip).
+    #[must_use]
+    pub fn listeners(&self) -> Vec<Listener> {
+        // The guest's socket table, then each of the agent's sockets with
+        // its process's working directory; parsed here.
+        let script = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; echo --; \
+            for p in /proc/[0-9]*; do c=$(readlink $p/cwd 2>/dev/null) || continue; \
+            for f in $p/fd/*; do l=$(readlink $f 2>/dev/null) && case $l in socket:*) \
+            echo \"${p#/proc/} $l $c\";; esac; done; done";
+        let Ok(out) = self
+            .std_command()
+            .arg(&self.host)
+            .arg(script)
+            .stdin(Stdio::null())
+            .output()
+        else {
+            return Vec::new();
+        };
+        parse_guest_listeners(&String::from_utf8_lossy(&out.stdout))
+    }
+
+    /// Close the shared master connection, if there is one.
+    pub async fn close_master(&self) {
+        if self.control_path.is_some() {
+            let _ = self
+                .command()
+                .args(["-O", "exit"])
+                .arg(&self.host)
+                .stderr(Stdio::null())
+                .status()
+                .await;
+        }
+    }
+}
+
+/// Whether ssh's complaint means the guest showed a host key other than
+/// the pinned one.
+#[must_use]
+pub fn host_key_refused(stderr: &str) -> bool {
+    stderr.contains("Host key verification failed")
+        || stderr.contains("REMOTE HOST IDENTIFICATION HAS CHANGED")
+}
+
+fn fail(m: impl Into<String>) -> BackendError {
+    BackendError::Failed(m.into())
 }
 
 /// The remote command line that runs `argv` in `cwd` with `env` added.
@@ -170,6 +350,46 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), String> {
         .map_err(|e| format!("cannot set the mode of {}: {e}", host_key.display()))
 }
 
+/// Parse what the listener script prints: `/proc/net/tcp{,6}` lines, `--`,
+/// then `PID socket:[INODE] CWD` lines.
+pub fn parse_guest_listeners(text: &str) -> Vec<Listener> {
+    let (table, sockets) = text.split_once("\n--\n").unwrap_or((text, ""));
+    let listening: HashMap<u64, (std::net::IpAddr, u16)> = table
+        .lines()
+        .filter_map(crate::procfs::parse_tcp_line)
+        .collect();
+    let mut out = Vec::new();
+    for line in sockets.lines() {
+        let mut parts = line.splitn(3, ' ');
+        let (Some(pid), Some(sock), Some(cwd)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let inode = sock
+            .strip_prefix("socket:[")
+            .and_then(|s| s.strip_suffix(']'))
+            .and_then(|s| s.parse::<u64>().ok());
+        if let (Some(&(addr, port)), Ok(pid)) = (inode.and_then(|i| listening.get(&i)), pid.parse())
+        {
+            out.push(Listener {
+                addr,
+                port,
+                pid,
+                cwd: cwd.to_owned(),
+            });
+        }
+    }
+    out.sort_by_key(|l| (l.port, l.pid));
+    out.dedup_by_key(|l| l.port);
+    out
+}
+
+pub fn exit_code(status: std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,6 +435,28 @@ mod tests {
         assert_eq!(
             fs::read_to_string(dir.path().join("client/known_hosts")).unwrap(),
             pin
+        );
+    }
+
+    #[test]
+    fn guest_listeners_are_joined_to_their_processes() {
+        let text = "  sl  local_address rem_address   st\n\
+   0: 00000000:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 111 1 0 100 0 0 10 0\n\
+   1: 0100007F:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 222 1 0 100 0 0 10 0\n\
+   2: 0100007F:9C40 0100007F:1F40 01 00000000:00000000 00:00000000 00000000  1000        0 333 1 0 100 0 0 10 0\n\
+--\n\
+812 socket:[111] /workspace/.worktrees/feature x\n\
+812 socket:[333] /workspace/.worktrees/feature x\n\
+900 socket:[444] /home/agent\n";
+        let got = parse_guest_listeners(text);
+        assert_eq!(
+            got,
+            vec![Listener {
+                addr: std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                port: 8000,
+                pid: 812,
+                cwd: "/workspace/.worktrees/feature x".into(),
+            }]
         );
     }
 }
