@@ -98,7 +98,7 @@ pub enum Command {
         /// auto-idle. Default: manual.
         #[arg(long, value_parser = str::parse::<SyncMode>)]
         sync_mode: Option<SyncMode>,
-        /// Backend: local or microvm. Default: agentd's configured default.
+        /// Backend: local (namespaces), vm (a QEMU microVM agentd boots) or microvm (a NixOS microvm.nix unit). Default: agentd's configured default.
         #[arg(long, value_parser = str::parse::<BackendKind>)]
         backend: Option<BackendKind>,
         /// The git repository (its top-level directory).

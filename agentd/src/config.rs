@@ -31,6 +31,8 @@ pub struct DaemonConfig {
     pub local: LocalConfig,
     /// The microvm.nix backend.
     pub microvm: MicrovmConfig,
+    /// The QEMU backend (`vm`).
+    pub vm: VmConfig,
     /// Sandboxes declared by the administrator (NixOS `sandboxes.<name>`).
     pub sandboxes: BTreeMap<String, DeclaredSandbox>,
 }
@@ -107,6 +109,50 @@ impl Default for MicrovmConfig {
             ssh_host: None,
             subnet: crate::naming::DEFAULT_SUBNET.to_owned(),
             start_timeout_seconds: 120,
+        }
+    }
+}
+
+/// `vm` backend settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VmConfig {
+    /// Guest image directory (`vmlinux`, `initrd`, `rootfs.img`), as
+    /// `guest-image/debian/build.sh` or `nix build .#guest-image` make it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<PathBuf>,
+    /// QEMU binary.
+    pub qemu: PathBuf,
+    /// virtiofsd binary; default: /usr/libexec/virtiofsd,
+    /// /usr/lib/qemu/virtiofsd or PATH.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub virtiofsd: Option<PathBuf>,
+    /// vhost-device-vsock binary; default: PATH, then the cache of
+    /// `tests/install-tools.sh`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vhost_vsock: Option<PathBuf>,
+    /// `auto` (KVM when a test boot works, else TCG), `kvm` or `tcg`.
+    pub accel: crate::backend::vm::AccelChoice,
+    /// `auto` (virtiofs when agentd is root and virtiofsd is there, else
+    /// 9p), `virtiofs` or `9p`.
+    pub share: crate::backend::vm::ShareChoice,
+    /// Seconds a guest may take to answer on its control channel.
+    pub start_timeout_seconds: u32,
+    /// Seconds a guest gets to power off before it is killed.
+    pub stop_grace_seconds: u32,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        Self {
+            image: None,
+            qemu: PathBuf::from("qemu-system-x86_64"),
+            virtiofsd: None,
+            vhost_vsock: None,
+            accel: crate::backend::vm::AccelChoice::Auto,
+            share: crate::backend::vm::ShareChoice::Auto,
+            start_timeout_seconds: 180,
+            stop_grace_seconds: 30,
         }
     }
 }

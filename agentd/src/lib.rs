@@ -28,6 +28,7 @@ use keystone_agent_api::BackendKind;
 use crate::backend::Backend;
 use crate::backend::local::{LocalBackend, LocalSettings};
 use crate::backend::microvm::{MicrovmBackend, MicrovmSettings};
+use crate::backend::vm::{VmBackend, VmSettings};
 use crate::config::DaemonConfig;
 use crate::dbus::Bus;
 use crate::registry::Registry;
@@ -117,6 +118,18 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         start_timeout: Duration::from_secs(u64::from(config.microvm.start_timeout_seconds)),
         state_dir: dir.clone(),
     }));
+    let vm: Arc<dyn Backend> = Arc::new(VmBackend::new(VmSettings {
+        exe: exe.clone(),
+        state_dir: dir.clone(),
+        image: config.vm.image.clone(),
+        qemu: config.vm.qemu.clone(),
+        virtiofsd: config.vm.virtiofsd.clone(),
+        vhost_vsock: config.vm.vhost_vsock.clone(),
+        accel: config.vm.accel,
+        share: config.vm.share,
+        start_timeout: Duration::from_secs(u64::from(config.vm.start_timeout_seconds)),
+        stop_grace: Duration::from_secs(u64::from(config.vm.stop_grace_seconds)),
+    }));
     // Ask systemd about the guests before the registry is reconciled.
     let guests: Vec<String> = sandboxes
         .iter()
@@ -134,7 +147,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             default_backend: config.default_backend.unwrap_or(BackendKind::Local),
             defaults: config.defaults.clone(),
         },
-        vec![local, microvm],
+        vec![local, microvm, vm],
     );
     manager.reconcile(&config)?;
     if config.proxy.enable {
@@ -171,7 +184,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 pub fn run_helper(argv: &[String]) -> Option<i32> {
     let arg = argv.get(2).map_or("", String::as_str);
     type Helper = (&'static str, fn(&str) -> i32);
-    let helpers: [Helper; 7] = [
+    let helpers: [Helper; 9] = [
+        (backend::vm::supervise::VM_ARG, backend::vm::supervise::main),
+        (backend::vm::vsock::VSOCK_ARG, backend::vm::vsock::main),
         (guest::INIT_ARG, |_| guest::init::main()),
         (auth::CHECK_ARG, auth::check_main),
         (git::workspace::PREPARE_ARG, git::workspace::prepare_main),

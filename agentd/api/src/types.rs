@@ -149,6 +149,9 @@ string_enum! {
         Local => "local",
         /// A microvm.nix guest run by systemd as `microvm@<name>.service`.
         Microvm => "microvm",
+        /// A QEMU microVM that agentd boots itself from a guest image
+        /// (KVM when it works, else TCG).
+        Vm => "vm",
     }
 }
 

@@ -8,6 +8,7 @@
 pub mod local;
 pub mod microvm;
 pub mod ssh;
+pub mod vm;
 
 use std::collections::BTreeMap;
 use std::future::Future;

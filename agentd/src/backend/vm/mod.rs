@@ -1,0 +1,643 @@
+//! The `vm` backend: agentd boots each sandbox as a QEMU microVM itself
+//! (`-machine microvm`), from a guest image that follows the contract in
+//! docs/guest-image.md.
+//!
+//! Per sandbox, a supervisor (agentd re-executed, [`supervise`]) runs
+//! virtiofsd for the workspace (or QEMU's own 9p when there is no
+//! virtiofsd or agentd is not root), `vhost-device-vsock` for the control
+//! channel, and QEMU. agentd reaches the guest's sshd on vsock port 22
+//! through that device's unix socket ([`vsock`]), with the host key it
+//! pinned for the sandbox and one shared ssh connection; nothing listens
+//! on a host port. A sandbox is `running` once that sshd answers.
+
+pub mod qemu;
+pub mod supervise;
+pub mod vsock;
+
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use keystone_agent_api::BackendKind;
+use nix::sys::signal::{Signal, kill, killpg};
+use nix::unistd::Pid;
+
+use super::ssh::{self, SshTarget};
+use super::{
+    Backend, BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess,
+};
+use crate::procfs;
+use qemu::{Accel, Machine, Share};
+use supervise::{Helper, Plan, VM_ARG};
+
+/// Which accelerator to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AccelChoice {
+    /// KVM when the check passes, else TCG.
+    Auto,
+    /// KVM or fail.
+    Kvm,
+    /// Always TCG.
+    Tcg,
+}
+
+/// Which workspace share to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShareChoice {
+    /// virtiofs when virtiofsd is there and agentd is root, else 9p.
+    Auto,
+    /// virtiofs or fail.
+    Virtiofs,
+    /// 9p.
+    #[serde(rename = "9p")]
+    NineP,
+}
+
+/// Settings of the vm backend.
+#[derive(Debug, Clone)]
+pub struct VmSettings {
+    /// agentd's binary (the supervisor and the vsock helper).
+    pub exe: PathBuf,
+    /// agentd's state directory.
+    pub state_dir: PathBuf,
+    /// Directory with `vmlinux`, `initrd` and `rootfs.img`.
+    pub image: Option<PathBuf>,
+    /// QEMU binary (name or path).
+    pub qemu: PathBuf,
+    /// virtiofsd binary; default: the usual places.
+    pub virtiofsd: Option<PathBuf>,
+    /// vhost-device-vsock binary; default: PATH, then the cache.
+    pub vhost_vsock: Option<PathBuf>,
+    /// Accelerator choice.
+    pub accel: AccelChoice,
+    /// Share choice.
+    pub share: ShareChoice,
+    /// Limit for the guest to answer.
+    pub start_timeout: Duration,
+    /// Time the guest gets to power off before it is killed.
+    pub stop_grace: Duration,
+}
+
+/// The QEMU microVM backend.
+#[derive(Debug)]
+pub struct VmBackend {
+    settings: VmSettings,
+    /// KVM check result, per kernel checked.
+    kvm: tokio::sync::Mutex<Option<(PathBuf, Result<(), String>)>>,
+}
+
+fn fail(m: impl Into<String>) -> BackendError {
+    BackendError::Failed(m.into())
+}
+
+/// The last `n` lines of a log file, indented, or "" when there are none.
+fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let text = String::from_utf8_lossy(&text);
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim_end)
+        .filter(|l| !l.is_empty())
+        .collect();
+    if lines.is_empty() {
+        return String::new();
+    }
+    let start = lines.len().saturating_sub(n);
+    format!(
+        "\nlast lines of {}:\n  {}",
+        path.display(),
+        lines[start..].join("\n  ")
+    )
+}
+
+/// Where the sandbox's VM files live.
+struct Paths {
+    dir: PathBuf,
+    vm: PathBuf,
+    plan: PathBuf,
+    vsock_socket: PathBuf,
+    vsock_uds: PathBuf,
+    fs_socket: PathBuf,
+    boot_log: PathBuf,
+    vm_log: PathBuf,
+}
+
+impl Paths {
+    fn new(spec: &SandboxSpec) -> Self {
+        let dir = spec
+            .workspace
+            .parent()
+            .map_or_else(|| spec.workspace.clone(), Path::to_path_buf);
+        let vm = spec.run_dir.join("vm");
+        Self {
+            plan: vm.join("plan.json"),
+            vsock_socket: vm.join("vsock.sock"),
+            vsock_uds: vm.join("vsock.uds"),
+            fs_socket: vm.join("virtiofs.sock"),
+            boot_log: spec.log_dir.join("boot.log"),
+            vm_log: spec.log_dir.join("vm.log"),
+            dir,
+            vm,
+        }
+    }
+}
+
+impl VmBackend {
+    /// A backend with these settings.
+    #[must_use]
+    pub fn new(settings: VmSettings) -> Self {
+        Self {
+            settings,
+            kvm: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    fn target(&self, spec: &SandboxSpec, user: &str) -> SshTarget {
+        let p = Paths::new(spec);
+        SshTarget {
+            user: user.to_owned(),
+            host: format!("keystone-{}", spec.name),
+            port: 22,
+            key: p.dir.join("client/id_ed25519"),
+            known_hosts: p.dir.join("client/known_hosts"),
+            alias: format!("keystone-{}", spec.name),
+            proxy_command: Some(format!(
+                "{} {} {}",
+                ssh::quote(&self.settings.exe.to_string_lossy()),
+                vsock::VSOCK_ARG,
+                ssh::quote(&p.vsock_uds.to_string_lossy())
+            )),
+            control_path: Some(p.dir.join(format!("client/{user}.mux"))),
+        }
+    }
+
+    /// The accelerator for `kernel`, and why not KVM when it is TCG.
+    async fn accel(&self, kernel: &Path) -> Result<(Accel, String), BackendError> {
+        if self.settings.accel == AccelChoice::Tcg {
+            return Ok((Accel::Tcg, "TCG (configured)".to_owned()));
+        }
+        let mut cached = self.kvm.lock().await;
+        let result = match cached.as_ref() {
+            Some((k, r)) if k == kernel => r.clone(),
+            _ => {
+                let r = qemu::probe_kvm(&self.qemu()?, kernel).await;
+                match &r {
+                    Ok(()) => tracing::info!("KVM runs guests here: using it"),
+                    Err(e) => {
+                        tracing::info!(reason = %e, "KVM is not usable: guests run under TCG")
+                    }
+                }
+                *cached = Some((kernel.to_path_buf(), r.clone()));
+                r
+            }
+        };
+        match (result, self.settings.accel) {
+            (Ok(()), _) => Ok((Accel::Kvm, "KVM".to_owned())),
+            (Err(e), AccelChoice::Kvm) => Err(fail(format!(
+                "vm.accel is \"kvm\" but KVM cannot run guests here: {e}; set vm.accel to \"auto\""
+            ))),
+            (Err(e), _) => Ok((Accel::Tcg, format!("TCG (KVM unusable: {e})"))),
+        }
+    }
+
+    fn qemu(&self) -> Result<PathBuf, BackendError> {
+        qemu::find_program(std::slice::from_ref(&self.settings.qemu)).ok_or_else(|| {
+            fail(format!(
+                "QEMU ({}) is not installed: apt-get install qemu-system-x86, or set vm.qemu",
+                self.settings.qemu.display()
+            ))
+        })
+    }
+
+    fn vhost_vsock(&self) -> Result<PathBuf, BackendError> {
+        let cache = std::env::var_os("KEYSTONE_CACHE_DIR")
+            .map(PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("keystone-agent"))
+            })
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/keystone-agent"))
+            });
+        let mut names: Vec<PathBuf> = self.settings.vhost_vsock.iter().cloned().collect();
+        if names.is_empty() {
+            names.push("vhost-device-vsock".into());
+            names.extend(cache.map(|c| {
+                c.join(format!(
+                    "vhost-device-vsock-{VHOST_VSOCK_VERSION}/bin/vhost-device-vsock"
+                ))
+            }));
+        }
+        qemu::find_program(&names).ok_or_else(|| {
+            fail(format!(
+                "vhost-device-vsock (the guest's control channel) is not installed: run \
+                 tests/install-tools.sh vhost-device-vsock, or set vm.vhost_vsock (looked for {})",
+                names
+                    .iter()
+                    .map(|n| n.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+    }
+
+    fn share(&self, p: &Paths) -> Result<(Share, Option<PathBuf>), BackendError> {
+        let virtiofsd = match &self.settings.virtiofsd {
+            Some(v) => qemu::find_program(std::slice::from_ref(v)),
+            None => qemu::find_program(&[
+                "/usr/libexec/virtiofsd".into(),
+                "/usr/lib/qemu/virtiofsd".into(),
+                "virtiofsd".into(),
+            ]),
+        };
+        let root = nix::unistd::Uid::effective().is_root();
+        match (self.settings.share, virtiofsd) {
+            (ShareChoice::NineP, _) => Ok((Share::NineP, None)),
+            (ShareChoice::Auto, Some(v)) if root => {
+                Ok((Share::Virtiofs(p.fs_socket.clone()), Some(v)))
+            }
+            (ShareChoice::Auto, _) => Ok((Share::NineP, None)),
+            (ShareChoice::Virtiofs, Some(v)) if root => {
+                Ok((Share::Virtiofs(p.fs_socket.clone()), Some(v)))
+            }
+            (ShareChoice::Virtiofs, Some(_)) => Err(fail(
+                "vm.share is \"virtiofs\" but virtiofsd needs agentd to run as root; set vm.share to \"auto\"",
+            )),
+            (ShareChoice::Virtiofs, None) => Err(fail(
+                "vm.share is \"virtiofs\" but there is no virtiofsd (apt-get install qemu-system-common, or set vm.virtiofsd)",
+            )),
+        }
+    }
+
+    fn image(&self) -> Result<(PathBuf, PathBuf, PathBuf), BackendError> {
+        let Some(dir) = &self.settings.image else {
+            return Err(fail(
+                "no guest image is configured for the vm backend: build one with \
+                 guest-image/debian/build.sh (or nix build .#guest-image) and set vm.image \
+                 in agentd's config to its directory",
+            ));
+        };
+        let file = |n: &str| {
+            let p = dir.join(n);
+            if p.is_file() {
+                Ok(p)
+            } else {
+                Err(fail(format!(
+                    "the guest image {} has no {n} ({} is missing); rebuild it with \
+                     guest-image/debian/build.sh",
+                    dir.display(),
+                    p.display()
+                )))
+            }
+        };
+        Ok((file("vmlinux")?, file("initrd")?, file("rootfs.img")?))
+    }
+
+    /// A spec with the paths of the sandbox whose supervisor `rt` names.
+    fn spec_of(&self, rt: &Runtime) -> Option<SandboxSpec> {
+        let cmdline = procfs::cmdline(rt.supervisor_pid)?;
+        let name = cmdline.get(3)?.clone();
+        let dir = self.settings.state_dir.join("sandboxes").join(&name);
+        Some(SandboxSpec {
+            name,
+            uid: 0,
+            gid: 0,
+            workspace: dir.join("workspace"),
+            home: dir.join("home"),
+            run_dir: dir.join("run"),
+            log_dir: dir.join("logs"),
+            config: keystone_agent_api::SandboxConfig::default(),
+        })
+    }
+
+    async fn start_inner(&self, spec: &SandboxSpec) -> Result<Runtime, BackendError> {
+        let p = Paths::new(spec);
+        let (kernel, initrd, rootfs) = self.image()?;
+        let qemu = self.qemu()?;
+        let vhost_vsock = self.vhost_vsock()?;
+        let (share, virtiofsd) = self.share(&p)?;
+        let (accel, accel_why) = self.accel(&kernel).await?;
+        let alias = format!("keystone-{}", spec.name);
+        let dir = p.dir.clone();
+        tokio::task::spawn_blocking(move || ssh::provision(&dir, &alias))
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .map_err(fail)?;
+        let io = |what: &str, e: std::io::Error| fail(format!("cannot prepare {what}: {e}"));
+        std::fs::create_dir_all(&p.vm).map_err(|e| io("the VM's run directory", e))?;
+        std::fs::create_dir_all(&spec.log_dir).map_err(|e| io("the log directory", e))?;
+        for f in [&p.vsock_uds, &p.fs_socket, &p.vsock_socket] {
+            let _ = std::fs::remove_file(f);
+        }
+        std::fs::write(&p.boot_log, b"").map_err(|e| io("logs/boot.log", e))?;
+        let machine = Machine {
+            name: spec.name.clone(),
+            kernel,
+            initrd,
+            rootfs,
+            memory: spec.config.memory,
+            vcpus: spec.config.vcpus,
+            accel,
+            share: share.clone(),
+            workspace: spec.workspace.clone(),
+            network: spec.config.network,
+            vsock: p.vsock_socket.clone(),
+            console_log: p.boot_log.clone(),
+            host_key: p.dir.join("ssh/ssh_host_ed25519_key"),
+            authorized_keys: p.dir.join("ssh/authorized_keys"),
+            uid: spec.uid,
+            gid: spec.gid,
+        };
+        let s = |p: &Path| p.display().to_string();
+        let mut helpers = Vec::new();
+        if let Some(v) = &virtiofsd {
+            helpers.push(Helper {
+                name: "virtiofsd".into(),
+                argv: vec![
+                    s(v),
+                    format!("--socket-path={}", s(&p.fs_socket)),
+                    "-o".into(),
+                    format!("source={}", s(&spec.workspace)),
+                    "-o".into(),
+                    "cache=auto".into(),
+                ],
+                socket: p.fs_socket.clone(),
+            });
+        }
+        helpers.push(Helper {
+            name: "vhost-device-vsock".into(),
+            argv: vec![
+                s(&vhost_vsock),
+                "--vm".into(),
+                format!(
+                    "guest-cid=3,socket={},uds-path={}",
+                    s(&p.vsock_socket),
+                    s(&p.vsock_uds)
+                ),
+            ],
+            socket: p.vsock_socket.clone(),
+        });
+        let mut argv = vec![s(&qemu)];
+        argv.extend(qemu::qemu_args(&machine));
+        let plan = Plan {
+            helpers,
+            qemu: argv,
+            log: p.vm_log.clone(),
+        };
+        let json = serde_json::to_vec_pretty(&plan).map_err(|e| fail(e.to_string()))?;
+        crate::registry::atomic_write(&p.plan, &json)
+            .map_err(|e| fail(format!("cannot write run/vm/plan.json: {e}")))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p.vm_log)
+            .map_err(|e| io("logs/vm.log", e))?;
+        let log2 = log.try_clone().map_err(|e| io("logs/vm.log", e))?;
+        let mut cmd = std::process::Command::new(&self.settings.exe);
+        cmd.arg(VM_ARG)
+            .arg(&p.plan)
+            .arg(&spec.name)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            .env_remove(crate::confine::CONFINE_ENV);
+        // SAFETY: setsid is async-signal-safe.
+        unsafe {
+            cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| fail(format!("cannot start the VM supervisor: {e}")))?;
+        let pid = i32::try_from(child.id()).map_err(|e| fail(e.to_string()))?;
+        let start_time = procfs::start_time(pid).unwrap_or(0);
+        // Reap it when it ends (adopted supervisors are reaped by init).
+        std::thread::spawn(move || child.wait());
+        let rt = Runtime {
+            supervisor_pid: pid,
+            init_pid: pid,
+            init_start_time: start_time,
+            pid_ns: 0,
+            limits: format!(
+                "{} vCPUs, {} MiB RAM; QEMU microvm under {accel_why}; workspace over {}",
+                spec.config.vcpus,
+                spec.config.memory,
+                share.as_str()
+            ),
+            unit: String::new(),
+        };
+        tracing::info!(sandbox = %spec.name, pid, accel = accel.as_str(), share = share.as_str(), "VM starting");
+        match self.wait_answer(spec, &rt, &p).await {
+            Ok(()) => Ok(rt),
+            Err(e) => {
+                self.kill_group(&rt).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Wait until the guest's sshd answers over vsock.
+    async fn wait_answer(
+        &self,
+        spec: &SandboxSpec,
+        rt: &Runtime,
+        p: &Paths,
+    ) -> Result<(), BackendError> {
+        let target = self.target(spec, "agent");
+        let started = Instant::now();
+        let limit = self.settings.start_timeout;
+        let logs = || format!("{}{}", tail(&p.boot_log, 15), tail(&p.vm_log, 10));
+        loop {
+            if !self.is_alive(rt) {
+                return Err(fail(format!(
+                    "the VM of {} ended while booting{}",
+                    spec.name,
+                    logs()
+                )));
+            }
+            // Until the guest's vsock device is up the handshake fails
+            // at once; no point asking ssh.
+            if p.vsock_uds.exists()
+                && let Err(last) = target.answers().await
+            {
+                if ssh::host_key_refused(&last) {
+                    return Err(fail(format!(
+                        "the guest of {} presented a host key other than the one agentd \
+                         provisioned for it; refusing to talk to it: {last}",
+                        spec.name
+                    )));
+                }
+                if started.elapsed() > limit {
+                    return Err(BackendError::Timeout(format!(
+                        "the guest of {} did not answer on its control channel within {}s: {last}{}",
+                        spec.name,
+                        limit.as_secs(),
+                        logs()
+                    )));
+                }
+            } else if p.vsock_uds.exists() {
+                tracing::info!(sandbox = %spec.name, secs = started.elapsed().as_secs_f64(), "guest answers");
+                return Ok(());
+            } else if started.elapsed() > limit {
+                return Err(BackendError::Timeout(format!(
+                    "the VM of {} did not come up within {}s{}",
+                    spec.name,
+                    limit.as_secs(),
+                    logs()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGTERM the supervisor (QEMU quits, helpers end), then SIGKILL the
+    /// whole process group after 5 seconds.
+    async fn kill_group(&self, rt: &Runtime) {
+        if self.is_alive(rt) {
+            let _ = kill(Pid::from_raw(rt.supervisor_pid), Signal::SIGTERM);
+            let _ = tokio::time::timeout(Duration::from_secs(5), self.wait_exit(rt)).await;
+        }
+        // Members of the group outlive a killed leader only by accident;
+        // the group id stays reserved while any is left.
+        let _ = killpg(Pid::from_raw(rt.supervisor_pid), Signal::SIGKILL);
+    }
+
+    async fn stop_inner(
+        &self,
+        spec: &SandboxSpec,
+        rt: &Runtime,
+        force: bool,
+    ) -> Result<(), BackendError> {
+        if !force && self.is_alive(rt) {
+            // A clean shutdown from inside: the guest syncs its disks and
+            // powers off, and QEMU (run with -no-reboot) exits.
+            let root = self.target(spec, "root");
+            let ask = root
+                .command()
+                .arg(&root.host)
+                .arg("systemctl poweroff || poweroff")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .kill_on_drop(true)
+                .status();
+            let _ = tokio::time::timeout(Duration::from_secs(10), ask).await;
+            if tokio::time::timeout(self.settings.stop_grace, self.wait_exit(rt))
+                .await
+                .is_err()
+            {
+                tracing::warn!(sandbox = %spec.name, "the guest did not power off in time: killing it");
+            }
+        }
+        self.kill_group(rt).await;
+        for user in ["agent", "root"] {
+            let _ = std::fs::remove_file(Paths::new(spec).dir.join(format!("client/{user}.mux")));
+        }
+        Ok(())
+    }
+}
+
+/// The version of vhost-device-vsock that tests/install-tools.sh installs.
+pub const VHOST_VSOCK_VERSION: &str = "0.3.0";
+
+impl Backend for VmBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Vm
+    }
+
+    fn start<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<Runtime, BackendError>> {
+        Box::pin(self.start_inner(spec))
+    }
+
+    fn stop<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        rt: &'a Runtime,
+        force: bool,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(self.stop_inner(spec, rt, force))
+    }
+
+    fn exec<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+        stdio: [OwnedFd; 3],
+    ) -> BoxFut<'a, Result<i32, BackendError>> {
+        Box::pin(async move { self.target(spec, "agent").exec(req, stdio).await })
+    }
+
+    fn exec_tty<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+        size: (u16, u16),
+    ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
+        Box::pin(async move { self.target(spec, "agent").exec_tty(req, size) })
+    }
+
+    fn listeners(&self, rt: &Runtime) -> Vec<Listener> {
+        // The plan names the sandbox's directories.
+        let Some(spec) = self.spec_of(rt) else {
+            return Vec::new();
+        };
+        self.target(&spec, "root").listeners()
+    }
+
+    fn connect<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        addr: std::net::IpAddr,
+        port: u16,
+    ) -> BoxFut<'a, Result<OwnedFd, BackendError>> {
+        Box::pin(async move { self.target(spec, "agent").connect(addr, port) })
+    }
+
+    fn is_alive(&self, rt: &Runtime) -> bool {
+        rt.init_pid > 0
+            && procfs::start_time(rt.init_pid) == Some(rt.init_start_time)
+            && procfs::state(rt.init_pid).is_some_and(|s| s != 'Z')
+    }
+
+    fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
+        Box::pin(async move {
+            let Ok(fd) = procfs::pidfd_open(rt.init_pid) else {
+                return;
+            };
+            if !self.is_alive(rt) {
+                return;
+            }
+            // SAFETY: `fd` is an open pidfd that the AsyncFd owns.
+            let registered = unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+            };
+            if let Ok(afd) = registered {
+                let _ = afd.readable().await;
+            }
+        })
+    }
+
+    fn kill_strays(&self, keep: &[(String, Runtime)]) -> Vec<String> {
+        let state = self.settings.state_dir.to_string_lossy().into_owned();
+        let mut killed = Vec::new();
+        for (pid, cmdline) in procfs::pids_with_args(&[VM_ARG]) {
+            if !cmdline.get(2).is_some_and(|p| p.starts_with(&state)) {
+                continue;
+            }
+            let name = cmdline.get(3).cloned().unwrap_or_default();
+            let kept = keep
+                .iter()
+                .any(|(n, rt)| *n == name && rt.supervisor_pid == pid && self.is_alive(rt));
+            if !kept {
+                tracing::warn!(sandbox = %name, pid, "killing a leftover VM");
+                let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+                if !killed.contains(&name) {
+                    killed.push(name);
+                }
+            }
+        }
+        killed
+    }
+}

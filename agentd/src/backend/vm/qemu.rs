@@ -1,0 +1,354 @@
+//! The QEMU side of the `vm` backend: the command lines of QEMU and its
+//! device helpers, and the check that decides between KVM and TCG.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use keystone_agent_api::Network;
+use tokio::io::AsyncReadExt;
+
+/// How QEMU runs the guest's CPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    /// Hardware virtualisation through /dev/kvm.
+    Kvm,
+    /// QEMU's software emulation.
+    Tcg,
+}
+
+impl Accel {
+    /// The name QEMU (and `agentctl status`) uses.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kvm => "kvm",
+            Self::Tcg => "tcg",
+        }
+    }
+}
+
+/// How the workspace reaches the guest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Share {
+    /// virtio-fs through a virtiofsd listening on this socket.
+    Virtiofs(PathBuf),
+    /// virtio-9p served by QEMU itself.
+    NineP,
+}
+
+impl Share {
+    /// The name the guest's `keystone.share=` expects.
+    #[must_use]
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Virtiofs(_) => "virtiofs",
+            Self::NineP => "9p",
+        }
+    }
+}
+
+/// Everything QEMU's command line is made of.
+#[derive(Debug, Clone)]
+pub struct Machine {
+    /// Sandbox name (QEMU's `-name`, the guest's hostname).
+    pub name: String,
+    /// Uncompressed kernel (`vmlinux`).
+    pub kernel: PathBuf,
+    /// Initramfs.
+    pub initrd: PathBuf,
+    /// Root filesystem image, used copy-on-write (never written).
+    pub rootfs: PathBuf,
+    /// RAM in MiB.
+    pub memory: u32,
+    /// Virtual CPUs.
+    pub vcpus: u32,
+    /// Accelerator.
+    pub accel: Accel,
+    /// Workspace share.
+    pub share: Share,
+    /// Host directory shared as `/workspace`.
+    pub workspace: PathBuf,
+    /// Network mode.
+    pub network: Network,
+    /// vhost-user socket of the vsock device.
+    pub vsock: PathBuf,
+    /// File the serial console is written to.
+    pub console_log: PathBuf,
+    /// The guest's ssh host key (handed over through fw_cfg).
+    pub host_key: PathBuf,
+    /// Keys allowed to log in (handed over through fw_cfg).
+    pub authorized_keys: PathBuf,
+    /// Host uid and gid that own the workspace (the guest's `agent`).
+    pub uid: u32,
+    /// See `uid`.
+    pub gid: u32,
+}
+
+/// The kernel command line of a guest (docs/guest-image.md).
+#[must_use]
+pub fn kernel_cmdline(m: &Machine) -> String {
+    let mut c = format!(
+        "console=ttyS0 quiet panic=-1 keystone.name={} keystone.share={} keystone.uid={} keystone.gid={}",
+        m.name,
+        m.share.as_str(),
+        m.uid,
+        m.gid
+    );
+    if m.accel == Accel::Tcg {
+        // Without them an emulated guest may hang calibrating its clock.
+        c.push_str(" tsc_early_khz=2100000 tsc=reliable");
+    }
+    c
+}
+
+/// QEMU's arguments (after the program name) for `m`.
+#[must_use]
+pub fn qemu_args(m: &Machine) -> Vec<String> {
+    let p = |p: &Path| p.display().to_string();
+    let mut a: Vec<String> = vec![
+        "-name".into(),
+        format!("keystone-{},debug-threads=on", m.name),
+        "-machine".into(),
+        format!("microvm,accel={},memory-backend=mem", m.accel.as_str()),
+        "-cpu".into(),
+        (if m.accel == Accel::Kvm { "host" } else { "max" }).into(),
+        "-smp".into(),
+        m.vcpus.to_string(),
+        "-m".into(),
+        format!("{}M", m.memory),
+        // vhost-user devices need guest memory the helpers can map.
+        "-object".into(),
+        format!("memory-backend-memfd,id=mem,size={}M,share=on", m.memory),
+        "-nodefaults".into(),
+        "-no-user-config".into(),
+        "-nographic".into(),
+        "-no-reboot".into(),
+        "-serial".into(),
+        format!("file:{}", p(&m.console_log)),
+        "-kernel".into(),
+        p(&m.kernel),
+        "-initrd".into(),
+        p(&m.initrd),
+        "-append".into(),
+        kernel_cmdline(m),
+        "-drive".into(),
+        format!(
+            "id=root,file={},format=raw,if=none,snapshot=on,cache=unsafe",
+            p(&m.rootfs)
+        ),
+        "-device".into(),
+        "virtio-blk-device,drive=root".into(),
+        "-global".into(),
+        "virtio-mmio.force-legacy=false".into(),
+        "-chardev".into(),
+        format!("socket,id=vsock,path={}", p(&m.vsock)),
+        "-device".into(),
+        "vhost-user-vsock-device,chardev=vsock".into(),
+        "-fw_cfg".into(),
+        format!("name=opt/keystone/host_key,file={}", p(&m.host_key)),
+        "-fw_cfg".into(),
+        format!(
+            "name=opt/keystone/authorized_keys,file={}",
+            p(&m.authorized_keys)
+        ),
+    ];
+    match &m.share {
+        Share::Virtiofs(sock) => a.extend([
+            "-chardev".into(),
+            format!("socket,id=fs,path={}", p(sock)),
+            "-device".into(),
+            "vhost-user-fs-device,chardev=fs,tag=workspace".into(),
+        ]),
+        Share::NineP => a.extend([
+            "-fsdev".into(),
+            format!(
+                "local,id=fs,path={},security_model=none,multidevs=remap",
+                p(&m.workspace)
+            ),
+            "-device".into(),
+            "virtio-9p-device,fsdev=fs,mount_tag=workspace".into(),
+        ]),
+    }
+    match m.network {
+        Network::None => {}
+        // QEMU's user-mode network: outbound only, nothing bound on the host.
+        Network::Nat | Network::Bridge => a.extend([
+            "-netdev".into(),
+            "user,id=net0".into(),
+            "-device".into(),
+            "virtio-net-device,netdev=net0".into(),
+        ]),
+    }
+    a
+}
+
+/// Whether KVM can run this kernel: the guest must print its first kernel
+/// line within a few seconds under `accel=kvm`. `/dev/kvm` existing is not
+/// enough (some hosts' KVM runs only special guests).
+pub async fn probe_kvm(qemu: &Path, kernel: &Path) -> Result<(), String> {
+    if let Err(e) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    {
+        return Err(format!("cannot open /dev/kvm: {e}"));
+    }
+    let mut child = tokio::process::Command::new(qemu)
+        .args([
+            "-machine",
+            "microvm,accel=kvm",
+            "-cpu",
+            "host",
+            "-m",
+            "128M",
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+            "-append",
+            "console=ttyS0 earlyprintk=ttyS0 panic=-1",
+            "-kernel",
+        ])
+        .arg(kernel)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", qemu.display()))?;
+    let mut out = child.stdout.take().expect("piped");
+    let mut seen = Vec::new();
+    let booted = tokio::time::timeout(Duration::from_secs(3), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match out.read(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) => {
+                    seen.extend_from_slice(&buf[..n]);
+                    if seen.windows(13).any(|w| w == b"Linux version") {
+                        return true;
+                    }
+                }
+            }
+        }
+    })
+    .await;
+    let _ = child.kill().await;
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = tokio::time::timeout(Duration::from_millis(200), e.read_to_string(&mut err)).await;
+    }
+    match booted {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(format!(
+            "QEMU ended before the kernel started under KVM: {}",
+            err.lines().next().unwrap_or("no message").trim()
+        )),
+        Err(_) => Err("the kernel printed nothing within 3s under KVM".to_owned()),
+    }
+}
+
+/// The first of `names` that is an executable file, trying PATH for bare
+/// names.
+#[must_use]
+pub fn find_program(names: &[PathBuf]) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    for n in names {
+        if n.components().count() > 1 {
+            if executable(n) {
+                return Some(n.clone());
+            }
+            continue;
+        }
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        for dir in std::env::split_paths(&path) {
+            let c = dir.join(n);
+            if executable(&c) {
+                return Some(c);
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine(share: Share, network: Network, accel: Accel) -> Machine {
+        Machine {
+            name: "demo".into(),
+            kernel: "/img/vmlinux".into(),
+            initrd: "/img/initrd".into(),
+            rootfs: "/img/rootfs.img".into(),
+            memory: 1024,
+            vcpus: 2,
+            accel,
+            share,
+            workspace: "/s/demo/workspace".into(),
+            network,
+            vsock: "/s/demo/run/vm/vsock.sock".into(),
+            console_log: "/s/demo/logs/boot.log".into(),
+            host_key: "/s/demo/ssh/ssh_host_ed25519_key".into(),
+            authorized_keys: "/s/demo/ssh/authorized_keys".into(),
+            uid: 1000,
+            gid: 100,
+        }
+    }
+
+    fn has(args: &[String], pair: [&str; 2]) -> bool {
+        args.windows(2).any(|w| w[0] == pair[0] && w[1] == pair[1])
+    }
+
+    #[test]
+    fn a_guest_without_network_gets_no_nic_and_its_keys_stay_out_of_argv() {
+        let m = machine(
+            Share::Virtiofs("/s/demo/run/vm/fs.sock".into()),
+            Network::None,
+            Accel::Tcg,
+        );
+        let a = qemu_args(&m);
+        assert!(!a.iter().any(|x| x.contains("netdev")), "{a:?}");
+        assert!(has(&a, ["-smp", "2"]) && has(&a, ["-m", "1024M"]), "{a:?}");
+        assert!(has(
+            &a,
+            ["-device", "vhost-user-fs-device,chardev=fs,tag=workspace"]
+        ));
+        assert!(has(
+            &a,
+            [
+                "-fw_cfg",
+                "name=opt/keystone/host_key,file=/s/demo/ssh/ssh_host_ed25519_key"
+            ]
+        ));
+        let cmdline = &a[a.iter().position(|x| x == "-append").unwrap() + 1];
+        assert!(
+            cmdline.contains("keystone.share=virtiofs keystone.uid=1000 keystone.gid=100"),
+            "{cmdline}"
+        );
+        assert!(cmdline.contains("tsc=reliable"), "{cmdline}");
+        assert!(a.iter().any(|x| x.starts_with("microvm,accel=tcg")));
+    }
+
+    #[test]
+    fn nat_uses_user_mode_networking_and_9p_needs_no_helper() {
+        let a = qemu_args(&machine(Share::NineP, Network::Nat, Accel::Kvm));
+        assert!(has(&a, ["-netdev", "user,id=net0"]), "{a:?}");
+        assert!(!a.iter().any(|x| x.contains("hostfwd")), "{a:?}");
+        assert!(has(
+            &a,
+            ["-device", "virtio-9p-device,fsdev=fs,mount_tag=workspace"]
+        ));
+        assert!(has(&a, ["-cpu", "host"]));
+        let cmdline = &a[a.iter().position(|x| x == "-append").unwrap() + 1];
+        assert!(!cmdline.contains("tsc="), "{cmdline}");
+        assert!(cmdline.contains("keystone.share=9p"), "{cmdline}");
+    }
+}
