@@ -19,7 +19,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 suite=bookworm
 mirror="${KEYSTONE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-packages=systemd-sysv,udev,openssh-server,git,ca-certificates,iproute2,procps,less
+packages=systemd-sysv,udev,openssh-server,git,ca-certificates,iproute2,procps,less,busybox
 # Drivers the initramfs loads (with what they depend on): the virtio-mmio
 # bus, the root disk, both share protocols, vsock, the NIC and fw_cfg.
 modules="virtio_mmio virtio_blk crc32c_generic ext4 virtiofs 9p 9pnet_virtio vmw_vsock_virtio_transport virtio_net qemu_fw_cfg"

@@ -216,12 +216,12 @@ impl SshTarget {
     /// (blocking: one ssh round trip).
     #[must_use]
     pub fn listeners(&self) -> Vec<Listener> {
-        // The guest's socket table, then each of the agent's sockets with
-        // its process's working directory; parsed here.
+        // The guest's socket table, then every process's working directory
+        // and socket descriptors, from one `find` (a shell loop forks per
+        // descriptor, which takes seconds in an emulated guest).
         let script = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; echo --; \
-            for p in /proc/[0-9]*; do c=$(readlink $p/cwd 2>/dev/null) || continue; \
-            for f in $p/fd/*; do l=$(readlink $f 2>/dev/null) && case $l in socket:*) \
-            echo \"${p#/proc/} $l $c\";; esac; done; done";
+            find /proc/[0-9]*/cwd /proc/[0-9]*/fd -maxdepth 1 \\( -name cwd -o -lname 'socket:*' \\) \
+            -printf '%p %l\\n' 2>/dev/null";
         let Ok(out) = self
             .std_command()
             .arg(&self.host)
@@ -351,38 +351,53 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), String> {
 }
 
 /// Parse what the listener script prints: `/proc/net/tcp{,6}` lines, `--`,
-/// then `PID socket:[INODE] CWD` lines.
+/// then `/proc/PID/cwd CWD` and `/proc/PID/fd/N socket:[INODE]` lines.
 pub fn parse_guest_listeners(text: &str) -> Vec<Listener> {
-    let (table, sockets) = text.split_once("\n--\n").unwrap_or((text, ""));
+    let (table, links) = text.split_once("\n--\n").unwrap_or((text, ""));
     let listening: HashMap<u64, (std::net::IpAddr, u16)> = table
         .lines()
         .filter_map(crate::procfs::parse_tcp_line)
         .collect();
-    let mut out = Vec::new();
-    for line in sockets.lines() {
-        let mut parts = line.splitn(3, ' ');
-        let (Some(pid), Some(sock), Some(cwd)) = (parts.next(), parts.next(), parts.next()) else {
+    let mut cwds: HashMap<i32, &str> = HashMap::new();
+    let mut sockets: Vec<(i32, u64)> = Vec::new();
+    for line in links.lines() {
+        let Some((path, target)) = line.split_once(' ') else {
             continue;
         };
-        let inode = sock
+        let mut parts = path.trim_start_matches("/proc/").splitn(2, '/');
+        let (Some(Ok(pid)), Some(what)) = (parts.next().map(str::parse::<i32>), parts.next())
+        else {
+            continue;
+        };
+        if what == "cwd" {
+            cwds.insert(pid, target);
+        } else if let Some(inode) = target
             .strip_prefix("socket:[")
             .and_then(|s| s.strip_suffix(']'))
-            .and_then(|s| s.parse::<u64>().ok());
-        if let (Some(&(addr, port)), Ok(pid)) = (inode.and_then(|i| listening.get(&i)), pid.parse())
+            .and_then(|s| s.parse::<u64>().ok())
         {
-            out.push(Listener {
+            sockets.push((pid, inode));
+        }
+    }
+    let mut out: Vec<Listener> = sockets
+        .into_iter()
+        .filter_map(|(pid, inode)| {
+            let &(addr, port) = listening.get(&inode)?;
+            Some(Listener {
                 addr,
                 port,
                 pid,
-                cwd: cwd.to_owned(),
-            });
-        }
-    }
+                cwd: (*cwds.get(&pid)?).to_owned(),
+            })
+        })
+        .collect();
     out.sort_by_key(|l| (l.port, l.pid));
     out.dedup_by_key(|l| l.port);
     out
 }
 
+/// The exit code of a finished process as a shell reports it (128 + signal
+/// for a killed one).
 pub fn exit_code(status: std::process::ExitStatus) -> i32 {
     use std::os::unix::process::ExitStatusExt;
     status
@@ -445,9 +460,12 @@ mod tests {
    1: 0100007F:0016 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 222 1 0 100 0 0 10 0\n\
    2: 0100007F:9C40 0100007F:1F40 01 00000000:00000000 00:00000000 00000000  1000        0 333 1 0 100 0 0 10 0\n\
 --\n\
-812 socket:[111] /workspace/.worktrees/feature x\n\
-812 socket:[333] /workspace/.worktrees/feature x\n\
-900 socket:[444] /home/agent\n";
+/proc/812/cwd /workspace/.worktrees/feature x\n\
+/proc/812/fd/3 socket:[111]\n\
+/proc/812/fd/4 socket:[333]\n\
+/proc/900/cwd /home/agent\n\
+/proc/900/fd/5 socket:[444]\n\
+/proc/901/fd/5 socket:[222]\n";
         let got = parse_guest_listeners(text);
         assert_eq!(
             got,

@@ -257,9 +257,30 @@ impl Env {
     }
 }
 
+impl Env {
+    /// Live processes (pid, command line) that work for this agentd's VM
+    /// sandboxes: supervisors, QEMU, virtiofsd, vhost-device-vsock, ssh.
+    pub fn vm_processes(&self) -> Vec<(i32, String)> {
+        let marker = self.state_dir.join("sandboxes");
+        let marker = marker.to_string_lossy();
+        agentd::procfs::pids()
+            .into_iter()
+            .filter(|&p| agentd::procfs::state(p).is_some_and(|s| s != 'Z'))
+            .filter_map(|p| Some((p, agentd::procfs::cmdline(p)?.join(" "))))
+            .filter(|(_, c)| c.contains(marker.as_ref()))
+            .collect()
+    }
+}
+
 impl Drop for Env {
     fn drop(&mut self) {
         self.kill_agentd();
+        for (pid, _) in self.vm_processes() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
         for pid in self.sandbox_pids() {
             let _ = nix::sys::signal::kill(
                 nix::unistd::Pid::from_raw(pid),

@@ -428,7 +428,7 @@ impl VmBackend {
             ),
             unit: String::new(),
         };
-        tracing::info!(sandbox = %spec.name, pid, accel = accel.as_str(), share = share.as_str(), "VM starting");
+        tracing::info!(sandbox = %spec.name, pid, accel = %accel.as_str(), share = %share.as_str(), "VM starting");
         match self.wait_answer(spec, &rt, &p).await {
             Ok(()) => Ok(rt),
             Err(e) => {

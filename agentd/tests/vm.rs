@@ -1,0 +1,310 @@
+//! The `vm` backend with real QEMU microVMs booted from the Debian-built
+//! guest image (KVM when it works, TCG otherwise): create → start → git in
+//! the guest → a commit synced back → a dev server reached through Caddy →
+//! stop with nothing left behind; boot failures reported with the console;
+//! a VM that outlives a killed agentd adopted, or cleaned up when it was
+//! still starting.
+//!
+//! These boot VMs (seconds each under TCG), so they are `#[ignore]`d in the
+//! fast suite; `tests/run-vm.sh` builds the image and runs them.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::caddy::Caddy;
+use common::{Env, git, wait_for};
+
+/// The guest image built by guest-image/debian/build.sh.
+fn image() -> PathBuf {
+    let dir = std::env::var_os("KEYSTONE_VM_IMAGE")
+        .map(PathBuf::from)
+        .expect("KEYSTONE_VM_IMAGE names the guest image directory (tests/run-vm.sh sets it)");
+    for f in ["vmlinux", "initrd", "rootfs.img"] {
+        assert!(dir.join(f).is_file(), "{} has no {f}", dir.display());
+    }
+    dir
+}
+
+/// agentd with the vm backend on `image` (plus `extra` config sections).
+fn env_with(image: &Path, extra: serde_json::Value) -> Env {
+    let mut env = Env::bus_only();
+    let mut config = serde_json::json!({
+        "vm": {"image": image, "start_timeout_seconds": 300, "stop_grace_seconds": 60},
+    });
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
+    let path = env.tmp.path().join("agentd.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    env.config = Some(path);
+    env.start_agentd();
+    env
+}
+
+fn create_vm(env: &Env, name: &str, network: &str) {
+    let repo = env.repo(name);
+    env.ok(&[
+        "create",
+        "--backend",
+        "vm",
+        "--memory",
+        "1024",
+        "--vcpus",
+        "2",
+        "--network",
+        network,
+        repo.to_str().unwrap(),
+    ]);
+}
+
+fn assert_nothing_left(env: &Env) {
+    // The supervisor takes its children along; give the kernel a moment
+    // to reap them.
+    let mut left = Vec::new();
+    for _ in 0..50 {
+        left = env.vm_processes();
+        if left.is_empty() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("processes left behind: {left:#?}");
+}
+
+#[test]
+#[ignore = "boots real VMs: run tests/run-vm.sh"]
+fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let caddy = Caddy::start(dir.path());
+    let proxy: serde_json::Value = serde_json::from_str(&caddy.agentd_config(false)).unwrap();
+    let env = env_with(&image(), proxy);
+    create_vm(&env, "vmtest", "none");
+    env.ok(&["start", "vmtest"]);
+    let st = env.status("vmtest");
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(st["backend"], "vm", "{st}");
+    let limits = st["limits"].as_str().unwrap();
+    assert!(
+        limits.contains("QEMU microvm under TCG") || limits.contains("QEMU microvm under KVM"),
+        "the accelerator is reported: {limits}"
+    );
+    assert!(limits.contains("2 vCPUs, 1024 MiB RAM"), "{limits}");
+    let log = env.log();
+    assert!(
+        log.contains("accel=tcg") || log.contains("accel=kvm"),
+        "the accelerator is logged:\n{log}"
+    );
+
+    // It is a VM: its own kernel, the sandbox's memory, no NIC for
+    // network "none", and the workspace at /workspace.
+    let out = env.ok(&[
+        "exec",
+        "vmtest",
+        "--",
+        "sh",
+        "-c",
+        "uname -r; grep MemTotal /proc/meminfo; nproc; ls /sys/class/net; git -C /workspace status",
+    ]);
+    assert!(out.contains("-amd64\n"), "{out}");
+    let kib: u64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap();
+    assert!((800_000..=1_048_576).contains(&kib), "{out}");
+    assert!(out.contains("\n2\nlo\n"), "one NIC, loopback: {out}");
+    assert!(out.contains("On branch main"), "{out}");
+    assert!(
+        out.contains("nothing to commit, working tree clean"),
+        "{out}"
+    );
+
+    // A commit made in the guest reaches the host with sync.
+    env.ok(&[
+        "exec",
+        "vmtest",
+        "--",
+        "sh",
+        "-c",
+        "echo 'made in a VM' > vm.txt && git add vm.txt && \
+         git -c user.name=Agent -c user.email=agent@example.com commit -qm 'from the guest'",
+    ]);
+    let out = env.ok(&["sync", "vmtest"]);
+    assert!(out.contains("main"), "{out}");
+    let repo = env.tmp.path().join("vmtest");
+    let msg = git(&repo, &["log", "-1", "--format=%s", "sandbox/vmtest/main"]);
+    assert_eq!(msg.trim(), "from the guest");
+    let file = git(&repo, &["show", "sandbox/vmtest/main:vm.txt"]);
+    assert_eq!(file, "made in a VM\n");
+
+    // A dev server in the guest answers at its link through Caddy, over
+    // the control channel (the guest has no network at all).
+    env.ok(&[
+        "exec",
+        "vmtest",
+        "--",
+        "sh",
+        "-c",
+        "busybox httpd -f -p 127.0.0.1:8123 -h /workspace </dev/null >/dev/null 2>&1 &",
+    ]);
+    let mut last = (0, String::new());
+    wait_for(
+        "the guest's dev server link",
+        Duration::from_secs(60),
+        || {
+            last = caddy.get("vmtest.sandbox.local", "/vm.txt");
+            last.0 == 200
+        },
+    );
+    assert_eq!(last.1, "made in a VM\n");
+    let ports: serde_json::Value =
+        serde_json::from_str(&env.ok(&["ports", "vmtest", "--json"])).unwrap();
+    assert!(
+        ports["routes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["port"] == 8123),
+        "{ports}"
+    );
+
+    // Nothing of the VM listens on a host port.
+    let mut host_ports = Vec::new();
+    for (pid, cmd) in env.vm_processes() {
+        let listening = agentd::procfs::tcp_listeners(pid);
+        for inode in agentd::procfs::socket_inodes(pid) {
+            if let Some(l) = listening.get(&inode) {
+                host_ports.push((cmd.clone(), *l));
+            }
+        }
+    }
+    assert!(host_ports.is_empty(), "{host_ports:?}");
+
+    env.ok(&["stop", "vmtest"]);
+    assert_eq!(env.state("vmtest"), "stopped");
+    assert_nothing_left(&env);
+    let boot =
+        std::fs::read_to_string(env.state_dir.join("sandboxes/vmtest/logs/boot.log")).unwrap();
+    assert!(boot.contains("keystone: ready"), "{boot}");
+    assert!(
+        boot.contains("reboot: Power down"),
+        "a clean power-off: {boot}"
+    );
+
+    // The workspace persists: a second start sees the file.
+    env.ok(&["start", "vmtest"]);
+    let out = env.ok(&["exec", "vmtest", "--", "cat", "vm.txt"]);
+    assert_eq!(out, "made in a VM\n");
+    // A forced stop kills the VM at once; destroy removes the rest.
+    env.ok(&["stop", "--force", "vmtest"]);
+    assert_nothing_left(&env);
+    env.ok(&["destroy", "--force", "vmtest"]);
+    assert!(!env.state_dir.join("sandboxes/vmtest").exists());
+    assert_nothing_left(&env);
+}
+
+#[test]
+#[ignore = "boots real VMs: run tests/run-vm.sh"]
+fn a_guest_that_cannot_boot_ends_in_error_with_its_console_and_no_leftovers() {
+    let real = image();
+    let tmp = tempfile::tempdir().unwrap();
+    // An initramfs that is junk: the kernel finds no root and panics.
+    let broken = tmp.path().join("broken");
+    std::fs::create_dir(&broken).unwrap();
+    std::os::unix::fs::symlink(real.join("vmlinux"), broken.join("vmlinux")).unwrap();
+    std::os::unix::fs::symlink(real.join("rootfs.img"), broken.join("rootfs.img")).unwrap();
+    std::fs::write(broken.join("initrd"), b"not an initramfs").unwrap();
+    let env = env_with(&broken, serde_json::json!({}));
+    create_vm(&env, "panics", "nat");
+    let err = env.fails(3, &["start", "panics"]);
+    assert!(err.contains("ended while booting"), "{err}");
+    assert!(err.contains("boot.log"), "{err}");
+    assert!(
+        err.contains("Kernel panic"),
+        "the console's last lines: {err}"
+    );
+    let st = env.status("panics");
+    assert_eq!(st["state"], "error");
+    assert!(
+        st["state_reason"]
+            .as_str()
+            .unwrap()
+            .contains("Kernel panic"),
+        "{st}"
+    );
+    assert_nothing_left(&env);
+    drop(env);
+
+    // An image without a kernel: refused before anything starts.
+    let nokernel = tmp.path().join("nokernel");
+    std::fs::create_dir(&nokernel).unwrap();
+    std::os::unix::fs::symlink(real.join("initrd"), nokernel.join("initrd")).unwrap();
+    std::os::unix::fs::symlink(real.join("rootfs.img"), nokernel.join("rootfs.img")).unwrap();
+    let env = env_with(&nokernel, serde_json::json!({}));
+    create_vm(&env, "nokernel", "none");
+    let err = env.fails(3, &["start", "nokernel"]);
+    assert!(err.contains("has no vmlinux"), "{err}");
+    assert!(
+        err.contains(&nokernel.join("vmlinux").display().to_string()),
+        "{err}"
+    );
+    assert_eq!(env.state("nokernel"), "error");
+    assert_nothing_left(&env);
+}
+
+#[test]
+#[ignore = "boots real VMs: run tests/run-vm.sh"]
+fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
+    let img = image();
+    let mut env = env_with(&img, serde_json::json!({}));
+    create_vm(&env, "survivor", "nat");
+    env.ok(&["start", "survivor"]);
+    let before = env.vm_processes();
+    assert!(
+        before.iter().any(|(_, c)| c.contains("qemu-system")),
+        "{before:#?}"
+    );
+
+    env.kill_agentd();
+    // The VM runs on without agentd.
+    let out = env.vm_processes();
+    assert!(
+        out.iter().any(|(_, c)| c.contains("qemu-system")),
+        "{out:#?}"
+    );
+    env.start_agentd();
+    assert_eq!(env.state("survivor"), "running");
+    assert!(env.log().contains("adopted a running sandbox"));
+    let out = env.ok(&["exec", "survivor", "--", "cat", "/etc/hostname"]);
+    assert_eq!(out, "survivor\n");
+
+    // A VM still booting when agentd dies is stopped at the restart, not
+    // left running unowned.
+    create_vm(&env, "orphan", "none");
+    let mut start = env.ctl_cmd(&["start", "orphan"]).spawn().unwrap();
+    wait_for("the orphan's QEMU", Duration::from_secs(60), || {
+        env.vm_processes()
+            .iter()
+            .any(|(_, c)| c.contains("qemu-system") && c.contains("keystone-orphan"))
+    });
+    env.kill_agentd();
+    let _ = start.wait();
+    env.start_agentd();
+    assert_eq!(env.state("orphan"), "error");
+    wait_for(
+        "the orphan's processes to end",
+        Duration::from_secs(10),
+        || {
+            !env.vm_processes()
+                .iter()
+                .any(|(_, c)| c.contains("/orphan/"))
+        },
+    );
+    assert_eq!(env.state("survivor"), "running");
+
+    env.ok(&["stop", "survivor"]);
+    assert_nothing_left(&env);
+}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The VM suite: boots real QEMU microVMs (KVM when it works here, TCG
+# otherwise) from the Debian-built guest image.
+#
+#   sudo tests/run-vm.sh
+#
+# Needs root (the image build uses debootstrap, virtiofsd needs root),
+# qemu-system-x86, debootstrap, busybox-static, cpio and openssh-client;
+# .ci/run installs them. The image and vhost-device-vsock are built once
+# into the cache (KEYSTONE_CACHE_DIR, default ~/.cache/keystone-agent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+vsock=$(tests/install-tools.sh vhost-device-vsock)
+export PATH="$(dirname "$vsock"):$PATH"
+KEYSTONE_VM_IMAGE=$(guest-image/debian/build.sh | tail -n1)
+export KEYSTONE_VM_IMAGE
+echo "run-vm: guest image $KEYSTONE_VM_IMAGE" >&2
+# One VM at a time: under TCG each one keeps a core busy while it boots.
+exec cargo test --locked -p agentd --test vm "$@" -- --ignored --test-threads=1
