@@ -11,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+command -v qemu-system-x86_64 >/dev/null || { echo "run-vm: QEMU is missing (apt-get install qemu-system-x86)" >&2; exit 4; }
 vsock=$(tests/install-tools.sh vhost-device-vsock)
 export PATH="$(dirname "$vsock"):$PATH"
 KEYSTONE_VM_IMAGE=$(guest-image/debian/build.sh | tail -n1)

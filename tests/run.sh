@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: install the pinned Zellij once (cached; the session tests
-# attach to it), then run every test of the workspace. Extra arguments go to
-# `cargo test`.
+# attach to it), run every test of the workspace, then (as root) the VM
+# suite, tests/run-vm.sh, which boots real QEMU guests. Extra arguments go
+# to `cargo test` and skip the VM suite.
 #
 #   tests/run.sh                 # everything
 #   tests/run.sh --test session  # one test file
@@ -19,4 +20,16 @@ fi
 
 KEYSTONE_ZELLIJ="$(tests/install-zellij.sh)"
 export KEYSTONE_ZELLIJ
-exec cargo test --workspace --locked "$@"
+if (($#)); then
+  exec cargo test --workspace --locked "$@"
+fi
+cargo test --workspace --locked
+if [ "$(id -u)" != 0 ]; then
+  if [ -n "${KEYSTONE_REQUIRE_VM:-}" ]; then
+    echo "tests: the VM suite needs root" >&2
+    exit 4
+  fi
+  echo "tests: VM suite not run: it needs root (sudo tests/run-vm.sh)" >&2
+  exit 0
+fi
+exec tests/run-vm.sh
