@@ -118,7 +118,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         start_timeout: Duration::from_secs(u64::from(config.microvm.start_timeout_seconds)),
         state_dir: dir.clone(),
     }));
-    let vm: Arc<dyn Backend> = Arc::new(VmBackend::new(VmSettings {
+    let vm = Arc::new(VmBackend::new(VmSettings {
         exe: exe.clone(),
         state_dir: dir.clone(),
         image: config.vm.image.clone(),
@@ -130,6 +130,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         start_timeout: Duration::from_secs(u64::from(config.vm.start_timeout_seconds)),
         stop_grace: Duration::from_secs(u64::from(config.vm.stop_grace_seconds)),
     }));
+    // Decide between KVM and TCG now, not in the first start.
+    tokio::spawn({
+        let vm = Arc::clone(&vm);
+        async move { vm.check_accel().await }
+    });
     // Ask systemd about the guests before the registry is reconciled.
     let guests: Vec<String> = sandboxes
         .iter()

@@ -204,6 +204,17 @@ impl VmBackend {
         }
     }
 
+    /// Run the KVM check for the configured image ahead of the first start
+    /// (a no-op without an image or with `vm.accel = "tcg"`).
+    pub async fn check_accel(&self) {
+        if let Ok((kernel, _, _)) = self.image()
+            && self.settings.accel != AccelChoice::Tcg
+            && self.qemu().is_ok()
+        {
+            let _ = self.accel(&kernel).await;
+        }
+    }
+
     fn qemu(&self) -> Result<PathBuf, BackendError> {
         qemu::find_program(std::slice::from_ref(&self.settings.qemu)).ok_or_else(|| {
             fail(format!(

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""vm backend benchmarks: real QEMU microVMs from the Debian guest image.
+
+1. Cold start: `agentctl start` of a sandbox created just before (first boot,
+   keys provisioned) until it returns, which is when the guest answers on its
+   control channel. p50 over N runs.
+2. Warm start: stop and start again the same sandbox (persisted workspace).
+3. Baselines in the same run, with the same kernel, initrd, memory, vCPUs
+   and accelerator:
+   - bare QEMU booting the kernel and initrd to the first console line;
+   - bare QEMU booting the whole image (9p share, no vsock, no agentd) to
+     the guest's `keystone: ready` line.
+4. Memory of an idle VM sandbox: RSS and PSS of the supervisor, QEMU,
+   virtiofsd and vhost-device-vsock, 10 s after start.
+
+Needs root, `cargo build --release --bins`, QEMU, vhost-device-vsock
+(tests/install-tools.sh) and the image (guest-image/debian/build.sh).
+
+    sudo python3 tests/bench/vm.py [--runs 5] [--image DIR]
+"""
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, Daemon, pct, rss_kib, small_repo
+
+MEMORY, VCPUS = 1024, 2
+
+
+def image_dir(arg):
+    if arg:
+        return Path(arg)
+    out = subprocess.run([str(ROOT / "guest-image/debian/build.sh")], check=True,
+                         capture_output=True, text=True).stdout
+    return Path(out.strip().splitlines()[-1])
+
+
+def pss_kib(pid):
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def qemu_until(args, marker, timeout=120):
+    """Run QEMU with the console on stdout; ms until `marker` is printed."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    seen = b""
+    try:
+        while True:
+            left = timeout - (time.perf_counter() - t0)
+            if left <= 0:
+                sys.exit(f"QEMU printed no {marker!r} within {timeout}s: {seen[-500:]!r}")
+            r, _, _ = select.select([p.stdout], [], [], left)
+            chunk = os.read(p.stdout.fileno(), 65536) if r else b""
+            if not chunk and p.poll() is not None:
+                sys.exit(f"QEMU ended before {marker!r}: {seen[-500:]!r}")
+            seen += chunk
+            if marker in seen:
+                return (time.perf_counter() - t0) * 1000
+    finally:
+        p.kill()
+        p.wait()
+
+
+def bare_args(img, accel, append, extra=()):
+    cpu = "host" if accel == "kvm" else "max"
+    return ["qemu-system-x86_64", "-machine", f"microvm,accel={accel}", "-cpu", cpu,
+            "-smp", str(VCPUS), "-m", f"{MEMORY}M", "-nodefaults", "-no-user-config",
+            "-nographic", "-no-reboot", "-serial", "stdio",
+            "-kernel", str(img / "vmlinux"), "-initrd", str(img / "initrd"),
+            "-append", append, *extra]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--image")
+    args = ap.parse_args()
+    img = image_dir(args.image)
+    tmp = Path(tempfile.mkdtemp(prefix="ks-vm-bench-", dir="/tmp"))
+    cfg = tmp / "agentd.json"
+    cfg.write_text(json.dumps({"vm": {"image": str(img)}}))
+    with Daemon(["--config", str(cfg)]) as d:
+        opts = ["--backend", "vm", "--memory", str(MEMORY), "--vcpus", str(VCPUS), "--network", "none"]
+        # Warm-up: the first start also checks KVM once; keep it out of the numbers.
+        d.run("create", *opts, "--name", "warmup", str(small_repo(d.tmp / "warmup")))
+        d.run("start", "warmup")
+        limits = json.loads(d.run("status", "warmup", "--json"))["limits"]
+        accel = "kvm" if "under KVM" in limits else "tcg"
+        d.run("stop", "warmup")
+        d.run("destroy", "--force", "warmup")
+
+        cold = []
+        for i in range(args.runs):
+            name = f"cold{i}"
+            d.run("create", *opts, "--name", name, str(small_repo(d.tmp / name)))
+            t0 = time.perf_counter()
+            d.run("start", name)
+            cold.append((time.perf_counter() - t0) * 1000)
+            d.run("stop", "--force", name)
+            d.run("destroy", "--force", name)
+
+        d.run("create", *opts, "--name", "warm", str(small_repo(d.tmp / "warm")))
+        d.run("start", "warm")
+        warm = []
+        for _ in range(args.runs):
+            d.run("stop", "warm")
+            t0 = time.perf_counter()
+            d.run("start", "warm")
+            warm.append((time.perf_counter() - t0) * 1000)
+
+        time.sleep(10)
+        marker = str(d.state / "sandboxes" / "warm") + "/"
+        procs = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            line = " ".join(c.decode(errors="replace") for c in cmd)
+            if marker in line and not line.startswith("ssh"):
+                name = Path(cmd[0].decode()).name
+                if len(cmd) > 1 and cmd[1] == b"keystone-vm":
+                    name = "supervisor (agentd keystone-vm)"
+                procs.append((name, int(pid)))
+        mem = [(n, rss_kib(p), pss_kib(p)) for n, p in sorted(procs)]
+        d.run("stop", "warm")
+
+    boot_cmdline = "console=ttyS0 panic=-1" + (" tsc_early_khz=2100000 tsc=reliable" if accel == "tcg" else "")
+    first_line = [qemu_until(bare_args(img, accel, boot_cmdline), b"\n") for _ in range(args.runs)]
+
+    share = tmp / "share"
+    share.mkdir()
+    key = tmp / "key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    extra = ["-drive", f"id=root,file={img / 'rootfs.img'},format=raw,if=none,snapshot=on,cache=unsafe",
+             "-device", "virtio-blk-device,drive=root", "-global", "virtio-mmio.force-legacy=false",
+             "-fsdev", f"local,id=fs,path={share},security_model=none",
+             "-device", "virtio-9p-device,fsdev=fs,mount_tag=workspace",
+             "-fw_cfg", f"name=opt/keystone/host_key,file={key}",
+             "-fw_cfg", f"name=opt/keystone/authorized_keys,file={key}.pub"]
+    ready_cmdline = boot_cmdline + " quiet keystone.name=bare keystone.share=9p keystone.uid=0 keystone.gid=0"
+    bare_ready = [qemu_until(bare_args(img, accel, ready_cmdline, extra), b"keystone: ready")
+                  for _ in range(args.runs)]
+
+    print(f"accelerator: {accel.upper()}  ({limits})")
+    print(f"image: {img}  ({MEMORY} MiB, {VCPUS} vCPUs, network none, {args.runs} runs each)")
+    print(f"{'measurement':58} {'p50':>9} {'min':>9} {'max':>9}")
+    rows = [
+        ("cold start: agentctl start -> guest answers (new sandbox)", cold),
+        ("warm start: agentctl start -> guest answers (restart)", warm),
+        ("baseline: bare QEMU, kernel+initrd -> first console line", first_line),
+        ("baseline: bare QEMU, whole image -> 'keystone: ready'", bare_ready),
+    ]
+    for label, v in rows:
+        print(f"{label:58} {pct(v, 50) / 1000:8.2f}s {min(v) / 1000:8.2f}s {max(v) / 1000:8.2f}s")
+    print("\nidle VM sandbox memory (10 s after start):")
+    print(f"{'process':34} {'RSS MiB':>9} {'PSS MiB':>9}")
+    for n, rss, pss in mem:
+        print(f"{n:34} {rss / 1024:9.1f} {pss / 1024:9.1f}")
+    print(f"{'total':34} {sum(r for _, r, _ in mem) / 1024:9.1f} {sum(p for _, _, p in mem) / 1024:9.1f}")
+    print(f"(guest RAM configured: {MEMORY} MiB; QEMU's share is the guest memory it has touched)")
+
+
+if __name__ == "__main__":
+    main()
