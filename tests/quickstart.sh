@@ -4,9 +4,20 @@
 # none), create a sandbox from PROJECT (default: a sample repository made
 # here) and start it.
 #
-#   tests/quickstart.sh [PROJECT]
+#   tests/quickstart.sh [PROJECT]          # the local backend (namespaces)
+#   sudo tests/quickstart.sh --vm [PROJECT] # a QEMU microVM (docs/guest-image.md)
+#
+# --vm builds the Debian guest image and vhost-device-vsock once (about 3
+# minutes, cached) and needs qemu-system-x86 and debootstrap; it runs as
+# root because the image build (debootstrap) and virtiofsd need it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+vm=
+if [ "${1:-}" = --vm ]; then
+  vm=1
+  shift
+fi
 
 missing=()
 for tool in cargo git dbus-daemon; do command -v "$tool" >/dev/null || missing+=("$tool"); done
@@ -25,6 +36,24 @@ echo "==> Zellij for sessions"
 KEYSTONE_ZELLIJ="$(tests/install-zellij.sh)"
 export KEYSTONE_ZELLIJ
 bin="$PWD/target/debug"
+vm_config=
+create_args=()
+if [ -n "$vm" ]; then
+  command -v qemu-system-x86_64 >/dev/null || {
+    echo "quickstart: --vm needs QEMU: sudo apt-get install -y qemu-system-x86 debootstrap busybox-static cpio" >&2
+    exit 4
+  }
+  echo "==> vhost-device-vsock (the guest's control channel)"
+  vsock="$(tests/install-tools.sh vhost-device-vsock)"
+  image="${KEYSTONE_VM_IMAGE:-}"
+  if [ -z "$image" ]; then
+    [ "$(id -u)" = 0 ] || { echo "quickstart: building the guest image needs root: sudo tests/quickstart.sh --vm" >&2; exit 4; }
+    echo "==> guest image (Debian packages; about 90 s the first time)"
+    image="$(guest-image/debian/build.sh | tail -n1)"
+  fi
+  vm_config="\"default_backend\": \"vm\", \"vm\": {\"image\": \"$image\", \"vhost_vsock\": \"$vsock\"}"
+  create_args=(--backend vm --memory 2048 --vcpus 2)
+fi
 state="${XDG_STATE_HOME:-$HOME/.local/state}/keystone/agent"
 mkdir -p "$state"
 
@@ -43,11 +72,13 @@ ctl=("$bin/agentctl" --bus session)
 # localhost:2019; agentd adds a server on 127.0.0.1:8080 for names under
 # sandbox.localhost, which browsers resolve to this machine by themselves.
 agentd_args=(--session)
+config="$state/agentd.json"
+# A running agentd read its config when it started: remember what that was.
+had_vm=
+grep -q '"vm"' "$config" 2>/dev/null && had_vm=1
 if command -v caddy >/dev/null; then
-  config="$state/agentd.json"
-  cat >"$config" <<'JSON'
-{"proxy": {"enable": true, "domain": "sandbox.localhost", "listen": ["127.0.0.1:8080"]}}
-JSON
+  proxy='"proxy": {"enable": true, "domain": "sandbox.localhost", "listen": ["127.0.0.1:8080"]}'
+  echo "{$proxy${vm_config:+, $vm_config}}" >"$config"
   agentd_args+=(--config "$config")
   if ! (exec 3<>/dev/tcp/127.0.0.1/2019) 2>/dev/null; then
     echo '{"admin": {"listen": "127.0.0.1:2019"}}' >"$state/caddy.json"
@@ -56,8 +87,16 @@ JSON
   fi
 else
   echo "==> no caddy: dev-server links are off (Debian/Ubuntu: sudo apt-get install -y caddy)"
+  if [ -n "$vm_config" ]; then
+    echo "{$vm_config}" >"$config"
+    agentd_args+=(--config "$config")
+  fi
 fi
 
+if [ -n "$vm" ] && [ -z "$had_vm" ] && "${ctl[@]}" list >/dev/null 2>&1; then
+  echo "quickstart: an agentd without the vm settings is running; stop it (pkill -f 'agentd --session') and run this again" >&2
+  exit 4
+fi
 if ! "${ctl[@]}" list >/dev/null 2>&1; then
   echo "==> starting agentd --session (log: $state/agentd.log)"
   nohup "$bin/agentd" "${agentd_args[@]}" >>"$state/agentd.log" 2>&1 &
@@ -77,15 +116,18 @@ if [ -z "$project" ]; then
 fi
 project="$(cd "$project" && pwd)"
 name="$(basename "$project" | tr 'A-Z_. ' 'a-z---' | sed 's/^[^a-z]*//; s/-*$//' | cut -c1-31)"
+[ -z "$vm" ] || name="$(echo "$name" | cut -c1-28)-vm"
 
 if ! "${ctl[@]}" status "$name" >/dev/null 2>&1; then
-  "${ctl[@]}" create --name "$name" "$project"
+  "${ctl[@]}" create "${create_args[@]}" --name "$name" "$project"
 fi
 if [ "$("${ctl[@]}" status "$name" --json | sed -n 's/.*"state": "\(.*\)".*/\1/p')" != running ]; then
   "${ctl[@]}" start "$name"
 fi
 echo "==> inside the sandbox:"
 "${ctl[@]}" exec "$name" -- sh -c 'echo "host: $(hostname)  cwd: $(pwd)"; git log --oneline -3'
+server='python3 -m http.server 8000'
+[ -z "$vm" ] || server='busybox httpd -f -p 8000'
 cat <<MSG
 
 Sandbox '$name' is running. Try:
@@ -93,7 +135,7 @@ Sandbox '$name' is running. Try:
   $bin/agentctl list
   $bin/agentctl exec $name -- git status
   $bin/agentctl attach $name              # a Zellij session in /workspace; detach with Ctrl+o d
-  $bin/agentctl exec $name -- sh -c 'python3 -m http.server 8000 >/dev/null 2>&1 &'
+  $bin/agentctl exec $name -- sh -c '$server >/dev/null 2>&1 &'
   $bin/agentctl open $name                # http://$name.sandbox.localhost:8080/ (needs caddy)
   $bin/agentctl stop $name && $bin/agentctl destroy $name
 agentd keeps running in the background (log: $state/agentd.log); stop it with: pkill -f 'agentd --session'

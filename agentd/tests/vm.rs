@@ -141,14 +141,15 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     assert_eq!(file, "made in a VM\n");
 
     // A dev server in the guest answers at its link through Caddy, over
-    // the control channel (the guest has no network at all).
+    // the control channel (the guest has no network at all). It listens on
+    // every address, IPv6 included, as most dev servers do.
     env.ok(&[
         "exec",
         "vmtest",
         "--",
         "sh",
         "-c",
-        "busybox httpd -f -p 127.0.0.1:8123 -h /workspace </dev/null >/dev/null 2>&1 &",
+        "busybox httpd -f -p 8123 -h /workspace </dev/null >/dev/null 2>&1 &",
     ]);
     let mut last = (0, String::new());
     wait_for(

@@ -199,7 +199,7 @@ impl SshTarget {
         let mut child = self
             .command()
             .arg("-W")
-            .arg(format!("{addr}:{port}"))
+            .arg(forward_spec(addr, port))
             .arg(&self.host)
             .stdin(Stdio::from(stdin))
             .stdout(Stdio::from(theirs))
@@ -246,6 +246,11 @@ impl SshTarget {
                 .await;
         }
     }
+}
+
+/// `ssh -W`'s `host:port`, with IPv6 addresses in brackets.
+fn forward_spec(addr: std::net::IpAddr, port: u16) -> String {
+    std::net::SocketAddr::new(addr, port).to_string()
 }
 
 /// Whether ssh's complaint means the guest showed a host key other than
@@ -408,6 +413,18 @@ pub fn exit_code(status: std::process::ExitStatus) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn forwarding_specs_bracket_ipv6() {
+        assert_eq!(
+            forward_spec(std::net::Ipv6Addr::LOCALHOST.into(), 8000),
+            "[::1]:8000"
+        );
+        assert_eq!(
+            forward_spec(std::net::Ipv4Addr::LOCALHOST.into(), 80),
+            "127.0.0.1:80"
+        );
+    }
 
     #[test]
     fn remote_commands_quote_every_word() {
