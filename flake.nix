@@ -144,9 +144,12 @@
     in
     {
       packages.${system} = packages // {
-        # The NixOS guest every sandbox boots, as a runnable microVM (an
-        # example sandbox; see guest-image/default.nix for how to boot it).
-        guest-image =
+        # The guest image of the vm backend: vmlinux, initrd, rootfs.img and
+        # image.json (docs/guest-image.md, guest-image/vm-image.nix).
+        guest-image = import ./guest-image/vm-image.nix { inherit nixpkgs system; };
+        # The guest of the microvm backend, as a runnable microVM of an
+        # example sandbox (see guest-image/default.nix for how to boot it).
+        guest-runner =
           (import ./guest-image {
             inherit nixpkgs microvm system;
           }).config.microvm.declaredRunner;

@@ -1,12 +1,13 @@
-# The guest image: the NixOS system every Keystone Agent sandbox boots,
-# composed from microvm.nix's guest module and nixos-modules/guest.
+# The guest of the microvm backend: the NixOS system every declared sandbox
+# boots, composed from microvm.nix's guest module and nixos-modules/guest.
+# (The vm backend's guest image is ./vm-image.nix.)
 #
 # On a host, the keystone.agent module composes it once per declared sandbox
 # (microvm.vms.<name>.config imports nixos-modules/guest with that sandbox's
 # name, address, MAC, CID and shares). This file composes it stand-alone for
 # an example sandbox, so that the guest can be built and booted by hand:
 #
-#   nix build .#guest-image        # the microVM runner (bin/microvm-run)
+#   nix build .#guest-runner       # the microVM runner (bin/microvm-run)
 #   sudo mkdir -p /tmp/keystone-agent-example/{workspace,ssh}
 #   sudo ./result/bin/microvm-run  # serial console, logged in as `agent`
 #

@@ -59,7 +59,12 @@ class Daemon:
             time.sleep(0.05)
 
     def run(self, *args, **kw):
-        return subprocess.run(self.ctl + list(args), check=True, capture_output=True, text=True, **kw).stdout
+        p = subprocess.run(self.ctl + list(args), capture_output=True, text=True, **kw)
+        if p.returncode:
+            log = (self.tmp / "agentd.log").read_text(errors="replace").splitlines()[-20:]
+            sys.exit(f"agentctl {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()}\n"
+                     + "--- agentd log ---\n" + "\n".join(log))
+        return p.stdout
 
     def close(self):
         self.agentd.terminate()

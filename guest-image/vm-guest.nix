@@ -1,0 +1,307 @@
+# The NixOS configuration of the `vm` backend's guest image
+# (docs/guest-image.md, "The contract"). guest-image/vm-image.nix composes it
+# with nixos-modules/guest, which brings what every sandbox has: the user
+# `agent`, git, Zellij and its config at /run/keystone, direnv and nix. This
+# module adds what a guest that agentd boots itself needs: the NixOS
+# counterpart of guest-image/debian's init and overlay/.
+#
+# - Boot: QEMU's `-machine microvm` loads the kernel and the NixOS initrd
+#   (systemd stage 1) directly. The root is /dev/vda, a raw ext4 image that
+#   agentd attaches copy-on-write, so every boot starts from the same image.
+# - agentd's kernel command line is fixed (console=ttyS0 quiet panic=-1
+#   keystone.name= keystone.share= keystone.uid= keystone.gid=). It has no
+#   `init=`, and systemd stage 1 only finds the system to boot through
+#   `init=` (initrd-find-nixos-closure). The image therefore links the
+#   system at /nix/var/nix/profiles/system, and that one unit reads a
+#   command line of the initrd's own that names it (below).
+# - Stage 1 (keystone-guest.service in the initrd, after /sysroot is
+#   mounted and before NixOS activates the system): mounts the workspace
+#   (tag `workspace`, virtiofs or 9p by keystone.share), copies the ssh keys
+#   from fw_cfg to /etc/ssh/keystone, and writes the host name.
+# - Users exist only once NixOS has activated the system, so `agent` takes
+#   keystone.uid and keystone.gid in stage 2 (keystone-agent-ids.service),
+#   before sysinit.target: before any socket listens or any login is
+#   possible.
+# - sshd is socket-activated on vsock port 22 only (`sshd -i` per
+#   connection); nothing listens on the guest's network. Host key and
+#   authorized keys are the fw_cfg ones; no password works for anybody.
+# - networkd configures any NIC (network = "nat") by DHCP; DNS is QEMU's
+#   10.0.2.3. No serial getty: the console is a log.
+# - `keystone: ready` on the console once multi-user.target is reached.
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+let
+  # Where the initrd copies the sandbox's ssh keys (as the Debian image does).
+  keyDir = "/etc/ssh/keystone";
+
+  # The image links the system here (guest-image/vm-image.nix).
+  systemProfile = "/nix/var/nix/profiles/system";
+
+  # Drivers the initrd loads: the virtio-mmio bus (QEMU adds its devices to
+  # the kernel command line), the root disk, both share protocols, vsock
+  # (the control channel), the NIC and fw_cfg (the keys). A kernel without
+  # one of them fails the initrd's build.
+  modules = [
+    "virtio_mmio"
+    "virtio_blk"
+    "ext4"
+    "virtiofs"
+    "9p"
+    "9pnet_virtio"
+    "vmw_vsock_virtio_transport"
+    "virtio_net"
+    "qemu_fw_cfg"
+  ];
+in
+{
+  # nixos-modules/guest also configures microvm.nix (shares, volumes, vsock,
+  # QEMU arguments) for the microvm backend. This image is not a microvm.nix
+  # VM: the option only takes those settings, and nothing reads them.
+  options.microvm = lib.mkOption {
+    type = lib.types.lazyAttrsOf lib.types.anything;
+    default = { };
+    internal = true;
+    description = "microvm.nix settings of nixos-modules/guest, unused by the vm backend's image.";
+  };
+
+  config = {
+    # The name only feeds what this module replaces below (host name and
+    # marker come from keystone.name at boot).
+    keystone.sandbox.name = "keystone-guest";
+    system.name = "keystone-guest";
+
+    # --- Boot ------------------------------------------------------------------
+    boot.loader.grub.enable = false;
+    boot.initrd.systemd.enable = true;
+    # Only the drivers above: a small initrd unpacks fast under TCG.
+    boot.initrd.includeDefaultModules = false;
+    boot.initrd.kernelModules = modules;
+
+    fileSystems."/" = {
+      device = "/dev/vda";
+      fsType = "ext4";
+      # A fresh copy of a clean image at every boot.
+      noCheck = true;
+    };
+
+    # initrd-find-nixos-closure reads `init=` from /proc/cmdline and fails
+    # without it. That unit alone (in its own mount namespace) sees a
+    # command line naming the system the image links; every other unit sees
+    # the real one.
+    boot.initrd.systemd.contents."/etc/keystone/cmdline".text = "init=${systemProfile}/init\n";
+    boot.initrd.systemd.services.initrd-find-nixos-closure.serviceConfig.BindReadOnlyPaths = [
+      "/etc/keystone/cmdline:/proc/cmdline"
+    ];
+
+    # Workspace, keys and host name, in the initrd: the equivalent of
+    # guest-image/debian/init. A failure powers the guest off (and QEMU,
+    # started with -no-reboot, exits), so the start fails at once with the
+    # reason in boot.log.
+    boot.initrd.systemd.services.keystone-guest = {
+      description = "Keystone Agent guest setup (workspace, ssh keys, host name)";
+      requiredBy = [ "initrd.target" ];
+      requires = [ "sysroot.mount" ];
+      after = [ "sysroot.mount" ];
+      before = [
+        "initrd.target"
+        "initrd-nixos-activation.service"
+      ];
+      unitConfig.FailureAction = "poweroff-force";
+      serviceConfig = {
+        Type = "oneshot";
+        RemainAfterExit = true;
+      };
+      script = ''
+        say() { echo "keystone-init: $*" > /dev/console; }
+        die() { say "FATAL: $*"; exit 1; }
+
+        share=virtiofs name=sandbox
+        for word in $(< /proc/cmdline); do
+          case "$word" in
+            keystone.share=*) share=''${word#*=} ;;
+            keystone.name=*) name=''${word#*=} ;;
+          esac
+        done
+
+        case "$share" in
+          virtiofs) set -- -t virtiofs ;;
+          9p) set -- -t 9p -o trans=virtio,version=9p2000.L,msize=524288,cache=none ;;
+          *) die "keystone.share=$share: expected virtiofs or 9p" ;;
+        esac
+        mkdir -p /sysroot/workspace
+        # The share's device may still be probing: allow it a few seconds.
+        tries=0
+        until mount "$@" workspace /sysroot/workspace; do
+          tries=$((tries + 1))
+          [ "$tries" -lt 50 ] || die "cannot mount the workspace share (tag workspace, $share)"
+          sleep 0.1
+        done
+
+        # The sandbox's ssh keys arrive through fw_cfg; they never touch the
+        # shares.
+        keys=/sys/firmware/qemu_fw_cfg/by_name/opt/keystone
+        [ -r "$keys/host_key/raw" ] && [ -r "$keys/authorized_keys/raw" ] ||
+          die "no ssh keys in fw_cfg (opt/keystone/host_key, opt/keystone/authorized_keys)"
+        mkdir -p /sysroot${keyDir}
+        (umask 077 && cat "$keys/host_key/raw" > /sysroot${keyDir}/ssh_host_ed25519_key)
+        cat "$keys/authorized_keys/raw" > /sysroot${keyDir}/authorized_keys
+        chmod 0600 /sysroot${keyDir}/ssh_host_ed25519_key
+        chmod 0644 /sysroot${keyDir}/authorized_keys
+
+        # systemd reads /etc/hostname again after switching root.
+        printf '%s\n' "$name" > /sysroot/etc/hostname
+        printf '%s\n' "$name" > /sysroot/etc/keystone-agent-sandbox
+
+        say "root mounted, workspace on $share"
+      '';
+    };
+
+    # Written at boot from keystone.name (above), not at build time.
+    networking.hostName = lib.mkForce "";
+    environment.etc."keystone-agent-sandbox".enable = false;
+
+    # --- User agent takes the workspace owner's ids ------------------------------
+    # NixOS creates `agent` (uid 1000) when it activates the system. This
+    # unit renumbers it before sysinit.target, hence before sshd's socket
+    # and any login, and after tmpfiles has set up /home/agent. Its primary
+    # group is its own, so that it can take keystone.gid.
+    users.groups.agent.gid = 1000;
+    users.users.agent.group = lib.mkForce "agent";
+
+    systemd.services.keystone-agent-ids = {
+      description = "Give user agent the uid and gid that own the workspace";
+      wantedBy = [ "sysinit.target" ];
+      before = [
+        "sysinit.target"
+        "shutdown.target"
+      ];
+      after = [
+        "local-fs.target"
+        "systemd-sysusers.service"
+        "userborn.service"
+        "systemd-tmpfiles-setup.service"
+      ];
+      conflicts = [ "shutdown.target" ];
+      unitConfig = {
+        DefaultDependencies = false;
+        FailureAction = "poweroff-force";
+      };
+      serviceConfig = {
+        Type = "oneshot";
+        RemainAfterExit = true;
+      };
+      path = [ pkgs.shadow ];
+      script = ''
+        uid=1000 gid=1000
+        for word in $(< /proc/cmdline); do
+          case "$word" in
+            keystone.uid=*) uid=''${word#*=} ;;
+            keystone.gid=*) gid=''${word#*=} ;;
+          esac
+        done
+        for id in "$uid" "$gid"; do
+          case "$id" in
+            "" | *[!0-9]*)
+              echo "keystone: FATAL: bad keystone.uid/keystone.gid ($uid/$gid)" > /dev/console
+              exit 1
+              ;;
+          esac
+        done
+        # --non-unique: the host's ids may already name a user or group of
+        # the guest (gid 100 is `users`).
+        groupmod --non-unique --gid "$gid" agent
+        usermod --non-unique --uid "$uid" --gid "$gid" agent
+        chown -R "$uid:$gid" /home/agent
+      '';
+    };
+
+    # No passwords anywhere; `*` (not `!`) so key logins are not "locked".
+    users.users.agent.hashedPassword = "*";
+    users.users.root.hashedPassword = "*";
+    users.users.root.initialHashedPassword = lib.mkForce null;
+
+    # --- sshd on vsock port 22: agentd's control channel ---------------------------
+    services.openssh = {
+      # Socket-activated: sshd.socket and one `sshd -i` per connection.
+      startWhenNeeded = true;
+      # The keys the initrd copied from fw_cfg, and nothing else: not the
+      # guest module's share (microvm backend), not ~/.ssh/authorized_keys.
+      hostKeys = lib.mkForce [
+        {
+          path = "${keyDir}/ssh_host_ed25519_key";
+          type = "ed25519";
+        }
+      ];
+      authorizedKeysFiles = lib.mkOverride 10 [ "${keyDir}/authorized_keys" ];
+      settings = {
+        # agentd logs in as root to power the guest off and to read the
+        # socket table for port discovery.
+        PermitRootLogin = lib.mkForce "prohibit-password";
+        AllowUsers = lib.mkForce null;
+        # Dev-server links use `ssh -W`.
+        AllowTcpForwarding = true;
+      };
+    };
+    systemd.sockets.sshd.socketConfig.ListenStream = lib.mkForce [ "vsock::22" ];
+    # systemd's ssh generator would put a second sshd on vsock port 22.
+    systemd.generators.systemd-ssh-generator = "/dev/null";
+
+    # --- Network (network = "nat"): QEMU's user-mode network -----------------------
+    systemd.network.networks."80-keystone" = {
+      matchConfig.Name = "e*";
+      networkConfig.DHCP = "ipv4";
+      # The host name is the sandbox's, from the command line.
+      dhcpV4Config.UseHostname = false;
+    };
+    keystone.sandbox.nameservers = [ "10.0.2.3" ];
+    # A guest without a NIC (network = "none") would wait for nothing.
+    systemd.network.wait-online.enable = false;
+    # Nothing reaches the guest's network from outside (QEMU's user-mode
+    # network has no inbound path, and sshd is on vsock): a firewall would
+    # only slow the boot down.
+    networking.firewall.enable = false;
+
+    # --- Console -------------------------------------------------------------------
+    # The console is a log, not a way in.
+    systemd.services."serial-getty@ttyS0".enable = false;
+    systemd.services."getty@tty1".enable = false;
+    systemd.services."autovt@tty1".enable = false;
+
+    systemd.services.keystone-ready = {
+      description = "Keystone Agent readiness line";
+      wantedBy = [ "multi-user.target" ];
+      after = [
+        "multi-user.target"
+        "sshd.socket"
+      ];
+      serviceConfig.Type = "oneshot";
+      script = ''echo "keystone: ready" > /dev/console'';
+    };
+
+    # The root disk is thrown away at stop: keep the journal in memory.
+    services.journald.extraConfig = "Storage=volatile";
+    # Slow under TCG, and nothing a sandbox needs.
+    systemd.services.mount-pstore.enable = false;
+
+    # --- Nix -------------------------------------------------------------------------
+    # The image carries its closure's registration (make-ext4-fs); the
+    # database is loaded when the daemon first starts, not on every boot.
+    systemd.services.keystone-nix-db = lib.mkIf config.nix.enable {
+      description = "Register the image's store paths in the Nix database";
+      requiredBy = [ "nix-daemon.service" ];
+      before = [ "nix-daemon.service" ];
+      unitConfig.ConditionPathExists = "/nix-path-registration";
+      serviceConfig.Type = "oneshot";
+      script = ''
+        ${config.nix.package}/bin/nix-store --load-db < /nix-path-registration
+        rm /nix-path-registration
+      '';
+    };
+
+    documentation.enable = lib.mkDefault false;
+  };
+}
