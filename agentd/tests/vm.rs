@@ -172,6 +172,35 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
         "{ports}"
     );
 
+    // QEMU and the vsock device run as the sandbox's uid (the workspace's
+    // owner), never as root; only virtiofsd keeps root.
+    let ws_uid = std::os::unix::fs::MetadataExt::uid(
+        &std::fs::metadata(env.state_dir.join("sandboxes/vmtest/workspace")).unwrap(),
+    );
+    assert_ne!(ws_uid, 0);
+    let procs = env.vm_processes();
+    for name in ["qemu-system", "vhost-device-vsock"] {
+        let (pid, _) = procs
+            .iter()
+            .find(|(_, c)| c.contains(name))
+            .unwrap_or_else(|| panic!("no {name} in {procs:#?}"));
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let uids = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+        let ids: Vec<u32> = uids[4..]
+            .split_whitespace()
+            .map(|x| x.parse().unwrap())
+            .collect();
+        assert!(
+            ids.iter().all(|&u| u == ws_uid),
+            "{name}: {uids}, want {ws_uid}"
+        );
+        let groups = status.lines().find(|l| l.starts_with("Groups:")).unwrap();
+        assert!(
+            !groups[7..].split_whitespace().any(|g| g == "0"),
+            "{name}: {groups}"
+        );
+    }
+
     // Nothing of the VM listens on a host port.
     let mut host_ports = Vec::new();
     for (pid, cmd) in env.vm_processes() {

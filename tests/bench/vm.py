@@ -98,7 +98,7 @@ def main():
         d.run("create", *opts, "--name", "warmup", str(small_repo(d.tmp / "warmup")))
         d.run("start", "warmup")
         limits = json.loads(d.run("status", "warmup", "--json"))["limits"]
-        accel = "kvm" if "under KVM" in limits else "tcg"
+        accel = "tcg" if "under TCG" in limits else "kvm"
         d.run("stop", "warmup")
         d.run("destroy", "--force", "warmup")
 
@@ -134,6 +134,8 @@ def main():
                 name = Path(cmd[0].decode()).name
                 if len(cmd) > 1 and cmd[1] == b"keystone-vm":
                     name = "supervisor (agentd keystone-vm)"
+                if len(cmd) > 1 and cmd[1] == b"keystone-vsock":
+                    name = "ssh's vsock pipe (agentd keystone-vsock)"
                 procs.append((name, int(pid)))
         mem = [(n, rss_kib(p), pss_kib(p)) for n, p in sorted(procs)]
         d.run("stop", "warm")

@@ -30,7 +30,7 @@ use super::{
 };
 use crate::procfs;
 use qemu::{Accel, Machine, Share};
-use supervise::{Helper, Plan, VM_ARG};
+use supervise::{FileArg, Helper, Plan, RunAs, VM_ARG, fd_path};
 
 /// Which accelerator to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -114,7 +114,8 @@ fn tail(path: &Path, n: usize) -> String {
     )
 }
 
-/// Where the sandbox's VM files live.
+/// Where the sandbox's VM files live. `run/` stays agentd's; `run/vm/` is
+/// handed to the sandbox's uid, which the vsock device runs as.
 struct Paths {
     dir: PathBuf,
     vm: PathBuf,
@@ -134,16 +135,35 @@ impl Paths {
             .map_or_else(|| spec.workspace.clone(), Path::to_path_buf);
         let vm = spec.run_dir.join("vm");
         Self {
-            plan: vm.join("plan.json"),
+            plan: spec.run_dir.join("vm-plan.json"),
+            fs_socket: spec.run_dir.join("virtiofs.sock"),
             vsock_socket: vm.join("vsock.sock"),
             vsock_uds: vm.join("vsock.uds"),
-            fs_socket: vm.join("virtiofs.sock"),
             boot_log: spec.log_dir.join("boot.log"),
             vm_log: spec.log_dir.join("vm.log"),
             dir,
             vm,
         }
     }
+}
+
+/// Whom QEMU and the vsock device run as: the sandbox's uid when agentd is
+/// root (with the group of /dev/kvm under KVM), else agentd's own.
+fn run_as(spec: &SandboxSpec, accel: Accel) -> Option<RunAs> {
+    if !nix::unistd::Uid::effective().is_root() || spec.uid == 0 {
+        return None;
+    }
+    let groups = match accel {
+        Accel::Kvm => std::fs::metadata("/dev/kvm")
+            .map(|m| vec![std::os::unix::fs::MetadataExt::gid(&m)])
+            .unwrap_or_default(),
+        Accel::Tcg => Vec::new(),
+    };
+    Some(RunAs {
+        uid: spec.uid,
+        gid: spec.gid,
+        groups,
+    })
 }
 
 impl VmBackend {
@@ -166,10 +186,11 @@ impl VmBackend {
             known_hosts: p.dir.join("client/known_hosts"),
             alias: format!("keystone-{}", spec.name),
             proxy_command: Some(format!(
-                "{} {} {}",
+                "{} {} {} {}",
                 ssh::quote(&self.settings.exe.to_string_lossy()),
                 vsock::VSOCK_ARG,
-                ssh::quote(&p.vsock_uds.to_string_lossy())
+                ssh::quote(&p.vsock_uds.to_string_lossy()),
+                device_uid(spec)
             )),
             control_path: Some(p.dir.join(format!("client/{user}.mux"))),
         }
@@ -312,10 +333,13 @@ impl VmBackend {
         let cmdline = procfs::cmdline(rt.supervisor_pid)?;
         let name = cmdline.get(3)?.clone();
         let dir = self.settings.state_dir.join("sandboxes").join(&name);
+        // The plan says whom the VM's processes run as.
+        let plan: Plan = serde_json::from_slice(&std::fs::read(cmdline.get(2)?).ok()?).ok()?;
+        let (uid, gid) = plan.run_as.map_or((0, 0), |r| (r.uid, r.gid));
         Some(SandboxSpec {
             name,
-            uid: 0,
-            gid: 0,
+            uid,
+            gid,
             workspace: dir.join("workspace"),
             home: dir.join("home"),
             run_dir: dir.join("run"),
@@ -338,17 +362,40 @@ impl VmBackend {
             .map_err(|e| fail(e.to_string()))?
             .map_err(fail)?;
         let io = |what: &str, e: std::io::Error| fail(format!("cannot prepare {what}: {e}"));
-        std::fs::create_dir_all(&p.vm).map_err(|e| io("the VM's run directory", e))?;
+        let run_as = run_as(spec, accel);
         std::fs::create_dir_all(&spec.log_dir).map_err(|e| io("the log directory", e))?;
-        for f in [&p.vsock_uds, &p.fs_socket, &p.vsock_socket] {
-            let _ = std::fs::remove_file(f);
-        }
+        std::fs::create_dir_all(&spec.run_dir).map_err(|e| io("the run directory", e))?;
+        // run/vm/ belongs to the uid the vsock device runs as; whatever was
+        // there before (it may have been that uid's) goes.
+        let _ = crate::git::workspace::remove_tree(&p.vm);
+        let _ = std::fs::remove_file(&p.fs_socket);
+        std::fs::create_dir(&p.vm).map_err(|e| io("run/vm", e))?;
+        // The last boot's console must not be mistaken for this one's.
         std::fs::write(&p.boot_log, b"").map_err(|e| io("logs/boot.log", e))?;
+        if let Some(r) = &run_as {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&spec.run_dir, std::fs::Permissions::from_mode(0o711))
+                .map_err(|e| io("the run directory", e))?;
+            std::os::unix::fs::chown(&p.vm, Some(r.uid), Some(r.gid))
+                .map_err(|e| io("run/vm", e))?;
+            std::fs::set_permissions(&p.vm, std::fs::Permissions::from_mode(0o700))
+                .map_err(|e| io("run/vm", e))?;
+        }
+        // QEMU gets the image and the keys as descriptors the supervisor
+        // opened: it needs no access to the cache or the sandbox's keys.
+        let arg = |path: PathBuf, copy: bool| FileArg { path, copy };
+        let files = vec![
+            arg(kernel, false),
+            arg(initrd, false),
+            arg(rootfs, false),
+            arg(p.dir.join("ssh/ssh_host_ed25519_key"), true),
+            arg(p.dir.join("ssh/authorized_keys"), true),
+        ];
         let machine = Machine {
             name: spec.name.clone(),
-            kernel,
-            initrd,
-            rootfs,
+            kernel: fd_path(0).into(),
+            initrd: fd_path(1).into(),
+            rootfs: fd_path(2).into(),
             memory: spec.config.memory,
             vcpus: spec.config.vcpus,
             accel,
@@ -356,9 +403,8 @@ impl VmBackend {
             workspace: spec.workspace.clone(),
             network: spec.config.network,
             vsock: p.vsock_socket.clone(),
-            console_log: p.boot_log.clone(),
-            host_key: p.dir.join("ssh/ssh_host_ed25519_key"),
-            authorized_keys: p.dir.join("ssh/authorized_keys"),
+            host_key: fd_path(3).into(),
+            authorized_keys: fd_path(4).into(),
             uid: spec.uid,
             gid: spec.gid,
         };
@@ -376,6 +422,7 @@ impl VmBackend {
                     "cache=auto".into(),
                 ],
                 socket: p.fs_socket.clone(),
+                privileged: true,
             });
         }
         helpers.push(Helper {
@@ -390,6 +437,7 @@ impl VmBackend {
                 ),
             ],
             socket: p.vsock_socket.clone(),
+            privileged: false,
         });
         let mut argv = vec![s(&qemu)];
         argv.extend(qemu::qemu_args(&machine));
@@ -397,10 +445,13 @@ impl VmBackend {
             helpers,
             qemu: argv,
             log: p.vm_log.clone(),
+            console: p.boot_log.clone(),
+            files,
+            run_as,
         };
         let json = serde_json::to_vec_pretty(&plan).map_err(|e| fail(e.to_string()))?;
         crate::registry::atomic_write(&p.plan, &json)
-            .map_err(|e| fail(format!("cannot write run/vm/plan.json: {e}")))?;
+            .map_err(|e| fail(format!("cannot write run/vm-plan.json: {e}")))?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -546,6 +597,15 @@ impl VmBackend {
             let _ = std::fs::remove_file(Paths::new(spec).dir.join(format!("client/{user}.mux")));
         }
         Ok(())
+    }
+}
+
+/// The uid the sandbox's vsock device runs as (see [`run_as`]).
+fn device_uid(spec: &SandboxSpec) -> u32 {
+    if nix::unistd::Uid::effective().is_root() && spec.uid != 0 {
+        spec.uid
+    } else {
+        nix::unistd::Uid::effective().as_raw()
     }
 }
 

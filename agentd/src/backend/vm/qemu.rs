@@ -48,7 +48,9 @@ impl Share {
     }
 }
 
-/// Everything QEMU's command line is made of.
+/// Everything QEMU's command line is made of. The image files and keys are
+/// paths as QEMU sees them (the supervisor hands them over as descriptors,
+/// `/proc/self/fd/N`); the serial console is QEMU's standard output.
 #[derive(Debug, Clone)]
 pub struct Machine {
     /// Sandbox name (QEMU's `-name`, the guest's hostname).
@@ -73,8 +75,6 @@ pub struct Machine {
     pub network: Network,
     /// vhost-user socket of the vsock device.
     pub vsock: PathBuf,
-    /// File the serial console is written to.
-    pub console_log: PathBuf,
     /// The guest's ssh host key (handed over through fw_cfg).
     pub host_key: PathBuf,
     /// Keys allowed to log in (handed over through fw_cfg).
@@ -125,7 +125,7 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         "-nographic".into(),
         "-no-reboot".into(),
         "-serial".into(),
-        format!("file:{}", p(&m.console_log)),
+        "stdio".into(),
         "-kernel".into(),
         p(&m.kernel),
         "-initrd".into(),
@@ -295,7 +295,6 @@ mod tests {
             workspace: "/s/demo/workspace".into(),
             network,
             vsock: "/s/demo/run/vm/vsock.sock".into(),
-            console_log: "/s/demo/logs/boot.log".into(),
             host_key: "/s/demo/ssh/ssh_host_ed25519_key".into(),
             authorized_keys: "/s/demo/ssh/authorized_keys".into(),
             uid: 1000,

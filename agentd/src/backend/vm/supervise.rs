@@ -1,5 +1,8 @@
 //! `agentd keystone-vm PLAN NAME`: the supervisor of one `vm` sandbox.
 //!
+//! It runs with agentd's uid; QEMU and vhost-device-vsock drop to the
+//! sandbox's uid ([`Plan::run_as`]), and only virtiofsd keeps root.
+//!
 //! agentd starts it as the leader of a new session and process group; it
 //! starts the device helpers (virtiofsd, vhost-device-vsock), waits for
 //! their sockets, then starts QEMU. Every child dies with it
@@ -7,6 +10,7 @@
 //! process to watch and one process group to kill. It outlives agentd, so
 //! a restarted agentd adopts the VM.
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,7 +24,7 @@ use serde::{Deserialize, Serialize};
 /// argv\[1\] of the supervisor.
 pub const VM_ARG: &str = "keystone-vm";
 
-/// What the supervisor starts, written by agentd to `run/vm/plan.json`.
+/// What the supervisor starts, written by agentd to `run/vm-plan.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Plan {
@@ -28,8 +32,41 @@ pub struct Plan {
     pub helpers: Vec<Helper>,
     /// QEMU's argv (program first).
     pub qemu: Vec<String>,
-    /// Where the children's stdout and stderr go.
+    /// Where the children's stderr (and the helpers' stdout) go.
     pub log: PathBuf,
+    /// QEMU's stdout: the serial console.
+    pub console: PathBuf,
+    /// Files the supervisor opens and QEMU inherits as descriptors
+    /// [`FIRST_FD`], [`FIRST_FD`] + 1, … ([`fd_path`]), so that QEMU needs
+    /// no access to where they are.
+    pub files: Vec<FileArg>,
+    /// Whom QEMU and the unprivileged helpers run as; `None`: the
+    /// supervisor's own uid.
+    pub run_as: Option<RunAs>,
+}
+
+/// A file QEMU gets as a descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileArg {
+    /// The file.
+    pub path: PathBuf,
+    /// Hand over a copy in memory instead of the file: QEMU re-opens
+    /// `/proc/self/fd/N`, which checks the file's own permissions, and a
+    /// key readable only by root must stay so on disk.
+    pub copy: bool,
+}
+
+/// Credentials to drop to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunAs {
+    /// uid.
+    pub uid: u32,
+    /// gid.
+    pub gid: u32,
+    /// Supplementary groups (e.g. the owner of /dev/kvm).
+    pub groups: Vec<u32>,
 }
 
 /// A device helper.
@@ -42,32 +79,105 @@ pub struct Helper {
     pub argv: Vec<String>,
     /// The socket it creates, which QEMU connects to.
     pub socket: PathBuf,
+    /// Keeps the supervisor's uid (virtiofsd needs root); its socket is
+    /// then given to [`Plan::run_as`] for QEMU.
+    pub privileged: bool,
+}
+
+/// The first descriptor number of [`Plan::files`] in QEMU.
+pub const FIRST_FD: i32 = 100;
+
+/// The path QEMU opens for the `i`th of [`Plan::files`].
+#[must_use]
+pub fn fd_path(i: usize) -> String {
+    format!("/proc/self/fd/{}", FIRST_FD + i32::try_from(i).unwrap_or(0))
 }
 
 fn say(msg: &str) {
     eprintln!("keystone-vm: {msg}");
 }
 
-fn spawn(argv: &[String], log: &Path) -> std::io::Result<Child> {
-    let out = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)?;
-    let err = out.try_clone()?;
-    let mut cmd = Command::new(&argv[0]);
-    cmd.args(&argv[1..])
+/// How a child is started.
+struct Child_<'a> {
+    argv: &'a [String],
+    stdout: std::fs::File,
+    stderr: std::fs::File,
+    run_as: Option<&'a RunAs>,
+    files: &'a [OwnedFd],
+}
+
+/// Where a child finds its own program (see [`spawn`]).
+const EXE_FD: i32 = FIRST_FD - 1;
+
+fn spawn(c: Child_<'_>) -> std::io::Result<Child> {
+    // The program is opened here and run as /proc/self/fd/N, so that a
+    // child that drops to the sandbox's uid needs no access to where it
+    // is installed (a cache under /root, say).
+    let exe = OwnedFd::from(std::fs::File::open(&c.argv[0])?);
+    let exe_fd = exe.as_raw_fd();
+    let mut cmd = Command::new(format!("/proc/self/fd/{EXE_FD}"));
+    cmd.arg0(&c.argv[0])
+        .args(&c.argv[1..])
         .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err);
-    // SAFETY: prctl and sigprocmask are async-signal-safe.
+        .stdout(c.stdout)
+        .stderr(c.stderr);
+    let fds: Vec<i32> = c.files.iter().map(AsRawFd::as_raw_fd).collect();
+    let run_as = c.run_as.cloned();
+    let parent = nix::unistd::getpid();
+    // SAFETY: only async-signal-safe calls (dup3, dup2, setgroups, setgid,
+    // setuid, prctl, sigprocmask, getppid) between fork and exec.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
+            // Closed by the exec itself, once the kernel has the program.
+            if nix::libc::dup3(exe_fd, EXE_FD, nix::libc::O_CLOEXEC) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            for (i, &fd) in fds.iter().enumerate() {
+                let target = FIRST_FD + i32::try_from(i).unwrap_or(0);
+                if nix::libc::dup2(fd, target) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            if let Some(r) = &run_as {
+                let groups: Vec<nix::unistd::Gid> = r
+                    .groups
+                    .iter()
+                    .map(|&g| nix::unistd::Gid::from_raw(g))
+                    .collect();
+                nix::unistd::setgroups(&groups)?;
+                nix::unistd::setgid(nix::unistd::Gid::from_raw(r.gid))?;
+                nix::unistd::setuid(nix::unistd::Uid::from_raw(r.uid))?;
+            }
+            // After the uid change, which clears it.
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::Error::other("the supervisor ended"));
+            }
             nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
             Ok(())
         });
     }
-    cmd.spawn()
+    let child = cmd.spawn();
+    drop(exe);
+    child
+}
+
+fn open_arg(f: &FileArg) -> std::io::Result<OwnedFd> {
+    if !f.copy {
+        return Ok(OwnedFd::from(std::fs::File::open(&f.path)?));
+    }
+    let data = std::fs::read(&f.path)?;
+    let fd = nix::sys::memfd::memfd_create(c"keystone-vm", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+    let mut file = std::fs::File::from(fd);
+    std::io::Write::write_all(&mut file, &data)?;
+    Ok(OwnedFd::from(file))
+}
+
+fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
 }
 
 fn end(children: &mut [(String, Child)], grace: Duration) {
@@ -119,7 +229,22 @@ pub fn main(plan: &str) -> i32 {
     let mut children: Vec<(String, Child)> = Vec::new();
     for h in &plan.helpers {
         let _ = std::fs::remove_file(&h.socket);
-        match spawn(&h.argv, &plan.log) {
+        let started = open_log(&plan.log)
+            .and_then(|out| Ok((out.try_clone()?, out)))
+            .and_then(|(out, err)| {
+                spawn(Child_ {
+                    argv: &h.argv,
+                    stdout: out,
+                    stderr: err,
+                    run_as: if h.privileged {
+                        None
+                    } else {
+                        plan.run_as.as_ref()
+                    },
+                    files: &[],
+                })
+            });
+        match started {
             Ok(c) => children.push((h.name.clone(), c)),
             Err(e) => {
                 say(&format!("cannot start {} ({}): {e}", h.name, h.argv[0]));
@@ -146,8 +271,52 @@ pub fn main(plan: &str) -> i32 {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+        if let (true, Some(r)) = (h.privileged, &plan.run_as) {
+            // QEMU, with fewer rights, connects to it. The socket's
+            // directory is the supervisor's: nobody can swap the socket
+            // for a link, and the link would not be followed anyway.
+            let owned = nix::unistd::fchownat(
+                nix::fcntl::AT_FDCWD,
+                &h.socket,
+                Some(nix::unistd::Uid::from_raw(r.uid)),
+                Some(nix::unistd::Gid::from_raw(r.gid)),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            );
+            if let Err(e) = owned {
+                say(&format!(
+                    "cannot hand {} to uid {}: {e}",
+                    h.socket.display(),
+                    r.uid
+                ));
+                end(&mut children, Duration::from_secs(1));
+                return 1;
+            }
+        }
     }
-    match spawn(&plan.qemu, &plan.log) {
+    let mut files = Vec::new();
+    for f in &plan.files {
+        match open_arg(f) {
+            Ok(fd) => files.push(fd),
+            Err(e) => {
+                say(&format!("cannot open {}: {e}", f.path.display()));
+                end(&mut children, Duration::from_secs(1));
+                return 1;
+            }
+        }
+    }
+    let started = std::fs::File::create(&plan.console)
+        .and_then(|console| Ok((console, open_log(&plan.log)?)))
+        .and_then(|(console, log)| {
+            spawn(Child_ {
+                argv: &plan.qemu,
+                stdout: console,
+                stderr: log,
+                run_as: plan.run_as.as_ref(),
+                files: &files,
+            })
+        });
+    drop(files);
+    match started {
         Ok(c) => children.push(("QEMU".into(), c)),
         Err(e) => {
             say(&format!("cannot start QEMU ({}): {e}", plan.qemu[0]));

@@ -1,4 +1,4 @@
-//! `agentd keystone-vsock SOCKET`: ssh's `ProxyCommand` for `vm` guests.
+//! `agentd keystone-vsock SOCKET UID`: ssh's `ProxyCommand` for `vm` guests.
 //!
 //! The guest's vsock device is `vhost-device-vsock`, whose host side is a
 //! unix socket speaking the hybrid protocol of Firecracker and
@@ -6,6 +6,11 @@
 //! answers `OK <host port>\n`, and the socket is then a stream to the
 //! guest's vsock port. This helper does the handshake for port 22 (the
 //! guest's sshd) and copies stdin and stdout to and from it.
+//!
+//! The socket lies in a directory of the sandbox's uid, which the device
+//! runs as: before it says anything, the helper checks that the listening
+//! process has that uid (`SO_PEERCRED`), so a link planted there cannot
+//! make it talk to another service of the host.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -17,9 +22,21 @@ pub const VSOCK_ARG: &str = "keystone-vsock";
 /// The guest port agentd's ssh connects to.
 pub const SSH_PORT: u32 = 22;
 
-/// Open a stream to `port` in the guest behind `socket`.
-pub fn connect(socket: &str, port: u32) -> std::io::Result<UnixStream> {
+/// Open a stream to `port` in the guest behind `socket`, whose listener
+/// must run as `uid`.
+pub fn connect(socket: &str, uid: u32, port: u32) -> std::io::Result<UnixStream> {
     let mut s = UnixStream::connect(socket)?;
+    let peer = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(std::io::Error::from)?;
+    if peer.uid() != uid {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the socket is served by uid {}, not by the sandbox's vsock device (uid {uid})",
+                peer.uid()
+            ),
+        ));
+    }
     // A guest that is still booting may never answer: don't hang ssh.
     s.set_read_timeout(Some(Duration::from_secs(5)))?;
     s.write_all(format!("CONNECT {port}\n").as_bytes())?;
@@ -38,9 +55,13 @@ pub fn connect(socket: &str, port: u32) -> std::io::Result<UnixStream> {
     Ok(s)
 }
 
-/// The helper's entry point.
+/// The helper's entry point; argv\[3\] is the device's uid.
 pub fn main(socket: &str) -> i32 {
-    let s = match connect(socket, SSH_PORT) {
+    let Some(uid) = std::env::args().nth(3).and_then(|u| u.parse().ok()) else {
+        eprintln!("usage: agentd {VSOCK_ARG} SOCKET UID");
+        return 2;
+    };
+    let s = match connect(socket, uid, SSH_PORT) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("keystone-vsock: {socket}: {e}");
