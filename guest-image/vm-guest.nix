@@ -87,6 +87,17 @@ in
       # A fresh copy of a clean image at every boot.
       noCheck = true;
     };
+    # The sandbox's home disk (agentd attaches it as the second disk), which
+    # outlives the VM.
+    fileSystems."/home/agent" = {
+      device = "/dev/vdb";
+      fsType = "ext4";
+      options = [
+        "nosuid"
+        "nodev"
+        "nofail"
+      ];
+    };
 
     # initrd-find-nixos-closure reads `init=` from /proc/cmdline and fails
     # without it. That unit alone (in its own mount namespace) sees a
@@ -194,7 +205,10 @@ in
         Type = "oneshot";
         RemainAfterExit = true;
       };
-      path = [ pkgs.shadow ];
+      path = [
+        pkgs.shadow
+        pkgs.coreutils
+      ];
       script = ''
         uid=1000 gid=1000
         for word in $(< /proc/cmdline); do
@@ -215,7 +229,11 @@ in
         # the guest (gid 100 is `users`).
         groupmod --non-unique --gid "$gid" agent
         usermod --non-unique --uid "$uid" --gid "$gid" agent
-        chown -R "$uid:$gid" /home/agent
+        # agentd makes the home disk with the right owner: walk it only
+        # when it is not.
+        if [ "$(stat -c %u:%g /home/agent)" != "$uid:$gid" ]; then
+          chown -R "$uid:$gid" /home/agent
+        fi
       '';
     };
 

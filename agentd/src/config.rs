@@ -140,6 +140,8 @@ pub struct VmConfig {
     pub start_timeout_seconds: u32,
     /// Seconds a guest gets to power off before it is killed.
     pub stop_grace_seconds: u32,
+    /// Size in MiB of each sandbox's home disk (a sparse ext4 image).
+    pub home_size_mib: u32,
 }
 
 impl Default for VmConfig {
@@ -153,6 +155,7 @@ impl Default for VmConfig {
             share: crate::backend::vm::ShareChoice::Auto,
             start_timeout_seconds: 180,
             stop_grace_seconds: 30,
+            home_size_mib: 10240,
         }
     }
 }

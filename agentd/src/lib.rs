@@ -129,6 +129,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         share: config.vm.share,
         start_timeout: Duration::from_secs(u64::from(config.vm.start_timeout_seconds)),
         stop_grace: Duration::from_secs(u64::from(config.vm.stop_grace_seconds)),
+        home_size_mib: config.vm.home_size_mib,
     }));
     // Decide between KVM and TCG now, not in the first start.
     tokio::spawn({

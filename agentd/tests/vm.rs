@@ -213,6 +213,16 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     }
     assert!(host_ports.is_empty(), "{host_ports:?}");
 
+    // The home is a disk of its own that outlives the VM.
+    env.ok(&[
+        "exec",
+        "vmtest",
+        "--",
+        "sh",
+        "-c",
+        "echo 'logged in' > ~/.agent-login && grep -q ' /home/agent ext4 ' /proc/mounts",
+    ]);
+
     env.ok(&["stop", "vmtest"]);
     assert_eq!(env.state("vmtest"), "stopped");
     assert_nothing_left(&env);
@@ -224,10 +234,17 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
         "a clean power-off: {boot}"
     );
 
-    // The workspace persists: a second start sees the file.
+    // The workspace and the home persist: a second start sees both files.
     env.ok(&["start", "vmtest"]);
-    let out = env.ok(&["exec", "vmtest", "--", "cat", "vm.txt"]);
-    assert_eq!(out, "made in a VM\n");
+    let out = env.ok(&[
+        "exec",
+        "vmtest",
+        "--",
+        "sh",
+        "-c",
+        "cat vm.txt ~/.agent-login",
+    ]);
+    assert_eq!(out, "made in a VM\nlogged in\n");
     // A forced stop kills the VM at once; destroy removes the rest.
     env.ok(&["stop", "--force", "vmtest"]);
     assert_nothing_left(&env);

@@ -80,6 +80,8 @@ pub struct VmSettings {
     pub start_timeout: Duration,
     /// Time the guest gets to power off before it is killed.
     pub stop_grace: Duration,
+    /// Size of a sandbox's home disk in MiB.
+    pub home_size_mib: u32,
 }
 
 /// The QEMU microVM backend.
@@ -328,6 +330,57 @@ impl VmBackend {
         Ok((file("vmlinux")?, file("initrd")?, file("rootfs.img")?))
     }
 
+    /// The sandbox's home disk, `home.img`: an ext4 image of
+    /// `vm.home_size_mib` (sparse), made on the first start, and again on
+    /// every start unless the sandbox persists.
+    async fn home_disk(
+        &self,
+        spec: &SandboxSpec,
+        p: &Paths,
+        run_as: Option<&RunAs>,
+    ) -> Result<PathBuf, BackendError> {
+        let img = p.dir.join("home.img");
+        if !spec.config.persist {
+            let _ = std::fs::remove_file(&img);
+        }
+        if std::fs::symlink_metadata(&img).is_ok_and(|m| m.is_file()) {
+            return Ok(img);
+        }
+        let _ = std::fs::remove_file(&img);
+        let tmp = p.dir.join("home.img.tmp");
+        let _ = std::fs::remove_file(&tmp);
+        let (uid, gid) = run_as.map_or((spec.uid, spec.gid), |r| (r.uid, r.gid));
+        let out = tokio::process::Command::new("mke2fs")
+            .args(["-q", "-F", "-t", "ext4", "-L", "keystone-home", "-E"])
+            .arg(format!("root_owner={uid}:{gid}"))
+            .arg(&tmp)
+            .arg(format!("{}M", self.settings.home_size_mib))
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(|e| fail(format!("cannot run mke2fs (install e2fsprogs): {e}")))?;
+        if !out.status.success() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(fail(format!(
+                "mke2fs could not make the home disk {}: {}",
+                img.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        if let Some(r) = run_as {
+            std::os::unix::fs::chown(&tmp, Some(r.uid), Some(r.gid))
+                .map_err(|e| fail(format!("cannot hand the home disk to uid {}: {e}", r.uid)))?;
+        }
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| fail(format!("cannot set the mode of {}: {e}", tmp.display())))?;
+        }
+        std::fs::rename(&tmp, &img)
+            .map_err(|e| fail(format!("cannot create {}: {e}", img.display())))?;
+        Ok(img)
+    }
+
     /// A spec with the paths of the sandbox whose supervisor `rt` names.
     fn spec_of(&self, rt: &Runtime) -> Option<SandboxSpec> {
         let cmdline = procfs::cmdline(rt.supervisor_pid)?;
@@ -383,6 +436,7 @@ impl VmBackend {
         }
         // QEMU gets the image and the keys as descriptors the supervisor
         // opened: it needs no access to the cache or the sandbox's keys.
+        let home = self.home_disk(spec, &p, run_as.as_ref()).await?;
         let arg = |path: PathBuf, copy: bool| FileArg { path, copy };
         let files = vec![
             arg(kernel, false),
@@ -390,6 +444,7 @@ impl VmBackend {
             arg(rootfs, false),
             arg(p.dir.join("ssh/ssh_host_ed25519_key"), true),
             arg(p.dir.join("ssh/authorized_keys"), true),
+            arg(home, false),
         ];
         let machine = Machine {
             name: spec.name.clone(),
@@ -405,6 +460,7 @@ impl VmBackend {
             vsock: p.vsock_socket.clone(),
             host_key: fd_path(3).into(),
             authorized_keys: fd_path(4).into(),
+            home: fd_path(5).into(),
             uid: spec.uid,
             gid: spec.gid,
         };

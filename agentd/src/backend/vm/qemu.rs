@@ -79,6 +79,8 @@ pub struct Machine {
     pub host_key: PathBuf,
     /// Keys allowed to log in (handed over through fw_cfg).
     pub authorized_keys: PathBuf,
+    /// The home disk (the guest's second disk, `/home/agent`).
+    pub home: PathBuf,
     /// Host uid and gid that own the workspace (the guest's `agent`).
     pub uid: u32,
     /// See `uid`.
@@ -139,6 +141,10 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         ),
         "-device".into(),
         "virtio-blk-device,drive=root".into(),
+        "-drive".into(),
+        format!("id=home,file={},format=raw,if=none", p(&m.home)),
+        "-device".into(),
+        "virtio-blk-device,drive=home".into(),
         "-global".into(),
         "virtio-mmio.force-legacy=false".into(),
         "-chardev".into(),
@@ -297,6 +303,7 @@ mod tests {
             vsock: "/s/demo/run/vm/vsock.sock".into(),
             host_key: "/s/demo/ssh/ssh_host_ed25519_key".into(),
             authorized_keys: "/s/demo/ssh/authorized_keys".into(),
+            home: "/s/demo/home.img".into(),
             uid: 1000,
             gid: 100,
         }
