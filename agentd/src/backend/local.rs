@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use keystone_agent_api::BackendKind;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use super::{Backend, BackendError, BoxFut, ExecRequest, Runtime, SandboxSpec, TtyProcess};
@@ -482,28 +481,11 @@ impl Backend for LocalBackend {
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {
-        rt.init_pid > 0
-            && procfs::start_time(rt.init_pid) == Some(rt.init_start_time)
-            && procfs::state(rt.init_pid).is_some_and(|s| s != 'Z')
+        super::supervisor_alive(rt)
     }
 
     fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
-        Box::pin(async move {
-            let Ok(fd) = procfs::pidfd_open(rt.init_pid) else {
-                return;
-            };
-            // The pidfd pins the process: check it is still ours.
-            if !self.is_alive(rt) {
-                return;
-            }
-            // SAFETY: `fd` is an open pidfd that the AsyncFd owns until it is
-            // dropped at the end of this block.
-            let registered =
-                unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) };
-            if let Ok(afd) = registered {
-                let _ = afd.readable().await;
-            }
-        })
+        Box::pin(super::supervisor_exit(rt))
     }
 
     fn kill_strays(&self, keep: &[(String, Runtime)]) -> Vec<String> {

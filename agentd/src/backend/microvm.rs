@@ -436,22 +436,14 @@ impl Backend for MicrovmBackend {
             return Vec::new();
         };
         let dir = self.settings.state_dir.join("sandboxes").join(sandbox);
-        let spec_like = SandboxSpec {
-            name: sandbox.to_owned(),
-            uid: 0,
-            gid: 0,
-            workspace: dir.join("workspace"),
-            home: dir.join("home"),
-            run_dir: dir.join("run"),
-            log_dir: dir.join("logs"),
-            config: self
-                .configs
-                .lock()
-                .unwrap()
-                .get(sandbox)
-                .cloned()
-                .unwrap_or_default(),
-        };
+        let config = self
+            .configs
+            .lock()
+            .unwrap()
+            .get(sandbox)
+            .cloned()
+            .unwrap_or_default();
+        let spec_like = SandboxSpec::at(&dir, sandbox, 0, 0, config);
         let Ok(target) = self.target(&spec_like) else {
             return Vec::new();
         };

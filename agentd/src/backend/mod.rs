@@ -47,6 +47,59 @@ pub struct SandboxSpec {
     pub config: SandboxConfig,
 }
 
+impl SandboxSpec {
+    /// The spec of sandbox `name` whose directory is `dir` (as the registry
+    /// lays it out: `workspace`, `home`, `run`, `logs`).
+    #[must_use]
+    pub fn at(
+        dir: &std::path::Path,
+        name: &str,
+        uid: u32,
+        gid: u32,
+        config: SandboxConfig,
+    ) -> Self {
+        Self {
+            name: name.to_owned(),
+            uid,
+            gid,
+            workspace: dir.join("workspace"),
+            home: dir.join("home"),
+            run_dir: dir.join("run"),
+            log_dir: dir.join("logs"),
+            config,
+        }
+    }
+}
+
+/// Whether the supervisor `rt` names is still alive: same pid, same start
+/// time (a reused pid is not it), not a zombie.
+#[must_use]
+pub fn supervisor_alive(rt: &Runtime) -> bool {
+    rt.init_pid > 0
+        && crate::procfs::start_time(rt.init_pid) == Some(rt.init_start_time)
+        && crate::procfs::state(rt.init_pid).is_some_and(|s| s != 'Z')
+}
+
+/// Resolves when the process `rt` names has ended, whoever its parent is
+/// (a pidfd).
+pub async fn supervisor_exit(rt: &Runtime) {
+    let Ok(fd) = crate::procfs::pidfd_open(rt.init_pid) else {
+        return;
+    };
+    // The pidfd pins the process: check it is still ours.
+    if !supervisor_alive(rt) {
+        return;
+    }
+    // SAFETY: `fd` is an open pidfd that the AsyncFd owns until it is
+    // dropped at the end of this function.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+    };
+    if let Ok(afd) = registered {
+        let _ = afd.readable().await;
+    }
+}
+
 /// What a backend records about a running sandbox, persisted in the
 /// registry so that a restarted agentd can find, adopt or end it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

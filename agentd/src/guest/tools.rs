@@ -19,16 +19,24 @@ const ZELLIJ_PINNED: &str = "0.45.1";
 const CONFIG_KDL: &str = include_str!("../../share/zellij/config.kdl");
 const LAYOUT_KDL: &str = include_str!("../../share/zellij/layout.kdl");
 
-/// Where `tests/install-zellij.sh` caches its build.
-fn cached_zellij() -> Option<PathBuf> {
-    let cache = std::env::var_os("KEYSTONE_CACHE_DIR")
+/// The cache of `tests/install-tools.sh` and the guest image:
+/// `$KEYSTONE_CACHE_DIR`, else `$XDG_CACHE_HOME/keystone-agent`, else
+/// `~/.cache/keystone-agent`.
+#[must_use]
+pub fn cache_dir() -> Option<PathBuf> {
+    std::env::var_os("KEYSTONE_CACHE_DIR")
         .map(PathBuf::from)
         .or_else(|| {
             std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("keystone-agent"))
         })
         .or_else(|| {
             std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/keystone-agent"))
-        })?;
+        })
+}
+
+/// Where `tests/install-zellij.sh` caches its build.
+fn cached_zellij() -> Option<PathBuf> {
+    let cache = cache_dir()?;
     Some(cache.join(format!("zellij-{ZELLIJ_PINNED}/bin/zellij")))
 }
 

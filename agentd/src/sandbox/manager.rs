@@ -320,16 +320,7 @@ impl Manager {
     fn spec(&self, sb: &Sandbox) -> SandboxSpec {
         let dir = self.registry.sandbox_dir(&sb.name);
         let (uid, gid) = auth::sandbox_ids(sb.owner);
-        SandboxSpec {
-            name: sb.name.clone(),
-            uid,
-            gid,
-            workspace: dir.join("workspace"),
-            home: dir.join("home"),
-            run_dir: dir.join("run"),
-            log_dir: dir.join("logs"),
-            config: sb.config.clone(),
-        }
+        SandboxSpec::at(&dir, &sb.name, uid, gid, sb.config.clone())
     }
 
     /// Change sandbox `name` with `f`, persist the registry, announce it.

@@ -248,14 +248,7 @@ impl VmBackend {
     }
 
     fn vhost_vsock(&self) -> Result<PathBuf, BackendError> {
-        let cache = std::env::var_os("KEYSTONE_CACHE_DIR")
-            .map(PathBuf::from)
-            .or_else(|| {
-                std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("keystone-agent"))
-            })
-            .or_else(|| {
-                std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/keystone-agent"))
-            });
+        let cache = crate::guest::tools::cache_dir();
         let mut names: Vec<PathBuf> = self.settings.vhost_vsock.iter().cloned().collect();
         if names.is_empty() {
             names.push("vhost-device-vsock".into());
@@ -389,16 +382,13 @@ impl VmBackend {
         // The plan says whom the VM's processes run as.
         let plan: Plan = serde_json::from_slice(&std::fs::read(cmdline.get(2)?).ok()?).ok()?;
         let (uid, gid) = plan.run_as.map_or((0, 0), |r| (r.uid, r.gid));
-        Some(SandboxSpec {
-            name,
+        Some(SandboxSpec::at(
+            &dir,
+            &name,
             uid,
             gid,
-            workspace: dir.join("workspace"),
-            home: dir.join("home"),
-            run_dir: dir.join("run"),
-            log_dir: dir.join("logs"),
-            config: keystone_agent_api::SandboxConfig::default(),
-        })
+            keystone_agent_api::SandboxConfig::default(),
+        ))
     }
 
     async fn start_inner(&self, spec: &SandboxSpec) -> Result<Runtime, BackendError> {
@@ -722,27 +712,11 @@ impl Backend for VmBackend {
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {
-        rt.init_pid > 0
-            && procfs::start_time(rt.init_pid) == Some(rt.init_start_time)
-            && procfs::state(rt.init_pid).is_some_and(|s| s != 'Z')
+        super::supervisor_alive(rt)
     }
 
     fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
-        Box::pin(async move {
-            let Ok(fd) = procfs::pidfd_open(rt.init_pid) else {
-                return;
-            };
-            if !self.is_alive(rt) {
-                return;
-            }
-            // SAFETY: `fd` is an open pidfd that the AsyncFd owns.
-            let registered = unsafe {
-                tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
-            };
-            if let Ok(afd) = registered {
-                let _ = afd.readable().await;
-            }
-        })
+        Box::pin(super::supervisor_exit(rt))
     }
 
     fn kill_strays(&self, keep: &[(String, Runtime)]) -> Vec<String> {
