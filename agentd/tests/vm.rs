@@ -59,6 +59,11 @@ fn create_vm(env: &Env, name: &str, network: &str) {
     ]);
 }
 
+/// Run `script` with `sh -c` in sandbox `name`; its output.
+fn sh(env: &Env, name: &str, script: &str) -> String {
+    env.ok(&["exec", name, "--", "sh", "-c", script])
+}
+
 fn assert_nothing_left(env: &Env) {
     // The supervisor takes its children along; give the kernel a moment
     // to reap them.
@@ -99,14 +104,11 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
 
     // It is a VM: its own kernel, the sandbox's memory, no NIC for
     // network "none", and the workspace at /workspace.
-    let out = env.ok(&[
-        "exec",
+    let out = sh(
+        &env,
         "vmtest",
-        "--",
-        "sh",
-        "-c",
         "uname -r; grep MemTotal /proc/meminfo; nproc; ls /sys/class/net; git -C /workspace status",
-    ]);
+    );
     assert!(out.contains("-amd64\n"), "{out}");
     let kib: u64 = out
         .lines()
@@ -123,15 +125,12 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     );
 
     // A commit made in the guest reaches the host with sync.
-    env.ok(&[
-        "exec",
+    sh(
+        &env,
         "vmtest",
-        "--",
-        "sh",
-        "-c",
         "echo 'made in a VM' > vm.txt && git add vm.txt && \
          git -c user.name=Agent -c user.email=agent@example.com commit -qm 'from the guest'",
-    ]);
+    );
     let out = env.ok(&["sync", "vmtest"]);
     assert!(out.contains("main"), "{out}");
     let repo = env.tmp.path().join("vmtest");
@@ -143,14 +142,11 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     // A dev server in the guest answers at its link through Caddy, over
     // the control channel (the guest has no network at all). It listens on
     // every address, IPv6 included, as most dev servers do.
-    env.ok(&[
-        "exec",
+    sh(
+        &env,
         "vmtest",
-        "--",
-        "sh",
-        "-c",
         "busybox httpd -f -p 8123 -h /workspace </dev/null >/dev/null 2>&1 &",
-    ]);
+    );
     let mut last = (0, String::new());
     wait_for(
         "the guest's dev server link",
@@ -214,14 +210,11 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     assert!(host_ports.is_empty(), "{host_ports:?}");
 
     // The home is a disk of its own that outlives the VM.
-    env.ok(&[
-        "exec",
+    sh(
+        &env,
         "vmtest",
-        "--",
-        "sh",
-        "-c",
         "echo 'logged in' > ~/.agent-login && grep -q ' /home/agent ext4 ' /proc/mounts",
-    ]);
+    );
 
     env.ok(&["stop", "vmtest"]);
     assert_eq!(env.state("vmtest"), "stopped");
@@ -236,14 +229,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
 
     // The workspace and the home persist: a second start sees both files.
     env.ok(&["start", "vmtest"]);
-    let out = env.ok(&[
-        "exec",
-        "vmtest",
-        "--",
-        "sh",
-        "-c",
-        "cat vm.txt ~/.agent-login",
-    ]);
+    let out = sh(&env, "vmtest", "cat vm.txt ~/.agent-login");
     assert_eq!(out, "made in a VM\nlogged in\n");
     // A forced stop kills the VM at once; destroy removes the rest.
     env.ok(&["stop", "--force", "vmtest"]);
