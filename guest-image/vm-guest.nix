@@ -96,6 +96,8 @@ in
         "nosuid"
         "nodev"
         "nofail"
+        # No background zeroing of a new disk's inode tables.
+        "noinit_itable"
       ];
     };
 
