@@ -339,6 +339,15 @@ impl DaemonConfig {
         if let Err(e) = crate::naming::derive("x", &self.microvm.subnet) {
             p.push(format!("microvm.subnet: {e}"));
         }
+        if self.vm.image.as_ref().is_some_and(|i| !i.is_absolute()) {
+            p.push("vm.image must be an absolute path".to_owned());
+        }
+        if self.vm.home_size_mib < 256 {
+            p.push(format!(
+                "vm.home_size_mib {} is too small (at least 256)",
+                self.vm.home_size_mib
+            ));
+        }
         if self.proxy.domain.is_empty()
             || !self.proxy.domain.split('.').all(|l| {
                 !l.is_empty()
@@ -424,11 +433,17 @@ mod tests {
     fn every_problem_is_listed() {
         let c: DaemonConfig = serde_json::from_str(
             r#"{"state_dir": "rel", "defaults": {"memory": 10},
+                "vm": {"image": "images/debian", "home_size_mib": 16},
                 "sandboxes": {"Bad_Name": {"project": "rel", "owner": "no-such-user-xyz", "vcpus": 0}}}"#,
         )
         .unwrap();
         let p = c.validate();
-        assert_eq!(p.len(), 7, "{p:#?}");
+        assert_eq!(p.len(), 9, "{p:#?}");
+        assert!(p.contains(&"vm.image must be an absolute path".to_owned()));
+        assert!(
+            p.iter()
+                .any(|m| m.starts_with("vm.home_size_mib 16 is too small"))
+        );
         assert!(
             p.iter()
                 .any(|m| m.starts_with("sandboxes.Bad_Name: owner 'no-such-user-xyz'"))

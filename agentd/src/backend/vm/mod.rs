@@ -230,11 +230,17 @@ impl VmBackend {
     /// Run the KVM check for the configured image ahead of the first start
     /// (a no-op without an image or with `vm.accel = "tcg"`).
     pub async fn check_accel(&self) {
-        if let Ok((kernel, _, _)) = self.image()
-            && self.settings.accel != AccelChoice::Tcg
-            && self.qemu().is_ok()
-        {
-            let _ = self.accel(&kernel).await;
+        if self.settings.image.is_none() {
+            return;
+        }
+        match self.image() {
+            Ok((kernel, _, _)) => {
+                if self.settings.accel != AccelChoice::Tcg && self.qemu().is_ok() {
+                    let _ = self.accel(&kernel).await;
+                }
+            }
+            // Said now, not only at the first start.
+            Err(e) => tracing::warn!("vm sandboxes will not start: {e}"),
         }
     }
 
