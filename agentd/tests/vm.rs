@@ -27,14 +27,22 @@ fn image() -> PathBuf {
     dir
 }
 
-/// agentd with the vm backend on `image` (plus `extra` config sections).
+/// agentd with the vm backend on `image` (plus `extra` config, merged one
+/// level deep).
 fn env_with(image: &Path, extra: serde_json::Value) -> Env {
     let mut env = Env::bus_only();
     let mut config = serde_json::json!({
         "vm": {"image": image, "start_timeout_seconds": 300, "stop_grace_seconds": 60},
     });
     if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
-        c.extend(e.clone());
+        for (k, v) in e {
+            match (c.get_mut(k).and_then(|x| x.as_object_mut()), v.as_object()) {
+                (Some(ours), Some(theirs)) => ours.extend(theirs.clone()),
+                _ => {
+                    c.insert(k.clone(), v.clone());
+                }
+            }
+        }
     }
     let path = env.tmp.path().join("agentd.json");
     std::fs::write(&path, config.to_string()).unwrap();
@@ -292,9 +300,37 @@ fn a_guest_that_cannot_boot_ends_in_error_with_its_console_and_no_leftovers() {
 #[ignore = "boots real VMs: run tests/run-vm.sh"]
 fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     let img = image();
-    let mut env = env_with(&img, serde_json::json!({}));
+    // This one shares its workspace over 9p, QEMU's own (as when agentd is
+    // not root), and has a NIC on QEMU's user-mode network.
+    let dir = tempfile::tempdir().unwrap();
+    let caddy = Caddy::start(dir.path());
+    let mut extra: serde_json::Value = serde_json::from_str(&caddy.agentd_config(false)).unwrap();
+    extra["vm"] = serde_json::json!({"share": "9p"});
+    let mut env = env_with(&img, extra);
     create_vm(&env, "survivor", "nat");
     env.ok(&["start", "survivor"]);
+    let limits = env.status("survivor")["limits"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(limits.ends_with("workspace over 9p"), "{limits}");
+    let out = sh(
+        &env,
+        "survivor",
+        "echo via-9p > /workspace/shared.txt; \
+         for i in $(seq 100); do ip -4 -o addr | grep -q 'inet 10.0.2.15/' && exit 0; sleep 0.2; done; \
+         ip -o addr; exit 1",
+    );
+    assert_eq!(out, "");
+    let shared = env
+        .state_dir
+        .join("sandboxes/survivor/workspace/shared.txt");
+    assert_eq!(std::fs::read_to_string(&shared).unwrap(), "via-9p\n");
+    let ws_uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&shared).unwrap());
+    assert_ne!(
+        ws_uid, 0,
+        "files the guest writes belong to the sandbox's uid"
+    );
     let before = env.vm_processes();
     assert!(
         before.iter().any(|(_, c)| c.contains("qemu-system")),
@@ -311,6 +347,24 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     env.start_agentd();
     assert_eq!(env.state("survivor"), "running");
     assert!(env.log().contains("adopted a running sandbox"));
+    // Port discovery and links need the adopted VM's paths and uid, which
+    // agentd reads back from the supervisor and its plan.
+    sh(
+        &env,
+        "survivor",
+        "busybox httpd -f -p 8124 -h /workspace </dev/null >/dev/null 2>&1 &",
+    );
+    let mut ports = serde_json::Value::Null;
+    wait_for(
+        "the adopted guest's listener",
+        Duration::from_secs(30),
+        || {
+            ports = serde_json::from_str(&env.ok(&["ports", "survivor", "--json"])).unwrap();
+            ports["routes"]
+                .as_array()
+                .is_some_and(|r| r.iter().any(|x| x["port"] == 8124))
+        },
+    );
     let out = env.ok(&["exec", "survivor", "--", "cat", "/etc/hostname"]);
     assert_eq!(out, "survivor\n");
 
