@@ -800,15 +800,40 @@ impl Manager {
         // Only callers who may use the sandbox get a history entry.
         let sb = self.get(caller, name)?;
         let result = self.exec_inner(&sb, call).await;
-        let (exit_code, error) = match &result {
-            Ok(r) => (r.exit_code, String::new()),
-            Err(e) => (-1, e.to_string()),
+        self.record_run(
+            name,
+            caller.uid,
+            (kind, detail),
+            started,
+            result
+                .as_ref()
+                .map(|r| r.exit_code)
+                .map_err(ToString::to_string),
+        );
+        result
+    }
+
+    /// Append `entry` to sandbox `name`'s history (`logs/history.jsonl`,
+    /// append-only, one JSON object per line).
+    /// Record in `name`'s history a command run for `uid` since `started`:
+    /// its exit code, or -1 and why it failed.
+    fn record_run(
+        &self,
+        name: &str,
+        uid: u32,
+        (kind, detail): (String, String),
+        started: SystemTime,
+        outcome: std::result::Result<i32, String>,
+    ) {
+        let (exit_code, error) = match outcome {
+            Ok(c) => (c, String::new()),
+            Err(e) => (-1, e),
         };
         self.record(
             name,
             HistoryEntry {
                 time: super::micros(Some(started)),
-                uid: caller.uid,
+                uid,
                 kind,
                 detail,
                 exit_code,
@@ -817,11 +842,8 @@ impl Manager {
                 error,
             },
         );
-        result
     }
 
-    /// Append `entry` to sandbox `name`'s history (`logs/history.jsonl`,
-    /// append-only, one JSON object per line).
     fn record(&self, name: &str, entry: HistoryEntry) {
         use std::io::Write as _;
         let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");

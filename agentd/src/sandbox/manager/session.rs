@@ -11,7 +11,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use keystone_agent_api::{HistoryEntry, SandboxState, SessionInfo};
+use keystone_agent_api::{SandboxState, SessionInfo};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
@@ -183,22 +183,13 @@ impl Manager {
         let sandbox = name.to_owned();
         tokio::spawn(async move {
             let result = proc.exit.await;
-            let (exit_code, error) = match &result {
-                Ok(c) => (*c, String::new()),
-                Err(e) => (-1, e.to_string()),
-            };
-            this.record(
+            let exit_code = *result.as_ref().unwrap_or(&-1);
+            this.record_run(
                 &sandbox,
-                HistoryEntry {
-                    time: crate::sandbox::micros(Some(started)),
-                    uid: caller.uid,
-                    kind,
-                    detail,
-                    exit_code,
-                    duration_ms: u64::try_from(started.elapsed().unwrap_or_default().as_millis())
-                        .unwrap_or(u64::MAX),
-                    error,
-                },
+                caller.uid,
+                (kind, detail),
+                started,
+                result.map_err(|e| e.to_string()),
             );
             let _ = tx.send(Some(exit_code));
             // Nobody asked in time: forget it.
