@@ -121,19 +121,8 @@ fn send_with_fds(sock: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> io::Result<(
 /// Receive one request and the descriptors attached to it.
 pub fn recv_request(sock: &UnixStream) -> io::Result<(Request, Vec<OwnedFd>)> {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut cmsg_space = nix::cmsg_space!([RawFd; 8]);
     let mut fds = Vec::new();
-    let n = {
-        let mut iov = [io::IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            sock.as_raw_fd(),
-            &mut iov,
-            Some(&mut cmsg_space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )?;
-        fds.extend(received_fds(&msg)?);
-        msg.bytes
-    };
+    let n = recv_with_fds(sock, &mut buf, &mut fds)?;
     if n < 4 {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
@@ -159,9 +148,17 @@ pub fn recv_request(sock: &UnixStream) -> io::Result<(Request, Vec<OwnedFd>)> {
     Ok((req, fds))
 }
 
-/// The descriptors that came with `msg`, owned.
-fn received_fds(msg: &nix::sys::socket::RecvMsg<'_, '_, ()>) -> io::Result<Vec<OwnedFd>> {
-    let mut fds = Vec::new();
+/// One `recvmsg` into `buf`: the number of bytes read, with the
+/// descriptors that came along (up to 8) added to `fds`, owned.
+fn recv_with_fds(sock: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+    let mut cmsg_space = nix::cmsg_space!([RawFd; 8]);
+    let mut iov = [io::IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(
+        sock.as_raw_fd(),
+        &mut iov,
+        Some(&mut cmsg_space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )?;
     for c in msg.cmsgs()? {
         if let ControlMessageOwned::ScmRights(raw) = c {
             for fd in raw {
@@ -171,7 +168,7 @@ fn received_fds(msg: &nix::sys::socket::RecvMsg<'_, '_, ()>) -> io::Result<Vec<O
             }
         }
     }
-    Ok(fds)
+    Ok(msg.bytes)
 }
 
 /// Write one response line.
@@ -195,18 +192,7 @@ pub fn read_first_response(sock: &UnixStream) -> io::Result<(Response, Vec<Owned
     let mut fds = Vec::new();
     loop {
         let mut byte = [0u8; 1];
-        let mut cmsg_space = nix::cmsg_space!([RawFd; 4]);
-        let n = {
-            let mut iov = [io::IoSliceMut::new(&mut byte)];
-            let msg = recvmsg::<()>(
-                sock.as_raw_fd(),
-                &mut iov,
-                Some(&mut cmsg_space),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            )?;
-            fds.extend(received_fds(&msg)?);
-            msg.bytes
-        };
+        let n = recv_with_fds(sock, &mut byte, &mut fds)?;
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
