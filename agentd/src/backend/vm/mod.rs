@@ -289,13 +289,8 @@ impl VmBackend {
         let root = nix::unistd::Uid::effective().is_root();
         match (self.settings.share, virtiofsd) {
             (ShareChoice::NineP, _) => Ok((Share::NineP, None)),
-            (ShareChoice::Auto, Some(v)) if root => {
-                Ok((Share::Virtiofs(p.fs_socket.clone()), Some(v)))
-            }
+            (_, Some(v)) if root => Ok((Share::Virtiofs(p.fs_socket.clone()), Some(v))),
             (ShareChoice::Auto, _) => Ok((Share::NineP, None)),
-            (ShareChoice::Virtiofs, Some(v)) if root => {
-                Ok((Share::Virtiofs(p.fs_socket.clone()), Some(v)))
-            }
             (ShareChoice::Virtiofs, Some(_)) => Err(fail(
                 "vm.share is \"virtiofs\" but virtiofsd needs agentd to run as root; set vm.share to \"auto\"",
             )),
@@ -571,32 +566,28 @@ impl VmBackend {
                     logs()
                 )));
             }
-            // Until the guest's vsock device is up the handshake fails
-            // at once; no point asking ssh.
-            if p.vsock_uds.exists()
-                && let Err(last) = target.answers().await
-            {
-                if ssh::host_key_refused(&last) {
-                    return Err(fail(format!(
-                        "the guest of {} presented a host key other than the one agentd \
-                         provisioned for it; refusing to talk to it: {last}",
-                        spec.name
-                    )));
+            // Until the guest's vsock device is up there is nobody to ask.
+            let last = if p.vsock_uds.exists() {
+                match target.answers().await {
+                    Ok(()) => {
+                        tracing::info!(sandbox = %spec.name, secs = started.elapsed().as_secs_f64(), "guest answers");
+                        return Ok(());
+                    }
+                    Err(last) if ssh::host_key_refused(&last) => {
+                        return Err(fail(format!(
+                            "the guest of {} presented a host key other than the one agentd \
+                             provisioned for it; refusing to talk to it: {last}",
+                            spec.name
+                        )));
+                    }
+                    Err(last) => last,
                 }
-                if started.elapsed() > limit {
-                    return Err(BackendError::Timeout(format!(
-                        "the guest of {} did not answer on its control channel within {}s: {last}{}",
-                        spec.name,
-                        limit.as_secs(),
-                        logs()
-                    )));
-                }
-            } else if p.vsock_uds.exists() {
-                tracing::info!(sandbox = %spec.name, secs = started.elapsed().as_secs_f64(), "guest answers");
-                return Ok(());
-            } else if started.elapsed() > limit {
+            } else {
+                "its vsock device is not up".to_owned()
+            };
+            if started.elapsed() > limit {
                 return Err(BackendError::Timeout(format!(
-                    "the VM of {} did not come up within {}s{}",
+                    "the guest of {} did not answer on its control channel within {}s: {last}{}",
                     spec.name,
                     limit.as_secs(),
                     logs()
@@ -654,11 +645,7 @@ impl VmBackend {
 
 /// The uid the sandbox's vsock device runs as (see [`run_as`]).
 fn device_uid(spec: &SandboxSpec) -> u32 {
-    if nix::unistd::Uid::effective().is_root() && spec.uid != 0 {
-        spec.uid
-    } else {
-        nix::unistd::Uid::effective().as_raw()
-    }
+    run_as(spec, Accel::Tcg).map_or_else(|| nix::unistd::Uid::effective().as_raw(), |r| r.uid)
 }
 
 /// The version of vhost-device-vsock that tests/install-tools.sh installs.
