@@ -176,17 +176,25 @@ touched by --into, and only as a fast-forward of a clean checkout."
         #[arg(long)]
         json: bool,
     },
-    /// Copy files or directories into or out of a sandbox (modes kept; on
-    /// your side a symlink from the sandbox is never followed).
+    /// Copy files or directories into or out of a sandbox. Copying out
+    /// creates only plain files and directories, owned by you, with modes
+    /// kept but setuid, setgid and sticky bits dropped; a symlink already in
+    /// the destination is never followed or replaced, and a copy that is
+    /// refused changes nothing.
     #[command(
         after_help = "Examples:\n  agentctl cp ./data myproject:/workspace/data\n  \
-agentctl cp myproject:/workspace/build/report.html ."
+agentctl cp myproject:/workspace/build/report.html .\n  \
+agentctl cp --links myproject:/workspace/site ./site   # keep links that stay inside"
     )]
     Cp {
         /// Source: a local path, or NAME:/path in a sandbox.
         src: String,
         /// Destination: a local path, or NAME:/path in a sandbox.
         dest: String,
+        /// Copying out: also create symbolic and hard links, when they stay
+        /// inside the copied tree (a link out of it refuses the copy).
+        #[arg(long)]
+        links: bool,
     },
     /// What was run in a sandbox: every exec with its caller, exit code and
     /// duration (an append-only log kept by agentd).

@@ -294,7 +294,16 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             println!("Worktree of '{branch}' removed (the branch is kept).");
             Ok(0)
         }
-        Command::Cp { src, dest } => crate::cp::run_cp(conn, &manager, &src, &dest).await,
+        Command::Cp { src, dest, links } => {
+            crate::cp::run_cp(
+                conn,
+                &manager,
+                &src,
+                &dest,
+                crate::unpack::Options { links },
+            )
+            .await
+        }
         Command::History { name, json, limit } => {
             let sb = lookup(conn, &manager, &name).await?;
             let entries = sb.history(limit).await?;

@@ -1,11 +1,10 @@
 //! `agentctl cp`: files and directories into and out of a sandbox, as a tar
 //! stream through the same pipes as `exec` (the sandbox runs `tar`).
 //!
-//! Copying out never trusts the sandbox: the archive is unpacked with the
-//! `tar` crate, which refuses absolute paths, `..` and any entry whose parent
-//! resolves outside the destination (a symlink planted by the sandbox is
-//! created as a symlink and never followed). Modes are preserved; owners are
-//! not.
+//! Copying out never trusts the sandbox: what it sends is filtered by
+//! [`crate::unpack`] (only the name asked for, only plain files and
+//! directories unless `--links`, no setuid bits, nothing through a symlink)
+//! and lands in the destination only when all of it was accepted.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -16,7 +15,7 @@ use keystone_agent_api::{self as api, ExitCode, SandboxProxy};
 use nix::fcntl::OFlag;
 use zvariant::Value;
 
-use crate::{Failure, Result};
+use crate::{Failure, Result, unpack};
 
 /// One side of a copy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -243,106 +242,123 @@ pub async fn copy_in(sb: &SandboxProxy<'_>, name: &str, local: &Path, dest: &str
     Ok(())
 }
 
-/// Copy `src` out of the sandbox to `local` (into it when it is a directory).
-pub async fn copy_out(sb: &SandboxProxy<'_>, name: &str, src: &str, local: &Path) -> Result<()> {
+/// Copy `src` out of the sandbox to `local` (into it when it is a
+/// directory). The archive the sandbox sends is filtered by
+/// [`crate::unpack`] into a private temporary directory beside the
+/// destination, and moved into place only when every entry was accepted.
+pub async fn copy_out(
+    sb: &SandboxProxy<'_>,
+    name: &str,
+    src: &str,
+    local: &Path,
+    opts: unpack::Options,
+) -> Result<()> {
     let (dir, base) = split(src);
-    if base.is_empty() {
+    if base.is_empty() || base == "." || base == ".." {
         return Err(fail(
             ExitCode::Requirements,
-            format!("cannot copy {name}:{src}"),
+            format!("cannot copy {name}:{src}: name a file or directory"),
         ));
     }
-    let (into, rename) = if std::fs::symlink_metadata(local).is_ok_and(|m| m.is_dir()) {
-        (local.to_owned(), None)
+    let existing = std::fs::symlink_metadata(local).ok();
+    if existing
+        .as_ref()
+        .is_some_and(|m| m.file_type().is_symlink())
+    {
+        return Err(fail(
+            ExitCode::Requirements,
+            format!(
+                "{} is a symbolic link, which a copy never follows or replaces; name its target",
+                local.display()
+            ),
+        ));
+    }
+    let (parent, dest) = if existing.as_ref().is_some_and(std::fs::Metadata::is_dir) {
+        (local.to_owned(), local.join(&base))
     } else {
         let parent = local
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        let tmp = tempdir_in(parent)?;
-        (tmp, Some(local.to_owned()))
+        (parent.to_owned(), local.to_owned())
     };
+    let tmp = tempdir_in(&parent)?;
     let devnull = OwnedFd::from(
         std::fs::File::open("/dev/null").map_err(|e| fail(ExitCode::Failed, e.to_string()))?,
     );
     let (out_r, out_w) = pipe()?;
     let bar = bar(None);
     let consumer_bar = bar.clone();
-    let target = into.clone();
-    let consumer = std::thread::spawn(move || -> std::io::Result<()> {
+    let target = tmp.clone();
+    let wanted = base.clone();
+    let consumer = std::thread::spawn(move || {
         let reader = std::fs::File::from(out_r);
         let reader: Box<dyn Read> = match &consumer_bar {
             Some(b) => Box::new(b.wrap_read(reader)),
             None => Box::new(reader),
         };
-        let mut archive = tar::Archive::new(reader);
-        archive.set_preserve_permissions(true);
-        archive.set_preserve_mtime(true);
-        archive.set_unpack_xattrs(false);
-        archive.set_overwrite(true);
-        for entry in archive.entries()? {
-            let mut entry = entry?;
-            let path = entry.path()?.into_owned();
-            if !entry.unpack_in(&target)? {
-                return Err(std::io::Error::other(format!(
-                    "refused {} (it would land outside the destination)",
-                    path.display()
-                )));
-            }
-        }
-        Ok(())
+        // On a refusal the pipe closes early and the sandbox's tar fails
+        // writing: the refusal is what gets reported.
+        unpack::unpack(reader, &target, &wanted, opts)
     });
     let record = format!("{name}:{src} -> {}", local.display());
-    let (code, err) = run(
+    let ran = run(
         sb,
         &["tar", "-c", "-C", &dir, "--", &base],
         &devnull,
         &out_w,
         &record,
     )
-    .await?;
+    .await;
     drop(out_w);
-    let unpacked = consumer
-        .join()
-        .unwrap_or_else(|_| Err(std::io::Error::other("panicked")));
+    let unpacked = consumer.join().unwrap_or_else(|_| {
+        Err(unpack::UnpackError::Io {
+            what: "unpacking".to_owned(),
+            source: std::io::Error::other("panicked"),
+        })
+    });
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let cleanup = |ok: bool| -> Result<()> {
-        if let Some(dest) = &rename {
-            if ok {
-                std::fs::rename(into.join(&base), dest).map_err(|e| {
-                    fail(
-                        ExitCode::Failed,
-                        format!("cannot create {}: {e}", dest.display()),
-                    )
-                })?;
-            }
-            let _ = std::fs::remove_dir_all(&into);
+    let placed = (move || {
+        let (code, err) = ran?;
+        if let Err(e @ unpack::UnpackError::Refused { .. }) = &unpacked {
+            return Err(fail(
+                ExitCode::Failed,
+                format!("copying {name}:{src}: {e}; nothing was copied"),
+            ));
         }
-        Ok(())
-    };
-    if code != 0 {
-        cleanup(false)?;
-        return Err(fail(
-            ExitCode::Failed,
-            format!("copying {name}:{src} failed: {err}"),
-        ));
-    }
-    if let Err(e) = unpacked {
-        cleanup(false)?;
-        return Err(fail(
-            ExitCode::Failed,
-            format!("unpacking {name}:{src}: {e}"),
-        ));
-    }
-    cleanup(true)
+        if code != 0 {
+            return Err(fail(
+                ExitCode::Failed,
+                format!(
+                    "copying {name}:{src} failed: {}",
+                    crate::output::escape_controls(&err)
+                ),
+            ));
+        }
+        let tree = unpacked.map_err(|e| {
+            fail(
+                ExitCode::Failed,
+                format!("copying {name}:{src}: {e}; nothing was copied"),
+            )
+        })?;
+        unpack::place(&tree, &dest).map_err(|e| {
+            fail(
+                ExitCode::Failed,
+                format!("copying {name}:{src}: {e}; nothing was copied"),
+            )
+        })
+    })();
+    let _ = std::fs::remove_dir_all(&tmp);
+    placed
 }
 
 fn tempdir_in(parent: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
     for n in 0..1000 {
         let p = parent.join(format!(".agentctl-cp-{}-{n}", std::process::id()));
-        if std::fs::create_dir(&p).is_ok() {
+        if std::fs::DirBuilder::new().mode(0o700).create(&p).is_ok() {
             return Ok(p);
         }
     }
@@ -361,6 +377,7 @@ pub async fn run_cp(
     manager: &api::ManagerProxy<'_>,
     src: &str,
     dest: &str,
+    opts: unpack::Options,
 ) -> Result<i32> {
     let lookup = |name: String| async move {
         let path = manager.get_sandbox(&name).await?;
@@ -380,7 +397,7 @@ pub async fn run_cp(
         }
         (Endpoint::Sandbox { name, path }, Endpoint::Local(l)) => {
             let sb = lookup(name.clone()).await?;
-            copy_out(&sb, &name, &path, &l).await?;
+            copy_out(&sb, &name, &path, &l, opts).await?;
         }
         _ => {
             return Err(fail(

@@ -6,6 +6,7 @@ mod cp;
 mod exec;
 mod output;
 mod tty;
+mod unpack;
 
 use clap::Parser;
 use keystone_agent_api::{self as api, ExitCode};

@@ -7,6 +7,28 @@ use keystone_agent_api::{
 };
 use serde_json::{Value, json};
 
+/// `s` with every control character escaped (`\u{1b}`, `\n`, …), for
+/// text that a sandbox controls (file, ref and session names, error texts,
+/// notices) on its way to the person's terminal: an escape sequence from a
+/// sandbox must never reach it raw (a clipboard write, a retitled window).
+#[must_use]
+pub fn escape_controls(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.chars().any(char::is_control) {
+        s.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_default().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect::<String>()
+            .into()
+    } else {
+        s.into()
+    }
+}
+
 /// A timestamp in µs since the epoch as RFC 3339, or `null` for 0.
 #[must_use]
 pub fn rfc3339(micros: u64) -> Value {

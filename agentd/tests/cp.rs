@@ -116,69 +116,127 @@ fn round_trip_of_binary_data_and_a_tree_keeps_bytes_and_modes() {
     );
 }
 
-#[test]
-fn copying_out_never_follows_what_the_sandbox_planted() {
-    let env = running("cpx");
-    let victim = env.tmp.path().join("victim");
-    fs::create_dir(&victim).unwrap();
-    // A symlink in the copied tree stays a symlink on the host.
-    env.ok(&[
-        "exec",
-        "cpx",
-        "--",
-        "sh",
-        "-c",
-        &format!(
-            "mkdir -p /workspace/d && ln -s {} /workspace/d/link && echo x > /workspace/d/f",
-            victim.display()
-        ),
-    ]);
-    let out = env.tmp.path().join("out");
-    env.ok(&["cp", "cpx:/workspace/d", out.to_str().unwrap()]);
+/// `agentctl cp …` that must be refused: exit 3, the refused entry named,
+/// and the destination as it was.
+fn refused(env: &Env, args: &[&str], entry: &str) {
+    let r = env.ctl(args);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(3), "{args:?}: {err}");
     assert!(
-        fs::symlink_metadata(out.join("link"))
+        err.contains(entry) && err.contains("nothing was copied"),
+        "{args:?}: {err}"
+    );
+}
+
+#[test]
+fn copying_out_gives_the_sandbox_no_write_on_the_host() {
+    use std::os::unix::fs::MetadataExt;
+    let env = running("cpx");
+    let t = env.tmp.path();
+    let victim = t.join("victim");
+    fs::create_dir(&victim).unwrap();
+    let sh = |script: &str| env.ok(&["exec", "cpx", "--", "sh", "-c", script]);
+    sh(&format!(
+        "mkdir -p /workspace/d/sub && echo x > /workspace/d/f && echo y > /workspace/d/sub/g \
+         && ln -s {v} /workspace/d/out && ln -s {v}/shadow /workspace/copied.md \
+         && cp /bin/true /workspace/suid && chmod 6755 /workspace/suid && mkfifo /workspace/p",
+        v = victim.display()
+    ));
+
+    // Links are refused unless asked for, and then only inside the copy.
+    let out = t.join("out");
+    refused(
+        &env,
+        &["cp", "cpx:/workspace/d", out.to_str().unwrap()],
+        "d/out",
+    );
+    refused(
+        &env,
+        &["cp", "--links", "cpx:/workspace/d", out.to_str().unwrap()],
+        "outside the copy",
+    );
+    assert!(!out.exists(), "a refused copy leaves nothing behind");
+    // A link as the copied file itself, to a file name on the host.
+    refused(
+        &env,
+        &[
+            "cp",
+            "cpx:/workspace/copied.md",
+            t.join("copied.md").to_str().unwrap(),
+        ],
+        "copied.md",
+    );
+    assert!(fs::symlink_metadata(t.join("copied.md")).is_err());
+    refused(
+        &env,
+        &["cp", "cpx:/workspace/p", t.join("p").to_str().unwrap()],
+        "fifo",
+    );
+    sh("rm /workspace/d/out && ln -s sub/g /workspace/d/in");
+    env.ok(&["cp", "--links", "cpx:/workspace/d", out.to_str().unwrap()]);
+    assert_eq!(
+        fs::read_link(out.join("in")).unwrap(),
+        std::path::Path::new("sub/g")
+    );
+    assert_eq!(fs::read_to_string(out.join("sub/g")).unwrap(), "y\n");
+
+    // No setuid or setgid bit survives; the file is the caller's.
+    env.ok(&[
+        "cp",
+        "cpx:/workspace/suid",
+        t.join("suid").to_str().unwrap(),
+    ]);
+    let m = fs::metadata(t.join("suid")).unwrap();
+    assert_eq!(m.mode() & 0o7777, 0o755);
+    assert_eq!(m.uid(), nix::unistd::Uid::effective().as_raw());
+
+    // A symlink already in the destination is neither followed nor replaced.
+    let dest = t.join("dest");
+    fs::create_dir_all(dest.join("d")).unwrap();
+    std::os::unix::fs::symlink(victim.join("f"), dest.join("d/f")).unwrap();
+    refused(
+        &env,
+        &["cp", "cpx:/workspace/d", dest.to_str().unwrap()],
+        "symbolic link",
+    );
+    assert!(
+        fs::read_dir(&victim).unwrap().next().is_none(),
+        "written through a link"
+    );
+    assert!(
+        fs::symlink_metadata(dest.join("d/f"))
             .unwrap()
             .file_type()
             .is_symlink()
     );
-    assert!(fs::read_dir(&victim).unwrap().next().is_none());
-
-    // A sandbox that fakes `tar` to send `x/link -> victim` then `x/link/pwned`.
-    let fake = format!(
-        r#"mkdir -p /run/current-system/sw/bin && cat > /run/current-system/sw/bin/tar <<'PYEOF'
-#!/usr/bin/env python3
-import io, sys, tarfile
-t = tarfile.open(fileobj=sys.stdout.buffer, mode="w|")
-l = tarfile.TarInfo("x/link"); l.type = tarfile.SYMTYPE; l.linkname = "{}"; t.addfile(l)
-data = b"pwned\n"; f = tarfile.TarInfo("x/link/pwned"); f.size = len(data); t.addfile(f, io.BytesIO(data))
-e = tarfile.TarInfo("../escaped"); e.size = len(data); t.addfile(e, io.BytesIO(data))
-t.close()
-PYEOF
-chmod +x /run/current-system/sw/bin/tar"#,
-        victim.display()
+    assert!(
+        !dest.join("d/sub").exists(),
+        "a refused copy changed the destination"
     );
-    let planted = env.ctl(&["exec", "cpx", "--", "sh", "-c", &fake]);
-    if planted.status.success() {
-        let out2 = env.tmp.path().join("out2");
-        let r = env.ctl(&["cp", "cpx:/workspace/x", out2.to_str().unwrap()]);
-        assert_eq!(
-            r.status.code(),
-            Some(3),
-            "{}",
-            String::from_utf8_lossy(&r.stderr)
-        );
-        assert!(
-            String::from_utf8_lossy(&r.stderr).contains("unpacking"),
-            "{}",
-            String::from_utf8_lossy(&r.stderr)
-        );
-        assert!(
-            fs::read_dir(&victim).unwrap().next().is_none(),
-            "the sandbox wrote through its symlink"
-        );
-        assert!(!env.tmp.path().join("escaped").exists());
-        assert!(!out2.exists(), "a refused copy leaves nothing behind");
-    } else {
-        eprintln!("skipped the fake-tar part: /run/current-system is read-only here");
-    }
+}
+
+#[test]
+fn a_tar_planted_in_the_sandbox_is_never_what_a_copy_runs() {
+    let env = running("cpt");
+    let repo = env.tmp.path().join("cpt");
+    // The sandbox puts a `tar` of its own in every directory it can write
+    // that could come first on PATH, one that sends a git hook.
+    let fake = r#"#!/bin/sh
+printf '#!/bin/sh\necho pwned\n' > /tmp/hook && chmod 755 /tmp/hook
+mkdir -p /tmp/t/.git/hooks && cp /tmp/hook /tmp/t/.git/hooks/post-checkout
+exec /usr/bin/tar -c -C /tmp/t .git
+"#;
+    let plant = format!(
+        "for d in /run/current-system/sw/bin /run/keystone/bin /root/bin /tmp/bin; do \
+           mkdir -p $d 2>/dev/null && cat > $d/tar <<'EOF'\n{fake}EOF\nchmod +x $d/tar 2>/dev/null; done; true"
+    );
+    env.ok(&["exec", "cpt", "--", "sh", "-c", &plant]);
+    let path = env.ok(&["exec", "cpt", "--", "sh", "-c", "echo $PATH"]);
+    assert!(
+        !path.contains("/run") && !path.contains("/tmp") && !path.contains("/root"),
+        "{path}"
+    );
+    env.ok(&["cp", "cpt:/workspace/README.md", repo.to_str().unwrap()]);
+    assert!(!repo.join(".git/hooks/post-checkout").exists());
+    assert!(repo.join("README.md").is_file());
 }
