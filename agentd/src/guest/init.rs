@@ -328,6 +328,7 @@ fn init(
     if spec.network_none {
         loopback_up()?;
     }
+    lock_mounts()?;
 
     // Signals the init handles synchronously; the server gets them back.
     let mut signals = SigSet::empty();
@@ -358,6 +359,36 @@ fn init(
     nix::unistd::write(status, b"ok").map_err(|e| format!("report: {e}"))?;
     let _ = nix::unistd::close(status.as_raw_fd());
     reap_forever(&signals, Duration::from_millis(spec.stop_grace_ms))
+}
+
+/// Move into a user and mount namespace of their own, nested in the ones
+/// the root was built in. The kernel copies every mount into the new mount
+/// namespace *locked*: a less privileged namespace can neither unmount them
+/// nor clear their read-only, nosuid, nodev or noexec flags
+/// (`mount -o remount,bind,rw /usr` fails), which is what runc and
+/// bubblewrap rely on too. Root inside stays root inside (uid 0 of the new
+/// namespace is uid 0 of the one below, which is the sandbox's host uid).
+fn lock_mounts() -> Result<(), String> {
+    use nix::sys::prctl;
+    nix::sched::unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS)
+        .map_err(|e| format!("cannot nest the namespaces that lock the mounts: {e}"))?;
+    // The uid change of the setup made this process non-dumpable, which
+    // gives its /proc files to root; it must own them to write its maps.
+    prctl::set_dumpable(true).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    let maps = [
+        ("setgroups", "deny"),
+        ("uid_map", "0 0 1\n"),
+        ("gid_map", "0 0 1\n"),
+    ]
+    .into_iter()
+    .try_for_each(|(file, data)| {
+        fs::write(format!("/proc/self/{file}"), data)
+            .map_err(|e| format!("cannot write /proc/self/{file} of the locked namespace: {e}"))
+    });
+    // Nothing of the sandbox may read or trace the init and the control
+    // server (forked from it) through /proc.
+    prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    maps
 }
 
 fn reap_forever(signals: &SigSet, grace: Duration) -> ! {

@@ -16,20 +16,50 @@ use nix::unistd::Pid;
 
 use super::proto::{self, Request, Response};
 
-/// `PATH` every command starts with; the NixOS profile comes first when the
-/// host has one (it is bind-mounted read-only).
-const BASE_PATH: &str =
-    "/run/current-system/sw/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// The directories `PATH` may hold, in order; the NixOS profile comes first
+/// when the host has one (it is bind-mounted read-only).
+const BASE_PATH: &[&str] = &[
+    "/run/current-system/sw/bin",
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+];
+
+/// The `PATH` every command starts with: the directories of [`BASE_PATH`]
+/// that exist, resolved to where they really are, and only those on a
+/// read-only mount. Worked out before any process of the sandbox runs, so a
+/// sandbox can neither put a directory of its own on it (`/run` is its own
+/// tmpfs) nor redirect one through a link it replaced later.
+fn read_only_path() -> String {
+    let mut dirs: Vec<String> = Vec::new();
+    for d in BASE_PATH {
+        let Ok(real) = std::fs::canonicalize(d) else {
+            continue;
+        };
+        let ro = nix::sys::statvfs::statvfs(&real)
+            .is_ok_and(|st| st.flags().contains(nix::sys::statvfs::FsFlags::ST_RDONLY));
+        let real = real.to_string_lossy().into_owned();
+        if ro && !dirs.contains(&real) {
+            dirs.push(real);
+        }
+    }
+    dirs.join(":")
+}
 
 /// Serve `listener` until the process is killed.
 pub fn serve(listener: &UnixListener, hostname: &str) -> ! {
     let hostname: Arc<str> = Arc::from(hostname);
+    let path: Arc<str> = Arc::from(read_only_path());
     loop {
         match listener.accept() {
             Ok((conn, _)) => {
                 let hostname = Arc::clone(&hostname);
+                let path = Arc::clone(&path);
                 std::thread::spawn(move || {
-                    if let Err(e) = handle(&conn, &hostname) {
+                    if let Err(e) = handle(&conn, &hostname, &path) {
                         eprintln!("sandbox control: connection failed: {e}");
                     }
                 });
@@ -39,7 +69,7 @@ pub fn serve(listener: &UnixListener, hostname: &str) -> ! {
     }
 }
 
-fn handle(conn: &UnixStream, hostname: &str) -> std::io::Result<()> {
+fn handle(conn: &UnixStream, hostname: &str, path: &str) -> std::io::Result<()> {
     let (req, fds) = proto::recv_request(conn)?;
     match req {
         Request::Hello => proto::send_response(
@@ -48,14 +78,14 @@ fn handle(conn: &UnixStream, hostname: &str) -> std::io::Result<()> {
                 hostname: hostname.to_owned(),
             },
         ),
-        Request::Exec { argv, env, cwd } => exec(conn, &argv, &env, &cwd, hostname, fds),
+        Request::Exec { argv, env, cwd } => exec(conn, &argv, &env, &cwd, (hostname, path), fds),
         Request::ExecTty {
             argv,
             env,
             cwd,
             rows,
             cols,
-        } => exec_tty(conn, &argv, &env, &cwd, hostname, (rows, cols)),
+        } => exec_tty(conn, &argv, &env, &cwd, (hostname, path), (rows, cols)),
         Request::Connect { host, port } => connect(conn, &host, port),
     }
 }
@@ -89,11 +119,14 @@ fn send_error(conn: &UnixStream, message: impl Into<String>) -> std::io::Result<
 }
 
 /// The command with the sandbox's base environment, or why there is none.
+/// It runs without capabilities: root inside may not mount (over the
+/// read-only tools at `/run/keystone`, say), change its namespaces' settings
+/// or gain privileges through setuid programs.
 fn command(
     argv: &[String],
     env: &BTreeMap<String, String>,
     cwd: &str,
-    hostname: &str,
+    (hostname, path): (&str, &str),
 ) -> Result<Command, String> {
     let Some((program, args)) = argv.split_first() else {
         return Err("empty command".into());
@@ -101,7 +134,7 @@ fn command(
     let mut cmd = Command::new(program);
     cmd.args(args)
         .env_clear()
-        .env("PATH", BASE_PATH)
+        .env("PATH", path)
         .env("HOME", "/root")
         .env("USER", "root")
         .env("LOGNAME", "root")
@@ -131,10 +164,74 @@ fn command(
                 u32::MAX,
                 CLOSE_RANGE_CLOEXEC,
             );
-            Ok(())
+            drop_capabilities()
         });
     }
     Ok(cmd)
+}
+
+/// Give up every capability for good, in the child before `execve`: the
+/// bounding and ambient sets are emptied (so not even an `execve` as uid 0
+/// brings any back), then the process's own sets, and no-new-privileges is
+/// set. Async-signal-safe: only `prctl` and `capset`.
+fn drop_capabilities() -> std::io::Result<()> {
+    use nix::libc;
+    let check = |r: libc::c_long| {
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    };
+    // SAFETY: prctl and capset with plain integer arguments and a pointer to
+    // correctly laid out, zeroed capability structs.
+    unsafe {
+        check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0).into())?;
+        check(
+            libc::prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_CLEAR_ALL,
+                0,
+                0,
+                0,
+            )
+            .into(),
+        )?;
+        let mut cap = 0;
+        // Until the first capability this kernel does not know.
+        while libc::prctl(libc::PR_CAPBSET_READ, cap, 0, 0, 0) >= 0 {
+            check(libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0).into())?;
+            cap += 1;
+        }
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: libc::c_int,
+        }
+        #[repr(C)]
+        #[derive(Clone, Copy)]
+        struct Data {
+            effective: u32,
+            permitted: u32,
+            inheritable: u32,
+        }
+        const VERSION_3: u32 = 0x2008_0522;
+        let header = Header {
+            version: VERSION_3,
+            pid: 0,
+        };
+        let data = [Data {
+            effective: 0,
+            permitted: 0,
+            inheritable: 0,
+        }; 2];
+        check(libc::syscall(
+            libc::SYS_capset,
+            &raw const header,
+            data.as_ptr(),
+        ))?;
+    }
+    Ok(())
 }
 
 /// bash when the sandbox has it, else sh.
@@ -162,10 +259,10 @@ fn exec_tty(
     argv: &[String],
     env: &BTreeMap<String, String>,
     cwd: &str,
-    hostname: &str,
+    base: (&str, &str),
     size: (u16, u16),
 ) -> std::io::Result<()> {
-    let mut cmd = match command(argv, env, cwd, hostname) {
+    let mut cmd = match command(argv, env, cwd, base) {
         Ok(c) => c,
         Err(message) => return send_error(conn, message),
     };
@@ -198,13 +295,13 @@ fn exec(
     argv: &[String],
     env: &BTreeMap<String, String>,
     cwd: &str,
-    hostname: &str,
+    base: (&str, &str),
     fds: Vec<OwnedFd>,
 ) -> std::io::Result<()> {
     let Ok([stdin, stdout, stderr]) = <[OwnedFd; 3]>::try_from(fds) else {
         return send_error(conn, "exec needs exactly three descriptors");
     };
-    let mut cmd = match command(argv, env, cwd, hostname) {
+    let mut cmd = match command(argv, env, cwd, base) {
         Ok(c) => c,
         Err(message) => return send_error(conn, message),
     };
