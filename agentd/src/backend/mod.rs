@@ -17,7 +17,6 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex};
 
 use keystone_agent_api::{BackendKind, ExecResult, SandboxConfig};
 use serde::{Deserialize, Serialize};
@@ -247,11 +246,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn kill_strays(&self, keep: &[(String, Runtime)]) -> Vec<String>;
 }
 
-/// Largest amount of each output stream [`capture`] keeps (the rest is
-/// read and dropped).
+/// Largest amount of each output stream [`capture`] keeps; past it the
+/// stream's pipe is closed.
 pub const EXEC_OUTPUT_CAP: usize = 16 << 20;
 
 /// Run a command with no input and collect its output (D-Bus `Exec`).
+///
+/// The readers belong to this call: when it returns (or is dropped, the
+/// caller having left), they end and their pipes close, so a background
+/// process that keeps writing gets `EPIPE` instead of a reader in agentd.
 pub async fn capture(
     backend: &dyn Backend,
     spec: &SandboxSpec,
@@ -263,43 +266,55 @@ pub async fn capture(
     let (err_r, err_w) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.into()))?;
     let devnull = OwnedFd::from(std::fs::File::open("/dev/null").map_err(fail)?);
-    let out_buf = Arc::new(Mutex::new(Vec::new()));
-    let err_buf = Arc::new(Mutex::new(Vec::new()));
-    let readers = [
-        tokio::spawn(read_capped(out_r, Arc::clone(&out_buf))),
-        tokio::spawn(read_capped(err_r, Arc::clone(&err_buf))),
-    ];
+    let mut readers = Readers([
+        tokio::spawn(read_capped(out_r)),
+        tokio::spawn(read_capped(err_r)),
+    ]);
     let code = backend.exec(spec, req, [devnull, out_w, err_w]).await?;
     // A background process may hold the pipes open: give the output two
-    // seconds to end after the command itself has.
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), async {
-        for r in readers {
-            let _ = r.await;
+    // seconds to end after the command itself has, then stop reading.
+    let grace = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    let mut outputs = [Vec::new(), Vec::new()];
+    for (reader, out) in readers.0.iter_mut().zip(&mut outputs) {
+        if let Ok(Ok(bytes)) = tokio::time::timeout_at(grace, reader).await {
+            *out = bytes;
         }
-    })
-    .await;
-    let take = |b: &Arc<Mutex<Vec<u8>>>| std::mem::take(&mut *b.lock().unwrap());
+    }
+    let [stdout, stderr] = outputs;
     Ok(ExecResult {
         exit_code: code,
-        stdout: take(&out_buf),
-        stderr: take(&err_buf),
+        stdout,
+        stderr,
     })
 }
 
-/// Read a pipe to its end into `out`, keeping at most [`EXEC_OUTPUT_CAP`] bytes.
-async fn read_capped(fd: OwnedFd, out: Arc<Mutex<Vec<u8>>>) {
+/// The output readers of one [`capture`]; dropping them ends them.
+struct Readers([tokio::task::JoinHandle<Vec<u8>>; 2]);
+
+impl Drop for Readers {
+    fn drop(&mut self) {
+        for r in &self.0 {
+            r.abort();
+        }
+    }
+}
+
+/// Read a pipe to its end, keeping at most [`EXEC_OUTPUT_CAP`] bytes; past
+/// the cap the pipe is closed (the writer gets `EPIPE`).
+async fn read_capped(fd: OwnedFd) -> Vec<u8> {
+    let mut out = Vec::new();
     let Ok(mut rx) = tokio::net::unix::pipe::Receiver::from_owned_fd(fd) else {
-        return;
+        return out;
     };
     let mut buf = vec![0u8; 64 * 1024];
-    loop {
+    while out.len() < EXEC_OUTPUT_CAP {
         match rx.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => {
-                let mut out = out.lock().unwrap();
-                let room = EXEC_OUTPUT_CAP.saturating_sub(out.len());
+                let room = EXEC_OUTPUT_CAP - out.len();
                 out.extend_from_slice(&buf[..n.min(room)]);
             }
         }
     }
+    out
 }

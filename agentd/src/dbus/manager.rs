@@ -101,6 +101,8 @@ impl ManagerObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(OwnedObjectPath, Vec<String>), api::Error> {
         let caller = self.callers.caller(conn, &header).await?;
+        super::check_strings(&[("project path", &project_path)])?;
+        super::check_options(&options)?;
         let opts = parse_options(&options)?;
         let (sb, notices) = self
             .manager
@@ -131,6 +133,7 @@ impl ManagerObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<OwnedObjectPath, api::Error> {
         let caller = self.callers.caller(conn, &header).await?;
+        super::check_strings(&[("sandbox name", &name)])?;
         self.manager.get(caller, &name).map_err(to_dbus)?;
         path_of(&name)
     }

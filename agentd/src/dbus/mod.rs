@@ -14,6 +14,7 @@ use zbus::message::Header;
 use crate::auth::Caller;
 use crate::error::Error;
 use crate::sandbox::manager::{Change, Manager};
+use crate::sandbox::validate;
 
 pub use manager::ManagerObject;
 pub use sandbox::SandboxObject;
@@ -43,6 +44,7 @@ impl Callers {
         conn: &Connection,
         header: &Header<'_>,
     ) -> Result<Caller, api::Error> {
+        check_request_size(header)?;
         let sender = header
             .sender()
             .ok_or_else(|| {
@@ -69,6 +71,59 @@ impl Callers {
         }
         cache.insert(sender.to_string(), uid);
         Ok(Caller { uid })
+    }
+}
+
+/// Refuse a request whose body is larger than any valid one.
+fn check_request_size(header: &Header<'_>) -> Result<(), api::Error> {
+    let len = usize::try_from(header.primary().body_len()).unwrap_or(usize::MAX);
+    if len > validate::REQUEST_MAX {
+        return Err(api::Error::InvalidArgument(format!(
+            "The request is {len} bytes; at most {} are accepted",
+            validate::REQUEST_MAX
+        )));
+    }
+    Ok(())
+}
+
+/// Check string arguments (`(what, value)`) against the length limit.
+pub(crate) fn check_strings(args: &[(&str, &str)]) -> Result<(), api::Error> {
+    let mut problems = Vec::new();
+    for (what, value) in args {
+        validate::check_len(what, value, &mut problems);
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(to_dbus(Error::Invalid(problems)))
+    }
+}
+
+/// Check an `a{sv}` of options: a few short keys, strings within the limit.
+pub(crate) fn check_options(
+    options: &HashMap<String, zvariant::OwnedValue>,
+) -> Result<(), api::Error> {
+    let mut problems = Vec::new();
+    if options.len() > 64 {
+        problems.push(format!(
+            "{} options given; at most 64 are accepted",
+            options.len()
+        ));
+    }
+    for (key, value) in options {
+        if key.len() > 64 {
+            problems.push(format!(
+                "option name '{}' is too long",
+                validate::shown(key)
+            ));
+        } else if let zvariant::Value::Str(s) = &**value {
+            validate::check_len(&format!("option '{key}'"), s.as_str(), &mut problems);
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(to_dbus(Error::Invalid(problems)))
     }
 }
 

@@ -121,11 +121,13 @@ impl SandboxObject {
             timeout,
             ..ExecCall::default()
         };
-        let r = self
-            .manager
-            .exec(caller, &self.name, call)
-            .await
-            .map_err(to_dbus)?;
+        // A caller that leaves the bus takes its command (and the readers of
+        // its output) along.
+        let gone = caller_gone(conn, &header);
+        let r = tokio::select! {
+            r = self.manager.exec(caller, &self.name, call) => r.map_err(to_dbus)?,
+            () = gone => return Err(api::Error::Backend("the caller left; the command was killed".to_owned())),
+        };
         Ok((r.exit_code, r.stdout, r.stderr))
     }
 
@@ -141,6 +143,7 @@ impl SandboxObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<api::SyncReport, api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        super::check_options(&options)?;
         let opts = parse_sync_options(&options)?;
         self.manager
             .sync(caller, &self.name, opts)
@@ -159,6 +162,7 @@ impl SandboxObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<api::WorktreeInfo, api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        super::check_strings(&[("branch", &branch), ("from", &from)])?;
         let from = (!from.is_empty()).then_some(from);
         self.manager
             .add_worktree(caller, &self.name, &branch, from)
@@ -189,6 +193,7 @@ impl SandboxObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(), api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        super::check_strings(&[("branch", &branch)])?;
         self.manager
             .remove_worktree(caller, &self.name, &branch, force)
             .await
@@ -204,6 +209,7 @@ impl SandboxObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(), api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        super::check_options(&settings)?;
         let mut mode = None;
         let mut idle = None;
         let mut problems = Vec::new();
@@ -303,6 +309,7 @@ impl SandboxObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<i32, api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        super::check_options(&options)?;
         let mut call = ExecCall {
             argv,
             env: env.into_iter().collect(),
@@ -336,6 +343,7 @@ impl SandboxObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(zvariant::OwnedFd, u32), api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        super::check_options(&options)?;
         let mut call = ExecCall {
             argv,
             env: env.into_iter().collect(),
@@ -369,6 +377,8 @@ impl SandboxObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<(zvariant::OwnedFd, u32, String, Vec<String>), api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        super::check_strings(&[("branch", &branch)])?;
+        super::check_options(&options)?;
         let mut tty = TtyOptions::default();
         let problems = tty_options(&options, &mut tty);
         if !problems.is_empty() {
@@ -443,6 +453,7 @@ impl SandboxObject {
         #[zbus(header)] header: Header<'_>,
     ) -> Result<String, api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        super::check_strings(&[("branch", &branch)])?;
         self.manager
             .kill_session(caller, &self.name, &branch)
             .await

@@ -31,6 +31,9 @@ pub struct Caddy {
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
+/// Largest answer read from the admin API.
+const REPLY_MAX: usize = 8 << 20;
+
 impl Caddy {
     /// A client of the admin API at `base` (e.g. `http://127.0.0.1:2019`).
     #[must_use]
@@ -64,11 +67,13 @@ impl Caddy {
                     format!("Caddy's admin API at {} is not reachable: {e}", self.base)
                 })?;
             let status = resp.status();
-            let bytes = resp
-                .into_body()
+            // Whatever listens on the admin address answers within a size.
+            let bytes = http_body_util::Limited::new(resp.into_body(), REPLY_MAX)
                 .collect()
                 .await
-                .map_err(|e| e.to_string())?
+                .map_err(|e| {
+                    format!("Caddy's answer to {method} {path} was unreadable or over {REPLY_MAX} bytes: {e}")
+                })?
                 .to_bytes();
             Ok((status, bytes))
         };

@@ -331,6 +331,12 @@ impl Manager {
             .ok_or_else(|| Error::NotFound(name.to_owned()))?;
         let before = sb.clone();
         f(sb);
+        // Texts that a sandbox can make arbitrarily long stay short on disk.
+        for text in [&mut sb.state_reason, &mut sb.last_sync_result] {
+            if let std::borrow::Cow::Owned(short) = validate::clamp_text(text) {
+                *text = short;
+            }
+        }
         let after = sb.clone();
         if let Err(e) = self.registry.save(map.values()) {
             // Keep memory and disk in step: undo.
@@ -589,9 +595,11 @@ impl Manager {
             .map_err(|e| format!("cannot start the workspace helper: {e}"))?;
         let mut stderr = child.stderr.take().expect("piped");
         let err_task = tokio::spawn(async move {
-            let mut t = String::new();
-            let _ = stderr.read_to_string(&mut t).await;
-            t
+            // Enough for any message; a helper that writes more loses its
+            // stderr rather than agentd its memory.
+            let mut t = Vec::new();
+            let _ = (&mut stderr).take(64 << 10).read_to_end(&mut t).await;
+            String::from_utf8_lossy(&t).into_owned()
         });
         let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("piped")).lines();
         let mut done = false;
@@ -827,8 +835,9 @@ impl Manager {
     ) {
         let (exit_code, error) = match outcome {
             Ok(c) => (c, String::new()),
-            Err(e) => (-1, e),
+            Err(e) => (-1, validate::clamp_text(&e).into_owned()),
         };
+        let detail = validate::clamp_text(&detail).into_owned();
         self.record(
             name,
             HistoryEntry {
@@ -925,17 +934,23 @@ impl Manager {
         if argv.is_empty() {
             problems.push("no command given".to_owned());
         }
+        validate::check_command(&argv, env.iter(), &mut problems);
+        validate::check_len("the working directory", &cwd, &mut problems);
+        if let Some(w) = &worktree {
+            validate::check_len("the worktree", w, &mut problems);
+        }
         for k in env.keys() {
             if k.is_empty() || k.contains('=') || k.contains('\0') {
                 problems.push(format!(
                     "environment variable name '{}' is not valid",
-                    k.escape_debug()
+                    validate::shown(k)
                 ));
             }
         }
         if !cwd.is_empty() && !cwd.starts_with('/') {
             problems.push(format!(
-                "working directory '{cwd}' must be an absolute path inside the sandbox"
+                "working directory '{}' must be an absolute path inside the sandbox",
+                validate::shown(&cwd)
             ));
         }
         if !problems.is_empty() {

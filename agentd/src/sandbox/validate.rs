@@ -13,6 +13,95 @@ pub const NAME_MAX: usize = 31;
 pub const NAME_RULE: &str = "a lowercase letter followed by up to 30 lowercase letters, digits or \
      '-', not ending in '-' (regex [a-z]([a-z0-9-]{0,29}[a-z0-9])?)";
 
+/// Largest D-Bus request agentd reads any further (its whole body).
+pub const REQUEST_MAX: usize = 2 << 20;
+
+/// Longest string argument that is a path, a branch, a name or an option.
+pub const STRING_MAX: usize = 4096;
+
+/// Most arguments of a command run in a sandbox, and their total size.
+pub const ARGV_MAX: usize = 4096;
+/// Total bytes of a command's arguments and environment (Linux's own
+/// `ARG_MAX` is 2 MiB).
+pub const ARGS_BYTES_MAX: usize = 1 << 20;
+/// Most environment variables passed to a command.
+pub const ENV_MAX: usize = 1024;
+
+/// Longest text agentd keeps about something that failed (a state reason,
+/// the last sync's result, a history entry's error): it is stored in the
+/// registry and shown in properties, so a sandbox that makes an error
+/// message huge must not make them huge too.
+pub const TEXT_MAX: usize = 2048;
+
+/// `text` cut to at most [`TEXT_MAX`] bytes (on a character boundary),
+/// saying how much was left out.
+#[must_use]
+pub fn clamp_text(text: &str) -> std::borrow::Cow<'_, str> {
+    clamp_to(text, TEXT_MAX)
+}
+
+/// `text` cut to at most `max` bytes, saying how much was left out.
+#[must_use]
+pub fn clamp_to(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return text.into();
+    }
+    let mut end = max.saturating_sub(40);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes left out)", &text[..end], text.len() - end).into()
+}
+
+/// A value from a request or a sandbox, fit to quote in a message: control
+/// characters escaped and at most 200 characters.
+#[must_use]
+pub fn shown(value: &str) -> String {
+    let escaped: String = value.escape_debug().take(200).collect();
+    if value.escape_debug().nth(200).is_some() {
+        format!("{escaped}… ({} bytes)", value.len())
+    } else {
+        escaped
+    }
+}
+
+/// Check that string argument `what` is at most [`STRING_MAX`] bytes long.
+pub fn check_len(what: &str, value: &str, problems: &mut Vec<String>) {
+    if value.len() > STRING_MAX {
+        problems.push(format!(
+            "{what} is {} bytes long; at most {STRING_MAX} are accepted",
+            value.len()
+        ));
+    }
+}
+
+/// Check a command's arguments and environment against the limits.
+pub fn check_command<'a>(
+    argv: &[String],
+    env: impl ExactSizeIterator<Item = (&'a String, &'a String)>,
+    problems: &mut Vec<String>,
+) {
+    if argv.len() > ARGV_MAX {
+        problems.push(format!(
+            "the command has {} arguments; at most {ARGV_MAX} are accepted",
+            argv.len()
+        ));
+    }
+    if env.len() > ENV_MAX {
+        problems.push(format!(
+            "{} environment variables given; at most {ENV_MAX} are accepted",
+            env.len()
+        ));
+    }
+    let bytes: usize = argv.iter().map(String::len).sum::<usize>()
+        + env.map(|(k, v)| k.len() + v.len() + 2).sum::<usize>();
+    if bytes > ARGS_BYTES_MAX {
+        problems.push(format!(
+            "the command's arguments and environment are {bytes} bytes; at most {ARGS_BYTES_MAX} are accepted"
+        ));
+    }
+}
+
 /// Lowest accepted memory size, in MiB.
 pub const MEMORY_MIN: u32 = 1024;
 
@@ -29,7 +118,7 @@ pub fn check_name(name: &str, problems: &mut Vec<String>) {
     if !ok {
         problems.push(format!(
             "name '{}' is not valid: use {NAME_RULE}",
-            name.escape_debug()
+            shown(name)
         ));
     }
 }

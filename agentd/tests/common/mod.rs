@@ -89,6 +89,11 @@ impl Env {
         }
     }
 
+    /// The pid of the running agentd.
+    pub fn agentd_pid(&self) -> i32 {
+        i32::try_from(self.agentd.as_ref().expect("agentd runs").id()).unwrap()
+    }
+
     pub fn log_path(&self) -> PathBuf {
         self.tmp.path().join("agentd.log")
     }

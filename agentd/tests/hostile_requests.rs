@@ -1,0 +1,171 @@
+//! agentd's memory, CPU and descriptors are bounded per request: what a
+//! hostile command or caller sends ends with the request, and nothing it
+//! sends grows what agentd keeps.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::Env;
+use keystone_agent_api::{Error, SandboxProxy};
+
+/// agentd's resident memory (KiB), CPU time (clock ticks) and descriptors.
+fn usage(pid: i32) -> (u64, u64, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let cpu = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    (rss, cpu, fds)
+}
+
+fn with_sandbox(env: &Env, name: &str, f: impl AsyncFnOnce(SandboxProxy<'_>)) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let conn = zbus::connection::Builder::address(env.address.as_str())
+            .unwrap()
+            .build()
+            .await
+            .unwrap();
+        let sb = SandboxProxy::builder(&conn)
+            .path(format!("/org/keystone/Agent1/sandbox/{name}"))
+            .unwrap()
+            .build()
+            .await
+            .unwrap();
+        f(sb).await;
+    });
+}
+
+#[test]
+fn a_writer_left_in_the_background_costs_agentd_nothing_after_the_call() {
+    let env = Env::new();
+    let repo = env.repo("flood");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "flood"]);
+    let pid = env.agentd_pid();
+    // Warm up: one plain call, so the baseline includes what any call costs.
+    env.ok(&["exec", "flood", "--", "true"]);
+    let (rss0, _, fds0) = usage(pid);
+    with_sandbox(&env, "flood", async |sb| {
+        for _ in 0..3 {
+            let r = sb
+                .exec(
+                    &[
+                        "sh",
+                        "-c",
+                        "setsid sh -c 'exec cat /dev/zero' & echo started",
+                    ],
+                    HashMap::new(),
+                    "",
+                    0,
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.exit_code, 0);
+            assert!(r.stdout.starts_with(b"started\n"));
+        }
+    });
+    // The writers lose their reader and end; agentd idles again.
+    common::wait_for(
+        "the background writers to end",
+        Duration::from_secs(20),
+        || {
+            env.ctl(&[
+                "exec",
+                "flood",
+                "--",
+                "sh",
+                "-c",
+                "grep -qx cat /proc/[0-9]*/comm",
+            ])
+            .status
+            .code()
+                == Some(1)
+        },
+    );
+    let (rss1, cpu1, fds1) = usage(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let (rss2, cpu2, fds2) = usage(pid);
+    eprintln!(
+        "agentd after 3 flooding Exec calls: RSS {rss0} KiB -> {rss2} KiB, \
+         descriptors {fds0} -> {fds2}, CPU over 2 s idle: {} ticks",
+        cpu2 - cpu1
+    );
+    assert!(
+        cpu2 - cpu1 <= 20,
+        "agentd keeps spinning: {} ticks in 2 s",
+        cpu2 - cpu1
+    );
+    assert!(
+        fds2 <= fds0 + 2 && fds1 <= fds0 + 2,
+        "descriptors {fds0} -> {fds1}, {fds2}"
+    );
+    assert!(
+        rss1.max(rss2) < rss0 + 48 * 1024,
+        "RSS {rss0} KiB -> {rss2} KiB"
+    );
+}
+
+#[test]
+fn oversized_arguments_are_refused_and_nothing_grows() {
+    let env = Env::new();
+    let repo = env.repo("big");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "big"]);
+    let registry = env.state_dir.join("registry.json");
+    let size0 = std::fs::metadata(&registry).unwrap().len();
+    let huge = "b".repeat(30 << 20);
+    let long = "b".repeat(8 << 10);
+    with_sandbox(&env, "big", async |sb| {
+        let invalid = |r: Result<_, Error>, what: &str| match r {
+            Err(Error::InvalidArgument(m)) => {
+                assert!(m.len() < 1024, "{what}: the error repeats the input");
+            }
+            other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+        };
+        let opts = |b: &str| HashMap::from([("branch", zvariant::Value::from(b.to_owned()))]);
+        invalid(sb.sync(opts(&huge)).await.map(|_| ()), "30 MiB branch");
+        invalid(sb.sync(opts(&long)).await.map(|_| ()), "8 KiB branch");
+        invalid(
+            sb.add_worktree(&long, "").await.map(|_| ()),
+            "8 KiB worktree",
+        );
+        let argv: Vec<&str> = std::iter::repeat_n("x", 5000).collect();
+        invalid(
+            sb.exec(&argv, HashMap::new(), "", 0).await.map(|_| ()),
+            "5000 arguments",
+        );
+    });
+    let size1 = std::fs::metadata(&registry).unwrap().len();
+    let status = env.status("big");
+    eprintln!("registry.json after the oversized calls: {size0} -> {size1} bytes");
+    assert!(
+        size1 < size0 + 4096,
+        "registry grew from {size0} to {size1} bytes"
+    );
+    assert!(
+        status["last_sync_result"]
+            .as_str()
+            .unwrap_or_default()
+            .len()
+            <= 2048,
+        "{status}"
+    );
+}
