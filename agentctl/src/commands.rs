@@ -84,18 +84,18 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 bar.finish_and_clear();
             }
             for n in &notices {
-                eprintln!("note: {n}");
+                crate::errln!("note: {n}");
             }
             let sb = sandbox(conn, &path).await?;
             let name = sb.name().await.map_err(api::Error::ZBus)?;
-            println!("Created sandbox '{name}' from {}.", abs.display());
-            println!("Start it with: agentctl start {name}");
+            crate::outln!("Created sandbox '{name}' from {}.", abs.display());
+            crate::outln!("Start it with: agentctl start {name}");
             Ok(0)
         }
         Command::Start { name } => {
             let sb = lookup(conn, &manager, &name).await?;
             sb.start().await?;
-            println!(
+            crate::outln!(
                 "Sandbox '{name}' is running. Run a command: agentctl exec {name} -- git status"
             );
             Ok(0)
@@ -103,14 +103,14 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         Command::Stop { name, force } => {
             let sb = lookup(conn, &manager, &name).await?;
             sb.stop(force).await?;
-            println!("Sandbox '{name}' stopped.");
+            crate::outln!("Sandbox '{name}' stopped.");
             Ok(0)
         }
         Command::Destroy { name, force } => {
             let sb = lookup(conn, &manager, &name).await?;
             if !force && std::io::stdin().is_terminal() {
                 let project = sb.project_path().await.map_err(api::Error::ZBus)?;
-                eprint!(
+                crate::err!(
                     "Destroy sandbox '{name}' and its workspace? Work not synced to {project} is lost. [y/N] "
                 );
                 let _ = std::io::stderr().flush();
@@ -124,7 +124,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 }
             }
             sb.destroy().await?;
-            println!("Sandbox '{name}' destroyed.");
+            crate::outln!("Sandbox '{name}' destroyed.");
             Ok(0)
         }
         Command::List { json, state } => {
@@ -137,9 +137,9 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             rows.sort_by(|a, b| a.name.cmp(&b.name));
             if json {
                 let v: Vec<_> = rows.iter().map(output::summary_json).collect();
-                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+                println!("{}", crate::output::json(&v));
             } else if rows.is_empty() {
-                println!("No sandboxes. Create one: agentctl create PATH-TO-GIT-REPO");
+                crate::outln!("No sandboxes. Create one: agentctl create PATH-TO-GIT-REPO");
             } else {
                 let table: Vec<Vec<String>> = rows
                     .iter()
@@ -184,7 +184,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 },
             });
             if json {
-                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+                println!("{}", crate::output::json(&v));
             } else {
                 print_status(&v);
             }
@@ -210,10 +210,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             opts.insert("from_host", from_host.into());
             let r = sb.sync(opts).await?;
             if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&output::sync_json(&r)).expect("json")
-                );
+                println!("{}", output::json(&output::sync_json(&r)));
             } else {
                 output::print_sync(&name, &r);
             }
@@ -229,13 +226,13 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             let w = sb
                 .add_worktree(&branch, from.as_deref().unwrap_or(""))
                 .await?;
-            println!(
+            crate::outln!(
                 "Worktree of '{}' ready at {} ({}).",
                 w.branch,
                 w.path,
                 output::short(&w.head)
             );
-            println!(
+            crate::outln!(
                 "Run in it: agentctl exec {name} -w {} -- git status",
                 w.path
             );
@@ -246,7 +243,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             let list = sb.list_worktrees().await?;
             if json {
                 let v: Vec<_> = list.iter().map(output::worktree_json).collect();
-                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+                println!("{}", crate::output::json(&v));
             } else {
                 let rows: Vec<Vec<String>> = list
                     .iter()
@@ -291,7 +288,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         }) => {
             let sb = lookup(conn, &manager, &name).await?;
             sb.remove_worktree(&branch, force).await?;
-            println!("Worktree of '{branch}' removed (the branch is kept).");
+            crate::outln!("Worktree of '{branch}' removed (the branch is kept).");
             Ok(0)
         }
         Command::Cp { src, dest, links } => {
@@ -309,9 +306,9 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             let entries = sb.history(limit).await?;
             if json {
                 let v: Vec<_> = entries.iter().map(output::history_json).collect();
-                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+                println!("{}", crate::output::json(&v));
             } else if entries.is_empty() {
-                println!("Nothing was run in sandbox '{name}' yet.");
+                crate::outln!("Nothing was run in sandbox '{name}' yet.");
             } else {
                 let rows: Vec<Vec<String>> = entries
                     .iter()
@@ -354,7 +351,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 ));
             }
             sb.configure(settings).await?;
-            println!("Sandbox '{name}' updated.");
+            crate::outln!("Sandbox '{name}' updated.");
             Ok(0)
         }
         Command::Attach { name, branch } => {
@@ -363,7 +360,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             let (fd, process, session, notices) =
                 sb.attach(branch.as_deref().unwrap_or(""), opts).await?;
             for n in &notices {
-                eprintln!("{n}");
+                crate::errln!("{n}");
             }
             set_title(&session);
             crate::tty::bridge(fd.into(), sb.wait_process(process)).await
@@ -373,9 +370,11 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             let list = sb.sessions().await?;
             if json {
                 let v: Vec<_> = list.iter().map(output::session_json).collect();
-                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+                println!("{}", crate::output::json(&v));
             } else if list.is_empty() {
-                println!("No sessions in sandbox '{name}'; `agentctl attach {name}` starts one.");
+                crate::outln!(
+                    "No sessions in sandbox '{name}'; `agentctl attach {name}` starts one."
+                );
             } else {
                 let rows: Vec<Vec<String>> = list
                     .iter()
@@ -410,15 +409,15 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                     "disabled": info.get("disabled"),
                     "routes": routes.iter().map(output::route_json).collect::<Vec<_>>(),
                 });
-                println!("{}", serde_json::to_string_pretty(&v).expect("json"));
+                println!("{}", crate::output::json(&v));
                 return Ok(0);
             }
             if let Some(why) = info.get("disabled") {
-                println!("No dev-server links: {why}.");
+                crate::outln!("No dev-server links: {why}.");
                 return Ok(0);
             }
             if routes.is_empty() {
-                println!(
+                crate::outln!(
                     "Nothing in sandbox '{name}' listens on a TCP port. Start a dev server in a \
                      worktree (e.g. `npm run dev` in `agentctl attach {name}`) and its link appears."
                 );
@@ -430,7 +429,9 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 output::table(&["LINK", "BRANCH", "PORT"], &rows);
             }
             if let Some(ca) = info.get("ca_file") {
-                println!("\nHTTPS links use Caddy's own CA; trust its root certificate once: {ca}");
+                crate::outln!(
+                    "\nHTTPS links use Caddy's own CA; trust its root certificate once: {ca}"
+                );
             }
             Ok(0)
         }
@@ -475,7 +476,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                     ),
                 ));
             };
-            println!("{}", route.url);
+            crate::outln!("{}", route.url);
             let display = std::env::var_os("DISPLAY").is_some()
                 || std::env::var_os("WAYLAND_DISPLAY").is_some();
             if display {
@@ -491,7 +492,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         Command::KillSession { name, branch } => {
             let sb = lookup(conn, &manager, &name).await?;
             let session = sb.kill_session(&branch).await?;
-            println!("Session '{session}' ended.");
+            crate::outln!("Session '{session}' ended.");
             Ok(0)
         }
         Command::Exec {
@@ -536,7 +537,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
 /// Name the terminal window after the session while attached.
 fn set_title(session: &str) {
     if std::io::stdout().is_terminal() {
-        print!("\x1b]0;{session}\x07");
+        print!("\x1b]0;{}\x07", crate::output::escape_controls(session));
         let _ = std::io::stdout().flush();
     }
 }
@@ -544,8 +545,8 @@ fn set_title(session: &str) {
 fn print_status(v: &serde_json::Value) {
     let s = |k: &str| v[k].as_str().unwrap_or("").to_owned();
     let c = &v["config"];
-    println!("Name:       {}", s("name"));
-    println!("State:      {}{}", s("state"), {
+    crate::outln!("Name:       {}", s("name"));
+    crate::outln!("State:      {}{}", s("state"), {
         let r = s("state_reason");
         if r.is_empty() {
             String::new()
@@ -553,33 +554,33 @@ fn print_status(v: &serde_json::Value) {
             format!(" ({r})")
         }
     });
-    println!("Backend:    {}", s("backend"));
-    println!("Project:    {}", s("project_path"));
-    println!("Owner:      uid {}", v["owner"]);
-    println!("Created:    {}", v["created_at"].as_str().unwrap_or("-"));
-    println!(
+    crate::outln!("Backend:    {}", s("backend"));
+    crate::outln!("Project:    {}", s("project_path"));
+    crate::outln!("Owner:      uid {}", v["owner"]);
+    crate::outln!("Created:    {}", v["created_at"].as_str().unwrap_or("-"));
+    crate::outln!(
         "Started:    {}",
         v["started_at"].as_str().unwrap_or("never")
     );
-    println!(
+    crate::outln!(
         "Resources:  {} MiB, {} vCPUs, network {}",
         c["memory"],
         c["vcpus"],
         c["network"].as_str().unwrap_or("?")
     );
     if !s("limits").is_empty() {
-        println!("Limits:     {}", s("limits"));
+        crate::outln!("Limits:     {}", s("limits"));
     }
-    println!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
+    crate::outln!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
     if let Some(at) = v["last_sync_at"].as_str() {
-        println!("Last sync:  {at} ({})", s("last_sync_result"));
+        crate::outln!("Last sync:  {at} ({})", s("last_sync_result"));
     }
     if v["declared"].as_bool() == Some(true) {
-        println!("Declared:   yes (managed by agentd's configuration)");
+        crate::outln!("Declared:   yes (managed by agentd's configuration)");
     }
-    println!("Id:         {}", s("id"));
+    crate::outln!("Id:         {}", s("id"));
     for (i, r) in v["routes"].as_array().into_iter().flatten().enumerate() {
-        println!(
+        crate::outln!(
             "{}{} → port {} ({})",
             if i == 0 {
                 "Links:      "

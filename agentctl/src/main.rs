@@ -114,7 +114,7 @@ fn main() -> std::process::ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("agentctl: cannot start: {e}");
+            crate::errln!("agentctl: cannot start: {e}");
             return std::process::ExitCode::from(ExitCode::Failed as u8);
         }
     };
@@ -127,7 +127,7 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(code) => std::process::ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(f) => {
-            eprintln!("agentctl: {}", f.message);
+            crate::errln!("agentctl: {}", f.message);
             std::process::ExitCode::from(f.code as u8)
         }
     }

@@ -29,6 +29,67 @@ pub fn escape_controls(s: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
+/// `s` with every control character but newline and tab escaped: for whole
+/// lines of human output, which may span lines.
+#[must_use]
+pub fn clean_text(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+        s.split('\n')
+            .map(|line| {
+                line.split('\t')
+                    .map(|part| escape_controls(part).into_owned())
+                    .collect::<Vec<_>>()
+                    .join("\t")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+            .into()
+    } else {
+        s.into()
+    }
+}
+
+/// `v` as pretty JSON for scripts, with the control characters that serde
+/// leaves raw (DEL and the C1 range, which some terminals obey) escaped as
+/// `\u` sequences too: still the same JSON, and safe on a terminal.
+#[must_use]
+pub fn json(v: &impl serde::Serialize) -> String {
+    let text = serde_json::to_string_pretty(v).expect("json");
+    if !text.chars().any(|c| c.is_control() && c != '\n') {
+        return text;
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() && c != '\n' {
+                format!("\\u{:04x}", u32::from(c))
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// `println!` for people: what a sandbox may control in the text (names,
+/// errors, notices) reaches the terminal with its control characters
+/// escaped. JSON output does not go through it (serde escapes it).
+#[macro_export]
+macro_rules! outln {
+    () => { println!() };
+    ($($arg:tt)*) => { println!("{}", $crate::output::clean_text(&format!($($arg)*))) };
+}
+
+/// `eprintln!` for people, as [`outln!`].
+#[macro_export]
+macro_rules! errln {
+    ($($arg:tt)*) => { eprintln!("{}", $crate::output::clean_text(&format!($($arg)*))) };
+}
+
+/// `eprint!` for people, as [`outln!`].
+#[macro_export]
+macro_rules! err {
+    ($($arg:tt)*) => { eprint!("{}", $crate::output::clean_text(&format!($($arg)*))) };
+}
+
 /// A timestamp in µs since the epoch as RFC 3339, or `null` for 0.
 #[must_use]
 pub fn rfc3339(micros: u64) -> Value {
@@ -154,11 +215,11 @@ pub fn sync_json(r: &SyncReport) -> Value {
 /// Print a sync report for people.
 pub fn print_sync(name: &str, r: &SyncReport) {
     for s in &r.skipped {
-        eprintln!("skipped: {s}");
+        crate::errln!("skipped: {s}");
     }
     let verb = if r.dry_run { "Would bring" } else { "Brought" };
     if r.branches.is_empty() {
-        println!(
+        crate::outln!(
             "Nothing new {} sandbox '{name}'.",
             if r.direction == "from-host" {
                 "for"
@@ -167,7 +228,7 @@ pub fn print_sync(name: &str, r: &SyncReport) {
             }
         );
         if !r.into.is_empty() {
-            println!("{}", r.into);
+            crate::outln!("{}", r.into);
         }
         return;
     }
@@ -176,10 +237,10 @@ pub fn print_sync(name: &str, r: &SyncReport) {
     } else {
         format!("from sandbox '{name}' (refs/remotes/sandbox/{name}/*)")
     };
-    println!("{verb} {} branch(es) {target}:", r.branches.len());
+    crate::outln!("{verb} {} branch(es) {target}:", r.branches.len());
     for b in &r.branches {
         if b.new.is_empty() {
-            println!("  {}  removed (was {})", b.branch, short(&b.old));
+            crate::outln!("  {}  removed (was {})", b.branch, short(&b.old));
             continue;
         }
         let range = if b.old.is_empty() {
@@ -194,7 +255,7 @@ pub fn print_sync(name: &str, r: &SyncReport) {
                 b.files_changed as usize - b.files.len()
             ));
         }
-        println!(
+        crate::outln!(
             "  {}  {range}  {} commit(s), {} file(s){}",
             b.branch,
             b.commits,
@@ -207,7 +268,7 @@ pub fn print_sync(name: &str, r: &SyncReport) {
         );
     }
     if !r.into.is_empty() {
-        println!("{}", r.into);
+        crate::outln!("{}", r.into);
     }
 }
 
@@ -229,7 +290,7 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
                 out.push_str(&format!("{c:<w$}  ", w = widths[i]));
             }
         }
-        println!("{}", out.trim_end());
+        crate::outln!("{}", out.trim_end());
     };
     line(header.to_vec());
     for row in rows {
@@ -240,6 +301,19 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sandbox_text_never_reaches_the_terminal_raw() {
+        let osc52 = "a\u{1b}]52;c;cHduZWQ=\u{7}b\u{9b}2J";
+        assert_eq!(
+            escape_controls(osc52),
+            "a\\u{1b}]52;c;cHduZWQ=\\u{7}b\\u{9b}2J"
+        );
+        assert_eq!(clean_text("one\ntwo\t\u{1b}[2J"), "one\ntwo\t\\u{1b}[2J");
+        let j = json(&json!({ "name": osc52 }));
+        assert!(!j.chars().any(|c| c.is_control() && c != '\n'), "{j}");
+        assert_eq!(serde_json::from_str::<Value>(&j).unwrap()["name"], osc52);
+    }
 
     #[test]
     fn times() {

@@ -172,6 +172,17 @@ fn copying_out_gives_the_sandbox_no_write_on_the_host() {
         &["cp", "cpx:/workspace/p", t.join("p").to_str().unwrap()],
         "fifo",
     );
+    // A name that carries a terminal escape (OSC 52: write the clipboard)
+    // reaches the person's terminal escaped.
+    sh("mkdir /workspace/e && mkfifo \"/workspace/e/$(printf 'x\\033]52;c;cHduZWQ=\\007')\"");
+    let r = env.ctl(&["cp", "cpx:/workspace/e", t.join("e").to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert_eq!(r.status.code(), Some(3), "{err}");
+    assert!(
+        !err.contains('\u{1b}') && !err.contains('\u{7}'),
+        "raw escape: {err:?}"
+    );
+    assert!(err.contains("\\u{1b}]52"), "{err}");
     sh("rm /workspace/d/out && ln -s sub/g /workspace/d/in");
     env.ok(&["cp", "--links", "cpx:/workspace/d", out.to_str().unwrap()]);
     assert_eq!(

@@ -92,16 +92,37 @@ fn a_writer_left_in_the_background_costs_agentd_nothing_after_the_call() {
          descriptors {fds0} -> {fds2}, CPU over the next 2 s: {} ticks",
         cpu2 - cpu1
     );
-    assert!(cpu2 - cpu1 <= 20, "agentd keeps spinning: {} ticks in 2 s", cpu2 - cpu1);
-    assert!(fds2 <= fds0 + 2 && fds1 <= fds0 + 2, "descriptors {fds0} -> {fds1}, {fds2}");
-    assert!(rss1.max(rss2) < rss0 + 48 * 1024, "RSS {rss0} KiB -> {rss2} KiB");
+    assert!(
+        cpu2 - cpu1 <= 20,
+        "agentd keeps spinning: {} ticks in 2 s",
+        cpu2 - cpu1
+    );
+    assert!(
+        fds2 <= fds0 + 2 && fds1 <= fds0 + 2,
+        "descriptors {fds0} -> {fds1}, {fds2}"
+    );
+    assert!(
+        rss1.max(rss2) < rss0 + 48 * 1024,
+        "RSS {rss0} KiB -> {rss2} KiB"
+    );
     // And the writers, having lost their reader, have ended.
-    common::wait_for("the background writers to end", Duration::from_secs(20), || {
-        env.ctl(&["exec", "flood", "--", "sh", "-c", "grep -qx cat /proc/[0-9]*/comm"])
+    common::wait_for(
+        "the background writers to end",
+        Duration::from_secs(20),
+        || {
+            env.ctl(&[
+                "exec",
+                "flood",
+                "--",
+                "sh",
+                "-c",
+                "grep -qx cat /proc/[0-9]*/comm",
+            ])
             .status
             .code()
-            == Some(1)
-    });
+                == Some(1)
+        },
+    );
 }
 
 #[test]
