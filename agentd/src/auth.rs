@@ -170,14 +170,33 @@ pub fn check_main(path: &str) -> i32 {
     }
 }
 
-/// Host uid and gid that a sandbox of `owner` runs as: the owner's own ids,
-/// except that host root is never used (root's sandboxes run as `nobody`),
-/// and an unprivileged agentd can only use its own.
+/// The host uids (and gids) agentd gives sandboxes when it runs as root:
+/// 65,536 ids from `0x70000000`, above the ranges systemd hands to
+/// containers (`0x00080000`–`0x6FFFFFFF`) and below the foreign range
+/// (`0x7FFE0000`). No account and no other program uses them, so a sandbox's
+/// processes and files are nobody else's: not `nobody`'s, not the owner's,
+/// not another sandbox's.
+pub const SANDBOX_IDS: std::ops::Range<u32> = 0x7000_0000..0x7001_0000;
+
+/// The lowest id of [`SANDBOX_IDS`] that is not in `taken`.
 #[must_use]
-pub fn sandbox_ids(owner: u32) -> (u32, u32) {
+pub fn free_sandbox_id(taken: &std::collections::HashSet<u32>) -> Option<u32> {
+    SANDBOX_IDS.clone().find(|id| !taken.contains(id))
+}
+
+/// Host uid and gid that a sandbox of `owner` runs as: the id agentd
+/// allocated to it (see [`SANDBOX_IDS`]); without one (a `microvm` guest,
+/// whose uid the NixOS module fixes at evaluation time) the owner's ids, but
+/// never host root (`nobody` then). An unprivileged agentd can only use its
+/// own ids.
+#[must_use]
+pub fn sandbox_ids(owner: u32, allocated: Option<u32>) -> (u32, u32) {
     const NOBODY: u32 = 65534;
     if !Uid::effective().is_root() {
         return (Uid::effective().as_raw(), Gid::effective().as_raw());
+    }
+    if let Some(id) = allocated {
+        return (id, id);
     }
     if owner == 0 {
         return (NOBODY, NOBODY);

@@ -249,6 +249,7 @@ mod tests {
             config: SandboxConfig::default(),
             ports: [("web".to_owned(), 3000)].into(),
             owner: 1000,
+            uid: Some(0x7000_0001),
             declared: false,
             creating: false,
             last_sync_at: None,

@@ -191,7 +191,7 @@ fn system_bus_policy_admits_only_root_and_the_group() {
 }
 
 #[test]
-fn a_non_root_owner_syncs_and_can_git_fetch_the_sandbox_remote() {
+fn a_non_root_owners_sync_writes_as_them_and_the_workspace_stays_the_sandboxs() {
     if !common::is_root() {
         eprintln!("skipped: needs root to act as another uid");
         return;
@@ -230,19 +230,25 @@ fn a_non_root_owner_syncs_and_can_git_fetch_the_sandbox_remote() {
         git_as_nobody(&["log", "-1", "--format=%s", "sandbox/theirs/main"]),
         "work\n"
     );
-    // The remote agentd configured works with plain git for its owner.
-    as_nobody(&[
-        "exec",
-        "theirs",
-        "--",
-        "sh",
-        "-c",
-        "git -c user.name=A -c user.email=a@example.com commit -q --allow-empty -m more",
-    ]);
-    git_as_nobody(&["fetch", "-q", "sandbox/theirs"]);
-    assert_eq!(
-        git_as_nobody(&["log", "-1", "--format=%s", "sandbox/theirs/main"]),
-        "more\n"
+    // The workspace is the sandbox's own: its owner reaches it only through
+    // agentd, which checks what comes over.
+    let ws = env.state_dir.join("sandboxes/theirs/workspace");
+    let meta = fs::metadata(&ws).unwrap();
+    let uid = std::os::unix::fs::MetadataExt::uid(&meta);
+    assert!(
+        agentd::auth::SANDBOX_IDS.contains(&uid),
+        "workspace uid {uid}"
+    );
+    let fetch = std::process::Command::new("git")
+        .args(["fetch", "-q", "sandbox/theirs"])
+        .current_dir(&repo)
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .output()
+        .unwrap();
+    assert!(
+        !fetch.status.success(),
+        "the owner read the workspace directly"
     );
 }
 

@@ -154,10 +154,19 @@ impl Manager {
         backends: Vec<Arc<dyn Backend>>,
     ) -> Arc<Self> {
         let (changes, _) = broadcast::channel(1024);
+        let mut sandboxes: BTreeMap<String, Sandbox> =
+            sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect();
+        // Sandboxes from before ids were allocated get theirs now; their
+        // files follow at their next start.
+        if allocate_ids(&mut sandboxes) {
+            if let Err(e) = registry.save(sandboxes.values()) {
+                tracing::error!(error = %e, "cannot record the sandboxes' new uids");
+            }
+        }
         Arc::new(Self {
             registry,
             settings,
-            sandboxes: Mutex::new(sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect()),
+            sandboxes: Mutex::new(sandboxes),
             op_locks: Mutex::new(HashMap::new()),
             backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
             changes,
@@ -319,7 +328,7 @@ impl Manager {
 
     fn spec(&self, sb: &Sandbox) -> SandboxSpec {
         let dir = self.registry.sandbox_dir(&sb.name);
-        let (uid, gid) = auth::sandbox_ids(sb.owner);
+        let (uid, gid) = auth::sandbox_ids(sb.owner, sb.uid);
         SandboxSpec::at(&dir, &sb.name, uid, gid, sb.config.clone())
     }
 
@@ -337,7 +346,9 @@ impl Manager {
                 *text = short;
             }
         }
-        let after = sb.clone();
+        // A sandbox from before ids were allocated gets its own once stopped.
+        allocate_ids(&mut map);
+        let after = map[name].clone();
         if let Err(e) = self.registry.save(map.values()) {
             // Keep memory and disk in step: undo.
             map.insert(name.to_owned(), before);
@@ -441,6 +452,7 @@ impl Manager {
             config,
             ports: Ports::new(),
             owner: caller.uid,
+            uid: None,
             declared: false,
             creating: true,
             last_sync_at: None,
@@ -455,17 +467,19 @@ impl Manager {
     /// by [`Manager::reconcile`].
     async fn insert_new(self: &Arc<Self>, sb: Sandbox) -> Result<(Sandbox, Vec<String>)> {
         let name = sb.name.clone();
-        {
+        let sb = {
             let mut map = self.sandboxes.lock().unwrap();
             if map.contains_key(&name) {
                 return Err(Error::AlreadyExists(name));
             }
-            map.insert(name.clone(), sb.clone());
+            map.insert(name.clone(), sb);
+            allocate_ids(&mut map);
             if let Err(e) = self.registry.save(map.values()) {
                 map.remove(&name);
                 return Err(e.into());
             }
-        }
+            map[&name].clone()
+        };
         let lock = self.op_lock(&name);
         let _guard = lock.lock().await;
         let notices = match self.prepare_dirs(&sb).await {
@@ -523,8 +537,21 @@ impl Manager {
                 std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
                     .map_err(|e| format!("cannot set permissions of {}: {e}", dir.display()))?;
                 if root {
-                    std::os::unix::fs::lchown(&spec.home, Some(uid), Some(gid))
-                        .map_err(|e| format!("cannot chown {}: {e}", spec.home.display()))?;
+                    // Files of a sandbox that ran under other ids (before
+                    // each had its own) follow it to its own.
+                    for d in [&spec.home, &spec.workspace] {
+                        use std::os::unix::fs::MetadataExt;
+                        let Ok(m) = std::fs::symlink_metadata(d) else {
+                            continue;
+                        };
+                        if m.is_dir()
+                            && (m.uid(), m.gid()) != (uid, gid)
+                            && (d == &spec.home || uid != owner)
+                        {
+                            workspace::chown_tree(d, uid, gid)
+                                .map_err(|e| format!("cannot chown {}: {e}", d.display()))?;
+                        }
+                    }
                 }
                 if procfs::is_real_dir(&spec.workspace) {
                     return Ok(false);
@@ -1506,6 +1533,7 @@ impl Manager {
                             config: cfg,
                             ports: d.ports.clone(),
                             owner: owner.uid.as_raw(),
+                            uid: None,
                             declared: true,
                             creating: false,
                             last_sync_at: None,
@@ -1565,6 +1593,31 @@ impl Manager {
 
 /// A command line as a person would type it (arguments with spaces or
 /// quotes are single-quoted).
+/// Give every sandbox that has none a uid of its own (when agentd runs as
+/// root; `microvm` guests keep the owner's, which their NixOS guest was
+/// built with). Returns whether any changed.
+fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
+    if !nix::unistd::Uid::effective().is_root() {
+        return false;
+    }
+    let mut taken: std::collections::HashSet<u32> = map.values().filter_map(|s| s.uid).collect();
+    let mut changed = false;
+    for sb in map.values_mut() {
+        // A running sandbox keeps the ids it was started with.
+        if sb.uid.is_some() || sb.runtime.is_some() || sb.backend == BackendKind::Microvm {
+            continue;
+        }
+        let Some(id) = auth::free_sandbox_id(&taken) else {
+            tracing::error!(sandbox = %sb.name, "every sandbox uid is in use; it runs as its owner's");
+            continue;
+        };
+        taken.insert(id);
+        sb.uid = Some(id);
+        changed = true;
+    }
+    changed
+}
+
 fn shell_words(argv: &[String]) -> String {
     argv.iter()
         .map(|a| {

@@ -45,6 +45,10 @@ pub struct Sandbox {
     pub ports: Ports,
     /// Owner's uid.
     pub owner: u32,
+    /// The host uid (and gid) its processes and files have, allocated from
+    /// [`crate::auth::SANDBOX_IDS`] when agentd runs as root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
     /// Declared in agentd's configuration (cannot be destroyed over D-Bus).
     #[serde(default)]
     pub declared: bool,
