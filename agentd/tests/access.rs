@@ -261,3 +261,114 @@ fn walk(p: &std::path::Path) -> Vec<std::path::PathBuf> {
     }
     out
 }
+
+#[test]
+fn another_user_hears_no_signal_of_a_sandbox_it_does_not_own() {
+    if !common::is_root() {
+        eprintln!("skipped: needs root to run a bus with the system policy");
+        return;
+    }
+    let tmp = tempfile::Builder::new()
+        .prefix("ks-sig-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
+    // The shipped policy, with nobody's group as the access group: the
+    // eavesdropper is a member, as a curious colleague would be.
+    let nogroup = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(NOBODY))
+        .unwrap()
+        .unwrap()
+        .name;
+    let policy = tmp.path().join("policy.conf");
+    let shipped =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("dbus/org.keystone.Agent1.conf");
+    fs::write(
+        &policy,
+        fs::read_to_string(&shipped)
+            .unwrap()
+            .replace("group=\"keystone-agent\"", &format!("group=\"{nogroup}\"")),
+    )
+    .unwrap();
+    let (mut bus, addr) = system_like_bus(tmp.path(), &policy);
+    let state = tmp.path().join("state");
+    let mut agentd = std::process::Command::new(common::AGENTD)
+        .args(["--address", &addr, "--state-dir"])
+        .arg(&state)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let ctl = |uid: Option<u32>, args: &[&str]| {
+        let mut c = std::process::Command::new(common::agentctl());
+        c.args(["--bus", &addr]).args(args);
+        if let Some(u) = uid {
+            c.uid(u).gid(u);
+        }
+        c.output().unwrap()
+    };
+    common::wait_for("agentd", std::time::Duration::from_secs(20), || {
+        ctl(None, &["list"]).status.success()
+    });
+    // The eavesdropper listens to everything it is let hear.
+    let log = tmp.path().join("heard");
+    let mut monitor = std::process::Command::new("dbus-monitor")
+        .args(["--address", &addr])
+        .stdout(fs::File::create(&log).unwrap())
+        .stderr(std::process::Stdio::null())
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .spawn()
+        .unwrap();
+    // It also makes itself known to agentd, as a client would.
+    assert!(ctl(Some(NOBODY), &["list"]).status.success());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // Root's sandbox goes through its life.
+    let repo = tmp.path().join("secretproj");
+    fs::create_dir(&repo).unwrap();
+    common::git(&repo, &["init", "-q", "-b", "main"]);
+    common::git(
+        &repo,
+        &[
+            "-c",
+            "user.name=T",
+            "-c",
+            "user.email=t@e",
+            "commit",
+            "-q",
+            "--allow-empty",
+            "-m",
+            "x",
+        ],
+    );
+    for args in [
+        &["create", repo.to_str().unwrap()][..],
+        &["start", "secretproj"],
+        &["sync", "secretproj"],
+        &["stop", "secretproj"],
+        &["destroy", "secretproj"],
+    ] {
+        let out = ctl(None, args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let _ = monitor.kill();
+    let _ = monitor.wait();
+    let heard = fs::read_to_string(&log).unwrap();
+    let _ = agentd.kill();
+    let _ = agentd.wait();
+    let _ = bus.kill();
+    let _ = bus.wait();
+    assert!(
+        !heard.contains("secretproj"),
+        "another user heard about root's sandbox:\n{}",
+        heard
+            .lines()
+            .filter(|l| l.contains("secretproj"))
+            .take(5)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

@@ -116,6 +116,15 @@ fn state_changes_are_announced() {
             .unwrap();
         // Every signal, in order (a property stream would coalesce values).
         let mut changes = props.receive_properties_changed().await.unwrap();
+        // Signals go to connections agentd knows, never to the whole bus: a
+        // client reads the state first, as any client would.
+        let first = props
+            .get_all(zbus::names::InterfaceName::from_static_str_unchecked(
+                "org.keystone.Agent1.Sandbox",
+            ))
+            .await
+            .unwrap();
+        assert!(first.contains_key("State"));
         let mut seen = vec![String::from("created")];
         let mut start = env.ctl_cmd(&["start", "sig"]);
         let mut stop = env.ctl_cmd(&["stop", "sig"]);

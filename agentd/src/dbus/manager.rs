@@ -172,7 +172,7 @@ impl ManagerObject {
     ) -> zbus::Result<()>;
 }
 
-/// Export a new sandbox and announce it.
+/// Export a new sandbox and announce it to its owner and root.
 pub async fn added(
     conn: &Connection,
     manager: &Arc<Manager>,
@@ -180,33 +180,54 @@ pub async fn added(
     name: &str,
 ) -> zbus::Result<()> {
     sandbox::export(conn, manager, callers, name).await?;
+    let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
+        return Ok(());
+    };
+    for e in callers.emitters(conn, sb.owner, &api::MANAGER_PATH.try_into()?) {
+        ManagerObject::sandbox_added(&e, name, path.clone()).await?;
+    }
+    Ok(())
+}
+
+/// Withdraw a destroyed sandbox's object and announce it to those who saw it.
+pub async fn removed(conn: &Connection, callers: &Arc<Callers>, name: &str) -> zbus::Result<()> {
     let Some(path) = api::sandbox_path(name) else {
         return Ok(());
     };
-    let emitter = SignalEmitter::new(conn, api::MANAGER_PATH)?;
-    ManagerObject::sandbox_added(&emitter, name, path).await
-}
-
-/// Withdraw a destroyed sandbox's object and announce it.
-pub async fn removed(conn: &Connection, name: &str) -> zbus::Result<()> {
-    let Some(path) = api::sandbox_path(name) else {
-        return Ok(());
+    let owner = match conn
+        .object_server()
+        .interface::<_, sandbox::SandboxObject>(&path)
+        .await
+    {
+        Ok(iface) => iface.get().await.announced_owner(),
+        Err(_) => None,
     };
     conn.object_server()
         .remove::<sandbox::SandboxObject, _>(&path)
         .await?;
-    let emitter = SignalEmitter::new(conn, api::MANAGER_PATH)?;
-    ManagerObject::sandbox_removed(&emitter, name, path).await
+    // Unknown owner: only root hears of it.
+    let owner = owner.unwrap_or(0);
+    for e in callers.emitters(conn, owner, &api::MANAGER_PATH.try_into()?) {
+        ManagerObject::sandbox_removed(&e, name, path.clone()).await?;
+    }
+    Ok(())
 }
 
-/// Announce progress of a create.
+/// Announce progress of a create to the sandbox's owner and root.
 pub async fn progress(
     conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
     name: &str,
     stage: &str,
     done: u64,
     total: u64,
 ) -> zbus::Result<()> {
-    let emitter = SignalEmitter::new(conn, api::MANAGER_PATH)?;
-    ManagerObject::create_progress(&emitter, name, stage, done, total).await
+    let Some(owner) = manager.snapshot(name).map(|s| s.owner) else {
+        return Ok(());
+    };
+    for e in callers.emitters(conn, owner, &api::MANAGER_PATH.try_into()?) {
+        ManagerObject::create_progress(&e, name, stage, done, total).await?;
+    }
+    Ok(())
 }

@@ -31,11 +31,20 @@ pub enum Bus {
 }
 
 /// Resolves callers' uids through the bus daemon, caching per unique name
-/// (unique names are never reused while the bus runs).
+/// (unique names are never reused while the bus runs). The connections it
+/// knows are also where agentd's signals go: each signal about a sandbox is
+/// sent to its owner's connections and root's, one copy each, never
+/// broadcast (see [`Callers::emitters`]). A connection is known once it has
+/// called agentd (a method, or reading a property); it is forgotten when it
+/// leaves the bus.
 #[derive(Debug, Default)]
 pub struct Callers {
     cache: Mutex<HashMap<String, u32>>,
 }
+
+/// Most connections remembered at once; past it new callers still get
+/// answers, but no signals until others leave.
+const CALLERS_MAX: usize = 16_384;
 
 impl Callers {
     /// The uid of whoever sent the message with `header`.
@@ -66,11 +75,68 @@ impl Callers {
                 api::Error::PermissionDenied(format!("The bus does not say who you are: {e}"))
             })?;
         let mut cache = self.cache.lock().unwrap();
-        if cache.len() > 4096 {
-            cache.clear();
+        if cache.len() < CALLERS_MAX {
+            cache.insert(sender.to_string(), uid);
         }
-        cache.insert(sender.to_string(), uid);
         Ok(Caller { uid })
+    }
+
+    /// Forget a connection that left the bus.
+    pub fn forget(&self, unique_name: &str) {
+        self.cache.lock().unwrap().remove(unique_name);
+    }
+
+    /// The known connections that may see a sandbox of `owner`.
+    #[must_use]
+    pub fn recipients(&self, owner: u32) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .cache
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, uid)| Caller { uid: **uid }.may_access(owner))
+            .map(|(name, _)| name.clone())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// One emitter at `path` for each known connection that may see a
+    /// sandbox of `owner` (its own and root's).
+    pub fn emitters(
+        &self,
+        conn: &Connection,
+        owner: u32,
+        path: &zvariant::ObjectPath<'_>,
+    ) -> Vec<zbus::object_server::SignalEmitter<'static>> {
+        self.recipients(owner)
+            .into_iter()
+            .filter_map(|name| {
+                let dest = zbus::names::UniqueName::try_from(name).ok()?;
+                let emitter =
+                    zbus::object_server::SignalEmitter::new(conn, path.to_owned()).ok()?;
+                Some(emitter.set_destination(zbus::names::BusName::Unique(dest)))
+            })
+            .collect()
+    }
+}
+
+/// Forget connections as they leave the bus, so signals stop going to them.
+async fn follow_departures(conn: Connection, callers: Arc<Callers>) {
+    use futures_lite::StreamExt;
+    let Ok(dbus) = zbus::fdo::DBusProxy::new(&conn).await else {
+        return;
+    };
+    let Ok(mut gone) = dbus.receive_name_owner_changed().await else {
+        tracing::warn!("cannot follow connections leaving the bus; signals may go to stale names");
+        return;
+    };
+    while let Some(signal) = gone.next().await {
+        if let Ok(args) = signal.args() {
+            if args.new_owner().is_none() && args.name().starts_with(':') {
+                callers.forget(args.name());
+            }
+        }
     }
 }
 
@@ -167,6 +233,7 @@ pub async fn serve(bus: &Bus, manager: Arc<Manager>) -> zbus::Result<Connection>
     for name in manager.names() {
         sandbox::export(&conn, &manager, &callers, &name).await?;
     }
+    tokio::spawn(follow_departures(conn.clone(), Arc::clone(&callers)));
     tokio::spawn(follow_changes(conn.clone(), manager, callers, changes));
     conn.request_name(api::BUS_NAME).await?;
     Ok(conn)
@@ -185,7 +252,7 @@ async fn follow_changes(
             Err(RecvError::Lagged(n)) => {
                 tracing::warn!(missed = n, "missed sandbox changes; re-announcing all");
                 for name in manager.names() {
-                    sandbox::announce(&conn, &manager, &name).await;
+                    sandbox::announce(&conn, &manager, &callers, &name).await;
                 }
                 continue;
             }
@@ -195,27 +262,49 @@ async fn follow_changes(
             Change::Added(name) => manager::added(&conn, &manager, &callers, name).await,
             Change::Updated(name) => match sandbox::export(&conn, &manager, &callers, name).await {
                 Ok(()) => {
-                    sandbox::announce(&conn, &manager, name).await;
+                    sandbox::announce(&conn, &manager, &callers, name).await;
                     Ok(())
                 }
                 Err(e) => Err(e),
             },
-            Change::Removed(name) => manager::removed(&conn, name).await,
+            Change::Removed(name) => manager::removed(&conn, &callers, name).await,
             Change::Progress {
                 name,
                 stage,
                 done,
                 total,
-            } => manager::progress(&conn, name, stage, *done, *total).await,
+            } => manager::progress(&conn, &manager, &callers, name, stage, *done, *total).await,
             Change::Synced {
                 name,
                 direction,
                 branches,
                 commits,
-            } => sandbox::synced(&conn, name, direction, *branches, *commits).await,
+            } => {
+                sandbox::synced(
+                    &conn, &manager, &callers, name, direction, *branches, *commits,
+                )
+                .await
+            }
         };
         if let Err(e) = result {
             tracing::warn!(?change, error = %e, "cannot publish a sandbox change on the bus");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signals_go_to_the_owner_and_root_only() {
+        let callers = Callers::default();
+        for (name, uid) in [(":1.1", 1000), (":1.2", 1001), (":1.3", 0), (":1.4", 1000)] {
+            callers.cache.lock().unwrap().insert(name.to_owned(), uid);
+        }
+        assert_eq!(callers.recipients(1000), [":1.1", ":1.3", ":1.4"]);
+        assert_eq!(callers.recipients(1001), [":1.2", ":1.3"]);
+        callers.forget(":1.3");
+        assert_eq!(callers.recipients(0), Vec::<String>::new());
     }
 }

@@ -629,9 +629,21 @@ pub async fn export(
     server.at(&path, obj).await.map(|_| ())
 }
 
+impl SandboxObject {
+    /// The owner of the sandbox as last announced.
+    pub fn announced_owner(&self) -> Option<u32> {
+        self.announced.lock().unwrap().as_ref().map(|s| s.owner)
+    }
+}
+
 /// Emit PropertiesChanged for every property of `name` that changed since
-/// the last announcement.
-pub async fn announce(conn: &Connection, manager: &Arc<Manager>, name: &str) {
+/// the last announcement, to the sandbox's owner and root.
+pub async fn announce(
+    conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
+    name: &str,
+) {
     let (Some(path), Some(now)) = (api::sandbox_path(name), manager.snapshot(name)) else {
         return;
     };
@@ -650,8 +662,25 @@ pub async fn announce(conn: &Connection, manager: &Arc<Manager>, name: &str) {
         .unwrap()
         .replace(now.clone());
     let Some(before) = before else { return };
-    let emitter: &SignalEmitter<'_> = iface.signal_emitter();
     let obj = iface.get().await;
+    // Whoever could see the sandbox before or now (an owner may change).
+    let mut emitters = callers.emitters(conn, now.owner, &path);
+    if before.owner != now.owner {
+        emitters.extend(callers.emitters(conn, before.owner, &path));
+    }
+    for emitter in &emitters {
+        announce_to(emitter, &obj, &before, &now).await;
+    }
+}
+
+/// Emit to one connection the PropertiesChanged of `before` → `now`.
+async fn announce_to(
+    emitter: &SignalEmitter<'_>,
+    obj: &SandboxObject,
+    before: &Sandbox,
+    now: &Sandbox,
+) {
+    let name = &now.name;
     let r: zbus::Result<()> = async {
         if before.state != now.state {
             obj.state_changed(emitter).await?;
@@ -740,19 +769,23 @@ fn parse_sync_options(options: &HashMap<String, OwnedValue>) -> Result<SyncOptio
     }
 }
 
-/// Emit `Synced` on the sandbox's object.
+/// Emit `Synced` on the sandbox's object, to its owner and root.
 pub async fn synced(
     conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
     name: &str,
     direction: &str,
     branches: u32,
     commits: u32,
 ) -> zbus::Result<()> {
-    let Some(path) = api::sandbox_path(name) else {
+    let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
         return Ok(());
     };
-    let emitter = SignalEmitter::new(conn, path)?;
-    SandboxObject::synced(&emitter, direction, branches, commits).await
+    for e in callers.emitters(conn, sb.owner, &path) {
+        SandboxObject::synced(&e, direction, branches, commits).await?;
+    }
+    Ok(())
 }
 
 /// Read the options of `ExecStdio` (and, with `tty`, of `OpenTerminal`)
