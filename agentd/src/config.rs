@@ -64,6 +64,22 @@ pub struct ProxyConfig {
     /// trust the links.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<PathBuf>,
+    /// Who a link answers: `owner` (default: only a browser that opened it
+    /// with the token `agentctl open` and `agentctl ports` put in its URL)
+    /// or `none` (anyone who can reach Caddy).
+    pub auth: ProxyAuth,
+}
+
+/// Who a dev-server link answers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProxyAuth {
+    /// Only browsers that came with the sandbox's token (kept as a cookie of
+    /// that link's host).
+    #[default]
+    Owner,
+    /// Anyone who can reach Caddy's server.
+    None,
 }
 
 impl Default for ProxyConfig {
@@ -77,6 +93,7 @@ impl Default for ProxyConfig {
             https: None,
             pages_listen: "127.0.0.1:0".to_owned(),
             ca_file: None,
+            auth: ProxyAuth::Owner,
         }
     }
 }

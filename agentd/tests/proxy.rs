@@ -18,10 +18,14 @@ fn setup(name: &str) -> (Env, Caddy) {
 }
 
 fn setup_with(name: &str, https: bool) -> (Env, Caddy) {
+    setup_auth(name, https, "none")
+}
+
+fn setup_auth(name: &str, https: bool, auth: &str) -> (Env, Caddy) {
     let mut env = Env::bus_only();
     let caddy = Caddy::start(env.tmp.path());
     let config = env.tmp.path().join("agentd.json");
-    std::fs::write(&config, caddy.agentd_config(https)).unwrap();
+    std::fs::write(&config, caddy.agentd_config_auth(https, auth)).unwrap();
     env.config = Some(config);
     env.start_agentd();
     let repo = env.repo(name);
@@ -352,4 +356,82 @@ fn https_links_carry_certificates_of_caddys_own_ca() {
             .any(|r| r["url"] == url.as_str()),
         "{ports}"
     );
+}
+
+#[test]
+fn a_link_answers_only_the_browser_that_came_with_its_token() {
+    let (env, caddy) = setup_auth("priv", false, "owner");
+    let repo = env.repo("other");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "other"]);
+    let port = free_port();
+    dev_server(&env, "priv", "main", port, "private-server");
+    dev_server(&env, "other", "main", free_port(), "other-server");
+    // The owner's URLs carry the token.
+    let url_of = |name: &str| {
+        let mut url = String::new();
+        wait_for("a link with a token", DEADLINE, || {
+            let routes: serde_json::Value =
+                serde_json::from_str(&env.ok(&["ports", name, "--json"])).unwrap();
+            url = routes["routes"][0]["url"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            url.contains("?keystone_token=")
+        });
+        url
+    };
+    let url = url_of("priv");
+    let token = url.split_once("keystone_token=").unwrap().1.to_owned();
+    let other = url_of("other");
+    let other_token = other.split_once("keystone_token=").unwrap().1.to_owned();
+    assert_ne!(token, other_token);
+    let host = "priv.sandbox.local";
+
+    // Anyone else on the machine gets a page that says nothing of the
+    // sandbox, routed or not, with no token, a wrong one or another's.
+    for (path, cookie) in [
+        ("/who.txt", String::new()),
+        (
+            &format!("/who.txt?keystone_token={other_token}") as &str,
+            String::new(),
+        ),
+        ("/who.txt", format!("keystone_link={other_token}")),
+        ("/who.txt", "keystone_link=0000".to_owned()),
+    ] {
+        let (s, _, body) = caddy.get_with_cookie(host, path, &cookie);
+        assert_eq!(s, 403, "{path} {cookie}: {body}");
+        assert!(
+            !body.contains("private-server") && !body.contains("running"),
+            "{body}"
+        );
+    }
+    let (s, _, body) = caddy.get_with_cookie("nosuch.sandbox.local", "/", "");
+    assert_eq!(s, 403, "{body}");
+
+    // The token becomes a cookie of that host, which then lets requests in.
+    let (s, head) = {
+        let start = Instant::now();
+        loop {
+            let (s, head, _) =
+                caddy.get_with_cookie(host, &format!("/who.txt?keystone_token={token}"), "");
+            if s == 303 || start.elapsed() > DEADLINE {
+                break (s, head);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    assert_eq!(s, 303, "{head}");
+    assert!(head.contains(&format!("keystone_link={token}")), "{head}");
+    assert!(head.to_ascii_lowercase().contains("httponly"), "{head}");
+    let (s, _, body) =
+        caddy.get_with_cookie(host, "/who.txt", &format!("a=b; keystone_link={token}"));
+    assert_eq!((s, body.trim()), (200, "private-server"));
+    // Stopped, its page still says nothing to a stranger.
+    env.ok(&["stop", "priv"]);
+    let (s, _, body) = caddy.get_with_cookie(host, "/", "");
+    assert_eq!(s, 403, "{body}");
+    assert!(!body.contains("stopped"), "{body}");
+    let (s, _, body) = caddy.get_with_cookie(host, "/", &format!("keystone_link={token}"));
+    assert_eq!(s, 503, "{body}");
 }

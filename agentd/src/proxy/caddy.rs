@@ -257,16 +257,71 @@ impl Caddy {
     }
 }
 
-/// A route sending `hosts` to `dial` (`host:port`), tagged `id`.
+/// The query parameter that carries a link's token.
+pub const TOKEN_PARAM: &str = "keystone_token";
+
+/// The cookie a browser keeps a link's token in (one per host).
+pub const TOKEN_COOKIE: &str = "keystone_link";
+
+/// Who must show what for a route to answer.
+#[derive(Debug, Clone, Copy)]
+pub struct Gate<'a> {
+    /// The sandbox's link token.
+    pub token: &'a str,
+    /// agentd's pages, which answer a request without it.
+    pub pages: &'a str,
+}
+
+/// A route sending `hosts` to `dial` (`host:port`), tagged `id`. With a
+/// `gate`, only requests that carry its token get there: `?keystone_token=`
+/// turns into a cookie of that host (and a redirect to the same path without
+/// it), the cookie lets requests through, and anything else goes to
+/// agentd's pages, which say how to open the link.
 #[must_use]
-pub fn route(id: &str, hosts: &[String], dial: &str) -> Value {
+pub fn route(id: &str, hosts: &[String], dial: &str, gate: Option<Gate<'_>>) -> Value {
+    let proxy = json!({
+        "handler": "reverse_proxy",
+        "upstreams": [{ "dial": dial }],
+    });
+    let handle = match gate {
+        None => proxy,
+        Some(Gate { token, pages }) => json!({
+            "handler": "subroute",
+            "routes": [
+                {
+                    "match": [{ "query": { TOKEN_PARAM: [token] } }],
+                    "handle": [{
+                        "handler": "static_response",
+                        "status_code": 303,
+                        "headers": {
+                            "Location": ["{http.request.uri.path}"],
+                            "Set-Cookie": [format!(
+                                "{TOKEN_COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax"
+                            )],
+                            "Cache-Control": ["no-store"],
+                        },
+                    }],
+                    "terminal": true,
+                },
+                {
+                    "match": [{ "header": { "Cookie": [format!("*{TOKEN_COOKIE}={token}*")] } }],
+                    "handle": [proxy],
+                    "terminal": true,
+                },
+                {
+                    "handle": [{
+                        "handler": "reverse_proxy",
+                        "upstreams": [{ "dial": pages }],
+                    }],
+                    "terminal": true,
+                },
+            ],
+        }),
+    };
     json!({
         "@id": id,
         "match": [{ "host": hosts }],
-        "handle": [{
-            "handler": "reverse_proxy",
-            "upstreams": [{ "dial": dial }],
-        }],
+        "handle": [handle],
         "terminal": true,
     })
 }

@@ -79,6 +79,8 @@ pub struct Proxy {
     stale: std::sync::atomic::AtomicBool,
     /// Sandboxes to look at again (a forwarder found its dev server gone).
     recheck: tokio::sync::mpsc::UnboundedSender<String>,
+    /// Secret of this agentd run that links' tokens are derived from.
+    key: String,
 }
 
 impl Proxy {
@@ -102,6 +104,11 @@ impl Proxy {
             routes: tokio::sync::Mutex::new(BTreeMap::new()),
             redirected: Mutex::new(HashMap::new()),
             stale: std::sync::atomic::AtomicBool::new(true),
+            key: format!(
+                "{}{}",
+                uuid::Uuid::new_v4().simple(),
+                uuid::Uuid::new_v4().simple()
+            ),
         });
         tokio::spawn(pages::serve(pages_listener, Arc::clone(&proxy)));
         tokio::spawn(Arc::clone(&proxy).watch_caddy());
@@ -140,7 +147,38 @@ impl Proxy {
             .unwrap_or_else(|| self.cfg.listen.iter().any(|l| l.ends_with(":443")))
     }
 
-    fn url(&self, host: &str) -> String {
+    /// The token of sandbox `name`'s links (`None` when links answer
+    /// anyone): derived from this run's secret and the sandbox's id, so it
+    /// changes when agentd restarts or the sandbox is made anew.
+    pub(crate) fn token(&self, name: &str) -> Option<String> {
+        use sha2::Digest;
+        if self.cfg.auth == crate::config::ProxyAuth::None {
+            return None;
+        }
+        let id = self.manager.snapshot(name)?.id;
+        let digest = sha2::Sha256::digest(format!("{}/{id}", self.key));
+        Some(digest[..16].iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// Whether links answer only their owner.
+    pub(crate) fn gated(&self) -> bool {
+        self.cfg.auth != crate::config::ProxyAuth::None
+    }
+
+    /// The Caddy route of `r`, a route of sandbox `name`.
+    fn caddy_route(&self, name: &str, r: &Route) -> serde_json::Value {
+        let token = self.token(name);
+        let pages = self.pages.to_string();
+        let gate = token.as_deref().map(|token| caddy::Gate {
+            token,
+            pages: &pages,
+        });
+        caddy::route(&r.id, &r.hosts, &r.forward.to_string(), gate)
+    }
+
+    /// The link to `host` of sandbox `name`, with its token when links
+    /// answer only their owner.
+    fn url(&self, name: &str, host: &str) -> String {
         let (scheme, default) = if self.https() {
             ("https", "443")
         } else {
@@ -157,7 +195,11 @@ impl Proxy {
         } else {
             ports.first().map(|p| format!(":{p}")).unwrap_or_default()
         };
-        format!("{scheme}://{host}{port}/")
+        let token = self
+            .token(name)
+            .map(|t| format!("?{}={t}", caddy::TOKEN_PARAM))
+            .unwrap_or_default();
+        format!("{scheme}://{host}{port}/{token}")
     }
 
     /// Check Caddy now and then; rebuild agentd's server when it is gone.
@@ -207,13 +249,12 @@ impl Proxy {
                 }
             }
         }
-        for r in routes.values().flatten() {
-            self.caddy
-                .put_route(
-                    &self.cfg.server,
-                    &caddy::route(&r.id, &r.hosts, &r.forward.to_string()),
-                )
-                .await?;
+        for (name, rs) in routes.iter() {
+            for r in rs {
+                self.caddy
+                    .put_route(&self.cfg.server, &self.caddy_route(name, r))
+                    .await?;
+            }
         }
         self.stale.store(false, std::sync::atomic::Ordering::SeqCst);
         if created || !keep.is_empty() {
@@ -265,7 +306,7 @@ impl Proxy {
                 Some(mut r) => {
                     r.hosts = w.hosts;
                     r.branch = w.branch;
-                    if let Err(e) = self.put(&r).await {
+                    if let Err(e) = self.put(name, &r).await {
                         problems.push(e);
                     }
                     r
@@ -278,7 +319,7 @@ impl Proxy {
                             continue;
                         }
                     };
-                    if let Err(e) = self.put(&r).await {
+                    if let Err(e) = self.put(name, &r).await {
                         problems.push(e);
                     }
                     r
@@ -300,7 +341,7 @@ impl Proxy {
                     host: h.clone(),
                     branch: r.branch.clone(),
                     port: u32::from(r.target.1),
-                    url: self.url(h),
+                    url: self.url(name, h),
                 })
             })
             .collect();
@@ -314,8 +355,8 @@ impl Proxy {
         Ok(infos)
     }
 
-    async fn put(&self, r: &Route) -> Result<(), String> {
-        let route = caddy::route(&r.id, &r.hosts, &r.forward.to_string());
+    async fn put(&self, name: &str, r: &Route) -> Result<(), String> {
+        let route = self.caddy_route(name, r);
         let result = self.caddy.put_route(&self.cfg.server, &route).await;
         match &result {
             Ok(()) => tracing::info!(hosts = ?r.hosts, port = r.target.1, "route added"),

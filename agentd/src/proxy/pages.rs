@@ -90,6 +90,23 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
             ),
         );
     };
+    // A link answers its owner only: without the sandbox's token (in the
+    // query, or as the cookie it turns into) nothing here says whether the
+    // sandbox exists, runs or serves anything.
+    let token = proxy.token(sandbox);
+    if proxy.gated() && !token.as_deref().is_some_and(|t| carries_token(req, t)) {
+        return page(
+            StatusCode::FORBIDDEN,
+            "Private link",
+            &format!(
+                "<p>Dev-server links answer only their owner. Open this one with \
+                 <code>agentctl open SANDBOX [BRANCH]</code>, or use a URL that \
+                 <code>agentctl ports SANDBOX</code> prints: it carries a token that \
+                 this browser then keeps for <code>{}</code>.</p>",
+                esc(&host)
+            ),
+        );
+    }
     let Some(sb) = proxy.manager.snapshot(sandbox).filter(|s| !s.creating) else {
         return page(
             StatusCode::NOT_FOUND,
@@ -191,6 +208,23 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
             host = esc(&host),
         ),
     )
+}
+
+/// Whether `req` carries `token`, in the query or in the link's cookie.
+fn carries_token(req: &Request<Incoming>, token: &str) -> bool {
+    use super::caddy::{TOKEN_COOKIE, TOKEN_PARAM};
+    let in_query = req.uri().query().is_some_and(|q| {
+        q.split('&')
+            .any(|kv| kv.split_once('=') == Some((TOKEN_PARAM, token)))
+    });
+    let in_cookie = req
+        .headers()
+        .get_all(hyper::header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .any(|c| c.trim().split_once('=') == Some((TOKEN_COOKIE, token)));
+    in_query || in_cookie
 }
 
 fn page(status: StatusCode, title: &str, body: &str) -> Response<Full<Bytes>> {

@@ -80,9 +80,16 @@ impl Caddy {
     }
 
     /// The `proxy` section of agentd's configuration for this Caddy.
+    /// agentd's config for this Caddy, with links that answer anyone (the
+    /// routing tests); see [`Caddy::agentd_config_auth`].
     pub fn agentd_config(&self, https: bool) -> String {
+        self.agentd_config_auth(https, "none")
+    }
+
+    /// agentd's config for this Caddy with `proxy.auth` set to `auth`.
+    pub fn agentd_config_auth(&self, https: bool, auth: &str) -> String {
         format!(
-            r#"{{"proxy":{{"enable":true,"domain":"sandbox.local","caddy_admin":"http://127.0.0.1:{}","listen":["127.0.0.1:{}"],"https":{https},"ca_file":"{}"}}}}"#,
+            r#"{{"proxy":{{"enable":true,"domain":"sandbox.local","caddy_admin":"http://127.0.0.1:{}","listen":["127.0.0.1:{}"],"https":{https},"ca_file":"{}","auth":"{auth}"}}}}"#,
             self.admin,
             self.http,
             self.root_cert().display()
@@ -116,6 +123,35 @@ impl Caddy {
     /// GET `path` from the proxy with `Host: host`.
     pub fn get(&self, host: &str, path: &str) -> (u16, String) {
         http(self.http, host, "GET", path)
+    }
+
+    /// GET `path` with `Host: host` and a `Cookie` header (when not empty);
+    /// (status, the response's head, body).
+    pub fn get_with_cookie(&self, host: &str, path: &str, cookie: &str) -> (u16, String, String) {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.http)) else {
+            return (0, String::new(), String::new());
+        };
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let cookie = if cookie.is_empty() {
+            String::new()
+        } else {
+            format!("Cookie: {cookie}\r\n")
+        };
+        let req =
+            format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{cookie}Connection: close\r\n\r\n");
+        if s.write_all(req.as_bytes()).is_err() {
+            return (0, String::new(), String::new());
+        }
+        let mut raw = Vec::new();
+        let _ = s.read_to_end(&mut raw);
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let status = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        (status, head.to_owned(), body.to_owned())
     }
 }
 
