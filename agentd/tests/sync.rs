@@ -345,3 +345,57 @@ fn count_files(dir: &std::path::Path) -> usize {
         })
         .sum()
 }
+
+/// Every `refs/remotes/sandbox/<name>/*` ref on the host, by short name.
+fn sandbox_refs(repo: &std::path::Path, name: &str) -> Vec<String> {
+    let prefix = format!("refs/remotes/sandbox/{name}/");
+    git(repo, &["for-each-ref", "--format=%(refname)"])
+        .lines()
+        .filter_map(|r| r.strip_prefix(&prefix).map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn one_bad_ref_name_skips_only_that_branch() {
+    let env = Env::new();
+    let repo = setup(&env, "names");
+    sh(
+        &env,
+        "names",
+        "echo one > one.txt; git add one.txt; git commit -qm one; git branch feature",
+    );
+    let main = sh(&env, "names", "git rev-parse main");
+    let main = main.trim();
+    // Names only a hand-written packed-refs can hold: 3 KB long, with a
+    // control character, and both `x` and `x/y` (git cannot store both).
+    let long = "a".repeat(3000);
+    let packed = env
+        .state_dir
+        .join("sandboxes/names/workspace/.git/packed-refs");
+    fs::write(
+        &packed,
+        format!(
+            "# pack-refs with: peeled fully-peeled sorted \n{main} refs/heads/{long}\n\
+             {main} refs/heads/esc\u{1b}[31m\n{main} refs/heads/x\n{main} refs/heads/x/y\n"
+        ),
+    )
+    .unwrap();
+    let out = env.ctl(&["sync", "names"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(sandbox_refs(&repo, "names"), ["feature", "main", "x"]);
+    // Each bad name is named, escaped and shortened.
+    let notice = |needle: &str| {
+        err.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no notice naming {needle:?} in {err}"))
+            .to_owned()
+    };
+    let long_notice = notice("aaaaaaaaaa");
+    assert!(long_notice.starts_with("skipped: "), "{long_notice}");
+    assert!(long_notice.len() < 400, "{long_notice}");
+    assert!(notice("x/y").starts_with("skipped: "), "{err}");
+    assert!(notice("esc\\u{1b}[31m").starts_with("skipped: "), "{err}");
+    assert!(!err.contains('\u{1b}'), "{err}");
+    assert!(err.len() < 2000, "{err}");
+}

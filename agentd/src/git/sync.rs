@@ -13,12 +13,16 @@
 //!    has, and moves its refs under one prefix (`refs/remotes/sandbox/<name>/`
 //!    on the host, `refs/remotes/host/` in the workspace).
 //!
+//! A branch that cannot be synced (a bad name, an object over the cap, a ref
+//! that cannot be written) is skipped with a notice naming it; the others
+//! still sync.
+//!
 //! Neither step opens the source repository's config, runs a hook, or
 //! touches a working tree or index (except `--into`, which fast-forwards a
 //! host branch like `git merge --ff-only`). A sandbox that plants symlinks
 //! gains nothing: the reader runs as the sandbox's own uid.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
@@ -40,6 +44,9 @@ const HAVES_HISTORY: usize = 2000;
 
 /// How many changed file names a report lists per branch.
 const FILES_LISTED: usize = 50;
+
+/// How many skip notices a report lists (the rest are counted).
+const NOTICES_LISTED: usize = 100;
 
 /// What the writer already has (its first line on stdout).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -150,7 +157,18 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
     // Snapshots of uncommitted work travel as wip/<branch>.
     let (wip, wip_skipped) = refs::read_branches(git_dir, super::snapshot::WIP_NAMESPACE);
     skipped.extend(wip_skipped);
-    branches.extend(wip.into_iter().map(|(b, o)| (format!("wip/{b}"), o)));
+    for (b, o) in wip {
+        let name = format!("wip/{b}");
+        if refs::valid_branch(&name) {
+            branches.insert(name, o);
+        } else {
+            skipped.push(format!(
+                "snapshot '{}' would be longer than {} bytes; skipped",
+                refs::shown(&name),
+                refs::MAX_BRANCH_BYTES
+            ));
+        }
+    }
     if let Some(only) = &req.branch {
         branches.retain(|b, _| b == only);
         if branches.is_empty() {
@@ -198,6 +216,11 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
                 });
             }
         }
+    }
+    if skipped.len() > NOTICES_LISTED {
+        let more = skipped.len() - NOTICES_LISTED;
+        skipped.truncate(NOTICES_LISTED);
+        skipped.push(format!("… and {more} more refs skipped"));
     }
     report.skipped = skipped;
     let mut line = serde_json::to_vec(&report).map_err(|e| e.to_string())?;
@@ -425,36 +448,22 @@ pub fn write(
         read,
         ..WriteReport::default()
     };
-    // Deletions first: a removed `a` may make room for a new `a/b`.
-    let mut order: Vec<&Update> = report.read.updates.iter().collect();
-    order.sort_by_key(|u| !u.new.is_empty());
-    for u in order {
-        if !refs::valid_branch(&u.branch) {
-            return Err(format!(
-                "refusing branch name '{}'",
-                u.branch.escape_debug()
-            ));
+    // Deletions first: a removed `a` may make room for a new `a/b`. A
+    // branch that cannot be written is skipped; the others still move.
+    let mut order: Vec<usize> = (0..report.read.updates.len()).collect();
+    order.sort_by_key(|&i| !report.read.updates[i].new.is_empty());
+    let mut failed = HashSet::new();
+    for i in order {
+        if let Err(why) = apply(&repo, spec, &report.read.updates[i]) {
+            report.read.skipped.push(why);
+            failed.insert(i);
         }
-        let name = format!("{}{}", spec.prefix, u.branch);
-        if u.new.is_empty() {
-            if spec.prune {
-                if let Ok(mut r) = repo.find_reference(&name) {
-                    r.delete()
-                        .map_err(|e| format!("cannot delete {name}: {}", e.message()))?;
-                }
-            }
-            continue;
-        }
-        let new = oid(&u.new)?;
-        if repo.find_commit(new).is_err() {
-            return Err(format!(
-                "the objects of branch '{}' did not arrive",
-                u.branch
-            ));
-        }
-        repo.reference(&name, new, true, "keystone-agent sync")
-            .map_err(|e| format!("cannot update {name}: {}", e.message()))?;
     }
+    let mut i = 0;
+    report.read.updates.retain(|_| {
+        i += 1;
+        !failed.contains(&(i - 1))
+    });
     if !spec.prune {
         report.read.updates.retain(|u| !u.new.is_empty());
     }
@@ -470,6 +479,41 @@ pub fn write(
         )?;
     }
     Ok(report)
+}
+
+/// Move (or, when pruning, delete) the destination's ref for one update.
+fn apply(repo: &Repository, spec: &WriteSpec, u: &Update) -> Result<(), String> {
+    let b = refs::shown(&u.branch);
+    if !refs::valid_branch(&u.branch) {
+        return Err(format!("branch name '{b}' is refused; skipped"));
+    }
+    let name = format!("{}{}", spec.prefix, u.branch);
+    let shown_ref = format!("{}{b}", spec.prefix);
+    if u.new.is_empty() {
+        if spec.prune {
+            if let Ok(mut r) = repo.find_reference(&name) {
+                r.delete().map_err(|e| {
+                    format!(
+                        "branch '{b}': cannot delete {shown_ref}: {}; kept",
+                        refs::shown(e.message())
+                    )
+                })?;
+            }
+        }
+        return Ok(());
+    }
+    let new = oid(&u.new).map_err(|e| format!("branch '{b}': {e}; skipped"))?;
+    if repo.find_commit(new).is_err() {
+        return Err(format!("branch '{b}': its objects did not arrive; skipped"));
+    }
+    repo.reference(&name, new, true, "keystone-agent sync")
+        .map(|_| ())
+        .map_err(|e| {
+            format!(
+                "branch '{b}': cannot update {shown_ref}: {}; skipped",
+                refs::shown(e.message())
+            )
+        })
 }
 
 fn ensure_remote(repo: &Repository, name: &str, url: &str, prefix: &str) -> Result<(), String> {
