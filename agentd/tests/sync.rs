@@ -356,6 +356,43 @@ fn sandbox_refs(repo: &std::path::Path, name: &str) -> Vec<String> {
 }
 
 #[test]
+fn the_size_cap_counts_commits_too() {
+    let env = Env::new();
+    let repo = setup(&env, "cap");
+    // A 101 MiB commit message (it compresses to almost nothing on disk).
+    sh(
+        &env,
+        "cap",
+        "echo ok > ok.txt; git add ok.txt; git commit -qm ok; \
+         git switch -qc novel; \
+         head -c 105906176 /dev/zero | tr '\\0' x | git commit -q --allow-empty --cleanup=verbatim -F -; \
+         git switch -q main",
+    );
+    let novel = sh(&env, "cap", "git rev-parse novel");
+    let main = sh(&env, "cap", "git rev-parse main");
+    let out = env.ctl(&["sync", "cap"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("branch 'novel'") && err.contains("over the 100 MiB limit"),
+        "{err}"
+    );
+    assert_eq!(sandbox_refs(&repo, "cap"), ["main"]);
+    assert_eq!(
+        git(&repo, &["rev-parse", "refs/remotes/sandbox/cap/main"]),
+        main
+    );
+    // The commit never reached the host's object store.
+    let has = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&repo)
+        .args(["cat-file", "-e", novel.trim()])
+        .output()
+        .unwrap();
+    assert!(!has.status.success(), "the oversized commit was stored");
+}
+
+#[test]
 fn one_bad_ref_name_skips_only_that_branch() {
     let env = Env::new();
     let repo = setup(&env, "names");

@@ -7,8 +7,9 @@
 //!    destination repository, prints what the destination already has;
 //! 2. the *reader* (`agentd __sync-read`), running as the owner of the source
 //!    repository, lists the source's branches with a strict parser
-//!    ([`super::refs`]), works out the new commits, checks their files
-//!    against the size cap and streams a pack;
+//!    ([`super::refs`]), works out the new commits, checks every object
+//!    they bring (commits, trees, files) against the size cap and streams a
+//!    pack;
 //! 3. the writer indexes the pack, checks every new tip is a commit it now
 //!    has, and moves its refs under one prefix (`refs/remotes/sandbox/<name>/`
 //!    on the host, `refs/remotes/host/` in the workspace).
@@ -26,7 +27,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
-use git2::{ObjectType, Oid, Repository};
+use git2::{Oid, Repository};
 use serde::{Deserialize, Serialize};
 
 use super::refs;
@@ -36,7 +37,8 @@ pub const READ_ARG: &str = "__sync-read";
 /// argv[1] of the writing helper.
 pub const WRITE_ARG: &str = "__sync-write";
 
-/// Default largest file a synced commit may add (bigger: branch skipped).
+/// Largest object (file, directory listing or commit) a synced branch may
+/// bring (bigger: branch skipped).
 pub const MAX_BLOB: u64 = 100 << 20;
 
 /// How many commits of its history the writer offers as haves.
@@ -68,7 +70,7 @@ pub struct ReadRequest {
     pub branch: Option<String>,
     /// Report, send no pack.
     pub dry_run: bool,
-    /// Largest file a new commit may add.
+    /// Largest object a new commit may bring.
     pub max_blob: u64,
 }
 
@@ -190,12 +192,23 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
 
     let mut report = ReadReport::default();
     let mut send = Vec::new();
+    let mut within_cap = HashSet::new();
     for (branch, tip) in &branches {
         let old = req.previous.get(branch).cloned().unwrap_or_default();
         if old == tip.to_string() {
             continue;
         }
-        match examine(&repo, &odb, branch, *tip, &old, &haves, req.max_blob) {
+        let found = examine(
+            &repo,
+            &odb,
+            branch,
+            *tip,
+            &old,
+            &haves,
+            req.max_blob,
+            &mut within_cap,
+        );
+        match found {
             Ok(u) => {
                 send.push(*tip);
                 report.updates.push(u);
@@ -251,7 +264,10 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
     out.flush().map_err(|e| e.to_string())
 }
 
-/// Check one branch: its tip is a commit, its new files are within the cap.
+/// Check one branch: its tip is a commit, every object its new commits
+/// bring is within the cap. `within_cap` holds the objects already found
+/// within it (by other branches).
+#[allow(clippy::too_many_arguments, reason = "one read's shared state")]
 fn examine(
     repo: &Repository,
     odb: &git2::Odb<'_>,
@@ -260,8 +276,9 @@ fn examine(
     old: &str,
     haves: &[Oid],
     max_blob: u64,
+    within_cap: &mut HashSet<Oid>,
 ) -> Result<Update, String> {
-    let b = branch.escape_debug();
+    let b = refs::shown(branch);
     let commit = repo
         .find_commit(tip)
         .map_err(|_| format!("branch '{b}' points to {tip}, which is not a commit; skipped"))?;
@@ -273,27 +290,25 @@ fn examine(
     }
     let mut commits = 0u32;
     let mut oldest = None;
+    let mut cap = Cap {
+        repo,
+        odb,
+        branch: &b,
+        max: max_blob,
+        known: within_cap,
+        mine: HashSet::new(),
+    };
     for c in walk {
         let c =
             c.map_err(|e| format!("branch '{b}': broken history ({}); skipped", e.message()))?;
         commits += 1;
         oldest = Some(c);
-        // Every file any new commit adds is within the cap, not only those
-        // still there at the tip.
-        let commit = repo
-            .find_commit(c)
-            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
-        let parent_tree = commit.parent(0).ok().and_then(|p| p.tree().ok());
-        let tree = commit
-            .tree()
-            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
-        let diff = repo
-            .diff_tree_to_tree(parent_tree.as_ref(), Some(&tree), None)
-            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
-        for d in diff.deltas() {
-            check_size(odb, b.to_string(), &d, max_blob)?;
-        }
+        // Every object any new commit brings is within the cap, not only
+        // the files still there at the tip.
+        cap.commit(c)?;
     }
+    let mine = std::mem::take(&mut cap.mine);
+    within_cap.extend(mine);
     // The files the new commits bring, each within the cap.
     let base_tree = Oid::from_str(old)
         .ok()
@@ -330,28 +345,98 @@ fn examine(
     })
 }
 
-/// Refuse a file over `max_blob` that `delta` adds or changes.
-fn check_size(
-    odb: &git2::Odb<'_>,
-    branch: String,
-    d: &git2::DiffDelta<'_>,
-    max_blob: u64,
-) -> Result<(), String> {
-    let id = d.new_file().id();
-    if id.is_zero() {
-        return Ok(());
+/// The size cap, applied to the objects of one branch's new commits.
+struct Cap<'a> {
+    repo: &'a Repository,
+    odb: &'a git2::Odb<'a>,
+    /// The branch, as notices show it.
+    branch: &'a str,
+    max: u64,
+    /// Objects found within the cap before this branch.
+    known: &'a HashSet<Oid>,
+    /// Objects of this branch found within it so far.
+    mine: HashSet<Oid>,
+}
+
+impl Cap<'_> {
+    /// Check new commit `c`, and the directories and files in which its
+    /// tree differs from its first parent's.
+    fn commit(&mut self, c: Oid) -> Result<(), String> {
+        let b = self.branch;
+        self.object(c, || format!("a commit ({})", &c.to_string()[..12]))?;
+        let commit = self
+            .repo
+            .find_commit(c)
+            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+        let base = commit
+            .parent_ids()
+            .next()
+            .and_then(|p| self.repo.find_commit(p).ok())
+            .map(|p| p.tree_id());
+        let mut todo = vec![(commit.tree_id(), base, String::new())];
+        while let Some((id, base, dir)) = todo.pop() {
+            if Some(id) == base || self.seen(id) {
+                continue;
+            }
+            self.object(id, || {
+                if dir.is_empty() {
+                    "a root directory listing".to_owned()
+                } else {
+                    format!("the directory listing of {}", refs::shown(&dir))
+                }
+            })?;
+            let tree = self
+                .repo
+                .find_tree(id)
+                .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+            let base = base.and_then(|t| self.repo.find_tree(t).ok());
+            for e in &tree {
+                let path = if dir.is_empty() {
+                    String::from_utf8_lossy(e.name_bytes()).into_owned()
+                } else {
+                    format!("{dir}/{}", String::from_utf8_lossy(e.name_bytes()))
+                };
+                let before = base
+                    .as_ref()
+                    .and_then(|t| t.get_name_bytes(e.name_bytes()))
+                    .map(|x| x.id());
+                if before == Some(e.id()) || self.seen(e.id()) {
+                    continue;
+                }
+                match e.filemode_raw() & 0o170_000 {
+                    0o040_000 => todo.push((e.id(), before, path)),
+                    0o160_000 => {} // a submodule's commit: not in this repository
+                    _ => self.object(e.id(), || refs::shown(&path))?,
+                }
+            }
+        }
+        Ok(())
     }
-    match odb.read_header(id) {
-        Ok((size, ObjectType::Blob)) if size as u64 > max_blob => Err(format!(
-            "branch '{branch}' adds {} of {} MiB, over the {} MiB limit; skipped",
-            d.new_file()
-                .path()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-            size >> 20,
-            max_blob >> 20
-        )),
-        _ => Ok(()),
+
+    fn seen(&self, id: Oid) -> bool {
+        self.known.contains(&id) || self.mine.contains(&id)
+    }
+
+    /// Refuse object `id` (`what`, for the notice) over the cap or missing.
+    fn object(&mut self, id: Oid, what: impl Fn() -> String) -> Result<(), String> {
+        let b = self.branch;
+        let (size, _) = self.odb.read_header(id).map_err(|e| {
+            format!(
+                "branch '{b}': {} ({id}) is missing or unreadable: {}; skipped",
+                what(),
+                e.message()
+            )
+        })?;
+        if size as u64 > self.max {
+            return Err(format!(
+                "branch '{b}' adds {} of {} MiB, over the {} MiB limit; skipped",
+                what(),
+                size >> 20,
+                self.max >> 20
+            ));
+        }
+        self.mine.insert(id);
+        Ok(())
     }
 }
 
