@@ -436,3 +436,62 @@ fn one_bad_ref_name_skips_only_that_branch() {
     assert!(!err.contains('\u{1b}'), "{err}");
     assert!(err.len() < 2000, "{err}");
 }
+
+#[test]
+fn into_changes_nothing_when_the_tree_is_refused() {
+    let env = Env::new();
+    let repo = setup(&env, "dup");
+    // A commit whose tree git would refuse: one name twice.
+    sh(
+        &env,
+        "dup",
+        "one=$(echo one | git hash-object -w --stdin); two=$(echo two | git hash-object -w --stdin); \
+         readme=$(git rev-parse HEAD:README.md); \
+         sub=$(printf '100644 blob %s\\tinner.txt\\n' $two | git mktree); \
+         tree=$(printf '100644 blob %s\\tREADME.md\\n100644 blob %s\\tdup.txt\\n040000 tree %s\\tdup.txt\\n' \
+                $readme $one $sub | git mktree --missing); \
+         git reset -q $(git commit-tree -p HEAD -m dup $tree)",
+    );
+    let index = fs::read(repo.join(".git/index")).unwrap();
+    let heads = git(&repo, &["for-each-ref", "refs/heads"]);
+    let before = host_state(&repo);
+    let err = env.fails(3, &["sync", "dup", "--into", "main"]);
+    assert!(
+        err.contains("dup.txt") && err.contains("nothing was changed"),
+        "{err}"
+    );
+    assert!(err.contains("'dup'"), "{err}");
+    assert_eq!(host_state(&repo), before);
+    assert!(!repo.join("dup.txt").exists());
+    assert_eq!(git(&repo, &["for-each-ref", "refs/heads"]), heads);
+    assert_eq!(fs::read(repo.join(".git/index")).unwrap(), index);
+    // The sync itself took place: the sandbox ref is there to inspect.
+    assert_eq!(
+        git(&repo, &["rev-parse", "refs/remotes/sandbox/dup/main"]),
+        sh(&env, "dup", "git rev-parse main")
+    );
+    // Nor is a branch that is not checked out moved to such a tree (here a
+    // plain duplicate and a `.git` directory), where `git switch` would
+    // stumble later.
+    for (n, entries) in [
+        "'100644 blob %s\\tsame.txt\\n100644 blob %s\\tsame.txt\\n' $one $two",
+        "'040000 tree %s\\t.git\\n' $(git rev-parse HEAD^{tree})",
+    ]
+    .iter()
+    .enumerate()
+    {
+        sh(
+            &env,
+            "dup",
+            &format!(
+                "one=$(echo one | git hash-object -w --stdin); two=$(echo two | git hash-object -w --stdin); \
+                 tree=$(printf {entries} | git mktree); \
+                 git branch -f topic{n} $(git commit-tree -p HEAD -m bad $tree)"
+            ),
+        );
+        let err = env.fails(3, &["sync", "dup", "--into", &format!("topic{n}")]);
+        assert!(err.contains("nothing was changed"), "{err}");
+        assert_eq!(git(&repo, &["for-each-ref", "refs/heads"]), heads);
+    }
+    assert_eq!(host_state(&repo), before);
+}
