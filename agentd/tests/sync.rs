@@ -345,3 +345,153 @@ fn count_files(dir: &std::path::Path) -> usize {
         })
         .sum()
 }
+
+/// Every `refs/remotes/sandbox/<name>/*` ref on the host, by short name.
+fn sandbox_refs(repo: &std::path::Path, name: &str) -> Vec<String> {
+    let prefix = format!("refs/remotes/sandbox/{name}/");
+    git(repo, &["for-each-ref", "--format=%(refname)"])
+        .lines()
+        .filter_map(|r| r.strip_prefix(&prefix).map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn the_size_cap_counts_commits_too() {
+    let env = Env::new();
+    let repo = setup(&env, "cap");
+    // A 101 MiB commit message (it compresses to almost nothing on disk).
+    sh(
+        &env,
+        "cap",
+        "echo ok > ok.txt; git add ok.txt; git commit -qm ok; \
+         git switch -qc novel; \
+         head -c 105906176 /dev/zero | tr '\\0' x | git commit -q --allow-empty --cleanup=verbatim -F -; \
+         git switch -q main",
+    );
+    let novel = sh(&env, "cap", "git rev-parse novel");
+    let main = sh(&env, "cap", "git rev-parse main");
+    let out = env.ctl(&["sync", "cap"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("branch 'novel'") && err.contains("over the 100 MiB limit"),
+        "{err}"
+    );
+    assert_eq!(sandbox_refs(&repo, "cap"), ["main"]);
+    assert_eq!(
+        git(&repo, &["rev-parse", "refs/remotes/sandbox/cap/main"]),
+        main
+    );
+    // The commit never reached the host's object store.
+    let has = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&repo)
+        .args(["cat-file", "-e", novel.trim()])
+        .output()
+        .unwrap();
+    assert!(!has.status.success(), "the oversized commit was stored");
+}
+
+#[test]
+fn one_bad_ref_name_skips_only_that_branch() {
+    let env = Env::new();
+    let repo = setup(&env, "names");
+    sh(
+        &env,
+        "names",
+        "echo one > one.txt; git add one.txt; git commit -qm one; git branch feature",
+    );
+    let main = sh(&env, "names", "git rev-parse main");
+    let main = main.trim();
+    // Names only a hand-written packed-refs can hold: 3 KB long, with a
+    // control character, and both `x` and `x/y` (git cannot store both).
+    let long = "a".repeat(3000);
+    let packed = env
+        .state_dir
+        .join("sandboxes/names/workspace/.git/packed-refs");
+    fs::write(
+        &packed,
+        format!(
+            "# pack-refs with: peeled fully-peeled sorted \n{main} refs/heads/{long}\n\
+             {main} refs/heads/esc\u{1b}[31m\n{main} refs/heads/x\n{main} refs/heads/x/y\n"
+        ),
+    )
+    .unwrap();
+    let out = env.ctl(&["sync", "names"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert_eq!(sandbox_refs(&repo, "names"), ["feature", "main", "x"]);
+    // Each bad name is named, escaped and shortened.
+    let notice = |needle: &str| {
+        err.lines()
+            .find(|l| l.contains(needle))
+            .unwrap_or_else(|| panic!("no notice naming {needle:?} in {err}"))
+            .to_owned()
+    };
+    let long_notice = notice("aaaaaaaaaa");
+    assert!(long_notice.starts_with("skipped: "), "{long_notice}");
+    assert!(long_notice.len() < 400, "{long_notice}");
+    assert!(notice("x/y").starts_with("skipped: "), "{err}");
+    assert!(notice("esc\\u{1b}[31m").starts_with("skipped: "), "{err}");
+    assert!(!err.contains('\u{1b}'), "{err}");
+    assert!(err.len() < 2000, "{err}");
+}
+
+#[test]
+fn into_changes_nothing_when_the_tree_is_refused() {
+    let env = Env::new();
+    let repo = setup(&env, "dup");
+    // A commit whose tree git would refuse: one name twice.
+    sh(
+        &env,
+        "dup",
+        "one=$(echo one | git hash-object -w --stdin); two=$(echo two | git hash-object -w --stdin); \
+         readme=$(git rev-parse HEAD:README.md); \
+         sub=$(printf '100644 blob %s\\tinner.txt\\n' $two | git mktree); \
+         tree=$(printf '100644 blob %s\\tREADME.md\\n100644 blob %s\\tdup.txt\\n040000 tree %s\\tdup.txt\\n' \
+                $readme $one $sub | git mktree --missing); \
+         git reset -q $(git commit-tree -p HEAD -m dup $tree)",
+    );
+    let index = fs::read(repo.join(".git/index")).unwrap();
+    let heads = git(&repo, &["for-each-ref", "refs/heads"]);
+    let before = host_state(&repo);
+    let err = env.fails(3, &["sync", "dup", "--into", "main"]);
+    assert!(
+        err.contains("dup.txt") && err.contains("nothing was changed"),
+        "{err}"
+    );
+    assert!(err.contains("'dup'"), "{err}");
+    assert_eq!(host_state(&repo), before);
+    assert!(!repo.join("dup.txt").exists());
+    assert_eq!(git(&repo, &["for-each-ref", "refs/heads"]), heads);
+    assert_eq!(fs::read(repo.join(".git/index")).unwrap(), index);
+    // The sync itself took place: the sandbox ref is there to inspect.
+    assert_eq!(
+        git(&repo, &["rev-parse", "refs/remotes/sandbox/dup/main"]),
+        sh(&env, "dup", "git rev-parse main")
+    );
+    // Nor is a branch that is not checked out moved to such a tree (here a
+    // plain duplicate and a `.git` directory), where `git switch` would
+    // stumble later.
+    for (n, entries) in [
+        "'100644 blob %s\\tsame.txt\\n100644 blob %s\\tsame.txt\\n' $one $two",
+        "'040000 tree %s\\t.git\\n' $(git rev-parse HEAD^{tree})",
+    ]
+    .iter()
+    .enumerate()
+    {
+        sh(
+            &env,
+            "dup",
+            &format!(
+                "one=$(echo one | git hash-object -w --stdin); two=$(echo two | git hash-object -w --stdin); \
+                 tree=$(printf {entries} | git mktree); \
+                 git branch -f topic{n} $(git commit-tree -p HEAD -m bad $tree)"
+            ),
+        );
+        let err = env.fails(3, &["sync", "dup", "--into", &format!("topic{n}")]);
+        assert!(err.contains("nothing was changed"), "{err}");
+        assert_eq!(git(&repo, &["for-each-ref", "refs/heads"]), heads);
+    }
+    assert_eq!(host_state(&repo), before);
+}

@@ -4,6 +4,7 @@ pub mod refs;
 pub mod snapshot;
 pub mod sync;
 pub mod transfer;
+pub mod tree;
 pub mod workspace;
 pub mod worktree;
 

@@ -17,14 +17,58 @@ const REF_FILE_MAX: u64 = 4096;
 /// Largest `packed-refs` read.
 const PACKED_REFS_MAX: u64 = 64 << 20;
 
+/// Longest branch name accepted, in bytes. Git itself has no limit, but a
+/// ref is a file whose name must fit the file system (255 bytes for one
+/// component, `.lock` included) and the whole path must fit `PATH_MAX`.
+pub const MAX_BRANCH_BYTES: usize = 240;
+
+/// Longest name (in characters, once escaped) shown in a message.
+const SHOWN_MAX: usize = 200;
+
 /// Whether `branch` (without `refs/heads/`) is a name agentd accepts: a valid
-/// git ref name, printable ASCII or UTF-8 without control characters.
+/// git ref name of at most [`MAX_BRANCH_BYTES`], printable ASCII or UTF-8
+/// without control characters.
 #[must_use]
 pub fn valid_branch(branch: &str) -> bool {
     !branch.is_empty()
+        && branch.len() <= MAX_BRANCH_BYTES
         && !branch.chars().any(char::is_control)
         && !branch.starts_with('-')
         && git2::Reference::is_valid_name(&format!("refs/heads/{branch}"))
+}
+
+/// `name` as messages show it: control characters escaped (`\u{1b}`), and
+/// cut to a readable length with the full size said.
+#[must_use]
+pub fn shown(name: &str) -> String {
+    let mut out = String::new();
+    for (n, c) in name.chars().enumerate() {
+        if n == SHOWN_MAX {
+            out.push_str(&format!("… ({} bytes in all)", name.len()));
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Why `branch` is not a valid name, for a notice.
+fn why_invalid(branch: &str) -> String {
+    if branch.len() > MAX_BRANCH_BYTES {
+        format!(
+            "branch name '{}' is longer than {MAX_BRANCH_BYTES} bytes; skipped",
+            shown(branch)
+        )
+    } else {
+        format!(
+            "branch name '{}' is not a valid git ref; skipped",
+            shown(branch)
+        )
+    }
 }
 
 /// Branches under `<git_dir>/<namespace>` (e.g. `refs/heads`), by short name,
@@ -82,11 +126,16 @@ fn walk(dir: &Path, rel: &str, out: &mut BTreeMap<String, Oid>, skipped: &mut Ve
             continue;
         };
         if meta.file_type().is_symlink() {
-            skipped.push(format!(
-                "branch '{}' is a symlink; skipped",
-                short.escape_debug()
-            ));
+            skipped.push(format!("branch '{}' is a symlink; skipped", shown(&short)));
         } else if meta.is_dir() {
+            if short.len() > MAX_BRANCH_BYTES {
+                // Every branch in it would be too long: not worth a walk.
+                skipped.push(format!(
+                    "refs under '{}' have names longer than {MAX_BRANCH_BYTES} bytes; skipped",
+                    shown(&short)
+                ));
+                continue;
+            }
             walk(&entry.path(), &short, out, skipped);
         } else if meta.is_file() {
             if name.ends_with(".lock") {
@@ -101,7 +150,7 @@ fn walk(dir: &Path, rel: &str, out: &mut BTreeMap<String, Oid>, skipped: &mut Ve
                     accept(&short, text.trim_end_matches('\n'), out, skipped);
                 }
                 Ok(None) => {}
-                Err(e) => skipped.push(format!("branch '{}': {e}", short.escape_debug())),
+                Err(e) => skipped.push(format!("branch '{}': {e}", shown(&short))),
             }
         }
     }
@@ -109,10 +158,7 @@ fn walk(dir: &Path, rel: &str, out: &mut BTreeMap<String, Oid>, skipped: &mut Ve
 
 fn accept(short: &str, hex: &str, out: &mut BTreeMap<String, Oid>, skipped: &mut Vec<String>) {
     if !valid_branch(short) {
-        skipped.push(format!(
-            "branch name '{}' is not a valid git ref; skipped",
-            short.escape_debug()
-        ));
+        skipped.push(why_invalid(short));
         return;
     }
     let well_formed =
@@ -123,7 +169,7 @@ fn accept(short: &str, hex: &str, out: &mut BTreeMap<String, Oid>, skipped: &mut
         }
         _ => skipped.push(format!(
             "branch '{}' has a malformed ref; skipped",
-            short.escape_debug()
+            shown(short)
         )),
     }
 }
@@ -216,5 +262,48 @@ mod tests {
         ] {
             assert!(!valid_branch(bad), "{bad}");
         }
+        assert!(valid_branch(&"a".repeat(MAX_BRANCH_BYTES)));
+        assert!(!valid_branch(&"a".repeat(MAX_BRANCH_BYTES + 1)));
+        assert!(!valid_branch(&"é".repeat(MAX_BRANCH_BYTES / 2 + 1)));
+    }
+
+    #[test]
+    fn names_are_shown_escaped_and_short() {
+        assert_eq!(shown("it's ünï/x"), "it's ünï/x");
+        assert_eq!(shown("bell\u{7}\u{1b}[31m"), "bell\\u{7}\\u{1b}[31m");
+        let long = shown(&"a".repeat(3000));
+        assert!(long.starts_with(&"a".repeat(SHOWN_MAX)), "{long}");
+        assert!(long.ends_with("… (3000 bytes in all)"), "{long}");
+        assert_eq!(
+            long.chars().count(),
+            SHOWN_MAX + "… (3000 bytes in all)".chars().count()
+        );
+    }
+
+    #[test]
+    fn long_names_are_skipped_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let g = dir.path();
+        let a = "1111111111111111111111111111111111111111";
+        let long = "b".repeat(3000);
+        fs::create_dir_all(g.join("refs/heads")).unwrap();
+        fs::write(
+            g.join("packed-refs"),
+            format!("{a} refs/heads/main\n{a} refs/heads/{long}\n"),
+        )
+        .unwrap();
+        // Deep directories are not walked past the limit.
+        let deep: std::path::PathBuf = std::iter::repeat_n("d".repeat(100), 4).collect();
+        fs::create_dir_all(g.join("refs/heads").join(&deep)).unwrap();
+        fs::write(g.join("refs/heads").join(&deep).join("x"), format!("{a}\n")).unwrap();
+        let (refs, skipped) = read_branches(g, "refs/heads");
+        assert_eq!(refs.keys().collect::<Vec<_>>(), ["main"]);
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        assert!(skipped.iter().all(|s| s.len() < 400), "{skipped:?}");
+        assert!(
+            skipped
+                .iter()
+                .any(|s| s.contains("longer than 240 bytes") && s.contains("bbbb"))
+        );
     }
 }

@@ -7,22 +7,29 @@
 //!    destination repository, prints what the destination already has;
 //! 2. the *reader* (`agentd __sync-read`), running as the owner of the source
 //!    repository, lists the source's branches with a strict parser
-//!    ([`super::refs`]), works out the new commits, checks their files
-//!    against the size cap and streams a pack;
+//!    ([`super::refs`]), works out the new commits, checks every object
+//!    they bring (commits, trees, files) against the size cap and streams a
+//!    pack;
 //! 3. the writer indexes the pack, checks every new tip is a commit it now
 //!    has, and moves its refs under one prefix (`refs/remotes/sandbox/<name>/`
 //!    on the host, `refs/remotes/host/` in the workspace).
 //!
+//! A branch that cannot be synced (a bad name, an object over the cap, a ref
+//! that cannot be written) is skipped with a notice naming it; the others
+//! still sync.
+//!
 //! Neither step opens the source repository's config, runs a hook, or
 //! touches a working tree or index (except `--into`, which fast-forwards a
-//! host branch like `git merge --ff-only`). A sandbox that plants symlinks
+//! host branch like `git merge --ff-only`, all or nothing: the whole tree is
+//! checked first with [`super::tree::check`], and a checkout that still
+//! fails is undone). A sandbox that plants symlinks
 //! gains nothing: the reader runs as the sandbox's own uid.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
-use git2::{ObjectType, Oid, Repository};
+use git2::{Oid, Repository};
 use serde::{Deserialize, Serialize};
 
 use super::refs;
@@ -32,7 +39,8 @@ pub const READ_ARG: &str = "__sync-read";
 /// argv[1] of the writing helper.
 pub const WRITE_ARG: &str = "__sync-write";
 
-/// Default largest file a synced commit may add (bigger: branch skipped).
+/// Largest object (file, directory listing or commit) a synced branch may
+/// bring (bigger: branch skipped).
 pub const MAX_BLOB: u64 = 100 << 20;
 
 /// How many commits of its history the writer offers as haves.
@@ -40,6 +48,9 @@ const HAVES_HISTORY: usize = 2000;
 
 /// How many changed file names a report lists per branch.
 const FILES_LISTED: usize = 50;
+
+/// How many skip notices a report lists (the rest are counted).
+const NOTICES_LISTED: usize = 100;
 
 /// What the writer already has (its first line on stdout).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -61,7 +72,7 @@ pub struct ReadRequest {
     pub branch: Option<String>,
     /// Report, send no pack.
     pub dry_run: bool,
-    /// Largest file a new commit may add.
+    /// Largest object a new commit may bring.
     pub max_blob: u64,
 }
 
@@ -150,7 +161,18 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
     // Snapshots of uncommitted work travel as wip/<branch>.
     let (wip, wip_skipped) = refs::read_branches(git_dir, super::snapshot::WIP_NAMESPACE);
     skipped.extend(wip_skipped);
-    branches.extend(wip.into_iter().map(|(b, o)| (format!("wip/{b}"), o)));
+    for (b, o) in wip {
+        let name = format!("wip/{b}");
+        if refs::valid_branch(&name) {
+            branches.insert(name, o);
+        } else {
+            skipped.push(format!(
+                "snapshot '{}' would be longer than {} bytes; skipped",
+                refs::shown(&name),
+                refs::MAX_BRANCH_BYTES
+            ));
+        }
+    }
     if let Some(only) = &req.branch {
         branches.retain(|b, _| b == only);
         if branches.is_empty() {
@@ -172,12 +194,23 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
 
     let mut report = ReadReport::default();
     let mut send = Vec::new();
+    let mut within_cap = HashSet::new();
     for (branch, tip) in &branches {
         let old = req.previous.get(branch).cloned().unwrap_or_default();
         if old == tip.to_string() {
             continue;
         }
-        match examine(&repo, &odb, branch, *tip, &old, &haves, req.max_blob) {
+        let found = examine(
+            &repo,
+            &odb,
+            branch,
+            *tip,
+            &old,
+            &haves,
+            req.max_blob,
+            &mut within_cap,
+        );
+        match found {
             Ok(u) => {
                 send.push(*tip);
                 report.updates.push(u);
@@ -198,6 +231,11 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
                 });
             }
         }
+    }
+    if skipped.len() > NOTICES_LISTED {
+        let more = skipped.len() - NOTICES_LISTED;
+        skipped.truncate(NOTICES_LISTED);
+        skipped.push(format!("… and {more} more refs skipped"));
     }
     report.skipped = skipped;
     let mut line = serde_json::to_vec(&report).map_err(|e| e.to_string())?;
@@ -228,7 +266,10 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
     out.flush().map_err(|e| e.to_string())
 }
 
-/// Check one branch: its tip is a commit, its new files are within the cap.
+/// Check one branch: its tip is a commit, every object its new commits
+/// bring is within the cap. `within_cap` holds the objects already found
+/// within it (by other branches).
+#[allow(clippy::too_many_arguments, reason = "one read's shared state")]
 fn examine(
     repo: &Repository,
     odb: &git2::Odb<'_>,
@@ -237,8 +278,9 @@ fn examine(
     old: &str,
     haves: &[Oid],
     max_blob: u64,
+    within_cap: &mut HashSet<Oid>,
 ) -> Result<Update, String> {
-    let b = branch.escape_debug();
+    let b = refs::shown(branch);
     let commit = repo
         .find_commit(tip)
         .map_err(|_| format!("branch '{b}' points to {tip}, which is not a commit; skipped"))?;
@@ -250,27 +292,25 @@ fn examine(
     }
     let mut commits = 0u32;
     let mut oldest = None;
+    let mut cap = Cap {
+        repo,
+        odb,
+        branch: &b,
+        max: max_blob,
+        known: within_cap,
+        mine: HashSet::new(),
+    };
     for c in walk {
         let c =
             c.map_err(|e| format!("branch '{b}': broken history ({}); skipped", e.message()))?;
         commits += 1;
         oldest = Some(c);
-        // Every file any new commit adds is within the cap, not only those
-        // still there at the tip.
-        let commit = repo
-            .find_commit(c)
-            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
-        let parent_tree = commit.parent(0).ok().and_then(|p| p.tree().ok());
-        let tree = commit
-            .tree()
-            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
-        let diff = repo
-            .diff_tree_to_tree(parent_tree.as_ref(), Some(&tree), None)
-            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
-        for d in diff.deltas() {
-            check_size(odb, b.to_string(), &d, max_blob)?;
-        }
+        // Every object any new commit brings is within the cap, not only
+        // the files still there at the tip.
+        cap.commit(c)?;
     }
+    let mine = std::mem::take(&mut cap.mine);
+    within_cap.extend(mine);
     // The files the new commits bring, each within the cap.
     let base_tree = Oid::from_str(old)
         .ok()
@@ -307,28 +347,98 @@ fn examine(
     })
 }
 
-/// Refuse a file over `max_blob` that `delta` adds or changes.
-fn check_size(
-    odb: &git2::Odb<'_>,
-    branch: String,
-    d: &git2::DiffDelta<'_>,
-    max_blob: u64,
-) -> Result<(), String> {
-    let id = d.new_file().id();
-    if id.is_zero() {
-        return Ok(());
+/// The size cap, applied to the objects of one branch's new commits.
+struct Cap<'a> {
+    repo: &'a Repository,
+    odb: &'a git2::Odb<'a>,
+    /// The branch, as notices show it.
+    branch: &'a str,
+    max: u64,
+    /// Objects found within the cap before this branch.
+    known: &'a HashSet<Oid>,
+    /// Objects of this branch found within it so far.
+    mine: HashSet<Oid>,
+}
+
+impl Cap<'_> {
+    /// Check new commit `c`, and the directories and files in which its
+    /// tree differs from its first parent's.
+    fn commit(&mut self, c: Oid) -> Result<(), String> {
+        let b = self.branch;
+        self.object(c, || format!("a commit ({})", &c.to_string()[..12]))?;
+        let commit = self
+            .repo
+            .find_commit(c)
+            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+        let base = commit
+            .parent_ids()
+            .next()
+            .and_then(|p| self.repo.find_commit(p).ok())
+            .map(|p| p.tree_id());
+        let mut todo = vec![(commit.tree_id(), base, String::new())];
+        while let Some((id, base, dir)) = todo.pop() {
+            if Some(id) == base || self.seen(id) {
+                continue;
+            }
+            self.object(id, || {
+                if dir.is_empty() {
+                    "a root directory listing".to_owned()
+                } else {
+                    format!("the directory listing of {}", refs::shown(&dir))
+                }
+            })?;
+            let tree = self
+                .repo
+                .find_tree(id)
+                .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+            let base = base.and_then(|t| self.repo.find_tree(t).ok());
+            for e in &tree {
+                let path = if dir.is_empty() {
+                    String::from_utf8_lossy(e.name_bytes()).into_owned()
+                } else {
+                    format!("{dir}/{}", String::from_utf8_lossy(e.name_bytes()))
+                };
+                let before = base
+                    .as_ref()
+                    .and_then(|t| t.get_name_bytes(e.name_bytes()))
+                    .map(|x| x.id());
+                if before == Some(e.id()) || self.seen(e.id()) {
+                    continue;
+                }
+                match e.filemode_raw() & 0o170_000 {
+                    0o040_000 => todo.push((e.id(), before, path)),
+                    0o160_000 => {} // a submodule's commit: not in this repository
+                    _ => self.object(e.id(), || refs::shown(&path))?,
+                }
+            }
+        }
+        Ok(())
     }
-    match odb.read_header(id) {
-        Ok((size, ObjectType::Blob)) if size as u64 > max_blob => Err(format!(
-            "branch '{branch}' adds {} of {} MiB, over the {} MiB limit; skipped",
-            d.new_file()
-                .path()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default(),
-            size >> 20,
-            max_blob >> 20
-        )),
-        _ => Ok(()),
+
+    fn seen(&self, id: Oid) -> bool {
+        self.known.contains(&id) || self.mine.contains(&id)
+    }
+
+    /// Refuse object `id` (`what`, for the notice) over the cap or missing.
+    fn object(&mut self, id: Oid, what: impl Fn() -> String) -> Result<(), String> {
+        let b = self.branch;
+        let (size, _) = self.odb.read_header(id).map_err(|e| {
+            format!(
+                "branch '{b}': {} ({id}) is missing or unreadable: {}; skipped",
+                what(),
+                e.message()
+            )
+        })?;
+        if size as u64 > self.max {
+            return Err(format!(
+                "branch '{b}' adds {} of {} MiB, over the {} MiB limit; skipped",
+                what(),
+                size >> 20,
+                self.max >> 20
+            ));
+        }
+        self.mine.insert(id);
+        Ok(())
     }
 }
 
@@ -425,36 +535,22 @@ pub fn write(
         read,
         ..WriteReport::default()
     };
-    // Deletions first: a removed `a` may make room for a new `a/b`.
-    let mut order: Vec<&Update> = report.read.updates.iter().collect();
-    order.sort_by_key(|u| !u.new.is_empty());
-    for u in order {
-        if !refs::valid_branch(&u.branch) {
-            return Err(format!(
-                "refusing branch name '{}'",
-                u.branch.escape_debug()
-            ));
+    // Deletions first: a removed `a` may make room for a new `a/b`. A
+    // branch that cannot be written is skipped; the others still move.
+    let mut order: Vec<usize> = (0..report.read.updates.len()).collect();
+    order.sort_by_key(|&i| !report.read.updates[i].new.is_empty());
+    let mut failed = HashSet::new();
+    for i in order {
+        if let Err(why) = apply(&repo, spec, &report.read.updates[i]) {
+            report.read.skipped.push(why);
+            failed.insert(i);
         }
-        let name = format!("{}{}", spec.prefix, u.branch);
-        if u.new.is_empty() {
-            if spec.prune {
-                if let Ok(mut r) = repo.find_reference(&name) {
-                    r.delete()
-                        .map_err(|e| format!("cannot delete {name}: {}", e.message()))?;
-                }
-            }
-            continue;
-        }
-        let new = oid(&u.new)?;
-        if repo.find_commit(new).is_err() {
-            return Err(format!(
-                "the objects of branch '{}' did not arrive",
-                u.branch
-            ));
-        }
-        repo.reference(&name, new, true, "keystone-agent sync")
-            .map_err(|e| format!("cannot update {name}: {}", e.message()))?;
     }
+    let mut i = 0;
+    report.read.updates.retain(|_| {
+        i += 1;
+        !failed.contains(&(i - 1))
+    });
     if !spec.prune {
         report.read.updates.retain(|u| !u.new.is_empty());
     }
@@ -470,6 +566,41 @@ pub fn write(
         )?;
     }
     Ok(report)
+}
+
+/// Move (or, when pruning, delete) the destination's ref for one update.
+fn apply(repo: &Repository, spec: &WriteSpec, u: &Update) -> Result<(), String> {
+    let b = refs::shown(&u.branch);
+    if !refs::valid_branch(&u.branch) {
+        return Err(format!("branch name '{b}' is refused; skipped"));
+    }
+    let name = format!("{}{}", spec.prefix, u.branch);
+    let shown_ref = format!("{}{b}", spec.prefix);
+    if u.new.is_empty() {
+        if spec.prune {
+            if let Ok(mut r) = repo.find_reference(&name) {
+                r.delete().map_err(|e| {
+                    format!(
+                        "branch '{b}': cannot delete {shown_ref}: {}; kept",
+                        refs::shown(e.message())
+                    )
+                })?;
+            }
+        }
+        return Ok(());
+    }
+    let new = oid(&u.new).map_err(|e| format!("branch '{b}': {e}; skipped"))?;
+    if repo.find_commit(new).is_err() {
+        return Err(format!("branch '{b}': its objects did not arrive; skipped"));
+    }
+    repo.reference(&name, new, true, "keystone-agent sync")
+        .map(|_| ())
+        .map_err(|e| {
+            format!(
+                "branch '{b}': cannot update {shown_ref}: {}; skipped",
+                refs::shown(e.message())
+            )
+        })
 }
 
 fn ensure_remote(repo: &Repository, name: &str, url: &str, prefix: &str) -> Result<(), String> {
@@ -518,6 +649,20 @@ fn fast_forward(
             ));
             return Ok(());
         }
+    }
+    // The whole tree first: a tree git would refuse (a name twice, `.git`,
+    // `..`, a missing object, ...) is never checked out, so no checkout can
+    // stop half-way because of it.
+    let target_tree = repo
+        .find_commit(target)
+        .map(|c| c.tree_id())
+        .map_err(|e| e.message().to_owned())?;
+    if let Err(problem) = super::tree::check(repo, target_tree) {
+        report.diverged = Some(format!(
+            "'{branch}' was not fast-forwarded: the files of {short_synced} cannot be checked out \
+             ({problem}); nothing was changed"
+        ));
+        return Ok(());
     }
     // A branch checked out in one of the host's other work trees is left alone,
     // as git itself does.
@@ -568,27 +713,31 @@ fn fast_forward(
             ));
             return Ok(());
         }
-        let tree = repo
-            .find_commit(target)
-            .and_then(|c| c.tree())
+        // An unborn branch has no files: undoing removes what was written.
+        let old = match current {
+            Some(c) => repo.find_commit(c).and_then(|c| c.tree()),
+            None => repo
+                .treebuilder(None)
+                .and_then(|t| t.write())
+                .and_then(|t| repo.find_tree(t)),
+        }
+        .map_err(|e| e.message().to_owned())?;
+        let new = repo
+            .find_tree(target_tree)
             .map_err(|e| e.message().to_owned())?;
-        let mut co = git2::build::CheckoutBuilder::new();
-        co.safe();
-        repo.checkout_tree(tree.as_object(), Some(&mut co))
-            .map_err(|e| {
-                format!(
-                    "cannot update the files of '{branch}': {}; nothing was changed",
-                    e.message()
-                )
-            })?;
+        let done = checkout(repo, &old, &new)
+            .map_err(|e| format!("cannot update the files of '{branch}': {}", e.describe()))?;
+        if let Err(e) = move_branch(repo, &local, target, short_synced) {
+            let undone = done.undo(repo).map_or_else(
+                |u| format!("; putting its files back failed too ({u}): see `git status`"),
+                |()| "; nothing was changed".to_owned(),
+            );
+            return Err(format!("cannot move '{branch}': {e}{undone}"));
+        }
+    } else {
+        move_branch(repo, &local, target, short_synced)
+            .map_err(|e| format!("cannot move '{branch}': {e}; nothing was changed"))?;
     }
-    repo.reference(
-        &local,
-        target,
-        true,
-        &format!("keystone-agent: fast-forward to {short_synced}"),
-    )
-    .map_err(|e| e.message().to_owned())?;
     report.into = Some(format!(
         "'{branch}' fast-forwarded {} -> {}{}",
         current.map_or_else(|| "(new)".to_owned(), |c| c.to_string()[..12].to_owned()),
@@ -600,4 +749,234 @@ fn fast_forward(
         }
     ));
     Ok(())
+}
+
+fn move_branch(
+    repo: &Repository,
+    local: &str,
+    target: Oid,
+    short_synced: &str,
+) -> Result<(), String> {
+    repo.reference(
+        local,
+        target,
+        true,
+        &format!("keystone-agent: fast-forward to {short_synced}"),
+    )
+    .map(|_| ())
+    .map_err(|e| refs::shown(e.message()))
+}
+
+/// A checkout that went through, and what it needs to be undone.
+struct Done {
+    old_tree: Oid,
+    touched: Vec<PathBuf>,
+    index: Option<Vec<u8>>,
+}
+
+/// A checkout that failed, and whether putting things back worked.
+struct Failed {
+    error: String,
+    undo: Result<(), String>,
+}
+
+impl Failed {
+    fn describe(&self) -> String {
+        match &self.undo {
+            Ok(()) => format!("{}; nothing was changed", self.error),
+            Err(u) => format!(
+                "{}; putting back the files it had changed failed too ({u}): see `git status`",
+                self.error
+            ),
+        }
+    }
+}
+
+/// Check out `new` over the clean work tree of `old`, all or nothing: if
+/// libgit2 stops half-way, the files where the trees differ are put back
+/// from `old` (or removed) and the index is restored byte for byte.
+fn checkout(repo: &Repository, old: &git2::Tree<'_>, new: &git2::Tree<'_>) -> Result<Done, Failed> {
+    let index = std::fs::read(repo.path().join("index")).ok();
+    // Every path the checkout may write or remove: the work tree is clean,
+    // so these are the paths where the trees differ.
+    let mut touched = Vec::new();
+    let diff = repo
+        .diff_tree_to_tree(Some(old), Some(new), None)
+        .map_err(|e| Failed {
+            error: refs::shown(e.message()),
+            undo: Ok(()),
+        })?;
+    for d in diff.deltas() {
+        for f in [d.old_file(), d.new_file()] {
+            touched.extend(f.path().map(Path::to_owned));
+        }
+    }
+    touched.sort();
+    touched.dedup();
+    let result = {
+        let mut co = git2::build::CheckoutBuilder::new();
+        co.safe();
+        repo.checkout_tree(new.as_object(), Some(&mut co))
+    };
+    let done = Done {
+        old_tree: old.id(),
+        touched,
+        index,
+    };
+    match result {
+        Ok(()) => Ok(done),
+        Err(e) => Err(Failed {
+            error: refs::shown(e.message()),
+            undo: done.undo(repo),
+        }),
+    }
+}
+
+impl Done {
+    /// Put back the files the checkout touched, and the index.
+    fn undo(&self, repo: &Repository) -> Result<(), String> {
+        if !self.touched.is_empty() {
+            let old = repo
+                .find_tree(self.old_tree)
+                .map_err(|e| e.message().to_owned())?;
+            let mut co = git2::build::CheckoutBuilder::new();
+            // Only the paths the checkout touched: the work tree was clean
+            // there, and untracked files elsewhere stay as they are.
+            co.force()
+                .remove_untracked(true)
+                .update_index(false)
+                .disable_pathspec_match(true);
+            for p in &self.touched {
+                co.path(p.as_path());
+            }
+            repo.checkout_tree(old.as_object(), Some(&mut co))
+                .map_err(|e| refs::shown(e.message()))?;
+        }
+        let path = repo.path().join("index");
+        let now = std::fs::read(&path).ok();
+        if now == self.index {
+            return Ok(());
+        }
+        match &self.index {
+            None => std::fs::remove_file(&path).map_err(|e| format!("removing the index: {e}")),
+            Some(bytes) => {
+                // Through index.lock, as git writes it.
+                let lock = repo.path().join("index.lock");
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .open(&lock)
+                    .map_err(|e| format!("restoring the index: {}: {e}", lock.display()))?;
+                f.write_all(bytes)
+                    .and_then(|()| f.sync_all())
+                    .and_then(|()| std::fs::rename(&lock, &path))
+                    .map_err(|e| {
+                        let _ = std::fs::remove_file(&lock);
+                        format!("restoring the index: {e}")
+                    })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn commit(repo: &Repository, tree: Oid, parents: &[&git2::Commit<'_>]) -> Oid {
+        let sig = git2::Signature::now("T", "t@example.com").unwrap();
+        let tree = repo.find_tree(tree).unwrap();
+        repo.commit(None, &sig, &sig, "c", &tree, parents).unwrap()
+    }
+
+    /// A checkout that libgit2 gives up half-way through is undone: files
+    /// and index exactly as before, untracked files untouched.
+    #[test]
+    fn a_failed_checkout_is_undone() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = dir.path();
+        let repo = Repository::init(w).unwrap();
+        std::fs::write(w.join("a.txt"), "a\n").unwrap();
+        std::fs::write(w.join("gone.txt"), "gone\n").unwrap();
+        let mut index = repo.index().unwrap();
+        index.add_path(Path::new("a.txt")).unwrap();
+        index.add_path(Path::new("gone.txt")).unwrap();
+        index.write().unwrap();
+        let first = commit(&repo, index.write_tree().unwrap(), &[]);
+        let first = repo.find_commit(first).unwrap();
+        repo.set_head("refs/heads/master").ok();
+        repo.reference("refs/heads/master", first.id(), true, "t")
+            .unwrap();
+        std::fs::write(w.join("untracked.txt"), "mine\n").unwrap();
+        let index_before = std::fs::read(w.join(".git/index")).unwrap();
+
+        // a.txt changed, gone.txt removed, and `dup` both a file and a
+        // directory: the checkout writes some of it, then fails.
+        let blob = repo.blob(b"changed\n").unwrap();
+        let inner = repo.blob(b"inner\n").unwrap();
+        let raw = |entries: &[(&str, &str, Oid)]| {
+            let mut data = Vec::new();
+            for (mode, name, id) in entries {
+                data.extend_from_slice(format!("{mode} {name}\0").as_bytes());
+                data.extend_from_slice(id.as_bytes());
+            }
+            repo.odb()
+                .unwrap()
+                .write(git2::ObjectType::Tree, &data)
+                .unwrap()
+        };
+        let sub = raw(&[("100644", "inner.txt", inner)]);
+        let bad = raw(&[
+            ("100644", "a.txt", blob),
+            ("100644", "dup", blob),
+            ("40000", "dup", sub),
+            ("100644", "new.txt", blob),
+        ]);
+        assert!(super::super::tree::check(&repo, bad).is_err());
+        let old = first.tree().unwrap();
+        let new = repo.find_tree(bad).unwrap();
+        let failed = checkout(&repo, &old, &new)
+            .err()
+            .expect("the checkout fails");
+        assert!(failed.undo.is_ok(), "{}", failed.describe());
+        assert!(
+            failed.describe().ends_with("nothing was changed"),
+            "{}",
+            failed.describe()
+        );
+        let mut names: Vec<String> = std::fs::read_dir(w)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".git", "a.txt", "gone.txt", "untracked.txt"]);
+        assert_eq!(std::fs::read_to_string(w.join("a.txt")).unwrap(), "a\n");
+        assert_eq!(
+            std::fs::read_to_string(w.join("gone.txt")).unwrap(),
+            "gone\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(w.join("untracked.txt")).unwrap(),
+            "mine\n"
+        );
+        assert_eq!(std::fs::read(w.join(".git/index")).unwrap(), index_before);
+
+        // A checkout that goes through can be undone too (the ref could
+        // not be moved afterwards).
+        let good = raw(&[("100644", "a.txt", blob), ("100644", "new.txt", blob)]);
+        let new = repo.find_tree(good).unwrap();
+        let done = checkout(&repo, &old, &new)
+            .ok()
+            .expect("the checkout works");
+        assert!(!w.join("gone.txt").exists());
+        done.undo(&repo).unwrap();
+        let mut names: Vec<String> = std::fs::read_dir(w)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".git", "a.txt", "gone.txt", "untracked.txt"]);
+        assert_eq!(std::fs::read_to_string(w.join("a.txt")).unwrap(), "a\n");
+        assert_eq!(std::fs::read(w.join(".git/index")).unwrap(), index_before);
+    }
 }

@@ -158,24 +158,50 @@ async fn run_inner(exe: &Path, t: Transfer) -> Result<WriteReport, String> {
     serde_json::from_str(last).map_err(|e| format!("bad report from the writer: {e}"))
 }
 
-/// A helper's stderr, as one message.
+/// Longest helper message kept (it ends up in `LastSyncResult`).
+const MESSAGE_MAX: usize = 4096;
+
+/// A helper's stderr, as one message of at most [`MESSAGE_MAX`] bytes (the
+/// rest is read and dropped, so the helper never blocks on it).
 fn collect(
     stderr: Option<tokio::process::ChildStderr>,
 ) -> impl std::future::Future<Output = String> {
     let task = tokio::spawn(async move {
-        let mut text = String::new();
+        let mut bytes = Vec::new();
         if let Some(mut s) = stderr {
-            let _ = s.read_to_string(&mut text).await;
+            let _ = s.read_to_end(&mut bytes).await;
         }
-        text
+        bytes
     });
     async move {
-        let text = task.await.unwrap_or_default();
+        let bytes = task.await.unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes);
         let text = text.trim();
         if text.is_empty() {
             "the sync helper failed without a message".to_owned()
         } else {
-            text.to_owned()
+            clip(text, MESSAGE_MAX)
         }
+    }
+}
+
+/// `text` cut to at most `max` bytes (on a character boundary), saying so.
+fn clip(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… ({} bytes in all)", &text[..end], text.len())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn long_messages_are_cut() {
+        assert_eq!(super::clip("short", 10), "short");
+        assert_eq!(super::clip("ééé", 3), "é… (6 bytes in all)");
     }
 }
