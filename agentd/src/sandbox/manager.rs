@@ -109,6 +109,10 @@ pub struct CreateOptions {
     pub memory: Option<u32>,
     /// Virtual CPUs.
     pub vcpus: Option<u32>,
+    /// Disk space for the workspace and home, in MiB.
+    pub disk: Option<u32>,
+    /// Most processes at once.
+    pub pids: Option<u32>,
     /// Network mode.
     pub network: Option<keystone_agent_api::Network>,
     /// Sync mode.
@@ -416,6 +420,8 @@ impl Manager {
         let config = SandboxConfig {
             memory: opts.memory.unwrap_or(d.memory),
             vcpus: opts.vcpus.unwrap_or(d.vcpus),
+            disk: opts.disk.unwrap_or(d.disk),
+            pids: opts.pids.unwrap_or(d.pids),
             network: opts.network.unwrap_or(d.network),
             sync_mode: opts.sync_mode.unwrap_or(d.sync_mode),
             ..d.clone()
