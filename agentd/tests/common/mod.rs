@@ -294,6 +294,13 @@ impl Drop for Env {
         }
         let _ = self.dbus.kill();
         let _ = self.dbus.wait();
+        // The cgroups of sandboxes killed above, once their processes are
+        // gone.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !self.sandbox_pids().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        agentd::cgroup::Cgroups::remove_all(&self.state_dir);
     }
 }
 
