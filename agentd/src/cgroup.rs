@@ -436,21 +436,26 @@ impl Cgroups {
         Ok(note)
     }
 
-    /// Remove every group this agentd (`state_dir`) made that is empty:
-    /// groups of sandboxes whose processes are gone.
-    pub fn remove_all(state_dir: &Path) {
+    /// Remove every group this agentd (`state_dir`) made in v1 hierarchies
+    /// that is empty: groups of sandboxes whose processes are gone. Returns
+    /// whether none is left.
+    pub fn remove_all(state_dir: &Path) -> bool {
         let c = Self::detect_v1_only(state_dir);
+        let mut clean = true;
         for ctl in Controller::ALL {
             if let Ok(Place::V1(dir)) = c.place(ctl) {
                 let mine = dir.join(format!("keystone-agent-{}", c.tag));
                 if let Ok(entries) = fs::read_dir(&mine) {
-                    for e in entries.flatten() {
+                    for e in entries.flatten().filter(|e| e.path().is_dir()) {
                         let _ = fs::remove_dir(e.path());
                     }
                 }
-                let _ = fs::remove_dir(&mine);
+                if fs::remove_dir(&mine).is_err() && mine.exists() {
+                    clean = false;
+                }
             }
         }
+        clean
     }
 
     /// [`Cgroups::detect`] without touching a v2 hierarchy.
@@ -559,6 +564,34 @@ mod tests {
             made.to_string().starts_with("memory not enforced"),
             "{made}"
         );
+    }
+
+    #[test]
+    fn a_group_agentd_may_not_write_is_named_with_the_reason() {
+        let mountinfo = "35 31 0:32 / /nonexistent/memory rw,relatime - cgroup cgroup rw,memory\n";
+        let c = Cgroups::probe(
+            Path::new("/s"),
+            &parse_mountinfo(mountinfo),
+            "4:memory:/user.slice\n",
+            false,
+        );
+        let made = c.create(
+            "x",
+            Limits {
+                memory_mib: 256,
+                pids: 64,
+                vcpus: 1,
+            },
+        );
+        let text = made.to_string();
+        assert!(
+            text.starts_with(
+                "memory not enforced: agentd may not create groups in \
+                 /nonexistent/memory/user.slice (cgroup v1)"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("pids not enforced: "), "{text}");
     }
 
     #[test]
