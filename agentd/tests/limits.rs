@@ -138,3 +138,63 @@ fn memory_and_tmpfs_writes_stop_at_the_memory_limit() {
     env.ok(&["stop", "hog"]);
     assert!(env.sandbox_pids().is_empty());
 }
+
+#[test]
+fn a_disk_flood_stops_at_the_disk_limit() {
+    let env = running("fill", &["--memory", "256", "--disk", "16"]);
+    let limits = env.status("fill")["limits"].as_str().unwrap().to_owned();
+    let mke2fs = std::process::Command::new("mke2fs")
+        .arg("-V")
+        .output()
+        .is_ok();
+    if !(common::is_root() && mke2fs) {
+        assert!(limits.contains("disk not enforced: "), "{limits}");
+        eprintln!("skipped: the disk limit needs root and mke2fs: {limits}");
+        return;
+    }
+    let image = env.state_dir.join("disks/fill.img");
+    let allocated = || {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(&image).map_or(0, |m| m.blocks() * 512)
+    };
+    let before = allocated();
+    // 64 MiB into the workspace, then into the home: both stop at 16 MiB.
+    for dir in ["/workspace", "/root"] {
+        let (code, _, err) = sh(
+            &env,
+            "fill",
+            &format!("head -c 64M /dev/zero > {dir}/big; s=$?; sync; exit $s"),
+        );
+        assert_ne!(code, Some(0), "64 MiB fit in {dir} (limit 16 MiB): {err}");
+        assert!(err.contains("No space left on device"), "{dir}: {err}");
+    }
+    // On the host, all of it is in the image, which is no bigger than the
+    // limit: the host's own file system got nothing else.
+    let ws = env.state_dir.join("sandboxes/fill/workspace");
+    let big = std::fs::metadata(ws.join("big")).unwrap().len();
+    assert!(big <= 16 << 20, "{big} bytes written");
+    let after = allocated();
+    assert!(
+        after <= 17 << 20,
+        "the image takes {after} bytes on the host"
+    );
+    assert!(after > before, "the writes did not land in the image");
+    let fs = nix::sys::statvfs::statvfs(&ws).unwrap();
+    assert!(
+        fs.blocks() * fs.fragment_size() <= 16 << 20,
+        "the workspace is not on a file system of the disk's size"
+    );
+    assert!(limits.contains("disk 16 MiB (ext4 image)"), "{limits}");
+    // The sandbox cleans up and writes again; agentd still syncs from the
+    // workspace on the host.
+    let (code, _, err) = sh(
+        &env,
+        "fill",
+        "rm /workspace/big /root/big && echo x > /workspace/y",
+    );
+    assert_eq!(code, Some(0), "{err}");
+    env.ok(&["stop", "fill"]);
+    env.ok(&["destroy", "fill"]);
+    assert!(!image.exists(), "the image outlived its sandbox");
+    assert!(!env.state_dir.join("sandboxes/fill").exists());
+}
