@@ -78,19 +78,27 @@ pub enum Command {
     /// Create a sandbox from a git repository (cloned; your repository is
     /// never mounted into the sandbox).
     #[command(
-        after_help = "Examples:\n  agentctl create ~/src/myproject\n  agentctl create --name api --memory 4096 --network none ."
+        after_help = "Examples:\n  agentctl create ~/src/myproject\n  agentctl create --name api --memory 4096 --disk 20480 --network none ."
     )]
     Create {
         /// Sandbox name: a lowercase letter, then up to 30 lowercase
         /// letters, digits or '-'. Default: from the directory's name.
         #[arg(long, short)]
         name: Option<String>,
-        /// RAM in MiB (at least 1024). Default: 8192.
+        /// RAM in MiB (at least 256), tmpfs (/tmp, /dev/shm, ...) included.
+        /// Default: 8192.
         #[arg(long, value_name = "MB")]
         memory: Option<u32>,
         /// Virtual CPUs. Default: 4.
         #[arg(long, value_name = "N")]
         vcpus: Option<u32>,
+        /// Disk space in MiB for the workspace and the home (at least 16);
+        /// writes past it fail with ENOSPC. Default: 10240.
+        #[arg(long, value_name = "MB")]
+        disk: Option<u32>,
+        /// Most processes and threads at once (at least 16). Default: 4096.
+        #[arg(long, value_name = "N")]
+        pids: Option<u32>,
         /// Network mode: nat, none (loopback only) or bridge. Default: nat.
         #[arg(long, value_parser = str::parse::<Network>)]
         network: Option<Network>,

@@ -21,6 +21,8 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             name,
             memory,
             vcpus,
+            disk,
+            pids,
             network,
             sync_mode,
             backend,
@@ -36,11 +38,15 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             if let Some(n) = &name {
                 opts.insert("name", n.as_str().into());
             }
-            if let Some(m) = memory {
-                opts.insert("memory", m.into());
-            }
-            if let Some(v) = vcpus {
-                opts.insert("vcpus", v.into());
+            for (key, value) in [
+                ("memory", memory),
+                ("vcpus", vcpus),
+                ("disk", disk),
+                ("pids", pids),
+            ] {
+                if let Some(v) = value {
+                    opts.insert(key, v.into());
+                }
             }
             for (key, value) in [
                 ("network", network.map(Network::as_str)),
@@ -563,9 +569,11 @@ fn print_status(v: &serde_json::Value) {
         v["started_at"].as_str().unwrap_or("never")
     );
     crate::outln!(
-        "Resources:  {} MiB, {} vCPUs, network {}",
+        "Resources:  {} MiB, {} vCPUs, disk {} MiB, {} processes, network {}",
         c["memory"],
         c["vcpus"],
+        c["disk"],
+        c["pids"],
         c["network"].as_str().unwrap_or("?")
     );
     if !s("limits").is_empty() {

@@ -1,56 +1,290 @@
-//! Resource limits through cgroup v2.
+//! Resource limits of local sandboxes through cgroups, v2 or v1.
 //!
-//! agentd needs a delegated cgroup v2 subtree (systemd `Delegate=yes`, which
-//! the NixOS module sets). It moves itself into a `agentd` leaf, enables the
-//! `memory` and `cpu` controllers for its subtree and gives each local
-//! sandbox a `sandbox-<name>` child with `memory.max` and `cpu.max`. Where
-//! that is impossible (cgroup v1 or hybrid hosts, no delegation, missing
-//! controllers) sandboxes run without limits and every start says so in the
-//! log and in `agentctl status`.
+//! Each controller agentd uses (`memory`, `pids`, `cpu`) is looked up on its
+//! own, because hybrid hosts mount some controllers as cgroup v1 hierarchies
+//! (`/sys/fs/cgroup/memory`, ...) next to an empty v2 one:
+//!
+//! - **v1**: the controller's hierarchy is mounted; the sandbox's group is
+//!   `<agentd's group>/keystone-agent-<tag>/sandbox-<name>` in it, where
+//!   `<tag>` is derived from agentd's state directory so that several agentds
+//!   in one group never share a sandbox's group. Limits: `memory.limit_in_bytes`
+//!   (and `memory.memsw.limit_in_bytes`, so swap does not extend it),
+//!   `pids.max`, `cpu.cfs_quota_us`.
+//! - **v2**: agentd needs a delegated subtree (systemd `Delegate=yes`, which
+//!   the NixOS module sets). It moves itself into an `agentd` leaf, enables
+//!   the controllers for its subtree and gives each sandbox a
+//!   `sandbox-<name>` child with `memory.max` (and `memory.swap.max` 0),
+//!   `pids.max` and `cpu.max`.
+//!
+//! A controller agentd cannot use (not mounted, not delegated, a group it
+//! may not write, as for an unprivileged agentd without delegation) leaves
+//! that limit unenforced; every start says which and why, in the log and in
+//! `agentctl status`.
 
+use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-/// What agentd can do with cgroups on this host.
+use sha2::{Digest, Sha256};
+
+/// A controller agentd sets limits with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Controller {
+    /// RAM (tmpfs pages included).
+    Memory,
+    /// Number of processes and threads.
+    Pids,
+    /// CPU time.
+    Cpu,
+}
+
+impl Controller {
+    const ALL: [Self; 3] = [Self::Memory, Self::Pids, Self::Cpu];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Pids => "pids",
+            Self::Cpu => "cpu",
+        }
+    }
+}
+
+/// Where the groups of one controller go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Place {
+    /// Under this directory of a cgroup v1 hierarchy (agentd's own group;
+    /// `keystone-agent-<tag>` is made below it on demand).
+    V1(PathBuf),
+    /// Under this directory of the cgroup v2 hierarchy (agentd's delegated
+    /// group, agentd itself moved into its `agentd` leaf).
+    V2(PathBuf),
+}
+
+/// The limits of one sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// RAM in MiB.
+    pub memory_mib: u32,
+    /// Most processes and threads.
+    pub pids: u32,
+    /// CPUs' worth of CPU time.
+    pub vcpus: u32,
+}
+
+/// The cgroups of a started sandbox: directories for its supervisor to
+/// join, and what is enforced.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Created {
+    /// Directories to join (one per v1 hierarchy, or the one v2 group).
+    pub dirs: Vec<PathBuf>,
+    /// Limits in force, as shown: `memory 4096 MiB (cgroup v1)`.
+    pub enforced: Vec<String>,
+    /// Limits not in force, and why: `pids not enforced: ...`.
+    pub missing: Vec<String>,
+}
+
+impl fmt::Display for Created {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let all: Vec<&str> = self
+            .enforced
+            .iter()
+            .chain(&self.missing)
+            .map(String::as_str)
+            .collect();
+        f.write_str(&all.join("; "))
+    }
+}
+
+/// What agentd can do with cgroups on this host, controller by controller.
 #[derive(Debug, Clone)]
-pub enum Cgroups {
-    /// Limits are enforced under this directory.
-    Enforced(PathBuf),
-    /// Limits are not enforced, for this reason.
-    Unavailable(String),
+pub struct Cgroups {
+    tag: String,
+    memory: Result<Place, String>,
+    pids: Result<Place, String>,
+    cpu: Result<Place, String>,
+}
+
+/// One line of `/proc/self/mountinfo` that mounts a cgroup file system.
+#[derive(Debug, Clone)]
+struct CgroupMount {
+    /// Root of the mount inside its hierarchy.
+    root: String,
+    /// Mount point.
+    point: PathBuf,
+    /// `cgroup2`, or the v1 hierarchy's controllers.
+    v1_controllers: Option<Vec<String>>,
+}
+
+fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
+    text.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let left: Vec<&str> = left.split(' ').collect();
+            let mut right = right.split(' ');
+            let fstype = right.next()?;
+            let _source = right.next()?;
+            let options = right.next().unwrap_or("");
+            let root = unescape(left.get(3)?);
+            let point = PathBuf::from(unescape(left.get(4)?));
+            match fstype {
+                "cgroup2" => Some(CgroupMount {
+                    root,
+                    point,
+                    v1_controllers: None,
+                }),
+                "cgroup" => Some(CgroupMount {
+                    root,
+                    point,
+                    v1_controllers: Some(options.split(',').map(str::to_owned).collect()),
+                }),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..=i + 3].iter().all(u8::is_ascii_digit) {
+            let v = (b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0');
+            out.push(v);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The directory of the group `path` (as in /proc/self/cgroup) under
+/// `mount`, whose root inside the hierarchy is `root`.
+fn group_dir(mount: &CgroupMount, path: &str) -> Option<PathBuf> {
+    let rel = if mount.root == "/" {
+        path
+    } else {
+        path.strip_prefix(mount.root.as_str())?
+    };
+    Some(mount.point.join(rel.trim_start_matches('/')))
 }
 
 impl Cgroups {
-    /// Probe the host and prepare agentd's subtree.
+    /// Probe the host (and prepare agentd's v2 subtree when it uses one).
+    /// `state_dir` tells this agentd's v1 groups from other agentds'.
     #[must_use]
-    pub fn detect() -> Self {
-        match Self::prepare(Path::new("/sys/fs/cgroup")) {
-            Ok(base) => Self::Enforced(base),
-            Err(reason) => Self::Unavailable(reason),
+    pub fn detect(state_dir: &Path) -> Self {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let own = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        Self::probe(state_dir, &parse_mountinfo(&mountinfo), &own, true)
+    }
+
+    fn probe(state_dir: &Path, mounts: &[CgroupMount], own: &str, prepare_v2: bool) -> Self {
+        let tag: String = Sha256::digest(state_dir.as_os_str().as_encoded_bytes())
+            .iter()
+            .take(4)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let root = nix::unistd::Uid::effective().is_root();
+        // v2 only matters for controllers no v1 hierarchy has.
+        let v1 = |ctl: Controller| -> Option<Result<Place, String>> {
+            let mount = mounts.iter().find(|m| {
+                m.v1_controllers
+                    .as_ref()
+                    .is_some_and(|c| c.iter().any(|o| o == ctl.name()))
+            })?;
+            let path = own.lines().find_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let (_, ctls, path) = (f.next()?, f.next()?, f.next()?);
+                ctls.split(',').any(|c| c == ctl.name()).then_some(path)
+            });
+            let Some(dir) = path.and_then(|p| group_dir(mount, p)) else {
+                return Some(Err(format!(
+                    "agentd's {} group (cgroup v1) is not below {}",
+                    ctl.name(),
+                    mount.point.display()
+                )));
+            };
+            Some(
+                match nix::unistd::access(&dir, nix::unistd::AccessFlags::W_OK) {
+                    Ok(()) => Ok(Place::V1(dir)),
+                    Err(e) => Err(format!(
+                        "agentd may not create groups in {} (cgroup v1): {e}{}",
+                        dir.display(),
+                        if root {
+                            ""
+                        } else {
+                            "; agentd is not root and has no delegated group there"
+                        }
+                    )),
+                },
+            )
+        };
+        let wanted_v2: Vec<Controller> = Controller::ALL
+            .into_iter()
+            .filter(|c| v1(*c).is_none())
+            .collect();
+        let v2 = if wanted_v2.is_empty() {
+            Err(String::new())
+        } else {
+            Self::prepare_v2(mounts, own, &wanted_v2, prepare_v2)
+        };
+        let place = |ctl: Controller| match v1(ctl) {
+            Some(p) => p,
+            None => match &v2 {
+                Ok((base, enabled)) if enabled.contains(&ctl) => Ok(Place::V2(base.clone())),
+                Ok((base, _)) => Err(format!(
+                    "the {} controller is not delegated to {} (cgroup v2; run agentd with \
+                     Delegate=yes)",
+                    ctl.name(),
+                    base.display()
+                )),
+                Err(e) => Err(e.clone()),
+            },
+        };
+        Self {
+            tag,
+            memory: place(Controller::Memory),
+            pids: place(Controller::Pids),
+            cpu: place(Controller::Cpu),
         }
     }
 
-    fn prepare(mount: &Path) -> Result<PathBuf, String> {
-        if !mount.join("cgroup.controllers").exists() {
-            return Err(format!(
-                "{} is not a cgroup v2 hierarchy (cgroup v1 or hybrid host)",
-                mount.display()
-            ));
-        }
-        let own = fs::read_to_string("/proc/self/cgroup").map_err(|e| e.to_string())?;
+    /// agentd's v2 group with the controllers of `wanted` it could enable.
+    fn prepare_v2(
+        mounts: &[CgroupMount],
+        own: &str,
+        wanted: &[Controller],
+        prepare: bool,
+    ) -> Result<(PathBuf, Vec<Controller>), String> {
+        let mount = mounts
+            .iter()
+            .find(|m| m.v1_controllers.is_none())
+            .ok_or("no cgroup hierarchy (v1 or v2) has the controller")?;
         let rel = own
             .lines()
             .find_map(|l| l.strip_prefix("0::"))
             .ok_or("agentd is not in a cgroup v2 group")?;
-        let base = mount.join(rel.trim_start_matches('/'));
+        let base = group_dir(mount, rel).ok_or("agentd's cgroup v2 group is not mounted")?;
         let available = fs::read_to_string(base.join("cgroup.controllers")).unwrap_or_default();
-        for ctl in ["memory", "cpu"] {
-            if !available.split_whitespace().any(|c| c == ctl) {
-                return Err(format!(
-                    "the {ctl} controller is not delegated to {} (run agentd with Delegate=yes)",
-                    base.display()
-                ));
-            }
+        let available: Vec<Controller> = wanted
+            .iter()
+            .copied()
+            .filter(|c| available.split_whitespace().any(|a| a == c.name()))
+            .collect();
+        if available.is_empty() {
+            return Err(format!(
+                "no cgroup v1 hierarchy has the controller, and it is not delegated to {} \
+                 (cgroup v2; run agentd with Delegate=yes)",
+                base.display()
+            ));
+        }
+        if !prepare {
+            return Ok((base, available));
         }
         // A cgroup with processes cannot hand controllers to children: move
         // agentd into a leaf of its own first.
@@ -58,48 +292,192 @@ impl Cgroups {
         fs::create_dir_all(&leaf).map_err(|e| format!("cannot create {}: {e}", leaf.display()))?;
         fs::write(leaf.join("cgroup.procs"), std::process::id().to_string())
             .map_err(|e| format!("cannot move agentd into {}: {e}", leaf.display()))?;
-        fs::write(base.join("cgroup.subtree_control"), "+memory +cpu")
-            .map_err(|e| format!("cannot enable memory and cpu in {}: {e}", base.display()))?;
-        Ok(base)
+        let mut enabled = Vec::new();
+        let mut errors = Vec::new();
+        for ctl in available {
+            match fs::write(
+                base.join("cgroup.subtree_control"),
+                format!("+{}", ctl.name()),
+            ) {
+                Ok(()) => enabled.push(ctl),
+                Err(e) => errors.push(format!("cannot enable {}: {e}", ctl.name())),
+            }
+        }
+        if enabled.is_empty() {
+            return Err(format!("{} ({})", errors.join(", "), base.display()));
+        }
+        Ok((base, enabled))
     }
 
-    /// Create the cgroup of sandbox `name` with its limits. Returns the
-    /// directory (for the sandbox to join) and a description of the limits.
-    #[must_use]
-    pub fn create(&self, name: &str, memory_mib: u32, vcpus: u32) -> (Option<PathBuf>, String) {
-        match self {
-            Self::Unavailable(reason) => (None, format!("not enforced: {reason}")),
-            Self::Enforced(base) => {
-                let dir = base.join(format!("sandbox-{name}"));
-                let setup = || -> std::io::Result<()> {
-                    fs::create_dir_all(&dir)?;
-                    fs::write(
-                        dir.join("memory.max"),
-                        (u64::from(memory_mib) << 20).to_string(),
-                    )?;
-                    fs::write(
-                        dir.join("cpu.max"),
-                        format!("{} 100000", u64::from(vcpus) * 100_000),
-                    )
-                };
-                match setup() {
-                    Ok(()) => (
-                        Some(dir),
-                        format!("memory {memory_mib} MiB, {vcpus} CPUs (cgroup v2)"),
-                    ),
-                    Err(e) => (
-                        None,
-                        format!("not enforced: cannot set up {}: {e}", dir.display()),
-                    ),
-                }
-            }
+    fn place(&self, ctl: Controller) -> &Result<Place, String> {
+        match ctl {
+            Controller::Memory => &self.memory,
+            Controller::Pids => &self.pids,
+            Controller::Cpu => &self.cpu,
         }
     }
 
-    /// Remove the (empty) cgroup of sandbox `name`.
+    /// Why nothing at all is enforced, or `None` when something is.
+    #[must_use]
+    pub fn unavailable(&self) -> Option<String> {
+        let why: Vec<String> = Controller::ALL
+            .into_iter()
+            .filter_map(|c| {
+                self.place(c)
+                    .as_ref()
+                    .err()
+                    .map(|e| format!("{}: {e}", c.name()))
+            })
+            .collect();
+        (why.len() == Controller::ALL.len()).then(|| why.join("; "))
+    }
+
+    fn group(&self, place: &Place, name: &str) -> PathBuf {
+        match place {
+            Place::V1(dir) => dir
+                .join(format!("keystone-agent-{}", self.tag))
+                .join(format!("sandbox-{name}")),
+            Place::V2(dir) => dir.join(format!("sandbox-{name}")),
+        }
+    }
+
+    /// Create the groups of sandbox `name` with `limits`.
+    #[must_use]
+    pub fn create(&self, name: &str, limits: Limits) -> Created {
+        let mut out = Created::default();
+        for ctl in Controller::ALL {
+            let what = match ctl {
+                Controller::Memory => format!("memory {} MiB", limits.memory_mib),
+                Controller::Pids => format!("pids {}", limits.pids),
+                Controller::Cpu => format!("{} CPUs", limits.vcpus),
+            };
+            let place = match self.place(ctl) {
+                Ok(p) => p,
+                Err(e) => {
+                    out.missing
+                        .push(format!("{} not enforced: {e}", ctl.name()));
+                    continue;
+                }
+            };
+            let dir = self.group(place, name);
+            match Self::apply(place, &dir, ctl, limits) {
+                Ok(note) => {
+                    let version = match place {
+                        Place::V1(_) => "v1",
+                        Place::V2(_) => "v2",
+                    };
+                    out.enforced
+                        .push(format!("{what}{note} (cgroup {version})"));
+                    if !out.dirs.contains(&dir) {
+                        out.dirs.push(dir);
+                    }
+                }
+                Err(e) => out.missing.push(format!(
+                    "{} not enforced: cannot set up {}: {e}",
+                    ctl.name(),
+                    dir.display()
+                )),
+            }
+        }
+        out
+    }
+
+    /// Write `ctl`'s limit into group `dir`; returns a note for the person.
+    fn apply(
+        place: &Place,
+        dir: &Path,
+        ctl: Controller,
+        limits: Limits,
+    ) -> std::io::Result<String> {
+        fs::create_dir_all(dir)?;
+        let bytes = u64::from(limits.memory_mib) << 20;
+        let mut note = String::new();
+        match (place, ctl) {
+            (Place::V1(_), Controller::Memory) => {
+                fs::write(dir.join("memory.limit_in_bytes"), bytes.to_string())?;
+                // Without this, swap would extend the limit (where swap is
+                // accounted at all).
+                let memsw = dir.join("memory.memsw.limit_in_bytes");
+                if memsw.exists() {
+                    fs::write(memsw, bytes.to_string())?;
+                }
+            }
+            (Place::V2(_), Controller::Memory) => {
+                fs::write(dir.join("memory.max"), bytes.to_string())?;
+                let swap = dir.join("memory.swap.max");
+                if swap.exists() {
+                    fs::write(swap, "0")?;
+                }
+            }
+            (_, Controller::Pids) => {
+                fs::write(dir.join("pids.max"), limits.pids.to_string())?;
+                if let Some(max) = fs::read_to_string("/proc/sys/kernel/pid_max")
+                    .ok()
+                    .and_then(|s| s.trim().parse::<u32>().ok())
+                    .filter(|m| *m < limits.pids)
+                {
+                    note = format!(" (above the host's pid_max {max}, which is what counts)");
+                }
+            }
+            (Place::V1(_), Controller::Cpu) => {
+                fs::write(dir.join("cpu.cfs_period_us"), "100000")?;
+                fs::write(
+                    dir.join("cpu.cfs_quota_us"),
+                    (u64::from(limits.vcpus) * 100_000).to_string(),
+                )?;
+            }
+            (Place::V2(_), Controller::Cpu) => {
+                fs::write(
+                    dir.join("cpu.max"),
+                    format!("{} 100000", u64::from(limits.vcpus) * 100_000),
+                )?;
+            }
+        }
+        Ok(note)
+    }
+
+    /// Remove every group this agentd (`state_dir`) made in v1 hierarchies
+    /// that is empty: groups of sandboxes whose processes are gone. Returns
+    /// whether none is left.
+    pub fn remove_all(state_dir: &Path) -> bool {
+        let c = Self::detect_v1_only(state_dir);
+        let mut clean = true;
+        for ctl in Controller::ALL {
+            if let Ok(Place::V1(dir)) = c.place(ctl) {
+                let mine = dir.join(format!("keystone-agent-{}", c.tag));
+                if let Ok(entries) = fs::read_dir(&mine) {
+                    for e in entries.flatten().filter(|e| e.path().is_dir()) {
+                        let _ = fs::remove_dir(e.path());
+                    }
+                }
+                if fs::remove_dir(&mine).is_err() && mine.exists() {
+                    clean = false;
+                }
+            }
+        }
+        clean
+    }
+
+    /// [`Cgroups::detect`] without touching a v2 hierarchy.
+    fn detect_v1_only(state_dir: &Path) -> Self {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let own = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        Self::probe(state_dir, &parse_mountinfo(&mountinfo), &own, false)
+    }
+
+    /// Remove the (empty) groups of sandbox `name`.
     pub fn remove(&self, name: &str) {
-        if let Self::Enforced(base) = self {
-            let _ = fs::remove_dir(base.join(format!("sandbox-{name}")));
+        for ctl in Controller::ALL {
+            if let Ok(place) = self.place(ctl) {
+                let dir = self.group(place, name);
+                let _ = fs::remove_dir(&dir);
+                // This agentd's v1 parent goes with its last sandbox.
+                if matches!(place, Place::V1(_)) {
+                    if let Some(parent) = dir.parent() {
+                        let _ = fs::remove_dir(parent);
+                    }
+                }
+            }
         }
     }
 }
@@ -109,12 +487,122 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_non_v2_mount_is_reported_with_its_path() {
-        let dir = tempfile::tempdir().unwrap();
-        let err = Cgroups::prepare(dir.path()).unwrap_err();
-        assert!(err.contains("not a cgroup v2 hierarchy"), "{err}");
-        let (cg, limits) = Cgroups::Unavailable(err).create("x", 1024, 1);
-        assert!(cg.is_none());
-        assert!(limits.starts_with("not enforced"));
+    fn hybrid_hosts_use_the_v1_hierarchies() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path().display();
+        let mountinfo = format!(
+            "31 23 0:28 / {t} rw,relatime - tmpfs tmpfs rw,mode=755\n\
+             32 31 0:29 / {t}/cpu rw,relatime - cgroup cgroup rw,cpu\n\
+             35 31 0:32 / {t}/memory rw,relatime - cgroup cgroup rw,memory\n\
+             39 31 0:36 / {t}/pids rw,relatime - cgroup cgroup rw,pids\n\
+             41 31 0:38 / {t}/unified rw,relatime - cgroup2 cgroup2 rw\n"
+        );
+        for d in ["cpu", "memory/ci/job", "pids", "unified"] {
+            fs::create_dir_all(tmp.path().join(d)).unwrap();
+        }
+        let own = "8:pids:/\n4:memory:/ci/job\n1:cpu:/\n0::/\n";
+        let c = Cgroups::probe(Path::new("/s"), &parse_mountinfo(&mountinfo), own, false);
+        assert_eq!(c.memory, Ok(Place::V1(tmp.path().join("memory/ci/job"))));
+        assert_eq!(c.pids, Ok(Place::V1(tmp.path().join("pids"))));
+        assert!(c.unavailable().is_none());
+        let made = c.create(
+            "demo",
+            Limits {
+                memory_mib: 256,
+                pids: 64,
+                vcpus: 2,
+            },
+        );
+        assert_eq!(made.dirs.len(), 3, "{made:?}");
+        let g = &made.dirs[0];
+        assert!(g.starts_with(tmp.path().join("memory/ci/job")), "{g:?}");
+        assert!(
+            g.parent()
+                .unwrap()
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("keystone-agent-")
+        );
+        assert_eq!(
+            fs::read_to_string(g.join("memory.limit_in_bytes")).unwrap(),
+            (256u64 << 20).to_string()
+        );
+        assert_eq!(
+            fs::read_to_string(made.dirs[1].join("pids.max")).unwrap(),
+            "64"
+        );
+        assert_eq!(
+            fs::read_to_string(made.dirs[2].join("cpu.cfs_quota_us")).unwrap(),
+            "200000"
+        );
+        assert!(made.missing.is_empty(), "{made}");
+        assert!(
+            made.to_string().contains("memory 256 MiB (cgroup v1)"),
+            "{made}"
+        );
+        assert!(made.to_string().contains("pids 64"), "{made}");
+    }
+
+    #[test]
+    fn a_host_without_cgroups_says_why_for_each_limit() {
+        let c = Cgroups::probe(Path::new("/s"), &[], "", false);
+        let why = c.unavailable().unwrap();
+        assert!(why.contains("memory: no cgroup hierarchy"), "{why}");
+        let made = c.create(
+            "x",
+            Limits {
+                memory_mib: 1024,
+                pids: 64,
+                vcpus: 1,
+            },
+        );
+        assert!(made.dirs.is_empty());
+        assert!(made.enforced.is_empty());
+        assert_eq!(made.missing.len(), 3);
+        assert!(
+            made.to_string().starts_with("memory not enforced"),
+            "{made}"
+        );
+    }
+
+    #[test]
+    fn a_group_agentd_may_not_write_is_named_with_the_reason() {
+        let mountinfo = "35 31 0:32 / /nonexistent/memory rw,relatime - cgroup cgroup rw,memory\n";
+        let c = Cgroups::probe(
+            Path::new("/s"),
+            &parse_mountinfo(mountinfo),
+            "4:memory:/user.slice\n",
+            false,
+        );
+        let made = c.create(
+            "x",
+            Limits {
+                memory_mib: 256,
+                pids: 64,
+                vcpus: 1,
+            },
+        );
+        let text = made.to_string();
+        assert!(
+            text.starts_with(
+                "memory not enforced: agentd may not create groups in \
+                 /nonexistent/memory/user.slice (cgroup v1)"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("pids not enforced: "), "{text}");
+    }
+
+    #[test]
+    fn mount_points_with_escapes_are_read() {
+        let m = parse_mountinfo(
+            "40 31 0:37 /a\\040b /sys/fs/cgroup/my\\040pids rw - cgroup cgroup rw,pids\n",
+        );
+        assert_eq!(m[0].point, PathBuf::from("/sys/fs/cgroup/my pids"));
+        assert_eq!(
+            group_dir(&m[0], "/a b/c"),
+            Some(PathBuf::from("/sys/fs/cgroup/my pids/c"))
+        );
     }
 }

@@ -227,6 +227,12 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.vcpus`.
     #[serde(default)]
     pub vcpus: Option<u32>,
+    /// Override of `defaults.disk`.
+    #[serde(default)]
+    pub disk: Option<u32>,
+    /// Override of `defaults.pids`.
+    #[serde(default)]
+    pub pids: Option<u32>,
     /// Override of `defaults.nested_virt`.
     #[serde(default)]
     pub nested_virt: Option<bool>,
@@ -255,6 +261,8 @@ impl DeclaredSandbox {
         SandboxConfig {
             memory: self.memory.unwrap_or(d.memory),
             vcpus: self.vcpus.unwrap_or(d.vcpus),
+            disk: self.disk.unwrap_or(d.disk),
+            pids: self.pids.unwrap_or(d.pids),
             nested_virt: self.nested_virt.unwrap_or(d.nested_virt),
             network: self.network.unwrap_or(d.network),
             sync_mode: self.sync_mode.unwrap_or(d.sync_mode),

@@ -9,6 +9,7 @@ pub mod cgroup;
 pub mod config;
 pub mod confine;
 pub mod dbus;
+pub mod disk;
 pub mod error;
 pub mod git;
 pub mod guest;

@@ -281,12 +281,23 @@ mod tests {
         assert_eq!(sandboxes.len(), 2);
         assert_eq!(sandboxes[0].name, "webapp");
         assert_eq!(sandboxes[1].state, SandboxState::Running);
-        // Writing it back gives the same document.
+        // Settings added since (disk, pids) take their defaults.
+        let d = SandboxConfig::default();
+        assert_eq!(
+            (sandboxes[0].config.disk, sandboxes[0].config.pids),
+            (d.disk, d.pids)
+        );
+        // Writing it back gives the same document, plus those settings.
         let again = RegistryFile {
             schema_version: SCHEMA_VERSION,
             sandboxes,
         };
-        let v1: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        let mut v1: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        for sb in v1["sandboxes"].as_array_mut().unwrap() {
+            assert!(sb["config"].get("disk").is_none(), "the fixture is older");
+            sb["config"]["disk"] = d.disk.into();
+            sb["config"]["pids"] = d.pids.into();
+        }
         assert_eq!(serde_json::to_value(&again).unwrap(), v1);
     }
 

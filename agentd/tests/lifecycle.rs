@@ -176,18 +176,24 @@ fn validation_reports_every_problem_and_creates_nothing() {
             "--name",
             "Bad_Name",
             "--memory",
-            "512",
+            "100",
             "--vcpus",
             "0",
+            "--disk",
+            "1",
+            "--pids",
+            "3",
             not_git.to_str().unwrap(),
         ],
     );
     for needle in [
-        "4 problems",
+        "6 problems",
         "is not a git repository",
         "name 'Bad_Name'",
-        "memory 512",
+        "memory 100",
         "vcpus",
+        "disk 1 MiB",
+        "pids 3",
     ] {
         assert!(err.contains(needle), "missing {needle:?} in {err}");
     }

@@ -15,12 +15,35 @@ let
     memory = {
       type = types.ints.positive;
       example = 4096;
-      description = "RAM of the sandbox in MiB (at least 1024). agentd: `memory`; microvm.nix: `microvm.mem`.";
+      description = ''
+        RAM of the sandbox in MiB (at least 256). For the local backend it also
+        bounds the sandbox's tmpfs file systems (`/tmp`, `/dev/shm`, ...).
+        agentd: `memory`; microvm.nix: `microvm.mem`.
+      '';
     };
     vcpus = {
       type = types.ints.positive;
       example = 2;
       description = "Virtual CPUs of the sandbox. agentd: `vcpus`; microvm.nix: `microvm.vcpu`.";
+    };
+    disk = {
+      type = types.ints.between 16 16777216;
+      example = 20480;
+      description = ''
+        Disk space in MiB for the sandbox's workspace and home (local and vm
+        backends): agentd keeps them on a sparse ext4 image of this size, so a
+        write past it fails with ENOSPC inside the sandbox instead of filling
+        the host. Fixed when the image is made (first start). Not read by the
+        microvm backend. agentd: `disk`.
+      '';
+    };
+    pids = {
+      type = types.ints.between 16 4194304;
+      example = 1024;
+      description = ''
+        Most processes and threads the sandbox may run at once (cgroup `pids`
+        controller, v1 or v2; local backend). agentd: `pids`.
+      '';
     };
     nestedVirt = {
       type = types.bool;

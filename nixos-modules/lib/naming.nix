@@ -93,6 +93,8 @@ let
     defaults = {
       memory = 8192;
       vcpus = 4;
+      disk = 10240;
+      pids = 4096;
       nestedVirt = true;
       network = "nat";
       syncMode = "manual";
@@ -129,6 +131,8 @@ let
       ports = { };
       memory = null;
       vcpus = null;
+      disk = null;
+      pids = null;
       nestedVirt = null;
       network = null;
       syncMode = null;
@@ -142,6 +146,8 @@ let
   settingFields = {
     memory = "memory";
     vcpus = "vcpus";
+    disk = "disk";
+    pids = "pids";
     nestedVirt = "nested_virt";
     network = "network";
     syncMode = "sync_mode";
@@ -308,8 +314,10 @@ let
   # Same checks as agentd's check_config, same wording.
   settingsProblems =
     s:
-    optional (s.memory < 1024) "memory ${toString s.memory} MiB is too small: at least 1024 MiB"
+    optional (s.memory < 256) "memory ${toString s.memory} MiB is too small: at least 256 MiB"
     ++ optional (s.vcpus < 1) "vcpus must be at least 1"
+    ++ optional (s.disk < 16 || s.disk > 16777216) "disk ${toString s.disk} MiB is out of range: from 16 to 16777216 MiB"
+    ++ optional (s.pids < 16 || s.pids > 4194304) "pids ${toString s.pids} is out of range: from 16 to 4194304"
     ++ map (p: "env_files pattern '${p}' must be a file-name glob at the project root (no '/')") (
       filter (p: p == "" || p == "." || p == ".." || match ".*/.*" p != null) s.envFiles
     );

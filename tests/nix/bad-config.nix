@@ -2,7 +2,7 @@
 # (nixos-modules/lib/naming.nix) must report, for tests/nix/check.sh.
 # Expected messages: tests/nix/bad-config.expected.json.
 {
-  defaults.memory = 512;
+  defaults.memory = 128;
   sandboxes = {
     # Not a valid name (upper case, '_').
     Bad_Name = {
@@ -25,6 +25,7 @@
       project = "/srv/src/b";
       owner = "root";
       memory = 1024;
+      disk = 8;
       envFiles = [ "config/.env" ];
     };
   };

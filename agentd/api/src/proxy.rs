@@ -23,8 +23,8 @@ use crate::types::{ExecResult, HistoryEntry, SandboxSummary, SyncReport, Worktre
 pub trait Manager {
     /// Create a sandbox from the git repository at `project_path`.
     ///
-    /// `options` may hold `name` (s), `memory` (u), `vcpus` (u),
-    /// `network` (s), `sync_mode` (s), `backend` (s).
+    /// `options` may hold `name` (s), `memory` (u), `vcpus` (u), `disk`
+    /// (u), `pids` (u), `network` (s), `sync_mode` (s), `backend` (s).
     /// Returns the object path and notices for the person.
     fn create_sandbox(
         &self,

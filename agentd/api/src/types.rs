@@ -159,10 +159,16 @@ string_enum! {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
 #[serde(default, deny_unknown_fields)]
 pub struct SandboxConfig {
-    /// RAM in MiB (at least 1024).
+    /// RAM in MiB (at least 256). Also bounds the sandbox's tmpfs file
+    /// systems (`/tmp`, `/dev/shm`, ...), which live in that RAM.
     pub memory: u32,
     /// Virtual CPUs (at least 1).
     pub vcpus: u32,
+    /// Disk space in MiB for the workspace and the home (at least 16); past
+    /// it, writes inside fail with ENOSPC.
+    pub disk: u32,
+    /// Most processes and threads the sandbox runs at once (at least 16).
+    pub pids: u32,
     /// Expose virtualisation extensions to the sandbox.
     pub nested_virt: bool,
     /// Network mode.
@@ -183,6 +189,8 @@ impl Default for SandboxConfig {
         Self {
             memory: 8192,
             vcpus: 4,
+            disk: 10240,
+            pids: 4096,
             nested_virt: true,
             network: Network::Nat,
             sync_mode: SyncMode::Manual,
@@ -344,6 +352,8 @@ mod tests {
         let c: SandboxConfig = serde_json::from_str("{}").unwrap();
         assert_eq!(c.memory, 8192);
         assert_eq!(c.vcpus, 4);
+        assert_eq!(c.disk, 10240);
+        assert_eq!(c.pids, 4096);
         assert!(c.nested_virt);
         assert_eq!(c.network, Network::Nat);
         assert_eq!(c.sync_mode, SyncMode::Manual);

@@ -19,7 +19,7 @@ use nix::unistd::Pid;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use super::{Backend, BackendError, BoxFut, ExecRequest, Runtime, SandboxSpec, TtyProcess};
-use crate::cgroup::Cgroups;
+use crate::cgroup::{self, Cgroups};
 use crate::guest::init::{InitReport, InitSpec};
 use crate::guest::{INIT_ARG, proto};
 use crate::procfs;
@@ -70,9 +70,9 @@ impl LocalBackend {
     /// A backend with these settings, probing cgroup support once.
     #[must_use]
     pub fn new(settings: LocalSettings) -> Self {
-        let cgroups = Cgroups::detect();
-        if let Cgroups::Unavailable(reason) = &cgroups {
-            tracing::warn!(%reason, "memory and CPU limits of local sandboxes are not enforced");
+        let cgroups = Cgroups::detect(&settings.state_dir);
+        if let Some(reason) = cgroups.unavailable() {
+            tracing::warn!(%reason, "memory, process and CPU limits of local sandboxes are not enforced");
         }
         Self { settings, cgroups }
     }
@@ -100,9 +100,22 @@ impl LocalBackend {
             .append(true)
             .open(&log_path)
             .map_err(|e| fail(format!("cannot open {}: {e}", log_path.display())))?;
-        let (cgroup, limits) =
-            self.cgroups
-                .create(&spec.name, spec.config.memory, spec.config.vcpus);
+        let groups = self.cgroups.create(
+            &spec.name,
+            cgroup::Limits {
+                memory_mib: spec.config.memory,
+                pids: spec.config.pids,
+                vcpus: spec.config.vcpus,
+            },
+        );
+        for why in &groups.missing {
+            tracing::warn!(sandbox = %spec.name, limit = %why, "limit not enforced");
+        }
+        let tmpfs: Vec<String> = crate::guest::init::tmpfs_sizes(spec.config.memory)
+            .iter()
+            .map(|(p, s)| format!("{p} {s} MiB"))
+            .collect();
+        let limits = format!("{groups}; tmpfs {}", tmpfs.join(", "));
         let init = InitSpec {
             name: spec.name.clone(),
             uid: spec.uid,
@@ -114,7 +127,8 @@ impl LocalBackend {
             ro_paths: self.settings.ro_paths.clone(),
             guest_dir: self.settings.guest_dir.clone(),
             stop_grace_ms: u64::try_from(self.settings.stop_grace.as_millis()).unwrap_or(u64::MAX),
-            cgroup,
+            cgroups: groups.dirs,
+            memory_mib: spec.config.memory,
         };
         let mut child = tokio::process::Command::new(&self.settings.exe)
             .arg(INIT_ARG)

@@ -58,6 +58,14 @@ fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions,
                 Some(v) => o.vcpus = Some(v),
                 None => bad(&mut problems, "a uint32"),
             },
+            "disk" => match as_u32() {
+                Some(v) => o.disk = Some(v),
+                None => bad(&mut problems, "a uint32 (MiB)"),
+            },
+            "pids" => match as_u32() {
+                Some(v) => o.pids = Some(v),
+                None => bad(&mut problems, "a uint32"),
+            },
             "network" => match as_str().map(|s| s.parse()) {
                 Some(Ok(v)) => o.network = Some(v),
                 Some(Err(e)) => problems.push(format!("network {e}")),
@@ -74,7 +82,7 @@ fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions,
                 None => bad(&mut problems, "a string"),
             },
             other => problems.push(format!(
-                "unknown option '{other}' (known: name, memory, vcpus, network, sync_mode, backend)"
+                "unknown option '{other}' (known: name, memory, vcpus, disk, pids, network, sync_mode, backend)"
             )),
         }
     }
@@ -88,8 +96,8 @@ fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions,
 #[interface(name = "org.keystone.Agent1.Manager")]
 impl ManagerObject {
     /// Create a sandbox from the git repository at `project_path` (absolute).
-    /// `options`: name (s), memory (u), vcpus (u), network (s), sync_mode (s),
-    /// backend (s). Returns the new sandbox's object path and notices for
+    /// `options`: name (s), memory (u), vcpus (u), disk (u), pids (u),
+    /// network (s), sync_mode (s), backend (s). Returns the new sandbox's object path and notices for
     /// the person (uncommitted changes not carried in, env files copied or
     /// skipped, submodules not cloned).
     #[zbus(out_args("path", "notices"))]

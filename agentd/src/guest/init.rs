@@ -48,8 +48,42 @@ pub struct InitSpec {
     pub guest_dir: Option<PathBuf>,
     /// How long the init waits for processes after SIGTERM before SIGKILL.
     pub stop_grace_ms: u64,
-    /// cgroup v2 directory to join before the namespaces are made, if any.
-    pub cgroup: Option<PathBuf>,
+    /// cgroup directories to join before the namespaces are made (one per
+    /// v1 hierarchy, or the v2 group; none when limits are not enforced).
+    #[serde(default)]
+    pub cgroups: Vec<PathBuf>,
+    /// The sandbox's RAM in MiB: bounds its tmpfs file systems (see
+    /// [`tmpfs_sizes`]).
+    pub memory_mib: u32,
+}
+
+/// The tmpfs file systems of a local sandbox and their sizes in MiB for
+/// `memory_mib` of RAM: together less than the RAM, so that they cannot
+/// take more than the sandbox has even where no memory cgroup holds it
+/// (where one does, their pages count against it too).
+#[must_use]
+pub fn tmpfs_sizes(memory_mib: u32) -> [(&'static str, u32); 6] {
+    let share = |div: u32| (memory_mib / div).max(1);
+    [
+        ("/tmp", share(2)),
+        ("/dev/shm", share(4)),
+        ("/var/tmp", share(8)),
+        ("/run", share(16)),
+        ("/", share(32)),
+        ("/dev", 1),
+    ]
+}
+
+/// Mount options of tmpfs `path` of a sandbox with `memory_mib` of RAM:
+/// `mode` and a size; inodes are bounded as well (one per 4 KiB), as each
+/// costs kernel memory even when empty.
+fn tmpfs_options(path: &str, mode: &str, memory_mib: u32) -> String {
+    let size = tmpfs_sizes(memory_mib)
+        .iter()
+        .find(|(p, _)| *p == path)
+        .map_or(1, |(_, s)| *s);
+    let inodes = (u64::from(size) * 256).max(1024);
+    format!("mode={mode},size={size}m,nr_inodes={inodes}")
 }
 
 /// The first line the supervisor prints on stdout.
@@ -169,7 +203,7 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
     // Our own session: a Ctrl-C meant for a foreground agentd must not reach
     // the sandbox.
     let _ = nix::unistd::setsid();
-    if let Some(cg) = &spec.cgroup {
+    for cg in &spec.cgroups {
         fs::write(cg.join("cgroup.procs"), std::process::id().to_string())
             .map_err(|e| format!("cannot join cgroup {}: {e}", cg.display()))?;
     }
@@ -464,12 +498,13 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     // A private tmpfs (over /tmp, in this mount namespace only) holds the new
     // root while it is built.
     let root = Path::new(TMPFS_ROOT);
+    let mem = spec.memory_mib;
     m(
         Some("tmpfs"),
         root,
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=0755"),
+        Some(&tmpfs_options("/", "0755", mem)),
     )?;
     let at = |p: &str| root.join(p.trim_start_matches('/'));
     let mkdir = |p: &Path| fs::create_dir_all(p).map_err(|e| format!("mkdir {}: {e}", p.display()));
@@ -521,11 +556,7 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     bind_fd(&handles.workspace, "/workspace")?;
     bind_fd(&handles.home, "/root")?;
 
-    for (dir, mode) in [
-        ("/tmp", "mode=1777"),
-        ("/var/tmp", "mode=1777"),
-        ("/run", "mode=0755"),
-    ] {
+    for (dir, mode) in [("/tmp", "1777"), ("/var/tmp", "1777"), ("/run", "0755")] {
         let target = at(dir);
         if target.symlink_metadata().is_err() {
             mkdir(&target)?;
@@ -536,7 +567,7 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
                 &target,
                 Some("tmpfs"),
                 MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-                Some(mode),
+                Some(&tmpfs_options(dir, mode, mem)),
             )?;
         }
     }
@@ -565,7 +596,7 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
         &dev,
         Some("tmpfs"),
         MsFlags::MS_NOSUID,
-        Some("mode=0755"),
+        Some(&tmpfs_options("/dev", "0755", mem)),
     )?;
     for node in ["null", "zero", "full", "random", "urandom", "tty"] {
         let target = dev.join(node);
@@ -594,7 +625,7 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
         &shm,
         Some("tmpfs"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=1777"),
+        Some(&tmpfs_options("/dev/shm", "1777", mem)),
     )?;
     for (name, target) in [
         ("ptmx", "pts/ptmx"),

@@ -109,6 +109,10 @@ pub struct CreateOptions {
     pub memory: Option<u32>,
     /// Virtual CPUs.
     pub vcpus: Option<u32>,
+    /// Disk space for the workspace and home, in MiB.
+    pub disk: Option<u32>,
+    /// Most processes at once.
+    pub pids: Option<u32>,
     /// Network mode.
     pub network: Option<keystone_agent_api::Network>,
     /// Sync mode.
@@ -326,6 +330,38 @@ impl Manager {
         )
     }
 
+    /// The disk image of sandbox `name` (see [`crate::disk`]).
+    fn disk(&self, name: &str) -> crate::disk::Disk {
+        crate::disk::Disk::new(self.registry.dir(), name)
+    }
+
+    /// Whether `backend` keeps a sandbox's data in its host directory, so
+    /// that the disk image bounds it (microvm guests are NixOS's).
+    fn has_disk_image(backend: BackendKind) -> bool {
+        matches!(backend, BackendKind::Local | BackendKind::Vm)
+    }
+
+    /// Make and mount sandbox `sb`'s disk image if it has none mounted; a
+    /// failure only means that the limit is not enforced (the limits text
+    /// says why).
+    async fn ensure_disk(&self, sb: &Sandbox) {
+        if !Self::has_disk_image(sb.backend) {
+            return;
+        }
+        let disk = self.disk(&sb.name);
+        let size = sb.config.disk;
+        let done = tokio::task::spawn_blocking(move || disk.ensure(size)).await;
+        if let Ok(Err(e)) = done {
+            tracing::warn!(sandbox = %sb.name, error = %e, "disk limit not enforced");
+        }
+    }
+
+    /// Unmount and delete sandbox `name`'s disk image.
+    async fn release_disk(&self, name: &str) {
+        let disk = self.disk(name);
+        let _ = tokio::task::spawn_blocking(move || disk.release()).await;
+    }
+
     fn spec(&self, sb: &Sandbox) -> SandboxSpec {
         let dir = self.registry.sandbox_dir(&sb.name);
         let (uid, gid) = auth::sandbox_ids(sb.owner, sb.uid);
@@ -427,6 +463,8 @@ impl Manager {
         let config = SandboxConfig {
             memory: opts.memory.unwrap_or(d.memory),
             vcpus: opts.vcpus.unwrap_or(d.vcpus),
+            disk: opts.disk.unwrap_or(d.disk),
+            pids: opts.pids.unwrap_or(d.pids),
             network: opts.network.unwrap_or(d.network),
             sync_mode: opts.sync_mode.unwrap_or(d.sync_mode),
             ..d.clone()
@@ -486,6 +524,7 @@ impl Manager {
             Ok(n) => n,
             Err(e) => {
                 self.forget(&name);
+                self.release_disk(&name).await;
                 let _ = workspace::remove_tree(&self.registry.sandbox_dir(&name));
                 return Err(e);
             }
@@ -511,6 +550,7 @@ impl Manager {
     /// owner's read access is what counts), then handed to the sandbox's uid.
     /// Returns notices for the person.
     async fn prepare_dirs(&self, sb: &Sandbox) -> Result<Vec<String>> {
+        self.ensure_disk(sb).await;
         let spec = self.spec(sb);
         let dir = self.registry.sandbox_dir(&sb.name);
         let name = sb.name.clone();
@@ -689,7 +729,15 @@ impl Manager {
         }
         let spec = self.spec(&sb);
         match backend.start(&spec).await {
-            Ok(rt) => {
+            Ok(mut rt) => {
+                if Self::has_disk_image(kind) {
+                    let disk = self.disk(name).describe(sb.config.disk);
+                    rt.limits = if rt.limits.is_empty() {
+                        disk
+                    } else {
+                        format!("{}; {disk}", rt.limits)
+                    };
+                }
                 tracing::info!(sandbox = %name, init_pid = rt.init_pid, limits = %rt.limits, "running");
                 let sb = self.transition(name, Event::Started, |s| {
                     s.started_at = Some(SystemTime::now());
@@ -803,6 +851,7 @@ impl Manager {
         // Registry first: a crash after this leaves only a directory, which
         // the next start removes.
         self.forget(name);
+        self.release_disk(name).await;
         let dir = self.registry.sandbox_dir(name);
         let removed = tokio::task::spawn_blocking(move || workspace::remove_tree(&dir)).await;
         if let Ok(Err(e)) = removed {
@@ -1475,7 +1524,27 @@ impl Manager {
         for dir in self.registry.sandbox_dirs() {
             if !known.contains(&dir) || rolled_back.contains(&dir) {
                 tracing::info!(sandbox = %dir, "removing a leftover sandbox directory");
+                self.disk(&dir).release();
                 let _ = workspace::remove_tree(&self.registry.sandbox_dir(&dir));
+            }
+        }
+        for name in crate::disk::images(self.registry.dir()) {
+            if !known.contains(&name) || rolled_back.contains(&name) {
+                tracing::info!(sandbox = %name, "removing a leftover disk image");
+                self.disk(&name).release();
+            }
+        }
+        // Images mounted by an earlier agentd may be gone (a reboot, a new
+        // mount namespace): the host reads workspaces from here on.
+        for name in self.names() {
+            let Some(sb) = self.snapshot(&name) else {
+                continue;
+            };
+            let disk = self.disk(&name);
+            if Self::has_disk_image(sb.backend) && disk.image.is_file() {
+                if let Err(e) = disk.ensure(sb.config.disk) {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot mount the disk image");
+                }
             }
         }
         for name in self.names() {

@@ -103,7 +103,22 @@ pub fn check_command<'a>(
 }
 
 /// Lowest accepted memory size, in MiB.
-pub const MEMORY_MIN: u32 = 1024;
+pub const MEMORY_MIN: u32 = 256;
+
+/// Lowest accepted disk size, in MiB.
+pub const DISK_MIN: u32 = 16;
+
+/// Highest accepted disk size, in MiB (16 TiB, ext4's limit with 4 KiB
+/// blocks).
+pub const DISK_MAX: u32 = 16 << 20;
+
+/// Lowest accepted process limit: the init, the control server, a shell
+/// and a few commands.
+pub const PIDS_MIN: u32 = 16;
+
+/// Highest accepted process limit: the kernel's own ceiling for `pid_max`
+/// (`PID_MAX_LIMIT`).
+pub const PIDS_MAX: u32 = 1 << 22;
 
 /// Check a sandbox name: usable as a DNS label, in a network interface name,
 /// a D-Bus object path and a file name.
@@ -133,6 +148,18 @@ pub fn check_config(config: &SandboxConfig, problems: &mut Vec<String>) {
     }
     if config.vcpus < 1 {
         problems.push("vcpus must be at least 1".to_owned());
+    }
+    if !(DISK_MIN..=DISK_MAX).contains(&config.disk) {
+        problems.push(format!(
+            "disk {} MiB is out of range: from {DISK_MIN} to {DISK_MAX} MiB",
+            config.disk
+        ));
+    }
+    if !(PIDS_MIN..=PIDS_MAX).contains(&config.pids) {
+        problems.push(format!(
+            "pids {} is out of range: from {PIDS_MIN} to {PIDS_MAX}",
+            config.pids
+        ));
     }
     for pattern in &config.env_files {
         if pattern.is_empty() || pattern.contains('/') || pattern == "." || pattern == ".." {
@@ -208,15 +235,19 @@ mod tests {
     #[test]
     fn every_config_problem_is_reported() {
         let c = SandboxConfig {
-            memory: 512,
+            memory: 128,
             vcpus: 0,
+            disk: 1,
+            pids: 5_000_000,
             env_files: vec!["../.env".into()],
             ..SandboxConfig::default()
         };
         let mut p = Vec::new();
         check_config(&c, &mut p);
-        assert_eq!(p.len(), 3, "{p:?}");
-        assert!(p[0].contains("512"));
+        assert_eq!(p.len(), 5, "{p:?}");
+        assert!(p[0].contains("128"));
+        assert!(p[2].contains("disk 1 MiB"), "{p:?}");
+        assert!(p[3].contains("pids 5000000"), "{p:?}");
     }
 
     #[test]

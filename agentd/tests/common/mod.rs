@@ -294,6 +294,24 @@ impl Drop for Env {
         }
         let _ = self.dbus.kill();
         let _ = self.dbus.wait();
+        // The cgroups of sandboxes killed above, once their processes are
+        // gone.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !agentd::cgroup::Cgroups::remove_all(&self.state_dir) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Sandboxes' disk images mounted under the temporary directory, or
+        // it could not be removed (and the loop devices would stay).
+        let mut mounts: Vec<PathBuf> = fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4).map(PathBuf::from))
+            .filter(|p| p.starts_with(self.tmp.path()))
+            .collect();
+        mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+        for m in mounts {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+        }
     }
 }
 

@@ -1,0 +1,251 @@
+//! The disk limit of a sandbox: its directory on the host
+//! (`sandboxes/<name>`: workspace, home, logs, run) is the mount point of a
+//! sparse ext4 image, `disks/<name>.img`, of the sandbox's `disk` MiB. A
+//! write past it fails with ENOSPC inside the sandbox; the host's file system
+//! only ever holds the image. The workspace stays a directory path on the
+//! host, so agentd's git sync reads it as before.
+//!
+//! This needs root (a loop mount) and `mke2fs` (e2fsprogs). Where either is
+//! missing, or for a sandbox made before disk limits existed, the sandbox's
+//! directory is a plain one and its limits text says why.
+//!
+//! 1% of the image is reserved for root (agentd itself, never a sandbox's
+//! uid), so agentd can still write a full sandbox's settings and logs.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Why a sandbox's disk limit could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    /// agentd is not root.
+    #[error("agentd is not root (an image needs a loop mount)")]
+    NotRoot,
+    /// The backend keeps the sandbox's data elsewhere.
+    #[error("the {0} backend keeps the sandbox's disks itself")]
+    Backend(String),
+    /// The sandbox's directory was made before disk limits existed.
+    #[error(
+        "the sandbox was created before disk limits (its workspace is a plain directory); \
+         recreate it to get one"
+    )]
+    Predates,
+    /// A file operation failed.
+    #[error("cannot {what} {path}: {source}")]
+    Io {
+        /// What was done.
+        what: &'static str,
+        /// On what.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tool (mke2fs, mount) failed.
+    #[error("{tool} failed: {message}")]
+    Tool {
+        /// The tool.
+        tool: &'static str,
+        /// Its error output.
+        message: String,
+    },
+}
+
+/// Where a sandbox's image and mount point are.
+#[derive(Debug, Clone)]
+pub struct Disk {
+    /// The image, `<state>/disks/<name>.img`.
+    pub image: PathBuf,
+    /// The sandbox's directory, `<state>/sandboxes/<name>`.
+    pub dir: PathBuf,
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DiskError {
+    let path = path.to_owned();
+    move |source| DiskError::Io { what, path, source }
+}
+
+/// Whether `path` is a mount point (of anything).
+#[must_use]
+pub fn is_mount_point(path: &Path) -> bool {
+    fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|p| Path::new(&unescape(p)) == path)
+}
+
+fn unescape(field: &str) -> String {
+    field
+        .replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+impl Disk {
+    /// The disk of sandbox `name` under state directory `state`.
+    #[must_use]
+    pub fn new(state: &Path, name: &str) -> Self {
+        Self {
+            image: state.join("disks").join(format!("{name}.img")),
+            dir: state.join("sandboxes").join(name),
+        }
+    }
+
+    fn why_file(&self) -> PathBuf {
+        self.image.with_extension("why")
+    }
+
+    /// Make the image of `size_mib` when the sandbox has none yet, and mount
+    /// it on the sandbox's directory unless it is already. Blocking.
+    pub fn ensure(&self, size_mib: u32) -> Result<(), DiskError> {
+        let result = self.ensure_inner(size_mib);
+        // Remember why there is no limit, for the limits text of each start.
+        match &result {
+            Ok(()) => {
+                let _ = fs::remove_file(self.why_file());
+            }
+            Err(e) => {
+                if let Some(parent) = self.image.parent() {
+                    let _ = fs::create_dir_all(parent);
+                }
+                let _ = fs::write(self.why_file(), e.to_string());
+            }
+        }
+        result
+    }
+
+    fn ensure_inner(&self, size_mib: u32) -> Result<(), DiskError> {
+        if !nix::unistd::Uid::effective().is_root() {
+            return Err(DiskError::NotRoot);
+        }
+        if is_mount_point(&self.dir) {
+            return Ok(());
+        }
+        if !self.image.is_file() {
+            if self.dir.join("workspace").exists() {
+                return Err(DiskError::Predates);
+            }
+            self.make_image(size_mib)?;
+        }
+        fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
+        let out = Command::new("mount")
+            .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime"])
+            .arg(&self.image)
+            .arg(&self.dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| DiskError::Tool {
+                tool: "mount",
+                message: e.to_string(),
+            })?;
+        if !out.status.success() {
+            return Err(DiskError::Tool {
+                tool: "mount",
+                message: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            });
+        }
+        // The image's root belongs to root; the sandbox's own directories
+        // below get their owners and modes as before.
+        tracing::info!(image = %self.image.display(), dir = %self.dir.display(), "disk image mounted");
+        Ok(())
+    }
+
+    fn make_image(&self, size_mib: u32) -> Result<(), DiskError> {
+        let disks = self.image.parent().expect("the image is in disks/");
+        fs::create_dir_all(disks).map_err(io("create", disks))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(disks, fs::Permissions::from_mode(0o700))
+                .map_err(io("restrict", disks))?;
+        }
+        let tmp = self.image.with_extension("img.tmp");
+        let _ = fs::remove_file(&tmp);
+        let out = Command::new("mke2fs")
+            .args(["-q", "-F", "-t", "ext4", "-m", "1", "-E", "root_owner=0:0"])
+            .arg(&tmp)
+            .arg(format!("{size_mib}M"))
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| DiskError::Tool {
+                tool: "mke2fs",
+                message: format!("{e} (install e2fsprogs)"),
+            })?;
+        if !out.status.success() {
+            let _ = fs::remove_file(&tmp);
+            return Err(DiskError::Tool {
+                tool: "mke2fs",
+                message: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            });
+        }
+        fs::rename(&tmp, &self.image).map_err(io("create", &self.image))
+    }
+
+    /// Unmount the image (lazily: a dying sandbox may still hold it) and
+    /// delete it. Blocking.
+    pub fn release(&self) {
+        if is_mount_point(&self.dir) {
+            if let Err(e) = nix::mount::umount2(&self.dir, nix::mount::MntFlags::MNT_DETACH) {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot unmount the disk image");
+                return;
+            }
+        }
+        let _ = fs::remove_file(&self.image);
+        let _ = fs::remove_file(self.why_file());
+    }
+
+    /// The disk limit as shown in the limits text.
+    #[must_use]
+    pub fn describe(&self, size_mib: u32) -> String {
+        if is_mount_point(&self.dir) {
+            let size = fs::metadata(&self.image).map_or(u64::from(size_mib), |m| m.len() >> 20);
+            return format!("disk {size} MiB (ext4 image)");
+        }
+        let why = fs::read_to_string(self.why_file())
+            .unwrap_or_else(|_| "the sandbox's disk image is not mounted".to_owned());
+        format!("disk not enforced: {why}")
+    }
+}
+
+/// Names of the images under `<state>/disks`.
+#[must_use]
+pub fn images(state: &Path) -> Vec<String> {
+    fs::read_dir(state.join("disks"))
+        .map(|d| {
+            d.filter_map(|e| {
+                let n = e.ok()?.file_name().into_string().ok()?;
+                n.strip_suffix(".img").map(str::to_owned)
+            })
+            .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_and_reasons() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = Disk::new(tmp.path(), "demo");
+        assert_eq!(d.image, tmp.path().join("disks/demo.img"));
+        assert_eq!(d.dir, tmp.path().join("sandboxes/demo"));
+        assert_eq!(d.why_file(), tmp.path().join("disks/demo.why"));
+        assert!(d.describe(16).starts_with("disk not enforced"));
+        fs::create_dir_all(d.dir.join("workspace")).unwrap();
+        if nix::unistd::Uid::effective().is_root() {
+            assert!(matches!(d.ensure(16), Err(DiskError::Predates)));
+            assert!(d.describe(16).contains("created before disk limits"));
+        }
+        assert!(images(tmp.path()).is_empty());
+    }
+
+    #[test]
+    fn mount_points_are_found() {
+        assert!(is_mount_point(Path::new("/proc")));
+        assert!(!is_mount_point(Path::new("/proc/self")));
+    }
+}
