@@ -118,6 +118,29 @@ fn system_like_bus(
     (child, format!("unix:path={}", sock.display()))
 }
 
+/// agentd's shipped system-bus policy file.
+fn shipped_policy() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("dbus/org.keystone.Agent1.conf")
+}
+
+/// The shipped policy with nobody's group (gid 65534) as the access group,
+/// written into `dir`.
+fn policy_for_nogroup(dir: &std::path::Path) -> std::path::PathBuf {
+    let nogroup = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(NOBODY))
+        .unwrap()
+        .unwrap()
+        .name;
+    let path = dir.join("group.conf");
+    fs::write(
+        &path,
+        fs::read_to_string(shipped_policy())
+            .unwrap()
+            .replace("group=\"keystone-agent\"", &format!("group=\"{nogroup}\"")),
+    )
+    .unwrap();
+    path
+}
+
 #[test]
 fn system_bus_policy_admits_only_root_and_the_group() {
     if !common::is_root() {
@@ -129,22 +152,10 @@ fn system_bus_policy_admits_only_root_and_the_group() {
         .tempdir_in("/tmp")
         .unwrap();
     fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
-    let shipped =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("dbus/org.keystone.Agent1.conf");
+    let shipped = shipped_policy();
     // The same file with the access group replaced by one that exists here
     // (gid 65534), to check that group members get in.
-    let with_group = tmp.path().join("group.conf");
-    let nogroup = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(NOBODY))
-        .unwrap()
-        .unwrap()
-        .name;
-    fs::write(
-        &with_group,
-        fs::read_to_string(&shipped)
-            .unwrap()
-            .replace("group=\"keystone-agent\"", &format!("group=\"{nogroup}\"")),
-    )
-    .unwrap();
+    let with_group = policy_for_nogroup(tmp.path());
     for (policy, nobody_allowed) in [(&shipped, false), (&with_group, true)] {
         let dir = tempfile::Builder::new()
             .prefix("bus-")
@@ -275,20 +286,7 @@ fn another_user_hears_no_signal_of_a_sandbox_it_does_not_own() {
     fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
     // The shipped policy, with nobody's group as the access group: the
     // eavesdropper is a member, as a curious colleague would be.
-    let nogroup = nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(NOBODY))
-        .unwrap()
-        .unwrap()
-        .name;
-    let policy = tmp.path().join("policy.conf");
-    let shipped =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("dbus/org.keystone.Agent1.conf");
-    fs::write(
-        &policy,
-        fs::read_to_string(&shipped)
-            .unwrap()
-            .replace("group=\"keystone-agent\"", &format!("group=\"{nogroup}\"")),
-    )
-    .unwrap();
+    let policy = policy_for_nogroup(tmp.path());
     let (mut bus, addr) = system_like_bus(tmp.path(), &policy);
     let state = tmp.path().join("state");
     let mut agentd = std::process::Command::new(common::AGENTD)

@@ -6,17 +6,9 @@ mod common;
 
 use common::Env;
 
-fn running(name: &str) -> Env {
-    let env = Env::new();
-    let repo = env.repo(name);
-    env.ok(&["create", repo.to_str().unwrap()]);
-    env.ok(&["start", name]);
-    env
-}
-
 #[test]
 fn read_only_mounts_cannot_be_made_writable_or_covered() {
-    let env = running("lock");
+    let env = Env::running("lock", &[]);
     let sh = |script: &str| {
         let out = env.ctl(&["exec", "lock", "--", "sh", "-c", script]);
         (

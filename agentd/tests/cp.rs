@@ -8,17 +8,9 @@ use std::os::unix::fs::PermissionsExt;
 
 use common::Env;
 
-fn running(name: &str) -> Env {
-    let env = Env::new();
-    let repo = env.repo(name);
-    env.ok(&["create", repo.to_str().unwrap()]);
-    env.ok(&["start", name]);
-    env
-}
-
 #[test]
 fn round_trip_of_binary_data_and_a_tree_keeps_bytes_and_modes() {
-    let env = running("cpr");
+    let env = Env::running("cpr", &[]);
     let src = env.tmp.path().join("tree");
     fs::create_dir_all(src.join("sub/deeper")).unwrap();
     let data: Vec<u8> = (0..(1 << 20))
@@ -131,7 +123,7 @@ fn refused(env: &Env, args: &[&str], entry: &str) {
 #[test]
 fn copying_out_gives_the_sandbox_no_write_on_the_host() {
     use std::os::unix::fs::MetadataExt;
-    let env = running("cpx");
+    let env = Env::running("cpx", &[]);
     let t = env.tmp.path();
     let victim = t.join("victim");
     fs::create_dir(&victim).unwrap();
@@ -228,7 +220,7 @@ fn copying_out_gives_the_sandbox_no_write_on_the_host() {
 
 #[test]
 fn a_tar_planted_in_the_sandbox_is_never_what_a_copy_runs() {
-    let env = running("cpt");
+    let env = Env::running("cpt", &[]);
     let repo = env.tmp.path().join("cpt");
     // The sandbox puts a `tar` of its own in every directory it can write
     // that could come first on PATH, one that sends a git hook.

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::Env;
-use keystone_agent_api::{Error, SandboxProxy};
+use keystone_agent_api::Error;
 
 /// agentd's resident memory (KiB), CPU time (clock ticks) and descriptors.
 fn usage(pid: i32) -> (u64, u64, usize) {
@@ -32,38 +32,14 @@ fn usage(pid: i32) -> (u64, u64, usize) {
     (rss, cpu, fds)
 }
 
-fn with_sandbox(env: &Env, name: &str, f: impl AsyncFnOnce(SandboxProxy<'_>)) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let conn = zbus::connection::Builder::address(env.address.as_str())
-            .unwrap()
-            .build()
-            .await
-            .unwrap();
-        let sb = SandboxProxy::builder(&conn)
-            .path(format!("/org/keystone/Agent1/sandbox/{name}"))
-            .unwrap()
-            .build()
-            .await
-            .unwrap();
-        f(sb).await;
-    });
-}
-
 #[test]
 fn a_writer_left_in_the_background_costs_agentd_nothing_after_the_call() {
-    let env = Env::new();
-    let repo = env.repo("flood");
-    env.ok(&["create", repo.to_str().unwrap()]);
-    env.ok(&["start", "flood"]);
+    let env = Env::running("flood", &[]);
     let pid = env.agentd_pid();
     // Warm up: one plain call, so the baseline includes what any call costs.
     env.ok(&["exec", "flood", "--", "true"]);
     let (rss0, _, fds0) = usage(pid);
-    with_sandbox(&env, "flood", async |sb| {
+    env.with_sandbox("flood", async |sb| {
         for _ in 0..3 {
             let r = sb
                 .exec(
@@ -127,15 +103,12 @@ fn a_writer_left_in_the_background_costs_agentd_nothing_after_the_call() {
 
 #[test]
 fn oversized_arguments_are_refused_and_nothing_grows() {
-    let env = Env::new();
-    let repo = env.repo("big");
-    env.ok(&["create", repo.to_str().unwrap()]);
-    env.ok(&["start", "big"]);
+    let env = Env::running("big", &[]);
     let registry = env.state_dir.join("registry.json");
     let size0 = std::fs::metadata(&registry).unwrap().len();
     let huge = "b".repeat(30 << 20);
     let long = "b".repeat(8 << 10);
-    with_sandbox(&env, "big", async |sb| {
+    env.with_sandbox("big", async |sb| {
         let invalid = |r: Result<_, Error>, what: &str| match r {
             Err(Error::InvalidArgument(m)) => {
                 assert!(m.len() < 1024, "{what}: the error repeats the input");

@@ -10,17 +10,6 @@ use std::time::Duration;
 
 use common::Env;
 
-fn running(name: &str, extra: &[&str]) -> Env {
-    let env = Env::new();
-    let repo = env.repo(name);
-    let mut args = vec!["create"];
-    args.extend_from_slice(extra);
-    args.push(repo.to_str().unwrap());
-    env.ok(&args);
-    env.ok(&["start", name]);
-    env
-}
-
 /// Run `script` with sh in sandbox `name`: (exit code, stdout, stderr).
 fn sh(env: &Env, name: &str, script: &str) -> (Option<i32>, String, String) {
     let out = env.ctl(&["exec", name, "--timeout", "120", "--", "sh", "-c", script]);
@@ -60,7 +49,7 @@ fn processes(env: &Env, name: &str) -> usize {
 
 #[test]
 fn a_fork_flood_stops_at_the_pids_limit() {
-    let env = running("forks", &["--memory", "256", "--pids", "32"]);
+    let env = Env::running("forks", &["--memory", "256", "--pids", "32"]);
     let limits = env.status("forks")["limits"].as_str().unwrap().to_owned();
     if !cgroups_enforced(&limits) {
         eprintln!("skipped: no cgroup limits on this host: {limits}");
@@ -98,7 +87,7 @@ fn a_fork_flood_stops_at_the_pids_limit() {
 
 #[test]
 fn memory_and_tmpfs_writes_stop_at_the_memory_limit() {
-    let env = running("hog", &["--memory", "256", "--pids", "64"]);
+    let env = Env::running("hog", &["--memory", "256", "--pids", "64"]);
     let limits = env.status("hog")["limits"].as_str().unwrap().to_owned();
     // The tmpfs file systems are bounded by the memory setting everywhere:
     // a few hundred MiB written to each fail at its size.
@@ -141,7 +130,7 @@ fn memory_and_tmpfs_writes_stop_at_the_memory_limit() {
 
 #[test]
 fn a_disk_flood_stops_at_the_disk_limit() {
-    let env = running("fill", &["--memory", "256", "--disk", "16"]);
+    let env = Env::running("fill", &["--memory", "256", "--disk", "16"]);
     let limits = env.status("fill")["limits"].as_str().unwrap().to_owned();
     let mke2fs = std::process::Command::new("mke2fs")
         .arg("-V")

@@ -128,30 +128,12 @@ impl Caddy {
     /// GET `path` with `Host: host` and a `Cookie` header (when not empty);
     /// (status, the response's head, body).
     pub fn get_with_cookie(&self, host: &str, path: &str, cookie: &str) -> (u16, String, String) {
-        let Ok(mut s) = TcpStream::connect(("127.0.0.1", self.http)) else {
-            return (0, String::new(), String::new());
-        };
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let cookie = if cookie.is_empty() {
             String::new()
         } else {
             format!("Cookie: {cookie}\r\n")
         };
-        let req =
-            format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{cookie}Connection: close\r\n\r\n");
-        if s.write_all(req.as_bytes()).is_err() {
-            return (0, String::new(), String::new());
-        }
-        let mut raw = Vec::new();
-        let _ = s.read_to_end(&mut raw);
-        let text = String::from_utf8_lossy(&raw).into_owned();
-        let status = text
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        (status, head.to_owned(), body.to_owned())
+        request(self.http, host, "GET", path, &cookie)
     }
 }
 
@@ -164,13 +146,27 @@ impl Drop for Caddy {
 /// One HTTP/1.1 request to 127.0.0.1:`port`; (status, body). Status 0 when
 /// the connection failed.
 pub fn http(port: u16, host: &str, method: &str, path: &str) -> (u16, String) {
+    let (status, _, body) = request(port, host, method, path, "");
+    (status, body)
+}
+
+/// One HTTP/1.1 request with `headers` (each line ending in CRLF) added;
+/// (status, the response's head, body). Status 0 when the connection failed.
+pub fn request(
+    port: u16,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+) -> (u16, String, String) {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return (0, String::new());
+        return (0, String::new(), String::new());
     };
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let req =
+        format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n");
     if s.write_all(req.as_bytes()).is_err() {
-        return (0, String::new());
+        return (0, String::new(), String::new());
     }
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
@@ -180,20 +176,16 @@ pub fn http(port: u16, host: &str, method: &str, path: &str) -> (u16, String) {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(head, b)| {
-            if head
-                .to_ascii_lowercase()
-                .contains("transfer-encoding: chunked")
-            {
-                dechunk(b)
-            } else {
-                b.to_owned()
-            }
-        })
-        .unwrap_or_default();
-    (status, body)
+    let (head, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(b)
+    } else {
+        b.to_owned()
+    };
+    (status, head.to_owned(), body)
 }
 
 fn dechunk(mut b: &str) -> String {

@@ -89,6 +89,46 @@ impl Env {
         }
     }
 
+    /// A bus, agentd, and a running sandbox `name` made from a fresh
+    /// repository of that name with `create`'s `extra` options.
+    pub fn running(name: &str, extra: &[&str]) -> Self {
+        let env = Self::new();
+        let repo = env.repo(name);
+        let mut args = vec!["create"];
+        args.extend_from_slice(extra);
+        args.push(repo.to_str().unwrap());
+        env.ok(&args);
+        env.ok(&["start", name]);
+        env
+    }
+
+    /// Run `f` with a proxy of sandbox `name`'s object, on a connection of
+    /// its own.
+    pub fn with_sandbox(
+        &self,
+        name: &str,
+        f: impl AsyncFnOnce(keystone_agent_api::SandboxProxy<'_>),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let conn = zbus::connection::Builder::address(self.address.as_str())
+                .unwrap()
+                .build()
+                .await
+                .unwrap();
+            let sb = keystone_agent_api::SandboxProxy::builder(&conn)
+                .path(format!("/org/keystone/Agent1/sandbox/{name}"))
+                .unwrap()
+                .build()
+                .await
+                .unwrap();
+            f(sb).await;
+        });
+    }
+
     /// The pid of the running agentd.
     pub fn agentd_pid(&self) -> i32 {
         i32::try_from(self.agentd.as_ref().expect("agentd runs").id()).unwrap()
