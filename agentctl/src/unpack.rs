@@ -178,6 +178,7 @@ pub fn unpack(
     opts: Options,
 ) -> Result<Unpacked, UnpackError> {
     let mut archive = tar::Archive::new(archive);
+    let umask = umask();
     let mut dir_modes = Vec::new();
     let mut files: HashSet<PathBuf> = HashSet::new();
     let mut links: Vec<(PathBuf, PathBuf, PathBuf)> = Vec::new();
@@ -202,7 +203,8 @@ pub fn unpack(
         seen = true;
         check_parents(tmp, &rel, &raw)?;
         let path = tmp.join(&rel);
-        let mode = entry.header().mode().unwrap_or(0o644) & 0o777;
+        // As tar does for a user: the archive's modes, less the umask.
+        let mode = entry.header().mode().unwrap_or(0o644) & 0o777 & !umask;
         match kind {
             tar::EntryType::Directory => {
                 if !clear_earlier(&path, &raw, true)? {
@@ -215,6 +217,7 @@ pub fn unpack(
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
                 clear_earlier(&path, &raw, false)?;
+                files.remove(&rel);
                 let mut f = fs::OpenOptions::new()
                     .write(true)
                     .create_new(true)
@@ -250,6 +253,8 @@ pub fn unpack(
                     .ok_or_else(|| refused(&raw, format!("a {what} without a target")))?
                     .into_owned();
                 clear_earlier(&path, &raw, false)?;
+                // The name is a link now, no longer a file a hard link may name.
+                files.remove(&rel);
                 if kind == tar::EntryType::Symlink {
                     let dir = rel.parent().unwrap_or(Path::new(""));
                     if resolve_inside(dir, &target).is_none() {
@@ -268,7 +273,10 @@ pub fn unpack(
                     // A hard link may only name a file this copy made.
                     let target_rel = entry_path(&target, base)
                         .ok()
-                        .filter(|t| files.contains(t))
+                        .filter(|t| {
+                            files.contains(t)
+                                && fs::symlink_metadata(tmp.join(t)).is_ok_and(|m| m.is_file())
+                        })
                         .ok_or_else(|| {
                             refused(
                                 &raw,
@@ -330,6 +338,19 @@ pub fn unpack(
         top: tmp.join(base),
         dir_modes,
     })
+}
+
+/// This process's umask (read, not set: setting it to read it would race
+/// with other threads).
+fn umask() -> u32 {
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Umask:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0o022)
 }
 
 fn kind_name(kind: tar::EntryType) -> &'static str {
@@ -495,7 +516,10 @@ mod tests {
             fs::metadata(dst.join("run")).unwrap().mode() & 0o7777,
             0o755
         );
-        assert_eq!(fs::metadata(dst.join("ro")).unwrap().mode() & 0o7777, 0o755);
+        assert_eq!(
+            fs::metadata(dst.join("ro")).unwrap().mode() & 0o7777,
+            (0o555 & !umask()) | 0o700
+        );
         assert_eq!(fs::read(dst.join("ro/f")).unwrap(), b"y");
     }
 
@@ -592,6 +616,43 @@ mod tests {
                 true
             )
             .contains("not a file of this copy")
+        );
+    }
+
+    #[test]
+    fn a_hard_link_never_copies_a_link_that_replaced_a_file() {
+        let deep = "base/d1/d2/d3/a";
+        assert!(
+            refusal(
+                &[
+                    E::Dir("base", 0o755),
+                    E::File(deep, 0o644, b"x"),
+                    E::Sym(deep, "../../../etc/passwd"),
+                    E::Hard("base/passwd", deep),
+                ],
+                true
+            )
+            .contains("not a file of this copy")
+        );
+    }
+
+    #[test]
+    fn modes_lose_what_the_umask_takes() {
+        let mask = umask();
+        let (dir, r) = run(
+            &[E::Dir("base", 0o777), E::File("base/f", 0o666, b"x")],
+            false,
+        );
+        let t = r.unwrap();
+        let dst = dir.path().join("dst");
+        place(&t, &dst).unwrap();
+        assert_eq!(
+            fs::metadata(dst.join("f")).unwrap().mode() & 0o777,
+            0o666 & !mask
+        );
+        assert_eq!(
+            fs::metadata(&dst).unwrap().mode() & 0o777,
+            (0o777 & !mask) | 0o700
         );
     }
 

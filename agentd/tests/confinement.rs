@@ -33,6 +33,18 @@ fn read_only_mounts_cannot_be_made_writable_or_covered() {
         let (code, _) = sh(&format!("touch {dir}/.w"));
         assert_ne!(code, Some(0), "{dir} is writable");
     }
+    // Nor can it put a loader, a library or a device of its own where every
+    // program looks for one: the root and /dev are read-only too.
+    for attempt in [
+        "mkdir -p /workspace/fl && ln -s /workspace/fl /lib64.new && mv -Tf /lib64.new /lib64",
+        "rm -f /lib64 && mkdir /lib64",
+        "touch /planted",
+        "ln -sf /workspace/x /dev/ptmx",
+        "rm /dev/stdin",
+    ] {
+        let (code, err) = sh(attempt);
+        assert_ne!(code, Some(0), "{attempt} succeeded: {err}");
+    }
     // Still read-only in the mount table, and the tools are still agentd's.
     let mounts = env.ok(&["exec", "lock", "--", "cat", "/proc/self/mountinfo"]);
     let usr = mounts

@@ -531,7 +531,7 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
                 MsFlags::MS_BIND | MsFlags::MS_REC,
                 None,
             )?;
-            make_readonly(&target)?;
+            make_readonly(&target, true)?;
         }
         Ok(())
     };
@@ -576,7 +576,7 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     }
     if let Some(guest) = &handles.guest {
         bind_fd(guest, GUEST_DIR)?;
-        make_readonly(&at(GUEST_DIR))?;
+        make_readonly(&at(GUEST_DIR), true)?;
     }
 
     let proc = at("/proc");
@@ -636,6 +636,13 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     ] {
         symlink(target, dev.join(name)).map_err(|e| format!("symlink /dev/{name}: {e}"))?;
     }
+    // The root and /dev themselves are read-only once built: the sandbox
+    // may write its workspace, home and tmpfs mounts, but may not put a
+    // loader, a library or a /dev entry of its own where programs, agentd's
+    // tools among them, look for one (`/lib64 -> usr/lib64` swapped for a
+    // directory of the sandbox's would run its code in every command).
+    make_readonly(&dev, false)?;
+    make_readonly(root, false)?;
     std::env::set_current_dir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
     nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
     umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
@@ -643,9 +650,10 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     Ok(())
 }
 
-/// Make the mount at `path` (and everything below it) read-only without
-/// touching its other flags, which the kernel may have locked.
-fn make_readonly(path: &Path) -> Result<(), String> {
+/// Make the mount at `path` (and, with `recursive`, every mount below it)
+/// read-only without touching its other flags, which the kernel may have
+/// locked.
+fn make_readonly(path: &Path, recursive: bool) -> Result<(), String> {
     #[repr(C)]
     struct MountAttr {
         attr_set: u64,
@@ -668,7 +676,7 @@ fn make_readonly(path: &Path) -> Result<(), String> {
             nix::libc::SYS_mount_setattr,
             nix::libc::AT_FDCWD,
             c.as_ptr(),
-            AT_RECURSIVE,
+            if recursive { AT_RECURSIVE } else { 0 },
             &raw const attr,
             std::mem::size_of::<MountAttr>(),
         )
