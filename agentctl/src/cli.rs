@@ -186,7 +186,7 @@ touched by --into, and only as a fast-forward of a clean checkout."
     },
     /// Copy files or directories into or out of a sandbox. Copying out
     /// creates only plain files and directories, owned by you, with modes
-    /// kept but setuid, setgid and sticky bits dropped; a symlink already in
+    /// kept less your umask and setuid, setgid and sticky bits dropped; a symlink already in
     /// the destination is never followed or replaced, and a copy that is
     /// refused changes nothing.
     #[command(
