@@ -1260,7 +1260,7 @@ impl Manager {
             )]));
         }
         let ws = self.spec(sb).workspace;
-        if procfs::is_real_dir(&ws.join(worktree::dir_of(branch))) {
+        if crate::beneath::is_real_dir(&ws, &worktree::dir_of(branch)) {
             return Ok(Some(format!(
                 "{}/{}",
                 worktree::SANDBOX_ROOT,
