@@ -106,6 +106,11 @@ fn a_refs_symlink_planted_by_the_sandbox_is_not_followed() {
     wait_for("the commit on the host", Duration::from_secs(20), || {
         host_ref(&repo, "refs/remotes/sandbox/wr/main").as_deref() == Some(new_head.trim())
     });
+    // Turning automatic sync off gives every watch back.
+    env.ok(&["set", "wr", "--sync-mode", "manual"]);
+    wait_for("the watches to be released", Duration::from_secs(5), || {
+        inotify_watches(env.agentd_pid()) == 0
+    });
 }
 
 #[test]
