@@ -5,6 +5,7 @@
 
 pub mod auth;
 pub mod backend;
+pub mod beneath;
 pub mod cgroup;
 pub mod config;
 pub mod confine;

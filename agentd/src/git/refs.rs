@@ -177,20 +177,21 @@ fn accept(short: &str, hex: &str, out: &mut BTreeMap<String, Oid>, skipped: &mut
 /// The branch `<git_dir>/HEAD` names, read without following symlinks.
 #[must_use]
 pub fn head_branch(git_dir: &Path) -> Option<String> {
-    let meta = fs::symlink_metadata(git_dir).ok()?;
-    if !meta.is_dir() {
-        return None;
-    }
-    let text = read_regular(&git_dir.join("HEAD"), REF_FILE_MAX).ok()??;
+    // The directory itself, never through a symlink; then HEAD inside that
+    // very directory (its /proc/self/fd link), so a swap cannot redirect.
+    let dir = crate::beneath::open_root(git_dir).ok()?;
+    let head = Path::new(&crate::beneath::fd_path(&dir)).join("HEAD");
+    let text = read_regular(&head, REF_FILE_MAX).ok()??;
     let branch = text.trim().strip_prefix("ref: refs/heads/")?.to_owned();
     valid_branch(&branch).then_some(branch)
 }
 
-/// Read a regular file (never through a symlink) of at most `max` bytes.
+/// Read a regular file (never through a symlink, never blocking on a FIFO)
+/// of at most `max` bytes.
 fn read_regular(path: &Path, max: u64) -> Result<Option<String>, String> {
     let f = match fs::OpenOptions::new()
         .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
         .open(path)
     {
         Ok(f) => f,
@@ -250,6 +251,22 @@ mod tests {
                 .iter()
                 .any(|s| s.contains("'bad' has a malformed ref"))
         );
+    }
+
+    #[test]
+    fn head_is_read_neither_through_a_symlink_nor_from_a_fifo() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real");
+        fs::create_dir(&real).unwrap();
+        fs::write(real.join("HEAD"), "ref: refs/heads/main\n").unwrap();
+        assert_eq!(head_branch(&real).as_deref(), Some("main"));
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        assert_eq!(head_branch(&link), None);
+        let fifo = dir.path().join("fifo");
+        fs::create_dir(&fifo).unwrap();
+        nix::unistd::mkfifo(&fifo.join("HEAD"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(head_branch(&fifo), None);
     }
 
     #[test]

@@ -419,18 +419,36 @@ pub fn remove_tree(root: &Path) -> std::io::Result<()> {
     }
 }
 
+/// Give every directory of the tree at `dir` mode 0700, by descriptor: a
+/// directory the sandbox swaps for a symlink meanwhile is skipped, and no
+/// mode change ever lands outside the tree.
 fn open_up(dir: &Path) {
-    use std::os::unix::fs::PermissionsExt;
-    let Ok(meta) = fs::symlink_metadata(dir) else {
+    if let Ok(fd) = crate::beneath::open_root(dir) {
+        open_up_at(&fd);
+    }
+}
+
+fn open_up_at(dir: &std::os::fd::OwnedFd) {
+    use nix::fcntl::{OFlag, openat};
+    use nix::sys::stat::Mode;
+    // `dir` is an O_PATH descriptor of a real directory: its /proc/self/fd
+    // link names exactly that directory.
+    let _ = fs::set_permissions(
+        crate::beneath::fd_path(dir),
+        fs::Permissions::from_mode(0o700),
+    );
+    let Ok(list) = openat(
+        dir,
+        ".",
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    ) else {
         return;
     };
-    if !meta.is_dir() {
-        return;
-    }
-    let _ = fs::set_permissions(dir, fs::Permissions::from_mode(0o700));
-    if let Ok(entries) = fs::read_dir(dir) {
-        for e in entries.flatten() {
-            open_up(&e.path());
+    for name in crate::beneath::subdirs(list) {
+        let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        if let Ok(child) = openat(dir, &name, flags, Mode::empty()) {
+            open_up_at(&child);
         }
     }
 }
@@ -508,5 +526,25 @@ mod tests {
         remove_tree(&t).unwrap();
         assert!(!t.exists());
         assert!(Path::new("/etc/passwd").exists());
+    }
+
+    #[test]
+    fn opening_up_changes_modes_only_inside_the_tree() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (t, outside) = (dir.path().join("t"), dir.path().join("outside"));
+        fs::create_dir_all(t.join("a/b")).unwrap();
+        fs::create_dir_all(&outside).unwrap();
+        fs::set_permissions(&outside, fs::Permissions::from_mode(0o751)).unwrap();
+        std::os::unix::fs::symlink(&outside, t.join("a/link")).unwrap();
+        for d in ["a/b", "a"] {
+            fs::set_permissions(t.join(d), fs::Permissions::from_mode(0o000)).unwrap();
+        }
+        open_up(&t);
+        open_up(&t.join("a/link"));
+        let mode = |p: &Path| fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&t.join("a")), 0o700);
+        assert_eq!(mode(&t.join("a/b")), 0o700);
+        assert_eq!(mode(&outside), 0o751);
     }
 }

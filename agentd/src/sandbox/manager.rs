@@ -1237,6 +1237,16 @@ impl Manager {
         }
     }
 
+    /// Say in sandbox `name`'s sync status that its watcher reached `limit`
+    /// watched directories (watcher).
+    pub fn watch_limit_reached(&self, name: &str, limit: usize) {
+        let _ = self.update(name, |s| {
+            s.last_sync_result = format!(
+                "automatic sync sees only part of the workspace: watch limit of {limit} directories reached"
+            );
+        });
+    }
+
     /// An automatic sync of every branch to the host (watcher).
     pub async fn auto_sync(&self, name: &str) {
         match self
@@ -1341,7 +1351,7 @@ impl Manager {
             )]));
         }
         let ws = self.spec(sb).workspace;
-        if procfs::is_real_dir(&ws.join(worktree::dir_of(branch))) {
+        if crate::beneath::is_real_dir(&ws, &worktree::dir_of(branch)) {
             return Ok(Some(format!(
                 "{}/{}",
                 worktree::SANDBOX_ROOT,

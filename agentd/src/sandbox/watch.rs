@@ -1,5 +1,5 @@
-//! Automatic sync: watches a workspace with inotify (through `notify`; no
-//! polling) and brings work to the host as the sandbox's `sync_mode` says.
+//! Automatic sync: watches a workspace with inotify (no polling) and brings
+//! work to the host as the sandbox's `sync_mode` says.
 //!
 //! - `auto-commit`: any change under `.git/refs` or to `.git/packed-refs`
 //!   (a commit, a new branch) starts a sync 50 ms after the last such event.
@@ -8,36 +8,84 @@
 //!   changed for `sync_idle_seconds`; the snapshot then syncs as
 //!   `wip/<branch>`.
 //!
-//! Symlinks are never followed, so a sandbox cannot make agentd watch the
-//! rest of the host. With nothing happening the task sleeps on its channel:
-//! no timer runs unless an event armed one.
+//! The sandbox owns every file of its workspace and agentd is often root, so
+//! no path below the workspace is trusted: each directory is opened below a
+//! descriptor of the workspace without following any symlink (see
+//! [`crate::beneath`]) and the watch is put on that descriptor. A directory
+//! the sandbox replaces with a symlink (`.git/refs` → `/`), when the watch
+//! starts or at any time later, is refused and logged, never watched. One
+//! sandbox holds at most [`MAX_WATCHES`] watches; past that, the status says
+//! so and deeper changes are not seen.
+//!
+//! The watch runs on a thread of its own, asleep in `poll`; the task that acts
+//! sleeps on its channel: no timer runs unless an event armed one.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Weak;
 use std::time::Duration;
 
 use keystone_agent_api::SyncMode;
-use notify::{RecursiveMode, Watcher};
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
+use nix::sys::stat::SFlag;
+use tokio::sync::mpsc::UnboundedSender;
 use tokio::time::Instant;
 
 use super::manager::Manager;
+use crate::beneath;
 use crate::git::worktree::WORKTREES_DIR;
 
 /// Quiet time after a ref change before syncing.
 const REFS_DEBOUNCE: Duration = Duration::from_millis(50);
 
+/// Most directories one sandbox's watcher watches (one inotify watch each).
+pub const MAX_WATCHES: usize = 8192;
+
+/// Why a watcher could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum WatchError {
+    /// The workspace itself cannot be opened as a directory.
+    #[error("cannot open the workspace {}: {source}", path.display())]
+    Workspace {
+        /// The workspace on the host.
+        path: PathBuf,
+        /// What open said.
+        #[source]
+        source: Errno,
+    },
+    /// No inotify instance (or stop pipe) for this sandbox.
+    #[error("cannot set up inotify: {0}")]
+    Inotify(#[source] Errno),
+    /// No thread for the watch.
+    #[error("cannot start the watch thread: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
 /// A running watcher; dropping it stops watching.
 #[derive(Debug)]
 pub struct Handle {
-    _watcher: notify::RecommendedWatcher,
     task: tokio::task::JoinHandle<()>,
+    /// Write end of the watch thread's stop pipe: closing it ends the thread
+    /// (and with it the inotify instance and all its watches).
+    _stop: OwnedFd,
 }
 
 impl Drop for Handle {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// What the watch thread tells the task.
+#[derive(Debug)]
+enum Msg {
+    Change(Kind),
+    /// [`MAX_WATCHES`] (or the host's own limit) was reached.
+    Limit,
 }
 
 /// Start watching `workspace` of sandbox `name`.
@@ -47,50 +95,52 @@ pub fn start(
     workspace: PathBuf,
     mode: SyncMode,
     idle: Duration,
-) -> notify::Result<Handle> {
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<notify::Result<notify::Event>>();
-    let mut watcher = notify::RecommendedWatcher::new(
-        move |ev: notify::Result<notify::Event>| {
-            // Reads (ours included: a sync reads the refs) are not changes.
-            use notify::event::{AccessKind, AccessMode, EventKind};
-            if let Ok(e) = &ev {
-                if matches!(e.kind, EventKind::Access(k) if k != AccessKind::Close(AccessMode::Write))
-                {
-                    return;
-                }
-            }
-            let _ = tx.send(ev);
-        },
-        notify::Config::default().with_follow_symlinks(false),
-    )?;
-    let git = workspace.join(".git");
-    if mode == SyncMode::AutoIdle {
-        watcher.watch(&workspace, RecursiveMode::Recursive)?;
-    } else {
-        watcher.watch(&git, RecursiveMode::NonRecursive)?;
-        watcher.watch(&git.join("refs"), RecursiveMode::Recursive)?;
-    }
+) -> Result<Handle, WatchError> {
+    let root = beneath::open_root(&workspace).map_err(|source| WatchError::Workspace {
+        path: workspace.clone(),
+        source,
+    })?;
+    let inotify = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+        .map_err(WatchError::Inotify)?;
+    let (stop_rx, stop_tx) = nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(WatchError::Inotify)?;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Msg>();
+    let mut w = Watch {
+        name: name.clone(),
+        root,
+        inotify,
+        roots: roots(mode),
+        paths: HashMap::new(),
+        wds: BTreeMap::new(),
+        full: false,
+        refused: false,
+        tx,
+    };
+    w.arm();
+    std::thread::Builder::new()
+        .name("workspace-watch".to_owned())
+        .spawn(move || w.run(&stop_rx))
+        .map_err(WatchError::Thread)?;
     let task = tokio::spawn(async move {
         let mut refs_due: Option<Instant> = None;
         let mut idle_due: HashMap<PathBuf, Instant> = HashMap::new();
         loop {
             let next = refs_due.into_iter().chain(idle_due.values().copied()).min();
             tokio::select! {
-                ev = rx.recv() => match ev {
-                    None => return,
-                    Some(Err(e)) => tracing::warn!(sandbox = %name, error = %e, "workspace watch error"),
-                    Some(Ok(ev)) => {
-                        for path in &ev.paths {
-                            match classify(&workspace, path) {
-                                Kind::Refs => refs_due = Some(Instant::now() + REFS_DEBOUNCE),
-                                Kind::File(wt) if mode == SyncMode::AutoIdle => {
-                                    idle_due.insert(wt, Instant::now() + idle);
-                                }
-                                _ => {}
+                msg = rx.recv() => {
+                    match msg {
+                        None => return,
+                        Some(Msg::Change(Kind::Refs)) => refs_due = Some(Instant::now() + REFS_DEBOUNCE),
+                        Some(Msg::Change(Kind::File(wt))) if mode == SyncMode::AutoIdle => {
+                            idle_due.insert(wt, Instant::now() + idle);
+                        }
+                        Some(Msg::Change(_)) => {}
+                        Some(Msg::Limit) => {
+                            if let Some(m) = manager.upgrade() {
+                                m.watch_limit_reached(&name, MAX_WATCHES);
                             }
                         }
-                        continue;
                     }
+                    continue;
                 },
                 () = sleep_until(next) => {}
             }
@@ -116,8 +166,8 @@ pub fn start(
         }
     });
     Ok(Handle {
-        _watcher: watcher,
         task,
+        _stop: stop_tx,
     })
 }
 
@@ -128,7 +178,270 @@ async fn sleep_until(t: Option<Instant>) {
     }
 }
 
-#[derive(Debug, PartialEq, Eq)]
+/// The directories watched in `mode` (relative to the workspace; empty = the
+/// workspace itself), each with whether everything below it is watched too.
+/// `auto-commit` watches the workspace and `.git` alone only to see `.git`
+/// and `.git/refs` come back after the sandbox replaced them.
+fn roots(mode: SyncMode) -> Vec<(PathBuf, bool)> {
+    if mode == SyncMode::AutoIdle {
+        vec![(PathBuf::new(), true)]
+    } else {
+        vec![
+            (PathBuf::new(), false),
+            (PathBuf::from(".git"), false),
+            (PathBuf::from(".git/refs"), true),
+        ]
+    }
+}
+
+fn mask() -> AddWatchFlags {
+    // No IN_OPEN or IN_CLOSE_NOWRITE: reads (ours included: a sync reads the
+    // refs) are not changes. IN_ONLYDIR: what the descriptor names must still
+    // be a directory.
+    AddWatchFlags::IN_CREATE
+        | AddWatchFlags::IN_DELETE
+        | AddWatchFlags::IN_MODIFY
+        | AddWatchFlags::IN_CLOSE_WRITE
+        | AddWatchFlags::IN_MOVED_FROM
+        | AddWatchFlags::IN_MOVED_TO
+        | AddWatchFlags::IN_ATTRIB
+        | AddWatchFlags::IN_ONLYDIR
+}
+
+/// The watch of one workspace (owned by its thread after the first arming).
+struct Watch {
+    name: String,
+    /// The workspace (`O_PATH`); every directory is opened below it.
+    root: OwnedFd,
+    inotify: Inotify,
+    roots: Vec<(PathBuf, bool)>,
+    /// Watch → directory (relative), and back.
+    paths: HashMap<WatchDescriptor, PathBuf>,
+    wds: BTreeMap<PathBuf, WatchDescriptor>,
+    /// The limit was reached (told once).
+    full: bool,
+    /// A refusal was logged as a warning (further ones at debug level).
+    refused: bool,
+    tx: UnboundedSender<Msg>,
+}
+
+impl Watch {
+    fn run(mut self, stop: &OwnedFd) {
+        loop {
+            let (events, stopped) = {
+                let mut fds = [
+                    PollFd::new(self.inotify.as_fd(), PollFlags::POLLIN),
+                    PollFd::new(stop.as_fd(), PollFlags::POLLIN),
+                ];
+                match poll(&mut fds, PollTimeout::NONE) {
+                    Ok(_) | Err(Errno::EINTR) => {}
+                    Err(e) => {
+                        tracing::error!(sandbox = %self.name, error = %e, "workspace watch stopped");
+                        return;
+                    }
+                }
+                (
+                    fds[0].any().unwrap_or(false),
+                    fds[1].revents().is_some_and(|r| !r.is_empty()),
+                )
+            };
+            if stopped {
+                return;
+            }
+            if !events {
+                continue;
+            }
+            let events = match self.inotify.read_events() {
+                Ok(e) => e,
+                Err(Errno::EAGAIN | Errno::EINTR) => continue,
+                Err(e) => {
+                    tracing::error!(sandbox = %self.name, error = %e, "workspace watch stopped");
+                    return;
+                }
+            };
+            let mut changes = BTreeSet::new();
+            for ev in events {
+                self.handle(&ev, &mut changes);
+            }
+            for k in changes {
+                if self.tx.send(Msg::Change(k)).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, ev: &InotifyEvent, changes: &mut BTreeSet<Kind>) {
+        if ev.mask.contains(AddWatchFlags::IN_Q_OVERFLOW) {
+            tracing::warn!(sandbox = %self.name, "workspace events were lost; watching again from the top");
+            self.rearm();
+            changes.insert(Kind::Refs);
+            changes.insert(Kind::File(PathBuf::new()));
+            return;
+        }
+        let Some(dir) = self.paths.get(&ev.wd).cloned() else {
+            return;
+        };
+        if ev.mask.contains(AddWatchFlags::IN_IGNORED) {
+            // The directory is gone (or we removed the watch).
+            self.paths.remove(&ev.wd);
+            if self.wds.get(&dir) == Some(&ev.wd) {
+                self.wds.remove(&dir);
+            }
+            return;
+        }
+        let path = match &ev.name {
+            Some(n) => dir.join(n),
+            None => dir,
+        };
+        if ev.mask.contains(AddWatchFlags::IN_ISDIR) {
+            if ev
+                .mask
+                .intersects(AddWatchFlags::IN_MOVED_FROM | AddWatchFlags::IN_DELETE)
+            {
+                self.unwatch(&path);
+            }
+            if ev
+                .mask
+                .intersects(AddWatchFlags::IN_CREATE | AddWatchFlags::IN_MOVED_TO)
+            {
+                self.watch(path.clone());
+            }
+        }
+        match classify(self.root.as_fd(), &path) {
+            Kind::Other => {}
+            k => {
+                changes.insert(k);
+            }
+        }
+    }
+
+    /// Watch every root from scratch.
+    fn arm(&mut self) {
+        let roots: Vec<PathBuf> = self.roots.iter().map(|(r, _)| r.clone()).collect();
+        for r in roots {
+            self.watch(r);
+        }
+    }
+
+    fn rearm(&mut self) {
+        for wd in self.paths.keys() {
+            let _ = self.inotify.rm_watch(*wd);
+        }
+        self.paths.clear();
+        self.wds.clear();
+        self.arm();
+    }
+
+    /// Whether directory `rel` is to be watched, and if so whether its
+    /// subdirectories are too.
+    fn wanted(&self, rel: &Path) -> Option<bool> {
+        self.roots.iter().find_map(|(r, recursive)| {
+            if rel == r {
+                Some(*recursive)
+            } else {
+                (*recursive && rel.starts_with(r)).then_some(true)
+            }
+        })
+    }
+
+    /// Watch directory `top` and, as [`Self::wanted`] says, what is below.
+    fn watch(&mut self, top: PathBuf) {
+        let mut todo = vec![top];
+        while let Some(rel) = todo.pop() {
+            let Some(recursive) = self.wanted(&rel) else {
+                continue;
+            };
+            if self.wds.contains_key(&rel) {
+                continue;
+            }
+            if self.wds.len() >= MAX_WATCHES {
+                self.limit("");
+                return;
+            }
+            let dir = match beneath::open_dir(self.root.as_fd(), &rel) {
+                Ok(d) => d,
+                Err(Errno::ENOENT) => continue,
+                Err(e @ (Errno::ELOOP | Errno::ENOTDIR | Errno::EXDEV)) => {
+                    self.refuse(&rel, e);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(sandbox = %self.name, path = %rel.display(), error = %e, "cannot watch");
+                    continue;
+                }
+            };
+            // The descriptor, not the path: nothing the sandbox does to the
+            // path now changes which directory is watched.
+            match self
+                .inotify
+                .add_watch(beneath::fd_path(&dir).as_str(), mask())
+            {
+                Ok(wd) => {
+                    if let Some(old) = self.paths.insert(wd, rel.clone()) {
+                        // Already watched under another name (moved).
+                        self.wds.remove(&old);
+                    }
+                    self.wds.insert(rel.clone(), wd);
+                }
+                Err(Errno::ENOSPC) => {
+                    self.limit(" (the host's inotify limit)");
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(sandbox = %self.name, path = %rel.display(), error = %e, "cannot watch");
+                    continue;
+                }
+            }
+            if recursive {
+                todo.extend(beneath::subdirs(dir).into_iter().map(|n| rel.join(n)));
+            } else {
+                let below = self
+                    .roots
+                    .iter()
+                    .filter(|(r, _)| r.parent() == Some(rel.as_path()))
+                    .map(|(r, _)| r.clone());
+                todo.extend(below);
+            }
+        }
+    }
+
+    /// Stop watching `rel` and everything below it.
+    fn unwatch(&mut self, rel: &Path) {
+        let gone: Vec<PathBuf> = self
+            .wds
+            .range::<Path, _>((std::ops::Bound::Included(rel), std::ops::Bound::Unbounded))
+            .take_while(|(p, _)| p.starts_with(rel))
+            .map(|(p, _)| p.clone())
+            .collect();
+        for p in gone {
+            if let Some(wd) = self.wds.remove(&p) {
+                let _ = self.inotify.rm_watch(wd);
+                self.paths.remove(&wd);
+            }
+        }
+    }
+
+    fn refuse(&mut self, rel: &Path, e: Errno) {
+        let path = Path::new(crate::git::worktree::SANDBOX_ROOT).join(rel);
+        if self.refused {
+            tracing::debug!(sandbox = %self.name, path = %path.display(), error = %e, "not a directory of the workspace; not watched");
+        } else {
+            self.refused = true;
+            tracing::warn!(sandbox = %self.name, path = %path.display(), error = %e, "not a directory of the workspace; not watched (a symlink?)");
+        }
+    }
+
+    fn limit(&mut self, which: &str) {
+        if !self.full {
+            self.full = true;
+            tracing::warn!(sandbox = %self.name, limit = MAX_WATCHES, "watch limit reached{which}: changes in further directories are not seen");
+            let _ = self.tx.send(Msg::Limit);
+        }
+    }
+}
+
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Kind {
     /// A ref changed.
     Refs,
@@ -138,10 +451,8 @@ enum Kind {
     Other,
 }
 
-fn classify(workspace: &Path, path: &Path) -> Kind {
-    let Ok(rel) = path.strip_prefix(workspace) else {
-        return Kind::Other;
-    };
+/// What a change at `rel` (relative to the workspace `root`) is.
+fn classify(root: BorrowedFd<'_>, rel: &Path) -> Kind {
     if let Ok(in_git) = rel.strip_prefix(".git") {
         let refs = in_git.starts_with("refs") || in_git == Path::new("packed-refs");
         let lock = in_git.extension().is_some_and(|e| e == "lock");
@@ -153,18 +464,19 @@ fn classify(workspace: &Path, path: &Path) -> Kind {
     }
     if rel.starts_with(WORKTREES_DIR) {
         // The nearest directory below .worktrees/ with a .git file.
-        let mut dir = path.parent();
+        let mut dir = rel.parent();
         while let Some(d) = dir {
-            if d == workspace.join(WORKTREES_DIR) || !d.starts_with(workspace) {
+            if d == Path::new(WORKTREES_DIR) || d.as_os_str().is_empty() {
                 break;
             }
-            if std::fs::symlink_metadata(d.join(".git")).is_ok_and(|m| m.is_file()) {
-                let wt = d.strip_prefix(workspace).unwrap_or(d).to_owned();
+            let has_git_file = beneath::open_dir(root, d)
+                .is_ok_and(|fd| beneath::is_a(fd.as_fd(), Path::new(".git"), SFlag::S_IFREG));
+            if has_git_file {
                 // Changes inside a worktree's own .git file are not work.
-                return if path == d.join(".git") {
+                return if rel == d.join(".git") {
                     Kind::Other
                 } else {
-                    Kind::File(wt)
+                    Kind::File(d.to_owned())
                 };
             }
             dir = d.parent();
@@ -188,25 +500,84 @@ mod tests {
             "gitdir: ../../../.git/worktrees/feature-x\n",
         )
         .unwrap();
-        assert_eq!(classify(ws, &ws.join(".git/refs/heads/main")), Kind::Refs);
-        assert_eq!(classify(ws, &ws.join(".git/packed-refs")), Kind::Refs);
+        // A worktree look-alike reached through a symlink does not count.
+        std::fs::create_dir_all(ws.join("elsewhere/y")).unwrap();
+        std::fs::write(ws.join("elsewhere/y/.git"), "gitdir: x\n").unwrap();
+        std::os::unix::fs::symlink(ws.join("elsewhere"), ws.join(".worktrees/link")).unwrap();
+        let root = beneath::open_root(ws).unwrap();
+        let c = |p: &str| classify(root.as_fd(), Path::new(p));
+        assert_eq!(c(".git/refs/heads/main"), Kind::Refs);
+        assert_eq!(c(".git/packed-refs"), Kind::Refs);
+        assert_eq!(c(".git/refs/heads/main.lock"), Kind::Other);
+        assert_eq!(c(".git/objects/ab/cdef"), Kind::Other);
+        assert_eq!(c("src/lib.rs"), Kind::File(PathBuf::new()));
         assert_eq!(
-            classify(ws, &ws.join(".git/refs/heads/main.lock")),
-            Kind::Other
-        );
-        assert_eq!(classify(ws, &ws.join(".git/objects/ab/cdef")), Kind::Other);
-        assert_eq!(
-            classify(ws, &ws.join("src/lib.rs")),
-            Kind::File(PathBuf::new())
-        );
-        assert_eq!(
-            classify(ws, &ws.join(".worktrees/feature/x/src/a.rs")),
+            c(".worktrees/feature/x/src/a.rs"),
             Kind::File(".worktrees/feature/x".into())
         );
-        assert_eq!(classify(ws, &ws.join(".worktrees/stray.txt")), Kind::Other);
+        assert_eq!(c(".worktrees/feature/x/.git"), Kind::Other);
+        assert_eq!(c(".worktrees/stray.txt"), Kind::Other);
+        assert_eq!(c(".worktrees/link/y/a.rs"), Kind::Other);
+    }
+
+    fn watch_of(ws: &Path, mode: SyncMode) -> Watch {
+        Watch {
+            name: "t".into(),
+            root: beneath::open_root(ws).unwrap(),
+            inotify: Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC).unwrap(),
+            roots: roots(mode),
+            paths: HashMap::new(),
+            wds: BTreeMap::new(),
+            full: false,
+            refused: false,
+            tx: tokio::sync::mpsc::unbounded_channel().0,
+        }
+    }
+
+    #[test]
+    fn symlinks_are_never_watched() {
+        let dir = tempfile::tempdir().unwrap();
+        let ws = dir.path().join("ws");
+        let host = dir.path().join("host");
+        std::fs::create_dir_all(host.join("a/b/c")).unwrap();
+        std::fs::create_dir_all(ws.join(".git")).unwrap();
+        std::fs::create_dir_all(ws.join("src/x")).unwrap();
+        std::os::unix::fs::symlink(&host, ws.join(".git/refs")).unwrap();
+        std::os::unix::fs::symlink(&host, ws.join("src/link")).unwrap();
+
+        let mut w = watch_of(&ws, SyncMode::AutoCommit);
+        w.arm();
+        let watched: Vec<&PathBuf> = w.wds.keys().collect();
+        assert_eq!(watched, [Path::new(""), Path::new(".git")]);
+        assert!(w.refused);
+
+        let mut w = watch_of(&ws, SyncMode::AutoIdle);
+        w.arm();
+        let watched: Vec<&PathBuf> = w.wds.keys().collect();
         assert_eq!(
-            classify(Path::new("/elsewhere"), &ws.join("x")),
-            Kind::Other
+            watched,
+            [
+                Path::new(""),
+                Path::new(".git"),
+                Path::new("src"),
+                Path::new("src/x")
+            ]
         );
+
+        // .git/refs comes back as a real directory: watched again, with
+        // what is below it; a directory swapped for a symlink is not.
+        let mut w = watch_of(&ws, SyncMode::AutoCommit);
+        w.arm();
+        std::fs::remove_file(ws.join(".git/refs")).unwrap();
+        std::fs::create_dir_all(ws.join(".git/refs/heads")).unwrap();
+        w.watch(".git/refs".into());
+        assert!(w.wds.contains_key(Path::new(".git/refs/heads")));
+        std::fs::remove_dir(ws.join(".git/refs/heads")).unwrap();
+        std::os::unix::fs::symlink(&host, ws.join(".git/refs/heads")).unwrap();
+        w.unwatch(Path::new(".git/refs/heads"));
+        w.watch(".git/refs/heads".into());
+        assert!(!w.wds.contains_key(Path::new(".git/refs/heads")));
+        assert_eq!(w.wds.len(), 3);
+        assert_eq!(w.paths.len(), 3);
     }
 }

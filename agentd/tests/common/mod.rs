@@ -179,6 +179,11 @@ impl Env {
         cmd.spawn().unwrap()
     }
 
+    /// The running agentd's pid.
+    pub fn agentd_pid(&self) -> i32 {
+        i32::try_from(self.agentd.as_ref().expect("agentd runs").id()).unwrap()
+    }
+
     /// SIGKILL agentd, as a crash would.
     pub fn kill_agentd(&mut self) {
         if let Some(mut c) = self.agentd.take() {
@@ -405,4 +410,25 @@ pub fn git_as(uid: Option<u32>, dir: &Path, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// inotify watches `pid` holds: the `inotify wd:` lines of the fdinfo of
+/// each of its inotify descriptors.
+pub fn inotify_watches(pid: i32) -> usize {
+    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return 0;
+    };
+    fds.flatten()
+        .filter(|e| fs::read_link(e.path()).is_ok_and(|l| l.as_os_str() == "anon_inode:inotify"))
+        .map(|e| {
+            fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                e.file_name().to_string_lossy()
+            ))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("inotify wd:"))
+            .count()
+        })
+        .sum()
 }
