@@ -179,11 +179,6 @@ impl Env {
         cmd.spawn().unwrap()
     }
 
-    /// The running agentd's pid.
-    pub fn agentd_pid(&self) -> i32 {
-        i32::try_from(self.agentd.as_ref().expect("agentd runs").id()).unwrap()
-    }
-
     /// SIGKILL agentd, as a crash would.
     pub fn kill_agentd(&mut self) {
         if let Some(mut c) = self.agentd.take() {
