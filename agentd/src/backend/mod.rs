@@ -247,8 +247,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 }
 
 /// Largest amount of each output stream [`capture`] keeps; past it the
-/// stream's pipe is closed.
-pub const EXEC_OUTPUT_CAP: usize = 16 << 20;
+/// stream's pipe is closed. `Exec` answers in one message; output of any
+/// size streams through `ExecStdio` instead.
+pub const EXEC_OUTPUT_CAP: usize = 4 << 20;
 
 /// Run a command with no input and collect its output (D-Bus `Exec`).
 ///
