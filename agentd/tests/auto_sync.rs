@@ -4,19 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{Env, git, wait_for};
-
-fn host_ref(repo: &std::path::Path, r: &str) -> Option<String> {
-    let out = std::process::Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(["rev-parse", "--verify", "-q", r])
-        .output()
-        .unwrap();
-    out.status
-        .success()
-        .then(|| String::from_utf8(out.stdout).unwrap().trim().to_owned())
-}
+use common::{Env, git, host_ref, wait_for};
 
 #[test]
 fn auto_commit_brings_every_commit_without_asking() {

@@ -10,7 +10,7 @@ use std::fs;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{Env, inotify_watches, wait_for};
+use common::{Env, host_ref, inotify_watches, wait_for};
 
 /// A host-only tree of `n` × 2 directories the sandbox cannot see.
 fn host_tree(env: &Env, n: usize) -> std::path::PathBuf {
@@ -19,18 +19,6 @@ fn host_tree(env: &Env, n: usize) -> std::path::PathBuf {
         fs::create_dir_all(host.join(format!("d{i}/sub"))).unwrap();
     }
     host
-}
-
-fn host_ref(repo: &Path, r: &str) -> Option<String> {
-    let out = std::process::Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(["rev-parse", "--verify", "-q", r])
-        .output()
-        .unwrap();
-    out.status
-        .success()
-        .then(|| String::from_utf8(out.stdout).unwrap().trim().to_owned())
 }
 
 /// Real directories (symlinks not followed) under and including `dir`.

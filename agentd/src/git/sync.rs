@@ -891,6 +891,16 @@ mod tests {
 
     /// A checkout that libgit2 gives up half-way through is undone: files
     /// and index exactly as before, untracked files untouched.
+    /// The sorted names in directory `w`.
+    fn names(w: &std::path::Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(w)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
     #[test]
     fn a_failed_checkout_is_undone() {
         let dir = tempfile::tempdir().unwrap();
@@ -944,12 +954,7 @@ mod tests {
             "{}",
             failed.describe()
         );
-        let mut names: Vec<String> = std::fs::read_dir(w)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, [".git", "a.txt", "gone.txt", "untracked.txt"]);
+        assert_eq!(names(w), [".git", "a.txt", "gone.txt", "untracked.txt"]);
         assert_eq!(std::fs::read_to_string(w.join("a.txt")).unwrap(), "a\n");
         assert_eq!(
             std::fs::read_to_string(w.join("gone.txt")).unwrap(),
@@ -970,12 +975,7 @@ mod tests {
             .expect("the checkout works");
         assert!(!w.join("gone.txt").exists());
         done.undo(&repo).unwrap();
-        let mut names: Vec<String> = std::fs::read_dir(w)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        assert_eq!(names, [".git", "a.txt", "gone.txt", "untracked.txt"]);
+        assert_eq!(names(w), [".git", "a.txt", "gone.txt", "untracked.txt"]);
         assert_eq!(std::fs::read_to_string(w.join("a.txt")).unwrap(), "a\n");
         assert_eq!(std::fs::read(w.join(".git/index")).unwrap(), index_before);
     }

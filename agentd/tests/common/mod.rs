@@ -427,3 +427,16 @@ pub fn inotify_watches(pid: i32) -> usize {
         })
         .sum()
 }
+
+/// The commit `r` names in `repo`, if it names one.
+pub fn host_ref(repo: &Path, r: &str) -> Option<String> {
+    let out = Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["rev-parse", "--verify", "-q", r])
+        .output()
+        .unwrap();
+    out.status
+        .success()
+        .then(|| String::from_utf8(out.stdout).unwrap().trim().to_owned())
+}
