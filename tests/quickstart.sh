@@ -136,7 +136,7 @@ Sandbox '$name' is running. Try:
   $bin/agentctl exec $name -- git status
   $bin/agentctl attach $name              # a Zellij session in /workspace; detach with Ctrl+o d
   $bin/agentctl exec $name -- sh -c '$server >/dev/null 2>&1 &'
-  $bin/agentctl open $name                # http://$name.sandbox.localhost:8080/ (needs caddy)
+  $bin/agentctl open $name                # http://$name.sandbox.localhost:8080/?keystone_token=… (needs caddy; the token makes the link yours)
   $bin/agentctl stop $name && $bin/agentctl destroy $name
 agentd keeps running in the background (log: $state/agentd.log); stop it with: pkill -f 'agentd --session'
 MSG
