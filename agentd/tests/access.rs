@@ -323,20 +323,7 @@ fn another_user_hears_no_signal_of_a_sandbox_it_does_not_own() {
     let repo = tmp.path().join("secretproj");
     fs::create_dir(&repo).unwrap();
     common::git(&repo, &["init", "-q", "-b", "main"]);
-    common::git(
-        &repo,
-        &[
-            "-c",
-            "user.name=T",
-            "-c",
-            "user.email=t@e",
-            "commit",
-            "-q",
-            "--allow-empty",
-            "-m",
-            "x",
-        ],
-    );
+    common::commit(&repo, "x");
     for args in [
         &["create", repo.to_str().unwrap()][..],
         &["start", "secretproj"],

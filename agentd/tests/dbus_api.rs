@@ -238,26 +238,8 @@ fn check_config_accepts_the_fixture_and_lists_every_problem() {
 
 #[test]
 fn exec_over_the_bus_returns_output_exit_code_and_named_timeout() {
-    let env = Env::new();
-    let repo = env.repo("busexec");
-    env.ok(&["create", repo.to_str().unwrap()]);
-    env.ok(&["start", "busexec"]);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let conn = zbus::connection::Builder::address(env.address.as_str())
-            .unwrap()
-            .build()
-            .await
-            .unwrap();
-        let sb = keystone_agent_api::SandboxProxy::builder(&conn)
-            .path("/org/keystone/Agent1/sandbox/busexec")
-            .unwrap()
-            .build()
-            .await
-            .unwrap();
+    let env = Env::running("busexec", &[]);
+    env.with_sandbox("busexec", async |sb| {
         let env_vars = std::collections::HashMap::from([("GREETING", "hi")]);
         let r = sb
             .exec(

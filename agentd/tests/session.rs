@@ -123,18 +123,7 @@ fn attach_creates_the_worktree_and_session_and_detach_keeps_it() {
     )
     .unwrap();
     git(&repo, &["add", "."]);
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=T",
-            "-c",
-            "user.email=t@e",
-            "commit",
-            "-qm",
-            "layout",
-        ],
-    );
+    common::commit(&repo, "layout");
     env.ok(&["create", repo.to_str().unwrap()]);
     assert_eq!(env.state("att"), "created");
 

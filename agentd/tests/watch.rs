@@ -36,11 +36,9 @@ fn real_dirs(dir: &Path) -> usize {
 
 #[test]
 fn a_refs_symlink_planted_by_the_sandbox_is_not_followed() {
-    let env = Env::new();
-    let repo = env.repo("wr");
+    let env = Env::running("wr", &[]);
+    let repo = env.tmp.path().join("wr");
     let host = host_tree(&env, 300);
-    env.ok(&["create", repo.to_str().unwrap()]);
-    env.ok(&["start", "wr"]);
     let head = env.ok(&["exec", "wr", "--", "git", "rev-parse", "HEAD"]);
     // The attack: .git/refs becomes a symlink whose target names a host
     // directory (the sandbox cannot see it; agentd on the host would).
@@ -103,11 +101,8 @@ fn a_refs_symlink_planted_by_the_sandbox_is_not_followed() {
 
 #[test]
 fn a_directory_swapped_for_a_symlink_is_not_followed() {
-    let env = Env::new();
-    let repo = env.repo("ws");
+    let env = Env::running("ws", &["--sync-mode", "auto-idle"]);
     let host = host_tree(&env, 300);
-    env.ok(&["create", "--sync-mode", "auto-idle", repo.to_str().unwrap()]);
-    env.ok(&["start", "ws"]);
     // The attack: directories appear (agentd is told, and goes to watch
     // them) and are swapped for symlinks to the host before it gets there.
     env.ok(&[
@@ -135,10 +130,7 @@ fn a_directory_swapped_for_a_symlink_is_not_followed() {
 
 #[test]
 fn one_sandbox_gets_a_bounded_number_of_watches() {
-    let env = Env::new();
-    let repo = env.repo("wc");
-    env.ok(&["create", "--sync-mode", "auto-idle", repo.to_str().unwrap()]);
-    env.ok(&["start", "wc"]);
+    let env = Env::running("wc", &["--sync-mode", "auto-idle"]);
     env.ok(&[
         "exec",
         "wc",

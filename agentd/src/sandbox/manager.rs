@@ -383,7 +383,9 @@ impl Manager {
             }
         }
         // A sandbox from before ids were allocated gets its own once stopped.
-        allocate_ids(&mut map);
+        if sb.uid.is_none() {
+            allocate_ids(&mut map);
+        }
         let after = map[name].clone();
         if let Err(e) = self.registry.save(map.values()) {
             // Keep memory and disk in step: undo.

@@ -440,3 +440,21 @@ pub fn host_ref(repo: &Path, r: &str) -> Option<String> {
         .success()
         .then(|| String::from_utf8(out.stdout).unwrap().trim().to_owned())
 }
+
+/// Commit what is staged in `dir` (or nothing) as `message`.
+pub fn commit(dir: &Path, message: &str) {
+    git(
+        dir,
+        &[
+            "-c",
+            "user.name=Test",
+            "-c",
+            "user.email=test@example.com",
+            "commit",
+            "-q",
+            "--allow-empty",
+            "-m",
+            message,
+        ],
+    );
+}
