@@ -324,9 +324,44 @@ fn another_user_hears_no_signal_of_a_sandbox_it_does_not_own() {
     fs::create_dir(&repo).unwrap();
     common::git(&repo, &["init", "-q", "-b", "main"]);
     common::commit(&repo, "x");
+    let out = ctl(None, &["create", repo.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Walking agentd's objects shows root the sandbox and the other user
+    // nothing of it.
+    let tree = |uid: Option<u32>| {
+        let mut c = std::process::Command::new("busctl");
+        c.args([
+            &format!("--address={addr}"),
+            "tree",
+            "--list",
+            "org.keystone.Agent1",
+        ]);
+        if let Some(u) = uid {
+            c.uid(u).gid(u);
+        }
+        let out = c.output().unwrap();
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    assert!(
+        tree(None).contains("/org/keystone/Agent1/sandbox/secretproj"),
+        "root's tree: {}",
+        tree(None)
+    );
+    let theirs = tree(Some(NOBODY));
+    assert!(
+        theirs.contains("Access denied") && !theirs.contains("secretproj"),
+        "another user's tree: {theirs}"
+    );
     for args in [
-        &["create", repo.to_str().unwrap()][..],
-        &["start", "secretproj"],
+        &["start", "secretproj"][..],
         &["sync", "secretproj"],
         &["stop", "secretproj"],
         &["destroy", "secretproj"],
