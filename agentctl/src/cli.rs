@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use keystone_agent_api::{BackendKind, Network, SyncMode};
+use keystone_agent_api::{BackendKind, Egress, Network, SyncMode};
 
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
 /// work on a clone of your repository.
@@ -72,6 +72,50 @@ agentctl worktree add myproject spike --from host/main"
     },
 }
 
+/// `agentctl egress NAME …`.
+#[derive(Debug, Subcommand)]
+pub enum EgressCommand {
+    /// Show the mode, the preset and the sandbox's own allow and deny entries.
+    Show {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Admit ENTRY from the next connection on (kept across restarts):
+    /// `example.com`, `*.example.com` (names below it), `host:port`, or an
+    /// address range such as `10.0.0.0/8` or `192.0.2.1/32:443`. Only an
+    /// address range opens the host or a private range.
+    Allow {
+        /// What to admit.
+        entry: String,
+    },
+    /// Refuse ENTRY, even when the preset admits it.
+    Deny {
+        /// What to refuse.
+        entry: String,
+    },
+    /// Set the mode: allowlist (the preset and your entries), open (any
+    /// public destination) or none (nothing).
+    Mode {
+        /// The mode.
+        #[arg(value_parser = str::parse::<Egress>)]
+        mode: Egress,
+    },
+    /// The connections through the gateway: allowed and refused (refused
+    /// ones marked DENIED), with the rule that decided, bytes and duration.
+    Log {
+        /// Print JSON (with --follow: one object per line).
+        #[arg(long)]
+        json: bool,
+        /// Only the last N entries.
+        #[arg(long, short = 'n', value_name = "N", default_value_t = 50)]
+        limit: u32,
+        /// Keep printing connections as they happen (Ctrl-C ends).
+        #[arg(long, short)]
+        follow: bool,
+    },
+}
+
 /// The verbs.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -99,9 +143,18 @@ pub enum Command {
         /// Most processes and threads at once (at least 16). Default: 4096.
         #[arg(long, value_name = "N")]
         pids: Option<u32>,
-        /// Network mode: nat, none (loopback only) or bridge. Default: nat.
+        /// Network mode: nat (outbound through agentd's egress gateway),
+        /// none (loopback only) or bridge. Default: nat.
         #[arg(long, value_parser = str::parse::<Network>)]
         network: Option<Network>,
+        /// Egress policy: allowlist (the preset plus --allow), open (any
+        /// public destination) or none. Default: allowlist.
+        #[arg(long, value_parser = str::parse::<Egress>)]
+        egress: Option<Egress>,
+        /// Also admit this destination (repeatable): example.com,
+        /// *.example.com, host:port, 10.0.0.0/8, 192.0.2.1/32:443.
+        #[arg(long = "allow", value_name = "ENTRY")]
+        allow: Vec<String>,
         /// When work comes back to your repository: manual, auto-commit or
         /// auto-idle. Default: manual.
         #[arg(long, value_parser = str::parse::<SyncMode>)]
@@ -236,6 +289,21 @@ agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60"
     /// agents can work on one repository side by side.
     #[command(subcommand)]
     Worktree(WorktreeCommand),
+    /// See and change where a sandbox's outbound connections may go. Every
+    /// connection goes through agentd's gateway, which decides it by the
+    /// sandbox's policy and logs it.
+    #[command(after_help = "Examples:\n  agentctl egress myproject show\n  \
+agentctl egress myproject allow api.example.com\n  \
+agentctl egress myproject allow 10.1.2.0/24:5432\n  \
+agentctl egress myproject deny registry.npmjs.org\n  \
+agentctl egress myproject log --follow")]
+    Egress {
+        /// Sandbox name.
+        name: String,
+        /// What to do.
+        #[command(subcommand)]
+        command: EgressCommand,
+    },
     /// Attach your terminal to the Zellij session of a worktree
     /// (`<name>-<branch>`). Starts the sandbox if it is stopped, creates the
     /// worktree and the session if they are missing. Detach with Ctrl+o d:

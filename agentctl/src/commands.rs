@@ -4,7 +4,8 @@ use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 
 use keystone_agent_api::{
-    self as api, BackendKind, ExitCode, ManagerProxy, Network, SandboxProxy, SandboxState, SyncMode,
+    self as api, BackendKind, Egress, ExitCode, ManagerProxy, Network, SandboxProxy, SandboxState,
+    SyncMode,
 };
 use zbus::Connection;
 use zvariant::Value;
@@ -24,6 +25,8 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             disk,
             pids,
             network,
+            egress,
+            allow,
             sync_mode,
             backend,
             project_path,
@@ -50,12 +53,16 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             }
             for (key, value) in [
                 ("network", network.map(Network::as_str)),
+                ("egress", egress.map(Egress::as_str)),
                 ("sync_mode", sync_mode.map(SyncMode::as_str)),
                 ("backend", backend.map(BackendKind::as_str)),
             ] {
                 if let Some(v) = value {
                     opts.insert(key, v.into());
                 }
+            }
+            if !allow.is_empty() {
+                opts.insert("egress_allow", allow.clone().into());
             }
             // Show the workspace being prepared while the call runs.
             let mut progress = manager
@@ -306,6 +313,10 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 crate::unpack::Options { links },
             )
             .await
+        }
+        Command::Egress { name, command } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            crate::egress::run(&sb, &name, command).await
         }
         Command::History { name, json, limit } => {
             let sb = lookup(conn, &manager, &name).await?;

@@ -3,6 +3,7 @@
 mod cli;
 mod commands;
 mod cp;
+mod egress;
 mod exec;
 mod output;
 mod tty;

@@ -69,6 +69,22 @@ pub fn json(v: &impl serde::Serialize) -> String {
         .collect()
 }
 
+/// `v` as compact JSON on one line, control characters escaped as in
+/// [`json`].
+#[must_use]
+pub fn json_line(v: &impl serde::Serialize) -> String {
+    let text = serde_json::to_string(v).expect("json");
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                format!("\\u{:04x}", u32::from(c))
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// `println!` for people: what a sandbox may control in the text (names,
 /// errors, notices) reaches the terminal with its control characters
 /// escaped. JSON output does not go through it (serde escapes it).

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use keystone_agent_api::types::Ports;
-use keystone_agent_api::{BackendKind, Network, SandboxConfig, SyncMode};
+use keystone_agent_api::{BackendKind, Egress, Network, SandboxConfig, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::sandbox::validate;
@@ -33,6 +33,8 @@ pub struct DaemonConfig {
     pub microvm: MicrovmConfig,
     /// The QEMU backend (`vm`).
     pub vm: VmConfig,
+    /// The egress gateway.
+    pub egress: EgressConfig,
     /// Sandboxes declared by the administrator (NixOS `sandboxes.<name>`).
     pub sandboxes: BTreeMap<String, DeclaredSandbox>,
 }
@@ -96,6 +98,21 @@ impl Default for ProxyConfig {
             auth: ProxyAuth::Owner,
         }
     }
+}
+
+/// Egress gateway settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EgressConfig {
+    /// Allowlist every `allowlist` sandbox starts from; default: the
+    /// built-in preset ([`crate::egress::PRESET`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preset: Option<Vec<String>>,
+    /// Entries added to the preset.
+    pub extra: Vec<String>,
+    /// Names the gateway resolves to these addresses instead of asking DNS
+    /// (like `/etc/hosts`, for the gateway only).
+    pub hosts: BTreeMap<String, std::net::IpAddr>,
 }
 
 /// microvm backend settings.
@@ -239,6 +256,15 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.network`.
     #[serde(default)]
     pub network: Option<Network>,
+    /// Override of `defaults.egress`.
+    #[serde(default)]
+    pub egress: Option<Egress>,
+    /// Override of `defaults.egress_allow`.
+    #[serde(default)]
+    pub egress_allow: Option<Vec<String>>,
+    /// Override of `defaults.egress_deny`.
+    #[serde(default)]
+    pub egress_deny: Option<Vec<String>>,
     /// Override of `defaults.sync_mode`.
     #[serde(default)]
     pub sync_mode: Option<SyncMode>,
@@ -265,6 +291,9 @@ impl DeclaredSandbox {
             pids: self.pids.unwrap_or(d.pids),
             nested_virt: self.nested_virt.unwrap_or(d.nested_virt),
             network: self.network.unwrap_or(d.network),
+            egress: self.egress.unwrap_or(d.egress),
+            egress_allow: self.egress_allow.clone().unwrap_or(d.egress_allow),
+            egress_deny: self.egress_deny.clone().unwrap_or(d.egress_deny),
             sync_mode: self.sync_mode.unwrap_or(d.sync_mode),
             sync_idle_seconds: self.sync_idle_seconds.unwrap_or(d.sync_idle_seconds),
             env_files: self.env_files.clone().unwrap_or(d.env_files),
@@ -336,6 +365,24 @@ impl DaemonConfig {
                     "state_dir {} must be an absolute path",
                     dir.display()
                 ));
+            }
+        }
+        if let Some(preset) = &self.egress.preset {
+            validate::check_egress_entries("egress.preset", preset, &mut p);
+        }
+        validate::check_egress_entries("egress.extra", &self.egress.extra, &mut p);
+        for name in self.egress.hosts.keys() {
+            if crate::egress::Rule::parse(name).map_or(true, |r| {
+                !matches!(
+                    r,
+                    crate::egress::Rule::Name {
+                        wildcard: false,
+                        port: None,
+                        ..
+                    }
+                )
+            }) {
+                p.push(format!("egress.hosts: '{name}' is not a host name"));
             }
         }
         let mut d = Vec::new();

@@ -11,6 +11,7 @@ pub mod config;
 pub mod confine;
 pub mod dbus;
 pub mod disk;
+pub mod egress;
 pub mod error;
 pub mod git;
 pub mod guest;
@@ -154,6 +155,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             exe,
             default_backend: config.default_backend.unwrap_or(BackendKind::Local),
             defaults: config.defaults.clone(),
+            egress: config.egress.clone(),
         },
         vec![local, microvm, vm],
     );

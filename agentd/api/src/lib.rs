@@ -17,6 +17,6 @@ pub use names::{
 };
 pub use proxy::{ManagerProxy, SandboxProxy};
 pub use types::{
-    BackendKind, BranchSync, ExecResult, HistoryEntry, Network, RouteInfo, SandboxConfig,
+    BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network, RouteInfo, SandboxConfig,
     SandboxState, SandboxSummary, SessionInfo, SyncMode, SyncReport, WorktreeInfo,
 };

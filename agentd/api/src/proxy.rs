@@ -107,6 +107,25 @@ pub trait Sandbox {
     /// The last `limit` entries (0 = all) of the sandbox's history, oldest first.
     fn history(&self, limit: u32) -> Result<Vec<HistoryEntry>, Error>;
 
+    /// The egress policy: mode, preset (with agentd's extras), the
+    /// sandbox's allow and deny entries, and whether its gateway serves.
+    fn egress(&self) -> Result<(String, Vec<String>, Vec<String>, Vec<String>, bool), Error>;
+
+    /// Change the egress policy at once: `allow`/`deny` an entry, or set
+    /// the `mode`.
+    fn change_egress(&self, change: &str, value: &str) -> Result<(), Error>;
+
+    /// The last `limit` connections through the gateway, as JSON objects.
+    fn egress_log(&self, limit: u32) -> Result<Vec<String>, Error>;
+
+    /// A connection through the gateway ended or was refused (JSON).
+    #[zbus(signal)]
+    fn egress_logged(&self, entry: &str) -> zbus::Result<()>;
+
+    /// The gateway refused a connection.
+    #[zbus(signal)]
+    fn egress_denied(&self, host: &str, port: u16, rule: &str, reason: &str) -> zbus::Result<()>;
+
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
     fn synced(&self, direction: &str, branches: u32, commits: u32) -> zbus::Result<()>;

@@ -130,6 +130,21 @@ string_enum! {
 }
 
 string_enum! {
+    /// What a sandbox's outbound connections may reach. They all go through
+    /// agentd's egress gateway; none of them reaches the host or a private
+    /// range unless a CIDR entry names it.
+    Egress {
+        /// Only destinations on the allowlist (the preset and the sandbox's
+        /// `egress_allow`).
+        Allowlist => "allowlist",
+        /// Any public destination.
+        Open => "open",
+        /// Nothing.
+        None => "none",
+    }
+}
+
+string_enum! {
     /// When agentd brings the sandbox's work back to the host repository.
     SyncMode {
         /// Only on `agentctl sync`.
@@ -173,6 +188,13 @@ pub struct SandboxConfig {
     pub nested_virt: bool,
     /// Network mode.
     pub network: Network,
+    /// Egress policy of the gateway (with `network = "nat"`).
+    pub egress: Egress,
+    /// Allowlist entries added to the preset: `example.com`,
+    /// `*.example.com`, `host:port`, `10.0.0.0/8`, `192.0.2.1/32:443`.
+    pub egress_allow: Vec<String>,
+    /// Entries refused even when allowed (the preset's included).
+    pub egress_deny: Vec<String>,
     /// Sync trigger.
     pub sync_mode: SyncMode,
     /// Quiet time before an `auto-idle` snapshot.
@@ -193,6 +215,9 @@ impl Default for SandboxConfig {
             pids: 4096,
             nested_virt: true,
             network: Network::Nat,
+            egress: Egress::Allowlist,
+            egress_allow: Vec::new(),
+            egress_deny: Vec::new(),
             sync_mode: SyncMode::Manual,
             sync_idle_seconds: 30,
             env_files: vec![".env*".to_owned()],

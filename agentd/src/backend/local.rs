@@ -1,6 +1,7 @@
 //! The `local` backend: a sandbox is a process tree in its own user, PID,
-//! mount, UTS and IPC namespaces (and network namespace for
-//! `network = "none"`), with its workspace bind-mounted at `/workspace`.
+//! mount, UTS, IPC and network namespaces (the network one has only
+//! loopback; outbound connections go through agentd's egress gateway, see
+//! [`crate::egress`]), with its workspace bind-mounted at `/workspace`.
 //!
 //! agentd re-executes itself as the sandbox supervisor (see [`crate::guest`]);
 //! the sandbox's PID 1 survives an agentd crash and is adopted on restart by
@@ -123,7 +124,7 @@ impl LocalBackend {
             workspace: spec.workspace.clone(),
             home: spec.home.clone(),
             control_socket: socket.clone(),
-            network_none: spec.config.network == keystone_agent_api::Network::None,
+            gateway: spec.config.network != keystone_agent_api::Network::None,
             ro_paths: self.settings.ro_paths.clone(),
             guest_dir: self.settings.guest_dir.clone(),
             stop_grace_ms: u64::try_from(self.settings.stop_grace.as_millis()).unwrap_or(u64::MAX),
@@ -457,6 +458,12 @@ impl Backend for LocalBackend {
         for pid in procfs::pids_in_ns(rt.pid_ns) {
             for inode in procfs::socket_inodes(pid) {
                 if let Some(&(addr, port)) = listening.get(&inode) {
+                    // The egress gateway's socket is not a dev server.
+                    if std::net::SocketAddr::new(addr, port)
+                        == std::net::SocketAddr::V4(crate::egress::GATEWAY_ADDR)
+                    {
+                        continue;
+                    }
                     let cwd = procfs::cwd(pid).unwrap_or_default();
                     out.push(super::Listener {
                         addr,
@@ -486,6 +493,21 @@ impl Backend for LocalBackend {
             let (_, fds) = Self::send_control(spec, request, Vec::new()).await?;
             fds.into_iter().next().ok_or_else(|| {
                 BackendError::Failed("the sandbox did not hand over a connection".to_owned())
+            })
+        })
+    }
+
+    fn gateway<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+    ) -> BoxFut<'a, Result<Option<OwnedFd>, BackendError>> {
+        Box::pin(async move {
+            if spec.config.network == keystone_agent_api::Network::None {
+                return Ok(None);
+            }
+            let (_, fds) = Self::send_control(spec, proto::Request::Gateway, Vec::new()).await?;
+            fds.into_iter().next().map(Some).ok_or_else(|| {
+                BackendError::Failed("the sandbox did not hand over its gateway socket".to_owned())
             })
         })
     }

@@ -234,6 +234,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         port: u16,
     ) -> BoxFut<'a, Result<OwnedFd, BackendError>>;
 
+    /// The listening socket of the sandbox's egress gateway (see
+    /// [`crate::egress`]), which agentd accepts on; `None` when this
+    /// backend has no gateway inside its sandboxes.
+    fn gateway<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+    ) -> BoxFut<'a, Result<Option<OwnedFd>, BackendError>> {
+        Box::pin(async { Ok(None) })
+    }
+
     /// Whether the sandbox described by `rt` is still alive.
     fn is_alive(&self, rt: &Runtime) -> bool;
 

@@ -71,6 +71,19 @@ fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions,
                 Some(Err(e)) => problems.push(format!("network {e}")),
                 None => bad(&mut problems, "a string"),
             },
+            "egress" => match as_str().map(|s| s.parse()) {
+                Some(Ok(v)) => o.egress = Some(v),
+                Some(Err(e)) => problems.push(format!("egress {e}")),
+                None => bad(&mut problems, "a string"),
+            },
+            "egress_allow" => match value
+                .try_clone()
+                .ok()
+                .and_then(|v| Vec::<String>::try_from(v).ok())
+            {
+                Some(v) => o.egress_allow = Some(v),
+                None => bad(&mut problems, "an array of strings"),
+            },
             "sync_mode" => match as_str().map(|s| s.parse()) {
                 Some(Ok(v)) => o.sync_mode = Some(v),
                 Some(Err(e)) => problems.push(format!("sync_mode {e}")),
@@ -82,7 +95,7 @@ fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions,
                 None => bad(&mut problems, "a string"),
             },
             other => problems.push(format!(
-                "unknown option '{other}' (known: name, memory, vcpus, disk, pids, network, sync_mode, backend)"
+                "unknown option '{other}' (known: name, memory, vcpus, disk, pids, network, egress, egress_allow, sync_mode, backend)"
             )),
         }
     }
@@ -97,7 +110,7 @@ fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions,
 impl ManagerObject {
     /// Create a sandbox from the git repository at `project_path` (absolute).
     /// `options`: name (s), memory (u), vcpus (u), disk (u), pids (u),
-    /// network (s), sync_mode (s), backend (s). Returns the new sandbox's object path and notices for
+    /// network (s), egress (s), egress_allow (as), sync_mode (s), backend (s). Returns the new sandbox's object path and notices for
     /// the person (uncommitted changes not carried in, env files copied or
     /// skipped, submodules not cloned).
     #[zbus(out_args("path", "notices"))]

@@ -234,9 +234,37 @@ pub async fn serve(bus: &Bus, manager: Arc<Manager>) -> zbus::Result<Connection>
         sandbox::export(&conn, &manager, &callers, &name).await?;
     }
     tokio::spawn(follow_departures(conn.clone(), Arc::clone(&callers)));
+    tokio::spawn(follow_egress(
+        conn.clone(),
+        Arc::clone(&manager),
+        Arc::clone(&callers),
+        manager.subscribe_egress(),
+    ));
     tokio::spawn(follow_changes(conn.clone(), manager, callers, changes));
     conn.request_name(api::BUS_NAME).await?;
     Ok(conn)
+}
+
+/// Signal every connection through a gateway to its sandbox's owner. Under
+/// a flood some are skipped (the log keeps them all).
+async fn follow_egress(
+    conn: Connection,
+    manager: Arc<Manager>,
+    callers: Arc<Callers>,
+    mut events: tokio::sync::broadcast::Receiver<Arc<crate::egress::log::Entry>>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        match events.recv().await {
+            Ok(entry) => {
+                if let Err(e) = sandbox::egress_logged(&conn, &manager, &callers, &entry).await {
+                    tracing::debug!(error = %e, "cannot signal a connection");
+                }
+            }
+            Err(RecvError::Lagged(_)) => {}
+            Err(RecvError::Closed) => return,
+        }
+    }
 }
 
 async fn follow_changes(

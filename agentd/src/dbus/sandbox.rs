@@ -10,8 +10,8 @@ use zbus::object_server::SignalEmitter;
 use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
-use super::{Callers, to_dbus};
-use crate::sandbox::manager::{ExecCall, Manager, SyncOptions, TtyOptions};
+use super::{Callers, check_strings, to_dbus};
+use crate::sandbox::manager::{EgressChange, ExecCall, Manager, SyncOptions, TtyOptions};
 use crate::sandbox::{Sandbox, micros};
 
 /// The object at `/org/keystone/Agent1/sandbox/<name>`.
@@ -259,6 +259,90 @@ impl SandboxObject {
             .history(caller, &self.name, limit as usize)
             .map_err(to_dbus)
     }
+
+    /// The egress policy: mode, the preset (with agentd's extras), the
+    /// sandbox's own allow and deny entries, and whether the gateway serves.
+    async fn egress(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(String, Vec<String>, Vec<String>, Vec<String>, bool), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let v = self
+            .manager
+            .egress_view(caller, &self.name)
+            .map_err(to_dbus)?;
+        Ok((v.mode.to_string(), v.preset, v.allow, v.deny, v.serving))
+    }
+
+    /// Change the egress policy at once, without a restart: `change` is
+    /// `allow` or `deny` (with an entry: `example.com`, `*.example.com`,
+    /// `host:port`, a CIDR) or `mode` (with `allowlist`, `open` or `none`).
+    async fn change_egress(
+        &self,
+        change: &str,
+        value: &str,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        check_strings(&[("change", change), ("value", value)])?;
+        let change = match change {
+            "allow" => EgressChange::Allow(value.to_owned()),
+            "deny" => EgressChange::Deny(value.to_owned()),
+            "mode" => EgressChange::Mode(
+                value
+                    .parse()
+                    .map_err(|e| api::Error::InvalidArgument(format!("egress mode {e}")))?,
+            ),
+            other => {
+                return Err(api::Error::InvalidArgument(format!(
+                    "unknown egress change '{}' (known: allow, deny, mode)",
+                    crate::sandbox::validate::shown(other)
+                )));
+            }
+        };
+        self.manager
+            .change_egress(caller, &self.name, change)
+            .map(|_| ())
+            .map_err(to_dbus)
+    }
+
+    /// The last `limit` connections through the gateway, oldest first, one
+    /// JSON object each (see docs/network.md for the fields).
+    async fn egress_log(
+        &self,
+        limit: u32,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<String>, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let limit = usize::try_from(limit.clamp(1, 10_000)).unwrap_or(10_000);
+        let entries = self
+            .manager
+            .egress_log(caller, &self.name, limit)
+            .map_err(to_dbus)?;
+        Ok(entries
+            .iter()
+            .map(|e| serde_json::to_string(e).expect("an entry serializes"))
+            .collect())
+    }
+
+    /// A connection through the gateway ended (or was refused): the log
+    /// entry, as JSON.
+    #[zbus(signal)]
+    async fn egress_logged(emitter: &SignalEmitter<'_>, entry: &str) -> zbus::Result<()>;
+
+    /// The gateway refused a connection: host, port, the rule and why; a
+    /// desktop or a supervisor can offer `ChangeEgress("allow", ...)`.
+    #[zbus(signal)]
+    async fn egress_denied(
+        emitter: &SignalEmitter<'_>,
+        host: &str,
+        port: u16,
+        rule: &str,
+        reason: &str,
+    ) -> zbus::Result<()>;
 
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
@@ -784,6 +868,31 @@ pub async fn synced(
     };
     for e in callers.emitters(conn, sb.owner, &path) {
         SandboxObject::synced(&e, direction, branches, commits).await?;
+    }
+    Ok(())
+}
+
+/// Tell sandbox `entry.sandbox`'s owner (and root) about a connection
+/// through its gateway.
+pub async fn egress_logged(
+    conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
+    entry: &crate::egress::log::Entry,
+) -> zbus::Result<()> {
+    let (Some(path), Some(sb)) = (
+        api::sandbox_path(&entry.sandbox),
+        manager.snapshot(&entry.sandbox),
+    ) else {
+        return Ok(());
+    };
+    let json = serde_json::to_string(entry).expect("an entry serializes");
+    for e in callers.emitters(conn, sb.owner, &path) {
+        SandboxObject::egress_logged(&e, &json).await?;
+        if entry.decision != "allow" {
+            SandboxObject::egress_denied(&e, &entry.host, entry.port, &entry.rule, &entry.reason)
+                .await?;
+        }
     }
     Ok(())
 }

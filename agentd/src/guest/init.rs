@@ -38,8 +38,12 @@ pub struct InitSpec {
     pub home: PathBuf,
     /// Where the control socket is bound (host path).
     pub control_socket: PathBuf,
-    /// Give the sandbox an empty network namespace (loopback only).
-    pub network_none: bool,
+    /// Offer the egress gateway inside: the control server holds a
+    /// listening socket at [`crate::egress::GATEWAY_ADDR`] in the sandbox's
+    /// network namespace (which has only loopback either way) and hands
+    /// agentd a duplicate; `false` for `network = "none"`.
+    #[serde(default)]
+    pub gateway: bool,
     /// Host paths shown read-only at the same place (directories are
     /// bind-mounted, symlinks recreated; missing ones skipped).
     pub ro_paths: Vec<PathBuf>,
@@ -242,14 +246,12 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
     let (go_r, go_w) = cloexec()?;
     let (st_r, st_w) = cloexec()?;
 
-    let mut flags = CloneFlags::CLONE_NEWUSER
+    let flags = CloneFlags::CLONE_NEWUSER
         | CloneFlags::CLONE_NEWNS
         | CloneFlags::CLONE_NEWPID
         | CloneFlags::CLONE_NEWUTS
-        | CloneFlags::CLONE_NEWIPC;
-    if spec.network_none {
-        flags |= CloneFlags::CLONE_NEWNET;
-    }
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWNET;
     let mut stack = vec![0u8; 1 << 20];
     let child_cb = Box::new(|| {
         let code = match init(spec, &listener, &handles, &go_r, &st_w) {
@@ -359,9 +361,17 @@ fn init(
         guest: handles.guest.as_ref().map(tree).transpose()?,
     };
     build_root(spec, &handles)?;
-    if spec.network_none {
-        loopback_up()?;
-    }
+    loopback_up()?;
+    // Bound before any process of the sandbox runs, so none can take the
+    // address first.
+    let gateway = if spec.gateway {
+        Some(
+            std::net::TcpListener::bind(crate::egress::GATEWAY_ADDR)
+                .map_err(|e| format!("gateway socket {}: {e}", crate::egress::GATEWAY_ADDR))?,
+        )
+    } else {
+        None
+    };
     lock_mounts()?;
 
     // Signals the init handles synchronously; the server gets them back.
@@ -386,9 +396,9 @@ fn init(
             let _ = nix::unistd::close(status.as_raw_fd());
             let _ = nix::unistd::close(go.as_raw_fd());
             let _ = signals.thread_unblock();
-            super::server::serve(listener, &spec.name);
+            super::server::serve(listener, &spec.name, gateway);
         }
-        ForkResult::Parent { .. } => {}
+        ForkResult::Parent { .. } => drop(gateway),
     }
     nix::unistd::write(status, b"ok").map_err(|e| format!("report: {e}"))?;
     let _ = nix::unistd::close(status.as_raw_fd());

@@ -57,6 +57,9 @@ pub enum Request {
         /// TCP port.
         port: u16,
     },
+    /// Hand over a duplicate of the egress gateway's listening socket (in
+    /// the sandbox's network namespace); answered like [`Request::Connect`].
+    Gateway,
 }
 
 /// What the control server answers.

@@ -49,17 +49,28 @@ fn read_only_path() -> String {
     dirs.join(":")
 }
 
+/// What every command's environment starts from.
+struct Base {
+    hostname: String,
+    path: String,
+    /// The egress gateway's socket, when the sandbox has one; commands
+    /// get the proxy variables that lead to it.
+    gateway: Option<std::net::TcpListener>,
+}
+
 /// Serve `listener` until the process is killed.
-pub fn serve(listener: &UnixListener, hostname: &str) -> ! {
-    let hostname: Arc<str> = Arc::from(hostname);
-    let path: Arc<str> = Arc::from(read_only_path());
+pub fn serve(listener: &UnixListener, hostname: &str, gateway: Option<std::net::TcpListener>) -> ! {
+    let base = Arc::new(Base {
+        hostname: hostname.to_owned(),
+        path: read_only_path(),
+        gateway,
+    });
     loop {
         match listener.accept() {
             Ok((conn, _)) => {
-                let hostname = Arc::clone(&hostname);
-                let path = Arc::clone(&path);
+                let base = Arc::clone(&base);
                 std::thread::spawn(move || {
-                    if let Err(e) = handle(&conn, &hostname, &path) {
+                    if let Err(e) = handle(&conn, &base) {
                         eprintln!("sandbox control: connection failed: {e}");
                     }
                 });
@@ -69,24 +80,30 @@ pub fn serve(listener: &UnixListener, hostname: &str) -> ! {
     }
 }
 
-fn handle(conn: &UnixStream, hostname: &str, path: &str) -> std::io::Result<()> {
+fn handle(conn: &UnixStream, base: &Base) -> std::io::Result<()> {
     let (req, fds) = proto::recv_request(conn)?;
     match req {
         Request::Hello => proto::send_response(
             conn,
             &Response::Hello {
-                hostname: hostname.to_owned(),
+                hostname: base.hostname.clone(),
             },
         ),
-        Request::Exec { argv, env, cwd } => exec(conn, &argv, &env, &cwd, (hostname, path), fds),
+        Request::Exec { argv, env, cwd } => exec(conn, &argv, &env, &cwd, base, fds),
         Request::ExecTty {
             argv,
             env,
             cwd,
             rows,
             cols,
-        } => exec_tty(conn, &argv, &env, &cwd, (hostname, path), (rows, cols)),
+        } => exec_tty(conn, &argv, &env, &cwd, base, (rows, cols)),
         Request::Connect { host, port } => connect(conn, &host, port),
+        Request::Gateway => match &base.gateway {
+            Some(l) => {
+                proto::send_response_with_fds(conn, &Response::Started { pid: 0 }, &[l.as_raw_fd()])
+            }
+            None => send_error(conn, "this sandbox has no egress gateway (network 'none')"),
+        },
     }
 }
 
@@ -126,7 +143,7 @@ fn command(
     argv: &[String],
     env: &BTreeMap<String, String>,
     cwd: &str,
-    (hostname, path): (&str, &str),
+    base: &Base,
 ) -> Result<Command, String> {
     let Some((program, args)) = argv.split_first() else {
         return Err("empty command".into());
@@ -134,14 +151,20 @@ fn command(
     let mut cmd = Command::new(program);
     cmd.args(args)
         .env_clear()
-        .env("PATH", path)
+        .env("PATH", &base.path)
         .env("HOME", "/root")
         .env("USER", "root")
         .env("LOGNAME", "root")
         .env("SHELL", login_shell())
         .env("LANG", "C.UTF-8")
-        .env("HOSTNAME", hostname)
-        .env("KEYSTONE_SANDBOX", hostname)
+        .env("HOSTNAME", &base.hostname)
+        .env("KEYSTONE_SANDBOX", &base.hostname)
+        .envs(
+            base.gateway
+                .is_some()
+                .then(crate::egress::proxy_env)
+                .unwrap_or_default(),
+        )
         .envs(env)
         .current_dir(cwd);
     // SAFETY: sigaction and close_range are async-signal-safe; the closure
@@ -259,7 +282,7 @@ fn exec_tty(
     argv: &[String],
     env: &BTreeMap<String, String>,
     cwd: &str,
-    base: (&str, &str),
+    base: &Base,
     size: (u16, u16),
 ) -> std::io::Result<()> {
     let mut cmd = match command(argv, env, cwd, base) {
@@ -295,7 +318,7 @@ fn exec(
     argv: &[String],
     env: &BTreeMap<String, String>,
     cwd: &str,
-    base: (&str, &str),
+    base: &Base,
     fds: Vec<OwnedFd>,
 ) -> std::io::Result<()> {
     let Ok([stdin, stdout, stderr]) = <[OwnedFd; 3]>::try_from(fds) else {

@@ -31,7 +31,9 @@ use crate::git::{refs, snapshot, workspace, worktree};
 use crate::procfs;
 use crate::registry::Registry;
 
+mod egress;
 mod session;
+pub use egress::{EgressChange, EgressView};
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 
 /// What changed, for the D-Bus layer.
@@ -115,6 +117,10 @@ pub struct CreateOptions {
     pub pids: Option<u32>,
     /// Network mode.
     pub network: Option<keystone_agent_api::Network>,
+    /// Egress mode.
+    pub egress: Option<keystone_agent_api::Egress>,
+    /// Egress allow entries beyond the preset.
+    pub egress_allow: Option<Vec<String>>,
     /// Sync mode.
     pub sync_mode: Option<keystone_agent_api::SyncMode>,
     /// Backend.
@@ -130,6 +136,8 @@ pub struct ManagerSettings {
     pub default_backend: BackendKind,
     /// Settings of new sandboxes.
     pub defaults: SandboxConfig,
+    /// The egress gateway's preset, extras and static names.
+    pub egress: crate::config::EgressConfig,
 }
 
 /// Owns the sandboxes.
@@ -145,6 +153,8 @@ pub struct Manager {
     terminals: Mutex<HashMap<u32, session::TermEntry>>,
     next_terminal: std::sync::atomic::AtomicU32,
     proxy: std::sync::OnceLock<Arc<crate::proxy::Proxy>>,
+    gateways: crate::egress::Gateways,
+    egress_events: broadcast::Sender<Arc<crate::egress::log::Entry>>,
 }
 
 impl Manager {
@@ -178,6 +188,8 @@ impl Manager {
             terminals: Mutex::new(HashMap::new()),
             next_terminal: std::sync::atomic::AtomicU32::new(1),
             proxy: std::sync::OnceLock::new(),
+            gateways: crate::egress::Gateways::default(),
+            egress_events: broadcast::channel(256).0,
         })
     }
 
@@ -468,6 +480,8 @@ impl Manager {
             disk: opts.disk.unwrap_or(d.disk),
             pids: opts.pids.unwrap_or(d.pids),
             network: opts.network.unwrap_or(d.network),
+            egress: opts.egress.unwrap_or(d.egress),
+            egress_allow: opts.egress_allow.unwrap_or_else(|| d.egress_allow.clone()),
             sync_mode: opts.sync_mode.unwrap_or(d.sync_mode),
             ..d.clone()
         };
@@ -772,6 +786,7 @@ impl Manager {
         else {
             return;
         };
+        self.open_gateway(name);
         let this = Arc::clone(self);
         let name = name.to_owned();
         tokio::spawn(async move {
@@ -785,6 +800,7 @@ impl Manager {
                 return; // stopped (or restarted) by agentd itself
             }
             tracing::warn!(sandbox = %name, "sandbox processes ended by themselves");
+            this.gateways.stop(&name);
             let spec = this.spec(&now);
             let _ = backend.stop(&spec, &rt, true).await;
             let _ = this.transition(&name, Event::Stop, |_| {});
@@ -806,6 +822,7 @@ impl Manager {
     async fn stop_locked(&self, name: &str, force: bool) -> Result<Sandbox> {
         let sb = self.transition(name, Event::Stop, |_| {})?;
         tracing::info!(sandbox = %name, force, "stopping");
+        self.gateways.stop(name);
         let backend = Arc::clone(self.backend(sb.backend)?);
         if let Some(rt) = &sb.runtime {
             if let Err(e) = backend.stop(&self.spec(&sb), rt, force).await {

@@ -161,12 +161,31 @@ pub fn check_config(config: &SandboxConfig, problems: &mut Vec<String>) {
             config.pids
         ));
     }
+    check_egress_entries("egress_allow", &config.egress_allow, problems);
+    check_egress_entries("egress_deny", &config.egress_deny, problems);
     for pattern in &config.env_files {
         if pattern.is_empty() || pattern.contains('/') || pattern == "." || pattern == ".." {
             problems.push(format!(
                 "env_files pattern '{}' must be a file-name glob at the project root (no '/')",
                 pattern.escape_debug()
             ));
+        }
+    }
+}
+
+/// Check a list of egress entries: each parses, and there are not too many.
+pub fn check_egress_entries(what: &str, entries: &[String], problems: &mut Vec<String>) {
+    use crate::egress::policy::{ENTRIES_MAX, Rule};
+    if entries.len() > ENTRIES_MAX {
+        problems.push(format!(
+            "{what} has {} entries; at most {ENTRIES_MAX} are accepted",
+            entries.len()
+        ));
+        return;
+    }
+    for e in entries {
+        if let Err(m) = Rule::parse(e) {
+            problems.push(format!("{what}: {m}"));
         }
     }
 }

@@ -1,0 +1,175 @@
+//! `agentctl egress NAME …`: a sandbox's egress policy and connection log.
+
+use std::io::IsTerminal;
+
+use keystone_agent_api::{self as api, SandboxProxy};
+use serde_json::{Value, json};
+
+use crate::Result;
+use crate::cli::EgressCommand;
+use crate::output;
+
+/// Run one `egress` verb on sandbox `name`.
+pub async fn run(sb: &SandboxProxy<'_>, name: &str, command: EgressCommand) -> Result<i32> {
+    match command {
+        EgressCommand::Show { json } => {
+            let (mode, preset, allow, deny, serving) = sb.egress().await?;
+            if json {
+                let v = json!({
+                    "mode": mode,
+                    "preset": preset,
+                    "allow": allow,
+                    "deny": deny,
+                    "serving": serving,
+                });
+                println!("{}", output::json(&v));
+                return Ok(0);
+            }
+            crate::outln!("Sandbox '{name}': egress {mode}{}", describe(&mode));
+            if !serving {
+                crate::outln!(
+                    "(no gateway serves now: the sandbox is stopped or has network 'none')"
+                );
+            }
+            let list = |title: &str, entries: &[String]| {
+                if entries.is_empty() {
+                    crate::outln!("{title}: none");
+                } else {
+                    crate::outln!("{title}:");
+                    for e in entries {
+                        crate::outln!("  {e}");
+                    }
+                }
+            };
+            if mode == "allowlist" {
+                list("Preset", &preset);
+            }
+            list("Allowed", &allow);
+            list("Denied", &deny);
+            Ok(0)
+        }
+        EgressCommand::Allow { entry } => {
+            sb.change_egress("allow", &entry).await?;
+            crate::outln!("Sandbox '{name}' may now reach {entry} (from its next connection).");
+            Ok(0)
+        }
+        EgressCommand::Deny { entry } => {
+            sb.change_egress("deny", &entry).await?;
+            crate::outln!(
+                "Sandbox '{name}' may no longer reach {entry} (from its next connection)."
+            );
+            Ok(0)
+        }
+        EgressCommand::Mode { mode } => {
+            sb.change_egress("mode", mode.as_str()).await?;
+            crate::outln!("Sandbox '{name}': egress {mode}{}", describe(mode.as_str()));
+            Ok(0)
+        }
+        EgressCommand::Log {
+            json,
+            limit,
+            follow,
+        } => log(sb, name, json, limit, follow).await,
+    }
+}
+
+fn describe(mode: &str) -> &'static str {
+    match mode {
+        "allowlist" => " (the preset and the allowed entries)",
+        "open" => " (any public destination; never the host or a private range)",
+        "none" => " (nothing)",
+        _ => "",
+    }
+}
+
+async fn log(
+    sb: &SandboxProxy<'_>,
+    name: &str,
+    json: bool,
+    limit: u32,
+    follow: bool,
+) -> Result<i32> {
+    use futures_lite::StreamExt;
+    // Subscribe first, so nothing between the listing and the stream is lost.
+    let mut stream = if follow {
+        Some(sb.receive_egress_logged().await.map_err(api::Error::ZBus)?)
+    } else {
+        None
+    };
+    let entries: Vec<Value> = sb
+        .egress_log(limit)
+        .await?
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let color = std::io::stdout().is_terminal();
+    if json && !follow {
+        println!("{}", output::json(&entries));
+        return Ok(0);
+    }
+    if !json {
+        if entries.is_empty() && !follow {
+            crate::outln!("No connection went through sandbox '{name}''s gateway yet.");
+            return Ok(0);
+        }
+        print_header();
+    }
+    for e in &entries {
+        print_entry(e, json, color);
+    }
+    let Some(stream) = stream.as_mut() else {
+        return Ok(0);
+    };
+    while let Some(signal) = stream.next().await {
+        let Ok(args) = signal.args() else { continue };
+        if let Ok(v) = serde_json::from_str::<Value>(args.entry()) {
+            print_entry(&v, json, color);
+        }
+    }
+    Ok(0)
+}
+
+fn print_header() {
+    crate::outln!(
+        "{:<20} {:<7} {:<40} {:<16} {:<28} {:>9} {:>9} {:>7}",
+        "TIME",
+        "RESULT",
+        "DESTINATION",
+        "ADDRESS",
+        "RULE",
+        "SENT",
+        "RECEIVED",
+        "TOOK"
+    );
+}
+
+fn print_entry(e: &Value, json: bool, color: bool) {
+    if json {
+        println!("{}", output::json_line(e));
+        return;
+    }
+    let s = |k: &str| e[k].as_str().unwrap_or("").to_owned();
+    let n = |k: &str| e[k].as_u64().unwrap_or(0);
+    let denied = s("decision") != "allow";
+    let result = if denied { "DENIED" } else { "allowed" };
+    let line = format!(
+        "{:<20} {:<7} {:<40} {:<16} {:<28} {:>9} {:>9} {:>6.1}s",
+        output::rfc3339(n("at")).as_str().unwrap_or("-"),
+        result,
+        format!("{}:{}", s("host"), n("port")),
+        s("addr"),
+        s("rule"),
+        n("sent"),
+        n("received"),
+        n("duration_ms") as f64 / 1000.0,
+    );
+    let line = output::clean_text(&line);
+    if denied && color {
+        println!("\x1b[1;31m{line}\x1b[0m");
+    } else {
+        println!("{line}");
+    }
+    if denied && !s("reason").is_empty() {
+        crate::outln!("    {}", s("reason"));
+    }
+}

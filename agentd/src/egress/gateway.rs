@@ -1,0 +1,473 @@
+//! The gateway's protocols: an HTTP proxy (CONNECT, and plain HTTP with an
+//! absolute URL) and SOCKS5 (CONNECT) on one listener, told apart by the
+//! first byte. Each connection is decided by [`super::policy`], dialled by
+//! agentd on the host, logged when it ends, and bounded: a request head of
+//! at most [`HEAD_MAX`] bytes read within [`HEAD_TIMEOUT`], at most
+//! [`CONNECTIONS_MAX`] at once per sandbox.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+
+use super::log::Entry;
+use super::policy::{Decision, Policy};
+
+/// Largest request head (request line and headers, or a SOCKS5 greeting).
+pub const HEAD_MAX: usize = 16 * 1024;
+/// Time a client has to send its request head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time to resolve a name.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time to connect to one destination address.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Most connections of one sandbox at once; more wait to be accepted.
+pub const CONNECTIONS_MAX: usize = 256;
+
+/// What the gateway of one sandbox needs from agentd.
+pub struct Context {
+    /// The sandbox.
+    pub name: String,
+    /// Its current policy (read for every connection, so a change applies
+    /// to the next one); `None` once the sandbox is gone.
+    pub policy: Box<dyn Fn() -> Option<Policy> + Send + Sync>,
+    /// Names resolved without DNS.
+    pub hosts: std::collections::BTreeMap<String, IpAddr>,
+    /// Called with every finished connection (allowed or not).
+    pub record: Box<dyn Fn(Entry) + Send + Sync>,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Accept connections on `listener` (a socket in the sandbox's network
+/// namespace) until the task is aborted; aborting it ends every
+/// connection it started.
+pub async fn serve(listener: TcpListener, ctx: Arc<Context>) {
+    let mut conns = JoinSet::new();
+    loop {
+        while conns.len() >= CONNECTIONS_MAX {
+            let _ = conns.join_next().await;
+        }
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let ctx = Arc::clone(&ctx);
+                    conns.spawn(async move { handle(stream, &ctx).await });
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %ctx.name, error = %e, "egress gateway: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
+/// What the client asked for.
+struct Ask {
+    protocol: &'static str,
+    host: String,
+    port: u16,
+}
+
+async fn handle(mut client: TcpStream, ctx: &Context) {
+    let started = Instant::now();
+    let at = SystemTime::now();
+    let _ = client.set_nodelay(true);
+    let mut first = [0u8; 1];
+    let Ok(Ok(1)) = tokio::time::timeout(HEAD_TIMEOUT, client.peek(&mut first)).await else {
+        return;
+    };
+    let socks = first[0] == 5;
+    let parsed = if socks {
+        tokio::time::timeout(HEAD_TIMEOUT, socks_head(&mut client)).await
+    } else {
+        tokio::time::timeout(HEAD_TIMEOUT, http_head(&mut client)).await
+    };
+    let (ask, head) = match parsed {
+        Ok(Ok(v)) => v,
+        Ok(Err(msg)) => {
+            if !socks {
+                let _ = respond(&mut client, "400 Bad Request", &format!("{msg}\n")).await;
+            }
+            return;
+        }
+        Err(_) => return,
+    };
+    let mut entry = Entry {
+        at: crate::sandbox::micros(Some(at)),
+        sandbox: ctx.name.clone(),
+        protocol: ask.protocol.to_owned(),
+        host: crate::sandbox::validate::clamp_text(&ask.host).into_owned(),
+        port: ask.port,
+        addr: String::new(),
+        decision: "deny".to_owned(),
+        rule: String::new(),
+        reason: String::new(),
+        sent: 0,
+        received: 0,
+        duration_ms: 0,
+        error: String::new(),
+    };
+    let finish = |mut entry: Entry| {
+        entry.duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        (ctx.record)(entry);
+    };
+    let Some(policy) = (ctx.policy)() else {
+        return;
+    };
+    let (decision, addrs) = match policy.precheck(&ask.host, ask.port) {
+        Some(d) => (d, Vec::new()),
+        None => match resolve(&ask.host, ask.port, &ctx.hosts).await {
+            Ok(found) => policy.decide(&ask.host, ask.port, &found, &host_addresses()),
+            Err(e) => (
+                Decision {
+                    allowed: false,
+                    rule: "unresolved".to_owned(),
+                    reason: e,
+                    suggest: None,
+                },
+                Vec::new(),
+            ),
+        },
+    };
+    entry.rule.clone_from(&decision.rule);
+    entry.reason.clone_from(&decision.reason);
+    if !decision.allowed {
+        refuse(&mut client, &ask, &decision, &ctx.name, socks).await;
+        finish(entry);
+        return;
+    }
+    entry.decision = "allow".to_owned();
+    let (mut upstream, addr) = match dial(&addrs, ask.port).await {
+        Ok(v) => v,
+        Err(e) => {
+            entry.error = e.clone();
+            if socks {
+                let _ = client.write_all(&socks_reply(5)).await;
+            } else {
+                let _ = respond(&mut client, "502 Bad Gateway", &format!("{e}\n")).await;
+            }
+            finish(entry);
+            return;
+        }
+    };
+    entry.addr = addr.ip().to_string();
+    let _ = upstream.set_nodelay(true);
+    let ready = if socks {
+        client.write_all(&socks_reply(0)).await
+    } else if ask.protocol == "connect" {
+        client
+            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            .await
+    } else {
+        Ok(())
+    };
+    let mut sent = 0u64;
+    if ready.is_ok() && !head.is_empty() && upstream.write_all(&head).await.is_ok() {
+        sent = head.len() as u64;
+    }
+    if ready.is_ok() {
+        match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+            Ok((up, down)) => {
+                entry.sent = sent + up;
+                entry.received = down;
+            }
+            Err(e) => {
+                entry.sent = sent;
+                entry.error = e.to_string();
+            }
+        }
+    }
+    finish(entry);
+}
+
+/// Resolve `host` (a literal address, a configured static name, or DNS).
+async fn resolve(
+    host: &str,
+    port: u16,
+    hosts: &std::collections::BTreeMap<String, IpAddr>,
+) -> Result<Vec<IpAddr>, String> {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse::<IpAddr>() {
+        return Ok(vec![ip]);
+    }
+    if let Some(ip) = hosts.get(&host.to_ascii_lowercase()) {
+        return Ok(vec![*ip]);
+    }
+    match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await {
+        Ok(Ok(found)) => {
+            let mut v: Vec<IpAddr> = found.map(|a| a.ip()).collect();
+            v.dedup();
+            Ok(v)
+        }
+        Ok(Err(e)) => Err(format!("cannot resolve {host}: {e}")),
+        Err(_) => Err(format!("resolving {host} timed out")),
+    }
+}
+
+/// This host's own addresses, on every interface.
+fn host_addresses() -> Vec<IpAddr> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    addrs
+        .filter_map(|i| {
+            let a = i.address?;
+            if let Some(v4) = a.as_sockaddr_in() {
+                Some(IpAddr::V4(v4.ip()))
+            } else {
+                a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+            }
+        })
+        .collect()
+}
+
+async fn dial(addrs: &[IpAddr], port: u16) -> Result<(TcpStream, SocketAddr), String> {
+    let mut last = String::from("no address to connect to");
+    for ip in addrs {
+        let to = SocketAddr::new(*ip, port);
+        match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(to)).await {
+            Ok(Ok(s)) => return Ok((s, to)),
+            Ok(Err(e)) => last = format!("cannot connect to {to}: {e}"),
+            Err(_) => last = format!("connecting to {to} timed out"),
+        }
+    }
+    Err(last)
+}
+
+async fn refuse(client: &mut TcpStream, ask: &Ask, d: &Decision, name: &str, socks: bool) {
+    if socks {
+        let _ = client.write_all(&socks_reply(2)).await;
+        return;
+    }
+    let entry = match &d.suggest {
+        Some(s) => s.clone(),
+        None if ask.port == 443 || ask.port == 80 => ask.host.clone(),
+        None => format!("{}:{}", ask.host, ask.port),
+    };
+    let body = format!(
+        "Keystone Agent refused this connection: {} (rule: {}).\n\
+         To allow it, run on the host:\n\n    agentctl egress {name} allow {}\n",
+        d.reason,
+        d.rule,
+        crate::sandbox::validate::shown(&entry),
+    );
+    let _ = respond(client, "403 Forbidden", &body).await;
+}
+
+async fn respond(client: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
+    let msg = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    client.write_all(msg.as_bytes()).await?;
+    client.shutdown().await
+}
+
+/// Read an HTTP request head; for plain HTTP, return the head rewritten
+/// for the origin (origin-form target, no proxy headers, one request per
+/// connection) and any body bytes already read.
+async fn http_head(client: &mut TcpStream) -> Result<(Ask, Vec<u8>), String> {
+    let mut buf = Vec::with_capacity(1024);
+    let end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        if buf.len() >= HEAD_MAX {
+            return Err(format!("request head is larger than {HEAD_MAX} bytes"));
+        }
+        let mut chunk = [0u8; 4096];
+        let n = client.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the request ended early".to_owned());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let mut headers = [httparse::EMPTY_HEADER; 128];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(&buf[..end]) {
+        Ok(httparse::Status::Complete(_)) => {}
+        _ => return Err("not an HTTP proxy request".to_owned()),
+    }
+    let method = req.method.unwrap_or_default();
+    let target = req.path.unwrap_or_default();
+    if method.eq_ignore_ascii_case("CONNECT") {
+        let (host, port) = split_authority(target, None)?;
+        // Bytes sent after the head belong to the tunnel.
+        let rest = buf[end..].to_vec();
+        return Ok((
+            Ask {
+                protocol: "connect",
+                host,
+                port,
+            },
+            rest,
+        ));
+    }
+    let Some(after) = target.strip_prefix("http://") else {
+        return Err(format!(
+            "'{}' is not an absolute http:// URL; this is a proxy (use CONNECT for HTTPS)",
+            crate::sandbox::validate::shown(target)
+        ));
+    };
+    let (authority, path) = match after.find('/') {
+        Some(i) => (&after[..i], &after[i..]),
+        None => (after, "/"),
+    };
+    let (host, port) = split_authority(authority, Some(80))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
+    for h in req.headers.iter() {
+        let n = h.name.to_ascii_lowercase();
+        if n.starts_with("proxy-") || n == "connection" || n == "keep-alive" {
+            continue;
+        }
+        head.extend_from_slice(h.name.as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(h.value);
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"Connection: close\r\n\r\n");
+    head.extend_from_slice(&buf[end..]);
+    Ok((
+        Ask {
+            protocol: "http",
+            host,
+            port,
+        },
+        head,
+    ))
+}
+
+/// `host:port` or `[v6]:port` (the port may default).
+fn split_authority(a: &str, default: Option<u16>) -> Result<(String, u16), String> {
+    let bad = || format!("'{}' is not host:port", crate::sandbox::validate::shown(a));
+    let (host, port) = if let Some(rest) = a.strip_prefix('[') {
+        let (h, p) = rest.split_once(']').ok_or_else(bad)?;
+        (h, p.strip_prefix(':'))
+    } else {
+        match a.rsplit_once(':') {
+            Some((h, p)) => (h, Some(p)),
+            None => (a, None),
+        }
+    };
+    let port = match (port, default) {
+        (Some(p), _) => p.parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(bad)?,
+        (None, Some(d)) => d,
+        (None, None) => return Err(bad()),
+    };
+    if host.is_empty() || host.len() > 253 {
+        return Err(bad());
+    }
+    Ok((host.to_owned(), port))
+}
+
+/// Read a SOCKS5 greeting and CONNECT request (RFC 1928, no
+/// authentication).
+async fn socks_head(client: &mut TcpStream) -> Result<(Ask, Vec<u8>), String> {
+    let mut hdr = [0u8; 2];
+    client
+        .read_exact(&mut hdr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut methods = vec![0u8; usize::from(hdr[1])];
+    client
+        .read_exact(&mut methods)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !methods.contains(&0) {
+        let _ = client.write_all(&[5, 0xff]).await;
+        return Err("the SOCKS client offers no method without authentication".to_owned());
+    }
+    client.write_all(&[5, 0]).await.map_err(|e| e.to_string())?;
+    let mut req = [0u8; 4];
+    client
+        .read_exact(&mut req)
+        .await
+        .map_err(|e| e.to_string())?;
+    if req[0] != 5 || req[1] != 1 {
+        let _ = client.write_all(&socks_reply(7)).await;
+        return Err("only SOCKS5 CONNECT is supported".to_owned());
+    }
+    let host = match req[3] {
+        1 => {
+            let mut a = [0u8; 4];
+            client.read_exact(&mut a).await.map_err(|e| e.to_string())?;
+            std::net::Ipv4Addr::from(a).to_string()
+        }
+        3 => {
+            let mut len = [0u8; 1];
+            client
+                .read_exact(&mut len)
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut name = vec![0u8; usize::from(len[0])];
+            client
+                .read_exact(&mut name)
+                .await
+                .map_err(|e| e.to_string())?;
+            String::from_utf8(name).map_err(|_| "the SOCKS host name is not UTF-8".to_owned())?
+        }
+        4 => {
+            let mut a = [0u8; 16];
+            client.read_exact(&mut a).await.map_err(|e| e.to_string())?;
+            std::net::Ipv6Addr::from(a).to_string()
+        }
+        _ => {
+            let _ = client.write_all(&socks_reply(8)).await;
+            return Err("unknown SOCKS address type".to_owned());
+        }
+    };
+    let mut port = [0u8; 2];
+    client
+        .read_exact(&mut port)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((
+        Ask {
+            protocol: "socks5",
+            host,
+            port: u16::from_be_bytes(port),
+        },
+        Vec::new(),
+    ))
+}
+
+/// A SOCKS5 reply with status `rep` and an unspecified bound address.
+fn socks_reply(rep: u8) -> [u8; 10] {
+    [5, rep, 0, 1, 0, 0, 0, 0, 0, 0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn authorities_split_with_and_without_ports() {
+        assert_eq!(
+            split_authority("example.com:443", None).unwrap(),
+            ("example.com".to_owned(), 443)
+        );
+        assert_eq!(
+            split_authority("[::1]:8080", None).unwrap(),
+            ("::1".to_owned(), 8080)
+        );
+        assert_eq!(
+            split_authority("example.com", Some(80)).unwrap(),
+            ("example.com".to_owned(), 80)
+        );
+        assert!(split_authority("example.com", None).is_err());
+        assert!(split_authority("example.com:0", None).is_err());
+        assert!(split_authority(":443", None).is_err());
+    }
+}

@@ -1,0 +1,84 @@
+//! The egress gateway: every outbound connection of a sandbox goes through
+//! agentd, which decides it by the sandbox's policy, dials it from the host
+//! and logs it. See `docs/network.md`.
+//!
+//! A `local` sandbox has its own network namespace with only loopback; its
+//! control server holds a listening socket on [`GATEWAY_ADDR`] there, and
+//! agentd accepts on a duplicate of it (so the socket lives in the
+//! sandbox's namespace while every byte is handled on the host). Processes
+//! inside find it through `HTTP_PROXY`, `HTTPS_PROXY` and `ALL_PROXY`
+//! ([`proxy_env`]); anything that ignores them has no route.
+
+pub mod gateway;
+pub mod log;
+pub mod policy;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+pub use policy::{PRESET, Policy, Rule};
+
+/// Where the gateway listens inside a sandbox.
+pub const GATEWAY_ADDR: std::net::SocketAddrV4 =
+    std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 3128);
+
+/// The variables that point every usual client at the gateway (both cases,
+/// as curl, git, npm, pip and cargo each read one or the other).
+#[must_use]
+pub fn proxy_env() -> Vec<(String, String)> {
+    let http = format!("http://{GATEWAY_ADDR}");
+    let socks = format!("socks5h://{GATEWAY_ADDR}");
+    let no_proxy = "localhost,127.0.0.1,::1".to_owned();
+    let mut out = Vec::new();
+    for (k, v) in [
+        ("http_proxy", &http),
+        ("https_proxy", &http),
+        ("all_proxy", &socks),
+        ("no_proxy", &no_proxy),
+    ] {
+        out.push((k.to_owned(), v.clone()));
+        out.push((k.to_ascii_uppercase(), v.clone()));
+    }
+    out
+}
+
+/// The running gateways, one task per sandbox.
+#[derive(Debug, Default)]
+pub struct Gateways {
+    tasks: Mutex<HashMap<String, tokio::task::AbortHandle>>,
+}
+
+impl Gateways {
+    /// Serve `listener` for `ctx.name`, replacing a gateway it had.
+    pub fn start(
+        &self,
+        listener: std::net::TcpListener,
+        ctx: gateway::Context,
+    ) -> std::io::Result<()> {
+        listener.set_nonblocking(true)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let name = ctx.name.clone();
+        let task = tokio::spawn(gateway::serve(listener, Arc::new(ctx)));
+        if let Some(old) = self.tasks.lock().unwrap().insert(name, task.abort_handle()) {
+            old.abort();
+        }
+        Ok(())
+    }
+
+    /// End `name`'s gateway and every connection through it.
+    pub fn stop(&self, name: &str) {
+        if let Some(t) = self.tasks.lock().unwrap().remove(name) {
+            t.abort();
+        }
+    }
+
+    /// Whether `name` has a gateway.
+    #[must_use]
+    pub fn serving(&self, name: &str) -> bool {
+        self.tasks
+            .lock()
+            .unwrap()
+            .get(name)
+            .is_some_and(|t| !t.is_finished())
+    }
+}

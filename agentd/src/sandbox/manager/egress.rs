@@ -1,0 +1,202 @@
+//! A sandbox's egress: its gateway's lifetime, its policy and changes to
+//! it, and its connection log.
+
+use std::sync::Arc;
+
+use keystone_agent_api::{Egress, SandboxConfig, SandboxState};
+use tokio::sync::broadcast;
+
+use super::Manager;
+use crate::auth::Caller;
+use crate::egress::{self, Policy, Rule, gateway, log::Entry, policy::ENTRIES_MAX};
+use crate::error::{Error, Result};
+
+/// A change to a sandbox's egress policy.
+#[derive(Debug, Clone)]
+pub enum EgressChange {
+    /// Admit an entry (and take it off the deny list).
+    Allow(String),
+    /// Refuse an entry, even one the preset admits (and take it off the
+    /// allow list).
+    Deny(String),
+    /// Switch the mode.
+    Mode(Egress),
+}
+
+/// What `agentctl egress NAME show` prints.
+#[derive(Debug, Clone)]
+pub struct EgressView {
+    /// The mode.
+    pub mode: Egress,
+    /// The preset (used in `allowlist` mode), with agentd's extras.
+    pub preset: Vec<String>,
+    /// The sandbox's own allow entries.
+    pub allow: Vec<String>,
+    /// The sandbox's deny entries.
+    pub deny: Vec<String>,
+    /// Whether the gateway is serving (the sandbox runs with a network).
+    pub serving: bool,
+}
+
+impl Manager {
+    /// The preset and agentd's extra entries.
+    fn egress_base(&self) -> Vec<String> {
+        let cfg = &self.settings.egress;
+        let mut base: Vec<String> = match &cfg.preset {
+            Some(p) => p.clone(),
+            None => egress::PRESET.iter().map(|s| (*s).to_owned()).collect(),
+        };
+        base.extend(cfg.extra.iter().cloned());
+        base
+    }
+
+    /// The policy the gateway applies for `config`.
+    fn egress_policy(&self, config: &SandboxConfig) -> Policy {
+        Policy::new(
+            config.egress,
+            &self.egress_base(),
+            &config.egress_allow,
+            &config.egress_deny,
+        )
+    }
+
+    fn egress_log_path(&self, name: &str) -> std::path::PathBuf {
+        self.registry.sandbox_dir(name).join("logs/egress.jsonl")
+    }
+
+    /// Connections logged by any sandbox's gateway, as they end.
+    pub fn subscribe_egress(&self) -> broadcast::Receiver<Arc<Entry>> {
+        self.egress_events.subscribe()
+    }
+
+    /// Serve running sandbox `name`'s gateway, in the background.
+    pub(super) fn open_gateway(self: &Arc<Self>, name: &str) {
+        let Some(sb) = self.snapshot(name) else {
+            return;
+        };
+        let Ok(backend) = self.backend(sb.backend).cloned() else {
+            return;
+        };
+        let spec = self.spec(&sb);
+        let this = Arc::clone(self);
+        let name = name.to_owned();
+        tokio::spawn(async move {
+            let fd = match backend.gateway(&spec).await {
+                Ok(Some(fd)) => fd,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot serve the egress gateway; the sandbox has no way out");
+                    return;
+                }
+            };
+            let weak = Arc::downgrade(&this);
+            let policy_name = name.clone();
+            let log_name = name.clone();
+            let log_weak = Arc::downgrade(&this);
+            let ctx = gateway::Context {
+                name: name.clone(),
+                policy: Box::new(move || {
+                    let m = weak.upgrade()?;
+                    let sb = m.snapshot(&policy_name)?;
+                    (sb.state == SandboxState::Running).then(|| m.egress_policy(&sb.config))
+                }),
+                hosts: this.settings.egress.hosts.clone(),
+                record: Box::new(move |entry| {
+                    let Some(m) = log_weak.upgrade() else {
+                        return;
+                    };
+                    if let Err(e) = egress::log::append(&m.egress_log_path(&log_name), &entry) {
+                        tracing::warn!(sandbox = %log_name, error = %e, "cannot log a connection");
+                    }
+                    if entry.decision != "allow" {
+                        tracing::info!(sandbox = %log_name, host = %entry.host, port = entry.port, rule = %entry.rule, "egress refused");
+                    }
+                    let _ = m.egress_events.send(Arc::new(entry));
+                }),
+            };
+            match this.gateways.start(std::net::TcpListener::from(fd), ctx) {
+                Ok(()) => tracing::info!(sandbox = %name, "egress gateway serving"),
+                Err(e) => {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot serve the egress gateway")
+                }
+            }
+        });
+    }
+
+    /// Sandbox `name`'s egress policy.
+    pub fn egress_view(&self, caller: Caller, name: &str) -> Result<EgressView> {
+        let sb = self.get(caller, name)?;
+        Ok(EgressView {
+            mode: sb.config.egress,
+            preset: self.egress_base(),
+            allow: sb.config.egress_allow,
+            deny: sb.config.egress_deny,
+            serving: self.gateways.serving(name),
+        })
+    }
+
+    /// Change sandbox `name`'s egress policy; the gateway applies it from
+    /// the next connection on, and it is kept in the registry.
+    pub fn change_egress(
+        &self,
+        caller: Caller,
+        name: &str,
+        change: EgressChange,
+    ) -> Result<EgressView> {
+        self.get(caller, name)?;
+        let parsed = match &change {
+            EgressChange::Allow(e) | EgressChange::Deny(e) => Some(
+                Rule::parse(e)
+                    .map_err(|m| Error::Invalid(vec![m]))?
+                    .to_string(),
+            ),
+            EgressChange::Mode(_) => None,
+        };
+        let mut full = None;
+        let sb = self.update(name, |s| {
+            let c = &mut s.config;
+            match (&change, &parsed) {
+                (EgressChange::Allow(_), Some(e)) => {
+                    c.egress_deny.retain(|d| d != e);
+                    if !c.egress_allow.contains(e) {
+                        if c.egress_allow.len() >= ENTRIES_MAX {
+                            full = Some("allow");
+                        } else {
+                            c.egress_allow.push(e.clone());
+                        }
+                    }
+                }
+                (EgressChange::Deny(_), Some(e)) => {
+                    c.egress_allow.retain(|a| a != e);
+                    if !c.egress_deny.contains(e) {
+                        if c.egress_deny.len() >= ENTRIES_MAX {
+                            full = Some("deny");
+                        } else {
+                            c.egress_deny.push(e.clone());
+                        }
+                    }
+                }
+                (EgressChange::Mode(m), _) => c.egress = *m,
+                _ => {}
+            }
+        })?;
+        if let Some(list) = full {
+            return Err(Error::Invalid(vec![format!(
+                "sandbox '{name}' already has {ENTRIES_MAX} {list} entries; remove some first"
+            )]));
+        }
+        self.registry.save_config(&sb)?;
+        tracing::info!(sandbox = %name, ?change, "egress policy changed");
+        self.egress_view(caller, name)
+    }
+
+    /// The last `limit` connections of sandbox `name`, oldest first.
+    pub fn egress_log(&self, caller: Caller, name: &str, limit: usize) -> Result<Vec<Entry>> {
+        self.get(caller, name)?;
+        let path = self.egress_log_path(name);
+        egress::log::tail(&path, limit).map_err(|e| Error::Workspace {
+            name: name.to_owned(),
+            message: format!("cannot read {}: {e}", path.display()),
+        })
+    }
+}

@@ -1,0 +1,248 @@
+//! Network isolation and the egress gateway, from inside a real `local`
+//! sandbox: nothing on the host answers it directly, every way out goes
+//! through agentd's gateway, which decides by the sandbox's policy and logs
+//! every attempt.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, TcpListener};
+use std::time::Duration;
+
+use common::Env;
+
+/// A tiny HTTP origin on the host: answers every request with `body`.
+fn origin(bind: IpAddr, body: &'static str) -> u16 {
+    let listener = TcpListener::bind((bind, 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match conn.read(&mut chunk) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = write!(
+                    conn,
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            });
+        }
+    });
+    port
+}
+
+/// This host's first non-loopback IPv4 address.
+fn host_address() -> Option<IpAddr> {
+    nix::ifaddrs::getifaddrs()
+        .ok()?
+        .filter_map(|i| i.address?.as_sockaddr_in().map(|a| IpAddr::V4(a.ip())))
+        .find(|a| !a.is_loopback())
+}
+
+/// Run `script` with sh inside sandbox `name`; (exit code, stdout+stderr).
+fn inside(env: &Env, name: &str, script: &str) -> (i32, String) {
+    let out = env.ctl(&["exec", name, "--", "sh", "-c", script]);
+    (
+        out.status.code().unwrap_or(-1),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// `curl` inside with the given extra options; (exit code, output).
+fn curl(env: &Env, name: &str, opts: &str, url: &str) -> (i32, String) {
+    inside(
+        env,
+        name,
+        &format!("curl -sS --max-time 10 {opts} '{url}' 2>&1"),
+    )
+}
+
+fn egress_log(env: &Env, name: &str) -> Vec<serde_json::Value> {
+    serde_json::from_str(&env.ok(&["egress", name, "log", "--json", "-n", "100"])).unwrap()
+}
+
+fn sandbox_with_config(name: &str, config: &serde_json::Value, extra: &[&str]) -> Env {
+    let mut env = Env::bus_only();
+    let path = env.tmp.path().join("agentd.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    env.config = Some(path);
+    env.start_agentd();
+    let repo = env.repo(name);
+    let mut args = vec!["create"];
+    args.extend_from_slice(extra);
+    args.push(repo.to_str().unwrap());
+    env.ok(&args);
+    env.ok(&["start", name]);
+    env
+}
+
+#[test]
+fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
+    let loopback = origin(IpAddr::from([127, 0, 0, 1]), "host-loopback-service");
+    let cfg = serde_json::json!({
+        "egress": { "hosts": { "origin.test": "127.0.0.1" } }
+    });
+    let env = sandbox_with_config("net", &cfg, &[]);
+
+    // Every process inside is pointed at the gateway.
+    let (_, vars) = inside(&env, "net", "echo $HTTPS_PROXY $all_proxy");
+    assert_eq!(
+        vars.trim(),
+        "http://127.0.0.1:3128 socks5h://127.0.0.1:3128"
+    );
+
+    // Directly, nothing on the host answers: not its loopback, not its
+    // other addresses.
+    let (code, out) = curl(
+        &env,
+        "net",
+        "--noproxy '*'",
+        &format!("http://127.0.0.1:{loopback}/"),
+    );
+    assert_ne!(code, 0, "the host's loopback answered directly: {out}");
+    assert!(!out.contains("host-loopback-service"), "{out}");
+    if let Some(addr) = host_address() {
+        let other = origin(addr, "host-address-service");
+        let (code, out) = curl(
+            &env,
+            "net",
+            "--noproxy '*'",
+            &format!("http://{addr}:{other}/"),
+        );
+        assert_ne!(code, 0, "the host's own address answered directly: {out}");
+        // Through the gateway too, it is the host: refused.
+        let (_, out) = curl(
+            &env,
+            "net",
+            "--proxy http://127.0.0.1:3128",
+            &format!("http://{addr}:{other}/"),
+        );
+        assert!(out.contains("refused"), "{out}");
+        assert!(!out.contains("host-address-service"), "{out}");
+    }
+
+    // Through the gateway: the host's loopback by address, refused.
+    // (127.0.0.1 is in NO_PROXY, as loopback inside is the sandbox's own.)
+    let gw = "--noproxy '' --proxy http://127.0.0.1:3128";
+    let (_, out) = curl(&env, "net", gw, &format!("http://127.0.0.1:{loopback}/"));
+    assert!(
+        out.contains("refused") && !out.contains("host-loopback-service"),
+        "{out}"
+    );
+    // A name that is not on the allowlist: refused with the command to run.
+    let url = format!("http://origin.test:{loopback}/");
+    let (_, out) = curl(&env, "net", "", &url);
+    assert!(
+        out.contains(&format!("agentctl egress net allow origin.test:{loopback}")),
+        "{out}"
+    );
+    // Allowed by name, but it resolves to the host: still refused.
+    env.ok(&["egress", "net", "allow", "origin.test"]);
+    let (_, out) = curl(&env, "net", "", &url);
+    assert!(
+        out.contains("private range") && !out.contains("host-loopback-service"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "agentctl egress net allow 127.0.0.1/32:{loopback}"
+        )),
+        "{out}"
+    );
+    // An explicit CIDR entry opens it, at once, for plain HTTP, CONNECT and
+    // SOCKS5 alike.
+    env.ok(&[
+        "egress",
+        "net",
+        "allow",
+        &format!("127.0.0.1/32:{loopback}"),
+    ]);
+    for opts in ["", "--proxytunnel", "--proxy socks5h://127.0.0.1:3128"] {
+        let (code, out) = curl(&env, "net", opts, &url);
+        assert_eq!(
+            (code, out.as_str()),
+            (0, "host-loopback-service"),
+            "curl {opts}"
+        );
+    }
+    // A deny entry wins over the allow entries.
+    env.ok(&["egress", "net", "deny", "origin.test"]);
+    let (_, out) = curl(&env, "net", "", &url);
+    assert!(out.contains("deny list"), "{out}");
+    // Mode none: nothing.
+    env.ok(&["egress", "net", "allow", "origin.test"]);
+    env.ok(&["egress", "net", "mode", "none"]);
+    let (_, out) = curl(&env, "net", "", &url);
+    assert!(out.contains("'none'"), "{out}");
+
+    // The log has each attempt with the rule that decided it.
+    let log = egress_log(&env, "net");
+    let rules: Vec<(String, String)> = log
+        .iter()
+        .map(|e| {
+            (
+                e["decision"].as_str().unwrap().to_owned(),
+                e["rule"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let cidr = format!("127.0.0.1/32:{loopback}");
+    for want in [
+        ("deny", "internal"),
+        ("deny", "default"),
+        ("allow", cidr.as_str()),
+        ("deny", "deny origin.test"),
+        ("deny", "mode:none"),
+    ] {
+        assert!(
+            rules.iter().any(|(d, r)| d == want.0 && r == want.1),
+            "{want:?} not in {rules:?}"
+        );
+    }
+    let allowed: Vec<_> = log.iter().filter(|e| e["decision"] == "allow").collect();
+    assert_eq!(allowed.len(), 3, "{allowed:?}");
+    for e in allowed {
+        assert_eq!(e["addr"], "127.0.0.1");
+        assert!(e["received"].as_u64().unwrap() > 20, "{e}");
+        assert!(e["sent"].as_u64().unwrap() > 20, "{e}");
+    }
+    // The policy survives in the registry.
+    let show: serde_json::Value =
+        serde_json::from_str(&env.ok(&["egress", "net", "show", "--json"])).unwrap();
+    assert_eq!(show["mode"], "none");
+    assert_eq!(show["allow"], serde_json::json!([cidr, "origin.test"]));
+    assert_eq!(show["serving"], true);
+}
+
+#[test]
+fn a_sandbox_without_network_has_no_way_out_at_all() {
+    let loopback = origin(IpAddr::from([127, 0, 0, 1]), "host-loopback-service");
+    let env = Env::running("nonet", &["--network", "none"]);
+    let (_, vars) = inside(&env, "nonet", "echo \"[$HTTPS_PROXY]\"");
+    assert_eq!(vars.trim(), "[]");
+    for opts in ["--noproxy '*'", "--proxy http://127.0.0.1:3128"] {
+        let (code, out) = curl(
+            &env,
+            "nonet",
+            opts,
+            &format!("http://127.0.0.1:{loopback}/"),
+        );
+        assert_ne!(code, 0, "{opts}: {out}");
+        assert!(!out.contains("host-loopback-service"), "{out}");
+    }
+    let show: serde_json::Value =
+        serde_json::from_str(&env.ok(&["egress", "nonet", "show", "--json"])).unwrap();
+    assert_eq!(show["serving"], false);
+}
