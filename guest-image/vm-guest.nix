@@ -25,8 +25,9 @@
 # - sshd is socket-activated on vsock port 22 only (`sshd -i` per
 #   connection); nothing listens on the guest's network. Host key and
 #   authorized keys are the fw_cfg ones; no password works for anybody.
-# - networkd configures any NIC (network = "nat") by DHCP; DNS is QEMU's
-#   10.0.2.3. No serial getty: the console is a log.
+# - No NIC: the only way out is 127.0.0.1:3128, relayed over vsock to
+#   agentd's egress gateway (docs/network.md). No serial getty: the
+#   console is a log.
 # - `keystone: ready` on the console once multi-user.target is reached.
 {
   config,
@@ -270,19 +271,30 @@ in
     # systemd's ssh generator would put a second sshd on vsock port 22.
     systemd.generators.systemd-ssh-generator = "/dev/null";
 
-    # --- Network (network = "nat"): QEMU's user-mode network -----------------------
-    systemd.network.networks."80-keystone" = {
-      matchConfig.Name = "e*";
-      networkConfig.DHCP = "ipv4";
-      # The host name is the sandbox's, from the command line.
-      dhcpV4Config.UseHostname = false;
+    # --- Egress (docs/network.md) ------------------------------------------------------
+    # No NIC: a guest's only way out is agentd's egress gateway. 127.0.0.1:3128
+    # (what HTTP_PROXY, HTTPS_PROXY and ALL_PROXY name) is relayed over vsock
+    # to the host, CID 2 port 3128; only sandboxes with a network get it.
+    systemd.sockets.keystone-egress = {
+      description = "Keystone Agent egress relay (127.0.0.1:3128 to the host's gateway over vsock)";
+      wantedBy = [ "sockets.target" ];
+      unitConfig.ConditionKernelCommandLine = "keystone.egress=1";
+      socketConfig = {
+        ListenStream = "127.0.0.1:3128";
+        Accept = true;
+      };
     };
-    keystone.sandbox.nameservers = [ "10.0.2.3" ];
-    # A guest without a NIC (network = "none") would wait for nothing.
+    systemd.services."keystone-egress@" = {
+      description = "Keystone Agent egress relay connection";
+      serviceConfig = {
+        ExecStart = "${pkgs.socat}/bin/socat STDIO VSOCK-CONNECT:2:3128";
+        StandardInput = "socket";
+        StandardError = "journal";
+      };
+    };
     systemd.network.wait-online.enable = false;
-    # Nothing reaches the guest's network from outside (QEMU's user-mode
-    # network has no inbound path, and sshd is on vsock): a firewall would
-    # only slow the boot down.
+    # Nothing reaches the guest from outside (it has no NIC, and sshd is on
+    # vsock): a firewall would only slow the boot down.
     networking.firewall.enable = false;
 
     # --- Console -------------------------------------------------------------------

@@ -5,39 +5,10 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::{IpAddr, TcpListener};
+use std::net::IpAddr;
 use std::time::Duration;
 
-use common::Env;
-
-/// A tiny HTTP origin on the host: answers every request with `body`.
-fn origin(bind: IpAddr, body: &'static str) -> u16 {
-    let listener = TcpListener::bind((bind, 0)).unwrap();
-    let port = listener.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { continue };
-            std::thread::spawn(move || {
-                let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 1024];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match conn.read(&mut chunk) {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-                let _ = write!(
-                    conn,
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-            });
-        }
-    });
-    port
-}
+use common::{Env, origin};
 
 /// This host's first non-loopback IPv4 address.
 fn host_address() -> Option<IpAddr> {
@@ -94,7 +65,7 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
     let cfg = serde_json::json!({
         "egress": { "hosts": { "origin.test": "127.0.0.1" } }
     });
-    let env = sandbox_with_config("net", &cfg, &[]);
+    let mut env = sandbox_with_config("net", &cfg, &[]);
 
     // Every process inside is pointed at the gateway.
     let (_, vars) = inside(&env, "net", "echo $HTTPS_PROXY $all_proxy");
@@ -224,6 +195,22 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
     assert_eq!(show["mode"], "none");
     assert_eq!(show["allow"], serde_json::json!([cidr, "origin.test"]));
     assert_eq!(show["serving"], true);
+
+    // After a crash the restarted agentd serves the same sandbox's gateway
+    // again (the listening socket stayed in the sandbox meanwhile).
+    env.kill_agentd();
+    env.start_agentd();
+    env.ok(&["egress", "net", "mode", "allowlist"]);
+    let mut last = (0, String::new());
+    common::wait_for(
+        "the gateway after a restart",
+        Duration::from_secs(10),
+        || {
+            last = curl(&env, "net", "", &url);
+            last.0 == 0
+        },
+    );
+    assert_eq!(last.1, "host-loopback-service");
 }
 
 #[test]

@@ -301,11 +301,12 @@ fn a_guest_that_cannot_boot_ends_in_error_with_its_console_and_no_leftovers() {
 fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     let img = image();
     // This one shares its workspace over 9p, QEMU's own (as when agentd is
-    // not root), and has a NIC on QEMU's user-mode network.
+    // not root), and has a network: the egress gateway.
     let dir = tempfile::tempdir().unwrap();
     let caddy = Caddy::start(dir.path());
     let mut extra: serde_json::Value = serde_json::from_str(&caddy.agentd_config(false)).unwrap();
     extra["vm"] = serde_json::json!({"share": "9p"});
+    extra["egress"] = serde_json::json!({"hosts": {"origin.test": "127.0.0.1"}});
     let mut env = env_with(&img, extra);
     create_vm(&env, "survivor", "nat");
     env.ok(&["start", "survivor"]);
@@ -314,14 +315,43 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
         .unwrap()
         .to_owned();
     assert!(limits.contains("workspace over 9p"), "{limits}");
+    sh(&env, "survivor", "echo via-9p > /workspace/shared.txt");
+    // No NIC: its only way out is the egress gateway, over vsock. The host's
+    // loopback (QEMU's old 10.0.2.2) answers only through an address-range
+    // entry.
+    let port = common::origin(
+        std::net::IpAddr::from([127, 0, 0, 1]),
+        "host-loopback-service",
+    );
+    let through_gateway = |env: &Env| {
+        sh(
+            env,
+            "survivor",
+            &format!(
+                "for i in $(seq 100); do curl -sS --max-time 20 http://origin.test:{port}/ 2>&1 && exit 0; sleep 0.2; done; exit 0"
+            ),
+        )
+    };
     let out = sh(
         &env,
         "survivor",
-        "echo via-9p > /workspace/shared.txt; \
-         for i in $(seq 100); do ip -4 -o addr | grep -q 'inet 10.0.2.15/' && exit 0; sleep 0.2; done; \
-         ip -o addr; exit 1",
+        &format!(
+            "ls /sys/class/net; curl -sS --max-time 10 --noproxy '*' http://10.0.2.2:{port}/ 2>&1; exit 0"
+        ),
     );
-    assert_eq!(out, "");
+    assert!(
+        out.starts_with("lo\n") && !out.contains("host-loopback-service"),
+        "{out}"
+    );
+    let out = through_gateway(&env);
+    assert!(out.contains("not on this sandbox's allowlist"), "{out}");
+    env.ok(&[
+        "egress",
+        "survivor",
+        "allow",
+        &format!("127.0.0.1/32:{port}"),
+    ]);
+    assert_eq!(through_gateway(&env), "host-loopback-service");
     let shared = env
         .state_dir
         .join("sandboxes/survivor/workspace/shared.txt");
@@ -367,6 +397,8 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     );
     let out = env.ok(&["exec", "survivor", "--", "cat", "/etc/hostname"]);
     assert_eq!(out, "survivor\n");
+    // The restarted agentd serves the guest's gateway again.
+    assert_eq!(through_gateway(&env), "host-loopback-service");
 
     // A VM still booting when agentd dies is stopped at the restart, not
     // left running unowned.

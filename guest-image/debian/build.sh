@@ -19,10 +19,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 suite=bookworm
 mirror="${KEYSTONE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-packages=systemd-sysv,udev,openssh-server,git,ca-certificates,iproute2,procps,less,busybox
+packages=systemd-sysv,udev,openssh-server,git,ca-certificates,iproute2,procps,less,busybox,socat,curl
 # Drivers the initramfs loads (with what they depend on): the virtio-mmio
-# bus, the root disk, both share protocols, vsock, the NIC and fw_cfg.
-modules="virtio_mmio virtio_blk crc32c_generic ext4 virtiofs 9p 9pnet_virtio vmw_vsock_virtio_transport virtio_net qemu_fw_cfg"
+# bus, the root disk, both share protocols, vsock and fw_cfg.
+modules="virtio_mmio virtio_blk crc32c_generic ext4 virtiofs 9p 9pnet_virtio vmw_vsock_virtio_transport qemu_fw_cfg"
 cache="${KEYSTONE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/keystone-agent}"
 
 say() { echo "guest-image: $*" >&2; }
@@ -104,14 +104,15 @@ mkdir -p "$root/opt/keystone/bin" "$root/opt/keystone/share/zellij"
 cp "$zellij" "$root/opt/keystone/bin/zellij"
 cp "$repo"/agentd/share/zellij/*.kdl "$root/opt/keystone/share/zellij/"
 rm -f "$root"/etc/ssh/ssh_host_*
-echo "nameserver 10.0.2.3" > "$root/etc/resolv.conf"
+# No resolver: the guest has no network; the gateway resolves names.
+: > "$root/etc/resolv.conf"
 : > "$root/etc/fstab"
 chroot "$root" /bin/sh -eu <<'SETUP'
 useradd --create-home --uid 1000 --user-group --shell /bin/bash agent
 # No passwords anywhere; '*' (not '!') so key logins are not "locked".
 usermod -p '*' agent
 usermod -p '*' root
-systemctl enable keystone-ssh.socket keystone-ready.service systemd-networkd.service >/dev/null 2>&1
+systemctl enable keystone-ssh.socket keystone-egress.socket keystone-ready.service >/dev/null 2>&1
 systemctl disable ssh.service >/dev/null 2>&1 || true
 systemctl mask ssh.service ssh.socket serial-getty@.service getty@.service \
   apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer >/dev/null 2>&1

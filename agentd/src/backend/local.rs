@@ -500,15 +500,20 @@ impl Backend for LocalBackend {
     fn gateway<'a>(
         &'a self,
         spec: &'a SandboxSpec,
-    ) -> BoxFut<'a, Result<Option<OwnedFd>, BackendError>> {
+    ) -> BoxFut<'a, Result<Option<crate::egress::Socket>, BackendError>> {
         Box::pin(async move {
             if spec.config.network == keystone_agent_api::Network::None {
                 return Ok(None);
             }
             let (_, fds) = Self::send_control(spec, proto::Request::Gateway, Vec::new()).await?;
-            fds.into_iter().next().map(Some).ok_or_else(|| {
-                BackendError::Failed("the sandbox did not hand over its gateway socket".to_owned())
-            })
+            fds.into_iter()
+                .next()
+                .map(|fd| Some(crate::egress::Socket::Tcp(fd.into())))
+                .ok_or_else(|| {
+                    BackendError::Failed(
+                        "the sandbox did not hand over its gateway socket".to_owned(),
+                    )
+                })
         })
     }
 

@@ -240,7 +240,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn gateway<'a>(
         &'a self,
         _spec: &'a SandboxSpec,
-    ) -> BoxFut<'a, Result<Option<OwnedFd>, BackendError>> {
+    ) -> BoxFut<'a, Result<Option<crate::egress::Socket>, BackendError>> {
         Box::pin(async { Ok(None) })
     }
 

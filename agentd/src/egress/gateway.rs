@@ -9,8 +9,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use super::log::Entry;
@@ -48,10 +48,36 @@ impl std::fmt::Debug for Context {
     }
 }
 
-/// Accept connections on `listener` (a socket in the sandbox's network
-/// namespace) until the task is aborted; aborting it ends every
-/// connection it started.
-pub async fn serve(listener: TcpListener, ctx: Arc<Context>) {
+/// Where a gateway accepts: a TCP socket in a `local` sandbox's network
+/// namespace, or the unix socket a `vm` guest's vsock connections arrive on.
+#[derive(Debug)]
+pub enum Listener {
+    /// A listening TCP socket.
+    Tcp(tokio::net::TcpListener),
+    /// A listening unix socket.
+    Unix(tokio::net::UnixListener),
+}
+
+/// A client connection of either kind.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+
+impl Listener {
+    async fn accept(&self) -> std::io::Result<Box<dyn Stream>> {
+        Ok(match self {
+            Self::Tcp(l) => {
+                let (s, _) = l.accept().await?;
+                let _ = s.set_nodelay(true);
+                Box::new(s)
+            }
+            Self::Unix(l) => Box::new(l.accept().await?.0),
+        })
+    }
+}
+
+/// Accept connections on `listener` until the task is aborted; aborting it
+/// ends every connection it started.
+pub async fn serve(listener: Listener, ctx: Arc<Context>) {
     let mut conns = JoinSet::new();
     loop {
         while conns.len() >= CONNECTIONS_MAX {
@@ -59,7 +85,7 @@ pub async fn serve(listener: TcpListener, ctx: Arc<Context>) {
         }
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
+                Ok(stream) => {
                     let ctx = Arc::clone(&ctx);
                     conns.spawn(async move { handle(stream, &ctx).await });
                 }
@@ -80,19 +106,18 @@ struct Ask {
     port: u16,
 }
 
-async fn handle(mut client: TcpStream, ctx: &Context) {
+async fn handle(mut client: Box<dyn Stream>, ctx: &Context) {
     let started = Instant::now();
     let at = SystemTime::now();
-    let _ = client.set_nodelay(true);
     let mut first = [0u8; 1];
-    let Ok(Ok(1)) = tokio::time::timeout(HEAD_TIMEOUT, client.peek(&mut first)).await else {
+    let Ok(Ok(1)) = tokio::time::timeout(HEAD_TIMEOUT, client.read(&mut first)).await else {
         return;
     };
     let socks = first[0] == 5;
     let parsed = if socks {
         tokio::time::timeout(HEAD_TIMEOUT, socks_head(&mut client)).await
     } else {
-        tokio::time::timeout(HEAD_TIMEOUT, http_head(&mut client)).await
+        tokio::time::timeout(HEAD_TIMEOUT, http_head(&mut client, first[0])).await
     };
     let (ask, head) = match parsed {
         Ok(Ok(v)) => v,
@@ -246,7 +271,7 @@ async fn dial(addrs: &[IpAddr], port: u16) -> Result<(TcpStream, SocketAddr), St
     Err(last)
 }
 
-async fn refuse(client: &mut TcpStream, ask: &Ask, d: &Decision, name: &str, socks: bool) {
+async fn refuse(client: &mut Box<dyn Stream>, ask: &Ask, d: &Decision, name: &str, socks: bool) {
     if socks {
         let _ = client.write_all(&socks_reply(2)).await;
         return;
@@ -266,7 +291,7 @@ async fn refuse(client: &mut TcpStream, ask: &Ask, d: &Decision, name: &str, soc
     let _ = respond(client, "403 Forbidden", &body).await;
 }
 
-async fn respond(client: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
+async fn respond(client: &mut Box<dyn Stream>, status: &str, body: &str) -> std::io::Result<()> {
     let msg = format!(
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
@@ -278,8 +303,9 @@ async fn respond(client: &mut TcpStream, status: &str, body: &str) -> std::io::R
 /// Read an HTTP request head; for plain HTTP, return the head rewritten
 /// for the origin (origin-form target, no proxy headers, one request per
 /// connection) and any body bytes already read.
-async fn http_head(client: &mut TcpStream) -> Result<(Ask, Vec<u8>), String> {
+async fn http_head(client: &mut Box<dyn Stream>, first: u8) -> Result<(Ask, Vec<u8>), String> {
     let mut buf = Vec::with_capacity(1024);
+    buf.push(first);
     let end = loop {
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
             break i + 4;
@@ -372,15 +398,15 @@ fn split_authority(a: &str, default: Option<u16>) -> Result<(String, u16), Strin
     Ok((host.to_owned(), port))
 }
 
-/// Read a SOCKS5 greeting and CONNECT request (RFC 1928, no
-/// authentication).
-async fn socks_head(client: &mut TcpStream) -> Result<(Ask, Vec<u8>), String> {
-    let mut hdr = [0u8; 2];
+/// Read a SOCKS5 greeting (its version byte already read) and CONNECT
+/// request (RFC 1928, no authentication).
+async fn socks_head(client: &mut Box<dyn Stream>) -> Result<(Ask, Vec<u8>), String> {
+    let mut count = [0u8; 1];
     client
-        .read_exact(&mut hdr)
+        .read_exact(&mut count)
         .await
         .map_err(|e| e.to_string())?;
-    let mut methods = vec![0u8; usize::from(hdr[1])];
+    let mut methods = vec![0u8; usize::from(count[0])];
     client
         .read_exact(&mut methods)
         .await

@@ -42,6 +42,15 @@ pub fn proxy_env() -> Vec<(String, String)> {
     out
 }
 
+/// A gateway's listening socket, as a backend hands it over.
+#[derive(Debug)]
+pub enum Socket {
+    /// In a `local` sandbox's network namespace.
+    Tcp(std::net::TcpListener),
+    /// Where a `vm` guest's vsock connections to the gateway arrive.
+    Unix(std::os::unix::net::UnixListener),
+}
+
 /// The running gateways, one task per sandbox.
 #[derive(Debug, Default)]
 pub struct Gateways {
@@ -49,14 +58,18 @@ pub struct Gateways {
 }
 
 impl Gateways {
-    /// Serve `listener` for `ctx.name`, replacing a gateway it had.
-    pub fn start(
-        &self,
-        listener: std::net::TcpListener,
-        ctx: gateway::Context,
-    ) -> std::io::Result<()> {
-        listener.set_nonblocking(true)?;
-        let listener = tokio::net::TcpListener::from_std(listener)?;
+    /// Serve `socket` for `ctx.name`, replacing a gateway it had.
+    pub fn start(&self, socket: Socket, ctx: gateway::Context) -> std::io::Result<()> {
+        let listener = match socket {
+            Socket::Tcp(l) => {
+                l.set_nonblocking(true)?;
+                gateway::Listener::Tcp(tokio::net::TcpListener::from_std(l)?)
+            }
+            Socket::Unix(l) => {
+                l.set_nonblocking(true)?;
+                gateway::Listener::Unix(tokio::net::UnixListener::from_std(l)?)
+            }
+        };
         let name = ctx.name.clone();
         let task = tokio::spawn(gateway::serve(listener, Arc::new(ctx)));
         if let Some(old) = self.tasks.lock().unwrap().insert(name, task.abort_handle()) {

@@ -458,3 +458,33 @@ pub fn commit(dir: &Path, message: &str) {
         ],
     );
 }
+
+/// A tiny HTTP origin on the host: answers every request with `body`.
+pub fn origin(bind: std::net::IpAddr, body: &'static str) -> u16 {
+    let listener = std::net::TcpListener::bind((bind, 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match std::io::Read::read(&mut conn, &mut chunk) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                let _ = std::io::Write::write_fmt(
+                    &mut conn,
+                    format_args!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    ),
+                );
+            });
+        }
+    });
+    port
+}

@@ -149,6 +149,58 @@ impl Paths {
     }
 }
 
+/// The guest vsock port of the egress gateway: the guest's relay connects
+/// to the host (CID 2) there, and the vsock device passes it on to
+/// `<vsock.uds>_3128`.
+pub const GATEWAY_VSOCK_PORT: u32 = 3128;
+
+/// `req` with the proxy variables added (the caller's own win), when the
+/// sandbox has a gateway.
+fn with_proxy(spec: &SandboxSpec, mut req: ExecRequest) -> ExecRequest {
+    if spec.config.network != keystone_agent_api::Network::None {
+        for (k, v) in crate::egress::proxy_env() {
+            req.env.entry(k).or_insert(v);
+        }
+    }
+    req
+}
+
+/// Listen where the vsock device delivers the guest's connections to the
+/// gateway. The directory belongs to the sandbox's uid: whatever is there
+/// is removed (unlink never follows a link), the socket is bound anew (bind
+/// refuses an existing name) and handed to that uid without following a
+/// link either, so only the device and root can connect to it.
+fn gateway_socket(
+    spec: &SandboxSpec,
+) -> Result<Option<std::os::unix::net::UnixListener>, BackendError> {
+    if spec.config.network == keystone_agent_api::Network::None {
+        return Ok(None);
+    }
+    let p = Paths::new(spec);
+    let path = PathBuf::from(format!("{}_{GATEWAY_VSOCK_PORT}", p.vsock_uds.display()));
+    let fail = |what: &str, e: &dyn std::fmt::Display| {
+        BackendError::Failed(format!("{what} {}: {e}", path.display()))
+    };
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(fail("cannot remove", &e)),
+    }
+    let listener =
+        std::os::unix::net::UnixListener::bind(&path).map_err(|e| fail("cannot listen on", &e))?;
+    if nix::unistd::Uid::effective().is_root() && spec.uid != 0 {
+        nix::unistd::fchownat(
+            nix::fcntl::AT_FDCWD,
+            &path,
+            Some(nix::unistd::Uid::from_raw(spec.uid)),
+            Some(nix::unistd::Gid::from_raw(spec.gid)),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .map_err(|e| fail("cannot hand over", &e))?;
+    }
+    Ok(Some(listener))
+}
+
 /// Whom QEMU and the vsock device run as: the sandbox's uid when agentd is
 /// root (with the group of /dev/kvm under KVM), else agentd's own.
 fn run_as(spec: &SandboxSpec, accel: Accel) -> Option<RunAs> {
@@ -675,7 +727,11 @@ impl Backend for VmBackend {
         req: ExecRequest,
         stdio: [OwnedFd; 3],
     ) -> BoxFut<'a, Result<i32, BackendError>> {
-        Box::pin(async move { self.target(spec, "agent").exec(req, stdio).await })
+        Box::pin(async move {
+            self.target(spec, "agent")
+                .exec(with_proxy(spec, req), stdio)
+                .await
+        })
     }
 
     fn exec_tty<'a>(
@@ -684,7 +740,17 @@ impl Backend for VmBackend {
         req: ExecRequest,
         size: (u16, u16),
     ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
-        Box::pin(async move { self.target(spec, "agent").exec_tty(req, size) })
+        Box::pin(async move {
+            self.target(spec, "agent")
+                .exec_tty(with_proxy(spec, req), size)
+        })
+    }
+
+    fn gateway<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+    ) -> BoxFut<'a, Result<Option<crate::egress::Socket>, BackendError>> {
+        Box::pin(async move { gateway_socket(spec).map(|l| l.map(crate::egress::Socket::Unix)) })
     }
 
     fn listeners(&self, rt: &Runtime) -> Vec<Listener> {

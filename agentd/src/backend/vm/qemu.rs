@@ -97,6 +97,10 @@ pub fn kernel_cmdline(m: &Machine) -> String {
         m.uid,
         m.gid
     );
+    if m.network != Network::None {
+        // The guest's relay to the egress gateway starts only then.
+        c.push_str(" keystone.egress=1");
+    }
     if m.accel == Accel::Tcg {
         // Without them an emulated guest may hang calibrating its clock.
         c.push_str(" tsc_early_khz=2100000 tsc=reliable");
@@ -176,16 +180,8 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
             "virtio-9p-device,fsdev=fs,mount_tag=workspace".into(),
         ]),
     }
-    match m.network {
-        Network::None => {}
-        // QEMU's user-mode network: outbound only, nothing bound on the host.
-        Network::Nat | Network::Bridge => a.extend([
-            "-netdev".into(),
-            "user,id=net0".into(),
-            "-device".into(),
-            "virtio-net-device,netdev=net0".into(),
-        ]),
-    }
+    // No network device, whatever the mode: a guest's only way out is the
+    // egress gateway over vsock (docs/network.md).
     a
 }
 
@@ -344,10 +340,13 @@ mod tests {
     }
 
     #[test]
-    fn nat_uses_user_mode_networking_and_9p_needs_no_helper() {
+    fn nat_gets_no_nic_but_the_gateway_relay_and_9p_needs_no_helper() {
         let a = qemu_args(&machine(Share::NineP, Network::Nat, Accel::Kvm));
-        assert!(has(&a, ["-netdev", "user,id=net0"]), "{a:?}");
-        assert!(!a.iter().any(|x| x.contains("hostfwd")), "{a:?}");
+        assert!(
+            !a.iter()
+                .any(|x| x.contains("netdev") || x.contains("virtio-net")),
+            "{a:?}"
+        );
         assert!(has(
             &a,
             ["-device", "virtio-9p-device,fsdev=fs,mount_tag=workspace"]
@@ -356,5 +355,9 @@ mod tests {
         let cmdline = &a[a.iter().position(|x| x == "-append").unwrap() + 1];
         assert!(!cmdline.contains("tsc="), "{cmdline}");
         assert!(cmdline.contains("keystone.share=9p"), "{cmdline}");
+        assert!(cmdline.contains("keystone.egress=1"), "{cmdline}");
+        let none = qemu_args(&machine(Share::NineP, Network::None, Accel::Kvm));
+        let cmdline = &none[none.iter().position(|x| x == "-append").unwrap() + 1];
+        assert!(!cmdline.contains("keystone.egress"), "{cmdline}");
     }
 }

@@ -81,8 +81,8 @@ impl Manager {
         let this = Arc::clone(self);
         let name = name.to_owned();
         tokio::spawn(async move {
-            let fd = match backend.gateway(&spec).await {
-                Ok(Some(fd)) => fd,
+            let socket = match backend.gateway(&spec).await {
+                Ok(Some(s)) => s,
                 Ok(None) => return,
                 Err(e) => {
                     tracing::warn!(sandbox = %name, error = %e, "cannot serve the egress gateway; the sandbox has no way out");
@@ -114,7 +114,7 @@ impl Manager {
                     let _ = m.egress_events.send(Arc::new(entry));
                 }),
             };
-            match this.gateways.start(std::net::TcpListener::from(fd), ctx) {
+            match this.gateways.start(socket, ctx) {
                 Ok(()) => tracing::info!(sandbox = %name, "egress gateway serving"),
                 Err(e) => {
                     tracing::warn!(sandbox = %name, error = %e, "cannot serve the egress gateway")
