@@ -297,6 +297,9 @@ mod tests {
             assert!(sb["config"].get("disk").is_none(), "the fixture is older");
             sb["config"]["disk"] = d.disk.into();
             sb["config"]["pids"] = d.pids.into();
+            sb["config"]["egress"] = d.egress.as_str().into();
+            sb["config"]["egress_allow"] = serde_json::json!([]);
+            sb["config"]["egress_deny"] = serde_json::json!([]);
         }
         assert_eq!(serde_json::to_value(&again).unwrap(), v1);
     }

@@ -262,13 +262,23 @@ fn a_websocket_upgrade_passes_through() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let stream = tokio::net::TcpStream::connect(("127.0.0.1", caddy.http))
-            .await
-            .unwrap();
         let url = format!("ws://main.wsb.sandbox.local:{}/socket", caddy.http);
-        let (mut ws, resp) = tokio_tungstenite::client_async(url, stream)
-            .await
-            .expect("the upgrade passes through Caddy and agentd");
+        // The route reaches Caddy a moment after discovery: until then the
+        // catch-all page answers.
+        let deadline = std::time::Instant::now() + DEADLINE;
+        let (mut ws, resp) = loop {
+            let stream = tokio::net::TcpStream::connect(("127.0.0.1", caddy.http))
+                .await
+                .unwrap();
+            match tokio_tungstenite::client_async(url.as_str(), stream).await {
+                Ok(done) => break done,
+                Err(e) if std::time::Instant::now() < deadline => {
+                    eprintln!("not yet: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("the upgrade passes through Caddy and agentd: {e}"),
+            }
+        };
         assert_eq!(resp.status(), 101);
         ws.send(Message::text("hello through the proxy"))
             .await

@@ -70,6 +70,42 @@ let
         over vsock only, and dev-server links do not work. agentd: `network`.
       '';
     };
+    egress = {
+      type = types.enum [
+        "allowlist"
+        "open"
+        "none"
+      ];
+      example = "open";
+      description = ''
+        What the sandbox's outbound connections may reach through agentd's
+        egress gateway (docs/network.md): `allowlist` (the preset and
+        {option}`egressAllow`), `open` (any public destination) or `none`.
+        Never the host or a private range unless an address-range entry names
+        it. Changeable at runtime with `agentctl egress`. agentd: `egress`.
+      '';
+    };
+    egressAllow = {
+      type = types.listOf types.str;
+      example = [
+        "api.example.com"
+        "*.example.org"
+        "10.1.2.0/24:5432"
+      ];
+      description = ''
+        Entries admitted beyond the preset: `example.com`, `*.example.com`,
+        `host:port`, or an address range (`10.0.0.0/8`, `192.0.2.1/32:443`),
+        the only way to a private address. At most 256. agentd: `egress_allow`.
+      '';
+    };
+    egressDeny = {
+      type = types.listOf types.str;
+      example = [ "registry.npmjs.org" ];
+      description = ''
+        Entries refused even when allowed (the preset's included). At most
+        256. agentd: `egress_deny`.
+      '';
+    };
     syncMode = {
       type = types.enum [
         "manual"

@@ -97,6 +97,9 @@ let
       pids = 4096;
       nestedVirt = true;
       network = "nat";
+      egress = "allowlist";
+      egressAllow = [ ];
+      egressDeny = [ ];
       syncMode = "manual";
       syncIdleSeconds = 30;
       envFiles = [ ".env*" ];
@@ -135,6 +138,9 @@ let
       pids = null;
       nestedVirt = null;
       network = null;
+      egress = null;
+      egressAllow = null;
+      egressDeny = null;
       syncMode = null;
       syncIdleSeconds = null;
       envFiles = null;
@@ -150,6 +156,9 @@ let
     pids = "pids";
     nestedVirt = "nested_virt";
     network = "network";
+    egress = "egress";
+    egressAllow = "egress_allow";
+    egressDeny = "egress_deny";
     syncMode = "sync_mode";
     syncIdleSeconds = "sync_idle_seconds";
     envFiles = "env_files";

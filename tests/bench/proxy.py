@@ -2,10 +2,11 @@
 """Dev-server link benchmarks with a real Caddy and the release agentd.
 
 1. Latency of GET requests through Caddy and agentd's forwarder to a dev
-   server in a sandbox, beside the same requests straight to the dev server
-   (a local sandbox shares the host's network with `--network nat`, so the
-   baseline can reach it), p50/p99 over N requests each, keep-alive
-   connections on both paths, alternating in one run.
+   server in a sandbox, beside the same requests straight to the same dev
+   server program run on the host (a sandbox's network is its own, so
+   nothing on the host reaches the one inside directly), p50/p99 over N
+   requests each, keep-alive connections on both paths, alternating in one
+   run.
 2. Time from a dev server listening to its link answering 200 (discovery on
    the first request, the route added, the redirect followed).
 
@@ -102,13 +103,16 @@ def main():
             d.run("start", "px")
             port = free_port()
             serve(d, "main", port)
-            direct = http.client.HTTPConnection("127.0.0.1", port)
+            (d.tmp / "server.py").write_text(SERVER)
+            host_port = free_port()
+            host_server = subprocess.Popen([sys.executable, str(d.tmp / "server.py"), str(host_port)])
+            direct = http.client.HTTPConnection("127.0.0.1", host_port)
             while True:
                 try:
                     if get(direct, "localhost") == 200:
                         break
                 except OSError:
-                    direct = http.client.HTTPConnection("127.0.0.1", port)
+                    direct = http.client.HTTPConnection("127.0.0.1", host_port)
                     time.sleep(0.05)
             via = http.client.HTTPConnection("127.0.0.1", http_port)
             deadline = time.time() + 30
@@ -129,7 +133,7 @@ def main():
                 t_direct.append((t1 - t0) * 1000)
                 t_via.append((t2 - t1) * 1000)
             print(f"GET through the link vs straight to the dev server ({args.requests} requests each, keep-alive):")
-            row("baseline: straight to the dev server", t_direct)
+            row("baseline: straight to the same server on the host", t_direct)
             row("through Caddy and agentd's forwarder", t_via)
             print(f"  added by the link: p50 {pct(t_via, 50) - pct(t_direct, 50):.3f} ms, "
                   f"p99 {pct(t_via, 99) - pct(t_direct, 99):.3f} ms")
@@ -141,12 +145,13 @@ def main():
                 d.run("worktree", "add", "px", branch)
                 p = free_port()
                 serve(d, branch, p)
-                while True:
-                    try:
-                        socket.create_connection(("127.0.0.1", p), timeout=1).close()
-                        break
-                    except OSError:
-                        time.sleep(0.001)
+                d.run("exec", "px", "--", "python3", "-c",
+                      "import socket, time\n"
+                      "while True:\n"
+                      "    try:\n"
+                      f"        socket.create_connection(('127.0.0.1', {p}), timeout=1).close(); break\n"
+                      "    except OSError:\n"
+                      "        time.sleep(0.001)\n")
                 t0 = time.perf_counter()
                 c = http.client.HTTPConnection("127.0.0.1", http_port)
                 while True:
@@ -159,6 +164,7 @@ def main():
                 ready.append((time.perf_counter() - t0) * 1000)
             print(f"Dev server listening → its link answers 200 ({args.routes} servers):")
             row("first request, discovery, route, redirect", ready)
+            host_server.terminate()
     finally:
         caddy.terminate()
         caddy.wait()

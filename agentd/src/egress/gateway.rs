@@ -353,9 +353,11 @@ async fn http_head(client: &mut Box<dyn Stream>, first: u8) -> Result<(Ask, Vec<
     };
     let (host, port) = split_authority(authority, Some(80))?;
     let mut head = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
+    // The Host the destination sees is the one that was decided on.
+    head.extend_from_slice(format!("Host: {authority}\r\n").as_bytes());
     for h in req.headers.iter() {
         let n = h.name.to_ascii_lowercase();
-        if n.starts_with("proxy-") || n == "connection" || n == "keep-alive" {
+        if n.starts_with("proxy-") || n == "connection" || n == "keep-alive" || n == "host" {
             continue;
         }
         head.extend_from_slice(h.name.as_bytes());
