@@ -44,28 +44,14 @@ fn egress_log(env: &Env, name: &str) -> Vec<serde_json::Value> {
     serde_json::from_str(&env.ok(&["egress", name, "log", "--json", "-n", "100"])).unwrap()
 }
 
-fn sandbox_with_config(name: &str, config: &serde_json::Value, extra: &[&str]) -> Env {
-    let mut env = Env::bus_only();
-    let path = env.tmp.path().join("agentd.json");
-    std::fs::write(&path, config.to_string()).unwrap();
-    env.config = Some(path);
-    env.start_agentd();
-    let repo = env.repo(name);
-    let mut args = vec!["create"];
-    args.extend_from_slice(extra);
-    args.push(repo.to_str().unwrap());
-    env.ok(&args);
-    env.ok(&["start", name]);
-    env
-}
-
 #[test]
 fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
     let loopback = origin(IpAddr::from([127, 0, 0, 1]), "host-loopback-service");
     let cfg = serde_json::json!({
         "egress": { "hosts": { "origin.test": "127.0.0.1" } }
     });
-    let mut env = sandbox_with_config("net", &cfg, &[]);
+    let mut env = Env::with_config(&cfg);
+    env.create_running("net", &[]);
 
     // Every process inside is pointed at the gateway.
     let (_, vars) = inside(&env, "net", "echo $HTTPS_PROXY $all_proxy");

@@ -30,7 +30,6 @@ fn image() -> PathBuf {
 /// agentd with the vm backend on `image` (plus `extra` config, merged one
 /// level deep).
 fn env_with(image: &Path, extra: serde_json::Value) -> Env {
-    let mut env = Env::bus_only();
     let mut config = serde_json::json!({
         "vm": {"image": image, "start_timeout_seconds": 300, "stop_grace_seconds": 60},
     });
@@ -44,11 +43,7 @@ fn env_with(image: &Path, extra: serde_json::Value) -> Env {
             }
         }
     }
-    let path = env.tmp.path().join("agentd.json");
-    std::fs::write(&path, config.to_string()).unwrap();
-    env.config = Some(path);
-    env.start_agentd();
-    env
+    Env::with_config(&config)
 }
 
 fn create_vm(env: &Env, name: &str, network: &str) {

@@ -93,13 +93,29 @@ impl Env {
     /// repository of that name with `create`'s `extra` options.
     pub fn running(name: &str, extra: &[&str]) -> Self {
         let env = Self::new();
-        let repo = env.repo(name);
+        env.create_running(name, extra);
+        env
+    }
+
+    /// A bus and agentd started with `config` as its configuration file.
+    pub fn with_config(config: &serde_json::Value) -> Self {
+        let mut env = Self::bus_only();
+        let path = env.tmp.path().join("agentd.json");
+        fs::write(&path, config.to_string()).unwrap();
+        env.config = Some(path);
+        env.start_agentd();
+        env
+    }
+
+    /// Create sandbox `name` from a fresh repository of that name with
+    /// `create`'s `extra` options, and start it.
+    pub fn create_running(&self, name: &str, extra: &[&str]) {
+        let repo = self.repo(name);
         let mut args = vec!["create"];
         args.extend_from_slice(extra);
         args.push(repo.to_str().unwrap());
-        env.ok(&args);
-        env.ok(&["start", name]);
-        env
+        self.ok(&args);
+        self.ok(&["start", name]);
     }
 
     /// Run `f` with a proxy of sandbox `name`'s object, on a connection of
