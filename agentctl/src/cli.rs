@@ -88,6 +88,9 @@ pub enum EgressCommand {
     Allow {
         /// What to admit.
         entry: String,
+        /// Only for the connections waiting now (mode ask); nothing is kept.
+        #[arg(long)]
+        once: bool,
     },
     /// Refuse ENTRY, even when the preset admits it.
     Deny {
@@ -95,11 +98,18 @@ pub enum EgressCommand {
         entry: String,
     },
     /// Set the mode: allowlist (the preset and your entries), open (any
-    /// public destination) or none (nothing).
+    /// public destination), none (nothing) or ask (like allowlist, but a
+    /// connection to an unlisted destination waits for you to allow it).
     Mode {
         /// The mode.
         #[arg(value_parser = str::parse::<Egress>)]
         mode: Egress,
+    },
+    /// The connections waiting for you to allow them (mode ask).
+    Pending {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// The connections through the gateway: allowed and refused (refused
     /// ones marked DENIED), with the rule that decided, bytes and duration.
@@ -148,7 +158,8 @@ pub enum Command {
         #[arg(long, value_parser = str::parse::<Network>)]
         network: Option<Network>,
         /// Egress policy: allowlist (the preset plus --allow), open (any
-        /// public destination) or none. Default: allowlist.
+        /// public destination), none, or ask (unlisted destinations wait
+        /// for you). Default: allowlist.
         #[arg(long, value_parser = str::parse::<Egress>)]
         egress: Option<Egress>,
         /// Also admit this destination (repeatable): example.com,
@@ -296,7 +307,9 @@ agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60"
 agentctl egress myproject allow api.example.com\n  \
 agentctl egress myproject allow 10.1.2.0/24:5432\n  \
 agentctl egress myproject deny registry.npmjs.org\n  \
-agentctl egress myproject log --follow")]
+agentctl egress myproject log --follow\n  \
+agentctl egress myproject mode ask && agentctl egress myproject pending\n  \
+agentctl egress myproject allow --once api.example.com")]
     Egress {
         /// Sandbox name.
         name: String,

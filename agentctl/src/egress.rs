@@ -48,9 +48,47 @@ pub async fn run(sb: &SandboxProxy<'_>, name: &str, command: EgressCommand) -> R
             list("Denied", &deny);
             Ok(0)
         }
-        EgressCommand::Allow { entry } => {
+        EgressCommand::Allow { entry, once: true } => {
+            let waiting = sb.egress_pending().await?.len();
+            sb.change_egress("allow-once", &entry).await?;
+            crate::outln!(
+                "Allowed {entry} once for the {waiting} connection(s) of sandbox '{name}' waiting now."
+            );
+            Ok(0)
+        }
+        EgressCommand::Allow { entry, once: false } => {
             sb.change_egress("allow", &entry).await?;
             crate::outln!("Sandbox '{name}' may now reach {entry} (from its next connection).");
+            Ok(0)
+        }
+        EgressCommand::Pending { json } => {
+            let waiting = sb.egress_pending().await?;
+            if json {
+                let v: Vec<Value> = waiting
+                    .iter()
+                    .map(|(id, host, port, since)| {
+                        json!({"id": id, "host": host, "port": port, "since": output::rfc3339(*since)})
+                    })
+                    .collect();
+                println!("{}", output::json(&v));
+            } else if waiting.is_empty() {
+                crate::outln!("No connection of sandbox '{name}' waits for an answer.");
+            } else {
+                let rows: Vec<Vec<String>> = waiting
+                    .iter()
+                    .map(|(id, host, port, since)| {
+                        vec![
+                            id.to_string(),
+                            format!("{host}:{port}"),
+                            output::rfc3339(*since).as_str().unwrap_or("-").to_owned(),
+                        ]
+                    })
+                    .collect();
+                output::table(&["ID", "DESTINATION", "WAITING SINCE"], &rows);
+                crate::outln!(
+                    "Allow with `agentctl egress {name} allow --once HOST` (or without --once to keep it)."
+                );
+            }
             Ok(0)
         }
         EgressCommand::Deny { entry } => {
@@ -78,6 +116,7 @@ fn describe(mode: &str) -> &'static str {
         "allowlist" => " (the preset and the allowed entries)",
         "open" => " (any public destination; never the host or a private range)",
         "none" => " (nothing)",
+        "ask" => " (the preset and the allowed entries; other destinations wait for you)",
         _ => "",
     }
 }

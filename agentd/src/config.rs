@@ -101,7 +101,7 @@ impl Default for ProxyConfig {
 }
 
 /// Egress gateway settings.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EgressConfig {
     /// Allowlist every `allowlist` sandbox starts from; default: the
@@ -113,6 +113,19 @@ pub struct EgressConfig {
     /// Names the gateway resolves to these addresses instead of asking DNS
     /// (like `/etc/hosts`, for the gateway only).
     pub hosts: BTreeMap<String, std::net::IpAddr>,
+    /// How long a connection waits for its person in mode `ask` (1 to 3600).
+    pub ask_seconds: u32,
+}
+
+impl Default for EgressConfig {
+    fn default() -> Self {
+        Self {
+            preset: None,
+            extra: Vec::new(),
+            hosts: BTreeMap::new(),
+            ask_seconds: 60,
+        }
+    }
 }
 
 /// microvm backend settings.
@@ -371,6 +384,12 @@ impl DaemonConfig {
             validate::check_egress_entries("egress.preset", preset, &mut p);
         }
         validate::check_egress_entries("egress.extra", &self.egress.extra, &mut p);
+        if !(1..=3600).contains(&self.egress.ask_seconds) {
+            p.push(format!(
+                "egress.ask_seconds {} is out of range: from 1 to 3600",
+                self.egress.ask_seconds
+            ));
+        }
         for name in self.egress.hosts.keys() {
             if crate::egress::Rule::parse(name).map_or(true, |r| {
                 !matches!(

@@ -219,3 +219,52 @@ fn a_sandbox_without_network_has_no_way_out_at_all() {
         serde_json::from_str(&env.ok(&["egress", "nonet", "show", "--json"])).unwrap();
     assert_eq!(show["serving"], false);
 }
+
+#[test]
+fn ask_mode_holds_a_connection_until_its_person_allows_it() {
+    let loopback = origin(IpAddr::from([127, 0, 0, 1]), "host-loopback-service");
+    let cfg = serde_json::json!({
+        "egress": { "hosts": { "origin.test": "127.0.0.1" }, "ask_seconds": 5 }
+    });
+    let env = Env::with_config(&cfg);
+    env.create_running("asks", &["--egress", "ask"]);
+    let url = format!("http://origin.test:{loopback}/");
+    let cidr = format!("127.0.0.1/32:{loopback}");
+
+    // Nobody answers: refused when the time is up.
+    let (_, out) = curl(&env, "asks", "", &url);
+    assert!(out.contains("nobody allowed origin.test"), "{out}");
+
+    // A held connection waits, is listed, and goes through once its person
+    // allows it for this time only.
+    inside(
+        &env,
+        "asks",
+        &format!("curl -sS --max-time 30 '{url}' > /tmp/held 2>&1 &"),
+    );
+    common::wait_for("the waiting connection", Duration::from_secs(10), || {
+        env.ok(&["egress", "asks", "pending"])
+            .contains("origin.test")
+    });
+    env.ok(&["egress", "asks", "allow", "--once", &cidr]);
+    let mut held = String::new();
+    common::wait_for("the held connection", Duration::from_secs(10), || {
+        held = inside(&env, "asks", "cat /tmp/held").1;
+        !held.is_empty()
+    });
+    assert_eq!(held, "host-loopback-service");
+    assert!(
+        !env.ok(&["egress", "asks", "pending"])
+            .contains("origin.test")
+    );
+    // Once is not kept.
+    let show: serde_json::Value =
+        serde_json::from_str(&env.ok(&["egress", "asks", "show", "--json"])).unwrap();
+    assert_eq!(show["allow"], serde_json::json!([]));
+    let log = egress_log(&env, "asks");
+    let rules: Vec<(&str, &str)> = log
+        .iter()
+        .map(|e| (e["decision"].as_str().unwrap(), e["rule"].as_str().unwrap()))
+        .collect();
+    assert_eq!(rules, [("deny", "ask"), ("allow", cidr.as_str())]);
+}

@@ -75,12 +75,15 @@ let
         "allowlist"
         "open"
         "none"
+        "ask"
       ];
-      example = "open";
+      example = "ask";
       description = ''
         What the sandbox's outbound connections may reach through agentd's
         egress gateway (docs/network.md): `allowlist` (the preset and
-        {option}`egressAllow`), `open` (any public destination) or `none`.
+        {option}`egressAllow`), `open` (any public destination), `none`, or
+        `ask` (like `allowlist`, but a connection to an unlisted destination
+        waits for its person to allow it).
         Never the host or a private range unless an address-range entry names
         it. Changeable at runtime with `agentctl egress`. agentd: `egress`.
       '';

@@ -118,6 +118,14 @@ pub trait Sandbox {
     /// The last `limit` connections through the gateway, as JSON objects.
     fn egress_log(&self, limit: u32) -> Result<Vec<String>, Error>;
 
+    /// The connections waiting for an answer (mode `ask`): id, host, port,
+    /// since (µs since the epoch).
+    fn egress_pending(&self) -> Result<Vec<(u64, String, u16, u64)>, Error>;
+
+    /// A connection waits for an answer (mode `ask`).
+    #[zbus(signal)]
+    fn egress_asked(&self, host: &str, port: u16) -> zbus::Result<()>;
+
     /// A connection through the gateway ended or was refused (JSON).
     #[zbus(signal)]
     fn egress_logged(&self, entry: &str) -> zbus::Result<()>;

@@ -141,6 +141,10 @@ string_enum! {
         Open => "open",
         /// Nothing.
         None => "none",
+        /// Like `allowlist`, but a connection to an unlisted destination
+        /// waits (up to agentd's `egress.ask_seconds`) for its person to
+        /// allow it, once or for good.
+        Ask => "ask",
     }
 }
 

@@ -251,13 +251,13 @@ async fn follow_egress(
     conn: Connection,
     manager: Arc<Manager>,
     callers: Arc<Callers>,
-    mut events: tokio::sync::broadcast::Receiver<Arc<crate::egress::log::Entry>>,
+    mut events: tokio::sync::broadcast::Receiver<crate::sandbox::manager::EgressEvent>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
     loop {
         match events.recv().await {
-            Ok(entry) => {
-                if let Err(e) = sandbox::egress_logged(&conn, &manager, &callers, &entry).await {
+            Ok(event) => {
+                if let Err(e) = sandbox::egress_event(&conn, &manager, &callers, &event).await {
                     tracing::debug!(error = %e, "cannot signal a connection");
                 }
             }

@@ -11,7 +11,9 @@ use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
 use super::{Callers, check_strings, to_dbus};
-use crate::sandbox::manager::{EgressChange, ExecCall, Manager, SyncOptions, TtyOptions};
+use crate::sandbox::manager::{
+    EgressChange, EgressEvent, ExecCall, Manager, SyncOptions, TtyOptions,
+};
 use crate::sandbox::{Sandbox, micros};
 
 /// The object at `/org/keystone/Agent1/sandbox/<name>`.
@@ -277,7 +279,9 @@ impl SandboxObject {
 
     /// Change the egress policy at once, without a restart: `change` is
     /// `allow` or `deny` (with an entry: `example.com`, `*.example.com`,
-    /// `host:port`, a CIDR) or `mode` (with `allowlist`, `open` or `none`).
+    /// `host:port`, a CIDR), `allow-once` (an entry admitted for the
+    /// connections waiting now, not kept) or `mode` (with `allowlist`,
+    /// `open`, `none` or `ask`).
     async fn change_egress(
         &self,
         change: &str,
@@ -290,6 +294,7 @@ impl SandboxObject {
         let change = match change {
             "allow" => EgressChange::Allow(value.to_owned()),
             "deny" => EgressChange::Deny(value.to_owned()),
+            "allow-once" => EgressChange::AllowOnce(value.to_owned()),
             "mode" => EgressChange::Mode(
                 value
                     .parse()
@@ -297,7 +302,7 @@ impl SandboxObject {
             ),
             other => {
                 return Err(api::Error::InvalidArgument(format!(
-                    "unknown egress change '{}' (known: allow, deny, mode)",
+                    "unknown egress change '{}' (known: allow, allow-once, deny, mode)",
                     crate::sandbox::validate::shown(other)
                 )));
             }
@@ -327,6 +332,29 @@ impl SandboxObject {
             .map(|e| serde_json::to_string(e).expect("an entry serializes"))
             .collect())
     }
+
+    /// The connections waiting for an answer (mode `ask`), oldest first:
+    /// id, host, port, since (µs since the epoch).
+    async fn egress_pending(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<(u64, String, u16, u64)>, api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let waiting = self
+            .manager
+            .egress_pending(caller, &self.name)
+            .map_err(to_dbus)?;
+        Ok(waiting
+            .into_iter()
+            .map(|w| (w.id, w.host, w.port, w.since))
+            .collect())
+    }
+
+    /// A connection waits for an answer (mode `ask`): allow it with
+    /// `ChangeEgress("allow-once", …)` or `("allow", …)`.
+    #[zbus(signal)]
+    async fn egress_asked(emitter: &SignalEmitter<'_>, host: &str, port: u16) -> zbus::Result<()>;
 
     /// A connection through the gateway ended (or was refused): the log
     /// entry, as JSON.
@@ -872,26 +900,39 @@ pub async fn synced(
     Ok(())
 }
 
-/// Tell sandbox `entry.sandbox`'s owner (and root) about a connection
-/// through its gateway.
-pub async fn egress_logged(
+/// Tell a sandbox's owner (and root) what its gateway reports.
+pub async fn egress_event(
     conn: &Connection,
     manager: &Arc<Manager>,
     callers: &Arc<Callers>,
-    entry: &crate::egress::log::Entry,
+    event: &EgressEvent,
 ) -> zbus::Result<()> {
-    let (Some(path), Some(sb)) = (
-        api::sandbox_path(&entry.sandbox),
-        manager.snapshot(&entry.sandbox),
-    ) else {
+    let name = match event {
+        EgressEvent::Logged(entry) => &entry.sandbox,
+        EgressEvent::Asked { sandbox, .. } => sandbox,
+    };
+    let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
         return Ok(());
     };
-    let json = serde_json::to_string(entry).expect("an entry serializes");
     for e in callers.emitters(conn, sb.owner, &path) {
-        SandboxObject::egress_logged(&e, &json).await?;
-        if entry.decision != "allow" {
-            SandboxObject::egress_denied(&e, &entry.host, entry.port, &entry.rule, &entry.reason)
-                .await?;
+        match event {
+            EgressEvent::Logged(entry) => {
+                let json = serde_json::to_string(&**entry).expect("an entry serializes");
+                SandboxObject::egress_logged(&e, &json).await?;
+                if entry.decision != "allow" {
+                    SandboxObject::egress_denied(
+                        &e,
+                        &entry.host,
+                        entry.port,
+                        &entry.rule,
+                        &entry.reason,
+                    )
+                    .await?;
+                }
+            }
+            EgressEvent::Asked { host, port, .. } => {
+                SandboxObject::egress_asked(&e, host, *port).await?;
+            }
         }
     }
     Ok(())

@@ -38,7 +38,17 @@ pub struct Context {
     pub hosts: std::collections::BTreeMap<String, IpAddr>,
     /// Called with every finished connection (allowed or not).
     pub record: Box<dyn Fn(Entry) + Send + Sync>,
+    /// Connections waiting for their person (mode `ask`).
+    pub pending: Arc<super::ask::Pending>,
+    /// How long such a connection waits.
+    pub ask_timeout: Duration,
+    /// Called when a connection starts waiting.
+    pub asked: Asked,
 }
+
+/// What the gateway calls with the host and port of a connection that
+/// starts waiting for its person.
+pub type Asked = Box<dyn Fn(&str, u16) + Send + Sync>;
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -154,7 +164,15 @@ async fn handle(mut client: Box<dyn Stream>, ctx: &Context) {
     let (decision, addrs) = match policy.precheck(&ask.host, ask.port) {
         Some(d) => (d, Vec::new()),
         None => match resolve(&ask.host, ask.port, &ctx.hosts).await {
-            Ok(found) => policy.decide(&ask.host, ask.port, &found, &host_addresses()),
+            Ok(found) => {
+                let own = host_addresses();
+                let (d, a) = policy.decide(&ask.host, ask.port, &found, &own);
+                if policy.may_ask(&d) {
+                    wait_for_person(ctx, &ask, &found, &own).await
+                } else {
+                    (d, a)
+                }
+            }
             Err(e) => (
                 Decision {
                     allowed: false,
@@ -215,6 +233,68 @@ async fn handle(mut client: Box<dyn Stream>, ctx: &Context) {
         }
     }
     finish(entry);
+}
+
+/// Hold a connection to an unlisted destination (mode `ask`) until the
+/// policy admits it (a change, or an `allow --once` for the connections
+/// waiting then), refuses it for another reason, or the time is up.
+async fn wait_for_person(
+    ctx: &Context,
+    ask: &Ask,
+    found: &[IpAddr],
+    own: &[IpAddr],
+) -> (Decision, Vec<IpAddr>) {
+    let refused = |rule: &str, reason: String| {
+        (
+            Decision {
+                allowed: false,
+                rule: rule.to_owned(),
+                reason,
+                suggest: None,
+            },
+            Vec::new(),
+        )
+    };
+    let Some(id) = ctx.pending.add(&ask.host, ask.port) else {
+        return refused(
+            "ask",
+            format!(
+                "{} connections already wait for an answer",
+                super::ask::WAITING_MAX
+            ),
+        );
+    };
+    (ctx.asked)(&ask.host, ask.port);
+    let deadline = tokio::time::Instant::now() + ctx.ask_timeout;
+    let outcome = loop {
+        let changed = ctx.pending.changed();
+        let Some(policy) = (ctx.policy)() else {
+            break refused("ask", "the sandbox stopped".to_owned());
+        };
+        let policy = ctx
+            .pending
+            .once_rules(id)
+            .into_iter()
+            .fold(policy, |p, r| p.with(r));
+        let (d, a) = policy.decide(&ask.host, ask.port, found, own);
+        if !policy.may_ask(&d) {
+            break (d, a);
+        }
+        tokio::select! {
+            () = changed => {}
+            () = tokio::time::sleep_until(deadline) => break refused(
+                "ask",
+                format!(
+                    "nobody allowed {}:{} within {} s",
+                    ask.host,
+                    ask.port,
+                    ctx.ask_timeout.as_secs()
+                ),
+            ),
+        }
+    };
+    ctx.pending.remove(id);
+    outcome
 }
 
 /// Resolve `host` (a literal address, a configured static name, or DNS).

@@ -9,6 +9,7 @@
 //! inside find it through `HTTP_PROXY`, `HTTPS_PROXY` and `ALL_PROXY`
 //! ([`proxy_env`]); anything that ignores them has no route.
 
+pub mod ask;
 pub mod gateway;
 pub mod log;
 pub mod policy;

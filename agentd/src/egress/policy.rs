@@ -340,7 +340,7 @@ impl Policy {
         let parse = |list: &[String]| -> Vec<Rule> {
             list.iter().filter_map(|e| Rule::parse(e).ok()).collect()
         };
-        let mut rules = if mode == Egress::Allowlist {
+        let mut rules = if matches!(mode, Egress::Allowlist | Egress::Ask) {
             parse(preset)
         } else {
             Vec::new()
@@ -351,6 +351,21 @@ impl Policy {
             allow: rules,
             deny: parse(deny),
         }
+    }
+
+    /// This policy with `rule` allowed too (an `allow --once`).
+    #[must_use]
+    pub fn with(&self, rule: Rule) -> Self {
+        let mut p = self.clone();
+        p.allow.push(rule);
+        p
+    }
+
+    /// Whether a refusal by `d` may wait for the person instead (mode
+    /// `ask`, and only for destinations that are simply not listed).
+    #[must_use]
+    pub fn may_ask(&self, d: &Decision) -> bool {
+        self.mode == Egress::Ask && !d.allowed && d.rule == "default"
     }
 
     /// First look, on the name (or literal address) asked for: `Some` when

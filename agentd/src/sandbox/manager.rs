@@ -33,7 +33,7 @@ use crate::registry::Registry;
 
 mod egress;
 mod session;
-pub use egress::{EgressChange, EgressView};
+pub use egress::{EgressChange, EgressEvent, EgressView};
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 
 /// What changed, for the D-Bus layer.
@@ -154,7 +154,8 @@ pub struct Manager {
     next_terminal: std::sync::atomic::AtomicU32,
     proxy: std::sync::OnceLock<Arc<crate::proxy::Proxy>>,
     gateways: crate::egress::Gateways,
-    egress_events: broadcast::Sender<Arc<crate::egress::log::Entry>>,
+    egress_events: broadcast::Sender<egress::EgressEvent>,
+    pending: Mutex<HashMap<String, Arc<crate::egress::ask::Pending>>>,
 }
 
 impl Manager {
@@ -190,6 +191,7 @@ impl Manager {
             proxy: std::sync::OnceLock::new(),
             gateways: crate::egress::Gateways::default(),
             egress_events: broadcast::channel(256).0,
+            pending: Mutex::new(HashMap::new()),
         })
     }
 

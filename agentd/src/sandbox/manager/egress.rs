@@ -21,6 +21,25 @@ pub enum EgressChange {
     Deny(String),
     /// Switch the mode.
     Mode(Egress),
+    /// Admit an entry for the connections waiting now (mode `ask`), without
+    /// keeping it.
+    AllowOnce(String),
+}
+
+/// Something the gateways tell the bus about.
+#[derive(Debug, Clone)]
+pub enum EgressEvent {
+    /// A connection ended or was refused.
+    Logged(Arc<Entry>),
+    /// A connection waits for its person (mode `ask`).
+    Asked {
+        /// The sandbox.
+        sandbox: String,
+        /// What it asked for.
+        host: String,
+        /// The port.
+        port: u16,
+    },
 }
 
 /// What `agentctl egress NAME show` prints.
@@ -64,9 +83,27 @@ impl Manager {
         self.registry.sandbox_dir(name).join("logs/egress.jsonl")
     }
 
-    /// Connections logged by any sandbox's gateway, as they end.
-    pub fn subscribe_egress(&self) -> broadcast::Receiver<Arc<Entry>> {
+    /// What any sandbox's gateway reports, as it happens.
+    pub fn subscribe_egress(&self) -> broadcast::Receiver<EgressEvent> {
         self.egress_events.subscribe()
+    }
+
+    /// Sandbox `name`'s waiting connections (made on first use).
+    fn pending_of(&self, name: &str) -> Arc<egress::ask::Pending> {
+        Arc::clone(
+            self.pending
+                .lock()
+                .unwrap()
+                .entry(name.to_owned())
+                .or_default(),
+        )
+    }
+
+    /// The connections of sandbox `name` waiting for an answer (mode
+    /// `ask`), oldest first.
+    pub fn egress_pending(&self, caller: Caller, name: &str) -> Result<Vec<egress::ask::Waiting>> {
+        self.get(caller, name)?;
+        Ok(self.pending_of(name).list())
     }
 
     /// Serve running sandbox `name`'s gateway, in the background.
@@ -111,8 +148,26 @@ impl Manager {
                     if entry.decision != "allow" {
                         tracing::info!(sandbox = %log_name, host = %entry.host, port = entry.port, rule = %entry.rule, "egress refused");
                     }
-                    let _ = m.egress_events.send(Arc::new(entry));
+                    let _ = m.egress_events.send(EgressEvent::Logged(Arc::new(entry)));
                 }),
+                pending: this.pending_of(&name),
+                ask_timeout: std::time::Duration::from_secs(u64::from(
+                    this.settings.egress.ask_seconds,
+                )),
+                asked: {
+                    let weak = Arc::downgrade(&this);
+                    let name = name.clone();
+                    Box::new(move |host, port| {
+                        if let Some(m) = weak.upgrade() {
+                            tracing::info!(sandbox = %name, host, port, "egress waits for an answer");
+                            let _ = m.egress_events.send(EgressEvent::Asked {
+                                sandbox: name.clone(),
+                                host: host.to_owned(),
+                                port,
+                            });
+                        }
+                    })
+                },
             };
             match this.gateways.start(socket, ctx) {
                 Ok(()) => tracing::info!(sandbox = %name, "egress gateway serving"),
@@ -150,6 +205,12 @@ impl Manager {
                     .map_err(|m| Error::Invalid(vec![m]))?
                     .to_string(),
             ),
+            EgressChange::AllowOnce(e) => {
+                let rule = Rule::parse(e).map_err(|m| Error::Invalid(vec![m]))?;
+                let n = self.pending_of(name).admit_once(&rule);
+                tracing::info!(sandbox = %name, entry = %rule, waiting = n, "egress allowed once");
+                return self.egress_view(caller, name);
+            }
             EgressChange::Mode(_) => None,
         };
         let mut full = None;
@@ -187,6 +248,7 @@ impl Manager {
         }
         self.registry.save_config(&sb)?;
         tracing::info!(sandbox = %name, ?change, "egress policy changed");
+        self.pending_of(name).wake();
         self.egress_view(caller, name)
     }
 

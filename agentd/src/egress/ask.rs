@@ -1,0 +1,106 @@
+//! Connections that wait for their person (mode `ask`): a refused
+//! connection to an unlisted destination is held while `agentctl egress
+//! NAME pending` lists it, until a policy change or an `allow --once`
+//! admits it, or [`super::gateway::Context::ask_timeout`] passes.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::policy::Rule;
+
+/// Most connections of one sandbox waiting at once; more are refused at
+/// once.
+pub const WAITING_MAX: usize = 64;
+
+/// One waiting connection.
+#[derive(Debug, Clone)]
+pub struct Waiting {
+    /// Its id (for this agentd's lifetime).
+    pub id: u64,
+    /// What it asked for.
+    pub host: String,
+    /// The port it asked for.
+    pub port: u16,
+    /// Since when, µs since the epoch.
+    pub since: u64,
+    /// Entries admitted for it alone (`allow --once`).
+    once: Vec<Rule>,
+}
+
+/// The waiting connections of one sandbox.
+#[derive(Debug, Default)]
+pub struct Pending {
+    next: AtomicU64,
+    waiting: Mutex<BTreeMap<u64, Waiting>>,
+    changed: tokio::sync::Notify,
+}
+
+impl Pending {
+    /// Record a waiting connection; `None` when [`WAITING_MAX`] already wait.
+    pub fn add(&self, host: &str, port: u16) -> Option<u64> {
+        let mut w = self.waiting.lock().unwrap();
+        if w.len() >= WAITING_MAX {
+            return None;
+        }
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        w.insert(
+            id,
+            Waiting {
+                id,
+                host: host.to_owned(),
+                port,
+                since: crate::sandbox::micros(Some(std::time::SystemTime::now())),
+                once: Vec::new(),
+            },
+        );
+        Some(id)
+    }
+
+    /// Forget connection `id` (admitted, refused or gone).
+    pub fn remove(&self, id: u64) {
+        self.waiting.lock().unwrap().remove(&id);
+    }
+
+    /// The waiting connections, oldest first.
+    #[must_use]
+    pub fn list(&self) -> Vec<Waiting> {
+        self.waiting.lock().unwrap().values().cloned().collect()
+    }
+
+    /// Admit `rule` for every connection waiting now (not later ones);
+    /// how many there were.
+    pub fn admit_once(&self, rule: &Rule) -> usize {
+        let n = {
+            let mut w = self.waiting.lock().unwrap();
+            for entry in w.values_mut() {
+                entry.once.push(rule.clone());
+            }
+            w.len()
+        };
+        self.wake();
+        n
+    }
+
+    /// The entries admitted for connection `id` alone.
+    #[must_use]
+    pub fn once_rules(&self, id: u64) -> Vec<Rule> {
+        self.waiting
+            .lock()
+            .unwrap()
+            .get(&id)
+            .map(|w| w.once.clone())
+            .unwrap_or_default()
+    }
+
+    /// Let every waiting connection look at the policy again.
+    pub fn wake(&self) {
+        self.changed.notify_waiters();
+    }
+
+    /// A future that completes at the next [`Pending::wake`]; create it
+    /// before looking at the policy, so no wake is missed in between.
+    pub fn changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.changed.notified()
+    }
+}
