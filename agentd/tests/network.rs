@@ -268,3 +268,72 @@ fn ask_mode_holds_a_connection_until_its_person_allows_it() {
         .collect();
     assert_eq!(rules, [("deny", "ask"), ("allow", cidr.as_str())]);
 }
+
+/// agentd's open descriptors.
+fn descriptors(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+#[test]
+fn a_flood_of_idle_and_oversized_requests_leaves_agentd_as_it_was() {
+    let env = Env::running("flood", &[]);
+    let pid = env.agentd_pid();
+    // The gateway is served a moment after the start; count from then.
+    common::wait_for("the gateway", Duration::from_secs(10), || {
+        env.ok(&["egress", "flood", "show", "--json"])
+            .contains("\"serving\": true")
+    });
+    let before = descriptors(pid);
+    // 600 connections that never send a request, held for 4 s.
+    inside(
+        &env,
+        "flood",
+        "python3 -c '
+import socket, time
+held = []
+for i in range(600):
+    s = socket.socket()
+    s.setblocking(False)
+    try:
+        s.connect((\"127.0.0.1\", 3128))
+    except BlockingIOError:
+        pass
+    held.append(s)
+time.sleep(4)
+' >/dev/null 2>&1 &",
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let during = descriptors(pid);
+    assert!(
+        during <= before + agentd::egress::gateway::CONNECTIONS_MAX + 16,
+        "agentd holds {during} descriptors during the flood (before: {before})"
+    );
+    // A request head past the limit is refused, not buffered.
+    let (_, out) = inside(
+        &env,
+        "flood",
+        "python3 -c '
+import socket
+s = socket.create_connection((\"127.0.0.1\", 3128))
+s.sendall(b\"GET http://example.com/ HTTP/1.1\\r\\nX: \" + b\"a\" * 65536 + b\"\\r\\n\\r\\n\")
+print(s.recv(200).decode())
+'",
+    );
+    assert!(
+        out.contains("400 Bad Request") && out.contains("larger than"),
+        "{out}"
+    );
+    // Once the flood ends, so does everything agentd held for it.
+    let mut now = 0;
+    common::wait_for(
+        "agentd's descriptors after the flood",
+        Duration::from_secs(20),
+        || {
+            now = descriptors(pid);
+            now <= before
+        },
+    );
+    eprintln!("agentd's descriptors: {before} before, {during} during the flood, {now} after");
+}

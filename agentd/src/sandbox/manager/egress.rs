@@ -137,7 +137,13 @@ impl Manager {
                     let sb = m.snapshot(&policy_name)?;
                     (sb.state == SandboxState::Running).then(|| m.egress_policy(&sb.config))
                 }),
-                hosts: this.settings.egress.hosts.clone(),
+                hosts: this
+                    .settings
+                    .egress
+                    .hosts
+                    .iter()
+                    .map(|(k, v)| (k.to_ascii_lowercase(), *v))
+                    .collect(),
                 record: Box::new(move |entry| {
                     let Some(m) = log_weak.upgrade() else {
                         return;
@@ -176,6 +182,13 @@ impl Manager {
                 }
             }
         });
+    }
+
+    /// End sandbox `name`'s gateway, every connection through it and every
+    /// one waiting for an answer.
+    pub(super) fn close_gateway(&self, name: &str) {
+        self.gateways.stop(name);
+        self.pending.lock().unwrap().remove(name);
     }
 
     /// Sandbox `name`'s egress policy.
