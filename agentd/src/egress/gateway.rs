@@ -9,12 +9,13 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use super::log::Entry;
 use super::policy::{Decision, Policy};
+use super::splice::{Socket, relay};
 
 /// Largest request head (request line and headers, or a SOCKS5 greeting).
 pub const HEAD_MAX: usize = 16 * 1024;
@@ -69,18 +70,20 @@ pub enum Listener {
 }
 
 /// A client connection of either kind.
-trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Stream for T {}
+enum Client {
+    Tcp(TcpStream),
+    Unix(tokio::net::UnixStream),
+}
 
 impl Listener {
-    async fn accept(&self) -> std::io::Result<Box<dyn Stream>> {
+    async fn accept(&self) -> std::io::Result<Client> {
         Ok(match self {
             Self::Tcp(l) => {
                 let (s, _) = l.accept().await?;
                 let _ = s.set_nodelay(true);
-                Box::new(s)
+                Client::Tcp(s)
             }
-            Self::Unix(l) => Box::new(l.accept().await?.0),
+            Self::Unix(l) => Client::Unix(l.accept().await?.0),
         })
     }
 }
@@ -95,9 +98,14 @@ pub async fn serve(listener: Listener, ctx: Arc<Context>) {
         }
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok(stream) => {
+                Ok(client) => {
                     let ctx = Arc::clone(&ctx);
-                    conns.spawn(async move { handle(stream, &ctx).await });
+                    conns.spawn(async move {
+                        match client {
+                            Client::Tcp(s) => handle(s, &ctx).await,
+                            Client::Unix(s) => handle(s, &ctx).await,
+                        }
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %ctx.name, error = %e, "egress gateway: accept failed");
@@ -116,7 +124,7 @@ struct Ask {
     port: u16,
 }
 
-async fn handle(mut client: Box<dyn Stream>, ctx: &Context) {
+async fn handle(mut client: impl Socket, ctx: &Context) {
     let started = Instant::now();
     let at = SystemTime::now();
     let mut first = [0u8; 1];
@@ -221,15 +229,11 @@ async fn handle(mut client: Box<dyn Stream>, ctx: &Context) {
         sent = head.len() as u64;
     }
     if ready.is_ok() {
-        match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
-            Ok((up, down)) => {
-                entry.sent = sent + up;
-                entry.received = down;
-            }
-            Err(e) => {
-                entry.sent = sent;
-                entry.error = e.to_string();
-            }
+        let (up, down, error) = relay(&client, &upstream).await;
+        entry.sent = sent + up;
+        entry.received = down;
+        if let Some(e) = error {
+            entry.error = e.to_string();
         }
     }
     finish(entry);
@@ -351,7 +355,7 @@ async fn dial(addrs: &[IpAddr], port: u16) -> Result<(TcpStream, SocketAddr), St
     Err(last)
 }
 
-async fn refuse(client: &mut Box<dyn Stream>, ask: &Ask, d: &Decision, name: &str, socks: bool) {
+async fn refuse(client: &mut impl Socket, ask: &Ask, d: &Decision, name: &str, socks: bool) {
     if socks {
         let _ = client.write_all(&socks_reply(2)).await;
         return;
@@ -371,7 +375,7 @@ async fn refuse(client: &mut Box<dyn Stream>, ask: &Ask, d: &Decision, name: &st
     let _ = respond(client, "403 Forbidden", &body).await;
 }
 
-async fn respond(client: &mut Box<dyn Stream>, status: &str, body: &str) -> std::io::Result<()> {
+async fn respond(client: &mut impl Socket, status: &str, body: &str) -> std::io::Result<()> {
     let msg = format!(
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
@@ -383,7 +387,7 @@ async fn respond(client: &mut Box<dyn Stream>, status: &str, body: &str) -> std:
 /// Read an HTTP request head; for plain HTTP, return the head rewritten
 /// for the origin (origin-form target, no proxy headers, one request per
 /// connection) and any body bytes already read.
-async fn http_head(client: &mut Box<dyn Stream>, first: u8) -> Result<(Ask, Vec<u8>), String> {
+async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>), String> {
     let mut buf = Vec::with_capacity(1024);
     buf.push(first);
     let end = loop {
@@ -482,7 +486,7 @@ fn split_authority(a: &str, default: Option<u16>) -> Result<(String, u16), Strin
 
 /// Read a SOCKS5 greeting (its version byte already read) and CONNECT
 /// request (RFC 1928, no authentication).
-async fn socks_head(client: &mut Box<dyn Stream>) -> Result<(Ask, Vec<u8>), String> {
+async fn socks_head(client: &mut impl Socket) -> Result<(Ask, Vec<u8>), String> {
     let mut count = [0u8; 1];
     client
         .read_exact(&mut count)

@@ -13,6 +13,7 @@ pub mod ask;
 pub mod gateway;
 pub mod log;
 pub mod policy;
+mod splice;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
