@@ -187,7 +187,9 @@ fn print_entry(e: &Value, json: bool, color: bool) {
         println!("{}", output::json_line(e));
         return;
     }
-    let s = |k: &str| e[k].as_str().unwrap_or("").to_owned();
+    // Every field is the sandbox's to choose: one line per entry, whatever
+    // it holds.
+    let s = |k: &str| output::escape_controls(e[k].as_str().unwrap_or("")).into_owned();
     let n = |k: &str| e[k].as_u64().unwrap_or(0);
     let denied = s("decision") != "allow";
     let result = if denied { "DENIED" } else { "allowed" };

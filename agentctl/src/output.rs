@@ -7,16 +7,28 @@ use keystone_agent_api::{
 };
 use serde_json::{Value, json};
 
-/// `s` with every control character escaped (`\u{1b}`, `\n`, …), for
-/// text that a sandbox controls (file, ref and session names, error texts,
-/// notices) on its way to the person's terminal: an escape sequence from a
-/// sandbox must never reach it raw (a clipboard write, a retitled window).
+/// Whether `c` may change what a terminal shows beyond itself: a control
+/// character, or a bidirectional override or mark (which reorders the text
+/// after it on screen).
+fn unsafe_char(c: char) -> bool {
+    c.is_control()
+        || matches!(
+            c,
+            '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
+        )
+}
+
+/// `s` with every control character and bidirectional control escaped
+/// (`\u{1b}`, `\n`, `\u{202e}`, …), for text that a sandbox controls (file,
+/// ref and session names, error texts, notices) on its way to the person's
+/// terminal: an escape sequence from a sandbox must never reach it raw (a
+/// clipboard write, a retitled window, a line that reads backwards).
 #[must_use]
 pub fn escape_controls(s: &str) -> std::borrow::Cow<'_, str> {
-    if s.chars().any(char::is_control) {
+    if s.chars().any(unsafe_char) {
         s.chars()
             .map(|c| {
-                if c.is_control() {
+                if unsafe_char(c) {
                     c.escape_default().to_string()
                 } else {
                     c.to_string()
@@ -33,7 +45,7 @@ pub fn escape_controls(s: &str) -> std::borrow::Cow<'_, str> {
 /// lines of human output, which may span lines.
 #[must_use]
 pub fn clean_text(s: &str) -> std::borrow::Cow<'_, str> {
-    if s.chars().any(|c| c.is_control() && c != '\n' && c != '\t') {
+    if s.chars().any(|c| unsafe_char(c) && c != '\n' && c != '\t') {
         s.split('\n')
             .map(|line| {
                 line.split('\t')
@@ -326,6 +338,13 @@ mod tests {
             "a\\u{1b}]52;c;cHduZWQ=\\u{7}b\\u{9b}2J"
         );
         assert_eq!(clean_text("one\ntwo\t\u{1b}[2J"), "one\ntwo\t\\u{1b}[2J");
+        // A fake second line and a right-to-left override stay on one line,
+        // in order.
+        assert_eq!(
+            escape_controls("x\n2026 allowed github.com\u{202e}lave"),
+            "x\\n2026 allowed github.com\\u{202e}lave"
+        );
+        assert_eq!(clean_text("a\u{2066}b"), "a\\u{2066}b");
         let j = json(&json!({ "name": osc52 }));
         assert!(!j.chars().any(|c| c.is_control() && c != '\n'), "{j}");
         assert_eq!(serde_json::from_str::<Value>(&j).unwrap()["name"], osc52);

@@ -325,6 +325,22 @@ print(s.recv(200).decode())
         out.contains("400 Bad Request") && out.contains("larger than"),
         "{out}"
     );
+    // A SOCKS5 host name with a NUL byte (a D-Bus string may hold none) is
+    // refused, and agentd stays on the bus.
+    let (_, out) = inside(
+        &env,
+        "flood",
+        "python3 -c '
+import socket
+s = socket.create_connection((\"127.0.0.1\", 3128))
+s.sendall(b\"\\x05\\x01\\x00\"); s.recv(2)
+s.sendall(b\"\\x05\\x01\\x00\\x03\\x02x\\x00\\x00\\x50\")
+print(list(s.recv(10)))
+'",
+    );
+    assert_eq!(out.trim(), "[5, 8, 0, 1, 0, 0, 0, 0, 0, 0]");
+    std::thread::sleep(Duration::from_millis(500));
+    env.ok(&["egress", "flood", "show"]);
     // Once the flood ends, so does everything agentd held for it.
     let mut now = 0;
     common::wait_for(
@@ -336,4 +352,53 @@ print(s.recv(200).decode())
         },
     );
     eprintln!("agentd's descriptors: {before} before, {during} during the flood, {now} after");
+}
+
+#[test]
+fn plain_http_carries_one_request_to_the_host_it_was_decided_for() {
+    // An origin that records every byte it is sent.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = std::sync::Arc::clone(&seen);
+    std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut c, _) = listener.accept().unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = c.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            record.lock().unwrap().extend_from_slice(&buf[..n]);
+            if record.lock().unwrap().ends_with(b"\r\n\r\n") {
+                let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+            }
+        }
+    });
+    let env = Env::running("pipe", &["--allow", &format!("127.0.0.1/32:{port}")]);
+    inside(
+        &env,
+        "pipe",
+        &format!(
+            "python3 -c '
+import socket
+s = socket.create_connection((\"127.0.0.1\", 3128))
+s.sendall(b\"GET http://127.0.0.1:{port}/first HTTP/1.1\\r\\nHost: fronted.example\\r\\n\\r\\n\"
+          b\"GET /second HTTP/1.1\\r\\nHost: evil.example\\r\\n\\r\\n\")
+print(s.recv(100))
+'"
+        ),
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    let seen = String::from_utf8_lossy(&seen.lock().unwrap()).into_owned();
+    assert!(seen.starts_with("GET /first HTTP/1.1\r\n"), "{seen}");
+    assert!(
+        seen.contains(&format!("Host: 127.0.0.1:{port}\r\n")),
+        "{seen}"
+    );
+    assert!(
+        !seen.contains("second") && !seen.contains("example"),
+        "{seen}"
+    );
 }

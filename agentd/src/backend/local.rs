@@ -40,6 +40,10 @@ pub const DEFAULT_RO_PATHS: &[&str] = &[
     "/run/systemd/resolve",
 ];
 
+/// How long the sandbox's control server may take to answer a request
+/// (it answers at once; a command's own run time comes after).
+const CONTROL_ANSWER_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// Settings of the local backend.
 #[derive(Debug, Clone)]
 pub struct LocalSettings {
@@ -245,7 +249,11 @@ impl LocalBackend {
             // The sandbox has its own copies now; ours must go, or the
             // reader of the command's output would never see its end.
             drop(fds);
+            // The sandbox may have killed its control server while the
+            // socket still accepts: don't wait for an answer forever.
+            s.set_read_timeout(Some(CONTROL_ANSWER_TIMEOUT))?;
             let (first, got) = proto::read_first_response(&s)?;
+            s.set_read_timeout(None)?;
             std::io::Result::Ok((s, first, got))
         })
         .await

@@ -138,6 +138,11 @@ async fn follow_departures(conn: Connection, callers: Arc<Callers>) {
             }
         }
     }
+    // The stream ends only with the connection: agentd can no longer be
+    // reached. Its sandboxes outlive it and a restarted agentd adopts them,
+    // so end now and let the service manager start it again.
+    tracing::error!("lost the connection to the bus; exiting");
+    std::process::exit(1);
 }
 
 /// Refuse a request whose body is larger than any valid one.

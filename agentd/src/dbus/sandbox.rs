@@ -914,6 +914,9 @@ pub async fn egress_event(
     let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
         return Ok(());
     };
+    // A D-Bus string may not hold NUL (the bus would drop agentd); the
+    // gateway never lets one through, and this makes sure.
+    let clean = |s: &str| s.replace('\0', "\\0");
     for e in callers.emitters(conn, sb.owner, &path) {
         match event {
             EgressEvent::Logged(entry) => {
@@ -922,16 +925,16 @@ pub async fn egress_event(
                 if entry.decision != "allow" {
                     SandboxObject::egress_denied(
                         &e,
-                        &entry.host,
+                        &clean(&entry.host),
                         entry.port,
-                        &entry.rule,
-                        &entry.reason,
+                        &clean(&entry.rule),
+                        &clean(&entry.reason),
                     )
                     .await?;
                 }
             }
             EgressEvent::Asked { host, port, .. } => {
-                SandboxObject::egress_asked(&e, host, *port).await?;
+                SandboxObject::egress_asked(&e, &clean(host), *port).await?;
             }
         }
     }

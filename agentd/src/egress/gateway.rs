@@ -92,6 +92,7 @@ impl Listener {
 /// ends every connection it started.
 pub async fn serve(listener: Listener, ctx: Arc<Context>) {
     let mut conns = JoinSet::new();
+    let dns = Arc::new(tokio::sync::Semaphore::new(DNS_PER_SANDBOX));
     loop {
         while conns.len() >= CONNECTIONS_MAX {
             let _ = conns.join_next().await;
@@ -100,10 +101,11 @@ pub async fn serve(listener: Listener, ctx: Arc<Context>) {
             accepted = listener.accept() => match accepted {
                 Ok(client) => {
                     let ctx = Arc::clone(&ctx);
+                    let dns = Arc::clone(&dns);
                     conns.spawn(async move {
                         match client {
-                            Client::Tcp(s) => handle(s, &ctx).await,
-                            Client::Unix(s) => handle(s, &ctx).await,
+                            Client::Tcp(s) => handle(s, &ctx, &dns).await,
+                            Client::Unix(s) => handle(s, &ctx, &dns).await,
                         }
                     });
                 }
@@ -122,9 +124,12 @@ struct Ask {
     protocol: &'static str,
     host: String,
     port: u16,
+    /// Plain HTTP: the request body's bytes still to come from the client
+    /// after the head (one request per connection); `None` for a tunnel.
+    body_left: Option<u64>,
 }
 
-async fn handle(mut client: impl Socket, ctx: &Context) {
+async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::Semaphore>) {
     let started = Instant::now();
     let at = SystemTime::now();
     let mut first = [0u8; 1];
@@ -171,7 +176,7 @@ async fn handle(mut client: impl Socket, ctx: &Context) {
     };
     let (decision, addrs) = match policy.precheck(&ask.host, ask.port) {
         Some(d) => (d, Vec::new()),
-        None => match resolve(&ask.host, ask.port, &ctx.hosts).await {
+        None => match resolve(&ask.host, ask.port, &ctx.hosts, dns).await {
             Ok(found) => {
                 let own = host_addresses();
                 let (d, a) = policy.decide(&ask.host, ask.port, &found, &own);
@@ -228,12 +233,26 @@ async fn handle(mut client: impl Socket, ctx: &Context) {
     if ready.is_ok() && !head.is_empty() && upstream.write_all(&head).await.is_ok() {
         sent = head.len() as u64;
     }
-    if ready.is_ok() {
-        let (up, down, error) = relay(&client, &upstream).await;
-        entry.sent = sent + up;
-        entry.received = down;
-        if let Some(e) = error {
-            entry.error = e.to_string();
+    match (ready.is_ok(), ask.body_left) {
+        (false, _) => {}
+        (true, None) => {
+            let (up, down, error) = relay(&client, &upstream).await;
+            entry.sent = sent + up;
+            entry.received = down;
+            if let Some(e) = error {
+                entry.error = e.to_string();
+            }
+        }
+        // Plain HTTP: the rest of the body, then the answer; nothing more
+        // of the client's is read.
+        (true, Some(left)) => {
+            let body = tokio::io::copy(&mut (&mut client).take(left), &mut upstream).await;
+            let answer = tokio::io::copy(&mut upstream, &mut client).await;
+            entry.sent = sent + body.as_ref().map_or(0, |n| *n);
+            entry.received = answer.as_ref().map_or(0, |n| *n);
+            if let Some(e) = body.err().or(answer.err()) {
+                entry.error = e.to_string();
+            }
         }
     }
     finish(entry);
@@ -306,6 +325,7 @@ async fn resolve(
     host: &str,
     port: u16,
     hosts: &std::collections::BTreeMap<String, IpAddr>,
+    dns: &Arc<tokio::sync::Semaphore>,
 ) -> Result<Vec<IpAddr>, String> {
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     if let Ok(ip) = bare.parse::<IpAddr>() {
@@ -314,16 +334,41 @@ async fn resolve(
     if let Some(ip) = hosts.get(&host.to_ascii_lowercase()) {
         return Ok(vec![*ip]);
     }
-    match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await {
-        Ok(Ok(found)) => {
-            let mut v: Vec<IpAddr> = found.map(|a| a.ip()).collect();
+    // getaddrinfo cannot be cancelled: a lookup keeps its thread until the
+    // resolver gives up, timeout or not. The permits go with the thread, so
+    // a sandbox asking for names whose servers never answer holds at most
+    // DNS_PER_SANDBOX of them, and all sandboxes at most DNS_MAX (tokio's
+    // blocking pool, which agentd's other work shares, is far larger).
+    let lookup = async {
+        let mine = Arc::clone(dns)
+            .acquire_owned()
+            .await
+            .map_err(|e| e.to_string())?;
+        let all = DNS_ALL.acquire().await.map_err(|e| e.to_string())?;
+        let name = host.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let _permits = (mine, all);
+            std::net::ToSocketAddrs::to_socket_addrs(&(name.as_str(), port))
+                .map(|found| found.map(|a| a.ip()).collect::<Vec<_>>())
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("cannot resolve {host}: {e}"))
+    };
+    match tokio::time::timeout(RESOLVE_TIMEOUT, lookup).await {
+        Ok(Ok(mut v)) => {
             v.dedup();
             Ok(v)
         }
-        Ok(Err(e)) => Err(format!("cannot resolve {host}: {e}")),
+        Ok(Err(e)) => Err(e),
         Err(_) => Err(format!("resolving {host} timed out")),
     }
 }
+
+/// Most name lookups of one sandbox at once.
+const DNS_PER_SANDBOX: usize = 8;
+/// Most name lookups of all sandboxes at once.
+static DNS_ALL: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(64);
 
 /// This host's own addresses, on every interface.
 fn host_addresses() -> Vec<IpAddr> {
@@ -421,6 +466,7 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
                 protocol: "connect",
                 host,
                 port,
+                body_left: None,
             },
             rest,
         ));
@@ -439,8 +485,21 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
     let mut head = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
     // The Host the destination sees is the one that was decided on.
     head.extend_from_slice(format!("Host: {authority}\r\n").as_bytes());
+    let mut body: u64 = 0;
     for h in req.headers.iter() {
         let n = h.name.to_ascii_lowercase();
+        if n == "transfer-encoding" {
+            return Err(
+                "a plain HTTP request with a chunked body is not forwarded; use https:// (CONNECT)"
+                    .to_owned(),
+            );
+        }
+        if n == "content-length" {
+            body = std::str::from_utf8(h.value)
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .ok_or_else(|| "the Content-Length is not a number".to_owned())?;
+        }
         if n.starts_with("proxy-") || n == "connection" || n == "keep-alive" || n == "host" {
             continue;
         }
@@ -450,12 +509,17 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
         head.extend_from_slice(b"\r\n");
     }
     head.extend_from_slice(b"Connection: close\r\n\r\n");
-    head.extend_from_slice(&buf[end..]);
+    // Of what came after the head, only this request's body goes on: a
+    // second, pipelined request never reaches the destination.
+    let early = &buf[end..];
+    let taken = early.len().min(usize::try_from(body).unwrap_or(usize::MAX));
+    head.extend_from_slice(&early[..taken]);
     Ok((
         Ask {
             protocol: "http",
             host,
             port,
+            body_left: Some(body - taken as u64),
         },
         head,
     ))
@@ -478,10 +542,22 @@ fn split_authority(a: &str, default: Option<u16>) -> Result<(String, u16), Strin
         (None, Some(d)) => d,
         (None, None) => return Err(bad()),
     };
-    if host.is_empty() || host.len() > 253 {
+    if !valid_host(host) {
         return Err(bad());
     }
     Ok((host.to_owned(), port))
+}
+
+/// Whether `host` is a host name (letters, digits, `-`, `_`, `.`) or an IP
+/// address, at most 253 bytes: nothing else is decided, resolved, logged or
+/// put on the bus.
+fn valid_host(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && (host.parse::<IpAddr>().is_ok()
+            || host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.'))
 }
 
 /// Read a SOCKS5 greeting (its version byte already read) and CONNECT
@@ -528,7 +604,13 @@ async fn socks_head(client: &mut impl Socket) -> Result<(Ask, Vec<u8>), String> 
                 .read_exact(&mut name)
                 .await
                 .map_err(|e| e.to_string())?;
-            String::from_utf8(name).map_err(|_| "the SOCKS host name is not UTF-8".to_owned())?
+            match String::from_utf8(name) {
+                Ok(n) if valid_host(&n) => n,
+                _ => {
+                    let _ = client.write_all(&socks_reply(8)).await;
+                    return Err("the SOCKS host name is not a host name".to_owned());
+                }
+            }
         }
         4 => {
             let mut a = [0u8; 16];
@@ -550,6 +632,7 @@ async fn socks_head(client: &mut impl Socket) -> Result<(Ask, Vec<u8>), String> 
             protocol: "socks5",
             host,
             port: u16::from_be_bytes(port),
+            body_left: None,
         },
         Vec::new(),
     ))

@@ -286,6 +286,12 @@ pub fn is_internal(addr: IpAddr) -> bool {
     })
 }
 
+/// A name as rules match it: lowercase, without the root's trailing dot
+/// (`Example.COM.` is `example.com`).
+fn normal_name(host: &str) -> String {
+    host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase()
+}
+
 /// A sandbox's policy as the gateway applies it.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -378,7 +384,7 @@ impl Policy {
                 "this sandbox's egress is 'none'",
             ));
         }
-        let host = host.to_ascii_lowercase();
+        let host = normal_name(host);
         if let Some(r) = self.deny.iter().find(|r| r.matches_name(&host, port)) {
             return Some(Decision::deny(
                 format!("deny {r}"),
@@ -401,7 +407,7 @@ impl Policy {
         if let Some(d) = self.precheck(host, port) {
             return (d, Vec::new());
         }
-        let host = host.to_ascii_lowercase();
+        let host = normal_name(host);
         let by_name = self.allow.iter().find(|r| r.matches_name(&host, port));
         let mut ok = Vec::new();
         let mut first_rule: Option<String> = None;
@@ -593,6 +599,9 @@ mod tests {
     fn deny_wins_and_none_refuses_everything() {
         let p = policy(Egress::Allowlist, &[], &["github.com", "140.82.0.0/16"]);
         let d = p.precheck("github.com", 443).unwrap();
+        assert_eq!(d.rule, "deny github.com");
+        // The root's trailing dot changes nothing.
+        let d = p.precheck("GitHub.com.", 443).unwrap();
         assert_eq!(d.rule, "deny github.com");
         let (d, _) = p.decide("api.github.com", 443, &[ip("140.82.1.1")], &[]);
         assert_eq!(d.rule, "deny 140.82.0.0/16");
