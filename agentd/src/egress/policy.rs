@@ -251,8 +251,9 @@ fn canonical(addr: IpAddr) -> IpAddr {
 }
 
 /// Ranges no name rule reaches: the host's loopback, private, shared,
-/// link-local (cloud metadata included), multicast, reserved and
-/// translation ranges.
+/// link-local (cloud metadata included), multicast, reserved,
+/// documentation, IPv4-compatible and translation (NAT64, 6to4, Teredo)
+/// ranges.
 const NEVER_BY_NAME: &[(&str, u8)] = &[
     ("0.0.0.0", 8),
     ("10.0.0.0", 8),
@@ -265,8 +266,13 @@ const NEVER_BY_NAME: &[(&str, u8)] = &[
     ("198.18.0.0", 15),
     ("224.0.0.0", 4),
     ("240.0.0.0", 4),
-    ("::", 128),
-    ("::1", 128),
+    ("192.0.2.0", 24),
+    ("198.51.100.0", 24),
+    ("203.0.113.0", 24),
+    ("::", 96),
+    ("100::", 64),
+    ("2001::", 32),
+    ("2001:db8::", 32),
     ("64:ff9b::", 96),
     ("64:ff9b:1::", 48),
     ("2002::", 16),
@@ -551,7 +557,9 @@ mod tests {
             "fe80::1",
             "fd12::1",
             "::ffff:127.0.0.1",
+            "::127.0.0.1",
             "64:ff9b::a9fe:a9fe",
+            "2001::1",
         ] {
             let (d, ok) = p.decide("github.com", 443, &[ip(a)], &[]);
             assert!(!d.allowed && ok.is_empty(), "{a}: {d:?}");
