@@ -31,6 +31,11 @@ fn inside(env: &Env, name: &str, script: &str) -> (i32, String) {
     )
 }
 
+/// Run Python `code` (no single quotes in it) inside; its output.
+fn python(env: &Env, name: &str, code: &str) -> String {
+    inside(env, name, &format!("python3 -c '{code}'")).1
+}
+
 /// `curl` inside with the given extra options; (exit code, output).
 fn curl(env: &Env, name: &str, opts: &str, url: &str) -> (i32, String) {
     inside(
@@ -311,15 +316,15 @@ time.sleep(4)
         "agentd holds {during} descriptors during the flood (before: {before})"
     );
     // A request head past the limit is refused, not buffered.
-    let (_, out) = inside(
+    let out = python(
         &env,
         "flood",
-        "python3 -c '
+        r#"
 import socket
-s = socket.create_connection((\"127.0.0.1\", 3128))
-s.sendall(b\"GET http://example.com/ HTTP/1.1\\r\\nX: \" + b\"a\" * 65536 + b\"\\r\\n\\r\\n\")
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"GET http://example.com/ HTTP/1.1\r\nX: " + b"a" * 65536 + b"\r\n\r\n")
 print(s.recv(200).decode())
-'",
+"#,
     );
     assert!(
         out.contains("400 Bad Request") && out.contains("larger than"),
@@ -327,16 +332,16 @@ print(s.recv(200).decode())
     );
     // A SOCKS5 host name with a NUL byte (a D-Bus string may hold none) is
     // refused, and agentd stays on the bus.
-    let (_, out) = inside(
+    let out = python(
         &env,
         "flood",
-        "python3 -c '
+        r#"
 import socket
-s = socket.create_connection((\"127.0.0.1\", 3128))
-s.sendall(b\"\\x05\\x01\\x00\"); s.recv(2)
-s.sendall(b\"\\x05\\x01\\x00\\x03\\x02x\\x00\\x00\\x50\")
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"\x05\x01\x00"); s.recv(2)
+s.sendall(b"\x05\x01\x00\x03\x02x\x00\x00\x50")
 print(list(s.recv(10)))
-'",
+"#,
     );
     assert_eq!(out.trim(), "[5, 8, 0, 1, 0, 0, 0, 0, 0, 0]");
     std::thread::sleep(Duration::from_millis(500));
@@ -377,17 +382,17 @@ fn plain_http_carries_one_request_to_the_host_it_was_decided_for() {
         }
     });
     let env = Env::running("pipe", &["--allow", &format!("127.0.0.1/32:{port}")]);
-    inside(
+    python(
         &env,
         "pipe",
         &format!(
-            "python3 -c '
+            r#"
 import socket
-s = socket.create_connection((\"127.0.0.1\", 3128))
-s.sendall(b\"GET http://127.0.0.1:{port}/first HTTP/1.1\\r\\nHost: fronted.example\\r\\n\\r\\n\"
-          b\"GET /second HTTP/1.1\\r\\nHost: evil.example\\r\\n\\r\\n\")
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"GET http://127.0.0.1:{port}/first HTTP/1.1\r\nHost: fronted.example\r\n\r\n"
+          b"GET /second HTTP/1.1\r\nHost: evil.example\r\n\r\n")
 print(s.recv(100))
-'"
+"#
         ),
     );
     std::thread::sleep(Duration::from_millis(2500));

@@ -57,6 +57,20 @@ pub struct EgressView {
     pub serving: bool,
 }
 
+/// Take `entry` off `from` and put it on `to` (once); `false` when `to` is
+/// full.
+fn move_entry(entry: &str, from: &mut Vec<String>, to: &mut Vec<String>) -> bool {
+    from.retain(|e| e != entry);
+    if to.iter().any(|e| e == entry) {
+        return true;
+    }
+    if to.len() >= ENTRIES_MAX {
+        return false;
+    }
+    to.push(entry.to_owned());
+    true
+}
+
 impl Manager {
     /// The preset and agentd's extra entries.
     fn egress_base(&self) -> Vec<String> {
@@ -229,30 +243,19 @@ impl Manager {
         let mut full = None;
         let sb = self.update(name, |s| {
             let c = &mut s.config;
-            match (&change, &parsed) {
+            full = match (&change, &parsed) {
                 (EgressChange::Allow(_), Some(e)) => {
-                    c.egress_deny.retain(|d| d != e);
-                    if !c.egress_allow.contains(e) {
-                        if c.egress_allow.len() >= ENTRIES_MAX {
-                            full = Some("allow");
-                        } else {
-                            c.egress_allow.push(e.clone());
-                        }
-                    }
+                    (!move_entry(e, &mut c.egress_deny, &mut c.egress_allow)).then_some("allow")
                 }
                 (EgressChange::Deny(_), Some(e)) => {
-                    c.egress_allow.retain(|a| a != e);
-                    if !c.egress_deny.contains(e) {
-                        if c.egress_deny.len() >= ENTRIES_MAX {
-                            full = Some("deny");
-                        } else {
-                            c.egress_deny.push(e.clone());
-                        }
-                    }
+                    (!move_entry(e, &mut c.egress_allow, &mut c.egress_deny)).then_some("deny")
                 }
-                (EgressChange::Mode(m), _) => c.egress = *m,
-                _ => {}
-            }
+                (EgressChange::Mode(m), _) => {
+                    c.egress = *m;
+                    None
+                }
+                _ => None,
+            };
         })?;
         if let Some(list) = full {
             return Err(Error::Invalid(vec![format!(
@@ -273,5 +276,24 @@ impl Manager {
             name: name.to_owned(),
             message: format!("cannot read {}: {e}", path.display()),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_entry_moves_between_the_lists_once_and_a_full_list_refuses_it() {
+        let (mut allow, mut deny) = (vec!["a.example".to_owned()], Vec::new());
+        assert!(move_entry("a.example", &mut allow, &mut deny));
+        assert!(move_entry("a.example", &mut allow, &mut deny));
+        assert_eq!(
+            (allow.len(), deny.as_slice()),
+            (0, ["a.example".to_owned()].as_slice())
+        );
+        let mut full: Vec<String> = (0..ENTRIES_MAX).map(|i| format!("h{i}.example")).collect();
+        assert!(!move_entry("new.example", &mut deny, &mut full));
+        assert!(deny.is_empty() && full.len() == ENTRIES_MAX);
     }
 }
