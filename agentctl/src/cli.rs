@@ -112,7 +112,8 @@ pub enum EgressCommand {
         json: bool,
     },
     /// The connections through the gateway: allowed and refused (refused
-    /// ones marked DENIED), with the rule that decided, bytes and duration.
+    /// ones marked DENIED, ones still open marked open), with the rule that
+    /// decided, bytes and duration.
     Log {
         /// Print JSON (with --follow: one object per line).
         #[arg(long)]

@@ -135,12 +135,22 @@ async fn log(
     } else {
         None
     };
-    let entries: Vec<Value> = sb
+    let mut entries: Vec<Value> = sb
         .egress_log(limit)
         .await?
         .iter()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
+    if !json {
+        // An admission whose end is logged too says nothing more.
+        let key = |e: &Value| (e["at"].as_u64(), e["host"].clone(), e["port"].as_u64());
+        let ended: Vec<_> = entries
+            .iter()
+            .filter(|e| e["open"] != true && e["decision"] == "allow")
+            .map(key)
+            .collect();
+        entries.retain(|e| e["open"] != true || !ended.contains(&key(e)));
+    }
     let color = std::io::stdout().is_terminal();
     if json && !follow {
         println!("{}", output::json(&entries));
@@ -192,7 +202,13 @@ fn print_entry(e: &Value, json: bool, color: bool) {
     let s = |k: &str| output::escape_controls(e[k].as_str().unwrap_or("")).into_owned();
     let n = |k: &str| e[k].as_u64().unwrap_or(0);
     let denied = s("decision") != "allow";
-    let result = if denied { "DENIED" } else { "allowed" };
+    let result = if denied {
+        "DENIED"
+    } else if e["open"] == true {
+        "open"
+    } else {
+        "allowed"
+    };
     let line = format!(
         "{:<20} {:<7} {:<40} {:<16} {:<28} {:>9} {:>9} {:>6.1}s",
         output::rfc3339(n("at")).as_str().unwrap_or("-"),

@@ -151,6 +151,11 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
 
     // The log has each attempt with the rule that decided it.
     let log = egress_log(&env, "net");
+    // Each admitted connection was logged when admitted, and again when it
+    // ended.
+    let opened = log.iter().filter(|e| e["open"] == true).count();
+    assert_eq!(opened, 3, "{log:?}");
+    let log: Vec<_> = log.into_iter().filter(|e| e["open"] != true).collect();
     let rules: Vec<(String, String)> = log
         .iter()
         .map(|e| {
@@ -202,6 +207,38 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
         },
     );
     assert_eq!(last.1, "host-loopback-service");
+
+    // A connection still open when the sandbox stops is on record from the
+    // moment it was admitted.
+    let count = |open: bool| {
+        egress_log(&env, "net")
+            .iter()
+            .filter(|e| e["decision"] == "allow" && (e["open"] == true) == open)
+            .count()
+    };
+    let ended = count(false);
+    inside(
+        &env,
+        "net",
+        &format!(
+            "python3 -c '{}' >/dev/null 2>&1 &",
+            format_args!(
+                r#"
+import socket, time
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"CONNECT origin.test:{loopback} HTTP/1.1\r\n\r\n")
+s.recv(100)
+time.sleep(30)
+"#
+            )
+        ),
+    );
+    common::wait_for("the admission", Duration::from_secs(10), || {
+        count(true) == ended + 1
+    });
+    env.ok(&["stop", "net"]);
+    assert_eq!(count(false), ended, "the cut-off connection has no end");
+    assert_eq!(count(true), ended + 1);
 }
 
 #[test]
@@ -269,6 +306,7 @@ fn ask_mode_holds_a_connection_until_its_person_allows_it() {
     let log = egress_log(&env, "asks");
     let rules: Vec<(&str, &str)> = log
         .iter()
+        .filter(|e| e["open"] != true)
         .map(|e| (e["decision"].as_str().unwrap(), e["rule"].as_str().unwrap()))
         .collect();
     assert_eq!(rules, [("deny", "ask"), ("allow", cidr.as_str())]);

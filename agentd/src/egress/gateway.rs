@@ -166,6 +166,7 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
         received: 0,
         duration_ms: 0,
         error: String::new(),
+        open: false,
     };
     let finish = |mut entry: Entry| {
         entry.duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -219,6 +220,12 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
         }
     };
     entry.addr = addr.ip().to_string();
+    // Logged now, so a connection cut off by a stop or a crash is still on
+    // record; its end follows.
+    (ctx.record)(Entry {
+        open: true,
+        ..entry.clone()
+    });
     let _ = upstream.set_nodelay(true);
     let ready = if socks {
         client.write_all(&socks_reply(0)).await

@@ -1,8 +1,10 @@
-//! The per-sandbox connection log: `logs/egress.jsonl` in agentd's state
-//! directory (never in a place the sandbox can reach), one JSON object per
-//! connection, appended when the connection ends. Past [`LOG_MAX`] bytes
-//! the file moves to `egress.jsonl.1` (replacing the one before) and a new
-//! one starts.
+//! The per-sandbox connection log in agentd's state directory (never in a
+//! place the sandbox can reach): one JSON object per event. An admitted
+//! connection gets an entry when it is admitted (`open`) and another when
+//! it ends, in `logs/egress.jsonl`; refusals go to `logs/egress-denied.jsonl`,
+//! so a flood of refused attempts cannot rotate admitted connections out.
+//! Past [`LOG_MAX`] bytes a file moves to `….1` (replacing the one before)
+//! and a new one starts.
 
 use std::io::Write as _;
 use std::os::unix::fs::OpenOptionsExt as _;
@@ -46,10 +48,27 @@ pub struct Entry {
     /// What went wrong after it was allowed (a failed connect, a reset).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub error: String,
+    /// An admission: the connection is open from here (no bytes yet); the
+    /// entry of its end follows, unless agentd or the sandbox stopped first.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub open: bool,
 }
 
-/// Append `entry` to the log at `path`, rotating it past [`LOG_MAX`].
+/// Where refusals go, beside the log at `path`.
+fn denied_path(path: &Path) -> std::path::PathBuf {
+    path.with_file_name("egress-denied.jsonl")
+}
+
+/// Append `entry` to the log at `path` (a refusal: beside it), rotating the
+/// file past [`LOG_MAX`].
 pub fn append(path: &Path, entry: &Entry) -> std::io::Result<()> {
+    let denied;
+    let path = if entry.decision == "allow" {
+        path
+    } else {
+        denied = denied_path(path);
+        denied.as_path()
+    };
     if std::fs::symlink_metadata(path).is_ok_and(|m| m.len() >= LOG_MAX) {
         let mut old = path.as_os_str().to_owned();
         old.push(".1");
@@ -66,21 +85,23 @@ pub fn append(path: &Path, entry: &Entry) -> std::io::Result<()> {
         .write_all(&line)
 }
 
-/// The last `limit` entries of the log at `path` (the rotated file
-/// included when needed).
+/// The last `limit` entries of the log at `path` and of its refusals, in
+/// time order (the rotated files included).
 pub fn tail(path: &Path, limit: usize) -> std::io::Result<Vec<Entry>> {
     let read = |p: &Path| match std::fs::read_to_string(p) {
         Ok(t) => Ok(t),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
         Err(e) => Err(e),
     };
-    let mut old = path.as_os_str().to_owned();
-    old.push(".1");
-    let text = read(Path::new(&old))? + &read(path)?;
-    let all: Vec<Entry> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let mut all: Vec<Entry> = Vec::new();
+    for file in [path.to_path_buf(), denied_path(path)] {
+        let mut old = file.as_os_str().to_owned();
+        old.push(".1");
+        let text = read(Path::new(&old))? + &read(&file)?;
+        all.extend(text.lines().filter_map(|l| serde_json::from_str(l).ok()));
+    }
+    // Stable: an admission stays before its end.
+    all.sort_by_key(|e| e.at);
     let skip = all.len().saturating_sub(limit);
     Ok(all.into_iter().skip(skip).collect())
 }
@@ -104,6 +125,7 @@ mod tests {
             received: 0,
             duration_ms: 1,
             error: String::new(),
+            open: false,
         }
     }
 
@@ -116,12 +138,25 @@ mod tests {
             append(&path, &entry(i)).unwrap();
         }
         let size = |p: &str| std::fs::metadata(dir.path().join(p)).unwrap().len();
-        assert!(size("egress.jsonl") <= LOG_MAX + 2000);
-        assert!(size("egress.jsonl.1") <= LOG_MAX + 2000);
+        assert!(size("egress-denied.jsonl") <= LOG_MAX + 2000);
+        assert!(size("egress-denied.jsonl.1") <= LOG_MAX + 2000);
+        // Refusals never rotate an admitted connection out.
+        let mut kept = entry(0);
+        kept.decision = "allow".into();
+        append(&path, &kept).unwrap();
+        for i in 0..n {
+            append(&path, &entry(n + i)).unwrap();
+        }
+        assert!(
+            tail(&path, usize::MAX)
+                .unwrap()
+                .iter()
+                .any(|e| e.decision == "allow")
+        );
         let last = tail(&path, 3).unwrap();
         assert_eq!(
             last.iter().map(|e| e.at).collect::<Vec<_>>(),
-            [n - 3, n - 2, n - 1]
+            [2 * n - 3, 2 * n - 2, 2 * n - 1]
         );
     }
 }
