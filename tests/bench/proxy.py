@@ -10,7 +10,9 @@
 2. Time from a dev server listening to its link answering 200 (discovery on
    the first request, the route added, the redirect followed).
 
-Needs `cargo build --release --bins` and caddy (apt-get install caddy).
+Links are served with `proxy.auth = "none"` (the owner check would only add
+a cookie comparison per request). Needs `cargo build --release --bins` and
+caddy (apt-get install caddy).
 
     python3 tests/bench/proxy.py [--requests 2000]
 """
@@ -94,7 +96,7 @@ def main():
     caddy, admin = start_caddy(ctmp)
     http_port = free_port()
     cfg = ctmp / "agentd.json"
-    cfg.write_text(json.dumps({"proxy": {"enable": True, "caddy_admin": f"http://127.0.0.1:{admin}",
+    cfg.write_text(json.dumps({"proxy": {"enable": True, "auth": "none", "caddy_admin": f"http://127.0.0.1:{admin}",
                                          "listen": [f"127.0.0.1:{http_port}"]}}))
     try:
         with Daemon(extra_args=["--config", str(cfg)]) as d:
@@ -133,7 +135,7 @@ def main():
                 t_direct.append((t1 - t0) * 1000)
                 t_via.append((t2 - t1) * 1000)
             print(f"GET through the link vs straight to the dev server ({args.requests} requests each, keep-alive):")
-            row("baseline: straight to the same server on the host", t_direct)
+            row("baseline: the same server, on the host", t_direct)
             row("through Caddy and agentd's forwarder", t_via)
             print(f"  added by the link: p50 {pct(t_via, 50) - pct(t_direct, 50):.3f} ms, "
                   f"p99 {pct(t_via, 99) - pct(t_direct, 99):.3f} ms")
