@@ -445,3 +445,67 @@ print(s.recv(100))
         "{seen}"
     );
 }
+
+#[test]
+fn git_fetches_through_the_gateway_unchanged() {
+    // A repository served over HTTP on the host (git's dumb HTTP protocol).
+    let env = Env::with_config(&serde_json::json!({
+        "egress": { "hosts": { "git.test": "127.0.0.1" } }
+    }));
+    let source = env.repo("served");
+    let root = env.tmp.path().join("www");
+    std::fs::create_dir(&root).unwrap();
+    let bare = root.join("served.git");
+    common::git(
+        env.tmp.path(),
+        &[
+            "clone",
+            "-q",
+            "--bare",
+            source.to_str().unwrap(),
+            bare.to_str().unwrap(),
+        ],
+    );
+    common::git(&bare, &["update-server-info"]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut server = std::process::Command::new("python3")
+        .args([
+            "-m",
+            "http.server",
+            "--bind",
+            "127.0.0.1",
+            &port.to_string(),
+        ])
+        .current_dir(&root)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    common::wait_for("the HTTP server", Duration::from_secs(10), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    env.create_running("gitnet", &["--allow", &format!("127.0.0.1/32:{port}")]);
+    let head = common::git(&source, &["rev-parse", "HEAD"]);
+    let (code, out) = inside(
+        &env,
+        "gitnet",
+        &format!(
+            "git clone -q http://git.test:{port}/served.git /tmp/c 2>&1 && git -C /tmp/c rev-parse HEAD"
+        ),
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+    assert_eq!((code, out.trim()), (0, head.trim()), "{out}");
+    // It went through the gateway, by name.
+    let log = egress_log(&env, "gitnet");
+    assert!(
+        log.iter().any(|e| e["host"] == "git.test"
+            && e["decision"] == "allow"
+            && e["protocol"] == "http"),
+        "{log:?}"
+    );
+}
