@@ -97,6 +97,13 @@ pub enum EgressCommand {
         /// What to refuse.
         entry: String,
     },
+    /// Take ENTRY off the sandbox's allow and deny lists (an entry of the
+    /// preset stays allowed: deny it instead).
+    #[command(visible_alias = "rm")]
+    Remove {
+        /// The entry, as `show` lists it.
+        entry: String,
+    },
     /// Set the mode: allowlist (the preset and your entries), open (any
     /// public destination), none (nothing) or ask (like allowlist, but a
     /// connection to an unlisted destination waits for you to allow it).

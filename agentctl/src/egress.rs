@@ -98,6 +98,11 @@ pub async fn run(sb: &SandboxProxy<'_>, name: &str, command: EgressCommand) -> R
             );
             Ok(0)
         }
+        EgressCommand::Remove { entry } => {
+            sb.change_egress("remove", &entry).await?;
+            crate::outln!("Took {entry} off sandbox '{name}''s allow and deny entries.");
+            Ok(0)
+        }
         EgressCommand::Mode { mode } => {
             sb.change_egress("mode", mode.as_str()).await?;
             crate::outln!("Sandbox '{name}': egress {mode}{}", describe(mode.as_str()));

@@ -191,6 +191,12 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
     assert_eq!(show["mode"], "none");
     assert_eq!(show["allow"], serde_json::json!([cidr, "origin.test"]));
     assert_eq!(show["serving"], true);
+    // An entry can be taken off again.
+    env.ok(&["egress", "net", "remove", "origin.test"]);
+    let show: serde_json::Value =
+        serde_json::from_str(&env.ok(&["egress", "net", "show", "--json"])).unwrap();
+    assert_eq!(show["allow"], serde_json::json!([cidr]));
+    assert_eq!(show["deny"], serde_json::json!([]));
 
     // After a crash the restarted agentd serves the same sandbox's gateway
     // again (the listening socket stayed in the sandbox meanwhile).

@@ -280,8 +280,8 @@ impl SandboxObject {
     /// Change the egress policy at once, without a restart: `change` is
     /// `allow` or `deny` (with an entry: `example.com`, `*.example.com`,
     /// `host:port`, a CIDR), `allow-once` (an entry admitted for the
-    /// connections waiting now, not kept) or `mode` (with `allowlist`,
-    /// `open`, `none` or `ask`).
+    /// connections waiting now, not kept), `remove` (an entry off both
+    /// lists) or `mode` (with `allowlist`, `open`, `none` or `ask`).
     async fn change_egress(
         &self,
         change: &str,
@@ -295,6 +295,7 @@ impl SandboxObject {
             "allow" => EgressChange::Allow(value.to_owned()),
             "deny" => EgressChange::Deny(value.to_owned()),
             "allow-once" => EgressChange::AllowOnce(value.to_owned()),
+            "remove" => EgressChange::Remove(value.to_owned()),
             "mode" => EgressChange::Mode(
                 value
                     .parse()
@@ -302,7 +303,7 @@ impl SandboxObject {
             ),
             other => {
                 return Err(api::Error::InvalidArgument(format!(
-                    "unknown egress change '{}' (known: allow, allow-once, deny, mode)",
+                    "unknown egress change '{}' (known: allow, allow-once, deny, remove, mode)",
                     crate::sandbox::validate::shown(other)
                 )));
             }

@@ -19,6 +19,8 @@ pub enum EgressChange {
     /// Refuse an entry, even one the preset admits (and take it off the
     /// allow list).
     Deny(String),
+    /// Take an entry off both lists (a preset entry stays: deny it).
+    Remove(String),
     /// Switch the mode.
     Mode(Egress),
     /// Admit an entry for the connections waiting now (mode `ask`), without
@@ -227,7 +229,7 @@ impl Manager {
     ) -> Result<EgressView> {
         self.get(caller, name)?;
         let parsed = match &change {
-            EgressChange::Allow(e) | EgressChange::Deny(e) => Some(
+            EgressChange::Allow(e) | EgressChange::Deny(e) | EgressChange::Remove(e) => Some(
                 Rule::parse(e)
                     .map_err(|m| Error::Invalid(vec![m]))?
                     .to_string(),
@@ -249,6 +251,11 @@ impl Manager {
                 }
                 (EgressChange::Deny(_), Some(e)) => {
                     (!move_entry(e, &mut c.egress_allow, &mut c.egress_deny)).then_some("deny")
+                }
+                (EgressChange::Remove(_), Some(e)) => {
+                    c.egress_allow.retain(|a| a != e);
+                    c.egress_deny.retain(|d| d != e);
+                    None
                 }
                 (EgressChange::Mode(m), _) => {
                     c.egress = *m;
