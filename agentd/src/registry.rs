@@ -203,6 +203,34 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Vec<Sandbox>, RegistryError> {
     Ok(file.sandboxes)
 }
 
+/// Append `value` as one JSON line to the append-only log at `path` (made
+/// 0600, never through a symlink).
+pub fn append_json_line(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(value).expect("a log entry serializes");
+    line.push(b'\n');
+    fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(path)?
+        .write_all(&line)
+}
+
+/// The JSON lines of the log at `path` that parse as `T` (none when it
+/// does not exist).
+pub fn read_json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> std::io::Result<Vec<T>> {
+    let text = match fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
+}
+
 /// Replace `path` with `bytes` so that a crash at any point leaves either the
 /// old or the new content: temp file, fsync, rename, fsync the directory.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<(), RegistryError> {

@@ -6,8 +6,6 @@
 //! Past [`LOG_MAX`] bytes a file moves to `….1` (replacing the one before)
 //! and a new one starts.
 
-use std::io::Write as _;
-use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -74,31 +72,18 @@ pub fn append(path: &Path, entry: &Entry) -> std::io::Result<()> {
         old.push(".1");
         std::fs::rename(path, old)?;
     }
-    let mut line = serde_json::to_vec(entry).expect("an entry serializes");
-    line.push(b'\n');
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .mode(0o600)
-        .open(path)?
-        .write_all(&line)
+    crate::registry::append_json_line(path, entry)
 }
 
 /// The last `limit` entries of the log at `path` and of its refusals, in
 /// time order (the rotated files included).
 pub fn tail(path: &Path, limit: usize) -> std::io::Result<Vec<Entry>> {
-    let read = |p: &Path| match std::fs::read_to_string(p) {
-        Ok(t) => Ok(t),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(String::new()),
-        Err(e) => Err(e),
-    };
     let mut all: Vec<Entry> = Vec::new();
     for file in [path.to_path_buf(), denied_path(path)] {
         let mut old = file.as_os_str().to_owned();
         old.push(".1");
-        let text = read(Path::new(&old))? + &read(&file)?;
-        all.extend(text.lines().filter_map(|l| serde_json::from_str(l).ok()));
+        all.extend(crate::registry::read_json_lines::<Entry>(Path::new(&old))?);
+        all.extend(crate::registry::read_json_lines::<Entry>(&file)?);
     }
     // Stable: an admission stays before its end.
     all.sort_by_key(|e| e.at);

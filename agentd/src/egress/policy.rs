@@ -292,6 +292,12 @@ pub fn is_internal(addr: IpAddr) -> bool {
     })
 }
 
+/// The entries of `list` that parse.
+#[must_use]
+pub fn parse_all(list: &[String]) -> Vec<Rule> {
+    list.iter().filter_map(|e| Rule::parse(e).ok()).collect()
+}
+
 /// A name as rules match it: lowercase, without the root's trailing dot
 /// (`Example.COM.` is `example.com`).
 fn normal_name(host: &str) -> String {
@@ -345,23 +351,21 @@ impl Decision {
 }
 
 impl Policy {
-    /// Build the policy from entries; entries that do not parse are
-    /// skipped (they were checked when they were set).
+    /// Build the policy from the parsed `preset` and a sandbox's entries;
+    /// entries that do not parse are skipped (they were checked when they
+    /// were set).
     #[must_use]
-    pub fn new(mode: Egress, preset: &[String], allow: &[String], deny: &[String]) -> Self {
-        let parse = |list: &[String]| -> Vec<Rule> {
-            list.iter().filter_map(|e| Rule::parse(e).ok()).collect()
-        };
+    pub fn new(mode: Egress, preset: &[Rule], allow: &[String], deny: &[String]) -> Self {
         let mut rules = if matches!(mode, Egress::Allowlist | Egress::Ask) {
-            parse(preset)
+            preset.to_vec()
         } else {
             Vec::new()
         };
-        rules.extend(parse(allow));
+        rules.extend(parse_all(allow));
         Self {
             mode,
             allow: rules,
-            deny: parse(deny),
+            deny: parse_all(deny),
         }
     }
 
@@ -483,7 +487,7 @@ mod tests {
         let v = |l: &[&str]| l.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
         Policy::new(
             mode,
-            &v(&["github.com", "*.npmjs.org"]),
+            &parse_all(&v(&["github.com", "*.npmjs.org"])),
             &v(allow),
             &v(deny),
         )

@@ -6,7 +6,6 @@
 //! [`Manager::subscribe`].
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -156,6 +155,7 @@ pub struct Manager {
     gateways: crate::egress::Gateways,
     egress_events: broadcast::Sender<egress::EgressEvent>,
     pending: Mutex<HashMap<String, Arc<crate::egress::ask::Pending>>>,
+    egress_preset: std::sync::OnceLock<Vec<crate::egress::Rule>>,
 }
 
 impl Manager {
@@ -192,6 +192,7 @@ impl Manager {
             gateways: crate::egress::Gateways::default(),
             egress_events: broadcast::channel(256).0,
             pending: Mutex::new(HashMap::new()),
+            egress_preset: std::sync::OnceLock::new(),
         })
     }
 
@@ -951,18 +952,8 @@ impl Manager {
     }
 
     fn record(&self, name: &str, entry: HistoryEntry) {
-        use std::io::Write as _;
         let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");
-        let mut line = serde_json::to_vec(&entry).expect("entry serializes");
-        line.push(b'\n');
-        let written = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .custom_flags(nix::libc::O_NOFOLLOW)
-            .mode(0o600)
-            .open(&path)
-            .and_then(|mut f| f.write_all(&line));
-        if let Err(e) = written {
+        if let Err(e) = crate::registry::append_json_line(&path, &entry) {
             tracing::warn!(sandbox = %name, error = %e, "cannot record history");
         }
     }
@@ -971,20 +962,11 @@ impl Manager {
     pub fn history(&self, caller: Caller, name: &str, limit: usize) -> Result<Vec<HistoryEntry>> {
         self.get(caller, name)?;
         let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => {
-                return Err(Error::Workspace {
-                    name: name.to_owned(),
-                    message: format!("cannot read {}: {e}", path.display()),
-                });
-            }
-        };
-        let all: Vec<HistoryEntry> = text
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect();
+        let all: Vec<HistoryEntry> =
+            crate::registry::read_json_lines(&path).map_err(|e| Error::Workspace {
+                name: name.to_owned(),
+                message: format!("cannot read {}: {e}", path.display()),
+            })?;
         let skip = if limit == 0 {
             0
         } else {

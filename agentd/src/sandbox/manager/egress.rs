@@ -85,11 +85,15 @@ impl Manager {
         base
     }
 
-    /// The policy the gateway applies for `config`.
+    /// The policy the gateway applies for `config` (the preset parsed once,
+    /// not for every connection).
     fn egress_policy(&self, config: &SandboxConfig) -> Policy {
+        let preset = self
+            .egress_preset
+            .get_or_init(|| egress::policy::parse_all(&self.egress_base()));
         Policy::new(
             config.egress,
-            &self.egress_base(),
+            preset,
             &config.egress_allow,
             &config.egress_deny,
         )
