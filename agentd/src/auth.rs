@@ -112,44 +112,79 @@ pub fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, Strin
 
 /// A helper command that runs as `uid` but sees only the directories in
 /// `keep` (see [`crate::confine`]): for helpers that open a workspace.
+/// `uid` is agentd's own, any as root, or (unprivileged) one of agentd's
+/// subordinate ids.
 pub fn command_confined(
     exe: &Path,
     uid: u32,
     keep: &[PathBuf],
 ) -> Result<tokio::process::Command, String> {
     let me = Uid::effective();
-    if !me.is_root() && me.as_raw() != uid {
-        return Err(format!(
-            "agentd runs as uid {me} and cannot act for uid {uid}"
-        ));
-    }
-    let user = User::from_uid(Uid::from_raw(uid)).ok().flatten();
-    let gid = user.as_ref().map_or(uid, |u| u.gid.as_raw());
-    let groups = match &user {
-        Some(u) => {
-            let name = CString::new(u.name.clone()).map_err(|e| e.to_string())?;
-            nix::unistd::getgrouplist(&name, Gid::from_raw(gid))
-                .unwrap_or_else(|_| vec![Gid::from_raw(gid)])
-                .into_iter()
-                .map(Gid::as_raw)
-                .collect()
-        }
-        None => vec![gid],
+    let (gid, groups) = if !me.is_root() && me.as_raw() != uid {
+        let gid = crate::subid::pool()
+            .ok()
+            .and_then(|p| p.gid_for(uid))
+            .ok_or_else(|| format!("agentd runs as uid {me} and cannot act for uid {uid}"))?;
+        (gid, vec![gid])
+    } else {
+        let user = User::from_uid(Uid::from_raw(uid)).ok().flatten();
+        let gid = user.as_ref().map_or(uid, |u| u.gid.as_raw());
+        let groups = match &user {
+            Some(u) => {
+                let name = CString::new(u.name.clone()).map_err(|e| e.to_string())?;
+                nix::unistd::getgrouplist(&name, Gid::from_raw(gid))
+                    .unwrap_or_else(|_| vec![Gid::from_raw(gid)])
+                    .into_iter()
+                    .map(Gid::as_raw)
+                    .collect()
+            }
+            None => vec![gid],
+        };
+        (gid, groups)
     };
-    let c = crate::confine::Confinement {
-        uid,
-        gid,
-        groups,
-        keep: keep.to_vec(),
-    };
-    let mut cmd = tokio::process::Command::new(exe);
+    confined(
+        exe,
+        &crate::confine::Confinement {
+            uid,
+            gid,
+            groups,
+            keep: keep.to_vec(),
+            also_map: None,
+        },
+    )
+    .map(tokio::process::Command::from)
+}
+
+/// A helper command of an unprivileged agentd that stays itself, sees only
+/// `keep`, and may hand files to (or remove files of) the sandbox ids
+/// `sandbox` (see [`crate::subid`]).
+pub fn command_with_ids(
+    exe: &Path,
+    sandbox: (u32, u32),
+    keep: &[PathBuf],
+) -> Result<std::process::Command, String> {
+    let (uid, gid) = (Uid::effective().as_raw(), Gid::effective().as_raw());
+    confined(
+        exe,
+        &crate::confine::Confinement {
+            uid,
+            gid,
+            groups: vec![gid],
+            keep: keep.to_vec(),
+            also_map: Some(sandbox),
+        },
+    )
+}
+
+fn confined(exe: &Path, c: &crate::confine::Confinement) -> Result<std::process::Command, String> {
+    let mut cmd = std::process::Command::new(exe);
     cmd.env_clear()
         .env("PATH", "/usr/bin:/bin")
         .env("LANG", "C.UTF-8")
         .env("HOME", "/")
         .env(
             crate::confine::CONFINE_ENV,
-            serde_json::to_string(&c).map_err(|e| e.to_string())?,
+            serde_json::to_string(c).map_err(|e| e.to_string())?,
         );
     Ok(cmd)
 }
@@ -178,6 +213,27 @@ pub fn check_main(path: &str) -> i32 {
 /// not another sandbox's.
 pub const SANDBOX_IDS: std::ops::Range<u32> = 0x7000_0000..0x7001_0000;
 
+/// How a sandbox running as host `uid` is separated, for `agentctl status`:
+/// an id of its own, or agentd's own ids and why.
+#[must_use]
+pub fn describe_ids(uid: u32) -> String {
+    let me = Uid::effective();
+    if me.is_root() {
+        return if SANDBOX_IDS.contains(&uid) {
+            format!("uid {uid} of its own")
+        } else {
+            format!("uid {uid}, not of its own (every sandbox id is in use)")
+        };
+    }
+    if uid != me.as_raw() {
+        return format!("uid {uid} of its own");
+    }
+    let why = crate::subid::pool()
+        .err()
+        .unwrap_or("every subordinate id is in use, or it was started before ids were granted");
+    format!("uid {uid}, agentd's own (no id of its own: {why})")
+}
+
 /// The lowest id of [`SANDBOX_IDS`] that is not in `taken`.
 #[must_use]
 pub fn free_sandbox_id(taken: &std::collections::HashSet<u32>) -> Option<u32> {
@@ -187,13 +243,15 @@ pub fn free_sandbox_id(taken: &std::collections::HashSet<u32>) -> Option<u32> {
 /// Host uid and gid that a sandbox of `owner` runs as: the id agentd
 /// allocated to it (see [`SANDBOX_IDS`]); without one (a `microvm` guest,
 /// whose uid the NixOS module fixes at evaluation time) the owner's ids, but
-/// never host root (`nobody` then). An unprivileged agentd can only use its
-/// own ids.
+/// never host root (`nobody` then). An unprivileged agentd uses the
+/// subordinate id it allocated (see [`crate::subid`]), else its own ids.
 #[must_use]
 pub fn sandbox_ids(owner: u32, allocated: Option<u32>) -> (u32, u32) {
     const NOBODY: u32 = 65534;
     if !Uid::effective().is_root() {
-        return (Uid::effective().as_raw(), Gid::effective().as_raw());
+        // One of this user's subordinate ids, while they are granted.
+        let sub = allocated.and_then(|id| Some((id, crate::subid::pool().ok()?.gid_for(id)?)));
+        return sub.unwrap_or((Uid::effective().as_raw(), Gid::effective().as_raw()));
     }
     if let Some(id) = allocated {
         return (id, id);

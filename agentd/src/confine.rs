@@ -1,13 +1,16 @@
 //! Confinement of the helpers that open a sandbox's workspace.
 //!
-//! The workspace belongs to the sandbox, and in the local backend the
-//! sandbox's uid is its owner's. A helper running as that uid in the host's
-//! file system could be led by a symlink the sandbox planted (`.git`,
+//! The workspace belongs to the sandbox. A helper that opens it in the
+//! host's file system could be led by a symlink the sandbox planted (`.git`,
 //! `.git/refs`, an object directory…) into the owner's other repositories,
 //! the host project included. So these helpers first enter a mount namespace
 //! of their own whose root is an empty tmpfs holding only the directories
 //! they need, at their usual paths; a symlink pointing elsewhere then leads
 //! nowhere. Only after that do they drop to the target uid.
+//!
+//! An unprivileged agentd reaches a sandbox's subordinate ids (see
+//! [`crate::subid`]) the same way: the helper's user namespace maps
+//! agentd's ids and the sandbox's, written by `newuidmap`.
 //!
 //! agentd passes the [`Confinement`] in the `KEYSTONE_CONFINE` environment
 //! variable; [`crate::run_helper`] applies it before the helper's own code.
@@ -36,15 +39,33 @@ pub struct Confinement {
     pub groups: Vec<u32>,
     /// Directories visible (read-write) at their own paths; nothing else is.
     pub keep: Vec<PathBuf>,
+    /// Subordinate ids (uid, gid) mapped as well, for a helper of an
+    /// unprivileged agentd that stays itself but hands files to a sandbox
+    /// or removes them (it keeps its capabilities over files of both).
+    #[serde(default)]
+    pub also_map: Option<(u32, u32)>,
 }
 
 /// Enter the confinement. Call in a fresh, single-threaded helper process.
 pub fn apply(c: &Confinement) -> Result<(), String> {
     let root = Uid::effective().is_root();
+    let (uid, gid) = (Uid::effective(), Gid::effective());
+    // A helper of an unprivileged agentd that becomes a sandbox's
+    // subordinate ids, or hands files to them.
+    let becomes = !root && c.uid != uid.as_raw();
+    let other = if becomes {
+        Some((c.uid, c.gid))
+    } else if root {
+        None
+    } else {
+        c.also_map
+    };
     if root {
         unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}"))?;
+    } else if let Some(ids) = other {
+        crate::subid::enter(ids)?;
+        unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}"))?;
     } else {
-        let (uid, gid) = (Uid::effective(), Gid::effective());
         unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS)
             .map_err(|e| format!("unshare: {e}"))?;
         std::fs::write("/proc/self/setgroups", "deny").map_err(|e| format!("setgroups: {e}"))?;
@@ -85,7 +106,7 @@ pub fn apply(c: &Confinement) -> Result<(), String> {
     nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
     umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
     std::env::set_current_dir("/").map_err(|e| e.to_string())?;
-    if root {
+    if root || becomes {
         let groups: Vec<Gid> = c.groups.iter().map(|g| Gid::from_raw(*g)).collect();
         nix::unistd::setgroups(&groups).map_err(|e| format!("setgroups: {e}"))?;
         let gid = Gid::from_raw(c.gid);

@@ -20,6 +20,7 @@ pub mod procfs;
 pub mod proxy;
 pub mod registry;
 pub mod sandbox;
+pub mod subid;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -194,7 +195,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 pub fn run_helper(argv: &[String]) -> Option<i32> {
     let arg = argv.get(2).map_or("", String::as_str);
     type Helper = (&'static str, fn(&str) -> i32);
-    let helpers: [Helper; 9] = [
+    let helpers: [Helper; 10] = [
         (backend::vm::supervise::VM_ARG, backend::vm::supervise::main),
         (backend::vm::vsock::VSOCK_ARG, backend::vm::vsock::main),
         (guest::INIT_ARG, |_| guest::init::main()),
@@ -204,6 +205,7 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
         (git::sync::WRITE_ARG, git::sync::write_main),
         (git::worktree::WORKTREE_ARG, git::worktree::main),
         (git::snapshot::SNAPSHOT_ARG, git::snapshot::main),
+        (git::workspace::TREE_ARG, git::workspace::tree_main),
     ];
     let name = argv.get(1)?;
     let (_, f) = helpers.iter().find(|(n, _)| n == name)?;

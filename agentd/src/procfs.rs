@@ -25,7 +25,31 @@ pub fn state(pid: i32) -> Option<char> {
     stat[stat.rfind(')')? + 2..].chars().next()
 }
 
-/// Inode of `pid`'s PID namespace.
+/// Parent pid of `pid` (field 4 of `stat`).
+#[must_use]
+pub fn ppid(pid: i32) -> Option<i32> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 2..].split(' ').nth(1)?.parse().ok()
+}
+
+/// Whether `ancestor` is `pid`'s parent, grandparent, … (looking at most
+/// `depth` generations up).
+#[must_use]
+pub fn descends_from(pid: i32, ancestor: i32, depth: usize) -> bool {
+    let mut p = pid;
+    for _ in 0..depth {
+        match ppid(p) {
+            Some(q) if q == ancestor => return true,
+            Some(q) if q > 1 => p = q,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// Inode of `pid`'s PID namespace (readable only where agentd may trace
+/// `pid`: not the init of a sandbox with a subordinate id, which is not
+/// dumpable; its supervisor reports it instead).
 #[must_use]
 pub fn pid_ns(pid: i32) -> Option<u64> {
     fs::metadata(format!("/proc/{pid}/ns/pid"))
@@ -97,23 +121,6 @@ pub fn is_real_dir(path: &Path) -> bool {
     fs::symlink_metadata(path).is_ok_and(|m| m.is_dir())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reads_our_own_process() {
-        let me = i32::try_from(std::process::id()).unwrap();
-        assert!(start_time(me).unwrap() > 0);
-        assert!(pid_ns(me).is_some());
-        assert!(matches!(state(me), Some('R' | 'S')));
-        assert!(pids().contains(&me));
-        assert!(pids_in_ns(pid_ns(me).unwrap()).contains(&me));
-        assert!(cmdline(me).unwrap()[0].contains("agentd"));
-        assert!(pidfd_open(me).is_ok());
-    }
-}
-
 /// TCP sockets in state LISTEN in the network namespace of `pid`, by inode.
 #[must_use]
 pub fn tcp_listeners(pid: i32) -> HashMap<u64, (std::net::IpAddr, u16)> {
@@ -153,17 +160,43 @@ pub fn parse_tcp_line(line: &str) -> Option<(u64, (std::net::IpAddr, u16))> {
 }
 
 /// Inodes of the sockets process `pid` has open.
+///
+/// Only the owner of a process (or a holder of `CAP_DAC_READ_SEARCH`) may
+/// look into its `fd` directory; a sandbox with a subordinate id is not
+/// agentd's user's, so then the `ino:` lines of `fdinfo` (which only needs
+/// the right to trace it) stand in: the inodes of all its open files,
+/// sockets among them.
 #[must_use]
 pub fn socket_inodes(pid: i32) -> Vec<u64> {
-    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return Vec::new();
-    };
-    dir.filter_map(|e| {
-        let link = std::fs::read_link(e.ok()?.path()).ok()?;
-        let s = link.to_str()?;
-        s.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
-    })
-    .collect()
+    match std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        Ok(dir) => dir
+            .filter_map(|e| {
+                let link = std::fs::read_link(e.ok()?.path()).ok()?;
+                let s = link.to_str()?;
+                s.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+            })
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+                return Vec::new();
+            };
+            dir.filter_map(|e| {
+                let text = std::fs::read_to_string(e.ok()?.path()).ok()?;
+                fdinfo_inode(&text)
+            })
+            .collect()
+        }
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The `ino:` of an fdinfo file.
+fn fdinfo_inode(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix("ino:"))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Working directory of `pid`, as that process sees it.
@@ -205,5 +238,37 @@ mod tcp_tests {
                 .any(|i| listeners.get(i).is_some_and(|(_, p)| *p == port)),
             "port {port} not found"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_our_own_process() {
+        let me = i32::try_from(std::process::id()).unwrap();
+        assert!(start_time(me).unwrap() > 0);
+        assert!(pid_ns(me).is_some());
+        assert!(matches!(state(me), Some('R' | 'S')));
+        assert!(pids().contains(&me));
+        assert!(pids_in_ns(pid_ns(me).unwrap()).contains(&me));
+        assert!(cmdline(me).unwrap()[0].contains("agentd"));
+        assert!(pidfd_open(me).is_ok());
+    }
+
+    #[test]
+    fn finds_its_parents() {
+        let me = i32::try_from(std::process::id()).unwrap();
+        let parent = ppid(me).unwrap();
+        assert!(descends_from(me, parent, 1));
+        assert!(!descends_from(parent, me, 3));
+    }
+
+    #[test]
+    fn reads_the_inode_of_an_fdinfo() {
+        let text = "pos:\t0\nflags:\t02000002\nmnt_id:\t10\nino:\t156755\n";
+        assert_eq!(fdinfo_inode(text), Some(156_755));
+        assert_eq!(fdinfo_inode("pos:\t0\n"), None);
     }
 }

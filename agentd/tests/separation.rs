@@ -82,3 +82,190 @@ fn each_sandbox_has_its_own_uid_that_no_other_user_can_reach() {
     env.ok(&["start", "one"]);
     assert_eq!(init_of(&env, "one").1, one);
 }
+
+/// The account whose unprivileged agentd the subordinate-id test runs:
+/// `KEYSTONE_SUBID_USER`, or `keystone-test`; it needs ranges in
+/// `/etc/subuid` and `/etc/subgid` (`useradd` gives a new account some) and
+/// `newuidmap`/`newgidmap` (Debian: `uidmap`). `.ci/run` sets both up.
+fn subid_user() -> Option<(nix::unistd::User, agentd::subid::Pool)> {
+    let name = std::env::var("KEYSTONE_SUBID_USER").unwrap_or_else(|_| "keystone-test".into());
+    let user = nix::unistd::User::from_name(&name).ok().flatten()?;
+    let range = |file: &str| {
+        let text = std::fs::read_to_string(file).ok()?;
+        agentd::subid::parse_range(&text, &user.name, user.uid.as_raw())
+    };
+    let ((uid_start, uids), (gid_start, gids)) = (range("/etc/subuid")?, range("/etc/subgid")?);
+    let tools = ["/usr/bin/newuidmap", "/usr/bin/newgidmap"];
+    if !tools.iter().all(|t| std::path::Path::new(t).exists()) {
+        return None;
+    }
+    Some((
+        user,
+        agentd::subid::Pool {
+            uid_start,
+            gid_start,
+            count: uids.min(gids).min(65_536),
+        },
+    ))
+}
+
+/// Run `script` with sh on the host as `uid`:`gid`, as a process of the
+/// sandbox that got out of its namespaces would be.
+fn as_ids(uid: u32, gid: u32, script: &str) -> std::process::Output {
+    Command::new("sh")
+        .args(["-c", script])
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
+    let required = std::env::var_os("KEYSTONE_REQUIRE_SUBID").is_some();
+    let found = if common::is_root() {
+        subid_user()
+    } else {
+        None
+    };
+    let Some((user, pool)) = found else {
+        assert!(
+            !required,
+            "KEYSTONE_REQUIRE_SUBID is set but there is no test account with subordinate ids \
+             (useradd --create-home keystone-test; apt-get install uidmap)"
+        );
+        eprintln!("skipped: needs root and an account with subordinate ids (see subid_user)");
+        return;
+    };
+    let me = user.uid.as_raw();
+    let tmp = tempfile::tempdir().unwrap();
+    let caddy = common::caddy::Caddy::start(tmp.path());
+    let config: serde_json::Value =
+        serde_json::from_str(&caddy.agentd_config_auth(false, "none")).unwrap();
+    let env = Env::as_user(me, &config);
+    let mut repos = Vec::new();
+    for name in ["one", "two"] {
+        let repo = env.repo(name);
+        Command::new("chown")
+            .args(["-R", &format!("{me}:{}", user.gid)])
+            .arg(&repo)
+            .status()
+            .unwrap();
+        env.ok(&["create", repo.to_str().unwrap()]);
+        env.ok(&["start", name]);
+        repos.push(repo);
+    }
+    let ((pid, one), (_, two)) = (init_of(&env, "one"), init_of(&env, "two"));
+    for id in [one, two] {
+        assert!(pool.uids().contains(&id), "uid {id} is not {}'s", user.name);
+    }
+    assert_ne!(one, two, "two sandboxes share a uid");
+    let gid_one = pool.gid_for(one).unwrap();
+    let limits = env.status("one")["limits"].as_str().unwrap().to_owned();
+    assert!(
+        limits.contains(&format!("uid {one} of its own")),
+        "{limits}"
+    );
+
+    // Inside: the sandbox's files and processes are its id's, and it has
+    // none of the user's groups.
+    let ws = env.state_dir.join("sandboxes/one/workspace");
+    assert_eq!(std::fs::metadata(&ws).unwrap().uid(), one);
+    env.ok(&["exec", "one", "--", "sh", "-c", "echo x > /workspace/mine"]);
+    let mine = std::fs::metadata(ws.join("mine")).unwrap();
+    assert_eq!((mine.uid(), mine.gid()), (one, gid_one));
+    let groups = env.ok(&[
+        "exec",
+        "one",
+        "--",
+        "sh",
+        "-c",
+        "grep ^Groups: /proc/self/status",
+    ]);
+    assert_eq!(groups.trim(), "Groups:", "the sandbox kept groups");
+
+    // A process of the sandbox on the host is not the user: it can write
+    // none of the user's files (the project included) and signal none of
+    // the user's processes; nor can another sandbox's reach this one's
+    // files, nor can another user list the sandbox's directory.
+    let readme = repos[0].join("README.md");
+    let before = std::fs::read(&readme).unwrap();
+    let out = as_ids(one, gid_one, &format!("echo pwned >> {}", readme.display()));
+    assert!(!out.status.success(), "the sandbox's uid wrote the project");
+    assert_eq!(std::fs::read(&readme).unwrap(), before);
+    let out = as_ids(one, gid_one, &format!("kill -0 {}", env.agentd_pid()));
+    assert!(!out.status.success(), "the sandbox's uid may signal agentd");
+    let gid_two = pool.gid_for(two).unwrap();
+    let out = as_ids(
+        two,
+        gid_two,
+        &format!("echo pwned > {0}/planted || ls {0}", ws.display()),
+    );
+    assert!(!out.status.success(), "sandbox two reached sandbox one");
+    assert!(!ws.join("planted").exists());
+    let out = as_nobody(&format!(
+        "ls {}",
+        env.state_dir.join("sandboxes/one").display()
+    ));
+    assert!(!out.status.success(), "another user listed the sandbox");
+
+    // Everything else works as with the user's own uid: sync, worktrees,
+    // stop and start with the same id, an agentd killed and restarted.
+    env.ok(&[
+        "exec",
+        "one",
+        "--",
+        "sh",
+        "-c",
+        "cd /workspace && git add mine && git -c user.name=A -c user.email=a@a commit -qm agent",
+    ]);
+    env.ok(&["sync", "one"]);
+    let host = common::git_as(
+        Some(me),
+        &repos[0],
+        &["log", "-1", "--format=%s", "refs/remotes/sandbox/one/main"],
+    );
+    assert_eq!(host.trim(), "agent");
+    // A dev server's link: agentd finds its port although it may not look
+    // into the sandbox's processes' descriptors.
+    env.ok(&[
+        "exec",
+        "one",
+        "--",
+        "sh",
+        "-c",
+        "echo served > who.txt; python3 -m http.server 8731 --bind 127.0.0.1 >/dev/null 2>&1 &",
+    ]);
+    common::wait_for(
+        "the link to answer",
+        std::time::Duration::from_secs(20),
+        || caddy.get("one.sandbox.local", "/who.txt") == (200, "served\n".to_owned()),
+    );
+    env.ok(&["worktree", "add", "one", "feat"]);
+    let wt = std::fs::metadata(ws.join(".worktrees/feat")).unwrap();
+    assert_eq!(wt.uid(), one);
+    env.ok(&["stop", "one"]);
+    env.ok(&["start", "one"]);
+    assert_eq!(init_of(&env, "one").1, one);
+    assert_ne!(pid, init_of(&env, "one").0);
+    let mut env = env;
+    env.kill_agentd();
+    env.start_agentd();
+    common::wait_for(
+        "agentd to adopt both",
+        std::time::Duration::from_secs(20),
+        || env.state("one") == "running" && env.state("two") == "running",
+    );
+    env.ok(&["exec", "two", "--", "true"]);
+
+    // A sandbox that locks its files away from agentd's user still goes
+    // whole with destroy.
+    env.ok(&[
+        "exec", "one", "--", "sh", "-c",
+        "mkdir -p /workspace/locked/deep && chmod 000 /workspace/locked /workspace/.git /workspace && chmod 000 /root",
+    ]);
+    env.ok(&["stop", "one"]);
+    env.ok(&["destroy", "one"]);
+    assert!(!env.state_dir.join("sandboxes/one").exists());
+    assert_eq!(env.state("two"), "running");
+}

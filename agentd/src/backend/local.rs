@@ -120,7 +120,11 @@ impl LocalBackend {
             .iter()
             .map(|(p, s)| format!("{p} {s} MiB"))
             .collect();
-        let limits = format!("{groups}; tmpfs {}", tmpfs.join(", "));
+        let limits = format!(
+            "{}; {groups}; tmpfs {}",
+            crate::auth::describe_ids(spec.uid),
+            tmpfs.join(", ")
+        );
         let init = InitSpec {
             name: spec.name.clone(),
             uid: spec.uid,
@@ -181,8 +185,8 @@ impl LocalBackend {
                 )));
             }
         };
-        let init_pid = match report {
-            InitReport::Started { init_pid } => init_pid,
+        let (init_pid, pid_ns) = match report {
+            InitReport::Started { init_pid, pid_ns } => (init_pid, pid_ns),
             InitReport::Failed { message } => {
                 self.cgroups.remove(&spec.name);
                 return Err(fail(format!("setting up the sandbox failed: {message}")));
@@ -192,7 +196,11 @@ impl LocalBackend {
             supervisor_pid,
             init_pid,
             init_start_time: procfs::start_time(init_pid).unwrap_or(0),
-            pid_ns: procfs::pid_ns(init_pid).unwrap_or(0),
+            pid_ns: if pid_ns == 0 {
+                procfs::pid_ns(init_pid).unwrap_or(0)
+            } else {
+                pid_ns
+            },
             limits,
             unit: String::new(),
         };
@@ -543,10 +551,15 @@ impl Backend for LocalBackend {
         for (pid, cmdline) in procfs::pids_with_args(&[INIT_ARG, &state]) {
             let name = cmdline.get(3).cloned().unwrap_or_default();
             let ns = procfs::pid_ns(pid);
+            // The init and the control server of a sandbox with a
+            // subordinate id do not let agentd read their namespace; they
+            // are known by their supervisor.
             let kept = keep.iter().any(|(n, rt)| {
                 *n == name
                     && self.is_alive(rt)
-                    && (pid == rt.supervisor_pid || ns == Some(rt.pid_ns))
+                    && (pid == rt.supervisor_pid
+                        || ns == Some(rt.pid_ns)
+                        || procfs::descends_from(pid, rt.supervisor_pid, 3))
             });
             if !kept {
                 tracing::warn!(sandbox = %name, pid, "killing a leftover sandbox process");

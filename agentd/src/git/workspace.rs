@@ -406,6 +406,114 @@ pub fn chown_tree(root: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
     Ok(())
 }
 
+/// argv[1] of the helper with which an unprivileged agentd hands a
+/// sandbox's directories to the sandbox's subordinate ids, or empties them
+/// (see [`crate::subid`]; run with [`crate::auth::command_with_ids`]).
+pub const TREE_ARG: &str = "__tree";
+
+/// What the [`TREE_ARG`] helper does.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum TreeOp {
+    /// Give the tree at `path` to `uid`:`gid`. With `readable`, directories
+    /// also get read and search and files read permission for others: that
+    /// is how agentd, as its user, reads a workspace it no longer owns (its
+    /// refs for the watcher, `HEAD`); the sandbox's directory above it is
+    /// agentd's user's alone, so nobody else gets that far.
+    HandOver {
+        /// Root of the tree.
+        path: PathBuf,
+        /// New owner.
+        uid: u32,
+        /// New group.
+        gid: u32,
+        /// Open it up to agentd's user (see above).
+        readable: bool,
+    },
+    /// Remove everything below `path`, and give `path` itself (which the
+    /// helper sees as a mount point, so cannot remove) back to agentd's
+    /// user, who then can.
+    Empty {
+        /// The directory to empty.
+        path: PathBuf,
+    },
+}
+
+/// Entry point of `agentd __tree OP` (OP is a [`TreeOp`] in JSON).
+#[must_use]
+pub fn tree_main(arg: &str) -> i32 {
+    let done = serde_json::from_str::<TreeOp>(arg)
+        .map_err(|e| format!("bad request: {e}"))
+        .and_then(|op| tree_op(&op));
+    match done {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
+}
+
+fn tree_op(op: &TreeOp) -> Result<(), String> {
+    match op {
+        TreeOp::HandOver {
+            path,
+            uid,
+            gid,
+            readable,
+        } => {
+            chown_tree(path, *uid, *gid)
+                .map_err(|e| format!("cannot hand {} over: {e}", path.display()))?;
+            if *readable {
+                share_tree(path).map_err(|e| format!("cannot open {} up: {e}", path.display()))?;
+            }
+            Ok(())
+        }
+        TreeOp::Empty { path } => {
+            for entry in fs::read_dir(path).map_err(|e| format!("{}: {e}", path.display()))? {
+                let p = entry.map_err(|e| e.to_string())?.path();
+                if fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()) {
+                    remove_tree(&p)
+                } else {
+                    fs::remove_file(&p)
+                }
+                .map_err(|e| format!("cannot remove {}: {e}", p.display()))?;
+            }
+            std::os::unix::fs::lchown(
+                path,
+                Some(nix::unistd::Uid::effective().as_raw()),
+                Some(nix::unistd::Gid::effective().as_raw()),
+            )
+            .map_err(|e| format!("cannot take {} back: {e}", path.display()))
+        }
+    }
+}
+
+/// Add read (and, on directories, search) permission for others to the tree
+/// at `root`, never following symlinks.
+fn share_tree(root: &Path) -> std::io::Result<()> {
+    let meta = fs::symlink_metadata(root)?;
+    let add = if meta.is_dir() {
+        0o005
+    } else if meta.is_file() {
+        0o004
+    } else {
+        return Ok(());
+    };
+    if meta.mode() & add != add {
+        fs::set_permissions(
+            root,
+            fs::Permissions::from_mode((meta.mode() & 0o7777) | add),
+        )?;
+    }
+    if meta.is_dir() {
+        for entry in fs::read_dir(root)? {
+            share_tree(&entry?.path())?;
+        }
+    }
+    Ok(())
+}
+
 /// Remove the tree at `root` even where the sandbox removed write or search
 /// permission from its own directories; never follows symlinks.
 pub fn remove_tree(root: &Path) -> std::io::Result<()> {

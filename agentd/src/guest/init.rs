@@ -98,6 +98,10 @@ pub enum InitReport {
     Started {
         /// Host pid of the sandbox's PID 1.
         init_pid: i32,
+        /// Inode of its PID namespace (read while agentd's user still
+        /// may, before the init changes its ids).
+        #[serde(default)]
+        pid_ns: u64,
     },
     /// Setting the sandbox up failed.
     Failed {
@@ -271,6 +275,8 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
             .map_err(|e| format!("cannot create the sandbox namespaces: {e}"))?;
     drop(go_r);
     drop(st_w);
+    // The init still has agentd's ids and waits for the go below.
+    let pid_ns = crate::procfs::pid_ns(child.as_raw()).unwrap_or(0);
 
     if let Err(e) = write_id_maps(child, spec) {
         let _ = kill(child, Signal::SIGKILL);
@@ -293,6 +299,7 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
     }
     report(&InitReport::Started {
         init_pid: child.as_raw(),
+        pid_ns,
     });
     // Nothing more goes to agentd on stdout; let it see EOF.
     // SAFETY: closing our own stdout descriptor; nothing else uses it after
@@ -315,9 +322,21 @@ fn write_id_maps(child: Pid, spec: &InitSpec) -> Result<(), String> {
         fs::write(proc.join(file), &data)
             .map_err(|e| format!("cannot write {file} ({data:?}): {e}"))
     };
+    let (uid, gid) = (Uid::effective().as_raw(), Gid::effective().as_raw());
     if Uid::effective().is_root() {
         w("uid_map", format!("0 {} 1\n", spec.uid))?;
         w("gid_map", format!("0 {} 1\n", spec.gid))?;
+    } else if spec.uid != uid {
+        // A subordinate id of agentd's user (see crate::subid): root inside
+        // is that id. agentd's own ids are mapped too (as 1), so that the
+        // init may reach the directories it binds through agentd's private
+        // state directory; the namespace that locks the mounts, where every
+        // process of the sandbox runs, maps only root.
+        crate::subid::write_maps(
+            child,
+            &[(0, spec.uid, 1), (1, uid, 1)],
+            &[(0, spec.gid, 1), (1, gid, 1)],
+        )?;
     } else {
         // Without privilege only our own ids can be mapped, and only after
         // giving up setgroups.
@@ -343,9 +362,13 @@ fn init(
     nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0))
         .map_err(|e| format!("setresgid: {e}"))?;
     // Drop the supplementary groups inherited from agentd (allowed when the
-    // maps were written by a privileged supervisor; otherwise they are the
-    // owner's own groups already).
-    let _ = nix::unistd::setgroups(&[]);
+    // maps were written by a privileged supervisor or by newgidmap;
+    // otherwise they are the owner's own groups already).
+    let dropped = nix::unistd::setgroups(&[]);
+    let denied = fs::read_to_string("/proc/self/setgroups").is_ok_and(|s| s.trim() == "deny");
+    if !denied {
+        dropped.map_err(|e| format!("cannot drop agentd's groups: {e}"))?;
+    }
     nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0))
         .map_err(|e| format!("setresuid: {e}"))?;
     nix::unistd::sethostname(&spec.name).map_err(|e| format!("sethostname: {e}"))?;

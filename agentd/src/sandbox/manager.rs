@@ -544,7 +544,8 @@ impl Manager {
             Err(e) => {
                 self.forget(&name);
                 self.release_disk(&name).await;
-                let _ = workspace::remove_tree(&self.registry.sandbox_dir(&name));
+                let (exe, dir) = (self.settings.exe.clone(), self.registry.sandbox_dir(&name));
+                let _ = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &dir)).await;
                 return Err(e);
             }
         };
@@ -580,10 +581,18 @@ impl Manager {
         let owner = sb.owner;
         let (uid, gid) = (spec.uid, spec.gid);
         let root = nix::unistd::Uid::effective().is_root();
+        let subordinate = subordinate(&spec);
         let partial = dir.join("workspace.partial");
-        let need_clone = {
+        let exe = self.settings.exe.clone();
+        let blocking = |f: Box<dyn FnOnce() -> std::result::Result<(), String> + Send>| async {
+            tokio::task::spawn_blocking(f)
+                .await
+                .map_err(|e| wsfail(e.to_string()))?
+                .map_err(wsfail)
+        };
+        {
             let (dir, spec, partial) = (dir.clone(), spec.clone(), partial.clone());
-            tokio::task::spawn_blocking(move || -> std::result::Result<bool, String> {
+            blocking(Box::new(move || {
                 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
                 let mut b = std::fs::DirBuilder::new();
                 b.recursive(true).mode(0o700);
@@ -591,49 +600,58 @@ impl Manager {
                     b.create(d)
                         .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
                 }
-                // The owner's and the sandbox's helpers pass through to their
-                // own directories; everything else here stays agentd's.
-                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+                // As root, the owner's and the sandbox's helpers pass through
+                // to their own directories; everything else here stays
+                // agentd's. Unprivileged, everything here is agentd's user's
+                // alone: a sandbox with a subordinate id reaches its
+                // directories only through namespaces that map that user.
+                let mode = if root { 0o711 } else { 0o700 };
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
                     .map_err(|e| format!("cannot set permissions of {}: {e}", dir.display()))?;
-                if root {
-                    // Files of a sandbox that ran under other ids (before
-                    // each had its own) follow it to its own.
-                    for d in [&spec.home, &spec.workspace] {
-                        use std::os::unix::fs::MetadataExt;
-                        let Ok(m) = std::fs::symlink_metadata(d) else {
-                            continue;
-                        };
-                        if m.is_dir()
-                            && (m.uid(), m.gid()) != (uid, gid)
-                            && (d == &spec.home || uid != owner)
-                        {
-                            workspace::chown_tree(d, uid, gid)
-                                .map_err(|e| format!("cannot chown {}: {e}", d.display()))?;
-                        }
-                    }
+                remove_owned_tree(&exe, &partial).map_err(|e| e.to_string())
+            }))
+            .await?;
+        }
+        // Files of a sandbox that ran under other ids (before each had its
+        // own) follow it to its own.
+        if root || subordinate {
+            for d in [&spec.home, &spec.workspace] {
+                use std::os::unix::fs::MetadataExt;
+                let Ok(m) = std::fs::symlink_metadata(d) else {
+                    continue;
+                };
+                if m.is_dir()
+                    && (m.uid(), m.gid()) != (uid, gid)
+                    && (d == &spec.home || uid != owner)
+                {
+                    self.hand_over(&spec, d, d == &spec.workspace)
+                        .await
+                        .map_err(wsfail)?;
                 }
-                if procfs::is_real_dir(&spec.workspace) {
-                    return Ok(false);
-                }
-                workspace::remove_tree(&partial).map_err(|e| e.to_string())?;
-                b.create(&partial)
-                    .map_err(|e| format!("cannot create {}: {e}", partial.display()))?;
-                if root {
-                    let ogid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(owner))
-                        .ok()
-                        .flatten()
-                        .map_or(owner, |u| u.gid.as_raw());
-                    std::os::unix::fs::lchown(&partial, Some(owner), Some(ogid))
-                        .map_err(|e| e.to_string())?;
-                }
-                Ok(true)
-            })
-            .await
-            .map_err(|e| wsfail(e.to_string()))?
-            .map_err(wsfail)?
-        };
+            }
+        }
         let mut notices = Vec::new();
-        if need_clone {
+        if !procfs::is_real_dir(&spec.workspace) {
+            {
+                let partial = partial.clone();
+                blocking(Box::new(move || {
+                    use std::os::unix::fs::DirBuilderExt;
+                    std::fs::DirBuilder::new()
+                        .mode(0o700)
+                        .create(&partial)
+                        .map_err(|e| format!("cannot create {}: {e}", partial.display()))?;
+                    if root {
+                        let ogid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(owner))
+                            .ok()
+                            .flatten()
+                            .map_or(owner, |u| u.gid.as_raw());
+                        std::os::unix::fs::lchown(&partial, Some(owner), Some(ogid))
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(())
+                }))
+                .await?;
+            }
             let prep = workspace::PrepareSpec {
                 project: sb.project_path.clone(),
                 dest: partial.clone(),
@@ -642,23 +660,62 @@ impl Manager {
             self.run_prepare(&sb.name, owner, &prep, &mut notices)
                 .await
                 .map_err(wsfail)?;
+            {
+                let partial = partial.clone();
+                blocking(Box::new(move || {
+                    use std::os::unix::fs::PermissionsExt;
+                    // Unprivileged, agentd reads the workspace of a sandbox
+                    // with a subordinate id as "others" (see
+                    // TreeOp::HandOver); its directory above is agentd's.
+                    let mode = if subordinate { 0o755 } else { 0o700 };
+                    std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(mode))
+                        .map_err(|e| e.to_string())
+                }))
+                .await?;
+            }
+            if (root || subordinate) && uid != owner {
+                self.hand_over(&spec, &partial, true)
+                    .await
+                    .map_err(wsfail)?;
+            }
             let (partial, ws) = (partial.clone(), spec.workspace.clone());
-            tokio::task::spawn_blocking(move || -> std::result::Result<(), String> {
-                use std::os::unix::fs::PermissionsExt;
-                if root && uid != owner {
-                    workspace::chown_tree(&partial, uid, gid)
-                        .map_err(|e| format!("cannot chown the workspace: {e}"))?;
-                }
-                std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o700))
-                    .map_err(|e| e.to_string())?;
+            blocking(Box::new(move || {
                 std::fs::rename(&partial, &ws).map_err(|e| e.to_string())
-            })
-            .await
-            .map_err(|e| wsfail(e.to_string()))?
-            .map_err(wsfail)?;
+            }))
+            .await?;
         }
         self.registry.save_config(sb)?;
         Ok(notices)
+    }
+
+    /// Give the tree at `path` to the ids of `spec`'s sandbox: directly as
+    /// root, through the tree helper for a subordinate id (`workspace` then
+    /// stays readable to agentd's user, see [`workspace::TreeOp`]).
+    async fn hand_over(
+        &self,
+        spec: &SandboxSpec,
+        path: &Path,
+        workspace: bool,
+    ) -> std::result::Result<(), String> {
+        let (uid, gid, path) = (spec.uid, spec.gid, path.to_owned());
+        if nix::unistd::Uid::effective().is_root() {
+            return tokio::task::spawn_blocking(move || {
+                workspace::chown_tree(&path, uid, gid)
+                    .map_err(|e| format!("cannot chown {}: {e}", path.display()))
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        }
+        let op = workspace::TreeOp::HandOver {
+            path: path.clone(),
+            uid,
+            gid,
+            readable: workspace,
+        };
+        let exe = self.settings.exe.clone();
+        tokio::task::spawn_blocking(move || run_tree_helper(&exe, (uid, gid), &path, &op))
+            .await
+            .map_err(|e| e.to_string())?
     }
 
     /// Run the prepare helper as `owner`, forwarding its progress.
@@ -874,8 +931,8 @@ impl Manager {
         // the next start removes.
         self.forget(name);
         self.release_disk(name).await;
-        let dir = self.registry.sandbox_dir(name);
-        let removed = tokio::task::spawn_blocking(move || workspace::remove_tree(&dir)).await;
+        let (exe, dir) = (self.settings.exe.clone(), self.registry.sandbox_dir(name));
+        let removed = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &dir)).await;
         if let Ok(Err(e)) = removed {
             tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox directory; it is removed at next start");
         }
@@ -1538,7 +1595,7 @@ impl Manager {
             if !known.contains(&dir) || rolled_back.contains(&dir) {
                 tracing::info!(sandbox = %dir, "removing a leftover sandbox directory");
                 self.disk(&dir).release();
-                let _ = workspace::remove_tree(&self.registry.sandbox_dir(&dir));
+                let _ = remove_owned_tree(&self.settings.exe, &self.registry.sandbox_dir(&dir));
             }
         }
         for name in crate::disk::images(self.registry.dir()) {
@@ -1675,11 +1732,20 @@ impl Manager {
 
 /// A command line as a person would type it (arguments with spaces or
 /// quotes are single-quoted).
-/// Give every sandbox that has none a uid of its own (when agentd runs as
-/// root; `microvm` guests keep the owner's, which their NixOS guest was
-/// built with). Returns whether any changed.
+/// Give every sandbox that has none a uid of its own: as root from
+/// [`auth::SANDBOX_IDS`] (`microvm` guests keep the owner's, which their
+/// NixOS guest was built with); unprivileged, `local` sandboxes get one of
+/// the user's subordinate ids where they are granted (see
+/// [`crate::subid`]; a `vm` sandbox's QEMU runs as the user). Returns
+/// whether any changed.
 fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
-    if !nix::unistd::Uid::effective().is_root() {
+    let root = nix::unistd::Uid::effective().is_root();
+    let pool = if root {
+        None
+    } else {
+        crate::subid::pool().ok()
+    };
+    if !root && pool.is_none() {
         return false;
     }
     let mut taken: std::collections::HashSet<u32> = map.values().filter_map(|s| s.uid).collect();
@@ -1689,7 +1755,14 @@ fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
         if sb.uid.is_some() || sb.runtime.is_some() || sb.backend == BackendKind::Microvm {
             continue;
         }
-        let Some(id) = auth::free_sandbox_id(&taken) else {
+        if !root && sb.backend != BackendKind::Local {
+            continue;
+        }
+        let free = match pool {
+            Some(p) => p.free(&taken),
+            None => auth::free_sandbox_id(&taken),
+        };
+        let Some(id) = free else {
             tracing::error!(sandbox = %sb.name, "every sandbox uid is in use; it runs as its owner's");
             continue;
         };
@@ -1698,6 +1771,64 @@ fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
         changed = true;
     }
     changed
+}
+
+/// Whether `spec`'s sandbox runs as a subordinate id of an unprivileged
+/// agentd's user (see [`crate::subid`]).
+fn subordinate(spec: &SandboxSpec) -> bool {
+    let me = nix::unistd::Uid::effective();
+    !me.is_root() && spec.uid != me.as_raw()
+}
+
+/// Run the tree helper ([`workspace::TREE_ARG`]) with the sandbox ids
+/// `ids` mapped, seeing only `path`. Blocking.
+fn run_tree_helper(
+    exe: &Path,
+    ids: (u32, u32),
+    path: &Path,
+    op: &workspace::TreeOp,
+) -> std::result::Result<(), String> {
+    let out = auth::command_with_ids(exe, ids, &[path.to_owned()])?
+        .arg(workspace::TREE_ARG)
+        .arg(serde_json::to_string(op).map_err(|e| e.to_string())?)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run the tree helper: {e}"))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    Err(validate::clamp_text(err.trim()).into_owned())
+}
+
+/// Remove the tree at `path` (a sandbox's directory, or a workspace being
+/// made). An unprivileged agentd first empties, with the tree helper, the
+/// directories there that belong to one of its subordinate ids: `path`
+/// itself or those right below it (the workspace, the home).
+fn remove_owned_tree(exe: &Path, path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if let (false, Ok(pool)) = (
+        nix::unistd::Uid::effective().is_root(),
+        crate::subid::pool(),
+    ) {
+        let below = std::fs::read_dir(path)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| Some(e.ok()?.path()));
+        for dir in std::iter::once(path.to_owned()).chain(below) {
+            let Ok(m) = std::fs::symlink_metadata(&dir) else {
+                continue;
+            };
+            let Some(gid) = pool.gid_for(m.uid()).filter(|_| m.is_dir()) else {
+                continue;
+            };
+            let op = workspace::TreeOp::Empty { path: dir.clone() };
+            if let Err(e) = run_tree_helper(exe, (m.uid(), gid), &dir, &op) {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot empty a sandbox's directory");
+            }
+        }
+    }
+    workspace::remove_tree(path)
 }
 
 fn shell_words(argv: &[String]) -> String {

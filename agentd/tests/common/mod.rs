@@ -48,6 +48,9 @@ pub struct Env {
     dbus: Child,
     agentd: Option<Child>,
     pub config: Option<PathBuf>,
+    /// The uid agentd and agentctl run as (root's tests only); agentd's own
+    /// otherwise.
+    pub user: Option<u32>,
 }
 
 impl Env {
@@ -86,7 +89,23 @@ impl Env {
             dbus,
             agentd: None,
             config: None,
+            user: None,
         }
+    }
+
+    /// A bus and an agentd running as the unprivileged `uid` (as
+    /// `agentd --session` would) with `config` as its configuration file,
+    /// and agentctl as that uid too. Root only.
+    pub fn as_user(uid: u32, config: &serde_json::Value) -> Self {
+        let mut env = Self::bus_only();
+        fs::create_dir(&env.state_dir).unwrap();
+        std::os::unix::fs::chown(&env.state_dir, Some(uid), Some(uid)).unwrap();
+        let path = env.tmp.path().join("agentd.json");
+        fs::write(&path, config.to_string()).unwrap();
+        env.config = Some(path);
+        env.user = Some(uid);
+        env.start_agentd();
+        env
     }
 
     /// A bus, agentd, and a running sandbox `name` made from a fresh
@@ -192,6 +211,12 @@ impl Env {
         if let Some(c) = &self.config {
             cmd.arg("--config").arg(c);
         }
+        if let Some(uid) = self.user {
+            let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+                .unwrap()
+                .expect("the test user has an account");
+            cmd.uid(uid).gid(user.gid.as_raw()).env("HOME", user.dir);
+        }
         cmd.spawn().unwrap()
     }
 
@@ -229,8 +254,10 @@ impl Env {
         self.ctl_as(None, args)
     }
 
-    /// Run agentctl, as `uid` when given (root only).
+    /// Run agentctl, as `uid` when given (root only), else as the
+    /// environment's user.
     pub fn ctl_as(&self, uid: Option<u32>, args: &[&str]) -> Output {
+        let uid = uid.or(self.user);
         let mut cmd = Command::new(agentctl());
         cmd.arg("--bus")
             .arg(&self.address)
