@@ -92,6 +92,9 @@ else
     agentd_args+=(--config "$config")
   fi
 fi
+if [ "$(id -u)" != 0 ] && ! command -v newuidmap >/dev/null; then
+  echo "==> no newuidmap: sandboxes run as you, not as uids of their own (Debian/Ubuntu: sudo apt-get install -y uidmap)"
+fi
 
 if [ -n "$vm" ] && [ -z "$had_vm" ] && "${ctl[@]}" list >/dev/null 2>&1; then
   echo "quickstart: an agentd without the vm settings is running; stop it (pkill -f 'agentd --session') and run this again" >&2
