@@ -6,6 +6,8 @@
 mod common;
 
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{Env, origin};
@@ -18,9 +20,10 @@ fn host_address() -> Option<IpAddr> {
         .find(|a| !a.is_loopback())
 }
 
-/// Run `script` with sh inside sandbox `name`; (exit code, stdout+stderr).
+/// Run `script` with sh inside sandbox `name`, killed after 60 s; (exit
+/// code, stdout+stderr).
 fn inside(env: &Env, name: &str, script: &str) -> (i32, String) {
-    let out = env.ctl(&["exec", name, "--", "sh", "-c", script]);
+    let out = env.ctl(&["exec", name, "--timeout", "60", "--", "sh", "-c", script]);
     (
         out.status.code().unwrap_or(-1),
         format!(
@@ -47,6 +50,128 @@ fn curl(env: &Env, name: &str, opts: &str, url: &str) -> (i32, String) {
 
 fn egress_log(env: &Env, name: &str) -> Vec<serde_json::Value> {
     serde_json::from_str(&env.ok(&["egress", name, "log", "--json", "-n", "100"])).unwrap()
+}
+
+/// The log's entries of connections that ended or were refused, as
+/// (decision, rule, host, protocol).
+fn decisions(env: &Env, name: &str) -> Vec<(String, String, String, String)> {
+    egress_log(env, name)
+        .iter()
+        .filter(|e| e["open"] != true)
+        .map(|e| {
+            let field = |f: &str| e[f].as_str().unwrap().to_owned();
+            (
+                field("decision"),
+                field("rule"),
+                field("host"),
+                field("protocol"),
+            )
+        })
+        .collect()
+}
+
+/// A certificate authority, and a server certificate it signed for
+/// `names` and 127.0.0.1, made by openssl in `dir`.
+struct Tls {
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+fn tls(dir: &Path, names: &[&str]) -> Tls {
+    let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
+    let script = format!(
+        "set -e
+        key='-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes'
+        openssl req -x509 $key -days 2 -subj '/CN=Keystone test CA' -keyout ca.key -out ca.pem
+        openssl req $key -subj /CN=site -keyout site.key -out site.csr
+        printf '%s\\n' subjectAltName={},IP:127.0.0.1 basicConstraints=CA:FALSE \
+            extendedKeyUsage=serverAuth > site.ext
+        openssl x509 -req -days 2 -in site.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+            -extfile site.ext -out site.pem",
+        san.join(",")
+    );
+    let out = Command::new("sh")
+        .args(["-c", &script])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openssl (apt-get install openssl): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Tls {
+        ca: dir.join("ca.pem"),
+        cert: dir.join("site.pem"),
+        key: dir.join("site.key"),
+    }
+}
+
+/// A site on the host (network/site.py): python3's HTTP server, over TLS
+/// when given a certificate, serving the files under a root and, under
+/// `/git/`, the repositories in its `git` directory through `git
+/// http-backend`, git's smart HTTP protocol. It records every request.
+struct Site {
+    port: u16,
+    requests: PathBuf,
+    server: Child,
+}
+
+impl Site {
+    /// Serve `root`; `name` names its files in the test's directory.
+    fn start(env: &Env, name: &str, root: &Path, tls: Option<&Tls>) -> Self {
+        let dir = env.tmp.path();
+        let script = dir.join("site.py");
+        std::fs::write(&script, include_str!("network/site.py")).unwrap();
+        let requests = dir.join(format!("{name}.requests"));
+        let errors = dir.join(format!("{name}.err"));
+        let mut cmd = Command::new("python3");
+        cmd.arg(&script).arg(root).arg(&requests);
+        if let Some(t) = tls {
+            cmd.arg(&t.cert).arg(&t.key);
+        }
+        let mut server = cmd
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&errors).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let Ok(port) = line.trim().parse() else {
+            let _ = server.kill();
+            let _ = server.wait();
+            panic!(
+                "the site did not start: {}",
+                std::fs::read_to_string(&errors).unwrap_or_default()
+            );
+        };
+        Self {
+            port,
+            requests,
+            server,
+        }
+    }
+
+    /// The request lines it was sent (method and target), in order.
+    fn requests(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.requests)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
 }
 
 #[test]
@@ -473,27 +598,8 @@ fn git_fetches_through_the_gateway_unchanged() {
         ],
     );
     common::git(&bare, &["update-server-info"]);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut server = std::process::Command::new("python3")
-        .args([
-            "-m",
-            "http.server",
-            "--bind",
-            "127.0.0.1",
-            &port.to_string(),
-        ])
-        .current_dir(&root)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    common::wait_for("the HTTP server", Duration::from_secs(10), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
+    let site = Site::start(&env, "www", &root, None);
+    let port = site.port;
     env.create_running("gitnet", &["--allow", &format!("127.0.0.1/32:{port}")]);
     let head = common::git(&source, &["rev-parse", "HEAD"]);
     let (code, out) = inside(
@@ -503,9 +609,15 @@ fn git_fetches_through_the_gateway_unchanged() {
             "git clone -q http://git.test:{port}/served.git /tmp/c 2>&1 && git -C /tmp/c rev-parse HEAD"
         ),
     );
-    let _ = server.kill();
-    let _ = server.wait();
     assert_eq!((code, out.trim()), (0, head.trim()), "{out}");
+    // Objects were fetched as files: the dumb protocol.
+    let requests = site.requests();
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.starts_with("GET /served.git/objects/")),
+        "{requests:?}"
+    );
     // It went through the gateway, by name.
     let log = egress_log(&env, "gitnet");
     assert!(
@@ -514,4 +626,96 @@ fn git_fetches_through_the_gateway_unchanged() {
             && e["protocol"] == "http"),
         "{log:?}"
     );
+}
+
+#[test]
+fn https_reaches_a_host_origin_through_connect_only_by_a_cidr_entry() {
+    let env = Env::with_config(&serde_json::json!({
+        "egress": { "hosts": { "secure.test": "127.0.0.1" } }
+    }));
+    let tls = tls(env.tmp.path(), &["secure.test"]);
+    let root = env.tmp.path().join("www");
+    std::fs::create_dir(&root).unwrap();
+    std::fs::write(root.join("hello.txt"), "host-https-service").unwrap();
+    let site = Site::start(&env, "secure", &root, Some(&tls));
+    env.create_running("tls", &[]);
+    env.ok(&["cp", tls.ca.to_str().unwrap(), "tls:/tmp/ca.pem"]);
+    let port = site.port;
+    let url = format!("https://secure.test:{port}/hello.txt");
+    let ca = "--cacert /tmp/ca.pem";
+    let cidr = format!("127.0.0.1/32:{port}");
+
+    // Not on the allowlist, then allowed by name only (the static name
+    // resolves to the host): the tunnel is refused both times.
+    let (code, out) = curl(&env, "tls", ca, &url);
+    assert!(code != 0 && out.contains("403"), "{out}");
+    env.ok(&["egress", "tls", "allow", "secure.test"]);
+    let (code, out) = curl(&env, "tls", ca, &url);
+    assert!(code != 0 && out.contains("403"), "{out}");
+    assert!(site.requests().is_empty(), "{:?}", site.requests());
+
+    // The CIDR entry admits it: by the static name through CONNECT and
+    // SOCKS5, and by address; TLS is the origin's, verified end to end.
+    env.ok(&["egress", "tls", "allow", &cidr]);
+    for (opts, url) in [
+        (ca.to_owned(), url.clone()),
+        (
+            format!("{ca} --proxy socks5h://127.0.0.1:3128"),
+            url.clone(),
+        ),
+        (
+            format!("{ca} --noproxy ''"),
+            format!("https://127.0.0.1:{port}/hello.txt"),
+        ),
+    ] {
+        let (code, out) = curl(&env, "tls", &opts, &url);
+        assert_eq!((code, out.as_str()), (0, "host-https-service"), "{opts}");
+    }
+    // The gateway does not terminate TLS: without the test's authority
+    // curl refuses the origin's certificate.
+    let (code, out) = curl(&env, "tls", "", &url);
+    assert_eq!(code, 60, "{out}");
+    assert_eq!(site.requests(), ["GET /hello.txt"; 3]);
+
+    // A deny entry wins over the CIDR entry.
+    env.ok(&["egress", "tls", "deny", "secure.test"]);
+    let (code, out) = curl(&env, "tls", ca, &url);
+    assert!(code != 0 && out.contains("403"), "{out}");
+
+    let log = decisions(&env, "tls");
+    let entry = |d: &str, r: &str, p: &str| {
+        (
+            d.to_owned(),
+            r.to_owned(),
+            "secure.test".to_owned(),
+            p.to_owned(),
+        )
+    };
+    let address = (
+        "allow".to_owned(),
+        cidr.clone(),
+        "127.0.0.1".to_owned(),
+        "connect".to_owned(),
+    );
+    assert_eq!(
+        log,
+        [
+            entry("deny", "default", "connect"),
+            entry("deny", "internal", "connect"),
+            entry("allow", &cidr, "connect"),
+            entry("allow", &cidr, "socks5"),
+            address,
+            entry("allow", &cidr, "connect"),
+            entry("deny", "deny secure.test", "connect"),
+        ]
+    );
+    for e in egress_log(&env, "tls")
+        .iter()
+        .filter(|e| e["decision"] == "allow" && e["open"] != true)
+    {
+        assert_eq!(e["addr"], "127.0.0.1", "{e}");
+        assert_eq!(e["port"], port, "{e}");
+        // At least the server's certificate came back.
+        assert!(e["received"].as_u64().unwrap() > 300, "{e}");
+    }
 }
