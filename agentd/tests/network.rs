@@ -719,3 +719,123 @@ fn https_reaches_a_host_origin_through_connect_only_by_a_cidr_entry() {
         assert!(e["received"].as_u64().unwrap() > 300, "{e}");
     }
 }
+
+#[test]
+fn git_speaks_smart_http_through_the_gateway_over_http_and_https() {
+    let env = Env::with_config(&serde_json::json!({
+        "egress": { "hosts": { "git.test": "127.0.0.1" } }
+    }));
+    let tls = tls(env.tmp.path(), &["git.test"]);
+    let source = env.repo("served");
+    let root = env.tmp.path().join("www");
+    std::fs::create_dir_all(root.join("git")).unwrap();
+    let bare = root.join("git/served.git");
+    common::git(
+        env.tmp.path(),
+        &[
+            "clone",
+            "-q",
+            "--bare",
+            source.to_str().unwrap(),
+            bare.to_str().unwrap(),
+        ],
+    );
+    let head = common::git(&source, &["rev-parse", "HEAD"]);
+    let head = head.trim();
+    let plain = Site::start(&env, "plain", &root, None);
+    let secure = Site::start(&env, "secure", &root, Some(&tls));
+    env.create_running("smart", &[]);
+    env.ok(&["cp", tls.ca.to_str().unwrap(), "smart:/tmp/ca.pem"]);
+    let http = format!("http://git.test:{}/git/served.git", plain.port);
+    let https = format!("https://git.test:{}/git/served.git", secure.port);
+    let git = |script: &str| {
+        inside(
+            &env,
+            "smart",
+            &format!("export GIT_SSL_CAINFO=/tmp/ca.pem; {script} 2>&1"),
+        )
+    };
+
+    // Not on the allowlist: refused over both.
+    for url in [&http, &https] {
+        let (code, out) = git(&format!("git ls-remote {url}"));
+        assert!(code != 0 && out.contains("403"), "{url}: {out}");
+    }
+    assert!(plain.requests().is_empty() && secure.requests().is_empty());
+
+    let plain_cidr = format!("127.0.0.1/32:{}", plain.port);
+    let secure_cidr = format!("127.0.0.1/32:{}", secure.port);
+    env.ok(&["egress", "smart", "allow", &plain_cidr]);
+    env.ok(&["egress", "smart", "allow", &secure_cidr]);
+    // ls-remote and clone, over HTTP and HTTPS.
+    for (i, url) in [&http, &https].into_iter().enumerate() {
+        let (code, out) = git(&format!("git ls-remote {url}"));
+        assert_eq!(code, 0, "{url}: {out}");
+        assert!(out.contains(&format!("{head}\trefs/heads/main")), "{out}");
+        let (code, out) = git(&format!(
+            "git clone -q {url} /tmp/c{i} && git -C /tmp/c{i} rev-parse HEAD"
+        ));
+        assert_eq!((code, out.trim()), (0, head), "{url}");
+    }
+    // A push over HTTPS.
+    let (code, out) = git(
+        "cd /tmp/c1 && git -c user.name=T -c user.email=t@example.com commit -q --allow-empty -m pushed \
+         && git push -q origin main && git rev-parse HEAD",
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        common::git(&bare, &["rev-parse", "main"]).trim(),
+        out.trim()
+    );
+
+    // Both sites spoke the smart protocol only: refs advertised for a
+    // service, packs negotiated by POST, never a file of the repository.
+    for (site, services) in [
+        (&plain, &["git-upload-pack"][..]),
+        (&secure, &["git-upload-pack", "git-receive-pack"][..]),
+    ] {
+        let requests = site.requests();
+        for service in services {
+            for want in [
+                format!("GET /git/served.git/info/refs?service={service}"),
+                format!("POST /git/served.git/{service}"),
+            ] {
+                assert!(requests.contains(&want), "{want} not in {requests:?}");
+            }
+        }
+        assert!(
+            requests
+                .iter()
+                .all(|r| r.contains("?service=git-") || r.starts_with("POST /git/served.git/git-")),
+            "{requests:?}"
+        );
+    }
+
+    // Logged by name with the rule that decided: plain HTTP one request per
+    // connection, HTTPS through CONNECT.
+    let log = decisions(&env, "smart");
+    let entry = |d: &str, r: &str, p: &str| {
+        (
+            d.to_owned(),
+            r.to_owned(),
+            "git.test".to_owned(),
+            p.to_owned(),
+        )
+    };
+    assert_eq!(
+        log[..2],
+        [
+            entry("deny", "default", "http"),
+            entry("deny", "default", "connect")
+        ]
+    );
+    assert!(
+        log[2..].contains(&entry("allow", &plain_cidr, "http")),
+        "{log:?}"
+    );
+    assert!(
+        log[2..].contains(&entry("allow", &secure_cidr, "connect")),
+        "{log:?}"
+    );
+    assert!(log[2..].iter().all(|e| e.0 == "allow"), "{log:?}");
+}
