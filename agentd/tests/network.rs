@@ -70,6 +70,22 @@ fn decisions(env: &Env, name: &str) -> Vec<(String, String, String, String)> {
         .collect()
 }
 
+/// Whether `tool` is installed in sandbox `name`. Without it a test skips
+/// what needs it, saying so; in CI (`CI=true`, where .ci/run installs it)
+/// its absence fails the test.
+fn installed(env: &Env, name: &str, tool: &str) -> bool {
+    let found = inside(env, name, &format!("command -v {tool}")).0 == 0;
+    if !found {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "{tool} is not installed (.ci/run installs it)"
+        );
+        eprintln!("skipped the {tool} part: {tool} is not installed");
+    }
+    found
+}
+
 /// A certificate authority, and a server certificate it signed for
 /// `names` and 127.0.0.1, made by openssl in `dir`.
 struct Tls {
@@ -838,4 +854,125 @@ fn git_speaks_smart_http_through_the_gateway_over_http_and_https() {
         "{log:?}"
     );
     assert!(log[2..].iter().all(|e| e.0 == "allow"), "{log:?}");
+}
+
+#[test]
+fn pip_and_npm_fetch_from_registries_on_the_host_through_the_gateway() {
+    // No preset: whatever else a client tried would be refused, and logged.
+    let env = Env::with_config(&serde_json::json!({
+        "egress": {
+            "preset": [],
+            "hosts": { "pypi.test": "127.0.0.1", "npm.test": "127.0.0.1" }
+        }
+    }));
+    env.create_running("pkgs", &[]);
+    let pip = installed(&env, "pkgs", "pip3");
+    let npm = installed(&env, "pkgs", "npm");
+    let tls = tls(env.tmp.path(), &["pypi.test", "npm.test"]);
+    let root = env.tmp.path().join("www");
+    std::fs::create_dir(&root).unwrap();
+    let site = Site::start(&env, "registry", &root, Some(&tls));
+    let port = site.port;
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(include_str!("network/packages.py"))
+        .arg(&root)
+        .arg(format!("https://npm.test:{port}"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sums = String::from_utf8(out.stdout).unwrap();
+    let (wheel, tarball) = sums.trim().split_once(' ').unwrap();
+    env.ok(&["cp", tls.ca.to_str().unwrap(), "pkgs:/tmp/ca.pem"]);
+    let pip_download = format!(
+        "pip3 download --no-deps --no-cache-dir --disable-pip-version-check --retries 0 \
+         --timeout 10 --cert /tmp/ca.pem --index-url https://pypi.test:{port}/simple/ \
+         -d /tmp/dl keystone-probe 2>&1 && sha256sum /tmp/dl/keystone_probe-1.0-py3-none-any.whl"
+    );
+    let npm_opts = format!(
+        "--registry https://npm.test:{port}/ --cafile /tmp/ca.pem --fetch-retries 0 \
+         --no-update-notifier --no-audit --no-fund"
+    );
+    let npm_view = format!("npm view keystone-probe version {npm_opts} 2>&1");
+    let npm_pack = format!(
+        "cd /tmp && npm pack -q keystone-probe@1.0.0 {npm_opts} 2>&1 \
+         && sha256sum /tmp/keystone-probe-1.0.0.tgz"
+    );
+
+    // Not on the allowlist: both fail.
+    if pip {
+        let (code, out) = inside(&env, "pkgs", &pip_download);
+        assert!(
+            code != 0 && out.contains("No matching distribution"),
+            "{out}"
+        );
+    }
+    if npm {
+        let (code, out) = inside(&env, "pkgs", &npm_view);
+        assert!(code != 0 && out.contains("403"), "{out}");
+    }
+    assert!(site.requests().is_empty(), "{:?}", site.requests());
+
+    // Allowed by address range: the wheel and the tarball arrive intact.
+    let cidr = format!("127.0.0.1/32:{port}");
+    env.ok(&["egress", "pkgs", "allow", &cidr]);
+    if pip {
+        let (code, out) = inside(&env, "pkgs", &pip_download);
+        assert_eq!(code, 0, "{out}");
+        assert!(out.contains(&format!("{wheel}  /tmp/dl/")), "{out}");
+    }
+    if npm {
+        let (code, out) = inside(&env, "pkgs", &npm_view);
+        assert_eq!((code, out.trim()), (0, "1.0.0"), "{out}");
+        let (code, out) = inside(&env, "pkgs", &npm_pack);
+        assert_eq!(code, 0, "{out}");
+        assert!(
+            out.contains(&format!("{tarball}  /tmp/keystone-probe")),
+            "{out}"
+        );
+    }
+    let requests = site.requests();
+    for (tool, want) in [
+        (pip, "GET /simple/keystone-probe/"),
+        (pip, "GET /files/keystone_probe-1.0-py3-none-any.whl"),
+        (npm, "GET /keystone-probe"),
+        (npm, "GET /tarballs/keystone-probe-1.0.0.tgz"),
+    ] {
+        assert_eq!(
+            tool,
+            requests.iter().any(|r| r == want),
+            "{want}: {requests:?}"
+        );
+    }
+
+    // Each client's attempts are on record by name, through CONNECT: the
+    // refused one, then only admitted ones; nothing else was tried.
+    let log = decisions(&env, "pkgs");
+    for (tool, host) in [(pip, "pypi.test"), (npm, "npm.test")] {
+        let mine: Vec<_> = log
+            .iter()
+            .filter(|e| e.2 == host)
+            .map(|e| (e.0.as_str(), e.1.as_str(), e.3.as_str()))
+            .collect();
+        if !tool {
+            assert_eq!(mine, []);
+            continue;
+        }
+        assert_eq!(mine[0], ("deny", "default", "connect"), "{log:?}");
+        assert!(mine.len() > 1, "{log:?}");
+        assert!(
+            mine[1..]
+                .iter()
+                .all(|&e| e == ("allow", cidr.as_str(), "connect")),
+            "{log:?}"
+        );
+    }
+    assert!(
+        log.iter().all(|e| e.2 == "pypi.test" || e.2 == "npm.test"),
+        "{log:?}"
+    );
 }
