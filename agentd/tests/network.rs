@@ -6,6 +6,8 @@
 mod common;
 
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::{Env, origin};
@@ -18,9 +20,10 @@ fn host_address() -> Option<IpAddr> {
         .find(|a| !a.is_loopback())
 }
 
-/// Run `script` with sh inside sandbox `name`; (exit code, stdout+stderr).
+/// Run `script` with sh inside sandbox `name`, killed after 60 s; (exit
+/// code, stdout+stderr).
 fn inside(env: &Env, name: &str, script: &str) -> (i32, String) {
-    let out = env.ctl(&["exec", name, "--", "sh", "-c", script]);
+    let out = env.ctl(&["exec", name, "--timeout", "60", "--", "sh", "-c", script]);
     (
         out.status.code().unwrap_or(-1),
         format!(
@@ -47,6 +50,144 @@ fn curl(env: &Env, name: &str, opts: &str, url: &str) -> (i32, String) {
 
 fn egress_log(env: &Env, name: &str) -> Vec<serde_json::Value> {
     serde_json::from_str(&env.ok(&["egress", name, "log", "--json", "-n", "100"])).unwrap()
+}
+
+/// The log's entries of connections that ended or were refused, as
+/// (decision, rule, host, protocol).
+fn decisions(env: &Env, name: &str) -> Vec<(String, String, String, String)> {
+    egress_log(env, name)
+        .iter()
+        .filter(|e| e["open"] != true)
+        .map(|e| {
+            let field = |f: &str| e[f].as_str().unwrap().to_owned();
+            (
+                field("decision"),
+                field("rule"),
+                field("host"),
+                field("protocol"),
+            )
+        })
+        .collect()
+}
+
+/// Whether `tool` is installed in sandbox `name`. Without it a test skips
+/// what needs it, saying so; in CI (`CI=true`, where .ci/run installs it)
+/// its absence fails the test.
+fn installed(env: &Env, name: &str, tool: &str) -> bool {
+    let found = inside(env, name, &format!("command -v {tool}")).0 == 0;
+    if !found {
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "{tool} is not installed (.ci/run installs it)"
+        );
+        eprintln!("skipped the {tool} part: {tool} is not installed");
+    }
+    found
+}
+
+/// A certificate authority, and a server certificate it signed for
+/// `names` and 127.0.0.1, made by openssl in `dir`.
+struct Tls {
+    ca: PathBuf,
+    cert: PathBuf,
+    key: PathBuf,
+}
+
+fn tls(dir: &Path, names: &[&str]) -> Tls {
+    let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
+    let script = format!(
+        "set -e
+        key='-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes'
+        openssl req -x509 $key -days 2 -subj '/CN=Keystone test CA' -keyout ca.key -out ca.pem
+        openssl req $key -subj /CN=site -keyout site.key -out site.csr
+        printf '%s\\n' subjectAltName={},IP:127.0.0.1 basicConstraints=CA:FALSE \
+            extendedKeyUsage=serverAuth > site.ext
+        openssl x509 -req -days 2 -in site.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
+            -extfile site.ext -out site.pem",
+        san.join(",")
+    );
+    let out = Command::new("sh")
+        .args(["-c", &script])
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openssl (apt-get install openssl): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Tls {
+        ca: dir.join("ca.pem"),
+        cert: dir.join("site.pem"),
+        key: dir.join("site.key"),
+    }
+}
+
+/// A site on the host (network/site.py): python3's HTTP server, over TLS
+/// when given a certificate, serving the files under a root and, under
+/// `/git/`, the repositories in its `git` directory through `git
+/// http-backend`, git's smart HTTP protocol. It records every request.
+struct Site {
+    port: u16,
+    requests: PathBuf,
+    server: Child,
+}
+
+impl Site {
+    /// Serve `root`; `name` names its files in the test's directory.
+    fn start(env: &Env, name: &str, root: &Path, tls: Option<&Tls>) -> Self {
+        let dir = env.tmp.path();
+        let script = dir.join("site.py");
+        std::fs::write(&script, include_str!("network/site.py")).unwrap();
+        let requests = dir.join(format!("{name}.requests"));
+        let errors = dir.join(format!("{name}.err"));
+        let mut cmd = Command::new("python3");
+        cmd.arg(&script).arg(root).arg(&requests);
+        if let Some(t) = tls {
+            cmd.arg(&t.cert).arg(&t.key);
+        }
+        let mut server = cmd
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&errors).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let Ok(port) = line.trim().parse() else {
+            let _ = server.kill();
+            let _ = server.wait();
+            panic!(
+                "the site did not start: {}",
+                std::fs::read_to_string(&errors).unwrap_or_default()
+            );
+        };
+        Self {
+            port,
+            requests,
+            server,
+        }
+    }
+
+    /// The request lines it was sent (method and target), in order.
+    fn requests(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.requests)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
+    }
 }
 
 #[test]
@@ -473,27 +614,8 @@ fn git_fetches_through_the_gateway_unchanged() {
         ],
     );
     common::git(&bare, &["update-server-info"]);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut server = std::process::Command::new("python3")
-        .args([
-            "-m",
-            "http.server",
-            "--bind",
-            "127.0.0.1",
-            &port.to_string(),
-        ])
-        .current_dir(&root)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    common::wait_for("the HTTP server", Duration::from_secs(10), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
+    let site = Site::start(&env, "www", &root, None);
+    let port = site.port;
     env.create_running("gitnet", &["--allow", &format!("127.0.0.1/32:{port}")]);
     let head = common::git(&source, &["rev-parse", "HEAD"]);
     let (code, out) = inside(
@@ -503,15 +625,354 @@ fn git_fetches_through_the_gateway_unchanged() {
             "git clone -q http://git.test:{port}/served.git /tmp/c 2>&1 && git -C /tmp/c rev-parse HEAD"
         ),
     );
-    let _ = server.kill();
-    let _ = server.wait();
     assert_eq!((code, out.trim()), (0, head.trim()), "{out}");
+    // Objects were fetched as files: the dumb protocol.
+    let requests = site.requests();
+    assert!(
+        requests
+            .iter()
+            .any(|r| r.starts_with("GET /served.git/objects/")),
+        "{requests:?}"
+    );
     // It went through the gateway, by name.
     let log = egress_log(&env, "gitnet");
     assert!(
         log.iter().any(|e| e["host"] == "git.test"
             && e["decision"] == "allow"
             && e["protocol"] == "http"),
+        "{log:?}"
+    );
+}
+
+#[test]
+fn https_reaches_a_host_origin_through_connect_only_by_a_cidr_entry() {
+    let env = Env::with_config(&serde_json::json!({
+        "egress": { "hosts": { "secure.test": "127.0.0.1" } }
+    }));
+    let tls = tls(env.tmp.path(), &["secure.test"]);
+    let root = env.tmp.path().join("www");
+    std::fs::create_dir(&root).unwrap();
+    std::fs::write(root.join("hello.txt"), "host-https-service").unwrap();
+    let site = Site::start(&env, "secure", &root, Some(&tls));
+    env.create_running("tls", &[]);
+    env.ok(&["cp", tls.ca.to_str().unwrap(), "tls:/tmp/ca.pem"]);
+    let port = site.port;
+    let url = format!("https://secure.test:{port}/hello.txt");
+    let ca = "--cacert /tmp/ca.pem";
+    let cidr = format!("127.0.0.1/32:{port}");
+
+    // Not on the allowlist, then allowed by name only (the static name
+    // resolves to the host): the tunnel is refused both times.
+    let (code, out) = curl(&env, "tls", ca, &url);
+    assert!(code != 0 && out.contains("403"), "{out}");
+    env.ok(&["egress", "tls", "allow", "secure.test"]);
+    let (code, out) = curl(&env, "tls", ca, &url);
+    assert!(code != 0 && out.contains("403"), "{out}");
+    assert!(site.requests().is_empty(), "{:?}", site.requests());
+
+    // The CIDR entry admits it: by the static name through CONNECT and
+    // SOCKS5, and by address; TLS is the origin's, verified end to end.
+    env.ok(&["egress", "tls", "allow", &cidr]);
+    for (opts, url) in [
+        (ca.to_owned(), url.clone()),
+        (
+            format!("{ca} --proxy socks5h://127.0.0.1:3128"),
+            url.clone(),
+        ),
+        (
+            format!("{ca} --noproxy ''"),
+            format!("https://127.0.0.1:{port}/hello.txt"),
+        ),
+    ] {
+        let (code, out) = curl(&env, "tls", &opts, &url);
+        assert_eq!((code, out.as_str()), (0, "host-https-service"), "{opts}");
+    }
+    // The gateway does not terminate TLS: without the test's authority
+    // curl refuses the origin's certificate.
+    let (code, out) = curl(&env, "tls", "", &url);
+    assert_eq!(code, 60, "{out}");
+    assert_eq!(site.requests(), ["GET /hello.txt"; 3]);
+
+    // A deny entry wins over the CIDR entry.
+    env.ok(&["egress", "tls", "deny", "secure.test"]);
+    let (code, out) = curl(&env, "tls", ca, &url);
+    assert!(code != 0 && out.contains("403"), "{out}");
+
+    let log = decisions(&env, "tls");
+    let entry = |d: &str, r: &str, p: &str| {
+        (
+            d.to_owned(),
+            r.to_owned(),
+            "secure.test".to_owned(),
+            p.to_owned(),
+        )
+    };
+    let address = (
+        "allow".to_owned(),
+        cidr.clone(),
+        "127.0.0.1".to_owned(),
+        "connect".to_owned(),
+    );
+    assert_eq!(
+        log,
+        [
+            entry("deny", "default", "connect"),
+            entry("deny", "internal", "connect"),
+            entry("allow", &cidr, "connect"),
+            entry("allow", &cidr, "socks5"),
+            address,
+            entry("allow", &cidr, "connect"),
+            entry("deny", "deny secure.test", "connect"),
+        ]
+    );
+    for e in egress_log(&env, "tls")
+        .iter()
+        .filter(|e| e["decision"] == "allow" && e["open"] != true)
+    {
+        assert_eq!(e["addr"], "127.0.0.1", "{e}");
+        assert_eq!(e["port"], port, "{e}");
+        // At least the server's certificate came back.
+        assert!(e["received"].as_u64().unwrap() > 300, "{e}");
+    }
+}
+
+#[test]
+fn git_speaks_smart_http_through_the_gateway_over_http_and_https() {
+    let env = Env::with_config(&serde_json::json!({
+        "egress": { "hosts": { "git.test": "127.0.0.1" } }
+    }));
+    let tls = tls(env.tmp.path(), &["git.test"]);
+    let source = env.repo("served");
+    let root = env.tmp.path().join("www");
+    std::fs::create_dir_all(root.join("git")).unwrap();
+    let bare = root.join("git/served.git");
+    common::git(
+        env.tmp.path(),
+        &[
+            "clone",
+            "-q",
+            "--bare",
+            source.to_str().unwrap(),
+            bare.to_str().unwrap(),
+        ],
+    );
+    let head = common::git(&source, &["rev-parse", "HEAD"]);
+    let head = head.trim();
+    let plain = Site::start(&env, "plain", &root, None);
+    let secure = Site::start(&env, "secure", &root, Some(&tls));
+    env.create_running("smart", &[]);
+    env.ok(&["cp", tls.ca.to_str().unwrap(), "smart:/tmp/ca.pem"]);
+    let http = format!("http://git.test:{}/git/served.git", plain.port);
+    let https = format!("https://git.test:{}/git/served.git", secure.port);
+    let git = |script: &str| {
+        inside(
+            &env,
+            "smart",
+            &format!("export GIT_SSL_CAINFO=/tmp/ca.pem; {script} 2>&1"),
+        )
+    };
+
+    // Not on the allowlist: refused over both.
+    for url in [&http, &https] {
+        let (code, out) = git(&format!("git ls-remote {url}"));
+        assert!(code != 0 && out.contains("403"), "{url}: {out}");
+    }
+    assert!(plain.requests().is_empty() && secure.requests().is_empty());
+
+    let plain_cidr = format!("127.0.0.1/32:{}", plain.port);
+    let secure_cidr = format!("127.0.0.1/32:{}", secure.port);
+    env.ok(&["egress", "smart", "allow", &plain_cidr]);
+    env.ok(&["egress", "smart", "allow", &secure_cidr]);
+    // ls-remote and clone, over HTTP and HTTPS.
+    for (i, url) in [&http, &https].into_iter().enumerate() {
+        let (code, out) = git(&format!("git ls-remote {url}"));
+        assert_eq!(code, 0, "{url}: {out}");
+        assert!(out.contains(&format!("{head}\trefs/heads/main")), "{out}");
+        let (code, out) = git(&format!(
+            "git clone -q {url} /tmp/c{i} && git -C /tmp/c{i} rev-parse HEAD"
+        ));
+        assert_eq!((code, out.trim()), (0, head), "{url}");
+    }
+    // A push over HTTPS.
+    let (code, out) = git(
+        "cd /tmp/c1 && git -c user.name=T -c user.email=t@example.com commit -q --allow-empty -m pushed \
+         && git push -q origin main && git rev-parse HEAD",
+    );
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        common::git(&bare, &["rev-parse", "main"]).trim(),
+        out.trim()
+    );
+
+    // Both sites spoke the smart protocol only: refs advertised for a
+    // service, packs negotiated by POST, never a file of the repository.
+    for (site, services) in [
+        (&plain, &["git-upload-pack"][..]),
+        (&secure, &["git-upload-pack", "git-receive-pack"][..]),
+    ] {
+        let requests = site.requests();
+        for service in services {
+            for want in [
+                format!("GET /git/served.git/info/refs?service={service}"),
+                format!("POST /git/served.git/{service}"),
+            ] {
+                assert!(requests.contains(&want), "{want} not in {requests:?}");
+            }
+        }
+        assert!(
+            requests
+                .iter()
+                .all(|r| r.contains("?service=git-") || r.starts_with("POST /git/served.git/git-")),
+            "{requests:?}"
+        );
+    }
+
+    // Logged by name with the rule that decided: plain HTTP one request per
+    // connection, HTTPS through CONNECT.
+    let log = decisions(&env, "smart");
+    let entry = |d: &str, r: &str, p: &str| {
+        (
+            d.to_owned(),
+            r.to_owned(),
+            "git.test".to_owned(),
+            p.to_owned(),
+        )
+    };
+    assert_eq!(
+        log[..2],
+        [
+            entry("deny", "default", "http"),
+            entry("deny", "default", "connect")
+        ]
+    );
+    assert!(
+        log[2..].contains(&entry("allow", &plain_cidr, "http")),
+        "{log:?}"
+    );
+    assert!(
+        log[2..].contains(&entry("allow", &secure_cidr, "connect")),
+        "{log:?}"
+    );
+    assert!(log[2..].iter().all(|e| e.0 == "allow"), "{log:?}");
+}
+
+#[test]
+fn pip_and_npm_fetch_from_registries_on_the_host_through_the_gateway() {
+    // No preset: whatever else a client tried would be refused, and logged.
+    let env = Env::with_config(&serde_json::json!({
+        "egress": {
+            "preset": [],
+            "hosts": { "pypi.test": "127.0.0.1", "npm.test": "127.0.0.1" }
+        }
+    }));
+    env.create_running("pkgs", &[]);
+    let pip = installed(&env, "pkgs", "pip3");
+    let npm = installed(&env, "pkgs", "npm");
+    let tls = tls(env.tmp.path(), &["pypi.test", "npm.test"]);
+    let root = env.tmp.path().join("www");
+    std::fs::create_dir(&root).unwrap();
+    let site = Site::start(&env, "registry", &root, Some(&tls));
+    let port = site.port;
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(include_str!("network/packages.py"))
+        .arg(&root)
+        .arg(format!("https://npm.test:{port}"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sums = String::from_utf8(out.stdout).unwrap();
+    let (wheel, tarball) = sums.trim().split_once(' ').unwrap();
+    env.ok(&["cp", tls.ca.to_str().unwrap(), "pkgs:/tmp/ca.pem"]);
+    let pip_download = format!(
+        "pip3 download --no-deps --no-cache-dir --disable-pip-version-check --retries 0 \
+         --timeout 10 --cert /tmp/ca.pem --index-url https://pypi.test:{port}/simple/ \
+         -d /tmp/dl keystone-probe 2>&1 && sha256sum /tmp/dl/keystone_probe-1.0-py3-none-any.whl"
+    );
+    let npm_opts = format!(
+        "--registry https://npm.test:{port}/ --cafile /tmp/ca.pem --fetch-retries 0 \
+         --no-update-notifier --no-audit --no-fund"
+    );
+    let npm_view = format!("npm view keystone-probe version {npm_opts} 2>&1");
+    let npm_pack = format!(
+        "cd /tmp && npm pack -q keystone-probe@1.0.0 {npm_opts} 2>&1 \
+         && sha256sum /tmp/keystone-probe-1.0.0.tgz"
+    );
+
+    // Not on the allowlist: both fail.
+    if pip {
+        let (code, out) = inside(&env, "pkgs", &pip_download);
+        assert!(
+            code != 0 && out.contains("No matching distribution"),
+            "{out}"
+        );
+    }
+    if npm {
+        let (code, out) = inside(&env, "pkgs", &npm_view);
+        assert!(code != 0 && out.contains("403"), "{out}");
+    }
+    assert!(site.requests().is_empty(), "{:?}", site.requests());
+
+    // Allowed by address range: the wheel and the tarball arrive intact.
+    let cidr = format!("127.0.0.1/32:{port}");
+    env.ok(&["egress", "pkgs", "allow", &cidr]);
+    if pip {
+        let (code, out) = inside(&env, "pkgs", &pip_download);
+        assert_eq!(code, 0, "{out}");
+        assert!(out.contains(&format!("{wheel}  /tmp/dl/")), "{out}");
+    }
+    if npm {
+        let (code, out) = inside(&env, "pkgs", &npm_view);
+        assert_eq!((code, out.trim()), (0, "1.0.0"), "{out}");
+        let (code, out) = inside(&env, "pkgs", &npm_pack);
+        assert_eq!(code, 0, "{out}");
+        assert!(
+            out.contains(&format!("{tarball}  /tmp/keystone-probe")),
+            "{out}"
+        );
+    }
+    let requests = site.requests();
+    for (tool, want) in [
+        (pip, "GET /simple/keystone-probe/"),
+        (pip, "GET /files/keystone_probe-1.0-py3-none-any.whl"),
+        (npm, "GET /keystone-probe"),
+        (npm, "GET /tarballs/keystone-probe-1.0.0.tgz"),
+    ] {
+        assert_eq!(
+            tool,
+            requests.iter().any(|r| r == want),
+            "{want}: {requests:?}"
+        );
+    }
+
+    // Each client's attempts are on record by name, through CONNECT: the
+    // refused one, then only admitted ones; nothing else was tried.
+    let log = decisions(&env, "pkgs");
+    for (tool, host) in [(pip, "pypi.test"), (npm, "npm.test")] {
+        let mine: Vec<_> = log
+            .iter()
+            .filter(|e| e.2 == host)
+            .map(|e| (e.0.as_str(), e.1.as_str(), e.3.as_str()))
+            .collect();
+        if !tool {
+            assert_eq!(mine, []);
+            continue;
+        }
+        assert_eq!(mine[0], ("deny", "default", "connect"), "{log:?}");
+        assert!(mine.len() > 1, "{log:?}");
+        assert!(
+            mine[1..]
+                .iter()
+                .all(|&e| e == ("allow", cidr.as_str(), "connect")),
+            "{log:?}"
+        );
+    }
+    assert!(
+        log.iter().all(|e| e.2 == "pypi.test" || e.2 == "npm.test"),
         "{log:?}"
     );
 }

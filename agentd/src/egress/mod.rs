@@ -56,7 +56,7 @@ pub enum Socket {
 /// The running gateways, one task per sandbox.
 #[derive(Debug, Default)]
 pub struct Gateways {
-    tasks: Mutex<HashMap<String, tokio::task::AbortHandle>>,
+    tasks: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
 }
 
 impl Gateways {
@@ -74,16 +74,20 @@ impl Gateways {
         };
         let name = ctx.name.clone();
         let task = tokio::spawn(gateway::serve(listener, Arc::new(ctx)));
-        if let Some(old) = self.tasks.lock().unwrap().insert(name, task.abort_handle()) {
+        if let Some(old) = self.tasks.lock().unwrap().insert(name, task) {
             old.abort();
         }
         Ok(())
     }
 
-    /// End `name`'s gateway and every connection through it.
-    pub fn stop(&self, name: &str) {
-        if let Some(t) = self.tasks.lock().unwrap().remove(name) {
+    /// End `name`'s gateway and every connection through it. Returns once
+    /// its task is gone, so that no connection is served any more: a stop
+    /// that kills the sandbox's processes next cannot race their ends.
+    pub async fn stop(&self, name: &str) {
+        let task = self.tasks.lock().unwrap().remove(name);
+        if let Some(t) = task {
             t.abort();
+            let _ = t.await;
         }
     }
 

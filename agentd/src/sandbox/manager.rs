@@ -860,7 +860,7 @@ impl Manager {
                 return; // stopped (or restarted) by agentd itself
             }
             tracing::warn!(sandbox = %name, "sandbox processes ended by themselves");
-            this.close_gateway(&name);
+            this.close_gateway(&name).await;
             let spec = this.spec(&now);
             let _ = backend.stop(&spec, &rt, true).await;
             let _ = this.transition(&name, Event::Stop, |_| {});
@@ -882,7 +882,7 @@ impl Manager {
     async fn stop_locked(&self, name: &str, force: bool) -> Result<Sandbox> {
         let sb = self.transition(name, Event::Stop, |_| {})?;
         tracing::info!(sandbox = %name, force, "stopping");
-        self.close_gateway(name);
+        self.close_gateway(name).await;
         let backend = Arc::clone(self.backend(sb.backend)?);
         if let Some(rt) = &sb.runtime {
             if let Err(e) = backend.stop(&self.spec(&sb), rt, force).await {

@@ -206,8 +206,8 @@ impl Manager {
 
     /// End sandbox `name`'s gateway, every connection through it and every
     /// one waiting for an answer.
-    pub(super) fn close_gateway(&self, name: &str) {
-        self.gateways.stop(name);
+    pub(super) async fn close_gateway(&self, name: &str) {
+        self.gateways.stop(name).await;
         self.pending.lock().unwrap().remove(name);
     }
 
