@@ -142,6 +142,26 @@ fn a_unit_that_fails_to_start_is_reported_with_its_result() {
 }
 
 #[test]
+fn a_stop_that_fails_ends_in_error_with_the_reason() {
+    let Some((env, _fake)) = setup() else { return };
+    let repo = env.repo("stuck");
+    env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
+    env.ok(&["start", "stuck"]);
+    let err = env.fails(3, &["stop", "stuck"]);
+    assert!(err.contains("systemd refused to stop"), "{err}");
+    // Not left `stopping` until agentd restarts: `error`, with the reason,
+    // from where it can be started again or destroyed.
+    let st = env.status("stuck");
+    assert_eq!(st["state"], "error", "{st}");
+    assert!(
+        st["state_reason"].as_str().unwrap().contains("canceled"),
+        "{st}"
+    );
+    env.ok(&["destroy", "stuck"]);
+    assert!(env.list().is_empty());
+}
+
+#[test]
 fn a_running_guest_outlives_agentd_and_is_adopted_with_its_terminal() {
     let Some((mut env, fake)) = setup() else {
         return;

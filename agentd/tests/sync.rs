@@ -495,3 +495,50 @@ fn into_changes_nothing_when_the_tree_is_refused() {
     }
     assert_eq!(host_state(&repo), before);
 }
+
+#[test]
+fn destroy_waits_for_a_running_sync() {
+    let env = Env::new();
+    let repo = setup(&env, "busy");
+    // Enough objects that reading them takes a while: 1500 files of 32 KiB
+    // that do not compress.
+    sh(
+        &env,
+        "busy",
+        "mkdir many; for i in $(seq 1500); do head -c 32768 /dev/urandom > many/$i; done; \
+         git add many; git commit -qm many",
+    );
+    let head = sh(&env, "busy", "git rev-parse HEAD");
+    env.ok(&["stop", "busy"]);
+    let sync = env
+        .ctl_cmd(&["sync", "busy"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Once the sync's reader runs, destroy must wait for it.
+    let marker = env.state_dir.to_string_lossy().into_owned();
+    common::wait_for(
+        "the sync's reader",
+        std::time::Duration::from_secs(30),
+        || {
+            agentd::procfs::pids().into_iter().any(|p| {
+                agentd::procfs::cmdline(p).is_some_and(|c| {
+                    c.get(1).is_some_and(|a| a == "__sync-read") && c.join(" ").contains(&marker)
+                })
+            })
+        },
+    );
+    env.ok(&["destroy", "busy"]);
+    let out = sync.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the sync was cut off by destroy: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        git(&repo, &["rev-parse", "refs/remotes/sandbox/busy/main"]),
+        head
+    );
+    assert!(env.list().is_empty());
+    assert!(!env.state_dir.join("sandboxes/busy").exists());
+}

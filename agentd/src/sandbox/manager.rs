@@ -139,13 +139,27 @@ pub struct ManagerSettings {
     pub egress: crate::config::EgressConfig,
 }
 
+/// The locks of one sandbox. Whoever needs more than one takes them in
+/// this order, never the other way round: `op`, then `sync`, then
+/// `worktrees`. Destroy takes all three, so it waits for a running sync or
+/// worktree operation, and one that waited finds the sandbox gone.
+#[derive(Debug, Default)]
+struct SandboxLocks {
+    /// Lifecycle: create, start, stop, destroy.
+    op: tokio::sync::Mutex<()>,
+    /// A sync to or from the host (manual or automatic).
+    sync: tokio::sync::Mutex<()>,
+    /// Adding or removing a worktree.
+    worktrees: tokio::sync::Mutex<()>,
+}
+
 /// Owns the sandboxes.
 #[derive(Debug)]
 pub struct Manager {
     registry: Registry,
     settings: ManagerSettings,
     sandboxes: Mutex<BTreeMap<String, Sandbox>>,
-    op_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    locks: Mutex<HashMap<String, Arc<SandboxLocks>>>,
     backends: BTreeMap<BackendKind, Arc<dyn Backend>>,
     changes: broadcast::Sender<Change>,
     watchers: Mutex<HashMap<String, watch::Handle>>,
@@ -182,7 +196,7 @@ impl Manager {
             registry,
             settings,
             sandboxes: Mutex::new(sandboxes),
-            op_locks: Mutex::new(HashMap::new()),
+            locks: Mutex::new(HashMap::new()),
             backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
             changes,
             watchers: Mutex::new(HashMap::new()),
@@ -335,9 +349,10 @@ impl Manager {
         })
     }
 
-    fn op_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
+    /// The locks of sandbox `name` (see [`SandboxLocks`] for their order).
+    fn locks(&self, name: &str) -> Arc<SandboxLocks> {
         Arc::clone(
-            self.op_locks
+            self.locks
                 .lock()
                 .unwrap()
                 .entry(name.to_owned())
@@ -537,8 +552,8 @@ impl Manager {
             }
             map[&name].clone()
         };
-        let lock = self.op_lock(&name);
-        let _guard = lock.lock().await;
+        let locks = self.locks(&name);
+        let _guard = locks.op.lock().await;
         let notices = match self.prepare_dirs(&sb).await {
             Ok(n) => n,
             Err(e) => {
@@ -778,8 +793,8 @@ impl Manager {
     /// Start sandbox `name`.
     pub async fn start(self: &Arc<Self>, caller: Caller, name: &str) -> Result<Sandbox> {
         let sb = self.get(caller, name)?;
-        let lock = self.op_lock(name);
-        let _guard = lock.lock().await;
+        let locks = self.locks(name);
+        let _guard = locks.op.lock().await;
         self.start_locked(name, sb.backend).await
     }
 
@@ -851,8 +866,8 @@ impl Manager {
         let name = name.to_owned();
         tokio::spawn(async move {
             backend.wait_exit(&rt).await;
-            let lock = this.op_lock(&name);
-            let _guard = lock.lock().await;
+            let locks = this.locks(&name);
+            let _guard = locks.op.lock().await;
             let Some(now) = this.snapshot(&name) else {
                 return;
             };
@@ -874,8 +889,8 @@ impl Manager {
     /// Stop sandbox `name`.
     pub async fn stop(&self, caller: Caller, name: &str, force: bool) -> Result<Sandbox> {
         self.get(caller, name)?;
-        let lock = self.op_lock(name);
-        let _guard = lock.lock().await;
+        let locks = self.locks(name);
+        let _guard = locks.op.lock().await;
         self.stop_locked(name, force).await
     }
 
@@ -886,7 +901,8 @@ impl Manager {
         let backend = Arc::clone(self.backend(sb.backend)?);
         if let Some(rt) = &sb.runtime {
             if let Err(e) = backend.stop(&self.spec(&sb), rt, force).await {
-                self.update(name, |s| s.state_reason = e.to_string())?;
+                tracing::warn!(sandbox = %name, error = %e, "stop failed");
+                self.transition(name, Event::StopFailed, |s| s.state_reason = e.to_string())?;
                 return Err(Error::Backend {
                     name: name.to_owned(),
                     source: e,
@@ -910,8 +926,12 @@ impl Manager {
                  D-Bus; remove keystone.agent.sandboxes.{name} from the configuration instead"
             )));
         }
-        let lock = self.op_lock(name);
-        let _guard = lock.lock().await;
+        let locks = self.locks(name);
+        let _guard = locks.op.lock().await;
+        // A running sync or worktree operation finishes first (lock order:
+        // op, sync, worktrees).
+        let _sync = locks.sync.lock().await;
+        let _worktrees = locks.worktrees.lock().await;
         let sb = self
             .snapshot(name)
             .ok_or_else(|| Error::NotFound(name.to_owned()))?;
@@ -936,7 +956,7 @@ impl Manager {
         if let Ok(Err(e)) = removed {
             tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox directory; it is removed at next start");
         }
-        self.op_locks.lock().unwrap().remove(name);
+        self.locks.lock().unwrap().remove(name);
         let _ = self.changes.send(Change::Removed(name.to_owned()));
         tracing::info!(sandbox = %name, "destroyed");
         Ok(())
@@ -1120,7 +1140,7 @@ impl Manager {
 
     /// Move branches between the host repository and sandbox `name`.
     pub async fn sync(&self, caller: Caller, name: &str, opts: SyncOptions) -> Result<SyncReport> {
-        let sb = self.get(caller, name)?;
+        self.get(caller, name)?;
         let mut problems = Vec::new();
         for (what, b) in [("branch", &opts.branch), ("into", &opts.into)] {
             if let Some(b) = b {
@@ -1140,8 +1160,12 @@ impl Manager {
         if !problems.is_empty() {
             return Err(Error::Invalid(problems));
         }
-        let lock = self.op_lock(&format!("{name}/sync"));
-        let _guard = lock.lock().await;
+        let locks = self.locks(name);
+        let _guard = locks.sync.lock().await;
+        // A destroy that held the lock first leaves nothing to sync.
+        let sb = self
+            .snapshot(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
         let spec = self.spec(&sb);
         let project = sb.project_path.clone();
         let project_git = tokio::task::spawn_blocking(move || {
@@ -1433,8 +1457,11 @@ impl Manager {
     ) -> Result<String> {
         let sb = self.get(caller, name)?;
         let spec = self.spec(&sb);
-        let lock = self.op_lock(&format!("{name}/worktrees"));
-        let _guard = lock.lock().await;
+        let locks = self.locks(name);
+        let _guard = locks.worktrees.lock().await;
+        if self.snapshot(name).is_none() {
+            return Err(Error::NotFound(name.to_owned()));
+        }
         let req = serde_json::to_string(&req(spec.workspace.clone())).expect("request serializes");
         let fail = |message: String| Error::Workspace {
             name: name.to_owned(),
@@ -1718,8 +1745,8 @@ impl Manager {
             .map(|s| s.name.clone())
             .collect();
         let stops = running.iter().map(|name| async move {
-            let lock = self.op_lock(name);
-            let _guard = lock.lock().await;
+            let locks = self.locks(name);
+            let _guard = locks.op.lock().await;
             if let Err(e) = self.stop_locked(name, false).await {
                 tracing::error!(sandbox = %name, error = %e, "stop at shutdown failed");
             }

@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! created ─start→ starting ─ok→ running ─stop→ stopping ─done→ stopped
-//!                    │                                            │
-//!                    └─fail→ error ─start (retry)→ starting ←start┘
+//!                    │                                  │         │
+//!                    └─fail→ error ←──────────fail──────┘         │
+//!                            └─start (retry)→ starting ←─start────┘
 //! destroy: from created, stopped or error
 //! ```
 
@@ -23,6 +24,9 @@ pub enum Event {
     Stop,
     /// No process of the sandbox remains.
     Stopped,
+    /// The backend failed to stop the sandbox (its processes may remain;
+    /// a retried start or a destroy deals with them).
+    StopFailed,
     /// A caller asked to destroy the sandbox.
     Destroy,
 }
@@ -37,6 +41,7 @@ impl Event {
             Self::StartFailed => "mark as failed",
             Self::Stop => "stop",
             Self::Stopped => "mark as stopped",
+            Self::StopFailed => "mark as failed to stop",
             Self::Destroy => "destroy",
         }
     }
@@ -62,6 +67,7 @@ pub fn next(state: SandboxState, event: Event) -> Option<Next> {
         (S::Starting, E::StartFailed) => Next::State(S::Error),
         (S::Running, E::Stop) => Next::State(S::Stopping),
         (S::Stopping, E::Stopped) => Next::State(S::Stopped),
+        (S::Stopping, E::StopFailed) => Next::State(S::Error),
         (S::Created | S::Stopped | S::Error, E::Destroy) => Next::Removed,
         _ => return None,
     })
@@ -83,12 +89,13 @@ mod tests {
     use super::*;
     use SandboxState as S;
 
-    const EVENTS: [Event; 6] = [
+    const EVENTS: [Event; 7] = [
         Event::Start,
         Event::Started,
         Event::StartFailed,
         Event::Stop,
         Event::Stopped,
+        Event::StopFailed,
         Event::Destroy,
     ];
 
@@ -101,6 +108,7 @@ mod tests {
             (S::Starting, Event::StartFailed, Next::State(S::Error)),
             (S::Running, Event::Stop, Next::State(S::Stopping)),
             (S::Stopping, Event::Stopped, Next::State(S::Stopped)),
+            (S::Stopping, Event::StopFailed, Next::State(S::Error)),
             (S::Stopped, Event::Start, Next::State(S::Starting)),
             (S::Error, Event::Start, Next::State(S::Starting)),
             (S::Created, Event::Destroy, Next::Removed),

@@ -5,7 +5,8 @@
 //! `StartUnit("microvm@NAME.service")` runs a stand-in guest: sshd on a
 //! loopback port with the host key and `authorized_keys` agentd provisioned
 //! for the sandbox, in a private mount namespace where the sandbox's
-//! workspace is at `/workspace`. `microvm@broken.service` fails to start.
+//! workspace is at `/workspace`. `microvm@broken.service` fails to start;
+//! `microvm@stuck.service` refuses to stop.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -195,6 +196,11 @@ impl Manager {
             .lock()
             .unwrap()
             .push(format!("StopUnit {name} {mode}"));
+        if name == "microvm@stuck.service" {
+            return Err(zbus::fdo::Error::Failed(
+                "Job for microvm@stuck.service canceled".into(),
+            ));
+        }
         set_state(conn, &name, "deactivating", "stop", "success").await;
         if let Some(mut c) = self.guests.lock().unwrap().remove(&name) {
             let _ = c.kill();
