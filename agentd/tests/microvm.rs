@@ -17,31 +17,44 @@ use common::caddy::free_port;
 use common::systemd::FakeSystemd;
 use common::{Env, is_root, origin, wait_for};
 
-fn setup() -> Option<(Env, FakeSystemd)> {
+/// The subnet of the tests' guests: their derived addresses are on
+/// loopback, so a test can connect from them.
+const SUBNET: &str = "127.0.0.0/16";
+
+/// agentd with the double; every guest's sshd on 127.0.0.1 (`ssh_host`),
+/// the gateway on a loopback port (returned).
+fn setup() -> Option<(Env, FakeSystemd, SocketAddrV4)> {
     if !is_root() {
         eprintln!("skipped: the stand-in guest (sshd in a mount namespace) needs root");
         return None;
     }
     let mut env = Env::bus_only();
     let port = free_port();
+    let gateway = SocketAddrV4::new(Ipv4Addr::LOCALHOST, free_port());
     let fake = FakeSystemd::start(&env.address, env.state_dir.clone(), port);
     let config = env.tmp.path().join("agentd.json");
-    std::fs::write(
-        &config,
-        format!(
-            r#"{{"microvm":{{"systemd_bus":"{}","ssh_user":"root","ssh_port":{port},"ssh_host":"127.0.0.1","start_timeout_seconds":30}}}}"#,
-            env.address
-        ),
-    )
-    .unwrap();
+    let cfg = serde_json::json!({
+        "microvm": {
+            "systemd_bus": env.address,
+            "ssh_user": "root",
+            "ssh_port": port,
+            "ssh_host": "127.0.0.1",
+            "subnet": SUBNET,
+            "gateway_listen": gateway.to_string(),
+            "start_timeout_seconds": 30
+        }
+    });
+    std::fs::write(&config, cfg.to_string()).unwrap();
     env.config = Some(config);
     env.start_agentd();
-    Some((env, fake))
+    Some((env, fake, gateway))
 }
 
 #[test]
 fn a_microvm_sandbox_runs_as_a_systemd_unit_reached_over_pinned_ssh() {
-    let Some((env, fake)) = setup() else { return };
+    let Some((env, fake, _)) = setup() else {
+        return;
+    };
     let repo = env.repo("vm");
     env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
     env.ok(&["start", "vm"]);
@@ -132,7 +145,9 @@ fn a_microvm_sandbox_runs_as_a_systemd_unit_reached_over_pinned_ssh() {
 
 #[test]
 fn a_unit_that_fails_to_start_is_reported_with_its_result() {
-    let Some((env, _fake)) = setup() else { return };
+    let Some((env, _fake, _)) = setup() else {
+        return;
+    };
     let repo = env.repo("broken");
     env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
     let err = env.fails(3, &["start", "broken"]);
@@ -150,12 +165,25 @@ fn a_unit_that_fails_to_start_is_reported_with_its_result() {
 
 #[test]
 fn a_running_guest_outlives_agentd_and_is_adopted_with_its_terminal() {
-    let Some((mut env, fake)) = setup() else {
+    let Some((mut env, fake, gateway)) = setup() else {
         return;
     };
     let repo = env.repo("keep");
     env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
     env.ok(&["start", "keep"]);
+    // The guest's way out: its gateway answers (here, refusing the host's
+    // loopback, an address, so nothing is resolved).
+    let source = address_of("keep", SUBNET);
+    let answers = || {
+        request_from(source, gateway, "http://127.0.0.1:9/")
+            .unwrap_or_default()
+            .contains("Keystone Agent refused this connection: 127.0.0.1:9")
+    };
+    wait_for(
+        "the gateway to serve sandbox keep",
+        Duration::from_secs(20),
+        answers,
+    );
 
     // agentd stops (SIGTERM, as a restart does): the unit keeps running.
     let status = env.term_agentd();
@@ -169,10 +197,15 @@ fn a_running_guest_outlives_agentd_and_is_adopted_with_its_terminal() {
             .any(|c| c.starts_with("StopUnit")),
         "agentd stopped the guest on its way out"
     );
-    // The next agentd asks systemd and adopts it.
+    // The next agentd asks systemd and adopts it, and its gateway.
     env.start_agentd();
     assert_eq!(env.state("keep"), "running");
     assert_eq!(env.ok(&["exec", "keep", "--", "pwd"]), "/workspace\n");
+    wait_for(
+        "the gateway to serve the adopted sandbox",
+        Duration::from_secs(20),
+        answers,
+    );
 
     // A terminal over ssh: our size inside, typing reaches the shell, the
     // exit code comes back, our terminal is sane after.
@@ -200,8 +233,9 @@ fn a_running_guest_outlives_agentd_and_is_adopted_with_its_terminal() {
 /// Send a plain HTTP proxy request for `url` to the gateway at `gateway`
 /// from the address `source` (the socket bound to it before it connects,
 /// as a guest's connections come from its own address); the whole answer,
-/// empty when the gateway closes the connection without one.
-fn request_from(source: Ipv4Addr, gateway: SocketAddrV4, url: &str) -> String {
+/// empty when the gateway closes the connection without one, `None` when
+/// nothing listens there.
+fn request_from(source: Ipv4Addr, gateway: SocketAddrV4, url: &str) -> Option<String> {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, socket};
     let fd = socket(
         AddressFamily::Inet,
@@ -215,14 +249,14 @@ fn request_from(source: Ipv4Addr, gateway: SocketAddrV4, url: &str) -> String {
         &SockaddrIn::from(SocketAddrV4::new(source, 0)),
     )
     .unwrap();
-    connect(fd.as_raw_fd(), &SockaddrIn::from(gateway)).unwrap();
+    connect(fd.as_raw_fd(), &SockaddrIn::from(gateway)).ok()?;
     let mut s = std::net::TcpStream::from(fd);
     s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
     // The gateway may close an unknown peer before this is written.
     let _ = write!(s, "GET {url} HTTP/1.1\r\nHost: x\r\n\r\n");
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
-    String::from_utf8_lossy(&out).into_owned()
+    Some(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// The address the naming functions give sandbox `name` in `subnet`.
@@ -247,7 +281,7 @@ fn guests_share_the_gateway_and_each_connection_is_their_sandbox_s_by_its_source
     // The bridge of a NixOS host, on loopback: guests at their derived
     // addresses in 127.0.0.0/16 (sshd of each stand-in guest there), the
     // gateway on 127.0.0.1 (as on A.B.0.1).
-    let subnet = "127.0.0.0/16";
+    let subnet = SUBNET;
     let mut env = Env::bus_only();
     let ssh_port = free_port();
     let gateway = SocketAddrV4::new(Ipv4Addr::LOCALHOST, free_port());
@@ -298,7 +332,7 @@ fn guests_share_the_gateway_and_each_connection_is_their_sandbox_s_by_its_source
         "the gateway to serve sandbox mva",
         Duration::from_secs(20),
         || {
-            answer = request_from(addr_a, gateway, &url);
+            answer = request_from(addr_a, gateway, &url).unwrap_or_default();
             !answer.is_empty()
         },
     );
@@ -308,7 +342,7 @@ fn guests_share_the_gateway_and_each_connection_is_their_sandbox_s_by_its_source
     );
     // The same request from the other guest's address is decided by that
     // guest's policy, and its refusal names that sandbox.
-    let answer = request_from(addr_b, gateway, &url);
+    let answer = request_from(addr_b, gateway, &url).unwrap();
     assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
     assert!(
         answer.contains(&format!("agentctl egress mvb allow origin.test:{port}")),
@@ -319,7 +353,11 @@ fn guests_share_the_gateway_and_each_connection_is_their_sandbox_s_by_its_source
     // From an address that is no running sandbox's: closed unanswered, and
     // logged by agentd, in no sandbox's log.
     for stranger in [Ipv4Addr::LOCALHOST, Ipv4Addr::new(127, 0, 255, 255)] {
-        assert_eq!(request_from(stranger, gateway, &url), "", "{stranger}");
+        assert_eq!(
+            request_from(stranger, gateway, &url).as_deref(),
+            Some(""),
+            "{stranger}"
+        );
         let line =
             format!("refused a connection from {stranger}: no running sandbox has that address");
         wait_for(
@@ -349,19 +387,23 @@ fn guests_share_the_gateway_and_each_connection_is_their_sandbox_s_by_its_source
 
     // A change of policy applies to that sandbox's next connection.
     env.ok(&["egress", b, "allow", "127.0.0.1/32"]);
-    let answer = request_from(addr_b, gateway, &url);
+    let answer = request_from(addr_b, gateway, &url).unwrap();
     assert!(answer.ends_with("origin-body"), "{answer}");
 
     // A stopped sandbox's address is a stranger's again; the other's
     // still works.
     env.ok(&["stop", a]);
-    assert_eq!(request_from(addr_a, gateway, &url), "");
+    assert_eq!(request_from(addr_a, gateway, &url).as_deref(), Some(""));
     let line = format!("refused a connection from {addr_a}: no running sandbox has that address");
     wait_for(
         "the refusal in agentd's log",
         Duration::from_secs(10),
         || env.log().contains(&line),
     );
-    assert!(request_from(addr_b, gateway, &url).ends_with("origin-body"));
+    assert!(
+        request_from(addr_b, gateway, &url)
+            .unwrap()
+            .ends_with("origin-body")
+    );
     drop(fake);
 }
