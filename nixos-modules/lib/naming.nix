@@ -133,10 +133,6 @@ let
     };
     network = {
       subnet = defaultSubnet;
-      nameservers = [
-        "9.9.9.9"
-        "1.1.1.1"
-      ];
     };
     # One sandboxes.<name>; project and owner have no default. Every setting
     # of `defaults` is also a per-sandbox override, null meaning "the default".
