@@ -162,7 +162,7 @@ pub enum Command {
         #[arg(long, value_name = "N")]
         pids: Option<u32>,
         /// Network mode: nat (outbound through agentd's egress gateway),
-        /// none (loopback only) or bridge. Default: nat.
+        /// none (loopback only) or bridge (the same as nat). Default: nat.
         #[arg(long, value_parser = str::parse::<Network>)]
         network: Option<Network>,
         /// Egress policy: allowlist (the preset plus --allow), open (any

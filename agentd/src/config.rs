@@ -145,6 +145,34 @@ pub struct MicrovmConfig {
     pub subnet: String,
     /// Seconds a guest may take to become active and answer.
     pub start_timeout_seconds: u32,
+    /// Where the egress gateway of guests with a network listens (IPv4
+    /// address and port); each connection belongs to the sandbox whose
+    /// address (derived from `subnet`) it comes from. Default: the host's
+    /// address on the bridge, `A.B.0.1:3128` of `subnet`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gateway_listen: Option<String>,
+}
+
+impl MicrovmConfig {
+    /// The gateway's address: `gateway_listen`, else `A.B.0.1:3128`.
+    ///
+    /// # Errors
+    /// What is wrong with `gateway_listen` or `subnet`, as
+    /// [`DaemonConfig::validate`] words it.
+    pub fn gateway(&self) -> Result<std::net::SocketAddrV4, String> {
+        match &self.gateway_listen {
+            Some(listen) => match listen.parse::<std::net::SocketAddrV4>() {
+                Ok(a) if a.port() != 0 && !a.ip().is_unspecified() => Ok(a),
+                _ => Err(format!(
+                    "microvm.gateway_listen '{listen}' must be an IPv4 address and a port \
+                     other than 0, like 10.231.0.1:3128"
+                )),
+            },
+            None => crate::naming::host_address(&self.subnet)
+                .map(|ip| std::net::SocketAddrV4::new(ip, crate::egress::GATEWAY_ADDR.port()))
+                .map_err(|e| format!("microvm.subnet: {e}")),
+        }
+    }
 }
 
 impl Default for MicrovmConfig {
@@ -156,6 +184,7 @@ impl Default for MicrovmConfig {
             ssh_host: None,
             subnet: crate::naming::DEFAULT_SUBNET.to_owned(),
             start_timeout_seconds: 120,
+            gateway_listen: None,
         }
     }
 }
@@ -430,6 +459,11 @@ impl DaemonConfig {
         if let Err(e) = crate::naming::derive("x", &self.microvm.subnet) {
             p.push(format!("microvm.subnet: {e}"));
         }
+        if self.microvm.gateway_listen.is_some() {
+            if let Err(e) = self.microvm.gateway() {
+                p.push(e);
+            }
+        }
         if self.vm.image.as_ref().is_some_and(|i| !i.is_absolute()) {
             p.push("vm.image must be an absolute path".to_owned());
         }
@@ -518,6 +552,38 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.to_string().contains("memroy"), "{e}");
+    }
+
+    #[test]
+    fn the_microvm_gateway_defaults_to_the_bridge_address() {
+        let mut m = MicrovmConfig::default();
+        assert_eq!(m.gateway().unwrap().to_string(), "10.231.0.1:3128");
+        m.subnet = "10.77.0.0/16".into();
+        assert_eq!(m.gateway().unwrap().to_string(), "10.77.0.1:3128");
+        m.gateway_listen = Some("127.0.0.1:4128".into());
+        assert_eq!(m.gateway().unwrap().to_string(), "127.0.0.1:4128");
+        for bad in [
+            "[::1]:3128",
+            "10.77.0.1",
+            "10.77.0.1:0",
+            "0.0.0.0:3128",
+            "bridge:3128",
+        ] {
+            let c = DaemonConfig {
+                microvm: MicrovmConfig {
+                    gateway_listen: Some(bad.into()),
+                    ..MicrovmConfig::default()
+                },
+                ..DaemonConfig::default()
+            };
+            assert_eq!(
+                c.validate(),
+                [format!(
+                    "microvm.gateway_listen '{bad}' must be an IPv4 address and a port other \
+                     than 0, like 10.231.0.1:3128"
+                )],
+            );
+        }
     }
 
     #[test]

@@ -121,6 +121,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         subnet: config.microvm.subnet.clone(),
         start_timeout: Duration::from_secs(u64::from(config.microvm.start_timeout_seconds)),
         state_dir: dir.clone(),
+        // DaemonConfig::load has checked it.
+        gateway: config
+            .microvm
+            .gateway()
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
     }));
     let vm = Arc::new(VmBackend::new(VmSettings {
         exe: exe.clone(),

@@ -65,6 +65,15 @@ pub fn derive(name: &str, subnet: &str) -> Result<Names, String> {
     })
 }
 
+/// The host's address in `subnet` (`A.B.0.1`, on the sandboxes' bridge).
+///
+/// # Errors
+/// When `subnet` is not an IPv4 /16 written as `A.B.0.0/16`.
+pub fn host_address(subnet: &str) -> Result<std::net::Ipv4Addr, String> {
+    let (a, b) = parse_subnet(subnet)?;
+    Ok(std::net::Ipv4Addr::new(a, b, 0, 1))
+}
+
 fn parse_subnet(subnet: &str) -> Result<(u8, u8), String> {
     let bad = || format!("subnet '{subnet}' must be an IPv4 /16 written as A.B.0.0/16");
     let (addr, len) = subnet.split_once('/').ok_or_else(bad)?;
@@ -106,6 +115,10 @@ mod tests {
             assert_ne!(v.address, "10.231.0.1");
             assert!(v.cid >= 3 && v.cid < (1 << 31));
         }
+        assert_eq!(
+            host_address(DEFAULT_SUBNET).unwrap(),
+            std::net::Ipv4Addr::new(10, 231, 0, 1)
+        );
         assert!(derive("x", "10.231.0.0/24").is_err());
         assert!(derive("x", "300.1.0.0/16").is_err());
     }

@@ -2,39 +2,59 @@
 //! real path is covered by tests/nixos/): start and stop through
 //! StartUnit/StopUnit with the unit's state followed by PropertiesChanged,
 //! `running` only once the guest's sshd answers with the pinned host key,
-//! commands over ssh, a failed unit reported with its result.
+//! commands over ssh, a failed unit reported with its result; the egress
+//! gateway the guests share, each connection attributed to a sandbox by
+//! its source address.
 
 mod common;
 
+use std::io::{Read as _, Write as _};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::AsRawFd as _;
+use std::time::Duration;
+
 use common::caddy::free_port;
 use common::systemd::FakeSystemd;
-use common::{Env, is_root};
+use common::{Env, is_root, origin, wait_for};
 
-fn setup() -> Option<(Env, FakeSystemd)> {
+/// The subnet of the tests' guests: their derived addresses are on
+/// loopback, so a test can connect from them.
+const SUBNET: &str = "127.0.0.0/16";
+
+/// agentd with the double; every guest's sshd on 127.0.0.1 (`ssh_host`),
+/// the gateway on a loopback port (returned).
+fn setup() -> Option<(Env, FakeSystemd, SocketAddrV4)> {
     if !is_root() {
         eprintln!("skipped: the stand-in guest (sshd in a mount namespace) needs root");
         return None;
     }
     let mut env = Env::bus_only();
     let port = free_port();
+    let gateway = SocketAddrV4::new(Ipv4Addr::LOCALHOST, free_port());
     let fake = FakeSystemd::start(&env.address, env.state_dir.clone(), port);
     let config = env.tmp.path().join("agentd.json");
-    std::fs::write(
-        &config,
-        format!(
-            r#"{{"microvm":{{"systemd_bus":"{}","ssh_user":"root","ssh_port":{port},"ssh_host":"127.0.0.1","start_timeout_seconds":30}}}}"#,
-            env.address
-        ),
-    )
-    .unwrap();
+    let cfg = serde_json::json!({
+        "microvm": {
+            "systemd_bus": env.address,
+            "ssh_user": "root",
+            "ssh_port": port,
+            "ssh_host": "127.0.0.1",
+            "subnet": SUBNET,
+            "gateway_listen": gateway.to_string(),
+            "start_timeout_seconds": 30
+        }
+    });
+    std::fs::write(&config, cfg.to_string()).unwrap();
     env.config = Some(config);
     env.start_agentd();
-    Some((env, fake))
+    Some((env, fake, gateway))
 }
 
 #[test]
 fn a_microvm_sandbox_runs_as_a_systemd_unit_reached_over_pinned_ssh() {
-    let Some((env, fake)) = setup() else { return };
+    let Some((env, fake, _)) = setup() else {
+        return;
+    };
     let repo = env.repo("vm");
     env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
     env.ok(&["start", "vm"]);
@@ -125,7 +145,9 @@ fn a_microvm_sandbox_runs_as_a_systemd_unit_reached_over_pinned_ssh() {
 
 #[test]
 fn a_unit_that_fails_to_start_is_reported_with_its_result() {
-    let Some((env, _fake)) = setup() else { return };
+    let Some((env, _fake, _)) = setup() else {
+        return;
+    };
     let repo = env.repo("broken");
     env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
     let err = env.fails(3, &["start", "broken"]);
@@ -163,12 +185,25 @@ fn a_stop_that_fails_ends_in_error_with_the_reason() {
 
 #[test]
 fn a_running_guest_outlives_agentd_and_is_adopted_with_its_terminal() {
-    let Some((mut env, fake)) = setup() else {
+    let Some((mut env, fake, gateway)) = setup() else {
         return;
     };
     let repo = env.repo("keep");
     env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
     env.ok(&["start", "keep"]);
+    // The guest's way out: its gateway answers (here, refusing the host's
+    // loopback, an address, so nothing is resolved).
+    let source = address_of("keep", SUBNET);
+    let answers = || {
+        request_from(source, gateway, "http://127.0.0.1:9/")
+            .unwrap_or_default()
+            .contains("Keystone Agent refused this connection: 127.0.0.1:9")
+    };
+    wait_for(
+        "the gateway to serve sandbox keep",
+        Duration::from_secs(20),
+        answers,
+    );
 
     // agentd stops (SIGTERM, as a restart does): the unit keeps running.
     let status = env.term_agentd();
@@ -182,10 +217,15 @@ fn a_running_guest_outlives_agentd_and_is_adopted_with_its_terminal() {
             .any(|c| c.starts_with("StopUnit")),
         "agentd stopped the guest on its way out"
     );
-    // The next agentd asks systemd and adopts it.
+    // The next agentd asks systemd and adopts it, and its gateway.
     env.start_agentd();
     assert_eq!(env.state("keep"), "running");
     assert_eq!(env.ok(&["exec", "keep", "--", "pwd"]), "/workspace\n");
+    wait_for(
+        "the gateway to serve the adopted sandbox",
+        Duration::from_secs(20),
+        answers,
+    );
 
     // A terminal over ssh: our size inside, typing reaches the shell, the
     // exit code comes back, our terminal is sane after.
@@ -208,4 +248,182 @@ fn a_running_guest_outlives_agentd_and_is_adopted_with_its_terminal() {
         |s| s.contains("code=5"),
     );
     assert!(common::term::is_cooked(&t.stty("after")));
+}
+
+/// Send a plain HTTP proxy request for `url` to the gateway at `gateway`
+/// from the address `source` (the socket bound to it before it connects,
+/// as a guest's connections come from its own address); the whole answer,
+/// empty when the gateway closes the connection without one, `None` when
+/// nothing listens there.
+fn request_from(source: Ipv4Addr, gateway: SocketAddrV4, url: &str) -> Option<String> {
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, SockaddrIn, bind, connect, socket};
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .unwrap();
+    bind(
+        fd.as_raw_fd(),
+        &SockaddrIn::from(SocketAddrV4::new(source, 0)),
+    )
+    .unwrap();
+    connect(fd.as_raw_fd(), &SockaddrIn::from(gateway)).ok()?;
+    let mut s = std::net::TcpStream::from(fd);
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    // The gateway may close an unknown peer before this is written.
+    let _ = write!(s, "GET {url} HTTP/1.1\r\nHost: x\r\n\r\n");
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    Some(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// The address the naming functions give sandbox `name` in `subnet`.
+fn address_of(name: &str, subnet: &str) -> Ipv4Addr {
+    agentd::naming::derive(name, subnet)
+        .unwrap()
+        .address
+        .parse()
+        .unwrap()
+}
+
+fn egress_log(env: &Env, name: &str) -> Vec<serde_json::Value> {
+    serde_json::from_str(&env.ok(&["egress", name, "log", "--json", "-n", "100"])).unwrap()
+}
+
+#[test]
+fn guests_share_the_gateway_and_each_connection_is_their_sandbox_s_by_its_source_address() {
+    if !is_root() {
+        eprintln!("skipped: the stand-in guest (sshd in a mount namespace) needs root");
+        return;
+    }
+    // The bridge of a NixOS host, on loopback: guests at their derived
+    // addresses in 127.0.0.0/16 (sshd of each stand-in guest there), the
+    // gateway on 127.0.0.1 (as on A.B.0.1).
+    let subnet = SUBNET;
+    let mut env = Env::bus_only();
+    let ssh_port = free_port();
+    let gateway = SocketAddrV4::new(Ipv4Addr::LOCALHOST, free_port());
+    let fake = FakeSystemd::start_in(&env.address, env.state_dir.clone(), ssh_port, Some(subnet));
+    let config = env.tmp.path().join("agentd.json");
+    let cfg = serde_json::json!({
+        "microvm": {
+            "systemd_bus": env.address,
+            "ssh_user": "root",
+            "ssh_port": ssh_port,
+            "subnet": subnet,
+            "gateway_listen": gateway.to_string(),
+            "start_timeout_seconds": 30
+        },
+        "egress": { "hosts": { "origin.test": "127.0.0.1" } }
+    });
+    std::fs::write(&config, cfg.to_string()).unwrap();
+    env.config = Some(config);
+    env.start_agentd();
+    let port = origin(Ipv4Addr::LOCALHOST.into(), "origin-body");
+    let url = format!("http://origin.test:{port}/");
+
+    // Two guests: one may reach the origin (an address-range entry), the
+    // other may not.
+    let (a, b) = ("mva", "mvb");
+    let (addr_a, addr_b) = (address_of(a, subnet), address_of(b, subnet));
+    assert_ne!(addr_a, addr_b);
+    let repo_a = env.repo(a);
+    let repo_b = env.repo(b);
+    env.ok(&[
+        "create",
+        "--backend",
+        "microvm",
+        "--allow",
+        "127.0.0.1/32",
+        repo_a.to_str().unwrap(),
+    ]);
+    env.ok(&["create", "--backend", "microvm", repo_b.to_str().unwrap()]);
+    env.ok(&["start", a]);
+    env.ok(&["start", b]);
+    // Both guests run, each at its own address.
+    let out = env.ok(&["exec", b, "--", "sh", "-c", "echo $SSH_CONNECTION"]);
+    assert!(out.contains(&format!(" {addr_b} {ssh_port}")), "{out}");
+
+    // The gateway serves a guest once its sandbox runs.
+    let mut answer = String::new();
+    wait_for(
+        "the gateway to serve sandbox mva",
+        Duration::from_secs(20),
+        || {
+            answer = request_from(addr_a, gateway, &url).unwrap_or_default();
+            !answer.is_empty()
+        },
+    );
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with("origin-body"),
+        "{answer}"
+    );
+    // The same request from the other guest's address is decided by that
+    // guest's policy, and its refusal names that sandbox.
+    let answer = request_from(addr_b, gateway, &url).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    assert!(
+        answer.contains(&format!("agentctl egress mvb allow origin.test:{port}")),
+        "{answer}"
+    );
+    assert!(!answer.contains("origin-body"), "{answer}");
+
+    // From an address that is no running sandbox's: closed unanswered, and
+    // logged by agentd, in no sandbox's log.
+    for stranger in [Ipv4Addr::LOCALHOST, Ipv4Addr::new(127, 0, 255, 255)] {
+        assert_eq!(
+            request_from(stranger, gateway, &url).as_deref(),
+            Some(""),
+            "{stranger}"
+        );
+        let line =
+            format!("refused a connection from {stranger}: no running sandbox has that address");
+        wait_for(
+            "the refusal in agentd's log",
+            Duration::from_secs(10),
+            || env.log().contains(&line),
+        );
+    }
+
+    // Each sandbox's log holds its own connections, and only those.
+    let log_a = egress_log(&env, a);
+    let log_b = egress_log(&env, b);
+    assert!(
+        log_a.iter().any(|e| e["decision"] == "allow"
+            && e["host"] == "origin.test"
+            && e["addr"] == "127.0.0.1"),
+        "{log_a:?}"
+    );
+    assert!(log_a.iter().all(|e| e["decision"] == "allow"), "{log_a:?}");
+    assert!(
+        log_b.iter().any(|e| e["decision"] == "deny"
+            && e["host"] == "origin.test"
+            && e["rule"] == "default"),
+        "{log_b:?}"
+    );
+    assert!(log_b.iter().all(|e| e["decision"] == "deny"), "{log_b:?}");
+
+    // A change of policy applies to that sandbox's next connection.
+    env.ok(&["egress", b, "allow", "127.0.0.1/32"]);
+    let answer = request_from(addr_b, gateway, &url).unwrap();
+    assert!(answer.ends_with("origin-body"), "{answer}");
+
+    // A stopped sandbox's address is a stranger's again; the other's
+    // still works.
+    env.ok(&["stop", a]);
+    assert_eq!(request_from(addr_a, gateway, &url).as_deref(), Some(""));
+    let line = format!("refused a connection from {addr_a}: no running sandbox has that address");
+    wait_for(
+        "the refusal in agentd's log",
+        Duration::from_secs(10),
+        || env.log().contains(&line),
+    );
+    assert!(
+        request_from(addr_b, gateway, &url)
+            .unwrap()
+            .ends_with("origin-body")
+    );
+    drop(fake);
 }

@@ -14,6 +14,11 @@
 #   read-only share that agentd fills per sandbox; no passwords; it listens on
 #   vsock and on the sandbox's address, and the firewall accepts only the
 #   host's address;
+# - with a network, the proxy variables (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY,
+#   NO_PROXY, both cases) in every login's environment, pointing at agentd's
+#   egress gateway on the host's bridge address: the host's rules let the
+#   guest reach nothing else, and it has no DNS server (the gateway resolves
+#   names);
 # - /etc/keystone-agent-sandbox, a marker holding the sandbox's name.
 #
 # Options live under keystone.sandbox.* (the host module sets them from
@@ -28,7 +33,8 @@ let
   inherit (lib) types;
 
   cfg = config.keystone.sandbox;
-  d = (import ../lib/naming.nix).optionDefaults;
+  pure = import ../lib/naming.nix;
+  d = pure.optionDefaults;
 
   # Where the read-only share with the SSH keys is mounted in the guest.
   sshDir = "/var/lib/keystone-agent/ssh";
@@ -68,10 +74,31 @@ let
       };
       gateway = lib.mkOption {
         type = types.str;
-        description = "The host's address on the sandboxes' bridge: default route, and the only source sshd and dev servers accept.";
+        description = "The host's address on the sandboxes' bridge: default route, agentd's egress gateway, and the only source sshd and dev servers accept.";
+      };
+      gatewayPort = lib.mkOption {
+        type = types.port;
+        default = pure.gatewayPort;
+        description = "Port of agentd's egress gateway on {option}`gateway`: where the proxy variables point.";
       };
     };
   };
+
+  # The variables that point the usual clients (curl, git, npm, pip, cargo,
+  # the agents' CLIs) at the gateway, in both cases as each reads one or the
+  # other; the same values agentd gives local and vm sandboxes, at the
+  # bridge address instead of loopback.
+  proxyVariables =
+    let
+      gateway = "${cfg.interface.gateway}:${toString cfg.interface.gatewayPort}";
+      lower = {
+        http_proxy = "http://${gateway}";
+        https_proxy = "http://${gateway}";
+        all_proxy = "socks5h://${gateway}";
+        no_proxy = "localhost,127.0.0.1,::1";
+      };
+    in
+    lower // lib.mapAttrs' (name: value: lib.nameValuePair (lib.toUpper name) value) lower;
 in
 {
   options.keystone.sandbox = {
@@ -149,11 +176,6 @@ in
       type = types.nullOr (types.ints.between 3 4294967294);
       default = null;
       description = "vsock CID of the guest; sshd listens on vsock port 22 when set.";
-    };
-    nameservers = lib.mkOption {
-      type = types.listOf types.str;
-      default = d.network.nameservers;
-      description = "DNS servers.";
     };
 
     uid = lib.mkOption {
@@ -288,14 +310,23 @@ in
     security.sudo.wheelNeedsPassword = lib.mkIf cfg.sudo false;
 
     # --- Network: a static address on the tap interface, matched by MAC -----
+    # No DHCP, no IPv6, no DNS server: the host's rules drop or refuse all of
+    # it. The way out is the egress gateway, which resolves names itself.
     networking.useNetworkd = true;
     networking.useDHCP = false;
-    networking.nameservers = cfg.nameservers;
+    networking.nameservers = lib.mkDefault [ ];
     systemd.network.networks."10-keystone" = lib.mkIf (cfg.interface != null) {
       matchConfig.MACAddress = cfg.interface.mac;
       address = [ "${cfg.interface.address}/${toString cfg.interface.prefixLength}" ];
       gateway = [ cfg.interface.gateway ];
+      networkConfig = {
+        LinkLocalAddressing = "no";
+        IPv6AcceptRA = false;
+      };
     };
+    # PAM puts these into every session: agentd's commands and terminals
+    # over ssh, a person's own ssh, the console.
+    environment.sessionVariables = lib.mkIf (cfg.interface != null) proxyVariables;
     # sshd binds the sandbox's address even before networkd has put it on the
     # interface.
     boot.kernel.sysctl."net.ipv4.ip_nonlocal_bind" = 1;

@@ -7,7 +7,9 @@
 # - one microvm.nix guest per declared sandbox on the microvm backend
 #   (microvm.vms.<name>, booting nixos-modules/guest);
 # - the sandboxes' network: the bridge keystone-br0 with the host at A.B.0.1,
-#   one tap interface per sandbox attached by systemd-networkd, NAT out;
+#   one tap interface per sandbox attached by systemd-networkd, and nftables
+#   rules (../lib/firewall.nix) that let each tap reach agentd's egress
+#   gateway at A.B.0.1:3128 and nothing else;
 # - Caddy in front of the sandboxes' dev servers when proxy.enable.
 #
 # Needs microvm.nix's host module for microvm.vms (the flake's
@@ -23,32 +25,41 @@ let
   cfg = config.keystone.agent;
   pure = import ../lib/naming.nix;
 
+  firewall = (import ../lib/firewall.nix).rules cfg;
+
   configPath = "/etc/keystone-agent/agentd.json";
   # Where Caddy (services.caddy, user caddy, data under /var/lib/caddy) keeps
   # its internal CA's root certificate: `agentctl ports` points people at it.
   caddyRootCert = "/var/lib/caddy/.local/share/caddy/pki/authorities/local/root.crt";
   configFile = (pkgs.formats.json { }).generate "agentd.json" (
     lib.recursiveUpdate (pure.renderConfig cfg) (
-      # agentd reaches each guest's sshd at the address derived from this
-      # subnet (the same function as the guests' static addresses).
-      { microvm.subnet = cfg.network.subnet; }
-      // lib.optionalAttrs cfg.proxy.enable { proxy.ca_file = caddyRootCert; }
+      lib.optionalAttrs cfg.proxy.enable { proxy.ca_file = caddyRootCert; }
     )
   );
 
-  # Bridge of the sandboxes' tap interfaces. It must not match the taps'
-  # pattern ("ks" + 13 hex digits).
-  bridge = "keystone-br0";
+  bridge = pure.bridgeName;
   tapPattern = "ks" + lib.concatStrings (lib.genList (_: "?") 13);
 
   # A.B.0.1 (derive throws a message naming the option for a bad subnet;
   # the assertions report it first).
-  hostAddress = (pure.derive "keystone-agent" cfg.network.subnet).gateway;
+  hostAddress = pure.hostAddress cfg.network.subnet;
+
+  # Where the sandboxes' rules are loaded: with the nftables firewall
+  # (networking.nftables.enable), as tables of the nftables service, which
+  # replaces or flushes everything on a reload and puts its tables back;
+  # otherwise by a unit of our own. The module never turns
+  # networking.nftables.enable on itself: that moves networking.firewall and
+  # networking.nat to their nftables implementations, which refuse
+  # iptables commands in their extraCommands, and blacklists the ip_tables
+  # module. nf_tables tables and iptables rules (legacy or nft) apply side
+  # by side, and a drop in either is final.
+  nftablesFirewall = config.networking.nftables.enable;
+  rulesUnit = if nftablesFirewall then "nftables.service" else "keystone-agent-nftables.service";
+  rulesFile = pkgs.writeText "keystone-agent.nft" firewall.ruleset;
 
   vmNames = pure.microvmSandboxes cfg;
   settingsOf = pure.sandboxSettings cfg;
   namesOf = name: pure.derive name cfg.network.subnet;
-  natNames = lib.filter (name: (settingsOf name).network == "nat") vmNames;
   anyNested = lib.any (name: (settingsOf name).nestedVirt) vmNames;
 
   # uid of the guest's user `agent`. virtiofs passes uids through unchanged,
@@ -106,7 +117,6 @@ let
             persist
             ;
           inherit (cfg.microvm) hypervisor shareProto homeSize;
-          inherit (cfg.network) nameservers;
           vsockCid = names.cid;
           inherit (guestUid name) uid;
           interface =
@@ -121,6 +131,7 @@ let
                   prefixLength
                   ;
                 id = names.tapId;
+                inherit (pure) gatewayPort;
               };
         };
       };
@@ -187,7 +198,15 @@ in
       ++ lib.mapAttrsToList (name: sandbox: {
         assertion = config.users.users ? ${sandbox.owner};
         message = "keystone.agent.sandboxes.${name}: owner '${sandbox.owner}' is not a user of this host (no users.users.${sandbox.owner})";
-      }) cfg.sandboxes;
+      }) cfg.sandboxes
+      ++ [
+        {
+          # The nftables service loads its tables (ours among them), then
+          # networking.nftables.ruleset, in one transaction.
+          assertion = !(nftablesFirewall && lib.hasInfix "flush ruleset" config.networking.nftables.ruleset);
+          message = "keystone.agent: networking.nftables.ruleset contains `flush ruleset`, which would remove the tables that keep the sandboxes on ${bridge} from reaching anything but agentd's egress gateway; drop it (networking.nftables.flushRuleset = true flushes before the tables are loaded)";
+        }
+      ];
 
     warnings = uidWarnings ++ groupWarnings;
 
@@ -207,7 +226,14 @@ in
       # agentd keeps Caddy's routes in step through the admin API and
       # re-applies them when Caddy restarts or reloads.
       wants = lib.optional cfg.proxy.enable "caddy.service";
-      after = [ "network.target" ] ++ lib.optional cfg.proxy.enable "caddy.service";
+      # No sandbox runs before the rules that confine its tap are loaded;
+      # without them agentd does not start.
+      requires = [ rulesUnit ];
+      after = [
+        "network.target"
+        rulesUnit
+      ]
+      ++ lib.optional cfg.proxy.enable "caddy.service";
       # Declarations change with the config file. microVM sandboxes keep
       # running across the restart (agentd adopts them again); local ones run
       # in agentd's cgroup and stop with it.
@@ -327,7 +353,8 @@ in
     # --- Network -------------------------------------------------------------------
     # A bridge with the host at A.B.0.1; every tap interface that microvm.nix
     # creates for a sandbox ("ks" + 13 hex digits) joins it as an isolated
-    # port: sandboxes reach the host, not each other.
+    # port. The bridge has no IPv6 address at all: nothing on the host
+    # answers a sandbox over IPv6 (the rules drop its IPv6 frames anyway).
     systemd.network = {
       enable = true;
       netdevs."40-${bridge}".netdevConfig = {
@@ -337,44 +364,77 @@ in
       networks."40-${bridge}" = {
         matchConfig.Name = bridge;
         address = [ "${hostAddress}/16" ];
-        networkConfig.ConfigureWithoutCarrier = true;
+        networkConfig = {
+          ConfigureWithoutCarrier = true;
+          LinkLocalAddressing = "no";
+          IPv6AcceptRA = false;
+        };
         linkConfig.RequiredForOnline = "no";
       };
       networks."41-keystone-taps" = {
         matchConfig.Name = tapPattern;
-        networkConfig.Bridge = bridge;
+        networkConfig = {
+          Bridge = bridge;
+          LinkLocalAddressing = "no";
+        };
         bridgeConfig.Isolated = true;
         linkConfig.RequiredForOnline = "no";
       };
     };
 
-    # Outbound traffic of `nat` sandboxes is masqueraded; `bridge` sandboxes
-    # are on the same bridge without it.
-    networking.nat = lib.mkIf (natNames != [ ]) {
-      enable = true;
-      internalIPs = map (name: "${(namesOf name).address}/32") natNames;
+    # The sandboxes' only way out is agentd's egress gateway on A.B.0.1:3128
+    # (agentd.json's microvm.gateway_listen): nothing is routed or
+    # masqueraded for them. The rules (../lib/firewall.nix, docs/network.md)
+    # let each tap send only its own guest's MAC and address, accept from the
+    # bridge only new connections to the gateway and replies to the host's
+    # own connections (agentd's ssh), and route nothing from or into the
+    # bridge; a sandbox-to-sandbox frame is dropped too. They hook in before
+    # everything else, and a drop in them is final whatever the firewall
+    # accepts, so networking.firewall cannot open anything for the sandboxes.
+    networking.nftables.tables = lib.mkIf nftablesFirewall {
+      keystone-agent = {
+        family = "inet";
+        content = firewall.inet;
+      };
+      keystone-agent-bridge = {
+        name = "keystone-agent";
+        family = "bridge";
+        content = firewall.bridge;
+      };
+    };
+    systemd.services.keystone-agent-nftables = lib.mkIf (!nftablesFirewall) {
+      description = "Keystone Agent: nftables rules of the sandboxes' bridge";
+      documentation = [ "https://github.com/keystone-agent/keystone-agent/blob/main/docs/network.md" ];
+      # In place before any interface is configured; ordered as nixpkgs'
+      # nftables.service is.
+      wantedBy = [ "multi-user.target" ];
+      after = [ "sysinit.target" ];
+      before = [
+        "network-pre.target"
+        "shutdown.target"
+      ];
+      wants = [
+        "network-pre.target"
+        "sysinit.target"
+      ];
+      conflicts = [ "shutdown.target" ];
+      unitConfig.DefaultDependencies = false;
+      # The file replaces both tables in one transaction, so a reload never
+      # leaves the taps without rules. Stopping the unit leaves them loaded:
+      # they fail closed, and they do nothing once the bridge is gone.
+      reloadIfChanged = true;
+      serviceConfig = {
+        Type = "oneshot";
+        RemainAfterExit = true;
+        ExecStart = "${lib.getExe' pkgs.nftables "nft"} -f ${rulesFile}";
+        ExecReload = "${lib.getExe' pkgs.nftables "nft"} -f ${rulesFile}";
+      };
     };
 
-    # Bridge isolation stops sandboxes at layer 2; this stops them from using
-    # the host as a router to each other.
-    networking.firewall = lib.mkIf (!config.networking.nftables.enable) {
-      extraCommands = ''
-        iptables -w -C FORWARD -i ${bridge} -o ${bridge} -j DROP 2>/dev/null \
-          || iptables -w -I FORWARD -i ${bridge} -o ${bridge} -j DROP
-      '';
-      extraStopCommands = ''
-        iptables -w -D FORWARD -i ${bridge} -o ${bridge} -j DROP 2>/dev/null || true
-      '';
-    };
-    networking.nftables.tables.keystone-agent = lib.mkIf config.networking.nftables.enable {
-      family = "inet";
-      content = ''
-        chain forward {
-          type filter hook forward priority filter; policy accept;
-          iifname "${bridge}" oifname "${bridge}" drop
-        }
-      '';
-    };
+    # The firewall (iptables or nftables) must let the gateway's connections
+    # in; the rules above allow nothing else from the bridge whatever it
+    # allows.
+    networking.firewall.interfaces.${bridge}.allowedTCPPorts = [ pure.gatewayPort ];
 
     # NetworkManager, where it runs, must leave the bridge and taps alone.
     networking.networkmanager.unmanaged = [

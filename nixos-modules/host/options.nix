@@ -62,12 +62,15 @@ let
       ];
       example = "none";
       description = ''
-        Network of the sandbox. `nat`: a tap interface on the host bridge with
-        its address from {option}`keystone.agent.network.subnet`, outbound
-        traffic masqueraded by the host. `bridge`: the same interface and
-        address, reachable from the host, but no masquerading (route the subnet
-        yourself). `none`: no network interface; the host reaches the sandbox
-        over vsock only, and dev-server links do not work. agentd: `network`.
+        Network of the sandbox. `nat`: a tap interface on the host's bridge
+        with its address from {option}`keystone.agent.network.subnet`, whose
+        only way out is agentd's egress gateway on the host's bridge address
+        (the module's nftables rules drop everything else; nothing is routed
+        or masqueraded). `bridge`: the same; it once meant a routed subnet
+        without masquerading, and is kept so that configurations naming it
+        still work. `none`: no network interface; the host reaches the
+        sandbox over vsock only, and dev-server links do not work. agentd:
+        `network`.
       '';
     };
     egress = {
@@ -250,6 +253,14 @@ let
     };
 in
 {
+  imports = [
+    (lib.mkRemovedOptionModule [ "keystone" "agent" "network" "nameservers" ] ''
+      A sandbox's only way out is agentd's egress gateway, which resolves
+      names itself (socks5h, HTTP CONNECT by name) with the host's resolver;
+      the guests have no DNS server.
+    '')
+  ];
+
   options.keystone.agent = {
     enable = lib.mkEnableOption "Keystone Agent: the agentd service, its D-Bus policy and the declared sandboxes (one microVM each)";
 
@@ -356,14 +367,10 @@ in
         example = "10.77.0.0/16";
         description = ''
           IPv4 /16 (written `A.B.0.0/16`) of the sandboxes' network. The host
-          is `A.B.0.1` on the bridge `keystone-br0`; each sandbox gets an
-          address derived from its name.
+          is `A.B.0.1` on the bridge `keystone-br0`, where agentd's egress
+          gateway listens on port 3128; each sandbox gets an address derived
+          from its name.
         '';
-      };
-      nameservers = lib.mkOption {
-        type = types.listOf types.str;
-        default = d.network.nameservers;
-        description = "DNS servers the sandboxes use.";
       };
     };
 

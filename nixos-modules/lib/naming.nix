@@ -19,6 +19,10 @@
 #   address    offset = 2 + int(h[23..27]) mod 65533;  "A.B.<offset/256>.<offset%256>"
 #              in the subnet "A.B.0.0/16"; A.B.0.1 is the host (never an offset)
 #   vsock CID  3 + int(h[27..34])                      (0-2 are reserved)
+#
+# The host is A.B.0.1 on the bridge keystone-br0, where agentd's egress
+# gateway listens on port 3128 for every sandbox with a network
+# (./firewall.nix renders the rules that make it their only way out).
 let
   inherit (builtins)
     attrNames
@@ -84,6 +88,14 @@ let
 
   defaultSubnet = "10.231.0.0/16";
 
+  # The bridge of the sandboxes' tap interfaces. It must not match the taps'
+  # pattern ("ks" + 13 hex digits).
+  bridgeName = "keystone-br0";
+
+  # Port of agentd's egress gateway on the host's bridge address (agentd's
+  # GATEWAY_ADDR port, which local and vm sandboxes use inside).
+  gatewayPort = 3128;
+
   # Option defaults of keystone.agent; nixos-modules/host/options.nix takes
   # its defaults from here so that renderConfig on a partial fixture and the
   # module agree.
@@ -121,10 +133,6 @@ let
     };
     network = {
       subnet = defaultSubnet;
-      nameservers = [
-        "9.9.9.9"
-        "1.1.1.1"
-      ];
     };
     # One sandboxes.<name>; project and owner have no default. Every setting
     # of `defaults` is also a per-sandbox override, null meaning "the default".
@@ -228,6 +236,14 @@ let
         cid = 3 + hexToInt (hex 27 34);
       };
 
+  # "A.B.0.1", the host's address on the bridge (throws for a bad subnet).
+  hostAddress = subnet: (derive "keystone-agent" subnet).gateway;
+
+  # "A.B.0.1:3128", where agentd's gateway listens for the sandboxes, or null
+  # for a bad subnet (which validate reports).
+  gatewayListen =
+    subnet: if parseSubnet subnet == null then null else "${hostAddress subnet}:${toString gatewayPort}";
+
   # The shape of an entry of tests/fixtures/naming.json.
   toVector = d: {
     inherit (d)
@@ -264,6 +280,12 @@ let
     cfg:
     filter (name: sandboxBackend cfg name == "microvm") (attrNames (resolve cfg).sandboxes);
 
+  # Names of the microvm sandboxes with a tap on the bridge: network "nat" or
+  # "bridge" (the same since the gateway is their only way out); "none" has
+  # no interface.
+  tapSandboxes =
+    cfg: filter (name: (sandboxSettings cfg name).network != "none") (microvmSandboxes cfg);
+
   # --- agentd's JSON configuration -------------------------------------------
 
   renderSettings = s: listToAttrs (map (key: {
@@ -287,13 +309,16 @@ let
 
   # keystone.agent option values -> agentd's configuration (an attrset that
   # the module writes with pkgs.formats.json). Only fields of agentd's schema
-  # appear: kubernetes.*, microvm.*, network.* and group configure the host,
-  # not agentd. `local` is left out: agentd's defaults (its read-only paths
-  # include /nix and /run/current-system) suit NixOS.
+  # appear: kubernetes.*, microvm.* and group configure the host, not agentd;
+  # of network.*, agentd gets the subnet (it derives each guest's address
+  # from it, as the guests' static addresses are) and where its gateway
+  # listens for them. `local` is left out: agentd's defaults (its read-only
+  # paths include /nix and /run/current-system) suit NixOS.
   renderConfig =
     cfg:
     let
       c = resolve cfg;
+      listen = gatewayListen c.network.subnet;
     in
     {
       state_dir = stateDir;
@@ -302,6 +327,10 @@ let
       proxy = {
         inherit (c.proxy) enable domain;
       };
+      microvm = {
+        inherit (c.network) subnet;
+      }
+      // optionalAttrs (listen != null) { gateway_listen = listen; };
       sandboxes = mapAttrs (_: renderSandbox) c.sandboxes;
     };
 
@@ -394,6 +423,11 @@ in
   inherit
     stateDir
     defaultSubnet
+    bridgeName
+    gatewayPort
+    hostAddress
+    gatewayListen
+    tapSandboxes
     optionDefaults
     settingFields
     resolve

@@ -9,7 +9,11 @@
 #       JSON, which `agentd --check-config` accepts; validate reports the
 #       expected problems of tests/nix/bad-config.nix, and agentd finds the
 #       same ones in that configuration's JSON;
-#   (d) flake.lock is current for flake.nix's inputs (offline, no fetching).
+#   (d) nixos-modules/lib/firewall.nix renders tests/fixtures/nix-config.nix
+#       into the expected nftables rules (tests/nix/nix-config.expected.nft),
+#       and `nft --check` accepts them in a network namespace of its own
+#       (skipped, and said so, without nft or unshare);
+#   (e) flake.lock is current for flake.nix's inputs (offline, no fetching).
 #
 # The module evaluation, package builds and NixOS VM tests need nixpkgs and
 # KVM: `nix flake check` (docs/configuration.md, "What runs where").
@@ -36,7 +40,7 @@ if ! command -v nix-instantiate >/dev/null; then
 fi
 
 tmp=$(mktemp -d)
-# (d) leaves a read-only Nix store under $tmp.
+# (e) leaves a read-only Nix store under $tmp.
 trap 'chmod -R u+w "$tmp" 2>/dev/null; rm -rf "$tmp"' EXIT
 
 # Parsing and evaluating need no Nix store at all: `--store dummy://` lets
@@ -60,6 +64,7 @@ show_diff() {
 }
 
 lib=./nixos-modules/lib/naming.nix
+firewall=./nixos-modules/lib/firewall.nix
 
 # --- (a) -----------------------------------------------------------------------
 echo "== (a) nix-instantiate --parse on every .nix file"
@@ -198,7 +203,53 @@ else
 fi
 
 # --- (d) -----------------------------------------------------------------------
-echo "== (d) flake.lock is current for flake.nix"
+echo "== (d) the module's nftables rules (firewall.nix)"
+expected_nft=tests/nix/nix-config.expected.nft
+# The lines as a JSON list, one JSON string per line of output.
+json_lines() {
+  sed -e 's/^\[//' -e 's/\]$//' -e 's/","/"\n"/g'
+}
+if got=$(nix_json "((import $firewall).rules (import $good)).lines" 2>"$tmp/err"); then
+  if [[ $(nix_json "((import $firewall).rules (import $good)).ruleset == builtins.readFile ./$expected_nft") == true ]]; then
+    pass "rules for $good equal $expected_nft"
+  else
+    fail "rules for $good differ from $expected_nft"
+    # (The file's last newline gives split a last, empty line.)
+    want=$(nix_json "let l = builtins.filter builtins.isString (builtins.split \"\n\" (builtins.readFile ./$expected_nft)); in builtins.genList (builtins.elemAt l) (builtins.length l - 1)")
+    printf '%s\n' "$want" | json_lines >"$tmp/a"
+    printf '%s\n' "$got" | json_lines >"$tmp/b"
+    diff -u --label expected --label firewall.nix "$tmp/a" "$tmp/b" | sed 's/^/        /' || true
+  fi
+  # Back to text: the lines are JSON strings (quotes are the only escapes
+  # the rules contain; a backslash would be one too).
+  printf '%s\n' "$got" | json_lines | sed -e 's/^"//' -e 's/"$//' -e 's/\\"/"/g' -e 's/\\\\/\\/g' >"$tmp/rules.nft"
+  if ! command -v nft >/dev/null || ! command -v unshare >/dev/null; then
+    echo "  skip  nft --check: nft or unshare is missing (Debian: apt-get install -y nftables)"
+  else
+    # A network namespace of our own (and, when not root, a user namespace
+    # to own it): nothing is loaded into the host's rules.
+    ns=(unshare -n)
+    if ((EUID != 0)); then ns=(unshare -r -n); fi
+    if out=$("${ns[@]}" nft --check --file "$tmp/rules.nft" 2>&1); then
+      pass "nft --check accepts them"
+    else
+      fail "nft --check refuses them"
+      printf '%s\n' "$out" | sed 's/^/        /'
+    fi
+  fi
+else
+  fail "firewall.nix rules for $good"
+  sed 's/^/        /' "$tmp/err"
+fi
+if [[ $(nix_json "builtins.length (builtins.filter (l: builtins.match \".*iifname vmap.*\" l != null) ((import $firewall).rules { }).lines)") == 0 ]] &&
+  out=$(nix_json "((import $firewall).rules { }).ruleset" 2>&1); then
+  pass "rules without sandboxes: no tap map, only the catch-alls"
+else
+  fail "rules without sandboxes: $out"
+fi
+
+# --- (e) -----------------------------------------------------------------------
+echo "== (e) flake.lock is current for flake.nix"
 # Untracked files are invisible to a flake in a git repository: check a copy.
 # The copy goes into a throw-away store of our own (no daemon, no root).
 mkdir "$tmp/flake"

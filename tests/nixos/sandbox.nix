@@ -12,6 +12,13 @@
 # systemd's D-Bus API and reaches the guest's sshd at its tap address with the
 # keys it provisioned (the host key pinned). This is the real path of what
 # agentd/tests/microvm.rs checks against a test double of systemd.
+#
+# The network: the guest's only way out is agentd's egress gateway on the
+# host's bridge address (the module's nftables rules, nixos-modules/lib/
+# firewall.nix). The host trusts the bridge in its own firewall, so that
+# what holds below holds whatever networking.firewall says; a second machine,
+# `origin`, serves HTTP on ports 80 (allowed to the sandbox by an
+# address-range entry) and 8080 (not allowed).
 { pkgs, self }:
 pkgs.testers.runNixOSTest {
   name = "keystone-agent-sandbox";
@@ -31,6 +38,10 @@ pkgs.testers.runNixOSTest {
           "kvm64,+svm,+vmx"
         ];
       };
+
+      # networking.firewall opens everything on the bridge; the module's
+      # rules must still let the sandbox reach only the gateway.
+      networking.firewall.trustedInterfaces = [ "keystone-br0" ];
 
       users.users.alice = {
         isNormalUser = true;
@@ -53,11 +64,17 @@ pkgs.testers.runNixOSTest {
           project = "/home/alice/demo";
           owner = "alice";
           ports.web = 8000;
-          # The dev server the test starts inside the sandbox.
+          # `origin` (on the test network, 192.168.1.0/24) on port 80 only.
+          egressAllow = [ "192.168.1.0/24:80" ];
+          # The dev server the test starts inside the sandbox, and curl.
           guestConfig =
             { pkgs, ... }:
             {
-              environment.systemPackages = [ pkgs.python3 ];
+              environment.systemPackages = [
+                pkgs.python3
+                pkgs.curl
+                pkgs.iproute2
+              ];
             };
         };
       };
@@ -65,10 +82,35 @@ pkgs.testers.runNixOSTest {
       environment.systemPackages = [
         pkgs.git
         pkgs.curl
+        pkgs.nftables
       ];
     };
 
+  nodes.origin = {
+    services.nginx = {
+      enable = true;
+      virtualHosts.origin = {
+        listen = [
+          {
+            addr = "0.0.0.0";
+            port = 80;
+          }
+          {
+            addr = "0.0.0.0";
+            port = 8080;
+          }
+        ];
+        locations."/".return = "200 'origin-says-hello'";
+      };
+    };
+    networking.firewall.allowedTCPPorts = [
+      80
+      8080
+    ];
+  };
+
   testScript = ''
+    import json
     import shlex
 
 
@@ -77,8 +119,10 @@ pkgs.testers.runNixOSTest {
         return f"su - alice -c {shlex.quote(cmd)}"
 
 
-    host.start()
+    start_all()
     host.wait_for_unit("multi-user.target")
+    origin.wait_for_unit("nginx.service")
+    origin.wait_for_open_port(8080)
 
     with subtest("agentd runs and its configuration is valid"):
         host.wait_for_unit("agentd.service")
@@ -143,6 +187,81 @@ pkgs.testers.runNixOSTest {
             " https://demo.sandbox.local/ | grep -q hello.txt",
             timeout=120,
         )
+
+    def inside(cmd):
+        """cmd run by sh in the sandbox (as its user `agent`), through agentctl."""
+        return alice(f"agentctl --bus system exec demo -- sh -c {shlex.quote(cmd)}")
+
+    # A service on every address of the host, which the firewall lets the
+    # bridge reach (trustedInterfaces): only the module's rules stand
+    # between it and the sandbox.
+    host.succeed("systemd-run --unit=host-service ${pkgs.python3.interpreter} -m http.server --bind 0.0.0.0 8081")
+    host.wait_for_open_port(8081)
+    host_lan = host.succeed("ip -4 -o addr show dev eth1 | awk '{print $4}' | cut -d/ -f1").strip()
+    origin_lan = origin.succeed("ip -4 -o addr show dev eth1 | awk '{print $4}' | cut -d/ -f1").strip()
+
+    with subtest("the host loads the sandbox's rules"):
+        out = host.succeed("nft list table bridge keystone-agent")
+        assert "chain ks" in out, out
+        host.succeed("nft list table inet keystone-agent | grep -q 'tcp dport 3128'")
+        # The bridge has no IPv6 address for a sandbox to talk to.
+        out = host.succeed("ip -6 addr show dev keystone-br0")
+        assert "inet6" not in out, out
+
+    with subtest("the guest's logins point at the gateway on the bridge"):
+        out = host.succeed(inside("echo $HTTPS_PROXY $http_proxy $ALL_PROXY $no_proxy"))
+        assert out.split() == [
+            "http://10.231.0.1:3128",
+            "http://10.231.0.1:3128",
+            "socks5h://10.231.0.1:3128",
+            "localhost,127.0.0.1,::1",
+        ], out
+
+    with subtest("directly, the sandbox reaches nothing: not the host, not the network"):
+        for url in [
+            "http://10.231.0.1:8081/",
+            f"http://{host_lan}:8081/",
+            "http://10.231.0.1:22/",
+            "http://10.231.0.1:2019/config/",
+            f"http://{origin_lan}/",
+        ]:
+            host.fail(inside(f"curl -sS --noproxy '*' --max-time 5 {url}"))
+        # Refused at once, not left to time out.
+        host.succeed(inside(
+            "start=$(date +%s); curl -s --noproxy '*' --max-time 20 http://10.231.0.1:8081/;"
+            " test $(( $(date +%s) - start )) -lt 5"
+        ))
+
+    with subtest("through the gateway: the allowed origin answers, the other is refused"):
+        out = host.succeed(inside(f"curl -sS --max-time 20 http://{origin_lan}/"))
+        assert "origin-says-hello" in out, out
+        out = host.succeed(inside(f"curl -sS --max-time 20 http://{origin_lan}:8080/"))
+        assert "agentctl egress demo allow" in out and "origin-says-hello" not in out, out
+        # The host's own addresses are refused by the gateway too.
+        out = host.succeed(inside(f"curl -sS --max-time 20 http://{host_lan}:8081/"))
+        assert "refused" in out and "Directory listing" not in out, out
+        entries = json.loads(host.succeed(alice("agentctl --bus system egress demo log --json -n 50")))
+        assert any(e["decision"] == "allow" and e["port"] == 80 for e in entries), entries
+        assert any(e["decision"] == "deny" and e["port"] == 8080 for e in entries), entries
+
+    with subtest("another source address, even the sandbox's root's, gets nothing"):
+        # agent may use sudo in the guest; a second address on its interface
+        # is not the sandbox's, and the bridge drops what it sends: the
+        # connection is never made (curl: 28, timed out, or 7, no answer to
+        # its ARP), so agentd never even sees it (that would be 52, an
+        # empty reply).
+        dev = "$(ip -o -4 addr show | awk '/10\\.231\\./ {print $2; exit}')"
+        host.succeed(inside(f"sudo ip addr add 10.231.0.99/16 dev {dev}"))
+        host.succeed(inside(
+            f"curl -s --connect-timeout 5 --interface 10.231.0.99 --proxy http://10.231.0.1:3128 http://{origin_lan}/;"
+            " rc=$?; test $rc = 28 || test $rc = 7"
+        ))
+        host.succeed(inside(f"sudo ip addr del 10.231.0.99/16 dev {dev}"))
+        host.succeed(inside(f"curl -sS --max-time 20 http://{origin_lan}/ | grep -q origin-says-hello"))
+
+    with subtest("the gateway takes no connection from the host itself"):
+        # Refused by the rules (7), not accepted and closed by agentd (52).
+        host.succeed("curl -s --max-time 5 --proxy http://10.231.0.1:3128 http://origin/; test $? = 7")
 
     with subtest("agentctl stop stops the microVM"):
         host.succeed(alice("agentctl --bus system stop demo"))

@@ -118,13 +118,13 @@ macro_rules! string_enum {
 string_enum! {
     /// Network mode of a sandbox.
     Network {
-        /// Outbound access through the host (the local backend shares the
-        /// host's network namespace).
+        /// Outbound connections through agentd's egress gateway only.
         Nat => "nat",
-        /// No network at all: an empty network namespace with only loopback.
+        /// No network at all: an empty network namespace with only
+        /// loopback (no interface in a VM).
         None => "none",
-        /// Attached to a host bridge (microvm backend; the local backend
-        /// treats it like `nat`).
+        /// The same as `nat` on every backend (on the microvm backend it
+        /// once meant a routed subnet on the host's bridge).
         Bridge => "bridge",
     }
 }

@@ -7,6 +7,11 @@
 //! for it; commands, terminals and connections to dev servers go through
 //! that sshd with agentd's own key (see [`super::ssh`]).
 //!
+//! A guest with a network reaches the outside only through agentd's egress
+//! gateway, at the host's address on the bridge; the gateway listener is
+//! shared by all guests and tells them apart by their source addresses
+//! ([`crate::egress::shared`]), which the NixOS module's rules keep honest.
+//!
 //! What agentd uses of systemd, and what the test double implements, is
 //! written down in docs/architecture.md ("The systemd contract").
 
@@ -80,6 +85,10 @@ pub struct MicrovmSettings {
     pub subnet: String,
     /// Limit for the unit to become active and the guest to answer.
     pub start_timeout: Duration,
+    /// Where guests with a network reach the egress gateway (the host's
+    /// bridge address; shared by all of them, each connection attributed
+    /// by its source address).
+    pub gateway: std::net::SocketAddrV4,
     /// agentd's state directory (`sandboxes/<name>/` holds the keys).
     pub state_dir: PathBuf,
 }
@@ -384,6 +393,29 @@ impl MicrovmBackend {
     }
 }
 
+impl MicrovmBackend {
+    /// A guest with a network (`nat`, or `bridge`, which means the same)
+    /// reaches the gateway at the host's bridge address, from its own
+    /// address: the connections from that address are its.
+    fn gateway_socket(
+        &self,
+        spec: &SandboxSpec,
+    ) -> Result<Option<crate::egress::Socket>, BackendError> {
+        if spec.config.network == keystone_agent_api::Network::None {
+            return Ok(None);
+        }
+        let names = crate::naming::derive(&spec.name, &self.settings.subnet).map_err(fail)?;
+        let source = names
+            .address
+            .parse()
+            .map_err(|e| fail(format!("address {} of {}: {e}", names.address, spec.name)))?;
+        Ok(Some(crate::egress::Socket::Shared {
+            listen: self.settings.gateway,
+            source,
+        }))
+    }
+}
+
 /// The sandbox's directory in agentd's state (parent of its workspace).
 fn sandbox_dir(spec: &SandboxSpec) -> PathBuf {
     spec.workspace
@@ -457,6 +489,13 @@ impl Backend for MicrovmBackend {
         port: u16,
     ) -> BoxFut<'a, Result<OwnedFd, BackendError>> {
         Box::pin(async move { self.target(spec)?.connect(addr, port) })
+    }
+
+    fn gateway<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+    ) -> BoxFut<'a, Result<Option<crate::egress::Socket>, BackendError>> {
+        Box::pin(async move { self.gateway_socket(spec) })
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {
@@ -535,6 +574,7 @@ mod tests {
             subnet: crate::naming::DEFAULT_SUBNET.into(),
             start_timeout: Duration::from_secs(1),
             state_dir: PathBuf::from("/state"),
+            gateway: "10.231.0.1:3128".parse().unwrap(),
         });
         let names = crate::naming::derive("demo", crate::naming::DEFAULT_SUBNET).unwrap();
         let nat = b
@@ -565,6 +605,26 @@ mod tests {
         assert!(
             args.iter().any(|a| a.starts_with("ProxyCommand=socat")),
             "{args:?}"
+        );
+
+        // The gateway: shared at the bridge address, this guest's
+        // connections told by its address; none without a network.
+        for network in [
+            keystone_agent_api::Network::Nat,
+            keystone_agent_api::Network::Bridge,
+        ] {
+            match b.gateway_socket(&spec("demo", network)).unwrap() {
+                Some(crate::egress::Socket::Shared { listen, source }) => {
+                    assert_eq!(listen.to_string(), "10.231.0.1:3128");
+                    assert_eq!(source.to_string(), names.address);
+                }
+                other => panic!("{network}: {other:?}"),
+            }
+        }
+        assert!(
+            b.gateway_socket(&spec("demo", keystone_agent_api::Network::None))
+                .unwrap()
+                .is_none()
         );
     }
 }

@@ -60,13 +60,17 @@ impl std::fmt::Debug for Context {
 }
 
 /// Where a gateway accepts: a TCP socket in a `local` sandbox's network
-/// namespace, or the unix socket a `vm` guest's vsock connections arrive on.
+/// namespace, the unix socket a `vm` guest's vsock connections arrive on,
+/// or the connections a shared listener attributed to the sandbox (a
+/// `microvm` guest's, by their source address).
 #[derive(Debug)]
 pub enum Listener {
     /// A listening TCP socket.
     Tcp(tokio::net::TcpListener),
     /// A listening unix socket.
     Unix(tokio::net::UnixListener),
+    /// Connections accepted by a [`super::shared::Shared`] listener.
+    Routed(tokio::sync::mpsc::Receiver<TcpStream>),
 }
 
 /// A client connection of either kind.
@@ -76,7 +80,7 @@ enum Client {
 }
 
 impl Listener {
-    async fn accept(&self) -> std::io::Result<Client> {
+    async fn accept(&mut self) -> std::io::Result<Client> {
         Ok(match self {
             Self::Tcp(l) => {
                 let (s, _) = l.accept().await?;
@@ -84,13 +88,21 @@ impl Listener {
                 Client::Tcp(s)
             }
             Self::Unix(l) => Client::Unix(l.accept().await?.0),
+            Self::Routed(rx) => match rx.recv().await {
+                Some(s) => {
+                    let _ = s.set_nodelay(true);
+                    Client::Tcp(s)
+                }
+                // The route is gone, and this task is being ended with it.
+                None => std::future::pending().await,
+            },
         })
     }
 }
 
 /// Accept connections on `listener` until the task is aborted; aborting it
 /// ends every connection it started.
-pub async fn serve(listener: Listener, ctx: Arc<Context>) {
+pub async fn serve(mut listener: Listener, ctx: Arc<Context>) {
     let mut conns = JoinSet::new();
     let dns = Arc::new(tokio::sync::Semaphore::new(DNS_PER_SANDBOX));
     loop {

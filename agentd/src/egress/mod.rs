@@ -8,14 +8,20 @@
 //! sandbox's namespace while every byte is handled on the host). Processes
 //! inside find it through `HTTP_PROXY`, `HTTPS_PROXY` and `ALL_PROXY`
 //! ([`proxy_env`]); anything that ignores them has no route.
+//!
+//! `microvm` guests on the NixOS bridge share one listener at the host's
+//! bridge address ([`shared`]): each connection belongs to the sandbox
+//! whose address it comes from.
 
 pub mod ask;
 pub mod gateway;
 pub mod log;
 pub mod policy;
+pub mod shared;
 mod splice;
 
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddrV4};
 use std::sync::{Arc, Mutex};
 
 pub use policy::{PRESET, Policy, Rule};
@@ -51,17 +57,42 @@ pub enum Socket {
     Tcp(std::net::TcpListener),
     /// Where a `vm` guest's vsock connections to the gateway arrive.
     Unix(std::os::unix::net::UnixListener),
+    /// The connections from `source` to the listener at `listen` that
+    /// sandboxes share (a `microvm` guest's address, the host's bridge
+    /// address).
+    Shared {
+        /// Where the shared listener is.
+        listen: SocketAddrV4,
+        /// The sandbox's own address.
+        source: IpAddr,
+    },
 }
 
-/// The running gateways, one task per sandbox.
+/// One sandbox's gateway task.
+#[derive(Debug)]
+struct Task {
+    handle: tokio::task::JoinHandle<()>,
+    /// Its route on a shared listener.
+    route: Option<(SocketAddrV4, IpAddr)>,
+}
+
+/// The running gateways, one task per sandbox, and the listeners shared
+/// by several sandboxes.
 #[derive(Debug, Default)]
 pub struct Gateways {
-    tasks: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
+    tasks: Mutex<HashMap<String, Task>>,
+    shared: Mutex<HashMap<SocketAddrV4, Arc<shared::Shared>>>,
 }
 
 impl Gateways {
     /// Serve `socket` for `ctx.name`, replacing a gateway it had.
+    ///
+    /// # Errors
+    /// When the socket cannot be served: a shared listener that cannot be
+    /// bound, or a source address that belongs to another sandbox.
     pub fn start(&self, socket: Socket, ctx: gateway::Context) -> std::io::Result<()> {
+        let name = ctx.name.clone();
+        let mut route = None;
         let listener = match socket {
             Socket::Tcp(l) => {
                 l.set_nonblocking(true)?;
@@ -71,23 +102,60 @@ impl Gateways {
                 l.set_nonblocking(true)?;
                 gateway::Listener::Unix(tokio::net::UnixListener::from_std(l)?)
             }
+            Socket::Shared { listen, source } => {
+                let shared = self.shared_at(listen)?;
+                // A gateway this sandbox had keeps its route until replaced.
+                let rx = shared.route(source, &name).map_err(std::io::Error::other)?;
+                route = Some((listen, source));
+                gateway::Listener::Routed(rx)
+            }
         };
-        let name = ctx.name.clone();
-        let task = tokio::spawn(gateway::serve(listener, Arc::new(ctx)));
-        if let Some(old) = self.tasks.lock().unwrap().insert(name, task) {
-            old.abort();
+        let handle = tokio::spawn(gateway::serve(listener, Arc::new(ctx)));
+        let old = self
+            .tasks
+            .lock()
+            .unwrap()
+            .insert(name.clone(), Task { handle, route });
+        if let Some(old) = old {
+            old.handle.abort();
+            if let Some(r) = old.route.filter(|r| Some(*r) != route) {
+                self.unroute(r, &name);
+            }
         }
         Ok(())
     }
 
-    /// End `name`'s gateway and every connection through it. Returns once
-    /// its task is gone, so that no connection is served any more: a stop
-    /// that kills the sandbox's processes next cannot race their ends.
+    /// The shared listener at `listen`, bound on first use (and again
+    /// after a failed attempt).
+    fn shared_at(&self, listen: SocketAddrV4) -> std::io::Result<Arc<shared::Shared>> {
+        let mut all = self.shared.lock().unwrap();
+        if let Some(s) = all.get(&listen) {
+            return Ok(Arc::clone(s));
+        }
+        let s = Arc::new(shared::Shared::bind(listen)?);
+        all.insert(listen, Arc::clone(&s));
+        Ok(s)
+    }
+
+    fn unroute(&self, (listen, source): (SocketAddrV4, IpAddr), name: &str) {
+        if let Some(s) = self.shared.lock().unwrap().get(&listen) {
+            s.unroute(source, name);
+        }
+    }
+
+    /// End `name`'s gateway and every connection through it; connections
+    /// from its address to a shared listener are refused from now on.
+    /// Returns once its task is gone, so that no connection is served any
+    /// more: a stop that kills the sandbox's processes next cannot race
+    /// their ends.
     pub async fn stop(&self, name: &str) {
         let task = self.tasks.lock().unwrap().remove(name);
         if let Some(t) = task {
-            t.abort();
-            let _ = t.await;
+            t.handle.abort();
+            if let Some(r) = t.route {
+                self.unroute(r, name);
+            }
+            let _ = t.handle.await;
         }
     }
 
@@ -98,6 +166,6 @@ impl Gateways {
             .lock()
             .unwrap()
             .get(name)
-            .is_some_and(|t| !t.is_finished())
+            .is_some_and(|t| !t.handle.is_finished())
     }
 }

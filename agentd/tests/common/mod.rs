@@ -426,7 +426,10 @@ pub fn spawn_bus(dir: &Path, name: &str, kind: &str, body: &str) -> (Child, Path
         .stderr(Stdio::null())
         .spawn()
         .expect("dbus-daemon must be installed (apt-get install dbus)");
-    wait_for("the bus socket", Duration::from_secs(10), || sock.exists());
+    // The socket file appears at bind(), before the daemon listens on it.
+    wait_for("the bus socket", Duration::from_secs(10), || {
+        std::os::unix::net::UnixStream::connect(&sock).is_ok()
+    });
     (child, sock)
 }
 

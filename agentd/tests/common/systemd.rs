@@ -5,8 +5,10 @@
 //! `StartUnit("microvm@NAME.service")` runs a stand-in guest: sshd on a
 //! loopback port with the host key and `authorized_keys` agentd provisioned
 //! for the sandbox, in a private mount namespace where the sandbox's
-//! workspace is at `/workspace`. `microvm@broken.service` fails to start;
-//! `microvm@stuck.service` refuses to stop.
+//! workspace is at `/workspace`. It listens on 127.0.0.1, or, given a
+//! loopback subnet (`127.0.0.0/16`), on the guest's own address derived
+//! from it, as a real guest does on the bridge. `microvm@broken.service`
+//! fails to start; `microvm@stuck.service` refuses to stop.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -47,6 +49,8 @@ impl Service {
 struct Manager {
     state_dir: PathBuf,
     ssh_port: u16,
+    /// Guests listen on their derived address in this subnet.
+    subnet: Option<String>,
     guests: Arc<Mutex<HashMap<String, std::process::Child>>>,
     /// Every call, in order, for the test to check.
     pub calls: Arc<Mutex<Vec<String>>>,
@@ -146,6 +150,14 @@ impl Manager {
         let conn = conn.clone();
         let dir = self.state_dir.join("sandboxes").join(&sandbox);
         let port = self.ssh_port;
+        let listen = match &self.subnet {
+            Some(net) => {
+                agentd::naming::derive(&sandbox, net)
+                    .map_err(zbus::fdo::Error::InvalidArgs)?
+                    .address
+            }
+            None => "127.0.0.1".to_owned(),
+        };
         let guests = Arc::clone(&self.guests);
         tokio::spawn(async move {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -155,7 +167,7 @@ impl Manager {
             }
             let ws = dir.join("workspace");
             let script = r#"mkdir -p /workspace /run/sshd && mount --bind "$1" /workspace && exec /usr/sbin/sshd -D -e -f /dev/null \
- -o ListenAddress=127.0.0.1 -p "$2" -h "$3/ssh/ssh_host_ed25519_key" \
+ -o ListenAddress="$4" -p "$2" -h "$3/ssh/ssh_host_ed25519_key" \
  -o AuthorizedKeysFile="$3/ssh/authorized_keys" -o StrictModes=no -o PidFile=none \
  -o UsePAM=no -o PermitRootLogin=prohibit-password"#;
             let log = std::fs::File::create(dir.join("logs/guest.log")).unwrap();
@@ -173,6 +185,7 @@ impl Manager {
                 .arg(&ws)
                 .arg(port.to_string())
                 .arg(&dir)
+                .arg(&listen)
                 .stdin(std::process::Stdio::null())
                 .stdout(std::process::Stdio::null())
                 .stderr(log)
@@ -223,8 +236,19 @@ pub struct FakeSystemd {
 
 impl FakeSystemd {
     /// Serve `org.freedesktop.systemd1` on the bus at `address`; guests'
-    /// sshd listens on `ssh_port`; agentd's state is in `state_dir`.
+    /// sshd listens on 127.0.0.1:`ssh_port`; agentd's state is in `state_dir`.
     pub fn start(address: &str, state_dir: PathBuf, ssh_port: u16) -> Self {
+        Self::start_in(address, state_dir, ssh_port, None)
+    }
+
+    /// Like [`FakeSystemd::start`], each guest's sshd on its own address in
+    /// `subnet` (a loopback one, `127.0.0.0/16`) when given.
+    pub fn start_in(
+        address: &str,
+        state_dir: PathBuf,
+        ssh_port: u16,
+        subnet: Option<&str>,
+    ) -> Self {
         let calls = Arc::new(Mutex::new(Vec::new()));
         let guests = Arc::new(Mutex::new(HashMap::new()));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -232,6 +256,7 @@ impl FakeSystemd {
         let manager = Manager {
             state_dir,
             ssh_port,
+            subnet: subnet.map(str::to_owned),
             guests: Arc::clone(&guests),
             calls: Arc::clone(&calls),
         };
