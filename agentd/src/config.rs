@@ -11,7 +11,7 @@ use keystone_agent_api::types::Ports;
 use keystone_agent_api::{BackendKind, Egress, Network, SandboxConfig, SyncMode};
 use serde::{Deserialize, Serialize};
 
-use crate::sandbox::validate;
+use crate::validate;
 
 /// The whole configuration file.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,6 +21,8 @@ pub mod proxy;
 pub mod registry;
 pub mod sandbox;
 pub mod subid;
+pub mod text;
+pub mod validate;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

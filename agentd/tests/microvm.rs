@@ -165,7 +165,9 @@ fn a_unit_that_fails_to_start_is_reported_with_its_result() {
 
 #[test]
 fn a_stop_that_fails_ends_in_error_with_the_reason() {
-    let Some((env, _fake, _)) = setup() else { return };
+    let Some((env, _fake, _)) = setup() else {
+        return;
+    };
     let repo = env.repo("stuck");
     env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
     env.ok(&["start", "stuck"]);

@@ -14,7 +14,7 @@ use zbus::message::Header;
 use crate::auth::Caller;
 use crate::error::Error;
 use crate::sandbox::manager::{Change, Manager};
-use crate::sandbox::validate;
+use crate::validate;
 
 pub use manager::ManagerObject;
 pub use sandbox::SandboxObject;
@@ -185,7 +185,7 @@ pub(crate) fn check_options(
         if key.len() > 64 {
             problems.push(format!(
                 "option name '{}' is too long",
-                validate::shown(key)
+                crate::text::shown(key)
             ));
         } else if let zvariant::Value::Str(s) = &**value {
             validate::check_len(&format!("option '{key}'"), s.as_str(), &mut problems);

@@ -11,10 +11,11 @@ use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
 use super::{Callers, check_strings, to_dbus};
+use crate::sandbox::Sandbox;
 use crate::sandbox::manager::{
     EgressChange, EgressEvent, ExecCall, Manager, SyncOptions, TtyOptions,
 };
-use crate::sandbox::{Sandbox, micros};
+use crate::text::micros;
 
 /// The object at `/org/keystone/Agent1/sandbox/<name>`.
 #[derive(Debug)]
@@ -304,7 +305,7 @@ impl SandboxObject {
             other => {
                 return Err(api::Error::InvalidArgument(format!(
                     "unknown egress change '{}' (known: allow, allow-once, deny, remove, mode)",
-                    crate::sandbox::validate::shown(other)
+                    crate::text::shown(other)
                 )));
             }
         };

@@ -50,7 +50,7 @@ impl Pending {
                 id,
                 host: host.to_owned(),
                 port,
-                since: crate::sandbox::micros(Some(std::time::SystemTime::now())),
+                since: crate::text::micros(Some(std::time::SystemTime::now())),
                 once: Vec::new(),
             },
         );

@@ -165,10 +165,10 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
         Err(_) => return,
     };
     let mut entry = Entry {
-        at: crate::sandbox::micros(Some(at)),
+        at: crate::text::micros(Some(at)),
         sandbox: ctx.name.clone(),
         protocol: ask.protocol.to_owned(),
-        host: crate::sandbox::validate::clamp_text(&ask.host).into_owned(),
+        host: crate::text::clamp_text(&ask.host).into_owned(),
         port: ask.port,
         addr: String::new(),
         decision: "deny".to_owned(),
@@ -434,7 +434,7 @@ async fn refuse(client: &mut impl Socket, ask: &Ask, d: &Decision, name: &str, s
          To allow it, run on the host:\n\n    agentctl egress {name} allow {}\n",
         d.reason,
         d.rule,
-        crate::sandbox::validate::shown(&entry),
+        crate::text::shown(&entry),
     );
     let _ = respond(client, "403 Forbidden", &body).await;
 }
@@ -493,7 +493,7 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
     let Some(after) = target.strip_prefix("http://") else {
         return Err(format!(
             "'{}' is not an absolute http:// URL; this is a proxy (use CONNECT for HTTPS)",
-            crate::sandbox::validate::shown(target)
+            crate::text::shown(target)
         ));
     };
     let (authority, path) = match after.find('/') {
@@ -546,7 +546,7 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
 
 /// `host:port` or `[v6]:port` (the port may default).
 fn split_authority(a: &str, default: Option<u16>) -> Result<(String, u16), String> {
-    let bad = || format!("'{}' is not host:port", crate::sandbox::validate::shown(a));
+    let bad = || format!("'{}' is not host:port", crate::text::shown(a));
     let (host, port) = if let Some(rest) = a.strip_prefix('[') {
         let (h, p) = rest.split_once(']').ok_or_else(bad)?;
         (h, p.strip_prefix(':'))

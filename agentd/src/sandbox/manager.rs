@@ -19,7 +19,7 @@ use tokio::sync::broadcast;
 
 use super::Sandbox;
 use super::state::{self, Event, Next};
-use super::{validate, watch};
+use super::watch;
 use crate::auth::{self, Caller};
 use crate::backend::{Backend, ExecRequest, SandboxSpec};
 use crate::config::DaemonConfig;
@@ -29,6 +29,7 @@ use crate::git::transfer::{self, Side, Transfer};
 use crate::git::{refs, snapshot, workspace, worktree};
 use crate::procfs;
 use crate::registry::Registry;
+use crate::validate;
 
 mod egress;
 mod session;
@@ -408,7 +409,7 @@ impl Manager {
         f(sb);
         // Texts that a sandbox can make arbitrarily long stay short on disk.
         for text in [&mut sb.state_reason, &mut sb.last_sync_result] {
-            if let std::borrow::Cow::Owned(short) = validate::clamp_text(text) {
+            if let std::borrow::Cow::Owned(short) = crate::text::clamp_text(text) {
                 *text = short;
             }
         }
@@ -1010,13 +1011,13 @@ impl Manager {
     ) {
         let (exit_code, error) = match outcome {
             Ok(c) => (c, String::new()),
-            Err(e) => (-1, validate::clamp_text(&e).into_owned()),
+            Err(e) => (-1, crate::text::clamp_text(&e).into_owned()),
         };
-        let detail = validate::clamp_text(&detail).into_owned();
+        let detail = crate::text::clamp_text(&detail).into_owned();
         self.record(
             name,
             HistoryEntry {
-                time: super::micros(Some(started)),
+                time: crate::text::micros(Some(started)),
                 uid,
                 kind,
                 detail,
@@ -1099,14 +1100,14 @@ impl Manager {
             if k.is_empty() || k.contains('=') || k.contains('\0') {
                 problems.push(format!(
                     "environment variable name '{}' is not valid",
-                    validate::shown(k)
+                    crate::text::shown(k)
                 ));
             }
         }
         if !cwd.is_empty() && !cwd.starts_with('/') {
             problems.push(format!(
                 "working directory '{}' must be an absolute path inside the sandbox",
-                validate::shown(&cwd)
+                crate::text::shown(&cwd)
             ));
         }
         if !problems.is_empty() {
@@ -1825,7 +1826,7 @@ fn run_tree_helper(
         return Ok(());
     }
     let err = String::from_utf8_lossy(&out.stderr);
-    Err(validate::clamp_text(err.trim()).into_owned())
+    Err(crate::text::clamp_text(err.trim()).into_owned())
 }
 
 /// Remove the tree at `path` (a sandbox's directory, or a workspace being

@@ -3,17 +3,17 @@
 
 pub mod manager;
 pub mod state;
-pub mod validate;
 pub mod watch;
 
 use std::path::PathBuf;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use keystone_agent_api::types::Ports;
 use keystone_agent_api::{BackendKind, SandboxConfig, SandboxState, SandboxSummary};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Runtime;
+use crate::text::micros;
 
 /// A sandbox as agentd records it in the registry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -87,13 +87,6 @@ impl Sandbox {
             declared: self.declared,
         }
     }
-}
-
-/// Microseconds since the epoch (0 for `None`), as timestamps go on D-Bus.
-#[must_use]
-pub fn micros(t: Option<SystemTime>) -> u64 {
-    t.and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// RFC 3339 timestamps in JSON.

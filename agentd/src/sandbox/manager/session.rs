@@ -452,7 +452,7 @@ fn parse_list_sessions(out: &str, now: SystemTime) -> Vec<(String, u64)> {
             };
         }
         let created = if known {
-            crate::sandbox::micros(now.checked_sub(Duration::from_secs(secs)))
+            crate::text::micros(now.checked_sub(Duration::from_secs(secs)))
         } else {
             0
         };

@@ -3,6 +3,8 @@
 
 use keystone_agent_api::SandboxConfig;
 
+use crate::text::shown;
+
 /// Longest sandbox name. With the 4-character prefixes agentd and the NixOS
 /// module put in front of it (`ks-`, `vm-`, `tap`), a name still fits a
 /// Linux network interface name (15 bytes) once hashed suffixes are added,
@@ -26,44 +28,6 @@ pub const ARGV_MAX: usize = 4096;
 pub const ARGS_BYTES_MAX: usize = 1 << 20;
 /// Most environment variables passed to a command.
 pub const ENV_MAX: usize = 1024;
-
-/// Longest text agentd keeps about something that failed (a state reason,
-/// the last sync's result, a history entry's error): it is stored in the
-/// registry and shown in properties, so a sandbox that makes an error
-/// message huge must not make them huge too.
-pub const TEXT_MAX: usize = 2048;
-
-/// `text` cut to at most [`TEXT_MAX`] bytes (on a character boundary),
-/// saying how much was left out.
-#[must_use]
-pub fn clamp_text(text: &str) -> std::borrow::Cow<'_, str> {
-    clamp_to(text, TEXT_MAX)
-}
-
-/// `text` cut to at most `max` bytes, saying how much was left out.
-#[must_use]
-pub fn clamp_to(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
-    if text.len() <= max {
-        return text.into();
-    }
-    let mut end = max.saturating_sub(40);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}… ({} bytes left out)", &text[..end], text.len() - end).into()
-}
-
-/// A value from a request or a sandbox, fit to quote in a message: control
-/// characters escaped and at most 200 characters.
-#[must_use]
-pub fn shown(value: &str) -> String {
-    let escaped: String = value.escape_debug().take(200).collect();
-    if value.escape_debug().nth(200).is_some() {
-        format!("{escaped}… ({} bytes)", value.len())
-    } else {
-        escaped
-    }
-}
 
 /// Check that string argument `what` is at most [`STRING_MAX`] bytes long.
 pub fn check_len(what: &str, value: &str, problems: &mut Vec<String>) {
