@@ -60,14 +60,16 @@ pub fn apply(c: &Confinement) -> Result<(), String> {
     } else {
         c.also_map
     };
+    // A network namespace of its own too: no helper needs one, and one
+    // that the sandbox's files subvert must not reach the host's services.
+    let private = CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWNET;
     if root {
-        unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}"))?;
+        unshare(private).map_err(|e| format!("unshare: {e}"))?;
     } else if let Some(ids) = other {
         crate::subid::enter(ids)?;
-        unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}"))?;
+        unshare(private).map_err(|e| format!("unshare: {e}"))?;
     } else {
-        unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS)
-            .map_err(|e| format!("unshare: {e}"))?;
+        unshare(CloneFlags::CLONE_NEWUSER | private).map_err(|e| format!("unshare: {e}"))?;
         std::fs::write("/proc/self/setgroups", "deny").map_err(|e| format!("setgroups: {e}"))?;
         std::fs::write("/proc/self/uid_map", format!("{uid} {uid} 1\n"))
             .map_err(|e| format!("uid_map: {e}"))?;
@@ -106,6 +108,11 @@ pub fn apply(c: &Confinement) -> Result<(), String> {
     nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
     umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
     std::env::set_current_dir("/").map_err(|e| e.to_string())?;
+    if c.also_map.is_some() && !becomes {
+        // The tree helper: it needs its capabilities over both ids' files.
+        return Ok(());
+    }
+    crate::caps::drop_bounding().map_err(|e| format!("cannot drop capabilities: {e}"))?;
     if root || becomes {
         let groups: Vec<Gid> = c.groups.iter().map(|g| Gid::from_raw(*g)).collect();
         nix::unistd::setgroups(&groups).map_err(|e| format!("setgroups: {e}"))?;
@@ -114,5 +121,8 @@ pub fn apply(c: &Confinement) -> Result<(), String> {
         let uid = Uid::from_raw(c.uid);
         nix::unistd::setresuid(uid, uid, uid).map_err(|e| format!("setresuid: {e}"))?;
     }
-    Ok(())
+    // Changing from agentd's user to a subordinate id inside the helper's
+    // namespace (where uid 0 is not mapped) keeps every capability there,
+    // and with them the way back to agentd's user: give them up.
+    crate::caps::clear_own().map_err(|e| format!("cannot drop capabilities: {e}"))
 }

@@ -6,6 +6,7 @@
 pub mod auth;
 pub mod backend;
 pub mod beneath;
+pub mod caps;
 pub mod cgroup;
 pub mod config;
 pub mod confine;

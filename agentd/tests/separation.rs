@@ -258,14 +258,32 @@ fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
     );
     env.ok(&["exec", "two", "--", "true"]);
 
-    // A sandbox that locks its files away from agentd's user still goes
-    // whole with destroy.
+    // The sync's reader, which parses what the sandbox wrote, runs as the
+    // sandbox's id without a capability (none to change back to the user's
+    // id with) and off the host's network; here a FIFO holds it up.
+    env.ok(&[
+        "exec", "one", "--", "sh", "-c",
+        "cd /workspace && echo y > y && git add y && git -c user.name=A -c user.email=a@a commit -qm y \
+         && h=$(git rev-parse HEAD) && o=.git/objects/$(echo $h | cut -c1-2)/$(echo $h | cut -c3-) \
+         && rm -f $o && mkfifo $o",
+    ]);
+    let sync = env.ctl_cmd(&["sync", "one"]).spawn().unwrap();
+    let reader = env.wait_for_helper("__sync-read");
+    common::assert_helper_confined(reader);
+    assert_eq!(
+        common::proc_status(reader, "Uid").split_whitespace().next(),
+        Some(one.to_string().as_str())
+    );
+
+    // A sandbox that locks its files away from agentd's user, and holds up
+    // its sync, still goes whole with destroy.
     env.ok(&[
         "exec", "one", "--", "sh", "-c",
         "mkdir -p /workspace/locked/deep && chmod 000 /workspace/locked /workspace/.git /workspace && chmod 000 /root",
     ]);
     env.ok(&["stop", "one"]);
     env.ok(&["destroy", "one"]);
+    let _ = sync.wait_with_output();
     assert!(!env.state_dir.join("sandboxes/one").exists());
     assert_eq!(env.state("two"), "running");
 }

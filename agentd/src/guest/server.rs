@@ -187,74 +187,10 @@ fn command(
                 u32::MAX,
                 CLOSE_RANGE_CLOEXEC,
             );
-            drop_capabilities()
+            crate::caps::drop_all()
         });
     }
     Ok(cmd)
-}
-
-/// Give up every capability for good, in the child before `execve`: the
-/// bounding and ambient sets are emptied (so not even an `execve` as uid 0
-/// brings any back), then the process's own sets, and no-new-privileges is
-/// set. Async-signal-safe: only `prctl` and `capset`.
-fn drop_capabilities() -> std::io::Result<()> {
-    use nix::libc;
-    let check = |r: libc::c_long| {
-        if r < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
-    };
-    // SAFETY: prctl and capset with plain integer arguments and a pointer to
-    // correctly laid out, zeroed capability structs.
-    unsafe {
-        check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0).into())?;
-        check(
-            libc::prctl(
-                libc::PR_CAP_AMBIENT,
-                libc::PR_CAP_AMBIENT_CLEAR_ALL,
-                0,
-                0,
-                0,
-            )
-            .into(),
-        )?;
-        let mut cap = 0;
-        // Until the first capability this kernel does not know.
-        while libc::prctl(libc::PR_CAPBSET_READ, cap, 0, 0, 0) >= 0 {
-            check(libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0).into())?;
-            cap += 1;
-        }
-        #[repr(C)]
-        struct Header {
-            version: u32,
-            pid: libc::c_int,
-        }
-        #[repr(C)]
-        #[derive(Clone, Copy)]
-        struct Data {
-            effective: u32,
-            permitted: u32,
-            inheritable: u32,
-        }
-        const VERSION_3: u32 = 0x2008_0522;
-        let header = Header {
-            version: VERSION_3,
-            pid: 0,
-        };
-        let data = [Data {
-            effective: 0,
-            permitted: 0,
-            inheritable: 0,
-        }; 2];
-        check(libc::syscall(
-            libc::SYS_capset,
-            &raw const header,
-            data.as_ptr(),
-        ))?;
-    }
-    Ok(())
 }
 
 /// bash when the sandbox has it, else sh.

@@ -142,9 +142,10 @@ pub struct ManagerSettings {
 
 /// The locks of one sandbox. Whoever needs more than one takes them in
 /// this order, never the other way round: `op`, then `sync`, then
-/// `worktrees`. Destroy takes all three, so it waits for a running sync or
-/// worktree operation, and one that waited finds the sandbox gone.
-#[derive(Debug, Default)]
+/// `worktrees`. Destroy takes all three: it cuts a running sync or worktree
+/// operation short and waits for its end, and one that waited finds the
+/// sandbox gone.
+#[derive(Debug)]
 struct SandboxLocks {
     /// Lifecycle: create, start, stop, destroy.
     op: tokio::sync::Mutex<()>,
@@ -152,6 +153,30 @@ struct SandboxLocks {
     sync: tokio::sync::Mutex<()>,
     /// Adding or removing a worktree.
     worktrees: tokio::sync::Mutex<()>,
+    /// Set by destroy once it has decided to go ahead: a sync or worktree
+    /// operation still running then is cut short (its helpers killed), so
+    /// that nothing the sandbox planted (a FIFO where git expects an
+    /// object) can hold its destroy.
+    gone: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for SandboxLocks {
+    fn default() -> Self {
+        Self {
+            op: tokio::sync::Mutex::default(),
+            sync: tokio::sync::Mutex::default(),
+            worktrees: tokio::sync::Mutex::default(),
+            gone: tokio::sync::watch::channel(false).0,
+        }
+    }
+}
+
+impl SandboxLocks {
+    /// Resolves once destroy has begun (see `gone`).
+    async fn destroyed(&self) {
+        let mut rx = self.gone.subscribe();
+        let _ = rx.wait_for(|gone| *gone).await;
+    }
 }
 
 /// Owns the sandboxes.
@@ -929,10 +954,6 @@ impl Manager {
         }
         let locks = self.locks(name);
         let _guard = locks.op.lock().await;
-        // A running sync or worktree operation finishes first (lock order:
-        // op, sync, worktrees).
-        let _sync = locks.sync.lock().await;
-        let _worktrees = locks.worktrees.lock().await;
         let sb = self
             .snapshot(name)
             .ok_or_else(|| Error::NotFound(name.to_owned()))?;
@@ -944,6 +965,12 @@ impl Manager {
                 hint: state::hint(sb.state),
             });
         }
+        // A running sync or worktree operation is cut short and ends first
+        // (lock order: op, sync, worktrees); the state cannot change
+        // meanwhile, as starting needs the op lock.
+        locks.gone.send_replace(true);
+        let _sync = locks.sync.lock().await;
+        let _worktrees = locks.worktrees.lock().await;
         if let Ok(backend) = self.backend(sb.backend) {
             backend.kill_strays(&self.live_runtimes_except(name));
         }
@@ -1163,6 +1190,17 @@ impl Manager {
         }
         let locks = self.locks(name);
         let _guard = locks.sync.lock().await;
+        tokio::select! {
+            r = self.sync_locked(name, opts) => r,
+            () = locks.destroyed() => Err(Error::Workspace {
+                name: name.to_owned(),
+                message: "the sync was cut short: the sandbox is being destroyed".into(),
+            }),
+        }
+    }
+
+    /// The sync of [`Manager::sync`], under the sandbox's sync lock.
+    async fn sync_locked(&self, name: &str, opts: SyncOptions) -> Result<SyncReport> {
         // A destroy that held the lock first leaves nothing to sync.
         let sb = self
             .snapshot(name)
@@ -1479,10 +1517,14 @@ impl Manager {
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true)
         .output();
-        let out = tokio::time::timeout(Duration::from_secs(600), out)
-            .await
-            .map_err(|_| fail("the worktree operation took longer than 10 minutes".into()))?
-            .map_err(|e| fail(e.to_string()))?;
+        let out = tokio::select! {
+            out = tokio::time::timeout(Duration::from_secs(600), out) => out
+                .map_err(|_| fail("the worktree operation took longer than 10 minutes".into()))?
+                .map_err(|e| fail(e.to_string()))?,
+            () = locks.destroyed() => {
+                return Err(fail("the worktree operation was cut short: the sandbox is being destroyed".into()));
+            }
+        };
         let err = String::from_utf8_lossy(&out.stderr).trim().to_owned();
         match out.status.code() {
             Some(0) => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),

@@ -335,6 +335,32 @@ impl Env {
         dir
     }
 
+    /// The pid of this agentd's helper `arg` (e.g. `__sync-read`), waiting
+    /// up to 30 s for one to run.
+    pub fn wait_for_helper(&self, arg: &str) -> i32 {
+        let marker = self.state_dir.to_string_lossy().into_owned();
+        let find = || {
+            agentd::procfs::pids().into_iter().find(|&p| {
+                agentd::procfs::cmdline(p).is_some_and(|c| {
+                    c.get(1).is_some_and(|a| a == arg) && c.join(" ").contains(&marker)
+                })
+            })
+        };
+        wait_for(arg, Duration::from_secs(30), || find().is_some());
+        find().unwrap()
+    }
+
+    /// Whether any helper `arg` of this agentd still runs.
+    pub fn helper_runs(&self, arg: &str) -> bool {
+        let marker = self.state_dir.to_string_lossy().into_owned();
+        agentd::procfs::pids().into_iter().any(|p| {
+            agentd::procfs::state(p).is_some_and(|s| s != 'Z')
+                && agentd::procfs::cmdline(p).is_some_and(|c| {
+                    c.get(1).is_some_and(|a| a == arg) && c.join(" ").contains(&marker)
+                })
+        })
+    }
+
     /// Live pids of this agentd's sandbox supervisors and inits.
     pub fn sandbox_pids(&self) -> Vec<i32> {
         let marker = self.state_dir.to_string_lossy().into_owned();
@@ -533,4 +559,33 @@ pub fn origin(bind: std::net::IpAddr, body: &'static str) -> u16 {
         }
     });
     port
+}
+
+/// The value of field `key` (e.g. `CapEff`) in `/proc/<pid>/status`.
+pub fn proc_status(pid: i32, key: &str) -> String {
+    fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// Assert that helper process `pid` holds no capability, may gain none,
+/// and is not in the host's network namespace.
+pub fn assert_helper_confined(pid: i32) {
+    for key in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert_eq!(
+            proc_status(pid, key),
+            "0000000000000000",
+            "{key} of helper {pid}"
+        );
+    }
+    assert_eq!(proc_status(pid, "NoNewPrivs"), "1");
+    let net = |p: &str| fs::read_link(format!("/proc/{p}/ns/net")).unwrap();
+    assert_ne!(
+        net(&pid.to_string()),
+        net("self"),
+        "the helper shares the host's network"
+    );
 }

@@ -1,0 +1,81 @@
+//! Giving up capabilities for good: for the processes a sandbox runs and
+//! for the helpers that open its files. A leaf: it uses nothing else of
+//! agentd. Every function is async-signal-safe (only `prctl` and `capset`),
+//! so it may run between `fork` and `execve`.
+
+use nix::libc;
+
+fn check(r: libc::c_long) -> std::io::Result<()> {
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Give up every capability for good: [`drop_bounding`], then
+/// [`clear_own`].
+pub fn drop_all() -> std::io::Result<()> {
+    drop_bounding()?;
+    clear_own()
+}
+
+/// Set no-new-privileges and empty the ambient and bounding sets, so that
+/// no `execve` (not even of a setuid program, nor as uid 0) brings a
+/// capability back. Needs `CAP_SETPCAP`; leaves the process's own sets as
+/// they are, so that it may still change its ids afterwards.
+pub fn drop_bounding() -> std::io::Result<()> {
+    // SAFETY: prctl with plain integer arguments.
+    unsafe {
+        check(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0).into())?;
+        check(
+            libc::prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_CLEAR_ALL,
+                0,
+                0,
+                0,
+            )
+            .into(),
+        )?;
+        let mut cap = 0;
+        // Until the first capability this kernel does not know.
+        while libc::prctl(libc::PR_CAPBSET_READ, cap, 0, 0, 0) >= 0 {
+            check(libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0).into())?;
+            cap += 1;
+        }
+    }
+    Ok(())
+}
+
+/// Empty the process's effective, permitted and inheritable sets. A
+/// process that changed its uid inside a user namespace where uid 0 is not
+/// mapped keeps its capabilities there (the kernel clears them only on a
+/// change away from uid 0): this is what takes them.
+pub fn clear_own() -> std::io::Result<()> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    let header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let data = [Data {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: capset with a pointer to a correctly laid out header and two
+    // zeroed capability structs, as version 3 expects.
+    check(unsafe { libc::syscall(libc::SYS_capset, &raw const header, data.as_ptr()) })
+}
