@@ -22,7 +22,7 @@ use nix::sched::{CloneFlags, unshare};
 use nix::unistd::{Gid, Uid};
 use serde::{Deserialize, Serialize};
 
-use crate::guest::init::{move_mount_to, open_tree_clone};
+use crate::fsutil::{move_mount_to, open_tree_clone};
 
 /// Environment variable carrying the confinement (JSON).
 pub const CONFINE_ENV: &str = "KEYSTONE_CONFINE";

@@ -14,6 +14,7 @@ pub mod dbus;
 pub mod disk;
 pub mod egress;
 pub mod error;
+pub mod fsutil;
 pub mod git;
 pub mod guest;
 pub mod naming;

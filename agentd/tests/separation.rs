@@ -275,11 +275,14 @@ fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
         Some(one.to_string().as_str())
     );
 
-    // A sandbox that locks its files away from agentd's user, and holds up
-    // its sync, still goes whole with destroy.
+    // A sandbox that locks its files away from agentd's user, nests
+    // directories deeper than agentd may hold open, and holds up its sync,
+    // still goes whole with destroy.
     env.ok(&[
         "exec", "one", "--", "sh", "-c",
-        "mkdir -p /workspace/locked/deep && chmod 000 /workspace/locked /workspace/.git /workspace && chmod 000 /root",
+        "cd /workspace && i=0 && while [ $i -lt 1500 ]; do mkdir d && cd d && i=$((i+1)); done \
+         && mkdir -p /workspace/locked/deep && chmod 000 /workspace/locked /workspace/.git /workspace \
+         && chmod 000 /root",
     ]);
     env.ok(&["stop", "one"]);
     env.ok(&["destroy", "one"]);

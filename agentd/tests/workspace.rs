@@ -238,3 +238,26 @@ fn host_branch_deleted_while_the_sandbox_works_on_it() {
         "work\n"
     );
 }
+
+#[test]
+fn a_new_sandbox_never_adopts_what_an_earlier_one_left() {
+    let env = Env::new();
+    // What a destroy that could not finish would leave: a workspace of
+    // someone else's files.
+    let left = env.state_dir.join("sandboxes/ghost/workspace");
+    std::fs::create_dir_all(left.join(".git")).unwrap();
+    std::fs::write(left.join("planted.txt"), "from an earlier sandbox").unwrap();
+    let repo = env.repo("ghost");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "ghost"]);
+    let out = env.ok(&[
+        "exec",
+        "ghost",
+        "--",
+        "sh",
+        "-c",
+        "ls -A /workspace; git log --format=%s",
+    ]);
+    assert!(!out.contains("planted.txt"), "{out}");
+    assert!(out.contains("README.md") && out.contains("first"), "{out}");
+}

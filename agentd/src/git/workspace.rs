@@ -3,7 +3,6 @@
 //! host's object files). The host's branches appear as `refs/remotes/host/*`.
 
 use std::fs;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use std::io::{Read, Write};
@@ -392,20 +391,6 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     go(&p, &n)
 }
 
-/// Hand the tree at `root` to `uid`:`gid`, never following symlinks.
-pub fn chown_tree(root: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
-    let meta = fs::symlink_metadata(root)?;
-    if meta.uid() != uid || meta.gid() != gid {
-        std::os::unix::fs::lchown(root, Some(uid), Some(gid))?;
-    }
-    if meta.is_dir() {
-        for entry in fs::read_dir(root)? {
-            chown_tree(&entry?.path(), uid, gid)?;
-        }
-    }
-    Ok(())
-}
-
 /// argv[1] of the helper with which an unprivileged agentd hands a
 /// sandbox's directories to the sandbox's subordinate ids, or empties them
 /// (see [`crate::subid`]; run with [`crate::auth::command_with_ids`]).
@@ -462,23 +447,22 @@ fn tree_op(op: &TreeOp) -> Result<(), String> {
             gid,
             readable,
         } => {
-            chown_tree(path, *uid, *gid)
+            crate::fsutil::chown_tree(path, *uid, *gid)
                 .map_err(|e| format!("cannot hand {} over: {e}", path.display()))?;
             if *readable {
-                share_tree(path).map_err(|e| format!("cannot open {} up: {e}", path.display()))?;
+                crate::fsutil::share_tree(path)
+                    .map_err(|e| format!("cannot open {} up: {e}", path.display()))?;
             }
             Ok(())
         }
         TreeOp::Empty { path } => {
-            for entry in fs::read_dir(path).map_err(|e| format!("{}: {e}", path.display()))? {
-                let p = entry.map_err(|e| e.to_string())?.path();
-                if fs::symlink_metadata(&p).is_ok_and(|m| m.is_dir()) {
-                    remove_tree(&p)
-                } else {
-                    fs::remove_file(&p)
-                }
-                .map_err(|e| format!("cannot remove {}: {e}", p.display()))?;
-            }
+            let flags = nix::fcntl::OFlag::O_RDONLY
+                | nix::fcntl::OFlag::O_DIRECTORY
+                | nix::fcntl::OFlag::O_NOFOLLOW
+                | nix::fcntl::OFlag::O_CLOEXEC;
+            nix::fcntl::open(path.as_path(), flags, nix::sys::stat::Mode::empty())
+                .and_then(|d| crate::fsutil::empty_dir(&d))
+                .map_err(|e| format!("cannot empty {}: {e}", path.display()))?;
             std::os::unix::fs::lchown(
                 path,
                 Some(nix::unistd::Uid::effective().as_raw()),
@@ -489,81 +473,10 @@ fn tree_op(op: &TreeOp) -> Result<(), String> {
     }
 }
 
-/// Add read (and, on directories, search) permission for others to the tree
-/// at `root`, never following symlinks.
-fn share_tree(root: &Path) -> std::io::Result<()> {
-    let meta = fs::symlink_metadata(root)?;
-    let add = if meta.is_dir() {
-        0o005
-    } else if meta.is_file() {
-        0o004
-    } else {
-        return Ok(());
-    };
-    if meta.mode() & add != add {
-        fs::set_permissions(
-            root,
-            fs::Permissions::from_mode((meta.mode() & 0o7777) | add),
-        )?;
-    }
-    if meta.is_dir() {
-        for entry in fs::read_dir(root)? {
-            share_tree(&entry?.path())?;
-        }
-    }
-    Ok(())
-}
-
-/// Remove the tree at `root` even where the sandbox removed write or search
-/// permission from its own directories; never follows symlinks.
-pub fn remove_tree(root: &Path) -> std::io::Result<()> {
-    match fs::remove_dir_all(root) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(_) => {
-            open_up(root);
-            fs::remove_dir_all(root)
-        }
-    }
-}
-
-/// Give every directory of the tree at `dir` mode 0700, by descriptor: a
-/// directory the sandbox swaps for a symlink meanwhile is skipped, and no
-/// mode change ever lands outside the tree.
-fn open_up(dir: &Path) {
-    if let Ok(fd) = crate::beneath::open_root(dir) {
-        open_up_at(&fd);
-    }
-}
-
-fn open_up_at(dir: &std::os::fd::OwnedFd) {
-    use nix::fcntl::{OFlag, openat};
-    use nix::sys::stat::Mode;
-    // `dir` is an O_PATH descriptor of a real directory: its /proc/self/fd
-    // link names exactly that directory.
-    let _ = fs::set_permissions(
-        crate::beneath::fd_path(dir),
-        fs::Permissions::from_mode(0o700),
-    );
-    let Ok(list) = openat(
-        dir,
-        ".",
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    ) else {
-        return;
-    };
-    for name in crate::beneath::subdirs(list) {
-        let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        if let Ok(child) = openat(dir, &name, flags, Mode::empty()) {
-            open_up_at(&child);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     #[test]
     fn refuses_what_is_not_a_repository() {
@@ -631,13 +544,13 @@ mod tests {
         fs::write(t.join("a/b/f"), "x").unwrap();
         std::os::unix::fs::symlink("/etc", t.join("a/link")).unwrap();
         fs::set_permissions(t.join("a"), fs::Permissions::from_mode(0o500)).unwrap();
-        remove_tree(&t).unwrap();
+        crate::fsutil::remove_tree(&t).unwrap();
         assert!(!t.exists());
         assert!(Path::new("/etc/passwd").exists());
     }
 
     #[test]
-    fn opening_up_changes_modes_only_inside_the_tree() {
+    fn removal_changes_modes_only_inside_the_tree() {
         use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let (t, outside) = (dir.path().join("t"), dir.path().join("outside"));
@@ -648,11 +561,9 @@ mod tests {
         for d in ["a/b", "a"] {
             fs::set_permissions(t.join(d), fs::Permissions::from_mode(0o000)).unwrap();
         }
-        open_up(&t);
-        open_up(&t.join("a/link"));
+        crate::fsutil::remove_tree(&t).unwrap();
         let mode = |p: &Path| fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode(&t.join("a")), 0o700);
-        assert_eq!(mode(&t.join("a/b")), 0o700);
+        assert!(!t.exists());
         assert_eq!(mode(&outside), 0o751);
     }
 }

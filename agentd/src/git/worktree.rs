@@ -461,8 +461,8 @@ fn remove(workspace: &Path, branch: &str, force: bool) -> Result<(), Failure> {
             }
         }
     }
-    super::workspace::remove_tree(&wt).map_err(failed)?;
-    super::workspace::remove_tree(&admin).map_err(failed)?;
+    crate::fsutil::remove_tree(&wt).map_err(failed)?;
+    crate::fsutil::remove_tree(&admin).map_err(failed)?;
     // Empty parents of nested branch directories.
     let mut dir = wt.parent().map(Path::to_owned);
     while let Some(d) = dir {

@@ -22,6 +22,8 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Gid, Pid, Uid};
 use serde::{Deserialize, Serialize};
 
+use crate::fsutil::{move_mount_to, open_tree_clone};
+
 /// Everything the supervisor needs, sent by agentd as JSON on stdin.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -156,55 +158,6 @@ struct Handles {
     workspace: Source,
     home: Source,
     guest: Option<Source>,
-}
-
-pub(crate) fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
-    const OPEN_TREE_CLONE: nix::libc::c_uint = 1;
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
-    // SAFETY: open_tree with a valid NUL-terminated path; returns a new fd.
-    let fd = unsafe {
-        nix::libc::syscall(
-            nix::libc::SYS_open_tree,
-            nix::libc::AT_FDCWD,
-            c.as_ptr(),
-            OPEN_TREE_CLONE | nix::libc::O_CLOEXEC as nix::libc::c_uint,
-        )
-    };
-    if fd < 0 {
-        return Err(format!(
-            "cannot open {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        ));
-    }
-    let fd = i32::try_from(fd).map_err(|e| e.to_string())?;
-    // SAFETY: the kernel returned a fresh descriptor that we now own.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
-}
-
-pub(crate) fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), String> {
-    const MOVE_MOUNT_F_EMPTY_PATH: nix::libc::c_uint = 0x4;
-    let empty = CString::default();
-    let c = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
-    // SAFETY: move_mount from a detached mount fd to a valid path.
-    let r = unsafe {
-        nix::libc::syscall(
-            nix::libc::SYS_move_mount,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            nix::libc::AT_FDCWD,
-            c.as_ptr(),
-            MOVE_MOUNT_F_EMPTY_PATH,
-        )
-    };
-    if r < 0 {
-        return Err(format!(
-            "cannot mount on {}: {}",
-            target.display(),
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(())
 }
 
 fn supervise(spec: &InitSpec) -> Result<i32, String> {

@@ -580,6 +580,10 @@ impl Manager {
         };
         let locks = self.locks(&name);
         let _guard = locks.op.lock().await;
+        if let Err(e) = self.remove_leftover(&name).await {
+            self.forget(&name);
+            return Err(e);
+        }
         let notices = match self.prepare_dirs(&sb).await {
             Ok(n) => n,
             Err(e) => {
@@ -595,6 +599,35 @@ impl Manager {
         let _ = self.changes.send(Change::Added(name.clone()));
         tracing::info!(sandbox = %name, project = %done.project_path.display(), owner = done.owner, "sandbox created");
         Ok((done, notices))
+    }
+
+    /// Remove what an earlier sandbox of the same name left behind (a
+    /// destroy that could not finish): a new sandbox never adopts another's
+    /// workspace or home.
+    async fn remove_leftover(&self, name: &str) -> Result<()> {
+        let dir = self.registry.sandbox_dir(name);
+        if std::fs::symlink_metadata(&dir).is_err() {
+            return Ok(());
+        }
+        tracing::warn!(sandbox = %name, "removing a directory an earlier sandbox of this name left");
+        self.release_disk(name).await;
+        let (exe, d) = (self.settings.exe.clone(), dir.clone());
+        let removed = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &d))
+            .await
+            .map_err(std::io::Error::other)
+            .and_then(|r| r);
+        match removed {
+            Ok(()) if std::fs::symlink_metadata(&dir).is_err() => Ok(()),
+            other => Err(Error::Workspace {
+                name: name.to_owned(),
+                message: format!(
+                    "{} is left from an earlier sandbox of this name and cannot be removed{}; \
+                     remove it (as root if need be) and create the sandbox again",
+                    dir.display(),
+                    other.err().map(|e| format!(" ({e})")).unwrap_or_default()
+                ),
+            }),
+        }
     }
 
     /// Remove `name` from memory and the registry, without touching disk.
@@ -741,7 +774,7 @@ impl Manager {
         let (uid, gid, path) = (spec.uid, spec.gid, path.to_owned());
         if nix::unistd::Uid::effective().is_root() {
             return tokio::task::spawn_blocking(move || {
-                workspace::chown_tree(&path, uid, gid)
+                crate::fsutil::chown_tree(&path, uid, gid)
                     .map_err(|e| format!("cannot chown {}: {e}", path.display()))
             })
             .await
@@ -1898,7 +1931,7 @@ fn remove_owned_tree(exe: &Path, path: &Path) -> std::io::Result<()> {
             }
         }
     }
-    workspace::remove_tree(path)
+    crate::fsutil::remove_tree(path)
 }
 
 fn shell_words(argv: &[String]) -> String {

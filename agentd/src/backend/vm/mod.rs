@@ -463,7 +463,7 @@ impl VmBackend {
         std::fs::create_dir_all(&spec.run_dir).map_err(|e| io("the run directory", e))?;
         // run/vm/ belongs to the uid the vsock device runs as; whatever was
         // there before (it may have been that uid's) goes.
-        let _ = crate::git::workspace::remove_tree(&p.vm);
+        let _ = crate::fsutil::remove_tree(&p.vm);
         let _ = std::fs::remove_file(&p.fs_socket);
         std::fs::create_dir(&p.vm).map_err(|e| io("run/vm", e))?;
         // The last boot's console must not be mistaken for this one's.

@@ -1,0 +1,367 @@
+//! Trees of files a sandbox may have shaped, and the mount calls that move
+//! directories between mount namespaces. A leaf: it uses nothing else of
+//! agentd.
+//!
+//! Every walk goes by descriptor, one name at a time, never following a
+//! symlink, so a tree the sandbox rearranges meanwhile cannot lead it
+//! elsewhere; and none holds more than [`MAX_DEPTH`] directories open, so
+//! neither a deep tree nor agentd's open-file limit stops it half-way.
+
+use std::ffi::{CString, OsStr, OsString};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use nix::dir::Dir;
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag, openat, renameat};
+use nix::sys::stat::{FileStat, Mode, SFlag, fchmod, fstat, fstatat};
+use nix::unistd::{Gid, Uid, UnlinkatFlags, fchownat, unlinkat};
+
+/// Most directories a walk holds open at once.
+pub const MAX_DEPTH: usize = 64;
+
+fn io(e: Errno) -> std::io::Error {
+    std::io::Error::from_raw_os_error(e as i32)
+}
+
+fn kind(st: &FileStat) -> SFlag {
+    SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT
+}
+
+/// The entries of directory `dir` (not `.` and `..`).
+fn names(dir: &OwnedFd) -> nix::Result<Vec<OsString>> {
+    let mut d = Dir::openat(dir, ".", OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())?;
+    Ok(d.iter()
+        .filter_map(Result::ok)
+        .map(|e| OsStr::from_bytes(e.file_name().to_bytes()).to_owned())
+        .filter(|n| n != "." && n != "..")
+        .collect())
+}
+
+/// Open directory `name` in `parent` without following a symlink; when its
+/// mode keeps us out, give it `u+rwx` first (by descriptor) and try again.
+fn open_dir(parent: &OwnedFd, name: &OsStr) -> nix::Result<OwnedFd> {
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    match openat(parent, name, flags, Mode::empty()) {
+        Err(Errno::EACCES) => {
+            let path = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            let p = openat(parent, name, path, Mode::empty())?;
+            let link = format!("/proc/self/fd/{}", p.as_raw_fd());
+            std::fs::set_permissions(&link, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(0)))?;
+            openat(&p, ".", flags, Mode::empty())
+        }
+        other => other,
+    }
+}
+
+/// Make sure we may list and change directory `dir`.
+fn writable(dir: &OwnedFd) -> nix::Result<()> {
+    let st = fstat(dir)?;
+    if st.st_mode & 0o700 != 0o700 {
+        fchmod(dir, Mode::from_bits_truncate((st.st_mode & 0o7777) | 0o700))?;
+    }
+    Ok(())
+}
+
+/// Remove the tree at `root` (a file, or a directory and everything below
+/// it), even where the sandbox took write or search permission from its
+/// own directories, however deep it is. Nothing is followed: a symlink is
+/// removed, not its target. A missing `root` is no error.
+pub fn remove_tree(root: &Path) -> std::io::Result<()> {
+    let st = match std::fs::symlink_metadata(root) {
+        Ok(st) => st,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !st.is_dir() {
+        return std::fs::remove_file(root);
+    }
+    let parent = root.parent().unwrap_or(Path::new("/"));
+    let name = root.file_name().unwrap_or(root.as_os_str());
+    let flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    let up = nix::fcntl::open(parent, flags, Mode::empty()).map_err(io)?;
+    let top = open_dir(&up, name).map_err(io)?;
+    empty_dir(&top).map_err(io)?;
+    unlinkat(&up, name, UnlinkatFlags::RemoveDir).map_err(io)
+}
+
+/// Remove everything below directory `top`. A directory deeper than
+/// [`MAX_DEPTH`] moves up into `top` under a name of its own and goes in a
+/// later round, so at most that many stay open.
+pub fn empty_dir(top: &OwnedFd) -> nix::Result<()> {
+    writable(top)?;
+    let mut moved = 0u64;
+    loop {
+        let before = moved;
+        empty_below(top, top, 1, &mut moved)?;
+        if moved == before {
+            return Ok(());
+        }
+    }
+}
+
+fn empty_below(dir: &OwnedFd, top: &OwnedFd, depth: usize, moved: &mut u64) -> nix::Result<()> {
+    for name in names(dir)? {
+        let st = match fstatat(dir, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => continue,
+            Err(e) => return Err(e),
+        };
+        if kind(&st) != SFlag::S_IFDIR {
+            match unlinkat(dir, name.as_os_str(), UnlinkatFlags::NoRemoveDir) {
+                Ok(()) | Err(Errno::ENOENT) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        if depth >= MAX_DEPTH {
+            *moved += 1;
+            let to = format!(".keystone-removing-{}-{moved}", std::process::id());
+            renameat(dir, name.as_os_str(), top, to.as_str())?;
+            continue;
+        }
+        let child = open_dir(dir, &name)?;
+        writable(&child)?;
+        empty_below(&child, top, depth + 1, moved)?;
+        drop(child);
+        unlinkat(dir, name.as_os_str(), UnlinkatFlags::RemoveDir)?;
+    }
+    Ok(())
+}
+
+/// Call `f(parent, name, stat)` for every entry of the tree below directory
+/// `dir` (parents before their children), never following a symlink. A tree
+/// deeper than [`MAX_DEPTH`] is refused with `ELOOP`.
+fn walk(
+    dir: &OwnedFd,
+    depth: usize,
+    f: &mut dyn FnMut(&OwnedFd, &OsStr, &FileStat) -> nix::Result<()>,
+) -> nix::Result<()> {
+    for name in names(dir)? {
+        let st = match fstatat(dir, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Ok(st) => st,
+            Err(Errno::ENOENT) => continue,
+            Err(e) => return Err(e),
+        };
+        f(dir, &name, &st)?;
+        if kind(&st) == SFlag::S_IFDIR {
+            if depth >= MAX_DEPTH {
+                return Err(Errno::ELOOP);
+            }
+            let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+            let child = openat(dir, name.as_os_str(), flags, Mode::empty())?;
+            walk(&child, depth + 1, f)?;
+        }
+    }
+    Ok(())
+}
+
+fn open_root(root: &Path) -> std::io::Result<OwnedFd> {
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    nix::fcntl::open(root, flags, Mode::empty()).map_err(io)
+}
+
+fn depth_error(root: &Path, e: Errno) -> std::io::Error {
+    if e == Errno::ELOOP {
+        std::io::Error::other(format!(
+            "{} is more than {MAX_DEPTH} directories deep",
+            root.display()
+        ))
+    } else {
+        io(e)
+    }
+}
+
+/// Hand the tree at directory `root` to `uid`:`gid` (every entry, symlinks
+/// themselves), never following a symlink.
+pub fn chown_tree(root: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
+    let (u, g) = (Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)));
+    let top = open_root(root)?;
+    let st = fstat(&top).map_err(io)?;
+    if (st.st_uid, st.st_gid) != (uid, gid) {
+        nix::unistd::fchown(&top, u, g).map_err(io)?;
+    }
+    walk(&top, 1, &mut |dir, name, st| {
+        if (st.st_uid, st.st_gid) == (uid, gid) {
+            return Ok(());
+        }
+        match fchownat(dir, name, u, g, AtFlags::AT_SYMLINK_NOFOLLOW) {
+            Err(Errno::ENOENT) => Ok(()),
+            other => other,
+        }
+    })
+    .map_err(|e| depth_error(root, e))
+}
+
+/// Add read (and, on directories, search) permission for others to the
+/// tree at directory `root`: its directories and regular files, never
+/// through a symlink.
+pub fn share_tree(root: &Path) -> std::io::Result<()> {
+    let top = open_root(root)?;
+    add_mode(&top, 0o005).map_err(io)?;
+    walk(&top, 1, &mut |dir, name, st| {
+        let add = match kind(st) {
+            SFlag::S_IFDIR => 0o005,
+            SFlag::S_IFREG => 0o004,
+            _ => return Ok(()),
+        };
+        if st.st_mode & add == add {
+            return Ok(());
+        }
+        // O_PATH opens neither a FIFO nor a device, and O_NOFOLLOW keeps a
+        // symlink swapped in meanwhile from leading anywhere.
+        let flags = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let fd = match openat(dir, name, flags, Mode::empty()) {
+            Err(Errno::ENOENT) => return Ok(()),
+            other => other?,
+        };
+        let now = fstat(&fd)?;
+        if kind(&now) != kind(st) {
+            return Ok(());
+        }
+        let link = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        std::fs::set_permissions(
+            &link,
+            std::os::unix::fs::PermissionsExt::from_mode((now.st_mode & 0o7777) | add),
+        )
+        .map_err(|e| Errno::from_raw(e.raw_os_error().unwrap_or(0)))
+    })
+    .map_err(|e| depth_error(root, e))
+}
+
+fn add_mode(fd: &OwnedFd, add: u32) -> nix::Result<()> {
+    let st = fstat(fd)?;
+    if st.st_mode & add != add {
+        fchmod(fd, Mode::from_bits_truncate((st.st_mode & 0o7777) | add))?;
+    }
+    Ok(())
+}
+
+/// A detached copy of the mount tree at `path` (`open_tree(OPEN_TREE_CLONE)`).
+pub fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
+    const OPEN_TREE_CLONE: nix::libc::c_uint = 1;
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: open_tree with a valid NUL-terminated path; returns a new fd.
+    let fd = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_open_tree,
+            nix::libc::AT_FDCWD,
+            c.as_ptr(),
+            OPEN_TREE_CLONE | nix::libc::O_CLOEXEC as nix::libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(format!(
+            "cannot open {}: {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    let fd = i32::try_from(fd).map_err(|e| e.to_string())?;
+    // SAFETY: the kernel returned a fresh descriptor that we now own.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
+/// Attach the detached mount `tree` at `target` (`move_mount`).
+pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), String> {
+    const MOVE_MOUNT_F_EMPTY_PATH: nix::libc::c_uint = 0x4;
+    let empty = CString::default();
+    let c = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: move_mount from a detached mount fd to a valid path.
+    let r = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            nix::libc::AT_FDCWD,
+            c.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    };
+    if r < 0 {
+        return Err(format!(
+            "cannot mount on {}: {}",
+            target.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    /// A chain of `n` nested directories under `base`, the last holding a
+    /// file; made by descriptor (the path would pass PATH_MAX).
+    fn deep(base: &Path, n: usize) {
+        let mut fd = open_root(base).unwrap();
+        for _ in 0..n {
+            nix::sys::stat::mkdirat(&fd, "d", Mode::from_bits_truncate(0o755)).unwrap();
+            fd = openat(
+                &fd,
+                "d",
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY,
+                Mode::empty(),
+            )
+            .unwrap();
+        }
+        let f = openat(
+            &fd,
+            "f",
+            OFlag::O_CREAT | OFlag::O_WRONLY,
+            Mode::from_bits_truncate(0o600),
+        );
+        drop(f.unwrap());
+    }
+
+    #[test]
+    fn removes_a_tree_deeper_than_the_open_file_limit_and_locked_up() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ws");
+        std::fs::create_dir(&root).unwrap();
+        deep(&root, 3000);
+        std::fs::create_dir(root.join("locked")).unwrap();
+        std::fs::write(root.join("locked/x"), "x").unwrap();
+        std::fs::set_permissions(root.join("locked"), PermissionsExt::from_mode(0o000)).unwrap();
+        // A symlink out of the tree goes, its target stays.
+        let outside = tmp.path().join("outside");
+        std::fs::write(&outside, "keep").unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+        remove_tree(&root).unwrap();
+        assert!(!root.exists());
+        assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+        remove_tree(&root).unwrap();
+    }
+
+    #[test]
+    fn chown_and_share_stop_at_symlinks_and_refuse_very_deep_trees() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ws");
+        std::fs::create_dir_all(root.join("a/b")).unwrap();
+        std::fs::write(root.join("a/b/f"), "f").unwrap();
+        std::fs::set_permissions(root.join("a/b/f"), PermissionsExt::from_mode(0o600)).unwrap();
+        std::fs::set_permissions(root.join("a"), PermissionsExt::from_mode(0o700)).unwrap();
+        let outside = tmp.path().join("outside");
+        std::fs::write(&outside, "o").unwrap();
+        std::fs::set_permissions(&outside, PermissionsExt::from_mode(0o600)).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("link")).unwrap();
+        share_tree(&root).unwrap();
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o777;
+        assert_eq!(mode(&root.join("a")), 0o705);
+        assert_eq!(mode(&root.join("a/b/f")), 0o604);
+        assert_eq!(mode(&outside), 0o600, "a symlink's target was changed");
+        let me = (Uid::effective().as_raw(), Gid::effective().as_raw());
+        chown_tree(&root, me.0, me.1).unwrap();
+        assert_eq!(std::fs::metadata(root.join("a/b/f")).unwrap().uid(), me.0);
+
+        let deep_root = tmp.path().join("deep");
+        std::fs::create_dir(&deep_root).unwrap();
+        deep(&deep_root, MAX_DEPTH + 5);
+        let err = chown_tree(&deep_root, me.0, me.1).unwrap_err();
+        assert!(err.to_string().contains("directories deep"), "{err}");
+        remove_tree(&deep_root).unwrap();
+    }
+}
