@@ -8,15 +8,19 @@
 //! neither a deep tree nor agentd's open-file limit stops it half-way.
 
 use std::ffi::{CString, OsStr, OsString};
+use std::fs::{self, File};
+use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::path::Path;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 
 use nix::dir::Dir;
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, OFlag, openat, renameat};
 use nix::sys::stat::{FileStat, Mode, SFlag, fchmod, fstat, fstatat};
 use nix::unistd::{Gid, Uid, UnlinkatFlags, fchownat, unlinkat};
+use serde::Serialize;
 
 /// Most directories a walk holds open at once.
 pub const MAX_DEPTH: usize = 64;
@@ -236,6 +240,82 @@ fn add_mode(fd: &OwnedFd, add: u32) -> nix::Result<()> {
         fchmod(fd, Mode::from_bits_truncate((st.st_mode & 0o7777) | add))?;
     }
     Ok(())
+}
+
+/// A failed step of [`atomic_write`].
+#[derive(Debug, thiserror::Error)]
+#[error("Cannot {what} {}: {source}", path.display())]
+pub struct WriteError {
+    /// The step: create, write, fsync, rename onto.
+    pub what: &'static str,
+    /// On which path.
+    pub path: PathBuf,
+    /// The OS error.
+    #[source]
+    pub source: std::io::Error,
+}
+
+fn step<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> WriteError + 'a {
+    move |source| WriteError {
+        what,
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Replace `path` with `bytes` so that a crash at any point leaves either the
+/// old or the new content: temp file, fsync, rename, fsync the directory.
+pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(&tmp)
+        .map_err(step("create", &tmp))?;
+    f.write_all(bytes).map_err(step("write", &tmp))?;
+    f.sync_all().map_err(step("fsync", &tmp))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(step("rename onto", path))?;
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(step("fsync", dir))?;
+    Ok(())
+}
+
+/// Append `value` as one JSON line to the append-only log at `path` (made
+/// 0600, never through a symlink).
+pub fn append_json_line(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(value).expect("a log entry serializes");
+    line.push(b'\n');
+    fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(path)?
+        .write_all(&line)
+}
+
+/// The JSON lines of the log at `path` that parse as `T` (none when it
+/// does not exist).
+pub fn read_json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> std::io::Result<Vec<T>> {
+    let text = match fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
 }
 
 /// A detached copy of the mount tree at `path` (`open_tree(OPEN_TREE_CLONE)`).

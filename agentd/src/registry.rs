@@ -10,14 +10,20 @@
 //! <state>/sandboxes/<name>/run/          control socket
 //! ```
 
-use std::fs::{self, File};
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::fs;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
+use std::time::SystemTime;
+
+use keystone_agent_api::types::Ports;
+use keystone_agent_api::{BackendKind, SandboxConfig, SandboxState, SandboxSummary};
 use serde::{Deserialize, Serialize};
 
-use crate::sandbox::Sandbox;
+use crate::fsutil::atomic_write;
+
+use crate::backend::Runtime;
+use crate::text::micros;
 
 /// The registry format this agentd reads and writes.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -62,6 +68,16 @@ pub enum RegistryError {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl From<crate::fsutil::WriteError> for RegistryError {
+    fn from(e: crate::fsutil::WriteError) -> Self {
+        Self::Io {
+            what: e.what,
+            path: e.path,
+            source: e.source,
+        }
+    }
 }
 
 fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> RegistryError + 'a {
@@ -163,14 +179,17 @@ impl Registry {
         };
         let mut body = serde_json::to_vec_pretty(&file).expect("registry serializes");
         body.push(b'\n');
-        atomic_write(&self.file(), &body)
+        Ok(atomic_write(&self.file(), &body)?)
     }
 
     /// Write `sandboxes/<name>/config.json` atomically.
     pub fn save_config(&self, sandbox: &Sandbox) -> Result<(), RegistryError> {
         let mut body = serde_json::to_vec_pretty(&sandbox.config).expect("config serializes");
         body.push(b'\n');
-        atomic_write(&self.sandbox_dir(&sandbox.name).join("config.json"), &body)
+        Ok(atomic_write(
+            &self.sandbox_dir(&sandbox.name).join("config.json"),
+            &body,
+        )?)
     }
 }
 
@@ -203,59 +222,154 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Vec<Sandbox>, RegistryError> {
     Ok(file.sandboxes)
 }
 
-/// Append `value` as one JSON line to the append-only log at `path` (made
-/// 0600, never through a symlink).
-pub fn append_json_line(path: &Path, value: &impl Serialize) -> std::io::Result<()> {
-    let mut line = serde_json::to_vec(value).expect("a log entry serializes");
-    line.push(b'\n');
-    fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .mode(0o600)
-        .open(path)?
-        .write_all(&line)
+/// A sandbox as agentd records it in the registry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sandbox {
+    /// Stable unique id (UUID v4).
+    pub id: String,
+    /// Unique name (see [`validate::NAME_RULE`]).
+    pub name: String,
+    /// Absolute path of the host repository.
+    pub project_path: PathBuf,
+    /// Lifecycle state.
+    pub state: SandboxState,
+    /// Why the sandbox is in its state; empty when there is nothing to say.
+    #[serde(default)]
+    pub state_reason: String,
+    /// Backend running it.
+    pub backend: BackendKind,
+    /// Creation time.
+    #[serde(with = "timestamp")]
+    pub created_at: SystemTime,
+    /// Last start time.
+    #[serde(default, with = "timestamp::option")]
+    pub started_at: Option<SystemTime>,
+    /// Settings.
+    pub config: SandboxConfig,
+    /// Named ports.
+    #[serde(default)]
+    pub ports: Ports,
+    /// Owner's uid.
+    pub owner: u32,
+    /// The host uid (and gid) its processes and files have, allocated from
+    /// [`crate::auth::SANDBOX_IDS`] when agentd runs as root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Declared in agentd's configuration (cannot be destroyed over D-Bus).
+    #[serde(default)]
+    pub declared: bool,
+    /// Creation has not finished: on restart the sandbox is rolled back.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub creating: bool,
+    /// Time of the last sync (either direction).
+    #[serde(
+        default,
+        with = "timestamp::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub last_sync_at: Option<SystemTime>,
+    /// One line on the last sync's result.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub last_sync_result: String,
+    /// What the backend recorded while the sandbox runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<Runtime>,
 }
 
-/// The JSON lines of the log at `path` that parse as `T` (none when it
-/// does not exist).
-pub fn read_json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> std::io::Result<Vec<T>> {
-    let text = match fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
-    Ok(text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect())
+impl Sandbox {
+    /// The row `ListSandboxes` returns.
+    #[must_use]
+    pub fn summary(&self) -> SandboxSummary {
+        SandboxSummary {
+            name: self.name.clone(),
+            id: self.id.clone(),
+            state: self.state,
+            backend: self.backend,
+            project_path: self.project_path.to_string_lossy().into_owned(),
+            owner: self.owner,
+            created_at: micros(Some(self.created_at)),
+            started_at: micros(self.started_at),
+            state_reason: self.state_reason.clone(),
+            declared: self.declared,
+        }
+    }
 }
 
-/// Replace `path` with `bytes` so that a crash at any point leaves either the
-/// old or the new content: temp file, fsync, rename, fsync the directory.
-pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<(), RegistryError> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(&tmp)
-        .map_err(io("create", &tmp))?;
-    f.write_all(bytes).map_err(io("write", &tmp))?;
-    f.sync_all().map_err(io("fsync", &tmp))?;
-    drop(f);
-    fs::rename(&tmp, path).map_err(io("rename onto", path))?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io("fsync", dir))?;
-    Ok(())
+/// RFC 3339 timestamps in JSON.
+pub mod timestamp {
+    use std::time::SystemTime;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Serialize as RFC 3339 with microseconds.
+    pub fn serialize<S: Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&humantime::format_rfc3339_micros(*t))
+    }
+
+    /// Parse RFC 3339.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<SystemTime, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_rfc3339(&s).map_err(serde::de::Error::custom)
+    }
+
+    /// The same for optional timestamps (`null` = never).
+    pub mod option {
+        use std::time::SystemTime;
+
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        /// Serialize as RFC 3339 or `null`.
+        #[allow(clippy::ref_option, reason = "serde's `with` passes a reference")]
+        pub fn serialize<S: Serializer>(t: &Option<SystemTime>, s: S) -> Result<S::Ok, S::Error> {
+            match t {
+                Some(t) => s.collect_str(&humantime::format_rfc3339_micros(*t)),
+                None => s.serialize_none(),
+            }
+        }
+
+        /// Parse RFC 3339 or `null`.
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<SystemTime>, D::Error> {
+            Option::<String>::deserialize(d)?
+                .map(|s| humantime::parse_rfc3339(&s).map_err(serde::de::Error::custom))
+                .transpose()
+        }
+    }
+}
+
+/// What changed, for the D-Bus layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// A sandbox appeared.
+    Added(String),
+    /// A sandbox's record changed.
+    Updated(String),
+    /// A sandbox is gone.
+    Removed(String),
+    /// Progress of a long operation (creating the workspace).
+    Progress {
+        /// Sandbox name.
+        name: String,
+        /// What is happening.
+        stage: String,
+        /// Units done.
+        done: u64,
+        /// Units in all (0 = unknown).
+        total: u64,
+    },
+    /// A sync finished.
+    Synced {
+        /// Sandbox name.
+        name: String,
+        /// `to-host` or `from-host`.
+        direction: &'static str,
+        /// Branches that moved.
+        branches: u32,
+        /// Commits that came over.
+        commits: u32,
+    },
 }
 
 #[cfg(test)]

@@ -336,7 +336,7 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), String> {
     let host_pub = read(guest.join("ssh_host_ed25519_key.pub"))?;
     let client_pub = read(client.join("id_ed25519.pub"))?;
     let write = |p: PathBuf, text: String, mode: u32| {
-        crate::registry::atomic_write(&p, text.as_bytes()).map_err(|e| e.to_string())?;
+        crate::fsutil::atomic_write(&p, text.as_bytes()).map_err(|e| e.to_string())?;
         fs::set_permissions(&p, fs::Permissions::from_mode(mode))
             .map_err(|e| format!("cannot set the mode of {}: {e}", p.display()))
     };

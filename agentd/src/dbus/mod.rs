@@ -13,7 +13,8 @@ use zbus::message::Header;
 
 use crate::auth::Caller;
 use crate::error::Error;
-use crate::sandbox::manager::{Change, Manager};
+use crate::sandbox::Change;
+use crate::sandbox::manager::Manager;
 use crate::validate;
 
 pub use manager::ManagerObject;

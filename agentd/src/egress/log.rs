@@ -72,7 +72,7 @@ pub fn append(path: &Path, entry: &Entry) -> std::io::Result<()> {
         old.push(".1");
         std::fs::rename(path, old)?;
     }
-    crate::registry::append_json_line(path, entry)
+    crate::fsutil::append_json_line(path, entry)
 }
 
 /// The last `limit` entries of the log at `path` and of its refusals, in
@@ -82,8 +82,8 @@ pub fn tail(path: &Path, limit: usize) -> std::io::Result<Vec<Entry>> {
     for file in [path.to_path_buf(), denied_path(path)] {
         let mut old = file.as_os_str().to_owned();
         old.push(".1");
-        all.extend(crate::registry::read_json_lines::<Entry>(Path::new(&old))?);
-        all.extend(crate::registry::read_json_lines::<Entry>(&file)?);
+        all.extend(crate::fsutil::read_json_lines::<Entry>(Path::new(&old))?);
+        all.extend(crate::fsutil::read_json_lines::<Entry>(&file)?);
     }
     // Stable: an admission stays before its end.
     all.sort_by_key(|e| e.at);

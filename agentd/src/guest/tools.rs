@@ -7,7 +7,7 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::registry::atomic_write;
+use crate::fsutil::atomic_write;
 
 /// The Zellij release agentd's sessions are made for (client and server
 /// must be the same version).

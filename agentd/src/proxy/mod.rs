@@ -34,7 +34,8 @@ use tokio::net::TcpListener;
 
 use crate::backend::Listener;
 use crate::config::ProxyConfig;
-use crate::sandbox::manager::{Change, Manager};
+use crate::sandbox::Change;
+use crate::sandbox::manager::Manager;
 use caddy::Caddy;
 
 /// How often agentd checks that Caddy still has its server.

@@ -17,9 +17,9 @@ use keystone_agent_api::{
 };
 use tokio::sync::broadcast;
 
-use super::Sandbox;
 use super::state::{self, Event, Next};
 use super::watch;
+use super::{Change, Sandbox};
 use crate::auth::{self, Caller};
 use crate::backend::{Backend, ExecRequest, SandboxSpec};
 use crate::config::DaemonConfig;
@@ -35,39 +35,6 @@ mod egress;
 mod session;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 pub use session::{Attached, Terminal, TtyOptions, session_name};
-
-/// What changed, for the D-Bus layer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Change {
-    /// A sandbox appeared.
-    Added(String),
-    /// A sandbox's record changed.
-    Updated(String),
-    /// A sandbox is gone.
-    Removed(String),
-    /// Progress of a long operation (creating the workspace).
-    Progress {
-        /// Sandbox name.
-        name: String,
-        /// What is happening.
-        stage: String,
-        /// Units done.
-        done: u64,
-        /// Units in all (0 = unknown).
-        total: u64,
-    },
-    /// A sync finished.
-    Synced {
-        /// Sandbox name.
-        name: String,
-        /// `to-host` or `from-host`.
-        direction: &'static str,
-        /// Branches that moved.
-        branches: u32,
-        /// Commits that came over.
-        commits: u32,
-    },
-}
 
 /// A command to run in a sandbox.
 #[derive(Debug, Default)]
@@ -1091,7 +1058,7 @@ impl Manager {
 
     fn record(&self, name: &str, entry: HistoryEntry) {
         let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");
-        if let Err(e) = crate::registry::append_json_line(&path, &entry) {
+        if let Err(e) = crate::fsutil::append_json_line(&path, &entry) {
             tracing::warn!(sandbox = %name, error = %e, "cannot record history");
         }
     }
@@ -1101,7 +1068,7 @@ impl Manager {
         self.get(caller, name)?;
         let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");
         let all: Vec<HistoryEntry> =
-            crate::registry::read_json_lines(&path).map_err(|e| Error::Workspace {
+            crate::fsutil::read_json_lines(&path).map_err(|e| Error::Workspace {
                 name: name.to_owned(),
                 message: format!("cannot read {}: {e}", path.display()),
             })?;

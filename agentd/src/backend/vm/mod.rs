@@ -549,7 +549,7 @@ impl VmBackend {
             run_as,
         };
         let json = serde_json::to_vec_pretty(&plan).map_err(|e| fail(e.to_string()))?;
-        crate::registry::atomic_write(&p.plan, &json)
+        crate::fsutil::atomic_write(&p.plan, &json)
             .map_err(|e| fail(format!("cannot write run/vm-plan.json: {e}")))?;
         let log = std::fs::OpenOptions::new()
             .create(true)
