@@ -22,6 +22,7 @@ pub mod procfs;
 pub mod proxy;
 pub mod registry;
 pub mod sandbox;
+pub mod spawn;
 pub mod subid;
 pub mod text;
 pub mod validate;

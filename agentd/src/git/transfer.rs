@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 use super::sync::{self, Haves, ReadReport, ReadRequest, WriteReport, WriteSpec};
-use crate::auth::{command_as, command_confined};
+use crate::spawn::{command_as, command_confined};
 
 /// Longest a sync may take.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(30 * 60);

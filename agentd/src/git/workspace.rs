@@ -393,7 +393,7 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
 
 /// argv[1] of the helper with which an unprivileged agentd hands a
 /// sandbox's directories to the sandbox's subordinate ids, or empties them
-/// (see [`crate::subid`]; run with [`crate::auth::command_with_ids`]).
+/// (see [`crate::subid`]; run with [`crate::crate::spawn::command_with_ids`]).
 pub const TREE_ARG: &str = "__tree";
 
 /// What the [`TREE_ARG`] helper does.

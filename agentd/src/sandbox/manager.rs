@@ -768,7 +768,7 @@ impl Manager {
         notices: &mut Vec<String>,
     ) -> std::result::Result<(), String> {
         use tokio::io::{AsyncBufReadExt, AsyncReadExt};
-        let mut child = auth::command_as(&self.settings.exe, owner)?
+        let mut child = crate::spawn::command_as(&self.settings.exe, owner)?
             .arg(workspace::PREPARE_ARG)
             .arg(serde_json::to_string(prep).map_err(|e| e.to_string())?)
             .stdin(std::process::Stdio::null())
@@ -1396,7 +1396,8 @@ impl Manager {
             max_file: crate::git::sync::MAX_BLOB,
         };
         let keep = [spec.workspace.clone()];
-        let Ok(mut cmd) = auth::command_confined(&self.settings.exe, spec.uid, &keep) else {
+        let Ok(mut cmd) = crate::spawn::command_confined(&self.settings.exe, spec.uid, &keep)
+        else {
             return false;
         };
         let out = cmd
@@ -1506,7 +1507,7 @@ impl Manager {
             name: name.to_owned(),
             message,
         };
-        let out = auth::command_confined(
+        let out = crate::spawn::command_confined(
             &self.settings.exe,
             spec.uid,
             std::slice::from_ref(&spec.workspace),
@@ -1858,7 +1859,7 @@ fn run_tree_helper(
     path: &Path,
     op: &workspace::TreeOp,
 ) -> std::result::Result<(), String> {
-    let out = auth::command_with_ids(exe, ids, &[path.to_owned()])?
+    let out = crate::spawn::command_with_ids(exe, ids, &[path.to_owned()])?
         .arg(workspace::TREE_ARG)
         .arg(serde_json::to_string(op).map_err(|e| e.to_string())?)
         .stdin(std::process::Stdio::null())
