@@ -172,7 +172,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     );
     manager.reconcile(&config)?;
     if config.proxy.enable {
-        let proxy = proxy::Proxy::start(config.proxy.clone(), Arc::clone(&manager)).await?;
+        let proxy = proxy::Proxy::start(
+            config.proxy.clone(),
+            Arc::clone(&manager) as Arc<dyn proxy::Sandboxes>,
+        )
+        .await?;
         manager.set_proxy(proxy);
     }
     let conn = dbus::serve(&opts.bus, Arc::clone(&manager)).await.map_err(|e| match &opts.bus {

@@ -32,10 +32,10 @@ use std::time::{Duration, Instant};
 use keystone_agent_api::{RouteInfo, SandboxState};
 use tokio::net::TcpListener;
 
+use crate::backend::BoxFut;
 use crate::backend::Listener;
 use crate::config::ProxyConfig;
-use crate::sandbox::Change;
-use crate::sandbox::manager::Manager;
+use crate::registry::{Change, Sandbox};
 use caddy::Caddy;
 
 /// How often agentd checks that Caddy still has its server.
@@ -64,11 +64,33 @@ impl Drop for Route {
     }
 }
 
+/// What the proxy needs of the sandboxes (the manager implements it, and
+/// holds the proxy in turn). None of these checks the caller: the proxy
+/// decides who may use a link itself.
+pub trait Sandboxes: Send + Sync + std::fmt::Debug {
+    /// A copy of sandbox `name`'s record.
+    fn snapshot(&self, name: &str) -> Option<Sandbox>;
+    /// Changes to the sandboxes from now on.
+    fn subscribe(&self) -> tokio::sync::broadcast::Receiver<Change>;
+    /// The TCP listeners of running sandbox `name`'s processes.
+    fn listeners<'a>(&'a self, name: &'a str) -> BoxFut<'a, Vec<Listener>>;
+    /// A TCP connection to `addr:port` inside running sandbox `name`.
+    fn connect_inside<'a>(
+        &'a self,
+        name: &'a str,
+        addr: std::net::IpAddr,
+        port: u16,
+    ) -> BoxFut<'a, Result<std::os::fd::OwnedFd, String>>;
+    /// (branch, path inside) of every worktree of sandbox `name`, the main
+    /// one first.
+    fn worktree_paths<'a>(&'a self, name: &'a str) -> BoxFut<'a, Vec<(String, String)>>;
+}
+
 /// The dev-server links of every sandbox.
 #[derive(Debug)]
 pub struct Proxy {
     cfg: ProxyConfig,
-    manager: Arc<Manager>,
+    sandboxes: Arc<dyn Sandboxes>,
     caddy: Caddy,
     /// Where agentd's pages listen (Caddy's catch-all dials it).
     pages: SocketAddr,
@@ -87,7 +109,10 @@ pub struct Proxy {
 impl Proxy {
     /// Start the proxy: agentd's page server, the Caddy watchdog and the
     /// reaction to sandboxes stopping.
-    pub async fn start(cfg: ProxyConfig, manager: Arc<Manager>) -> anyhow::Result<Arc<Self>> {
+    pub async fn start(
+        cfg: ProxyConfig,
+        sandboxes: Arc<dyn Sandboxes>,
+    ) -> anyhow::Result<Arc<Self>> {
         let pages_listener = TcpListener::bind(&cfg.pages_listen).await.map_err(|e| {
             anyhow::anyhow!(
                 "cannot listen on {} for agentd's pages: {e}",
@@ -100,7 +125,7 @@ impl Proxy {
             recheck,
             caddy: Caddy::new(&cfg.caddy_admin),
             cfg,
-            manager,
+            sandboxes,
             pages,
             routes: tokio::sync::Mutex::new(BTreeMap::new()),
             redirected: Mutex::new(HashMap::new()),
@@ -156,7 +181,7 @@ impl Proxy {
         if self.cfg.auth == crate::config::ProxyAuth::None {
             return None;
         }
-        let id = self.manager.snapshot(name)?.id;
+        let id = self.sandboxes.snapshot(name)?.id;
         let digest = sha2::Sha256::digest(format!("{}/{id}", self.key));
         Some(digest[..16].iter().map(|b| format!("{b:02x}")).collect())
     }
@@ -266,12 +291,12 @@ impl Proxy {
 
     /// Drop the routes of sandboxes that stop or go away.
     async fn follow_sandboxes(self: Arc<Self>) {
-        let mut changes = self.manager.subscribe();
+        let mut changes = self.sandboxes.subscribe();
         loop {
             match changes.recv().await {
                 Ok(Change::Updated(name) | Change::Removed(name)) => {
                     let running = self
-                        .manager
+                        .sandboxes
                         .snapshot(&name)
                         .is_some_and(|s| s.state == SandboxState::Running);
                     if !running && self.routes.lock().await.contains_key(&name) {
@@ -396,7 +421,11 @@ impl Proxy {
             let this = Arc::clone(&self);
             let name = name.clone();
             tokio::spawn(async move {
-                match this.manager.connect_inside(&name, target.0, target.1).await {
+                match this
+                    .sandboxes
+                    .connect_inside(&name, target.0, target.1)
+                    .await
+                {
                     Ok(fd) => {
                         let std = std::net::TcpStream::from(fd);
                         if std.set_nonblocking(true).is_err() {
@@ -420,17 +449,17 @@ impl Proxy {
 
     /// The routes sandbox `name` should have now.
     async fn wanted(&self, name: &str) -> Vec<Wanted> {
-        let Some(sb) = self.manager.snapshot(name) else {
+        let Some(sb) = self.sandboxes.snapshot(name) else {
             return Vec::new();
         };
         if sb.state != SandboxState::Running {
             return Vec::new();
         }
-        let listeners = self.manager.listeners(name).await;
+        let listeners = self.sandboxes.listeners(name).await;
         if listeners.is_empty() {
             return Vec::new();
         }
-        let worktrees = self.manager.worktree_paths(name).await;
+        let worktrees = self.sandboxes.worktree_paths(name).await;
         plan(name, &self.cfg.domain, &listeners, &worktrees, &sb.ports)
     }
 

@@ -107,7 +107,7 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
             ),
         );
     }
-    let Some(sb) = proxy.manager.snapshot(sandbox).filter(|s| !s.creating) else {
+    let Some(sb) = proxy.sandboxes.snapshot(sandbox).filter(|s| !s.creating) else {
         return page(
             StatusCode::NOT_FOUND,
             "No such sandbox",

@@ -21,7 +21,7 @@ use super::state::{self, Event, Next};
 use super::watch;
 use super::{Change, Sandbox};
 use crate::auth::{self, Caller};
-use crate::backend::{Backend, ExecRequest, SandboxSpec};
+use crate::backend::{Backend, BoxFut, ExecRequest, SandboxSpec};
 use crate::config::DaemonConfig;
 use crate::error::{Error, Result};
 use crate::git::sync::WriteSpec;
@@ -234,54 +234,6 @@ impl Manager {
             info.insert("ca_file".to_owned(), ca);
         }
         Ok((routes, info))
-    }
-
-    /// The TCP listeners inside running sandbox `name`.
-    pub async fn listeners(&self, name: &str) -> Vec<crate::backend::Listener> {
-        let Some(sb) = self.snapshot(name) else {
-            return Vec::new();
-        };
-        let (Some(rt), Ok(backend)) = (sb.runtime.clone(), self.backend(sb.backend)) else {
-            return Vec::new();
-        };
-        let backend = Arc::clone(backend);
-        tokio::task::spawn_blocking(move || backend.listeners(&rt))
-            .await
-            .unwrap_or_default()
-    }
-
-    /// A TCP connection to `addr:port` inside running sandbox `name`.
-    pub async fn connect_inside(
-        &self,
-        name: &str,
-        addr: std::net::IpAddr,
-        port: u16,
-    ) -> std::result::Result<std::os::fd::OwnedFd, String> {
-        let sb = self
-            .snapshot(name)
-            .filter(|s| s.state == SandboxState::Running)
-            .ok_or_else(|| format!("sandbox '{name}' is not running"))?;
-        let backend = Arc::clone(self.backend(sb.backend).map_err(|e| e.to_string())?);
-        backend
-            .connect(&self.spec(&sb), addr, port)
-            .await
-            .map_err(|e| e.to_string())
-    }
-
-    /// (branch, path inside) of every worktree of sandbox `name`, the main
-    /// one first.
-    pub async fn worktree_paths(&self, name: &str) -> Vec<(String, String)> {
-        let Some(sb) = self.snapshot(name) else {
-            return Vec::new();
-        };
-        let owner = Caller { uid: sb.owner };
-        match self.list_worktrees_raw(owner, name).await {
-            Ok(list) => list.into_iter().map(|w| (w.branch, w.path)).collect(),
-            Err(e) => {
-                tracing::warn!(sandbox = %name, error = %e, "cannot list worktrees");
-                vec![(String::new(), worktree::SANDBOX_ROOT.to_owned())]
-            }
-        }
     }
 
     /// Changes from now on.
@@ -1842,6 +1794,68 @@ fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
         changed = true;
     }
     changed
+}
+
+/// What the dev-server proxy sees of the sandboxes. These answer anyone:
+/// the proxy checks who may use a link itself (its token).
+impl crate::proxy::Sandboxes for Manager {
+    fn snapshot(&self, name: &str) -> Option<Sandbox> {
+        Manager::snapshot(self, name)
+    }
+
+    fn subscribe(&self) -> broadcast::Receiver<Change> {
+        Manager::subscribe(self)
+    }
+
+    fn listeners<'a>(&'a self, name: &'a str) -> BoxFut<'a, Vec<crate::backend::Listener>> {
+        Box::pin(async move {
+            let Some(sb) = self.snapshot(name) else {
+                return Vec::new();
+            };
+            let (Some(rt), Ok(backend)) = (sb.runtime.clone(), self.backend(sb.backend)) else {
+                return Vec::new();
+            };
+            let backend = Arc::clone(backend);
+            tokio::task::spawn_blocking(move || backend.listeners(&rt))
+                .await
+                .unwrap_or_default()
+        })
+    }
+
+    fn connect_inside<'a>(
+        &'a self,
+        name: &'a str,
+        addr: std::net::IpAddr,
+        port: u16,
+    ) -> BoxFut<'a, std::result::Result<std::os::fd::OwnedFd, String>> {
+        Box::pin(async move {
+            let sb = self
+                .snapshot(name)
+                .filter(|s| s.state == SandboxState::Running)
+                .ok_or_else(|| format!("sandbox '{name}' is not running"))?;
+            let backend = Arc::clone(self.backend(sb.backend).map_err(|e| e.to_string())?);
+            backend
+                .connect(&self.spec(&sb), addr, port)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn worktree_paths<'a>(&'a self, name: &'a str) -> BoxFut<'a, Vec<(String, String)>> {
+        Box::pin(async move {
+            let Some(sb) = self.snapshot(name) else {
+                return Vec::new();
+            };
+            let owner = Caller { uid: sb.owner };
+            match self.list_worktrees_raw(owner, name).await {
+                Ok(list) => list.into_iter().map(|w| (w.branch, w.path)).collect(),
+                Err(e) => {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot list worktrees");
+                    vec![(String::new(), worktree::SANDBOX_ROOT.to_owned())]
+                }
+            }
+        })
+    }
 }
 
 /// Whether `spec`'s sandbox runs as a subordinate id of an unprivileged
