@@ -132,7 +132,10 @@ fn agentds_modules_import_each_other_without_a_cycle() {
 #[test]
 fn the_cycle_check_sees_cycles_and_groups() {
     let found = imports("use crate::{a::b, c, d::{e, f}};\nlet x = crate::g::h();");
-    let want: BTreeSet<String> = ["a", "c", "d", "g"].iter().map(|s| (*s).to_owned()).collect();
+    let want: BTreeSet<String> = ["a", "c", "d", "g"]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
     assert_eq!(found, want);
     let graph: BTreeMap<String, BTreeSet<String>> = [
         ("a", vec!["b"]),

@@ -572,8 +572,14 @@ pub fn proc_status(pid: i32, key: &str) -> String {
 }
 
 /// Assert that helper process `pid` holds no capability, may gain none,
-/// and is not in the host's network namespace.
+/// and is not in the host's network namespace, once it has settled (it
+/// confines itself first thing, and then blocks where the test holds it).
 pub fn assert_helper_confined(pid: i32) {
+    let settled = || proc_status(pid, "CapPrm") == "0000000000000000";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !settled() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     for key in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
         assert_eq!(
             proc_status(pid, key),
