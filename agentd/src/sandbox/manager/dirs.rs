@@ -1,0 +1,307 @@
+//! A sandbox's directories on the host: made (the workspace cloned from
+//! the project), handed to the sandbox's ids, and removed, also where they
+//! belong to a subordinate id (see [`crate::subid`]); its disk image.
+
+use super::*;
+
+impl Manager {
+    /// The disk image of sandbox `name` (see [`crate::disk`]).
+    pub(super) fn disk(&self, name: &str) -> crate::disk::Disk {
+        crate::disk::Disk::new(self.registry.dir(), name)
+    }
+
+    /// Whether `backend` keeps a sandbox's data in its host directory, so
+    /// that the disk image bounds it (microvm guests are NixOS's).
+    pub(super) fn has_disk_image(backend: BackendKind) -> bool {
+        matches!(backend, BackendKind::Local | BackendKind::Vm)
+    }
+
+    /// Make and mount sandbox `sb`'s disk image if it has none mounted; a
+    /// failure only means that the limit is not enforced (the limits text
+    /// says why).
+    pub(super) async fn ensure_disk(&self, sb: &Sandbox) {
+        if !Self::has_disk_image(sb.backend) {
+            return;
+        }
+        let disk = self.disk(&sb.name);
+        let size = sb.config.disk;
+        let done = tokio::task::spawn_blocking(move || disk.ensure(size)).await;
+        if let Ok(Err(e)) = done {
+            tracing::warn!(sandbox = %sb.name, error = %e, "disk limit not enforced");
+        }
+    }
+
+    /// Unmount and delete sandbox `name`'s disk image.
+    pub(super) async fn release_disk(&self, name: &str) {
+        let disk = self.disk(name);
+        let _ = tokio::task::spawn_blocking(move || disk.release()).await;
+    }
+
+    /// Make the sandbox's directories and, when it has none yet, its
+    /// workspace: cloned by a helper running as the project's owner (so the
+    /// owner's read access is what counts), then handed to the sandbox's uid.
+    /// Returns notices for the person.
+    pub(super) async fn prepare_dirs(&self, sb: &Sandbox) -> Result<Vec<String>> {
+        self.ensure_disk(sb).await;
+        let spec = self.spec(sb);
+        let dir = self.registry.sandbox_dir(&sb.name);
+        let name = sb.name.clone();
+        let wsfail = |message: String| Error::Workspace {
+            name: name.clone(),
+            message,
+        };
+        let owner = sb.owner;
+        let (uid, gid) = (spec.uid, spec.gid);
+        let root = nix::unistd::Uid::effective().is_root();
+        let subordinate = subordinate(&spec);
+        let partial = dir.join("workspace.partial");
+        let exe = self.settings.exe.clone();
+        let blocking = |f: Box<dyn FnOnce() -> std::result::Result<(), String> + Send>| async {
+            tokio::task::spawn_blocking(f)
+                .await
+                .map_err(|e| wsfail(e.to_string()))?
+                .map_err(wsfail)
+        };
+        {
+            let (dir, spec, partial) = (dir.clone(), spec.clone(), partial.clone());
+            blocking(Box::new(move || {
+                use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+                let mut b = std::fs::DirBuilder::new();
+                b.recursive(true).mode(0o700);
+                for d in [&dir, &spec.log_dir, &spec.run_dir, &spec.home] {
+                    b.create(d)
+                        .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+                }
+                // As root, the owner's and the sandbox's helpers pass through
+                // to their own directories; everything else here stays
+                // agentd's. Unprivileged, everything here is agentd's user's
+                // alone: a sandbox with a subordinate id reaches its
+                // directories only through namespaces that map that user.
+                let mode = if root { 0o711 } else { 0o700 };
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
+                    .map_err(|e| format!("cannot set permissions of {}: {e}", dir.display()))?;
+                remove_owned_tree(&exe, &partial).map_err(|e| e.to_string())
+            }))
+            .await?;
+        }
+        // Files of a sandbox that ran under other ids (before each had its
+        // own) follow it to its own.
+        if root || subordinate {
+            for d in [&spec.home, &spec.workspace] {
+                use std::os::unix::fs::MetadataExt;
+                let Ok(m) = std::fs::symlink_metadata(d) else {
+                    continue;
+                };
+                if m.is_dir()
+                    && (m.uid(), m.gid()) != (uid, gid)
+                    && (d == &spec.home || uid != owner)
+                {
+                    self.hand_over(&spec, d, d == &spec.workspace)
+                        .await
+                        .map_err(wsfail)?;
+                }
+            }
+        }
+        let mut notices = Vec::new();
+        if !procfs::is_real_dir(&spec.workspace) {
+            {
+                let partial = partial.clone();
+                blocking(Box::new(move || {
+                    use std::os::unix::fs::DirBuilderExt;
+                    std::fs::DirBuilder::new()
+                        .mode(0o700)
+                        .create(&partial)
+                        .map_err(|e| format!("cannot create {}: {e}", partial.display()))?;
+                    if root {
+                        let ogid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(owner))
+                            .ok()
+                            .flatten()
+                            .map_or(owner, |u| u.gid.as_raw());
+                        std::os::unix::fs::lchown(&partial, Some(owner), Some(ogid))
+                            .map_err(|e| e.to_string())?;
+                    }
+                    Ok(())
+                }))
+                .await?;
+            }
+            let prep = workspace::PrepareSpec {
+                project: sb.project_path.clone(),
+                dest: partial.clone(),
+                env_files: sb.config.env_files.clone(),
+            };
+            self.run_prepare(&sb.name, owner, &prep, &mut notices)
+                .await
+                .map_err(wsfail)?;
+            {
+                let partial = partial.clone();
+                blocking(Box::new(move || {
+                    use std::os::unix::fs::PermissionsExt;
+                    // Unprivileged, agentd reads the workspace of a sandbox
+                    // with a subordinate id as "others" (see
+                    // TreeOp::HandOver); its directory above is agentd's.
+                    let mode = if subordinate { 0o755 } else { 0o700 };
+                    std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(mode))
+                        .map_err(|e| e.to_string())
+                }))
+                .await?;
+            }
+            if (root || subordinate) && uid != owner {
+                self.hand_over(&spec, &partial, true)
+                    .await
+                    .map_err(wsfail)?;
+            }
+            let (partial, ws) = (partial.clone(), spec.workspace.clone());
+            blocking(Box::new(move || {
+                std::fs::rename(&partial, &ws).map_err(|e| e.to_string())
+            }))
+            .await?;
+        }
+        self.registry.save_config(sb)?;
+        Ok(notices)
+    }
+
+    /// Give the tree at `path` to the ids of `spec`'s sandbox: directly as
+    /// root, through the tree helper for a subordinate id (`workspace` then
+    /// stays readable to agentd's user, see [`workspace::TreeOp`]).
+    pub(super) async fn hand_over(
+        &self,
+        spec: &SandboxSpec,
+        path: &Path,
+        workspace: bool,
+    ) -> std::result::Result<(), String> {
+        let (uid, gid, path) = (spec.uid, spec.gid, path.to_owned());
+        if nix::unistd::Uid::effective().is_root() {
+            return tokio::task::spawn_blocking(move || {
+                crate::fsutil::chown_tree(&path, uid, gid)
+                    .map_err(|e| format!("cannot chown {}: {e}", path.display()))
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        }
+        let op = workspace::TreeOp::HandOver {
+            path: path.clone(),
+            uid,
+            gid,
+            readable: workspace,
+        };
+        let exe = self.settings.exe.clone();
+        tokio::task::spawn_blocking(move || run_tree_helper(&exe, (uid, gid), &path, &op))
+            .await
+            .map_err(|e| e.to_string())?
+    }
+
+    /// Run the prepare helper as `owner`, forwarding its progress.
+    pub(super) async fn run_prepare(
+        &self,
+        name: &str,
+        owner: u32,
+        prep: &workspace::PrepareSpec,
+        notices: &mut Vec<String>,
+    ) -> std::result::Result<(), String> {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+        let mut child = crate::spawn::command_as(&self.settings.exe, owner)?
+            .arg(workspace::PREPARE_ARG)
+            .arg(serde_json::to_string(prep).map_err(|e| e.to_string())?)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start the workspace helper: {e}"))?;
+        let mut stderr = child.stderr.take().expect("piped");
+        let err_task = tokio::spawn(async move {
+            // Enough for any message; a helper that writes more loses its
+            // stderr rather than agentd its memory.
+            let mut t = Vec::new();
+            let _ = (&mut stderr).take(64 << 10).read_to_end(&mut t).await;
+            String::from_utf8_lossy(&t).into_owned()
+        });
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("piped")).lines();
+        let mut done = false;
+        while let Ok(Some(line)) = lines.next_line().await {
+            match serde_json::from_str::<workspace::PrepareEvent>(&line) {
+                Ok(workspace::PrepareEvent::Progress { stage, done, total }) => {
+                    let _ = self.changes.send(Change::Progress {
+                        name: name.to_owned(),
+                        stage,
+                        done,
+                        total,
+                    });
+                }
+                Ok(workspace::PrepareEvent::Notice { message }) => {
+                    tracing::info!(sandbox = %name, %message, "workspace");
+                    notices.push(message);
+                }
+                Ok(workspace::PrepareEvent::Done) => done = true,
+                Err(_) => {}
+            }
+        }
+        let status = child.wait().await.map_err(|e| e.to_string())?;
+        let err = err_task.await.unwrap_or_default();
+        if status.success() && done {
+            Ok(())
+        } else if err.trim().is_empty() {
+            Err("the workspace helper failed without a message".to_owned())
+        } else {
+            Err(err.trim().to_owned())
+        }
+    }
+}
+
+/// Whether `spec`'s sandbox runs as a subordinate id of an unprivileged
+/// agentd's user (see [`crate::subid`]).
+pub(super) fn subordinate(spec: &SandboxSpec) -> bool {
+    let me = nix::unistd::Uid::effective();
+    !me.is_root() && spec.uid != me.as_raw()
+}
+
+/// Run the tree helper ([`workspace::TREE_ARG`]) with the sandbox ids
+/// `ids` mapped, seeing only `path`. Blocking.
+pub(super) fn run_tree_helper(
+    exe: &Path,
+    ids: (u32, u32),
+    path: &Path,
+    op: &workspace::TreeOp,
+) -> std::result::Result<(), String> {
+    let out = crate::spawn::command_with_ids(exe, ids, &[path.to_owned()])?
+        .arg(workspace::TREE_ARG)
+        .arg(serde_json::to_string(op).map_err(|e| e.to_string())?)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run the tree helper: {e}"))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    Err(crate::text::clamp_text(err.trim()).into_owned())
+}
+
+/// Remove the tree at `path` (a sandbox's directory, or a workspace being
+/// made). An unprivileged agentd first empties, with the tree helper, the
+/// directories there that belong to one of its subordinate ids: `path`
+/// itself or those right below it (the workspace, the home).
+pub(super) fn remove_owned_tree(exe: &Path, path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if let (false, Ok(pool)) = (
+        nix::unistd::Uid::effective().is_root(),
+        crate::subid::pool(),
+    ) {
+        let below = std::fs::read_dir(path)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| Some(e.ok()?.path()));
+        for dir in std::iter::once(path.to_owned()).chain(below) {
+            let Ok(m) = std::fs::symlink_metadata(&dir) else {
+                continue;
+            };
+            let Some(gid) = pool.gid_for(m.uid()).filter(|_| m.is_dir()) else {
+                continue;
+            };
+            let op = workspace::TreeOp::Empty { path: dir.clone() };
+            if let Err(e) = run_tree_helper(exe, (m.uid(), gid), &dir, &op) {
+                tracing::warn!(path = %dir.display(), error = %e, "cannot empty a sandbox's directory");
+            }
+        }
+    }
+    crate::fsutil::remove_tree(path)
+}

@@ -1,0 +1,423 @@
+//! Git between host and sandbox: syncs (manual and automatic), snapshots
+//! of uncommitted work, and worktrees; under the sandbox's `sync` and
+//! `worktrees` locks.
+
+use super::*;
+
+impl Manager {
+    /// Move branches between the host repository and sandbox `name`.
+    pub async fn sync(&self, caller: Caller, name: &str, opts: SyncOptions) -> Result<SyncReport> {
+        self.get(caller, name)?;
+        let mut problems = Vec::new();
+        for (what, b) in [("branch", &opts.branch), ("into", &opts.into)] {
+            if let Some(b) = b {
+                if !refs::valid_branch(b) {
+                    problems.push(format!(
+                        "{what} '{}' is not a valid git branch name",
+                        b.escape_debug()
+                    ));
+                }
+            }
+        }
+        if opts.from_host && opts.into.is_some() {
+            problems.push(
+                "--into moves a host branch; it cannot be combined with --from-host".to_owned(),
+            );
+        }
+        if !problems.is_empty() {
+            return Err(Error::Invalid(problems));
+        }
+        let locks = self.locks(name);
+        let _guard = locks.sync.lock().await;
+        tokio::select! {
+            r = self.sync_locked(name, opts) => r,
+            () = locks.destroyed() => Err(Error::Workspace {
+                name: name.to_owned(),
+                message: "the sync was cut short: the sandbox is being destroyed".into(),
+            }),
+        }
+    }
+
+    /// The sync of [`Manager::sync`], under the sandbox's sync lock.
+    pub(super) async fn sync_locked(&self, name: &str, opts: SyncOptions) -> Result<SyncReport> {
+        // A destroy that held the lock first leaves nothing to sync.
+        let sb = self
+            .snapshot(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let spec = self.spec(&sb);
+        let project = sb.project_path.clone();
+        let project_git = tokio::task::spawn_blocking(move || {
+            workspace::allow_foreign_owners();
+            git2::Repository::open(&project).map(|r| r.path().to_owned())
+        })
+        .await
+        .map_err(|e| Error::Sync {
+            name: name.to_owned(),
+            message: e.to_string(),
+        })?
+        .map_err(|e| Error::Sync {
+            name: name.to_owned(),
+            message: format!(
+                "cannot open the project {}: {}",
+                sb.project_path.display(),
+                e.message()
+            ),
+        })?;
+        let direction = if opts.from_host {
+            "from-host"
+        } else {
+            "to-host"
+        };
+        let t = if opts.from_host {
+            Transfer {
+                from: Side {
+                    uid: sb.owner,
+                    path: project_git,
+                    confine_to: None,
+                },
+                to: Side {
+                    uid: spec.uid,
+                    path: spec.workspace.clone(),
+                    confine_to: Some(spec.workspace.clone()),
+                },
+                spec: WriteSpec {
+                    repo: spec.workspace.clone(),
+                    prefix: "refs/remotes/host/".to_owned(),
+                    remote: None,
+                    prune: opts.branch.is_none(),
+                    into: None,
+                },
+                branch: opts.branch.clone(),
+                dry_run: opts.dry_run,
+            }
+        } else {
+            Transfer {
+                from: Side {
+                    uid: spec.uid,
+                    path: spec.workspace.join(".git"),
+                    confine_to: Some(spec.workspace.clone()),
+                },
+                to: Side {
+                    uid: sb.owner,
+                    path: sb.project_path.clone(),
+                    confine_to: None,
+                },
+                spec: WriteSpec {
+                    repo: sb.project_path.clone(),
+                    prefix: format!("refs/remotes/sandbox/{name}/"),
+                    remote: Some((
+                        format!("sandbox/{name}"),
+                        spec.workspace.to_string_lossy().into_owned(),
+                    )),
+                    prune: opts.branch.is_none(),
+                    into: opts.into.clone(),
+                },
+                branch: opts.branch.clone(),
+                dry_run: opts.dry_run,
+            }
+        };
+        let result = transfer::run(&self.settings.exe, t).await;
+        let report = match result {
+            Ok(r) => r,
+            Err(message) => {
+                if !opts.dry_run {
+                    let _ = self.update(name, |s| {
+                        s.last_sync_at = Some(SystemTime::now());
+                        s.last_sync_result = format!("{direction}: failed: {message}");
+                    });
+                }
+                return Err(Error::Sync {
+                    name: name.to_owned(),
+                    message,
+                });
+            }
+        };
+        let branches = u32::try_from(report.read.updates.len()).unwrap_or(u32::MAX);
+        let commits: u32 = report.read.updates.iter().map(|u| u.commits).sum();
+        if !opts.dry_run {
+            let summary = match &report.diverged {
+                Some(_) => format!(
+                    "{direction}: {branches} branch(es), {commits} commit(s); --into refused"
+                ),
+                None => format!("{direction}: {branches} branch(es), {commits} commit(s)"),
+            };
+            self.update(name, |s| {
+                s.last_sync_at = Some(SystemTime::now());
+                s.last_sync_result = summary;
+            })?;
+            let _ = self.changes.send(Change::Synced {
+                name: name.to_owned(),
+                direction,
+                branches,
+                commits,
+            });
+            tracing::info!(sandbox = %name, direction, branches, commits, "synced");
+        }
+        if let Some(msg) = report.diverged {
+            return Err(Error::Conflict(format!("Sandbox '{name}': {msg}")));
+        }
+        Ok(SyncReport {
+            direction: direction.to_owned(),
+            dry_run: opts.dry_run,
+            branches: report.read.updates,
+            skipped: report.read.skipped,
+            into: report.into.unwrap_or_default(),
+        })
+    }
+
+    /// Watch sandbox `name`'s workspace as its sync mode asks (or stop).
+    pub fn apply_sync_mode(self: &Arc<Self>, name: &str) {
+        let mut watchers = self.watchers.lock().unwrap();
+        watchers.remove(name);
+        let Some(sb) = self.snapshot(name) else {
+            return;
+        };
+        if sb.config.sync_mode == SyncMode::Manual || sb.creating {
+            return;
+        }
+        let spec = self.spec(&sb);
+        let idle = Duration::from_secs(u64::from(sb.config.sync_idle_seconds.max(1)));
+        match watch::start(
+            Arc::downgrade(self),
+            name.to_owned(),
+            spec.workspace,
+            sb.config.sync_mode,
+            idle,
+        ) {
+            Ok(h) => {
+                tracing::info!(sandbox = %name, mode = %sb.config.sync_mode, "watching the workspace");
+                watchers.insert(name.to_owned(), h);
+            }
+            Err(e) => {
+                tracing::error!(sandbox = %name, error = %e, "cannot watch the workspace; automatic sync is off");
+                drop(watchers);
+                let _ = self.update(name, |s| {
+                    s.last_sync_result =
+                        format!("automatic sync is off: cannot watch the workspace: {e}");
+                });
+            }
+        }
+    }
+
+    /// Say in sandbox `name`'s sync status that its watcher reached `limit`
+    /// watched directories (watcher).
+    pub fn watch_limit_reached(&self, name: &str, limit: usize) {
+        let _ = self.update(name, |s| {
+            s.last_sync_result = format!(
+                "automatic sync sees only part of the workspace: watch limit of {limit} directories reached"
+            );
+        });
+    }
+
+    /// An automatic sync of every branch to the host (watcher).
+    pub async fn auto_sync(&self, name: &str) {
+        match self
+            .sync(Caller { uid: 0 }, name, SyncOptions::default())
+            .await
+        {
+            Ok(r) if !r.branches.is_empty() => {}
+            Ok(_) => tracing::debug!(sandbox = %name, "automatic sync: nothing new"),
+            Err(e) => tracing::warn!(sandbox = %name, error = %e, "automatic sync failed"),
+        }
+    }
+
+    /// Snapshot the uncommitted work of worktree `wt` (relative directory;
+    /// empty = main) of sandbox `name`. True when a snapshot was recorded.
+    pub async fn take_snapshot(&self, name: &str, wt: &Path) -> bool {
+        let Some(sb) = self.snapshot(name) else {
+            return false;
+        };
+        let spec = self.spec(&sb);
+        let req = snapshot::Request {
+            workspace: spec.workspace.clone(),
+            worktree: wt.to_owned(),
+            sandbox: name.to_owned(),
+            max_file: crate::git::sync::MAX_BLOB,
+        };
+        let keep = [spec.workspace.clone()];
+        let Ok(mut cmd) = crate::spawn::command_confined(&self.settings.exe, spec.uid, &keep)
+        else {
+            return false;
+        };
+        let out = cmd
+            .arg(snapshot::SNAPSHOT_ARG)
+            .arg(serde_json::to_string(&req).expect("request serializes"))
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        match tokio::time::timeout(Duration::from_secs(600), out).await {
+            Ok(Ok(o)) if o.status.success() => {
+                let outcome: Option<snapshot::Outcome> = serde_json::from_slice(&o.stdout).ok();
+                match outcome {
+                    Some(snapshot::Outcome {
+                        branch,
+                        commit: Some(c),
+                    }) => {
+                        tracing::info!(sandbox = %name, %branch, commit = %c, "snapshot of uncommitted work");
+                        true
+                    }
+                    _ => false,
+                }
+            }
+            Ok(Ok(o)) => {
+                tracing::warn!(sandbox = %name, error = %String::from_utf8_lossy(&o.stderr).trim(), "snapshot failed");
+                false
+            }
+            _ => false,
+        }
+    }
+
+    /// The directory (inside the sandbox) of `branch`'s worktree.
+    pub(super) fn worktree_dir(&self, sb: &Sandbox, branch: &str) -> Result<String> {
+        self.find_worktree_dir(sb, branch)?.ok_or_else(|| {
+            Error::Invalid(vec![format!(
+                "sandbox '{}' has no worktree for '{branch}'; create it with `agentctl worktree add {} {branch}`",
+                sb.name, sb.name
+            )])
+        })
+    }
+
+    /// The directory (inside the sandbox) of `branch`'s worktree, if it has one.
+    pub(super) fn find_worktree_dir(&self, sb: &Sandbox, branch: &str) -> Result<Option<String>> {
+        if !refs::valid_branch(branch) {
+            return Err(Error::Invalid(vec![format!(
+                "'{}' is not a valid git branch name",
+                branch.escape_debug()
+            )]));
+        }
+        let ws = self.spec(sb).workspace;
+        if crate::beneath::is_real_dir(&ws, &worktree::dir_of(branch)) {
+            return Ok(Some(format!(
+                "{}/{}",
+                worktree::SANDBOX_ROOT,
+                worktree::dir_of(branch).display()
+            )));
+        }
+        if refs::head_branch(&ws.join(".git")).as_deref() == Some(branch) {
+            return Ok(Some(worktree::SANDBOX_ROOT.to_owned()));
+        }
+        Ok(None)
+    }
+
+    /// Run the worktree helper for sandbox `name` as the sandbox's uid.
+    pub(super) async fn worktree_op(
+        &self,
+        caller: Caller,
+        name: &str,
+        req: impl FnOnce(PathBuf) -> worktree::Request,
+    ) -> Result<String> {
+        let sb = self.get(caller, name)?;
+        let spec = self.spec(&sb);
+        let locks = self.locks(name);
+        let _guard = locks.worktrees.lock().await;
+        if self.snapshot(name).is_none() {
+            return Err(Error::NotFound(name.to_owned()));
+        }
+        let req = serde_json::to_string(&req(spec.workspace.clone())).expect("request serializes");
+        let fail = |message: String| Error::Workspace {
+            name: name.to_owned(),
+            message,
+        };
+        let out = crate::spawn::command_confined(
+            &self.settings.exe,
+            spec.uid,
+            std::slice::from_ref(&spec.workspace),
+        )
+        .map_err(fail)?
+        .arg(worktree::WORKTREE_ARG)
+        .arg(&req)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+        let out = tokio::select! {
+            out = tokio::time::timeout(Duration::from_secs(600), out) => out
+                .map_err(|_| fail("the worktree operation took longer than 10 minutes".into()))?
+                .map_err(|e| fail(e.to_string()))?,
+            () = locks.destroyed() => {
+                return Err(fail("the worktree operation was cut short: the sandbox is being destroyed".into()));
+            }
+        };
+        let err = String::from_utf8_lossy(&out.stderr).trim().to_owned();
+        match out.status.code() {
+            Some(0) => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+            Some(3) => Err(Error::Conflict(format!("Sandbox '{name}': {err}"))),
+            Some(4) => Err(Error::Invalid(vec![err])),
+            _ => Err(fail(err)),
+        }
+    }
+
+    /// Create the worktree of `branch` in sandbox `name`.
+    pub async fn add_worktree(
+        &self,
+        caller: Caller,
+        name: &str,
+        branch: &str,
+        from: Option<String>,
+    ) -> Result<WorktreeInfo> {
+        let branch_owned = branch.to_owned();
+        let json = self
+            .worktree_op(caller, name, |workspace| worktree::Request::Add {
+                workspace,
+                branch: branch_owned,
+                from,
+            })
+            .await?;
+        let i: worktree::Info = serde_json::from_str(&json).map_err(|e| Error::Workspace {
+            name: name.to_owned(),
+            message: e.to_string(),
+        })?;
+        tracing::info!(sandbox = %name, branch, path = %i.path, "worktree added");
+        Ok(i)
+    }
+
+    /// The worktrees of sandbox `name`, the main one first, each with its
+    /// running session.
+    pub async fn list_worktrees(&self, caller: Caller, name: &str) -> Result<Vec<WorktreeInfo>> {
+        let mut list = self.list_worktrees_raw(caller, name).await?;
+        let sb = self.get(caller, name)?;
+        let running = self.running_sessions(&sb).await;
+        for w in list.iter_mut().filter(|w| !w.branch.is_empty()) {
+            let s = session_name(name, &w.branch);
+            if running.contains(&s) {
+                w.session = s;
+            }
+        }
+        Ok(list)
+    }
+
+    pub(super) async fn list_worktrees_raw(
+        &self,
+        caller: Caller,
+        name: &str,
+    ) -> Result<Vec<WorktreeInfo>> {
+        let json = self
+            .worktree_op(caller, name, |workspace| worktree::Request::List {
+                workspace,
+            })
+            .await?;
+        let l: Vec<worktree::Info> = serde_json::from_str(&json).map_err(|e| Error::Workspace {
+            name: name.to_owned(),
+            message: e.to_string(),
+        })?;
+        Ok(l)
+    }
+
+    /// Remove the worktree of `branch` in sandbox `name`.
+    pub async fn remove_worktree(
+        &self,
+        caller: Caller,
+        name: &str,
+        branch: &str,
+        force: bool,
+    ) -> Result<()> {
+        let branch_owned = branch.to_owned();
+        self.worktree_op(caller, name, |workspace| worktree::Request::Remove {
+            workspace,
+            branch: branch_owned,
+            force,
+        })
+        .await?;
+        tracing::info!(sandbox = %name, branch, force, "worktree removed");
+        Ok(())
+    }
+}

@@ -1,0 +1,362 @@
+//! The life of a sandbox: create, start (and watching it run), stop,
+//! destroy; each under the sandbox's `op` lock.
+
+use super::*;
+
+impl Manager {
+    /// Create a sandbox from the repository at `project` for `caller`.
+    pub async fn create(
+        self: &Arc<Self>,
+        caller: Caller,
+        project: &Path,
+        opts: CreateOptions,
+    ) -> Result<(Sandbox, Vec<String>)> {
+        let mut problems = Vec::new();
+        if !project.is_absolute() {
+            problems.push(format!(
+                "project path {} must be absolute",
+                project.display()
+            ));
+        }
+        let canon = if problems.is_empty() {
+            match auth::check_project_as(&self.settings.exe, caller.uid, project).await {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    problems.push(e);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        let name = match &opts.name {
+            Some(n) => n.clone(),
+            None => project
+                .file_name()
+                .and_then(|n| validate::name_from_dir(&n.to_string_lossy()))
+                .unwrap_or_default(),
+        };
+        if name.is_empty() && opts.name.is_none() {
+            problems.push(format!(
+                "no sandbox name can be derived from {}; pass one with --name",
+                project.display()
+            ));
+        } else {
+            validate::check_name(&name, &mut problems);
+        }
+        let d = &self.settings.defaults;
+        let config = SandboxConfig {
+            memory: opts.memory.unwrap_or(d.memory),
+            vcpus: opts.vcpus.unwrap_or(d.vcpus),
+            disk: opts.disk.unwrap_or(d.disk),
+            pids: opts.pids.unwrap_or(d.pids),
+            network: opts.network.unwrap_or(d.network),
+            egress: opts.egress.unwrap_or(d.egress),
+            egress_allow: opts.egress_allow.unwrap_or_else(|| d.egress_allow.clone()),
+            sync_mode: opts.sync_mode.unwrap_or(d.sync_mode),
+            ..d.clone()
+        };
+        validate::check_config(&config, &mut problems);
+        let backend = opts.backend.unwrap_or(self.settings.default_backend);
+        if let Err(Error::Invalid(p)) = self.backend(backend) {
+            problems.extend(p);
+        }
+        if !problems.is_empty() {
+            return Err(Error::Invalid(problems));
+        }
+        let project = canon.expect("checked above");
+        let sb = Sandbox {
+            id: uuid::Uuid::new_v4().to_string(),
+            name: name.clone(),
+            project_path: project,
+            state: SandboxState::Created,
+            state_reason: String::new(),
+            backend,
+            created_at: SystemTime::now(),
+            started_at: None,
+            config,
+            ports: Ports::new(),
+            owner: caller.uid,
+            uid: None,
+            declared: false,
+            creating: true,
+            last_sync_at: None,
+            last_sync_result: String::new(),
+            runtime: None,
+        };
+        self.insert_new(sb).await
+    }
+
+    /// Register `sb` (marked `creating`), prepare its directories and
+    /// workspace, then mark it complete. A crash in between is rolled back
+    /// by [`Manager::reconcile`].
+    pub(super) async fn insert_new(
+        self: &Arc<Self>,
+        sb: Sandbox,
+    ) -> Result<(Sandbox, Vec<String>)> {
+        let name = sb.name.clone();
+        let sb = {
+            let mut map = self.sandboxes.lock().unwrap();
+            if map.contains_key(&name) {
+                return Err(Error::AlreadyExists(name));
+            }
+            map.insert(name.clone(), sb);
+            allocate_ids(&mut map);
+            if let Err(e) = self.registry.save(map.values()) {
+                map.remove(&name);
+                return Err(e.into());
+            }
+            map[&name].clone()
+        };
+        let locks = self.locks(&name);
+        let _guard = locks.op.lock().await;
+        if let Err(e) = self.remove_leftover(&name).await {
+            self.forget(&name);
+            return Err(e);
+        }
+        let notices = match self.prepare_dirs(&sb).await {
+            Ok(n) => n,
+            Err(e) => {
+                self.forget(&name);
+                self.release_disk(&name).await;
+                let (exe, dir) = (self.settings.exe.clone(), self.registry.sandbox_dir(&name));
+                let _ = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &dir)).await;
+                return Err(e);
+            }
+        };
+        let done = self.update(&name, |s| s.creating = false)?;
+        self.apply_sync_mode(&name);
+        let _ = self.changes.send(Change::Added(name.clone()));
+        tracing::info!(sandbox = %name, project = %done.project_path.display(), owner = done.owner, "sandbox created");
+        Ok((done, notices))
+    }
+
+    /// Remove what an earlier sandbox of the same name left behind (a
+    /// destroy that could not finish): a new sandbox never adopts another's
+    /// workspace or home.
+    pub(super) async fn remove_leftover(&self, name: &str) -> Result<()> {
+        let dir = self.registry.sandbox_dir(name);
+        if std::fs::symlink_metadata(&dir).is_err() {
+            return Ok(());
+        }
+        tracing::warn!(sandbox = %name, "removing a directory an earlier sandbox of this name left");
+        self.release_disk(name).await;
+        let (exe, d) = (self.settings.exe.clone(), dir.clone());
+        let removed = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &d))
+            .await
+            .map_err(std::io::Error::other)
+            .and_then(|r| r);
+        match removed {
+            Ok(()) if std::fs::symlink_metadata(&dir).is_err() => Ok(()),
+            other => Err(Error::Workspace {
+                name: name.to_owned(),
+                message: format!(
+                    "{} is left from an earlier sandbox of this name and cannot be removed{}; \
+                     remove it (as root if need be) and create the sandbox again",
+                    dir.display(),
+                    other.err().map(|e| format!(" ({e})")).unwrap_or_default()
+                ),
+            }),
+        }
+    }
+
+    /// Remove `name` from memory and the registry, without touching disk.
+    pub(super) fn forget(&self, name: &str) {
+        let mut map = self.sandboxes.lock().unwrap();
+        map.remove(name);
+        if let Err(e) = self.registry.save(map.values()) {
+            tracing::error!(sandbox = %name, error = %e, "cannot write the registry");
+        }
+    }
+
+    /// Start sandbox `name`.
+    pub async fn start(self: &Arc<Self>, caller: Caller, name: &str) -> Result<Sandbox> {
+        let sb = self.get(caller, name)?;
+        let locks = self.locks(name);
+        let _guard = locks.op.lock().await;
+        self.start_locked(name, sb.backend).await
+    }
+
+    pub(super) async fn start_locked(
+        self: &Arc<Self>,
+        name: &str,
+        kind: BackendKind,
+    ) -> Result<Sandbox> {
+        let backend = Arc::clone(self.backend(kind)?);
+        let sb = self.transition(name, Event::Start, |s| s.state_reason.clear())?;
+        tracing::info!(sandbox = %name, "starting");
+        // Declared sandboxes get their workspace on first start.
+        match self.prepare_dirs(&sb).await {
+            Ok(notices) => {
+                for n in notices {
+                    tracing::info!(sandbox = %name, notice = %n, "workspace");
+                }
+                // A declared sandbox gets its workspace (and watcher) here.
+                if !self.watchers.lock().unwrap().contains_key(name) {
+                    self.apply_sync_mode(name);
+                }
+            }
+            Err(e) => {
+                self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
+                return Err(e);
+            }
+        }
+        let spec = self.spec(&sb);
+        match backend.start(&spec).await {
+            Ok(mut rt) => {
+                if Self::has_disk_image(kind) {
+                    let disk = self.disk(name).describe(sb.config.disk);
+                    rt.limits = if rt.limits.is_empty() {
+                        disk
+                    } else {
+                        format!("{}; {disk}", rt.limits)
+                    };
+                }
+                tracing::info!(sandbox = %name, init_pid = rt.init_pid, limits = %rt.limits, "running");
+                let sb = self.transition(name, Event::Started, |s| {
+                    s.started_at = Some(SystemTime::now());
+                    s.runtime = Some(rt);
+                })?;
+                self.monitor(name);
+                Ok(sb)
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %name, error = %e, "start failed");
+                self.transition(name, Event::StartFailed, |s| {
+                    s.state_reason = e.to_string();
+                    s.runtime = None;
+                })?;
+                Err(Error::Backend {
+                    name: name.to_owned(),
+                    source: e,
+                })
+            }
+        }
+    }
+
+    /// Watch a running sandbox and record it as stopped if its processes
+    /// end by themselves.
+    pub(super) fn monitor(self: &Arc<Self>, name: &str) {
+        let Some(sb) = self.snapshot(name) else {
+            return;
+        };
+        let (Some(rt), Ok(backend)) = (sb.runtime.clone(), self.backend(sb.backend).cloned())
+        else {
+            return;
+        };
+        self.open_gateway(name);
+        let this = Arc::clone(self);
+        let name = name.to_owned();
+        tokio::spawn(async move {
+            backend.wait_exit(&rt).await;
+            let locks = this.locks(&name);
+            let _guard = locks.op.lock().await;
+            let Some(now) = this.snapshot(&name) else {
+                return;
+            };
+            if now.state != SandboxState::Running || now.runtime.as_ref() != Some(&rt) {
+                return; // stopped (or restarted) by agentd itself
+            }
+            tracing::warn!(sandbox = %name, "sandbox processes ended by themselves");
+            this.close_gateway(&name).await;
+            let spec = this.spec(&now);
+            let _ = backend.stop(&spec, &rt, true).await;
+            let _ = this.transition(&name, Event::Stop, |_| {});
+            let _ = this.transition(&name, Event::Stopped, |s| {
+                s.runtime = None;
+                s.state_reason = "the sandbox's init exited (all its processes ended)".to_owned();
+            });
+        });
+    }
+
+    /// Stop sandbox `name`.
+    pub async fn stop(&self, caller: Caller, name: &str, force: bool) -> Result<Sandbox> {
+        self.get(caller, name)?;
+        let locks = self.locks(name);
+        let _guard = locks.op.lock().await;
+        self.stop_locked(name, force).await
+    }
+
+    pub(super) async fn stop_locked(&self, name: &str, force: bool) -> Result<Sandbox> {
+        let sb = self.transition(name, Event::Stop, |_| {})?;
+        tracing::info!(sandbox = %name, force, "stopping");
+        self.close_gateway(name).await;
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        if let Some(rt) = &sb.runtime {
+            if let Err(e) = backend.stop(&self.spec(&sb), rt, force).await {
+                tracing::warn!(sandbox = %name, error = %e, "stop failed");
+                self.transition(name, Event::StopFailed, |s| s.state_reason = e.to_string())?;
+                return Err(Error::Backend {
+                    name: name.to_owned(),
+                    source: e,
+                });
+            }
+        }
+        let sb = self.transition(name, Event::Stopped, |s| {
+            s.runtime = None;
+            s.state_reason.clear();
+        })?;
+        tracing::info!(sandbox = %name, "stopped");
+        Ok(sb)
+    }
+
+    /// Destroy sandbox `name` and everything agentd keeps for it.
+    pub async fn destroy(&self, caller: Caller, name: &str) -> Result<()> {
+        let sb = self.get(caller, name)?;
+        if sb.declared {
+            return Err(Error::PermissionDenied(format!(
+                "Sandbox '{name}' is declared in agentd's configuration and cannot be destroyed over \
+                 D-Bus; remove keystone.agent.sandboxes.{name} from the configuration instead"
+            )));
+        }
+        let locks = self.locks(name);
+        let _guard = locks.op.lock().await;
+        let sb = self
+            .snapshot(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        if state::next(sb.state, Event::Destroy) != Some(Next::Removed) {
+            return Err(Error::InvalidState {
+                name: name.to_owned(),
+                verb: Event::Destroy.verb(),
+                state: sb.state,
+                hint: state::hint(sb.state),
+            });
+        }
+        // A running sync or worktree operation is cut short and ends first
+        // (lock order: op, sync, worktrees); the state cannot change
+        // meanwhile, as starting needs the op lock.
+        locks.gone.send_replace(true);
+        let _sync = locks.sync.lock().await;
+        let _worktrees = locks.worktrees.lock().await;
+        if let Ok(backend) = self.backend(sb.backend) {
+            backend.kill_strays(&self.live_runtimes_except(name));
+        }
+        self.watchers.lock().unwrap().remove(name);
+        // Registry first: a crash after this leaves only a directory, which
+        // the next start removes.
+        self.forget(name);
+        self.release_disk(name).await;
+        let (exe, dir) = (self.settings.exe.clone(), self.registry.sandbox_dir(name));
+        let removed = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &dir)).await;
+        if let Ok(Err(e)) = removed {
+            tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox directory; it is removed at next start");
+        }
+        self.locks.lock().unwrap().remove(name);
+        let _ = self.changes.send(Change::Removed(name.to_owned()));
+        tracing::info!(sandbox = %name, "destroyed");
+        Ok(())
+    }
+
+    pub(super) fn live_runtimes_except(
+        &self,
+        except: &str,
+    ) -> Vec<(String, crate::backend::Runtime)> {
+        self.sandboxes
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|s| s.name != except)
+            .filter_map(|s| Some((s.name.clone(), s.runtime.clone()?)))
+            .collect()
+    }
+}

@@ -1,0 +1,248 @@
+//! agentd's start and end: the registry reconciled with what the backends
+//! say runs and with the declared sandboxes, autostart, shutdown, and the
+//! sandboxes' host ids.
+
+use super::*;
+
+impl Manager {
+    /// Bring the registry in line with reality after a start (or a crash):
+    /// roll back half-created sandboxes, apply declared sandboxes, adopt
+    /// sandboxes that still run, record those that do not, kill leftovers.
+    pub fn reconcile(self: &Arc<Self>, config: &DaemonConfig) -> Result<()> {
+        let mut rolled_back = Vec::new();
+        {
+            let mut map = self.sandboxes.lock().unwrap();
+            map.retain(|name, s| {
+                if s.creating {
+                    rolled_back.push(name.clone());
+                }
+                !s.creating
+            });
+            self.apply_declared(&mut map, config);
+            for sb in map.values_mut() {
+                let alive = sb.runtime.as_ref().is_some_and(|rt| {
+                    self.backends
+                        .get(&sb.backend)
+                        .is_some_and(|b| b.is_alive(rt))
+                });
+                let (state, reason) = match (sb.state, alive) {
+                    (SandboxState::Running, true) => {
+                        tracing::info!(sandbox = %sb.name, "adopted a running sandbox");
+                        continue;
+                    }
+                    (SandboxState::Running, false) => (
+                        SandboxState::Stopped,
+                        "its processes had ended when agentd restarted".to_owned(),
+                    ),
+                    (SandboxState::Starting, _) => (
+                        SandboxState::Error,
+                        "agentd stopped while the sandbox was starting; start it again".to_owned(),
+                    ),
+                    (SandboxState::Stopping, _) => (SandboxState::Stopped, sb.state_reason.clone()),
+                    (s, _) => (s, sb.state_reason.clone()),
+                };
+                if sb.state != state {
+                    tracing::info!(sandbox = %sb.name, from = %sb.state, to = %state, %reason, "reconciled");
+                }
+                sb.state = state;
+                sb.state_reason = reason;
+                if state != SandboxState::Running {
+                    sb.runtime = None;
+                }
+            }
+            self.registry.save(map.values())?;
+        }
+        let keep = self.live_runtimes_except("");
+        for backend in self.backends.values() {
+            for name in backend.kill_strays(&keep) {
+                tracing::warn!(sandbox = %name, "killed processes left over from a previous agentd");
+            }
+        }
+        // Directories nobody owns any more: leftovers of a rollback or of a
+        // destroy interrupted by a crash.
+        let known = self.names();
+        for dir in self.registry.sandbox_dirs() {
+            if !known.contains(&dir) || rolled_back.contains(&dir) {
+                tracing::info!(sandbox = %dir, "removing a leftover sandbox directory");
+                self.disk(&dir).release();
+                let _ = remove_owned_tree(&self.settings.exe, &self.registry.sandbox_dir(&dir));
+            }
+        }
+        for name in crate::disk::images(self.registry.dir()) {
+            if !known.contains(&name) || rolled_back.contains(&name) {
+                tracing::info!(sandbox = %name, "removing a leftover disk image");
+                self.disk(&name).release();
+            }
+        }
+        // Images mounted by an earlier agentd may be gone (a reboot, a new
+        // mount namespace): the host reads workspaces from here on.
+        for name in self.names() {
+            let Some(sb) = self.snapshot(&name) else {
+                continue;
+            };
+            let disk = self.disk(&name);
+            if Self::has_disk_image(sb.backend) && disk.image.is_file() {
+                if let Err(e) = disk.ensure(sb.config.disk) {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot mount the disk image");
+                }
+            }
+        }
+        for name in self.names() {
+            if self
+                .snapshot(&name)
+                .is_some_and(|s| s.state == SandboxState::Running)
+            {
+                self.monitor(&name);
+            }
+            self.apply_sync_mode(&name);
+        }
+        Ok(())
+    }
+
+    /// Add declared sandboxes, update them from the configuration, and
+    /// release ones no longer declared (they become ordinary sandboxes).
+    pub(super) fn apply_declared(
+        &self,
+        map: &mut BTreeMap<String, Sandbox>,
+        config: &DaemonConfig,
+    ) {
+        for sb in map.values_mut() {
+            if sb.declared && !config.sandboxes.contains_key(&sb.name) {
+                tracing::info!(sandbox = %sb.name, "no longer declared; it can now be destroyed");
+                sb.declared = false;
+            }
+        }
+        for (name, d) in &config.sandboxes {
+            let Some(owner) = nix::unistd::User::from_name(&d.owner).ok().flatten() else {
+                tracing::error!(sandbox = %name, owner = %d.owner, "declared owner does not exist; skipped");
+                continue;
+            };
+            let backend = d
+                .backend
+                .or(config.default_backend)
+                .unwrap_or(BackendKind::Local);
+            let cfg = d.config(&config.defaults);
+            match map.get_mut(name) {
+                Some(sb) => {
+                    sb.declared = true;
+                    sb.owner = owner.uid.as_raw();
+                    sb.project_path.clone_from(&d.project);
+                    sb.config = cfg;
+                    sb.ports.clone_from(&d.ports);
+                    sb.backend = backend;
+                }
+                None => {
+                    map.insert(
+                        name.clone(),
+                        Sandbox {
+                            id: uuid::Uuid::new_v4().to_string(),
+                            name: name.clone(),
+                            project_path: d.project.clone(),
+                            state: SandboxState::Created,
+                            state_reason: String::new(),
+                            backend,
+                            created_at: SystemTime::now(),
+                            started_at: None,
+                            config: cfg,
+                            ports: d.ports.clone(),
+                            owner: owner.uid.as_raw(),
+                            uid: None,
+                            declared: true,
+                            creating: false,
+                            last_sync_at: None,
+                            last_sync_result: String::new(),
+                            runtime: None,
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// Start the declared sandboxes that ask for it.
+    pub fn autostart(self: &Arc<Self>, config: &DaemonConfig) {
+        for (name, d) in &config.sandboxes {
+            if !d.autostart
+                || self
+                    .snapshot(name)
+                    .is_none_or(|s| s.state == SandboxState::Running)
+            {
+                continue;
+            }
+            let this = Arc::clone(self);
+            let name = name.clone();
+            tokio::spawn(async move {
+                if let Err(e) = this.start(Caller { uid: 0 }, &name).await {
+                    tracing::error!(sandbox = %name, error = %e, "autostart failed");
+                }
+            });
+        }
+    }
+
+    /// Stop every running sandbox (agentd is shutting down).
+    pub async fn shutdown(&self) {
+        // microVMs are systemd units of their own: they run on while agentd
+        // restarts (a configuration change) and are adopted again.
+        let running: Vec<String> = self
+            .sandboxes
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|s| s.state == SandboxState::Running && s.backend != BackendKind::Microvm)
+            .map(|s| s.name.clone())
+            .collect();
+        let stops = running.iter().map(|name| async move {
+            let locks = self.locks(name);
+            let _guard = locks.op.lock().await;
+            if let Err(e) = self.stop_locked(name, false).await {
+                tracing::error!(sandbox = %name, error = %e, "stop at shutdown failed");
+            }
+        });
+        for s in stops {
+            s.await;
+        }
+    }
+}
+
+/// A command line as a person would type it (arguments with spaces or
+/// quotes are single-quoted).
+/// Give every sandbox that has none a uid of its own: as root from
+/// [`auth::SANDBOX_IDS`] (`microvm` guests keep the owner's, which their
+/// NixOS guest was built with); unprivileged, `local` sandboxes get one of
+/// the user's subordinate ids where they are granted (see
+/// [`crate::subid`]; a `vm` sandbox's QEMU runs as the user). Returns
+/// whether any changed.
+pub(super) fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
+    let root = nix::unistd::Uid::effective().is_root();
+    let pool = if root {
+        None
+    } else {
+        crate::subid::pool().ok()
+    };
+    if !root && pool.is_none() {
+        return false;
+    }
+    let mut taken: std::collections::HashSet<u32> = map.values().filter_map(|s| s.uid).collect();
+    let mut changed = false;
+    for sb in map.values_mut() {
+        // A running sandbox keeps the ids it was started with.
+        if sb.uid.is_some() || sb.runtime.is_some() || sb.backend == BackendKind::Microvm {
+            continue;
+        }
+        if !root && sb.backend != BackendKind::Local {
+            continue;
+        }
+        let free = match pool {
+            Some(p) => p.free(&taken),
+            None => auth::free_sandbox_id(&taken),
+        };
+        let Some(id) = free else {
+            tracing::error!(sandbox = %sb.name, "every sandbox uid is in use; it runs as its owner's");
+            continue;
+        };
+        taken.insert(id);
+        sb.uid = Some(id);
+        changed = true;
+    }
+    changed
+}
