@@ -2,7 +2,9 @@
 //! [`Manager`], map errors. No rules live here.
 
 mod manager;
+mod options;
 mod sandbox;
+mod signals;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -263,7 +265,7 @@ async fn follow_egress(
     loop {
         match events.recv().await {
             Ok(event) => {
-                if let Err(e) = sandbox::egress_event(&conn, &manager, &callers, &event).await {
+                if let Err(e) = signals::egress_event(&conn, &manager, &callers, &event).await {
                     tracing::debug!(error = %e, "cannot signal a connection");
                 }
             }
@@ -286,7 +288,7 @@ async fn follow_changes(
             Err(RecvError::Lagged(n)) => {
                 tracing::warn!(missed = n, "missed sandbox changes; re-announcing all");
                 for name in manager.names() {
-                    sandbox::announce(&conn, &manager, &callers, &name).await;
+                    signals::announce(&conn, &manager, &callers, &name).await;
                 }
                 continue;
             }
@@ -296,7 +298,7 @@ async fn follow_changes(
             Change::Added(name) => manager::added(&conn, &manager, &callers, name).await,
             Change::Updated(name) => match sandbox::export(&conn, &manager, &callers, name).await {
                 Ok(()) => {
-                    sandbox::announce(&conn, &manager, &callers, name).await;
+                    signals::announce(&conn, &manager, &callers, name).await;
                     Ok(())
                 }
                 Err(e) => Err(e),
@@ -314,7 +316,7 @@ async fn follow_changes(
                 branches,
                 commits,
             } => {
-                sandbox::synced(
+                signals::synced(
                     &conn, &manager, &callers, name, direction, *branches, *commits,
                 )
                 .await

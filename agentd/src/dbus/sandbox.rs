@@ -10,11 +10,10 @@ use zbus::object_server::SignalEmitter;
 use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
+use super::options::{exec_options, parse_sync_options, tty_options};
 use super::{Callers, check_strings, to_dbus};
 use crate::sandbox::Sandbox;
-use crate::sandbox::manager::{
-    EgressChange, EgressEvent, ExecCall, Manager, SyncOptions, TtyOptions,
-};
+use crate::sandbox::manager::{EgressChange, ExecCall, Manager, TtyOptions};
 use crate::text::micros;
 
 /// The object at `/org/keystone/Agent1/sandbox/<name>`.
@@ -24,7 +23,7 @@ pub struct SandboxObject {
     manager: Arc<Manager>,
     callers: Arc<Callers>,
     /// What the last PropertiesChanged announced.
-    announced: Mutex<Option<Sandbox>>,
+    pub(super) announced: Mutex<Option<Sandbox>>,
 }
 
 impl SandboxObject {
@@ -356,17 +355,22 @@ impl SandboxObject {
     /// A connection waits for an answer (mode `ask`): allow it with
     /// `ChangeEgress("allow-once", …)` or `("allow", …)`.
     #[zbus(signal)]
-    async fn egress_asked(emitter: &SignalEmitter<'_>, host: &str, port: u16) -> zbus::Result<()>;
+    pub(super) async fn egress_asked(
+        emitter: &SignalEmitter<'_>,
+        host: &str,
+        port: u16,
+    ) -> zbus::Result<()>;
 
     /// A connection through the gateway ended (or was refused): the log
     /// entry, as JSON.
     #[zbus(signal)]
-    async fn egress_logged(emitter: &SignalEmitter<'_>, entry: &str) -> zbus::Result<()>;
+    pub(super) async fn egress_logged(emitter: &SignalEmitter<'_>, entry: &str)
+    -> zbus::Result<()>;
 
     /// The gateway refused a connection: host, port, the rule and why; a
     /// desktop or a supervisor can offer `ChangeEgress("allow", ...)`.
     #[zbus(signal)]
-    async fn egress_denied(
+    pub(super) async fn egress_denied(
         emitter: &SignalEmitter<'_>,
         host: &str,
         port: u16,
@@ -376,7 +380,7 @@ impl SandboxObject {
 
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
-    async fn synced(
+    pub(super) async fn synced(
         emitter: &SignalEmitter<'_>,
         direction: &str,
         branches: u32,
@@ -748,294 +752,6 @@ impl SandboxObject {
     pub fn announced_owner(&self) -> Option<u32> {
         self.announced.lock().unwrap().as_ref().map(|s| s.owner)
     }
-}
-
-/// Emit PropertiesChanged for every property of `name` that changed since
-/// the last announcement, to the sandbox's owner and root.
-pub async fn announce(
-    conn: &Connection,
-    manager: &Arc<Manager>,
-    callers: &Arc<Callers>,
-    name: &str,
-) {
-    let (Some(path), Some(now)) = (api::sandbox_path(name), manager.snapshot(name)) else {
-        return;
-    };
-    let Ok(iface) = conn
-        .object_server()
-        .interface::<_, SandboxObject>(&path)
-        .await
-    else {
-        return;
-    };
-    let before = iface
-        .get()
-        .await
-        .announced
-        .lock()
-        .unwrap()
-        .replace(now.clone());
-    let Some(before) = before else { return };
-    let obj = iface.get().await;
-    // Whoever could see the sandbox before or now (an owner may change).
-    let mut emitters = callers.emitters(conn, now.owner, &path);
-    if before.owner != now.owner {
-        emitters.extend(callers.emitters(conn, before.owner, &path));
-    }
-    for emitter in &emitters {
-        announce_to(emitter, &obj, &before, &now).await;
-    }
-}
-
-/// Emit to one connection the PropertiesChanged of `before` → `now`.
-async fn announce_to(
-    emitter: &SignalEmitter<'_>,
-    obj: &SandboxObject,
-    before: &Sandbox,
-    now: &Sandbox,
-) {
-    let name = &now.name;
-    let r: zbus::Result<()> = async {
-        if before.state != now.state {
-            obj.state_changed(emitter).await?;
-        }
-        if before.state_reason != now.state_reason {
-            obj.state_reason_changed(emitter).await?;
-        }
-        if before.started_at != now.started_at {
-            obj.started_at_changed(emitter).await?;
-        }
-        if before.config != now.config {
-            obj.config_changed(emitter).await?;
-        }
-        if before.owner != now.owner {
-            obj.owner_changed(emitter).await?;
-        }
-        if before.project_path != now.project_path {
-            obj.project_path_changed(emitter).await?;
-        }
-        if before.backend != now.backend {
-            obj.backend_changed(emitter).await?;
-        }
-        if before.declared != now.declared {
-            obj.declared_changed(emitter).await?;
-        }
-        if before.last_sync_at != now.last_sync_at {
-            obj.last_sync_at_changed(emitter).await?;
-        }
-        if before.last_sync_result != now.last_sync_result {
-            obj.last_sync_result_changed(emitter).await?;
-        }
-        if before.ports != now.ports {
-            obj.ports_changed(emitter).await?;
-        }
-        if before.runtime.as_ref().map(|r| &r.limits) != now.runtime.as_ref().map(|r| &r.limits) {
-            obj.limits_changed(emitter).await?;
-        }
-        Ok(())
-    }
-    .await;
-    if let Err(e) = r {
-        tracing::warn!(sandbox = %name, error = %e, "cannot emit PropertiesChanged");
-    }
-}
-
-fn parse_sync_options(options: &HashMap<String, OwnedValue>) -> Result<SyncOptions, api::Error> {
-    let mut o = SyncOptions::default();
-    let mut problems = Vec::new();
-    for (key, value) in options {
-        let text = || String::try_from(value.try_clone().ok()?).ok();
-        let flag = || bool::try_from(value).ok();
-        match key.as_str() {
-            "branch" => {
-                o.branch = text().or_else(|| {
-                    problems.push("option 'branch' must be a string".into());
-                    None
-                })
-            }
-            "into" => {
-                o.into = text().or_else(|| {
-                    problems.push("option 'into' must be a string".into());
-                    None
-                })
-            }
-            "dry_run" => {
-                o.dry_run = flag().unwrap_or_else(|| {
-                    problems.push("option 'dry_run' must be a boolean".into());
-                    false
-                })
-            }
-            "from_host" => {
-                o.from_host = flag().unwrap_or_else(|| {
-                    problems.push("option 'from_host' must be a boolean".into());
-                    false
-                })
-            }
-            other => problems.push(format!(
-                "unknown option '{other}' (known: branch, into, dry_run, from_host)"
-            )),
-        }
-    }
-    if problems.is_empty() {
-        Ok(o)
-    } else {
-        Err(to_dbus(crate::error::Error::Invalid(problems)))
-    }
-}
-
-/// Emit `Synced` on the sandbox's object, to its owner and root.
-pub async fn synced(
-    conn: &Connection,
-    manager: &Arc<Manager>,
-    callers: &Arc<Callers>,
-    name: &str,
-    direction: &str,
-    branches: u32,
-    commits: u32,
-) -> zbus::Result<()> {
-    let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
-        return Ok(());
-    };
-    for e in callers.emitters(conn, sb.owner, &path) {
-        SandboxObject::synced(&e, direction, branches, commits).await?;
-    }
-    Ok(())
-}
-
-/// Tell a sandbox's owner (and root) what its gateway reports.
-pub async fn egress_event(
-    conn: &Connection,
-    manager: &Arc<Manager>,
-    callers: &Arc<Callers>,
-    event: &EgressEvent,
-) -> zbus::Result<()> {
-    let name = match event {
-        EgressEvent::Logged(entry) => &entry.sandbox,
-        EgressEvent::Asked { sandbox, .. } => sandbox,
-    };
-    let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
-        return Ok(());
-    };
-    // A D-Bus string may not hold NUL (the bus would drop agentd); the
-    // gateway never lets one through, and this makes sure.
-    let clean = |s: &str| s.replace('\0', "\\0");
-    for e in callers.emitters(conn, sb.owner, &path) {
-        match event {
-            EgressEvent::Logged(entry) => {
-                let json = serde_json::to_string(&**entry).expect("an entry serializes");
-                SandboxObject::egress_logged(&e, &json).await?;
-                if entry.decision != "allow" {
-                    SandboxObject::egress_denied(
-                        &e,
-                        &clean(&entry.host),
-                        entry.port,
-                        &clean(&entry.rule),
-                        &clean(&entry.reason),
-                    )
-                    .await?;
-                }
-            }
-            EgressEvent::Asked { host, port, .. } => {
-                SandboxObject::egress_asked(&e, &clean(host), *port).await?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Read the options of `ExecStdio` (and, with `tty`, of `OpenTerminal`)
-/// into `call`; returns every problem.
-fn exec_options(
-    options: &HashMap<String, OwnedValue>,
-    call: &mut ExecCall,
-    mut tty: Option<&mut TtyOptions>,
-) -> Vec<String> {
-    let mut problems = Vec::new();
-    for (key, value) in options {
-        let text = || {
-            value
-                .try_clone()
-                .ok()
-                .and_then(|v| String::try_from(v).ok())
-        };
-        match key.as_str() {
-            "cwd" => {
-                call.cwd = text().unwrap_or_else(|| {
-                    problems.push("cwd must be a string".to_owned());
-                    String::new()
-                })
-            }
-            "worktree" => {
-                call.worktree = text().or_else(|| {
-                    problems.push("worktree must be a string".to_owned());
-                    None
-                })
-            }
-            "record_as" => match text().as_deref() {
-                Some(r) => match r.split_once(' ') {
-                    Some(("cp", detail)) => {
-                        call.record_as = Some(("cp".to_owned(), detail.to_owned()))
-                    }
-                    _ => problems.push("record_as must be 'cp <description>'".to_owned()),
-                },
-                None => problems.push("record_as must be a string".to_owned()),
-            },
-            "timeout_secs" => match u32::try_from(value) {
-                Ok(0) => {}
-                Ok(t) => call.timeout = Some(Duration::from_secs(u64::from(t))),
-                Err(_) => problems.push("timeout_secs must be a uint32".to_owned()),
-            },
-            other => match tty.as_deref_mut() {
-                Some(t) if TTY_KEYS.contains(&other) => {
-                    let one = HashMap::from([(
-                        other.to_owned(),
-                        value.try_clone().expect("plain values clone"),
-                    )]);
-                    problems.extend(tty_options(&one, t));
-                }
-                _ => problems.push(format!(
-                    "unknown option '{other}' (known: cwd, worktree, timeout_secs{})",
-                    if tty.is_some() {
-                        ", rows, cols, term"
-                    } else {
-                        ""
-                    }
-                )),
-            },
-        }
-    }
-    problems
-}
-
-const TTY_KEYS: &[&str] = &["rows", "cols", "term"];
-
-/// Read `rows`, `cols` and `term` into `tty`; any other key is a problem.
-fn tty_options(options: &HashMap<String, OwnedValue>, tty: &mut TtyOptions) -> Vec<String> {
-    let mut problems = Vec::new();
-    for (key, value) in options {
-        match key.as_str() {
-            "rows" => match u16::try_from(value) {
-                Ok(n) => tty.rows = n,
-                Err(_) => problems.push("rows must be a uint16".to_owned()),
-            },
-            "cols" => match u16::try_from(value) {
-                Ok(n) => tty.cols = n,
-                Err(_) => problems.push("cols must be a uint16".to_owned()),
-            },
-            "term" => match value
-                .try_clone()
-                .ok()
-                .and_then(|v| String::try_from(v).ok())
-            {
-                Some(t) if !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic()) => tty.term = t,
-                _ => problems.push("term must be a non-empty printable string".to_owned()),
-            },
-            other => problems.push(format!(
-                "unknown option '{other}' (known: rows, cols, term)"
-            )),
-        }
-    }
-    problems
 }
 
 /// Resolves when the sender of `header` leaves the bus (never, if that
