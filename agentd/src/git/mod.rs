@@ -1,5 +1,6 @@
 //! Git: checking a project and preparing a sandbox's workspace from it.
 
+mod into;
 pub mod refs;
 pub mod snapshot;
 pub mod sync;
