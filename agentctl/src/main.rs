@@ -2,9 +2,6 @@
 
 mod cli;
 mod commands;
-mod cp;
-mod egress;
-mod exec;
 mod output;
 mod tty;
 mod unpack;

@@ -1,0 +1,114 @@
+//! Git between host and sandbox: sync and worktrees.
+
+use super::*;
+
+pub(super) async fn run(
+    conn: &Connection,
+    manager: &ManagerProxy<'_>,
+    command: Command,
+) -> Result<i32> {
+    match command {
+        Command::Sync {
+            name,
+            branch,
+            dry_run,
+            into,
+            from_host,
+            json,
+        } => {
+            let sb = lookup(conn, manager, &name).await?;
+            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
+            if let Some(b) = &branch {
+                opts.insert("branch", b.as_str().into());
+            }
+            if let Some(b) = &into {
+                opts.insert("into", b.as_str().into());
+            }
+            opts.insert("dry_run", dry_run.into());
+            opts.insert("from_host", from_host.into());
+            let r = sb.sync(opts).await?;
+            if json {
+                println!("{}", output::json(&output::sync_json(&r)));
+            } else {
+                output::print_sync(&name, &r);
+            }
+            // Scripts tell "nothing new" apart from success.
+            Ok(if r.branches.is_empty() && r.into.is_empty() {
+                2
+            } else {
+                0
+            })
+        }
+        Command::Worktree(WorktreeCommand::Add { name, branch, from }) => {
+            let sb = lookup(conn, manager, &name).await?;
+            let w = sb
+                .add_worktree(&branch, from.as_deref().unwrap_or(""))
+                .await?;
+            crate::outln!(
+                "Worktree of '{}' ready at {} ({}).",
+                w.branch,
+                w.path,
+                output::short(&w.head)
+            );
+            crate::outln!(
+                "Run in it: agentctl exec {name} -w {} -- git status",
+                w.path
+            );
+            Ok(0)
+        }
+        Command::Worktree(WorktreeCommand::List { name, json }) => {
+            let sb = lookup(conn, manager, &name).await?;
+            let list = sb.list_worktrees().await?;
+            if json {
+                let v: Vec<_> = list.iter().map(output::worktree_json).collect();
+                println!("{}", crate::output::json(&v));
+            } else {
+                let rows: Vec<Vec<String>> = list
+                    .iter()
+                    .map(|w| {
+                        vec![
+                            if w.branch.is_empty() {
+                                "(detached)".to_owned()
+                            } else {
+                                w.branch.clone()
+                            },
+                            output::short(&w.head),
+                            if w.dirty {
+                                "yes".to_owned()
+                            } else {
+                                "no".to_owned()
+                            },
+                            if w.has_host_branch {
+                                format!("+{} -{}", w.ahead, w.behind)
+                            } else {
+                                "-".to_owned()
+                            },
+                            w.path.clone(),
+                            if w.session.is_empty() {
+                                "-".to_owned()
+                            } else {
+                                w.session.clone()
+                            },
+                        ]
+                    })
+                    .collect();
+                output::table(
+                    &["BRANCH", "HEAD", "DIRTY", "VS HOST", "PATH", "SESSION"],
+                    &rows,
+                );
+            }
+            Ok(0)
+        }
+        Command::Worktree(WorktreeCommand::Remove {
+            name,
+            branch,
+            force,
+        }) => {
+            let sb = lookup(conn, manager, &name).await?;
+            sb.remove_worktree(&branch, force).await?;
+            crate::outln!("Worktree of '{branch}' removed (the branch is kept).");
+            Ok(0)
+        }
+        _ => unreachable!("dispatched by commands::run"),
+    }
+}

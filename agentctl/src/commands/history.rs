@@ -1,0 +1,43 @@
+//! What ran in a sandbox.
+
+use super::*;
+
+pub(super) async fn run(
+    conn: &Connection,
+    manager: &ManagerProxy<'_>,
+    command: Command,
+) -> Result<i32> {
+    match command {
+        Command::History { name, json, limit } => {
+            let sb = lookup(conn, manager, &name).await?;
+            let entries = sb.history(limit).await?;
+            if json {
+                let v: Vec<_> = entries.iter().map(output::history_json).collect();
+                println!("{}", crate::output::json(&v));
+            } else if entries.is_empty() {
+                crate::outln!("Nothing was run in sandbox '{name}' yet.");
+            } else {
+                let rows: Vec<Vec<String>> = entries
+                    .iter()
+                    .map(|e| {
+                        vec![
+                            output::rfc3339(e.time).as_str().unwrap_or("-").to_owned(),
+                            e.uid.to_string(),
+                            e.kind.clone(),
+                            if e.error.is_empty() {
+                                e.exit_code.to_string()
+                            } else {
+                                "failed".to_owned()
+                            },
+                            format!("{:.1}s", e.duration_ms as f64 / 1000.0),
+                            e.detail.clone(),
+                        ]
+                    })
+                    .collect();
+                output::table(&["TIME", "UID", "KIND", "EXIT", "TOOK", "COMMAND"], &rows);
+            }
+            Ok(0)
+        }
+        _ => unreachable!("dispatched by commands::run"),
+    }
+}

@@ -1,0 +1,222 @@
+//! Creating, starting, stopping, destroying, listing and describing
+//! sandboxes, and changing their settings.
+
+use super::*;
+
+pub(super) async fn run(
+    conn: &Connection,
+    manager: &ManagerProxy<'_>,
+    command: Command,
+) -> Result<i32> {
+    match command {
+        Command::Create {
+            name,
+            memory,
+            vcpus,
+            disk,
+            pids,
+            network,
+            egress,
+            allow,
+            sync_mode,
+            backend,
+            project_path,
+        } => {
+            let abs = std::path::absolute(&project_path).map_err(|e| {
+                Failure::new(
+                    ExitCode::Requirements,
+                    format!("{}: {e}", project_path.display()),
+                )
+            })?;
+            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
+            if let Some(n) = &name {
+                opts.insert("name", n.as_str().into());
+            }
+            for (key, value) in [
+                ("memory", memory),
+                ("vcpus", vcpus),
+                ("disk", disk),
+                ("pids", pids),
+            ] {
+                if let Some(v) = value {
+                    opts.insert(key, v.into());
+                }
+            }
+            for (key, value) in [
+                ("network", network.map(Network::as_str)),
+                ("egress", egress.map(Egress::as_str)),
+                ("sync_mode", sync_mode.map(SyncMode::as_str)),
+                ("backend", backend.map(BackendKind::as_str)),
+            ] {
+                if let Some(v) = value {
+                    opts.insert(key, v.into());
+                }
+            }
+            if !allow.is_empty() {
+                opts.insert("egress_allow", allow.clone().into());
+            }
+            // Show the workspace being prepared while the call runs.
+            let mut progress = manager
+                .receive_create_progress()
+                .await
+                .map_err(api::Error::ZBus)?;
+            let bar = std::io::stderr().is_terminal().then(|| {
+                let b = indicatif::ProgressBar::new(0);
+                b.set_style(
+                    indicatif::ProgressStyle::with_template("{msg:>20} [{bar:30}] {pos}/{len}")
+                        .expect("template")
+                        .progress_chars("=> "),
+                );
+                b
+            });
+            let project = abs.to_string_lossy().into_owned();
+            let call = manager.create_sandbox(&project, opts);
+            futures_lite::pin!(call);
+            let (path, notices) = loop {
+                tokio::select! {
+                    r = &mut call => break r?,
+                    Some(sig) = futures_lite::StreamExt::next(&mut progress) => {
+                        if let (Some(bar), Ok(a)) = (&bar, sig.args()) {
+                            bar.set_length(*a.total());
+                            bar.set_position(*a.done());
+                            bar.set_message(a.stage().to_string());
+                        }
+                    }
+                }
+            };
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            for n in &notices {
+                crate::errln!("note: {n}");
+            }
+            let sb = sandbox(conn, &path).await?;
+            let name = sb.name().await.map_err(api::Error::ZBus)?;
+            crate::outln!("Created sandbox '{name}' from {}.", abs.display());
+            crate::outln!("Start it with: agentctl start {name}");
+            Ok(0)
+        }
+        Command::Start { name } => {
+            let sb = lookup(conn, manager, &name).await?;
+            sb.start().await?;
+            crate::outln!(
+                "Sandbox '{name}' is running. Run a command: agentctl exec {name} -- git status"
+            );
+            Ok(0)
+        }
+        Command::Stop { name, force } => {
+            let sb = lookup(conn, manager, &name).await?;
+            sb.stop(force).await?;
+            crate::outln!("Sandbox '{name}' stopped.");
+            Ok(0)
+        }
+        Command::Destroy { name, force } => {
+            let sb = lookup(conn, manager, &name).await?;
+            if !force && std::io::stdin().is_terminal() {
+                let project = sb.project_path().await.map_err(api::Error::ZBus)?;
+                crate::err!(
+                    "Destroy sandbox '{name}' and its workspace? Work not synced to {project} is lost. [y/N] "
+                );
+                let _ = std::io::stderr().flush();
+                let mut answer = String::new();
+                let _ = std::io::stdin().read_line(&mut answer);
+                if !matches!(answer.trim(), "y" | "Y" | "yes") {
+                    return Err(Failure::new(
+                        ExitCode::Cancelled,
+                        "Cancelled; nothing was destroyed.",
+                    ));
+                }
+            }
+            sb.destroy().await?;
+            crate::outln!("Sandbox '{name}' destroyed.");
+            Ok(0)
+        }
+        Command::List { json, state } => {
+            let filter = state
+                .map(|s| s.parse::<SandboxState>())
+                .transpose()
+                .map_err(|e| Failure::new(ExitCode::Requirements, format!("--state: {e}")))?;
+            let mut rows = manager.list_sandboxes().await?;
+            rows.retain(|r| filter.is_none_or(|f| r.state == f));
+            rows.sort_by(|a, b| a.name.cmp(&b.name));
+            if json {
+                let v: Vec<_> = rows.iter().map(output::summary_json).collect();
+                println!("{}", crate::output::json(&v));
+            } else if rows.is_empty() {
+                crate::outln!("No sandboxes. Create one: agentctl create PATH-TO-GIT-REPO");
+            } else {
+                let table: Vec<Vec<String>> = rows
+                    .iter()
+                    .map(|r| {
+                        vec![
+                            r.name.clone(),
+                            r.state.to_string(),
+                            r.backend.to_string(),
+                            output::ago(r.created_at),
+                            r.project_path.clone(),
+                        ]
+                    })
+                    .collect();
+                output::table(&["NAME", "STATE", "BACKEND", "CREATED", "PROJECT"], &table);
+            }
+            Ok(0)
+        }
+        Command::Status { name, json } => {
+            let sb = lookup(conn, manager, &name).await?;
+            let z = |e: zbus::Error| Failure::from(api::Error::ZBus(e));
+            let config: serde_json::Value = serde_json::from_str(&sb.config().await.map_err(z)?)
+                .unwrap_or(serde_json::Value::Null);
+            let v = serde_json::json!({
+                "name": sb.name().await.map_err(z)?,
+                "id": sb.id().await.map_err(z)?,
+                "state": sb.state().await.map_err(z)?,
+                "state_reason": sb.state_reason().await.map_err(z)?,
+                "backend": sb.backend().await.map_err(z)?,
+                "project_path": sb.project_path().await.map_err(z)?,
+                "owner": sb.owner().await.map_err(z)?,
+                "declared": sb.declared().await.map_err(z)?,
+                "created_at": output::rfc3339(sb.created_at().await.map_err(z)?),
+                "started_at": output::rfc3339(sb.started_at().await.map_err(z)?),
+                "limits": sb.limits().await.map_err(z)?,
+                "last_sync_at": output::rfc3339(sb.last_sync_at().await.map_err(z)?),
+                "last_sync_result": sb.last_sync_result().await.map_err(z)?,
+                "ports": sb.ports().await.map_err(z)?,
+                "config": config,
+                "routes": match sb.list_routes().await {
+                    Ok((routes, _)) => routes.iter().map(output::route_json).collect::<Vec<_>>(),
+                    Err(_) => Vec::new(),
+                },
+            });
+            if json {
+                println!("{}", crate::output::json(&v));
+            } else {
+                print_status(&v);
+            }
+            Ok(0)
+        }
+        Command::Set {
+            name,
+            sync_mode,
+            sync_idle_seconds,
+        } => {
+            let sb = lookup(conn, manager, &name).await?;
+            let mut settings: HashMap<&str, Value<'_>> = HashMap::new();
+            if let Some(m) = sync_mode {
+                settings.insert("sync_mode", m.as_str().into());
+            }
+            if let Some(i) = sync_idle_seconds {
+                settings.insert("sync_idle_seconds", i.into());
+            }
+            if settings.is_empty() {
+                return Err(Failure::new(
+                    ExitCode::Requirements,
+                    "nothing to set; see `agentctl set --help`",
+                ));
+            }
+            sb.configure(settings).await?;
+            crate::outln!("Sandbox '{name}' updated.");
+            Ok(0)
+        }
+        _ => unreachable!("dispatched by commands::run"),
+    }
+}

@@ -1,0 +1,144 @@
+//! agentctl's verbs, one file per group. Each verb is a D-Bus call (or a
+//! few) and some printing.
+
+use std::collections::HashMap;
+use std::io::{IsTerminal, Write};
+
+use keystone_agent_api::{
+    self as api, BackendKind, Egress, ExitCode, ManagerProxy, Network, SandboxProxy, SandboxState,
+    SyncMode,
+};
+use zbus::Connection;
+use zvariant::Value;
+
+use crate::cli::{Command, WorktreeCommand};
+use crate::output;
+use crate::{Failure, Result};
+
+mod cp;
+mod egress;
+mod exec;
+mod gitops;
+mod history;
+mod lifecycle;
+mod links;
+mod sessions;
+
+/// Run one command.
+pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
+    let manager = ManagerProxy::new(conn).await.map_err(api::Error::ZBus)?;
+    match command {
+        c @ (Command::Create { .. }
+        | Command::Start { .. }
+        | Command::Stop { .. }
+        | Command::Destroy { .. }
+        | Command::List { .. }
+        | Command::Status { .. }
+        | Command::Set { .. }) => lifecycle::run(conn, &manager, c).await,
+        c @ (Command::Sync { .. } | Command::Worktree(..)) => gitops::run(conn, &manager, c).await,
+        c @ (Command::Attach { .. }
+        | Command::Sessions { .. }
+        | Command::KillSession { .. }
+        | Command::Exec { .. }) => sessions::run(conn, &manager, c).await,
+        c @ (Command::Ports { .. } | Command::Open { .. }) => links::run(conn, &manager, c).await,
+        c @ Command::History { .. } => history::run(conn, &manager, c).await,
+        Command::Cp { src, dest, links } => {
+            cp::run_cp(
+                conn,
+                &manager,
+                &src,
+                &dest,
+                crate::unpack::Options { links },
+            )
+            .await
+        }
+        Command::Egress { name, command } => {
+            let sb = lookup(conn, &manager, &name).await?;
+            egress::run(&sb, &name, command).await
+        }
+    }
+}
+
+/// Name the terminal window after the session while attached.
+fn set_title(session: &str) {
+    if std::io::stdout().is_terminal() {
+        print!("\x1b]0;{}\x07", crate::output::escape_controls(session));
+        let _ = std::io::stdout().flush();
+    }
+}
+
+fn print_status(v: &serde_json::Value) {
+    let s = |k: &str| v[k].as_str().unwrap_or("").to_owned();
+    let c = &v["config"];
+    crate::outln!("Name:       {}", s("name"));
+    crate::outln!("State:      {}{}", s("state"), {
+        let r = s("state_reason");
+        if r.is_empty() {
+            String::new()
+        } else {
+            format!(" ({r})")
+        }
+    });
+    crate::outln!("Backend:    {}", s("backend"));
+    crate::outln!("Project:    {}", s("project_path"));
+    crate::outln!("Owner:      uid {}", v["owner"]);
+    crate::outln!("Created:    {}", v["created_at"].as_str().unwrap_or("-"));
+    crate::outln!(
+        "Started:    {}",
+        v["started_at"].as_str().unwrap_or("never")
+    );
+    crate::outln!(
+        "Resources:  {} MiB, {} vCPUs, disk {} MiB, {} processes, network {}",
+        c["memory"],
+        c["vcpus"],
+        c["disk"],
+        c["pids"],
+        c["network"].as_str().unwrap_or("?")
+    );
+    if !s("limits").is_empty() {
+        crate::outln!("Limits:     {}", s("limits"));
+    }
+    crate::outln!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
+    if let Some(at) = v["last_sync_at"].as_str() {
+        crate::outln!("Last sync:  {at} ({})", s("last_sync_result"));
+    }
+    if v["declared"].as_bool() == Some(true) {
+        crate::outln!("Declared:   yes (managed by agentd's configuration)");
+    }
+    crate::outln!("Id:         {}", s("id"));
+    for (i, r) in v["routes"].as_array().into_iter().flatten().enumerate() {
+        crate::outln!(
+            "{}{} → port {} ({})",
+            if i == 0 {
+                "Links:      "
+            } else {
+                "            "
+            },
+            r["url"].as_str().unwrap_or("?"),
+            r["port"],
+            r["branch"].as_str().unwrap_or("-")
+        );
+    }
+}
+
+async fn sandbox<'a>(
+    conn: &Connection,
+    path: &zvariant::OwnedObjectPath,
+) -> Result<SandboxProxy<'a>> {
+    Ok(SandboxProxy::builder(conn)
+        .path(path.clone())
+        .map_err(api::Error::ZBus)?
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .map_err(api::Error::ZBus)?)
+}
+
+async fn lookup<'a>(
+    conn: &Connection,
+    manager: &ManagerProxy<'_>,
+    name: &str,
+) -> Result<SandboxProxy<'a>> {
+    let path = manager.get_sandbox(name).await?;
+    sandbox(conn, &path).await
+}

@@ -1,0 +1,101 @@
+//! Terminals: attaching to a worktree's Zellij session, listing and ending
+//! sessions, running a command.
+
+use super::*;
+
+pub(super) async fn run(
+    conn: &Connection,
+    manager: &ManagerProxy<'_>,
+    command: Command,
+) -> Result<i32> {
+    match command {
+        Command::Attach { name, branch } => {
+            let sb = lookup(conn, manager, &name).await?;
+            let opts = crate::tty::terminal_options("agentctl attach")?;
+            let (fd, process, session, notices) =
+                sb.attach(branch.as_deref().unwrap_or(""), opts).await?;
+            for n in &notices {
+                crate::errln!("{n}");
+            }
+            set_title(&session);
+            crate::tty::bridge(fd.into(), sb.wait_process(process)).await
+        }
+        Command::Sessions { name, json } => {
+            let sb = lookup(conn, manager, &name).await?;
+            let list = sb.sessions().await?;
+            if json {
+                let v: Vec<_> = list.iter().map(output::session_json).collect();
+                println!("{}", crate::output::json(&v));
+            } else if list.is_empty() {
+                crate::outln!(
+                    "No sessions in sandbox '{name}'; `agentctl attach {name}` starts one."
+                );
+            } else {
+                let rows: Vec<Vec<String>> = list
+                    .iter()
+                    .map(|s| {
+                        vec![
+                            s.name.clone(),
+                            if s.branch.is_empty() {
+                                "-".to_owned()
+                            } else {
+                                s.branch.clone()
+                            },
+                            s.clients.to_string(),
+                            if s.created_at == 0 {
+                                "-".to_owned()
+                            } else {
+                                output::ago(s.created_at)
+                            },
+                        ]
+                    })
+                    .collect();
+                output::table(&["SESSION", "BRANCH", "CLIENTS", "CREATED"], &rows);
+            }
+            Ok(0)
+        }
+        Command::KillSession { name, branch } => {
+            let sb = lookup(conn, manager, &name).await?;
+            let session = sb.kill_session(&branch).await?;
+            crate::outln!("Session '{session}' ended.");
+            Ok(0)
+        }
+        Command::Exec {
+            name,
+            tty,
+            timeout,
+            workdir,
+            worktree,
+            env,
+            command,
+        } => {
+            let mut vars = HashMap::new();
+            for kv in &env {
+                let (k, v) = kv.split_once('=').ok_or_else(|| {
+                    Failure::new(
+                        ExitCode::Requirements,
+                        format!("--env '{kv}' must be KEY=VALUE"),
+                    )
+                })?;
+                vars.insert(k, v);
+            }
+            let sb = lookup(conn, manager, &name).await?;
+            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
+            if let Some(w) = &workdir {
+                opts.insert("cwd", w.as_str().into());
+            }
+            if let Some(b) = &worktree {
+                opts.insert("worktree", b.as_str().into());
+            }
+            opts.insert("timeout_secs", timeout.into());
+            let argv: Vec<&str> = command.iter().map(String::as_str).collect();
+            if tty {
+                opts.extend(crate::tty::terminal_options("agentctl exec --tty")?);
+                let (fd, process) = sb.open_terminal(&argv, vars, opts).await?;
+                return crate::tty::bridge(fd.into(), sb.wait_process(process)).await;
+            }
+            super::exec::run(&sb, &argv, vars, opts).await
+        }
+        _ => unreachable!("dispatched by commands::run"),
+    }
+}
