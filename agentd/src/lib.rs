@@ -20,11 +20,13 @@ pub mod guest;
 pub mod naming;
 pub mod procfs;
 pub mod proxy;
+pub mod pty;
 pub mod registry;
 pub mod sandbox;
 pub mod spawn;
 pub mod subid;
 pub mod text;
+pub mod tools;
 pub mod validate;
 
 use std::path::{Path, PathBuf};
@@ -100,13 +102,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .with_context(|| format!("state directory {}", dir.display()))?;
     tracing::info!(state_dir = %dir.display(), sandboxes = sandboxes.len(), "registry loaded");
     let exe = std::env::current_exe().context("cannot find agentd's own binary")?;
-    let zellij =
-        guest::tools::find_zellij(opts.zellij.as_deref().or(config.local.zellij.as_deref()));
+    let zellij = tools::find_zellij(opts.zellij.as_deref().or(config.local.zellij.as_deref()));
     match &zellij {
         Ok(z) => tracing::info!(zellij = %z.display(), "sessions enabled"),
         Err(e) => tracing::warn!("sessions disabled: {e}"),
     }
-    let guest_dir = guest::tools::install(&dir, zellij.as_deref().ok())
+    let guest_dir = tools::install(&dir, zellij.as_deref().ok())
         .map_err(|e| tracing::warn!("cannot assemble the sandbox tools: {e}"))
         .ok();
     let local: Arc<dyn Backend> = Arc::new(LocalBackend::new(LocalSettings {

@@ -58,7 +58,7 @@ pub struct LocalSettings {
     /// Limit for a start to answer.
     pub start_timeout: Duration,
     /// Host directory shown read-only at `/run/keystone` (the tools of
-    /// [`crate::guest::tools`]).
+    /// [`crate::tools`]).
     pub guest_dir: Option<PathBuf>,
     /// Whether sessions work, or why not.
     pub sessions: Result<(), String>,

@@ -153,7 +153,7 @@ impl SshTarget {
         (rows, cols): (u16, u16),
     ) -> Result<TtyProcess, BackendError> {
         let (master, slave) =
-            crate::guest::open_pty((rows, cols)).map_err(|e| fail(e.to_string()))?;
+            crate::pty::open_pty((rows, cols)).map_err(|e| fail(e.to_string()))?;
         let mut cmd = self.command();
         cmd.arg("-tt")
             .arg(&self.host)
@@ -168,7 +168,7 @@ impl SshTarget {
             .kill_on_drop(true);
         // SAFETY: take_terminal only makes async-signal-safe calls.
         unsafe {
-            cmd.pre_exec(crate::guest::take_terminal);
+            cmd.pre_exec(crate::pty::take_terminal);
         }
         let mut child = cmd
             .spawn()

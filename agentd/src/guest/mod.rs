@@ -11,46 +11,6 @@
 pub mod init;
 pub mod proto;
 pub mod server;
-pub mod tools;
 
 /// argv[1] that makes the agentd binary act as a sandbox supervisor.
 pub const INIT_ARG: &str = "__sandbox-init";
-
-use std::os::fd::{AsRawFd, OwnedFd};
-
-/// A new pseudo-terminal pair (master, slave) of `size`, both close-on-exec.
-pub fn open_pty((rows, cols): (u16, u16)) -> nix::Result<(OwnedFd, OwnedFd)> {
-    use nix::fcntl::OFlag;
-    let master = nix::pty::posix_openpt(OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC)?;
-    nix::pty::grantpt(&master)?;
-    nix::pty::unlockpt(&master)?;
-    let path = nix::pty::ptsname_r(&master)?;
-    let slave = nix::fcntl::open(
-        path.as_str(),
-        OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )?;
-    let ws = nix::libc::winsize {
-        ws_row: rows,
-        ws_col: cols,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
-    // SAFETY: TIOCSWINSZ reads one winsize from the valid pointer.
-    if unsafe { nix::libc::ioctl(master.as_raw_fd(), nix::libc::TIOCSWINSZ, &ws) } < 0 {
-        return Err(nix::Error::last());
-    }
-    Ok((OwnedFd::from(master), slave))
-}
-
-/// Make the calling process the leader of a new session with its stdin (a
-/// terminal's slave side) as the controlling terminal. Meant for
-/// `pre_exec`: it makes only async-signal-safe calls.
-pub fn take_terminal() -> std::io::Result<()> {
-    nix::unistd::setsid()?;
-    // SAFETY: TIOCSCTTY takes an int argument and touches no memory.
-    if unsafe { nix::libc::ioctl(0, nix::libc::TIOCSCTTY, 0) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}

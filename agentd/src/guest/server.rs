@@ -225,7 +225,7 @@ fn exec_tty(
         Ok(c) => c,
         Err(message) => return send_error(conn, message),
     };
-    let (master, slave) = match super::open_pty(size) {
+    let (master, slave) = match crate::pty::open_pty(size) {
         Ok(p) => p,
         Err(e) => return send_error(conn, format!("cannot open a terminal in the sandbox: {e}")),
     };
@@ -234,7 +234,7 @@ fn exec_tty(
         .stderr(Stdio::from(slave));
     // SAFETY: take_terminal only makes async-signal-safe calls.
     unsafe {
-        cmd.pre_exec(super::take_terminal);
+        cmd.pre_exec(crate::pty::take_terminal);
     }
     let child = match cmd.spawn() {
         Ok(c) => c,

@@ -257,7 +257,7 @@ impl VmBackend {
     }
 
     fn vhost_vsock(&self) -> Result<PathBuf, BackendError> {
-        let cache = crate::guest::tools::cache_dir();
+        let cache = crate::tools::cache_dir();
         let mut names: Vec<PathBuf> = self.settings.vhost_vsock.iter().cloned().collect();
         if names.is_empty() {
             names.push("vhost-device-vsock".into());

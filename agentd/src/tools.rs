@@ -16,8 +16,8 @@ pub const ZELLIJ_VERSION: &str = "0.45";
 /// Zellij release that `tests/install-zellij.sh` builds.
 const ZELLIJ_PINNED: &str = "0.45.1";
 
-const CONFIG_KDL: &str = include_str!("../../share/zellij/config.kdl");
-const LAYOUT_KDL: &str = include_str!("../../share/zellij/layout.kdl");
+const CONFIG_KDL: &str = include_str!("../share/zellij/config.kdl");
+const LAYOUT_KDL: &str = include_str!("../share/zellij/layout.kdl");
 
 /// The cache of `tests/install-tools.sh` and the guest image:
 /// `$KEYSTONE_CACHE_DIR`, else `$XDG_CACHE_HOME/keystone-agent`, else
