@@ -216,6 +216,22 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
     );
     assert_ne!(code, 0, "the host's loopback answered directly: {out}");
     assert!(!out.contains("host-loopback-service"), "{out}");
+    // Nor Caddy's admin API (whoever reaches it owns Caddy): not directly,
+    // not through the gateway.
+    let caddy = common::caddy::Caddy::start(env.tmp.path());
+    let admin = format!("http://127.0.0.1:{}/config/", caddy.admin);
+    let (code, out) = curl(&env, "net", "--noproxy '*'", &admin);
+    assert_ne!(code, 0, "Caddy's admin API answered directly: {out}");
+    let (_, out) = curl(
+        &env,
+        "net",
+        "--noproxy '' --proxy http://127.0.0.1:3128",
+        &admin,
+    );
+    assert!(
+        out.contains("refused") && !out.contains("\"apps\""),
+        "{out}"
+    );
     if let Some(addr) = host_address() {
         let other = origin(addr, "host-address-service");
         let (code, out) = curl(

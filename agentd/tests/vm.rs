@@ -338,6 +338,21 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
         out.starts_with("lo\n") && !out.contains("host-loopback-service"),
         "{out}"
     );
+    // Caddy's admin API (whoever reaches it owns Caddy) answers neither
+    // directly nor through the gateway.
+    let admin = caddy.admin;
+    let out = sh(
+        &env,
+        "survivor",
+        &format!(
+            "for a in 10.0.2.2 127.0.0.1; do curl -sS --max-time 10 --noproxy '*' http://$a:{admin}/config/ 2>&1; done; \
+             curl -sS --max-time 20 --noproxy '' --proxy http://127.0.0.1:3128 http://127.0.0.1:{admin}/config/ 2>&1; exit 0"
+        ),
+    );
+    assert!(
+        out.contains("refused") && !out.contains("\"apps\""),
+        "{out}"
+    );
     let out = through_gateway(&env);
     assert!(out.contains("not on this sandbox's allowlist"), "{out}");
     env.ok(&[
