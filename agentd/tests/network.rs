@@ -94,6 +94,24 @@ struct Tls {
     key: PathBuf,
 }
 
+/// A repository `served` with one commit, and a bare clone of it at
+/// `bare` (its directories made) for an origin to serve.
+fn served(env: &Env, bare: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let source = env.repo("served");
+    std::fs::create_dir_all(bare.parent().unwrap()).unwrap();
+    common::git(
+        env.tmp.path(),
+        &[
+            "clone",
+            "-q",
+            "--bare",
+            source.to_str().unwrap(),
+            bare.to_str().unwrap(),
+        ],
+    );
+    (source, bare.to_owned())
+}
+
 fn tls(dir: &Path, names: &[&str]) -> Tls {
     let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
     let script = format!(
@@ -615,20 +633,8 @@ fn git_fetches_through_the_gateway_unchanged() {
     let env = Env::with_config(&serde_json::json!({
         "egress": { "hosts": { "git.test": "127.0.0.1" } }
     }));
-    let source = env.repo("served");
     let root = env.tmp.path().join("www");
-    std::fs::create_dir(&root).unwrap();
-    let bare = root.join("served.git");
-    common::git(
-        env.tmp.path(),
-        &[
-            "clone",
-            "-q",
-            "--bare",
-            source.to_str().unwrap(),
-            bare.to_str().unwrap(),
-        ],
-    );
+    let (source, bare) = served(&env, &root.join("served.git"));
     common::git(&bare, &["update-server-info"]);
     let site = Site::start(&env, "www", &root, None);
     let port = site.port;
@@ -758,20 +764,8 @@ fn git_speaks_smart_http_through_the_gateway_over_http_and_https() {
         "egress": { "hosts": { "git.test": "127.0.0.1" } }
     }));
     let tls = tls(env.tmp.path(), &["git.test"]);
-    let source = env.repo("served");
     let root = env.tmp.path().join("www");
-    std::fs::create_dir_all(root.join("git")).unwrap();
-    let bare = root.join("git/served.git");
-    common::git(
-        env.tmp.path(),
-        &[
-            "clone",
-            "-q",
-            "--bare",
-            source.to_str().unwrap(),
-            bare.to_str().unwrap(),
-        ],
-    );
+    let (source, bare) = served(&env, &root.join("git/served.git"));
     let head = common::git(&source, &["rev-parse", "HEAD"]);
     let head = head.trim();
     let plain = Site::start(&env, "plain", &root, None);

@@ -57,7 +57,7 @@ fn each_sandbox_has_its_own_uid_that_no_other_user_can_reach() {
     // Their files are theirs too.
     let ws = env.state_dir.join("sandboxes/one/workspace");
     assert_eq!(std::fs::metadata(&ws).unwrap().uid(), one);
-    env.ok(&["exec", "one", "--", "sh", "-c", "echo x > /workspace/mine"]);
+    env.sh("one", "echo x > /workspace/mine");
     assert_eq!(std::fs::metadata(ws.join("mine")).unwrap().uid(), one);
 
     // Another user can neither signal the sandbox nor touch its files.
@@ -171,17 +171,10 @@ fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
     // none of the user's groups.
     let ws = env.state_dir.join("sandboxes/one/workspace");
     assert_eq!(std::fs::metadata(&ws).unwrap().uid(), one);
-    env.ok(&["exec", "one", "--", "sh", "-c", "echo x > /workspace/mine"]);
+    env.sh("one", "echo x > /workspace/mine");
     let mine = std::fs::metadata(ws.join("mine")).unwrap();
     assert_eq!((mine.uid(), mine.gid()), (one, gid_one));
-    let groups = env.ok(&[
-        "exec",
-        "one",
-        "--",
-        "sh",
-        "-c",
-        "grep ^Groups: /proc/self/status",
-    ]);
+    let groups = env.sh("one", "grep ^Groups: /proc/self/status");
     assert_eq!(groups.trim(), "Groups:", "the sandbox kept groups");
 
     // A process of the sandbox on the host is not the user: it can write
@@ -211,14 +204,10 @@ fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
 
     // Everything else works as with the user's own uid: sync, worktrees,
     // stop and start with the same id, an agentd killed and restarted.
-    env.ok(&[
-        "exec",
+    env.sh(
         "one",
-        "--",
-        "sh",
-        "-c",
         "cd /workspace && git add mine && git -c user.name=A -c user.email=a@a commit -qm agent",
-    ]);
+    );
     env.ok(&["sync", "one"]);
     let host = common::git_as(
         Some(me),
@@ -228,14 +217,10 @@ fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
     assert_eq!(host.trim(), "agent");
     // A dev server's link: agentd finds its port although it may not look
     // into the sandbox's processes' descriptors.
-    env.ok(&[
-        "exec",
+    env.sh(
         "one",
-        "--",
-        "sh",
-        "-c",
         "echo served > who.txt; python3 -m http.server 8731 --bind 127.0.0.1 >/dev/null 2>&1 &",
-    ]);
+    );
     common::wait_for(
         "the link to answer",
         std::time::Duration::from_secs(20),
@@ -261,12 +246,9 @@ fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
     // The sync's reader, which parses what the sandbox wrote, runs as the
     // sandbox's id without a capability (none to change back to the user's
     // id with) and off the host's network; here a FIFO holds it up.
-    env.ok(&[
-        "exec", "one", "--", "sh", "-c",
-        "cd /workspace && echo y > y && git add y && git -c user.name=A -c user.email=a@a commit -qm y \
+    env.sh("one", "cd /workspace && echo y > y && git add y && git -c user.name=A -c user.email=a@a commit -qm y \
          && h=$(git rev-parse HEAD) && o=.git/objects/$(echo $h | cut -c1-2)/$(echo $h | cut -c3-) \
-         && rm -f $o && mkfifo $o",
-    ]);
+         && rm -f $o && mkfifo $o");
     let sync = env.ctl_cmd(&["sync", "one"]).spawn().unwrap();
     let reader = env.wait_for_helper("__sync-read");
     common::assert_helper_confined(reader);
@@ -278,12 +260,9 @@ fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
     // A sandbox that locks its files away from agentd's user, nests
     // directories deeper than agentd may hold open, and holds up its sync,
     // still goes whole with destroy.
-    env.ok(&[
-        "exec", "one", "--", "sh", "-c",
-        "cd /workspace && i=0 && while [ $i -lt 1500 ]; do mkdir d && cd d && i=$((i+1)); done \
+    env.sh("one", "cd /workspace && i=0 && while [ $i -lt 1500 ]; do mkdir d && cd d && i=$((i+1)); done \
          && mkdir -p /workspace/locked/deep && chmod 000 /workspace/locked /workspace/.git /workspace \
-         && chmod 000 /root",
-    ]);
+         && chmod 000 /root");
     env.ok(&["stop", "one"]);
     env.ok(&["destroy", "one"]);
     let _ = sync.wait_with_output();

@@ -335,6 +335,12 @@ impl Env {
         dir
     }
 
+    /// Run `script` with sh inside sandbox `name`; its output (it must
+    /// succeed).
+    pub fn sh(&self, name: &str, script: &str) -> String {
+        self.ok(&["exec", name, "--", "sh", "-c", script])
+    }
+
     /// The pid of this agentd's helper `arg` (e.g. `__sync-read`), waiting
     /// up to 30 s for one to run.
     pub fn wait_for_helper(&self, arg: &str) -> i32 {
