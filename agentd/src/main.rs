@@ -44,6 +44,18 @@ fn main() -> ExitCode {
     if let Some(c) = agentd::run_helper(&argv) {
         return code(c);
     }
+    // Descriptors inherited from whoever started agentd go to none of the
+    // processes it starts (its helpers, a sandbox's supervisor).
+    // SAFETY: close_range with CLOSE_RANGE_CLOEXEC only marks descriptors;
+    // nothing is closed under anyone's feet.
+    unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            nix::libc::CLOSE_RANGE_CLOEXEC,
+        );
+    }
     let args = Args::parse();
     if let Some(path) = &args.check_config {
         return match agentd::check_config(path) {

@@ -268,3 +268,27 @@ fn sandbox_sees_neither_host_home_nor_writes_host_system() {
         );
     }
 }
+
+#[test]
+fn descriptors_agentd_inherits_reach_no_sandbox() {
+    // A pipe that is not close-on-exec, open while agentd starts.
+    let (r, w) = nix::unistd::pipe().unwrap();
+    let pipe = format!("pipe:[{}]", nix::sys::stat::fstat(&r).unwrap().st_ino);
+    let env = Env::running("fds", &[]);
+    drop((r, w));
+    let holds = |pid: i32| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+            .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy() == pipe))
+    };
+    assert!(holds(env.agentd_pid()), "agentd did not inherit the pipe");
+    let pids = env.sandbox_pids();
+    assert!(!pids.is_empty());
+    for pid in pids {
+        assert!(
+            !holds(pid),
+            "sandbox process {pid} holds agentd's inherited {pipe}"
+        );
+    }
+}
