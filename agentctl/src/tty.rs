@@ -6,7 +6,7 @@
 //! every way out: the command ends, a signal (SIGINT, SIGTERM, SIGHUP), an
 //! error, or a panic.
 
-use std::collections::HashMap;
+use keystone_agent_api::options::TtyOptions;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::Mutex;
@@ -15,7 +15,6 @@ use std::time::Duration;
 use keystone_agent_api::{self as api, ExitCode};
 use nix::sys::termios::{self, SetArg, Termios};
 use tokio::signal::unix::{SignalKind, signal};
-use zvariant::Value;
 
 use crate::{Failure, Result};
 
@@ -92,7 +91,7 @@ fn set_size(fd: BorrowedFd<'_>, (rows, cols): (u16, u16)) {
 
 /// The options that describe our terminal to agentd (`rows`, `cols`,
 /// `term`), or an error when stdin is not a terminal.
-pub fn terminal_options(what: &str) -> Result<HashMap<&'static str, Value<'static>>> {
+pub fn terminal_options(what: &str) -> Result<TtyOptions> {
     let stdin = std::io::stdin();
     let Some((rows, cols)) = size_of(stdin.as_fd()) else {
         return Err(Failure::new(
@@ -103,15 +102,11 @@ pub fn terminal_options(what: &str) -> Result<HashMap<&'static str, Value<'stati
             ),
         ));
     };
-    let mut opts: HashMap<&'static str, Value<'static>> = HashMap::new();
-    opts.insert("rows", rows.into());
-    opts.insert("cols", cols.into());
-    if let Ok(term) = std::env::var("TERM") {
-        if !term.is_empty() {
-            opts.insert("term", Value::from(term));
-        }
-    }
-    Ok(opts)
+    Ok(TtyOptions {
+        rows: Some(rows),
+        cols: Some(cols),
+        term: std::env::var("TERM").ok().filter(|t| !t.is_empty()),
+    })
 }
 
 /// Bridge our terminal to `master` until `wait` (the command's exit code)

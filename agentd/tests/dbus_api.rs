@@ -268,3 +268,69 @@ fn exec_over_the_bus_returns_output_exit_code_and_named_timeout() {
         }
     });
 }
+
+#[test]
+fn bad_options_are_refused_with_every_problem_and_change_nothing() {
+    let env = Env::new();
+    let repo = env.repo("opts");
+    let call = |args: &[&str]| {
+        Command::new("busctl")
+            .arg(format!("--address={}", env.address))
+            .args(["--", "call", "org.keystone.Agent1"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    // A string where a number belongs, a mode that does not exist, an
+    // unknown key: all three named in one InvalidArgument.
+    let out = call(&[
+        "/org/keystone/Agent1",
+        "org.keystone.Agent1.Manager",
+        "CreateSandbox",
+        "sa{sv}",
+        repo.to_str().unwrap(),
+        "3",
+        "memory",
+        "s",
+        "lots",
+        "network",
+        "s",
+        "wifi",
+        "colour",
+        "s",
+        "red",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    for want in [
+        "'memory' must be a uint32",
+        "'wifi' is not one of",
+        "unknown option 'colour'",
+    ] {
+        assert!(err.contains(want), "{want} missing from: {err}");
+    }
+    assert!(env.list().is_empty(), "a refused create made a sandbox");
+
+    // The same reader serves the sandbox's methods.
+    env.ok(&["create", repo.to_str().unwrap()]);
+    let out = call(&[
+        "/org/keystone/Agent1/sandbox/opts",
+        "org.keystone.Agent1.Sandbox",
+        "Configure",
+        "a{sv}",
+        "2",
+        "sync_mode",
+        "s",
+        "sometimes",
+        "sync_idle_seconds",
+        "s",
+        "9",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("'sometimes' is not one of"), "{err}");
+    assert!(
+        err.contains("'sync_idle_seconds' must be a uint32"),
+        "{err}"
+    );
+    assert_eq!(env.status("opts")["config"]["sync_mode"], "manual");
+}

@@ -11,9 +11,9 @@ use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
+use keystone_agent_api::options::ExecOptions;
 use keystone_agent_api::{self as api, ExitCode, SandboxProxy};
 use nix::fcntl::OFlag;
-use zvariant::Value;
 
 use crate::{Failure, Result, unpack};
 
@@ -95,15 +95,15 @@ async fn run(
         let _ = std::fs::File::from(err_r).read_to_string(&mut s);
         s
     });
-    let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
-    if !record.is_empty() {
-        opts.insert("record_as", format!("cp {record}").into());
-    }
+    let opts = ExecOptions {
+        record_as: (!record.is_empty()).then(|| format!("cp {record}")),
+        ..ExecOptions::default()
+    };
     let code = sb
         .exec_stdio(
             argv,
             HashMap::new(),
-            opts,
+            opts.to_dict(),
             stdin.as_fd().into(),
             stdout.as_fd().into(),
             err_w.as_fd().into(),

@@ -17,16 +17,13 @@ pub(super) async fn run(
             json,
         } => {
             let sb = lookup(conn, manager, &name).await?;
-            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
-            if let Some(b) = &branch {
-                opts.insert("branch", b.as_str().into());
-            }
-            if let Some(b) = &into {
-                opts.insert("into", b.as_str().into());
-            }
-            opts.insert("dry_run", dry_run.into());
-            opts.insert("from_host", from_host.into());
-            let r = sb.sync(opts).await?;
+            let opts = SyncOptions {
+                branch,
+                into,
+                dry_run,
+                from_host,
+            };
+            let r = sb.sync(opts.to_dict()).await?;
             if json {
                 println!("{}", output::json(&output::sync_json(&r)));
             } else {

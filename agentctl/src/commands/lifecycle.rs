@@ -28,33 +28,18 @@ pub(super) async fn run(
                     format!("{}: {e}", project_path.display()),
                 )
             })?;
-            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
-            if let Some(n) = &name {
-                opts.insert("name", n.as_str().into());
-            }
-            for (key, value) in [
-                ("memory", memory),
-                ("vcpus", vcpus),
-                ("disk", disk),
-                ("pids", pids),
-            ] {
-                if let Some(v) = value {
-                    opts.insert(key, v.into());
-                }
-            }
-            for (key, value) in [
-                ("network", network.map(Network::as_str)),
-                ("egress", egress.map(Egress::as_str)),
-                ("sync_mode", sync_mode.map(SyncMode::as_str)),
-                ("backend", backend.map(BackendKind::as_str)),
-            ] {
-                if let Some(v) = value {
-                    opts.insert(key, v.into());
-                }
-            }
-            if !allow.is_empty() {
-                opts.insert("egress_allow", allow.clone().into());
-            }
+            let opts = CreateOptions {
+                name,
+                memory,
+                vcpus,
+                disk,
+                pids,
+                network,
+                egress,
+                egress_allow: (!allow.is_empty()).then_some(allow),
+                sync_mode,
+                backend,
+            };
             // Show the workspace being prepared while the call runs.
             let mut progress = manager
                 .receive_create_progress()
@@ -70,7 +55,7 @@ pub(super) async fn run(
                 b
             });
             let project = abs.to_string_lossy().into_owned();
-            let call = manager.create_sandbox(&project, opts);
+            let call = manager.create_sandbox(&project, opts.to_dict());
             futures_lite::pin!(call);
             let (path, notices) = loop {
                 tokio::select! {
@@ -200,20 +185,17 @@ pub(super) async fn run(
             sync_idle_seconds,
         } => {
             let sb = lookup(conn, manager, &name).await?;
-            let mut settings: HashMap<&str, Value<'_>> = HashMap::new();
-            if let Some(m) = sync_mode {
-                settings.insert("sync_mode", m.as_str().into());
-            }
-            if let Some(i) = sync_idle_seconds {
-                settings.insert("sync_idle_seconds", i.into());
-            }
-            if settings.is_empty() {
+            let settings = ConfigureOptions {
+                sync_mode,
+                sync_idle_seconds,
+            };
+            if settings == ConfigureOptions::default() {
                 return Err(Failure::new(
                     ExitCode::Requirements,
                     "nothing to set; see `agentctl set --help`",
                 ));
             }
-            sb.configure(settings).await?;
+            sb.configure(settings.to_dict()).await?;
             crate::outln!("Sandbox '{name}' updated.");
             Ok(0)
         }

@@ -4,12 +4,10 @@
 use std::collections::HashMap;
 use std::io::{IsTerminal, Write};
 
-use keystone_agent_api::{
-    self as api, BackendKind, Egress, ExitCode, ManagerProxy, Network, SandboxProxy, SandboxState,
-    SyncMode,
-};
+use keystone_agent_api::{self as api, ExitCode, ManagerProxy, SandboxProxy, SandboxState};
 use zbus::Connection;
-use zvariant::Value;
+
+use keystone_agent_api::options::{ConfigureOptions, CreateOptions, ExecOptions, SyncOptions};
 
 use crate::cli::{Command, WorktreeCommand};
 use crate::output;

@@ -12,8 +12,9 @@ pub(super) async fn run(
         Command::Attach { name, branch } => {
             let sb = lookup(conn, manager, &name).await?;
             let opts = crate::tty::terminal_options("agentctl attach")?;
-            let (fd, process, session, notices) =
-                sb.attach(branch.as_deref().unwrap_or(""), opts).await?;
+            let (fd, process, session, notices) = sb
+                .attach(branch.as_deref().unwrap_or(""), opts.to_dict())
+                .await?;
             for n in &notices {
                 crate::errln!("{n}");
             }
@@ -80,17 +81,17 @@ pub(super) async fn run(
                 vars.insert(k, v);
             }
             let sb = lookup(conn, manager, &name).await?;
-            let mut opts: HashMap<&str, Value<'_>> = HashMap::new();
-            if let Some(w) = &workdir {
-                opts.insert("cwd", w.as_str().into());
-            }
-            if let Some(b) = &worktree {
-                opts.insert("worktree", b.as_str().into());
-            }
-            opts.insert("timeout_secs", timeout.into());
+            let exec = ExecOptions {
+                cwd: workdir,
+                worktree,
+                timeout_secs: Some(timeout),
+                record_as: None,
+            };
+            let mut opts = exec.to_dict();
             let argv: Vec<&str> = command.iter().map(String::as_str).collect();
             if tty {
-                opts.extend(crate::tty::terminal_options("agentctl exec --tty")?);
+                let size = crate::tty::terminal_options("agentctl exec --tty")?;
+                opts.extend(size.to_dict());
                 let (fd, process) = sb.open_terminal(&argv, vars, opts).await?;
                 return crate::tty::bridge(fd.into(), sb.wait_process(process)).await;
             }

@@ -7,6 +7,7 @@
 
 pub mod error;
 pub mod names;
+pub mod options;
 pub mod proxy;
 pub mod types;
 

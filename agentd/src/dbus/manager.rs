@@ -34,76 +34,7 @@ fn path_of(name: &str) -> Result<OwnedObjectPath, api::Error> {
 }
 
 fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions, api::Error> {
-    let mut o = CreateOptions::default();
-    let mut problems = Vec::new();
-    for (key, value) in options {
-        let as_str = || String::try_from(value.try_clone().ok()?).ok();
-        let as_u32 = || u32::try_from(value).ok();
-        let bad = |problems: &mut Vec<String>, want: &str| {
-            problems.push(format!(
-                "option '{key}' must be {want} (got signature {})",
-                value.value_signature()
-            ));
-        };
-        match key.as_str() {
-            "name" => match as_str() {
-                Some(v) => o.name = Some(v),
-                None => bad(&mut problems, "a string"),
-            },
-            "memory" => match as_u32() {
-                Some(v) => o.memory = Some(v),
-                None => bad(&mut problems, "a uint32 (MiB)"),
-            },
-            "vcpus" => match as_u32() {
-                Some(v) => o.vcpus = Some(v),
-                None => bad(&mut problems, "a uint32"),
-            },
-            "disk" => match as_u32() {
-                Some(v) => o.disk = Some(v),
-                None => bad(&mut problems, "a uint32 (MiB)"),
-            },
-            "pids" => match as_u32() {
-                Some(v) => o.pids = Some(v),
-                None => bad(&mut problems, "a uint32"),
-            },
-            "network" => match as_str().map(|s| s.parse()) {
-                Some(Ok(v)) => o.network = Some(v),
-                Some(Err(e)) => problems.push(format!("network {e}")),
-                None => bad(&mut problems, "a string"),
-            },
-            "egress" => match as_str().map(|s| s.parse()) {
-                Some(Ok(v)) => o.egress = Some(v),
-                Some(Err(e)) => problems.push(format!("egress {e}")),
-                None => bad(&mut problems, "a string"),
-            },
-            "egress_allow" => match value
-                .try_clone()
-                .ok()
-                .and_then(|v| Vec::<String>::try_from(v).ok())
-            {
-                Some(v) => o.egress_allow = Some(v),
-                None => bad(&mut problems, "an array of strings"),
-            },
-            "sync_mode" => match as_str().map(|s| s.parse()) {
-                Some(Ok(v)) => o.sync_mode = Some(v),
-                Some(Err(e)) => problems.push(format!("sync_mode {e}")),
-                None => bad(&mut problems, "a string"),
-            },
-            "backend" => match as_str().map(|s| s.parse()) {
-                Some(Ok(v)) => o.backend = Some(v),
-                Some(Err(e)) => problems.push(format!("backend {e}")),
-                None => bad(&mut problems, "a string"),
-            },
-            other => problems.push(format!(
-                "unknown option '{other}' (known: name, memory, vcpus, disk, pids, network, egress, egress_allow, sync_mode, backend)"
-            )),
-        }
-    }
-    if problems.is_empty() {
-        Ok(o)
-    } else {
-        Err(to_dbus(crate::error::Error::Invalid(problems)))
-    }
+    CreateOptions::from_dict(options).map_err(|p| to_dbus(crate::error::Error::Invalid(p)))
 }
 
 #[interface(name = "org.keystone.Agent1.Manager")]

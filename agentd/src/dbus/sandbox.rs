@@ -10,7 +10,7 @@ use zbus::object_server::SignalEmitter;
 use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
-use super::options::{exec_options, parse_sync_options, tty_options};
+use super::options::{configure_options, exec_options, sync_options, tty_options};
 use super::{Callers, check_strings, to_dbus};
 use crate::sandbox::Sandbox;
 use crate::sandbox::manager::{EgressChange, ExecCall, Manager, TtyOptions};
@@ -146,7 +146,7 @@ impl SandboxObject {
     ) -> Result<api::SyncReport, api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
         super::check_options(&options)?;
-        let opts = parse_sync_options(&options)?;
+        let opts = sync_options(&options)?;
         self.manager
             .sync(caller, &self.name, opts)
             .await
@@ -212,36 +212,10 @@ impl SandboxObject {
     ) -> Result<(), api::Error> {
         let (caller, _) = self.caller_sandbox(conn, &header).await?;
         super::check_options(&settings)?;
-        let mut mode = None;
-        let mut idle = None;
-        let mut problems = Vec::new();
-        for (key, value) in &settings {
-            match key.as_str() {
-                "sync_mode" => match value
-                    .try_clone()
-                    .ok()
-                    .and_then(|v| String::try_from(v).ok())
-                    .map(|s| s.parse::<api::SyncMode>())
-                {
-                    Some(Ok(m)) => mode = Some(m),
-                    Some(Err(e)) => problems.push(format!("sync_mode {e}")),
-                    None => problems.push("sync_mode must be a string".to_owned()),
-                },
-                "sync_idle_seconds" => match u32::try_from(value) {
-                    Ok(v) => idle = Some(v),
-                    Err(_) => problems.push("sync_idle_seconds must be a uint32".to_owned()),
-                },
-                other => problems.push(format!(
-                    "'{other}' cannot be changed on a sandbox (known: sync_mode, sync_idle_seconds)"
-                )),
-            }
-        }
-        if !problems.is_empty() {
-            return Err(to_dbus(crate::error::Error::Invalid(problems)));
-        }
+        let o = configure_options(&settings)?;
         let manager = Arc::clone(&self.manager);
         manager
-            .configure(caller, &self.name, mode, idle)
+            .configure(caller, &self.name, o.sync_mode, o.sync_idle_seconds)
             .await
             .map(|_| ())
             .map_err(to_dbus)
@@ -434,10 +408,7 @@ impl SandboxObject {
             stdio: Some([stdin.into(), stdout.into(), stderr.into()]),
             ..ExecCall::default()
         };
-        let problems = exec_options(&options, &mut call, None);
-        if !problems.is_empty() {
-            return Err(to_dbus(crate::error::Error::Invalid(problems)));
-        }
+        exec_options(&options, &mut call, None)?;
         // A caller that leaves the bus (Ctrl-C, a crash) takes its command along.
         let gone = caller_gone(conn, &header);
         tokio::select! {
@@ -468,10 +439,7 @@ impl SandboxObject {
             ..ExecCall::default()
         };
         let mut tty = TtyOptions::default();
-        let problems = exec_options(&options, &mut call, Some(&mut tty));
-        if !problems.is_empty() {
-            return Err(to_dbus(crate::error::Error::Invalid(problems)));
-        }
+        exec_options(&options, &mut call, Some(&mut tty))?;
         let t = self
             .manager
             .open_terminal(caller, &self.name, call, &tty)
@@ -498,10 +466,7 @@ impl SandboxObject {
         super::check_strings(&[("branch", &branch)])?;
         super::check_options(&options)?;
         let mut tty = TtyOptions::default();
-        let problems = tty_options(&options, &mut tty);
-        if !problems.is_empty() {
-            return Err(to_dbus(crate::error::Error::Invalid(problems)));
-        }
+        tty_options(&options, &mut tty)?;
         let branch = (!branch.is_empty()).then_some(branch);
         let a = self
             .manager

@@ -64,43 +64,7 @@ pub struct ExecCall {
     pub record_as: Option<(String, String)>,
 }
 
-/// Options of a sync.
-#[derive(Debug, Clone, Default)]
-pub struct SyncOptions {
-    /// Only this branch.
-    pub branch: Option<String>,
-    /// Report only.
-    pub dry_run: bool,
-    /// Also fast-forward this host branch.
-    pub into: Option<String>,
-    /// The other direction: host branches into the workspace.
-    pub from_host: bool,
-}
-
-/// Options of a create request; `None` = the default.
-#[derive(Debug, Clone, Default)]
-pub struct CreateOptions {
-    /// Sandbox name; default: derived from the project directory's name.
-    pub name: Option<String>,
-    /// RAM in MiB.
-    pub memory: Option<u32>,
-    /// Virtual CPUs.
-    pub vcpus: Option<u32>,
-    /// Disk space for the workspace and home, in MiB.
-    pub disk: Option<u32>,
-    /// Most processes at once.
-    pub pids: Option<u32>,
-    /// Network mode.
-    pub network: Option<keystone_agent_api::Network>,
-    /// Egress mode.
-    pub egress: Option<keystone_agent_api::Egress>,
-    /// Egress allow entries beyond the preset.
-    pub egress_allow: Option<Vec<String>>,
-    /// Sync mode.
-    pub sync_mode: Option<keystone_agent_api::SyncMode>,
-    /// Backend.
-    pub backend: Option<BackendKind>,
-}
+pub use keystone_agent_api::options::{CreateOptions, SyncOptions};
 
 /// Settings the manager takes from the daemon configuration.
 #[derive(Debug, Clone)]
