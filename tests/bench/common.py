@@ -71,6 +71,13 @@ class Daemon:
         self.agentd.wait(timeout=120)
         self.bus.terminate()
         self.bus.wait()
+        # Sandboxes left registered keep their disk images mounted (as root):
+        # unmount them, deepest first, or the loop devices stay.
+        prefix = str(self.tmp) + "/"
+        mounts = [line.split()[4] for line in open("/proc/self/mountinfo")
+                  if line.split()[4].startswith(prefix)]
+        for m in sorted(mounts, key=lambda p: -p.count("/")):
+            subprocess.run(["umount", "-l", m], stderr=subprocess.DEVNULL)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self):
