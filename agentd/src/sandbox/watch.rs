@@ -17,13 +17,14 @@
 //! sandbox holds at most [`MAX_WATCHES`] watches; past that, the status says
 //! so and deeper changes are not seen.
 //!
-//! The watch runs on a thread of its own, asleep in `poll`; the task that acts
-//! sleeps on its channel: no timer runs unless an event armed one.
+//! The watch runs on a thread of its own, asleep in `poll`; the task that
+//! debounces sleeps on its channel (no timer runs unless an event armed
+//! one) and tells the manager what to do on another ([`Event`]): the
+//! watcher never calls into the manager.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Weak;
 use std::time::Duration;
 
 use keystone_agent_api::SyncMode;
@@ -35,7 +36,6 @@ use nix::sys::stat::SFlag;
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::time::Instant;
 
-use super::manager::Manager;
 use crate::beneath;
 use crate::git::worktree::WORKTREES_DIR;
 
@@ -88,9 +88,23 @@ enum Msg {
     Limit,
 }
 
-/// Start watching `workspace` of sandbox `name`.
+/// What the watch asks of the manager, on the channel it was given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// New refs: sync to the host.
+    Sync,
+    /// The worktree at this relative path (empty: the main one) has been
+    /// quiet for `sync_idle_seconds`: snapshot it, and sync if one was
+    /// recorded.
+    Snapshot(PathBuf),
+    /// This many directories are watched, the most there may be.
+    Limit(usize),
+}
+
+/// Start watching `workspace` of sandbox `name`, sending what the manager
+/// should do on `events`, one at a time.
 pub fn start(
-    manager: Weak<Manager>,
+    events: tokio::sync::mpsc::UnboundedSender<Event>,
     name: String,
     workspace: PathBuf,
     mode: SyncMode,
@@ -135,8 +149,8 @@ pub fn start(
                         }
                         Some(Msg::Change(_)) => {}
                         Some(Msg::Limit) => {
-                            if let Some(m) = manager.upgrade() {
-                                m.watch_limit_reached(&name, MAX_WATCHES);
+                            if events.send(Event::Limit(MAX_WATCHES)).is_err() {
+                                return;
                             }
                         }
                     }
@@ -144,9 +158,6 @@ pub fn start(
                 },
                 () = sleep_until(next) => {}
             }
-            let Some(manager) = manager.upgrade() else {
-                return;
-            };
             let now = Instant::now();
             let due: Vec<PathBuf> = idle_due
                 .iter()
@@ -155,13 +166,15 @@ pub fn start(
                 .collect();
             for wt in due {
                 idle_due.remove(&wt);
-                if manager.take_snapshot(&name, &wt).await {
-                    refs_due = Some(now);
+                if events.send(Event::Snapshot(wt)).is_err() {
+                    return;
                 }
             }
             if refs_due.is_some_and(|t| t <= now) {
                 refs_due = None;
-                manager.auto_sync(&name).await;
+                if events.send(Event::Sync).is_err() {
+                    return;
+                }
             }
         }
     });

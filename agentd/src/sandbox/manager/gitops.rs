@@ -177,8 +177,29 @@ impl Manager {
         }
         let spec = self.spec(&sb);
         let idle = Duration::from_secs(u64::from(sb.config.sync_idle_seconds.max(1)));
+        // The watcher says what to do; this task does it, one event at a
+        // time, and ends with the watcher (its sender).
+        let (events, mut todo) = tokio::sync::mpsc::unbounded_channel();
+        let this = Arc::downgrade(self);
+        let sandbox = name.to_owned();
+        tokio::spawn(async move {
+            while let Some(event) = todo.recv().await {
+                let Some(manager) = this.upgrade() else {
+                    return;
+                };
+                match event {
+                    watch::Event::Sync => manager.auto_sync(&sandbox).await,
+                    watch::Event::Snapshot(wt) => {
+                        if manager.take_snapshot(&sandbox, &wt).await {
+                            manager.auto_sync(&sandbox).await;
+                        }
+                    }
+                    watch::Event::Limit(n) => manager.watch_limit_reached(&sandbox, n),
+                }
+            }
+        });
         match watch::start(
-            Arc::downgrade(self),
+            events,
             name.to_owned(),
             spec.workspace,
             sb.config.sync_mode,
@@ -201,7 +222,7 @@ impl Manager {
 
     /// Say in sandbox `name`'s sync status that its watcher reached `limit`
     /// watched directories (watcher).
-    pub fn watch_limit_reached(&self, name: &str, limit: usize) {
+    pub(super) fn watch_limit_reached(&self, name: &str, limit: usize) {
         let _ = self.update(name, |s| {
             s.last_sync_result = format!(
                 "automatic sync sees only part of the workspace: watch limit of {limit} directories reached"
@@ -210,7 +231,7 @@ impl Manager {
     }
 
     /// An automatic sync of every branch to the host (watcher).
-    pub async fn auto_sync(&self, name: &str) {
+    pub(super) async fn auto_sync(&self, name: &str) {
         match self
             .sync(Caller { uid: 0 }, name, SyncOptions::default())
             .await
@@ -223,7 +244,7 @@ impl Manager {
 
     /// Snapshot the uncommitted work of worktree `wt` (relative directory;
     /// empty = main) of sandbox `name`. True when a snapshot was recorded.
-    pub async fn take_snapshot(&self, name: &str, wt: &Path) -> bool {
+    pub(super) async fn take_snapshot(&self, name: &str, wt: &Path) -> bool {
         let Some(sb) = self.snapshot(name) else {
             return false;
         };
