@@ -373,12 +373,13 @@ pub enum Change {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use keystone_agent_api::{BackendKind, SandboxConfig, SandboxState};
     use std::time::{Duration, UNIX_EPOCH};
 
-    fn sample() -> Sandbox {
+    /// A stopped sandbox record for tests.
+    pub(crate) fn sample() -> Sandbox {
         Sandbox {
             id: "7f1c9a56-4a1e-4d5e-9d7c-2f8b1c0e3a11".into(),
             name: "demo".into(),

@@ -18,6 +18,7 @@ use keystone_agent_api::{
 use tokio::sync::broadcast;
 
 use super::state::{self, Event, Next};
+use super::store::SandboxStore;
 use super::watch;
 use super::{Change, Sandbox};
 use crate::auth::{self, Caller};
@@ -41,7 +42,6 @@ mod session;
 use dirs::remove_owned_tree;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 use exec::shell_words;
-use reconcile::allocate_ids;
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 
 /// A command to run in a sandbox.
@@ -121,12 +121,10 @@ impl SandboxLocks {
 /// Owns the sandboxes.
 #[derive(Debug)]
 pub struct Manager {
-    registry: Registry,
+    store: SandboxStore,
     settings: ManagerSettings,
-    sandboxes: Mutex<BTreeMap<String, Sandbox>>,
     locks: Mutex<HashMap<String, Arc<SandboxLocks>>>,
     backends: BTreeMap<BackendKind, Arc<dyn Backend>>,
-    changes: broadcast::Sender<Change>,
     watchers: Mutex<HashMap<String, watch::Handle>>,
     terminals: Mutex<HashMap<u32, session::TermEntry>>,
     next_terminal: std::sync::atomic::AtomicU32,
@@ -147,23 +145,11 @@ impl Manager {
         settings: ManagerSettings,
         backends: Vec<Arc<dyn Backend>>,
     ) -> Arc<Self> {
-        let (changes, _) = broadcast::channel(1024);
-        let mut sandboxes: BTreeMap<String, Sandbox> =
-            sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect();
-        // Sandboxes from before ids were allocated get theirs now; their
-        // files follow at their next start.
-        if allocate_ids(&mut sandboxes) {
-            if let Err(e) = registry.save(sandboxes.values()) {
-                tracing::error!(error = %e, "cannot record the sandboxes' new uids");
-            }
-        }
         Arc::new(Self {
-            registry,
+            store: SandboxStore::new(registry, sandboxes),
             settings,
-            sandboxes: Mutex::new(sandboxes),
             locks: Mutex::new(HashMap::new()),
             backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
-            changes,
             watchers: Mutex::new(HashMap::new()),
             terminals: Mutex::new(HashMap::new()),
             next_terminal: std::sync::atomic::AtomicU32::new(1),
@@ -211,31 +197,26 @@ impl Manager {
     /// Changes from now on.
     #[must_use]
     pub fn subscribe(&self) -> broadcast::Receiver<Change> {
-        self.changes.subscribe()
+        self.store.subscribe()
     }
 
     /// A copy of sandbox `name`, for anyone (no authorization).
     #[must_use]
     pub fn snapshot(&self, name: &str) -> Option<Sandbox> {
-        self.sandboxes.lock().unwrap().get(name).cloned()
+        self.store.get(name)
     }
 
     /// Names of all sandboxes.
     #[must_use]
     pub fn names(&self) -> Vec<String> {
-        self.sandboxes.lock().unwrap().keys().cloned().collect()
+        self.store.names()
     }
 
     /// The caller's sandboxes (root: all).
     #[must_use]
     pub fn list(&self, caller: Caller) -> Vec<SandboxSummary> {
-        self.sandboxes
-            .lock()
-            .unwrap()
-            .values()
-            .filter(|s| !s.creating && caller.may_access(s.owner))
-            .map(Sandbox::summary)
-            .collect()
+        self.store
+            .collect(|s| (!s.creating && caller.may_access(s.owner)).then(|| s.summary()))
     }
 
     /// Sandbox `name` if the caller may see it.
@@ -278,38 +259,14 @@ impl Manager {
     }
 
     fn spec(&self, sb: &Sandbox) -> SandboxSpec {
-        let dir = self.registry.sandbox_dir(&sb.name);
+        let dir = self.store.registry().sandbox_dir(&sb.name);
         let (uid, gid) = auth::sandbox_ids(sb.owner, sb.uid);
         SandboxSpec::at(&dir, &sb.name, uid, gid, sb.config.clone())
     }
 
-    /// Change sandbox `name` with `f`, persist the registry, announce it.
+    /// Change sandbox `name` with `f` (see [`SandboxStore::update`]).
     fn update(&self, name: &str, f: impl FnOnce(&mut Sandbox)) -> Result<Sandbox> {
-        let mut map = self.sandboxes.lock().unwrap();
-        let sb = map
-            .get_mut(name)
-            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
-        let before = sb.clone();
-        f(sb);
-        // Texts that a sandbox can make arbitrarily long stay short on disk.
-        for text in [&mut sb.state_reason, &mut sb.last_sync_result] {
-            if let std::borrow::Cow::Owned(short) = crate::text::clamp_text(text) {
-                *text = short;
-            }
-        }
-        // A sandbox from before ids were allocated gets its own once stopped.
-        if sb.uid.is_none() {
-            allocate_ids(&mut map);
-        }
-        let after = map[name].clone();
-        if let Err(e) = self.registry.save(map.values()) {
-            // Keep memory and disk in step: undo.
-            map.insert(name.to_owned(), before);
-            return Err(e.into());
-        }
-        drop(map);
-        let _ = self.changes.send(Change::Updated(name.to_owned()));
-        Ok(after)
+        self.store.update(name, f)
     }
 
     /// Apply a state-machine event to `name`, or answer InvalidState.
@@ -319,21 +276,7 @@ impl Manager {
         event: Event,
         f: impl FnOnce(&mut Sandbox),
     ) -> Result<Sandbox> {
-        let current = self
-            .snapshot(name)
-            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
-        match state::next(current.state, event) {
-            Some(Next::State(s)) => self.update(name, |sb| {
-                sb.state = s;
-                f(sb);
-            }),
-            Some(Next::Removed) | None => Err(Error::InvalidState {
-                name: name.to_owned(),
-                verb: event.verb(),
-                state: current.state,
-                hint: state::hint(current.state),
-            }),
-        }
+        self.store.transition(name, event, f)
     }
 
     /// Change settings that apply at once (sync mode and idle time).
@@ -358,7 +301,7 @@ impl Manager {
                 s.config.sync_idle_seconds = i;
             }
         })?;
-        self.registry.save_config(&sb)?;
+        self.store.registry().save_config(&sb)?;
         self.apply_sync_mode(name);
         tracing::info!(sandbox = %name, mode = %sb.config.sync_mode, idle = sb.config.sync_idle_seconds, "configured");
         Ok(sb)

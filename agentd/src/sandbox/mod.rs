@@ -3,6 +3,7 @@
 
 pub mod manager;
 pub mod state;
+pub mod store;
 pub mod watch;
 
 pub use crate::registry::{Change, Sandbox, timestamp};

@@ -7,7 +7,7 @@ use super::*;
 impl Manager {
     /// The disk image of sandbox `name` (see [`crate::disk`]).
     pub(super) fn disk(&self, name: &str) -> crate::disk::Disk {
-        crate::disk::Disk::new(self.registry.dir(), name)
+        crate::disk::Disk::new(self.store.registry().dir(), name)
     }
 
     /// Whether `backend` keeps a sandbox's data in its host directory, so
@@ -44,7 +44,7 @@ impl Manager {
     pub(super) async fn prepare_dirs(&self, sb: &Sandbox) -> Result<Vec<String>> {
         self.ensure_disk(sb).await;
         let spec = self.spec(sb);
-        let dir = self.registry.sandbox_dir(&sb.name);
+        let dir = self.store.registry().sandbox_dir(&sb.name);
         let name = sb.name.clone();
         let wsfail = |message: String| Error::Workspace {
             name: name.clone(),
@@ -156,7 +156,7 @@ impl Manager {
             }))
             .await?;
         }
-        self.registry.save_config(sb)?;
+        self.store.registry().save_config(sb)?;
         Ok(notices)
     }
 
@@ -221,7 +221,7 @@ impl Manager {
         while let Ok(Some(line)) = lines.next_line().await {
             match serde_json::from_str::<workspace::PrepareEvent>(&line) {
                 Ok(workspace::PrepareEvent::Progress { stage, done, total }) => {
-                    let _ = self.changes.send(Change::Progress {
+                    self.store.announce(Change::Progress {
                         name: name.to_owned(),
                         stage,
                         done,

@@ -100,7 +100,10 @@ impl Manager {
     }
 
     fn egress_log_path(&self, name: &str) -> std::path::PathBuf {
-        self.registry.sandbox_dir(name).join("logs/egress.jsonl")
+        self.store
+            .registry()
+            .sandbox_dir(name)
+            .join("logs/egress.jsonl")
     }
 
     /// What any sandbox's gateway reports, as it happens.
@@ -273,7 +276,7 @@ impl Manager {
                 "sandbox '{name}' already has {ENTRIES_MAX} {list} entries; remove some first"
             )]));
         }
-        self.registry.save_config(&sb)?;
+        self.store.registry().save_config(&sb)?;
         tracing::info!(sandbox = %name, ?change, "egress policy changed");
         self.pending_of(name).wake();
         self.egress_view(caller, name)

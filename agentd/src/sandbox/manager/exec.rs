@@ -60,7 +60,11 @@ impl Manager {
     }
 
     pub(super) fn record(&self, name: &str, entry: HistoryEntry) {
-        let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");
+        let path = self
+            .store
+            .registry()
+            .sandbox_dir(name)
+            .join("logs/history.jsonl");
         if let Err(e) = crate::fsutil::append_json_line(&path, &entry) {
             tracing::warn!(sandbox = %name, error = %e, "cannot record history");
         }
@@ -69,7 +73,11 @@ impl Manager {
     /// The last `limit` entries (0 = all) of sandbox `name`'s history.
     pub fn history(&self, caller: Caller, name: &str, limit: usize) -> Result<Vec<HistoryEntry>> {
         self.get(caller, name)?;
-        let path = self.registry.sandbox_dir(name).join("logs/history.jsonl");
+        let path = self
+            .store
+            .registry()
+            .sandbox_dir(name)
+            .join("logs/history.jsonl");
         let all: Vec<HistoryEntry> =
             crate::fsutil::read_json_lines(&path).map_err(|e| Error::Workspace {
                 name: name.to_owned(),
@@ -170,6 +178,8 @@ impl Manager {
     }
 }
 
+/// A command line as a person would type it (arguments with spaces or
+/// quotes are single-quoted).
 pub(super) fn shell_words(argv: &[String]) -> String {
     argv.iter()
         .map(|a| {

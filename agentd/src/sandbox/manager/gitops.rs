@@ -145,7 +145,7 @@ impl Manager {
                 s.last_sync_at = Some(SystemTime::now());
                 s.last_sync_result = summary;
             })?;
-            let _ = self.changes.send(Change::Synced {
+            self.store.announce(Change::Synced {
                 name: name.to_owned(),
                 direction,
                 branches,

@@ -95,19 +95,7 @@ impl Manager {
         sb: Sandbox,
     ) -> Result<(Sandbox, Vec<String>)> {
         let name = sb.name.clone();
-        let sb = {
-            let mut map = self.sandboxes.lock().unwrap();
-            if map.contains_key(&name) {
-                return Err(Error::AlreadyExists(name));
-            }
-            map.insert(name.clone(), sb);
-            allocate_ids(&mut map);
-            if let Err(e) = self.registry.save(map.values()) {
-                map.remove(&name);
-                return Err(e.into());
-            }
-            map[&name].clone()
-        };
+        let sb = self.store.insert(sb)?;
         let locks = self.locks(&name);
         let _guard = locks.op.lock().await;
         if let Err(e) = self.remove_leftover(&name).await {
@@ -119,14 +107,17 @@ impl Manager {
             Err(e) => {
                 self.forget(&name);
                 self.release_disk(&name).await;
-                let (exe, dir) = (self.settings.exe.clone(), self.registry.sandbox_dir(&name));
+                let (exe, dir) = (
+                    self.settings.exe.clone(),
+                    self.store.registry().sandbox_dir(&name),
+                );
                 let _ = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &dir)).await;
                 return Err(e);
             }
         };
         let done = self.update(&name, |s| s.creating = false)?;
         self.apply_sync_mode(&name);
-        let _ = self.changes.send(Change::Added(name.clone()));
+        self.store.announce(Change::Added(name.clone()));
         tracing::info!(sandbox = %name, project = %done.project_path.display(), owner = done.owner, "sandbox created");
         Ok((done, notices))
     }
@@ -135,7 +126,7 @@ impl Manager {
     /// destroy that could not finish): a new sandbox never adopts another's
     /// workspace or home.
     pub(super) async fn remove_leftover(&self, name: &str) -> Result<()> {
-        let dir = self.registry.sandbox_dir(name);
+        let dir = self.store.registry().sandbox_dir(name);
         if std::fs::symlink_metadata(&dir).is_err() {
             return Ok(());
         }
@@ -162,11 +153,7 @@ impl Manager {
 
     /// Remove `name` from memory and the registry, without touching disk.
     pub(super) fn forget(&self, name: &str) {
-        let mut map = self.sandboxes.lock().unwrap();
-        map.remove(name);
-        if let Err(e) = self.registry.save(map.values()) {
-            tracing::error!(sandbox = %name, error = %e, "cannot write the registry");
-        }
+        self.store.remove(name);
     }
 
     /// Start sandbox `name`.
@@ -336,13 +323,16 @@ impl Manager {
         // the next start removes.
         self.forget(name);
         self.release_disk(name).await;
-        let (exe, dir) = (self.settings.exe.clone(), self.registry.sandbox_dir(name));
+        let (exe, dir) = (
+            self.settings.exe.clone(),
+            self.store.registry().sandbox_dir(name),
+        );
         let removed = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &dir)).await;
         if let Ok(Err(e)) = removed {
             tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox directory; it is removed at next start");
         }
         self.locks.lock().unwrap().remove(name);
-        let _ = self.changes.send(Change::Removed(name.to_owned()));
+        self.store.announce(Change::Removed(name.to_owned()));
         tracing::info!(sandbox = %name, "destroyed");
         Ok(())
     }
@@ -351,12 +341,10 @@ impl Manager {
         &self,
         except: &str,
     ) -> Vec<(String, crate::backend::Runtime)> {
-        self.sandboxes
-            .lock()
-            .unwrap()
-            .values()
-            .filter(|s| s.name != except)
-            .filter_map(|s| Some((s.name.clone(), s.runtime.clone()?)))
-            .collect()
+        self.store.collect(|s| {
+            (s.name != except)
+                .then(|| Some((s.name.clone(), s.runtime.clone()?)))
+                .flatten()
+        })
     }
 }

@@ -10,15 +10,14 @@ impl Manager {
     /// sandboxes that still run, record those that do not, kill leftovers.
     pub fn reconcile(self: &Arc<Self>, config: &DaemonConfig) -> Result<()> {
         let mut rolled_back = Vec::new();
-        {
-            let mut map = self.sandboxes.lock().unwrap();
+        self.store.replace_all(|map| {
             map.retain(|name, s| {
                 if s.creating {
                     rolled_back.push(name.clone());
                 }
                 !s.creating
             });
-            self.apply_declared(&mut map, config);
+            self.apply_declared(map, config);
             for sb in map.values_mut() {
                 let alive = sb.runtime.as_ref().is_some_and(|rt| {
                     self.backends
@@ -50,8 +49,7 @@ impl Manager {
                     sb.runtime = None;
                 }
             }
-            self.registry.save(map.values())?;
-        }
+        })?;
         let keep = self.live_runtimes_except("");
         for backend in self.backends.values() {
             for name in backend.kill_strays(&keep) {
@@ -61,14 +59,15 @@ impl Manager {
         // Directories nobody owns any more: leftovers of a rollback or of a
         // destroy interrupted by a crash.
         let known = self.names();
-        for dir in self.registry.sandbox_dirs() {
+        for dir in self.store.registry().sandbox_dirs() {
             if !known.contains(&dir) || rolled_back.contains(&dir) {
                 tracing::info!(sandbox = %dir, "removing a leftover sandbox directory");
                 self.disk(&dir).release();
-                let _ = remove_owned_tree(&self.settings.exe, &self.registry.sandbox_dir(&dir));
+                let _ =
+                    remove_owned_tree(&self.settings.exe, &self.store.registry().sandbox_dir(&dir));
             }
         }
-        for name in crate::disk::images(self.registry.dir()) {
+        for name in crate::disk::images(self.store.registry().dir()) {
             if !known.contains(&name) || rolled_back.contains(&name) {
                 tracing::info!(sandbox = %name, "removing a leftover disk image");
                 self.disk(&name).release();
@@ -183,14 +182,10 @@ impl Manager {
     pub async fn shutdown(&self) {
         // microVMs are systemd units of their own: they run on while agentd
         // restarts (a configuration change) and are adopted again.
-        let running: Vec<String> = self
-            .sandboxes
-            .lock()
-            .unwrap()
-            .values()
-            .filter(|s| s.state == SandboxState::Running && s.backend != BackendKind::Microvm)
-            .map(|s| s.name.clone())
-            .collect();
+        let running: Vec<String> = self.store.collect(|s| {
+            (s.state == SandboxState::Running && s.backend != BackendKind::Microvm)
+                .then(|| s.name.clone())
+        });
         let stops = running.iter().map(|name| async move {
             let locks = self.locks(name);
             let _guard = locks.op.lock().await;
@@ -202,47 +197,4 @@ impl Manager {
             s.await;
         }
     }
-}
-
-/// A command line as a person would type it (arguments with spaces or
-/// quotes are single-quoted).
-/// Give every sandbox that has none a uid of its own: as root from
-/// [`auth::SANDBOX_IDS`] (`microvm` guests keep the owner's, which their
-/// NixOS guest was built with); unprivileged, `local` sandboxes get one of
-/// the user's subordinate ids where they are granted (see
-/// [`crate::subid`]; a `vm` sandbox's QEMU runs as the user). Returns
-/// whether any changed.
-pub(super) fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
-    let root = nix::unistd::Uid::effective().is_root();
-    let pool = if root {
-        None
-    } else {
-        crate::subid::pool().ok()
-    };
-    if !root && pool.is_none() {
-        return false;
-    }
-    let mut taken: std::collections::HashSet<u32> = map.values().filter_map(|s| s.uid).collect();
-    let mut changed = false;
-    for sb in map.values_mut() {
-        // A running sandbox keeps the ids it was started with.
-        if sb.uid.is_some() || sb.runtime.is_some() || sb.backend == BackendKind::Microvm {
-            continue;
-        }
-        if !root && sb.backend != BackendKind::Local {
-            continue;
-        }
-        let free = match pool {
-            Some(p) => p.free(&taken),
-            None => auth::free_sandbox_id(&taken),
-        };
-        let Some(id) = free else {
-            tracing::error!(sandbox = %sb.name, "every sandbox uid is in use; it runs as its owner's");
-            continue;
-        };
-        taken.insert(id);
-        sb.uid = Some(id);
-        changed = true;
-    }
-    changed
 }

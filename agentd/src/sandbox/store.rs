@@ -1,0 +1,280 @@
+//! The sandboxes agentd knows, kept in step in three places: the map in
+//! memory, the registry on disk, and the channel that announces changes.
+//! Every change goes through [`SandboxStore::update`] (or `insert`,
+//! `remove`, `replace_all`): it is written to the registry before anyone
+//! sees it, undone in memory when the write fails, and announced after.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use tokio::sync::broadcast;
+
+use super::state::{self, Event, Next};
+use super::{Change, Sandbox};
+use crate::error::{Error, Result};
+use crate::registry::Registry;
+
+/// The map, the registry and the change channel.
+#[derive(Debug)]
+pub struct SandboxStore {
+    registry: Registry,
+    map: Mutex<BTreeMap<String, Sandbox>>,
+    changes: broadcast::Sender<Change>,
+}
+
+impl SandboxStore {
+    /// A store over `sandboxes`, as read from `registry`. Sandboxes from
+    /// before ids were allocated get theirs now (see [`allocate_ids`]).
+    #[must_use]
+    pub fn new(registry: Registry, sandboxes: Vec<Sandbox>) -> Self {
+        let mut map: BTreeMap<String, Sandbox> =
+            sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect();
+        if allocate_ids(&mut map) {
+            if let Err(e) = registry.save(map.values()) {
+                tracing::error!(error = %e, "cannot record the sandboxes' new uids");
+            }
+        }
+        Self {
+            registry,
+            map: Mutex::new(map),
+            changes: broadcast::channel(1024).0,
+        }
+    }
+
+    /// The registry (the state directory and its files).
+    #[must_use]
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// A copy of sandbox `name`.
+    #[must_use]
+    pub fn get(&self, name: &str) -> Option<Sandbox> {
+        self.map.lock().unwrap().get(name).cloned()
+    }
+
+    /// Names of all sandboxes.
+    #[must_use]
+    pub fn names(&self) -> Vec<String> {
+        self.map.lock().unwrap().keys().cloned().collect()
+    }
+
+    /// What `f` makes of every sandbox it keeps (`Some`).
+    pub fn collect<T>(&self, f: impl FnMut(&Sandbox) -> Option<T>) -> Vec<T> {
+        self.map.lock().unwrap().values().filter_map(f).collect()
+    }
+
+    /// Changes from now on.
+    #[must_use]
+    pub fn subscribe(&self) -> broadcast::Receiver<Change> {
+        self.changes.subscribe()
+    }
+
+    /// Tell the subscribers (nobody listening is fine).
+    pub fn announce(&self, change: Change) {
+        let _ = self.changes.send(change);
+    }
+
+    /// Change sandbox `name` with `f`, persist the registry, announce it.
+    ///
+    /// # Errors
+    /// `NotFound`, or the registry's write error (memory is left as before).
+    pub fn update(&self, name: &str, f: impl FnOnce(&mut Sandbox)) -> Result<Sandbox> {
+        self.change(name, |sb| {
+            f(sb);
+            Ok(())
+        })
+    }
+
+    /// Apply a state-machine event to `name` (and `f`), under one lock: no
+    /// other change comes between the check and the write.
+    ///
+    /// # Errors
+    /// `InvalidState` when the state machine does not allow `event` now.
+    pub fn transition(
+        &self,
+        name: &str,
+        event: Event,
+        f: impl FnOnce(&mut Sandbox),
+    ) -> Result<Sandbox> {
+        self.change(name, |sb| match state::next(sb.state, event) {
+            Some(Next::State(s)) => {
+                sb.state = s;
+                f(sb);
+                Ok(())
+            }
+            Some(Next::Removed) | None => Err(Error::InvalidState {
+                name: sb.name.clone(),
+                verb: event.verb(),
+                state: sb.state,
+                hint: state::hint(sb.state),
+            }),
+        })
+    }
+
+    fn change(&self, name: &str, f: impl FnOnce(&mut Sandbox) -> Result<()>) -> Result<Sandbox> {
+        let mut map = self.map.lock().unwrap();
+        let sb = map
+            .get_mut(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let before = sb.clone();
+        f(sb)?;
+        // Texts that a sandbox can make arbitrarily long stay short on disk.
+        for text in [&mut sb.state_reason, &mut sb.last_sync_result] {
+            if let std::borrow::Cow::Owned(short) = crate::text::clamp_text(text) {
+                *text = short;
+            }
+        }
+        // A sandbox from before ids were allocated gets its own once stopped.
+        if sb.uid.is_none() {
+            allocate_ids(&mut map);
+        }
+        let after = map[name].clone();
+        if let Err(e) = self.registry.save(map.values()) {
+            // Keep memory and disk in step: undo.
+            map.insert(name.to_owned(), before);
+            return Err(e.into());
+        }
+        drop(map);
+        self.announce(Change::Updated(name.to_owned()));
+        Ok(after)
+    }
+
+    /// Add `sb` (its ids allocated) and persist it.
+    ///
+    /// # Errors
+    /// `AlreadyExists`, or the registry's write error (nothing added).
+    pub fn insert(&self, sb: Sandbox) -> Result<Sandbox> {
+        let name = sb.name.clone();
+        let mut map = self.map.lock().unwrap();
+        if map.contains_key(&name) {
+            return Err(Error::AlreadyExists(name));
+        }
+        map.insert(name.clone(), sb);
+        allocate_ids(&mut map);
+        if let Err(e) = self.registry.save(map.values()) {
+            map.remove(&name);
+            return Err(e.into());
+        }
+        Ok(map[&name].clone())
+    }
+
+    /// Remove `name` from memory and the registry (a failed write is
+    /// logged: the next start reconciles).
+    pub fn remove(&self, name: &str) {
+        let mut map = self.map.lock().unwrap();
+        map.remove(name);
+        if let Err(e) = self.registry.save(map.values()) {
+            tracing::error!(sandbox = %name, error = %e, "cannot write the registry");
+        }
+    }
+
+    /// Rework every record with `f` under one lock and persist the result
+    /// (reconciliation at start).
+    ///
+    /// # Errors
+    /// The registry's write error.
+    pub fn replace_all(&self, f: impl FnOnce(&mut BTreeMap<String, Sandbox>)) -> Result<()> {
+        let mut map = self.map.lock().unwrap();
+        f(&mut map);
+        self.registry.save(map.values())?;
+        Ok(())
+    }
+}
+
+/// Give every sandbox that has none a uid of its own: as root from
+/// [`crate::auth::SANDBOX_IDS`] (`microvm` guests keep the owner's, which
+/// their NixOS guest was built with); unprivileged, `local` sandboxes get
+/// one of the user's subordinate ids where they are granted (see
+/// [`crate::subid`]; a `vm` sandbox's QEMU runs as the user). Returns
+/// whether any changed.
+fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
+    use keystone_agent_api::BackendKind;
+    let root = nix::unistd::Uid::effective().is_root();
+    let pool = if root {
+        None
+    } else {
+        crate::subid::pool().ok()
+    };
+    if !root && pool.is_none() {
+        return false;
+    }
+    let mut taken: std::collections::HashSet<u32> = map.values().filter_map(|s| s.uid).collect();
+    let mut changed = false;
+    for sb in map.values_mut() {
+        // A running sandbox keeps the ids it was started with.
+        if sb.uid.is_some() || sb.runtime.is_some() || sb.backend == BackendKind::Microvm {
+            continue;
+        }
+        if !root && sb.backend != BackendKind::Local {
+            continue;
+        }
+        let free = match pool {
+            Some(p) => p.free(&taken),
+            None => crate::auth::free_sandbox_id(&taken),
+        };
+        let Some(id) = free else {
+            tracing::error!(sandbox = %sb.name, "every sandbox uid is in use; it runs as its owner's");
+            continue;
+        };
+        taken.insert(id);
+        sb.uid = Some(id);
+        changed = true;
+    }
+    changed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keystone_agent_api::SandboxState;
+
+    fn store() -> (tempfile::TempDir, SandboxStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let (reg, _) = Registry::open(dir.path()).unwrap();
+        let store = SandboxStore::new(reg, vec![crate::registry::tests::sample()]);
+        (dir, store)
+    }
+
+    fn on_disk(dir: &tempfile::TempDir) -> Vec<Sandbox> {
+        Registry::open(dir.path()).unwrap().1
+    }
+
+    #[test]
+    fn a_transition_follows_the_state_machine_and_is_on_disk_before_it_is_announced() {
+        let (dir, store) = store();
+        let mut changes = store.subscribe();
+        let sb = store
+            .transition("demo", Event::Start, |s| s.state_reason = "go".into())
+            .unwrap();
+        assert_eq!(sb.state, SandboxState::Starting);
+        assert_eq!(on_disk(&dir)[0].state, SandboxState::Starting);
+        assert_eq!(changes.try_recv().unwrap(), Change::Updated("demo".into()));
+        // Not allowed now: refused, nothing written, nothing announced.
+        let before = std::fs::read(store.registry().file()).unwrap();
+        let err = store
+            .transition("demo", Event::Destroy, |_| {})
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidState { .. }), "{err}");
+        assert_eq!(std::fs::read(store.registry().file()).unwrap(), before);
+        assert!(changes.try_recv().is_err());
+        assert!(matches!(
+            store.update("ghost", |_| {}),
+            Err(Error::NotFound(_))
+        ));
+    }
+
+    #[test]
+    fn texts_a_sandbox_can_grow_stay_short_and_names_stay_unique() {
+        let (dir, store) = store();
+        store
+            .update("demo", |s| s.last_sync_result = "x".repeat(1 << 20))
+            .unwrap();
+        let kept = &on_disk(&dir)[0].last_sync_result;
+        assert!(kept.len() <= crate::text::TEXT_MAX, "{}", kept.len());
+        let again = crate::registry::tests::sample();
+        assert!(matches!(store.insert(again), Err(Error::AlreadyExists(_))));
+        store.remove("demo");
+        assert!(store.get("demo").is_none() && on_disk(&dir).is_empty());
+    }
+}
