@@ -88,11 +88,6 @@ impl<'a> Reader<'a> {
             .ok()
     }
 
-    /// Record a problem found while reading.
-    pub fn problem(&mut self, text: String) {
-        self.problems.push(text);
-    }
-
     /// Done: `value`, or every problem, unknown keys (any not in `known`)
     /// among them.
     ///
