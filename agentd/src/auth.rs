@@ -8,8 +8,7 @@ use std::path::{Path, PathBuf};
 
 use nix::unistd::{Gid, Uid, User};
 
-/// argv[1] that makes the agentd binary check a project as the caller.
-pub const CHECK_ARG: &str = "__check-project";
+use crate::helper::{HelperError, RunAs};
 
 /// The identity of whoever made a D-Bus call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,49 +31,37 @@ impl Caller {
     }
 }
 
+/// The helper that checks a project as the caller (`agentd __check-project`):
+/// the path in, its canonical form out, or what is wrong with it.
+#[derive(Debug)]
+pub struct CheckProject;
+
+impl crate::helper::Helper for CheckProject {
+    const ARG: &'static str = "__check-project";
+    const WHAT: &'static str = "project check";
+    type Request = PathBuf;
+    type Reply = PathBuf;
+
+    fn serve(path: PathBuf, _: &mut crate::helper::Io<'_>) -> Result<PathBuf, HelperError> {
+        crate::git::workspace::check_project(&path).map_err(HelperError::Invalid)
+    }
+}
+
+/// How long checking a project may take.
+pub const CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Check, as `uid`, that `path` is a readable git repository; returns its
 /// canonical path.
-pub async fn check_project_as(exe: &Path, uid: u32, path: &Path) -> Result<PathBuf, String> {
+pub async fn check_project_as(exe: &Path, uid: u32, path: &Path) -> Result<PathBuf, HelperError> {
     if Uid::effective().as_raw() == uid {
         let path = path.to_owned();
         return tokio::task::spawn_blocking(move || crate::git::workspace::check_project(&path))
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(HelperError::failed)?
+            .map_err(HelperError::Invalid);
     }
-    let mut cmd = crate::spawn::command_as(exe, uid)?;
-    cmd.arg(CHECK_ARG).arg(path).kill_on_drop(true);
-    let out = tokio::time::timeout(std::time::Duration::from_secs(30), cmd.output())
+    crate::helper::run::<CheckProject>(exe, &RunAs::User(uid), &path.to_owned(), CHECK_TIMEOUT)
         .await
-        .map_err(|_| format!("checking {} as uid {uid} timed out", path.display()))?
-        .map_err(|e| format!("cannot check {} as uid {uid}: {e}", path.display()))?;
-    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    if out.status.success() {
-        Ok(PathBuf::from(text))
-    } else if text.is_empty() {
-        Err(format!(
-            "checking {} as uid {uid} failed: {}",
-            path.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    } else {
-        Err(text)
-    }
-}
-
-/// Entry point of `agentd __check-project PATH`: prints the canonical path
-/// (exit 0) or the problem (exit 1).
-#[must_use]
-pub fn check_main(path: &str) -> i32 {
-    match crate::git::workspace::check_project(Path::new(path)) {
-        Ok(p) => {
-            println!("{}", p.display());
-            0
-        }
-        Err(e) => {
-            println!("{e}");
-            1
-        }
-    }
 }
 
 /// The host uids (and gids) agentd gives sandboxes when it runs as root:

@@ -1,6 +1,9 @@
 //! Errors of agentd's domain. The D-Bus layer maps each to a named error.
 
+use std::path::PathBuf;
+
 use crate::backend::BackendError;
+use crate::helper::HelperError;
 use crate::registry::RegistryError;
 
 /// Why an operation on a sandbox failed.
@@ -42,21 +45,23 @@ pub enum Error {
         #[source]
         source: BackendError,
     },
-    /// Preparing the workspace failed.
-    #[error("Cannot prepare the workspace of sandbox '{name}': {message}")]
+    /// Preparing, reading or changing the sandbox's directories failed.
+    #[error("Cannot prepare the workspace of sandbox '{name}': {source}")]
     Workspace {
         /// Sandbox name.
         name: String,
         /// What went wrong.
-        message: String,
+        #[source]
+        source: WorkspaceError,
     },
     /// A sync failed.
-    #[error("Sync of sandbox '{name}' failed: {message}")]
+    #[error("Sync of sandbox '{name}' failed: {source}")]
     Sync {
         /// Sandbox name.
         name: String,
         /// What went wrong.
-        message: String,
+        #[source]
+        source: HelperError,
     },
     /// A sync would lose or overwrite work; the message says what to do.
     #[error("{0}")]
@@ -64,6 +69,65 @@ pub enum Error {
     /// The registry could not be written.
     #[error(transparent)]
     Registry(#[from] RegistryError),
+}
+
+/// Why something with a sandbox's directories failed (below
+/// [`Error::Workspace`]).
+#[derive(Debug, thiserror::Error)]
+pub enum WorkspaceError {
+    /// A directory could not be made.
+    #[error("cannot create {}: {source}", path.display())]
+    Create {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A mode or owner could not be set.
+    #[error("cannot set the owner or permissions of {}: {source}", path.display())]
+    Permissions {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The finished workspace could not be moved into place.
+    #[error("cannot move {} into place: {source}", path.display())]
+    Rename {
+        /// The workspace being made.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file agentd keeps about the sandbox could not be read.
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// What an earlier sandbox of the same name left cannot be removed.
+    #[error(
+        "{} is left from an earlier sandbox of this name and cannot be removed{}; \
+         remove it (as root if need be) and create the sandbox again",
+        path.display(),
+        source.as_ref().map(|e| format!(" ({e})")).unwrap_or_default()
+    )]
+    Leftover {
+        /// The directory.
+        path: PathBuf,
+        /// Why, when removing it failed.
+        #[source]
+        source: Option<std::io::Error>,
+    },
+    /// A helper failed.
+    #[error(transparent)]
+    Helper(#[from] HelperError),
 }
 
 /// Result with [`Error`].

@@ -17,13 +17,13 @@ pub mod error;
 pub mod fsutil;
 pub mod git;
 pub mod guest;
+pub mod helper;
 pub mod naming;
 pub mod procfs;
 pub mod proxy;
 pub mod pty;
 pub mod registry;
 pub mod sandbox;
-pub mod spawn;
 pub mod subid;
 pub mod text;
 pub mod tools;
@@ -164,14 +164,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         registry,
         sandboxes,
         ManagerSettings {
-            exe,
             default_backend: config.default_backend.unwrap_or(BackendKind::Local),
             defaults: config.defaults.clone(),
             egress: config.egress.clone(),
         },
         vec![local, microvm, vm],
+        Arc::new(sandbox::helpers::Processes::new(exe)),
     );
-    manager.reconcile(&config)?;
+    manager.reconcile(&config).await?;
     if config.proxy.enable {
         let proxy = proxy::Proxy::start(
             config.proxy.clone(),
@@ -204,26 +204,39 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 }
 
 /// Run the helper named by `argv[1]` (agentd re-executes itself as the
-/// sandbox supervisor and as the git helpers that run with a caller's,
-/// owner's or sandbox's uid). `None` when argv names no helper.
+/// sandbox's init, as the vm supervisor and its vsock bridge, and as the
+/// helpers of [`helper`] that act with a caller's, owner's or sandbox's
+/// uid). `None` when argv names no helper.
 #[must_use]
 pub fn run_helper(argv: &[String]) -> Option<i32> {
+    use crate::helper::{Helper, main};
     let arg = argv.get(2).map_or("", String::as_str);
-    type Helper = (&'static str, fn(&str) -> i32);
-    let helpers: [Helper; 10] = [
+    // Long-running modes with protocols of their own, then the helpers.
+    type Mode = (&'static str, fn(&str) -> i32);
+    let modes: [Mode; 10] = [
         (backend::vm::supervise::VM_ARG, backend::vm::supervise::main),
         (backend::vm::vsock::VSOCK_ARG, backend::vm::vsock::main),
         (guest::INIT_ARG, |_| guest::init::main()),
-        (auth::CHECK_ARG, auth::check_main),
-        (git::workspace::PREPARE_ARG, git::workspace::prepare_main),
-        (git::sync::READ_ARG, git::sync::read_main),
-        (git::sync::WRITE_ARG, git::sync::write_main),
-        (git::worktree::WORKTREE_ARG, git::worktree::main),
-        (git::snapshot::SNAPSHOT_ARG, git::snapshot::main),
-        (git::workspace::TREE_ARG, git::workspace::tree_main),
+        (auth::CheckProject::ARG, |_| main::<auth::CheckProject>()),
+        (git::workspace::Prepare::ARG, |_| {
+            main::<git::workspace::Prepare>()
+        }),
+        (git::workspace::Tree::ARG, |_| {
+            main::<git::workspace::Tree>()
+        }),
+        (git::sync::SyncRead::ARG, |_| main::<git::sync::SyncRead>()),
+        (git::sync::SyncWrite::ARG, |_| {
+            main::<git::sync::SyncWrite>()
+        }),
+        (git::worktree::Worktree::ARG, |_| {
+            main::<git::worktree::Worktree>()
+        }),
+        (git::snapshot::Snapshot::ARG, |_| {
+            main::<git::snapshot::Snapshot>()
+        }),
     ];
     let name = argv.get(1)?;
-    let (_, f) = helpers.iter().find(|(n, _)| n == name)?;
+    let (_, f) = modes.iter().find(|(n, _)| n == name)?;
     if let Some(spec) = std::env::var_os(confine::CONFINE_ENV) {
         let applied = serde_json::from_str::<confine::Confinement>(&spec.to_string_lossy())
             .map_err(|e| e.to_string())

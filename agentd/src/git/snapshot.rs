@@ -10,13 +10,12 @@ use std::path::{Path, PathBuf};
 use git2::{IndexAddOption, Repository, Signature};
 use serde::{Deserialize, Serialize};
 
-/// argv[1] of the snapshot helper.
-pub const SNAPSHOT_ARG: &str = "__snapshot";
+use crate::helper::{Helper, HelperError, Io};
 
 /// Namespace of snapshot refs in the workspace.
 pub const WIP_NAMESPACE: &str = "refs/keystone/wip";
 
-/// What to snapshot (argv[2], JSON).
+/// What to snapshot.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Request {
     /// The workspace on the host.
@@ -39,22 +38,20 @@ pub struct Outcome {
     pub commit: Option<String>,
 }
 
-/// Entry point of `agentd __snapshot <request-json>`.
-#[must_use]
-pub fn main(req: &str) -> i32 {
-    super::workspace::ignore_global_config();
-    let Some(req) = super::parse_request::<Request>(req) else {
-        return 1;
-    };
-    match snapshot(&req) {
-        Ok(o) => {
-            println!("{}", serde_json::to_string(&o).unwrap_or_default());
-            0
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            1
-        }
+/// The helper that records a snapshot as the sandbox's uid
+/// (`agentd __snapshot`).
+#[derive(Debug)]
+pub struct Snapshot;
+
+impl Helper for Snapshot {
+    const ARG: &'static str = "__snapshot";
+    const WHAT: &'static str = "snapshot";
+    type Request = Request;
+    type Reply = Outcome;
+
+    fn serve(req: Request, _: &mut Io<'_>) -> Result<Outcome, HelperError> {
+        super::workspace::ignore_global_config();
+        snapshot(&req).map_err(HelperError::Failed)
     }
 }
 

@@ -32,11 +32,7 @@ use git2::{Oid, Repository};
 use serde::{Deserialize, Serialize};
 
 use super::refs;
-
-/// argv[1] of the reading helper.
-pub const READ_ARG: &str = "__sync-read";
-/// argv[1] of the writing helper.
-pub const WRITE_ARG: &str = "__sync-write";
+use crate::helper::{Helper, HelperError, Io};
 
 /// Largest object (file, directory listing or commit) a synced branch may
 /// bring (bigger: branch skipped).
@@ -60,9 +56,11 @@ pub struct Haves {
     pub previous: BTreeMap<String, String>,
 }
 
-/// The reader's instructions (stdin, one JSON document).
+/// The reader's instructions.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReadRequest {
+    /// The source's git directory.
+    pub git_dir: PathBuf,
     /// Tips the destination has.
     pub haves: Vec<String>,
     /// The destination's current refs under its prefix, by branch.
@@ -88,8 +86,8 @@ pub struct ReadReport {
     pub skipped: Vec<String>,
 }
 
-/// The writer's instructions (argv[2], JSON).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The writer's instructions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WriteSpec {
     /// The destination repository (work tree or git dir).
     pub repo: PathBuf,
@@ -118,25 +116,21 @@ fn oid(s: &str) -> Result<Oid, String> {
     Oid::from_str(s).map_err(|e| format!("bad object id '{s}': {e}"))
 }
 
-/// Entry point of `agentd __sync-read <git-dir>`.
-#[must_use]
-pub fn read_main(git_dir: &str) -> i32 {
-    super::workspace::ignore_global_config();
-    let mut input = String::new();
-    if let Err(e) = std::io::Read::read_to_string(&mut std::io::stdin(), &mut input) {
-        eprintln!("cannot read the request: {e}");
-        return 1;
-    }
-    let Some(req) = super::parse_request::<ReadRequest>(&input) else {
-        return 1;
-    };
-    let mut out = std::io::stdout().lock();
-    match read(Path::new(git_dir), &req, &mut out) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("{e}");
-            1
-        }
+/// The reading helper (`agentd __sync-read`), run as the source's owner:
+/// its report as one JSON line, then the pack (none for a dry run).
+#[derive(Debug)]
+pub struct SyncRead;
+
+impl Helper for SyncRead {
+    const ARG: &'static str = "__sync-read";
+    const WHAT: &'static str = "sync reader";
+    const RAW_OUTPUT: bool = true;
+    type Request = ReadRequest;
+    type Reply = ();
+
+    fn serve(req: ReadRequest, io: &mut Io<'_>) -> Result<(), HelperError> {
+        super::workspace::ignore_global_config();
+        read(&req.git_dir, &req, &mut io.output).map_err(HelperError::Failed)
     }
 }
 
@@ -441,25 +435,21 @@ impl Cap<'_> {
     }
 }
 
-/// Entry point of `agentd __sync-write <spec-json>`.
-#[must_use]
-pub fn write_main(spec: &str) -> i32 {
-    super::workspace::ignore_global_config();
-    let Some(spec) = super::parse_request::<WriteSpec>(spec) else {
-        return 1;
-    };
-    let mut stdout = std::io::stdout().lock();
-    let stdin = std::io::stdin().lock();
-    match write(&spec, stdin, &mut stdout) {
-        Ok(report) => {
-            let _ = serde_json::to_writer(&mut stdout, &report);
-            let _ = stdout.write_all(b"\n");
-            0
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            1
-        }
+/// The writing helper (`agentd __sync-write`), run as the destination's
+/// owner: prints its [`Haves`] as one JSON line, reads the reader's report
+/// line and pack on stdin, and answers with its [`WriteReport`].
+#[derive(Debug)]
+pub struct SyncWrite;
+
+impl Helper for SyncWrite {
+    const ARG: &'static str = "__sync-write";
+    const WHAT: &'static str = "sync writer";
+    type Request = WriteSpec;
+    type Reply = WriteReport;
+
+    fn serve(spec: WriteSpec, io: &mut Io<'_>) -> Result<WriteReport, HelperError> {
+        super::workspace::ignore_global_config();
+        write(&spec, &mut io.input, &mut io.output).map_err(HelperError::Failed)
     }
 }
 

@@ -5,11 +5,13 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 
 use git2::build::{CloneLocal, RepoBuilder};
 use serde::{Deserialize, Serialize};
+
+use crate::helper::{Helper, HelperError, Io};
 
 /// Name of the remote in the workspace that stands for the host project.
 pub const HOST_REMOTE: &str = "host";
@@ -84,9 +86,6 @@ pub fn check_project(path: &Path) -> Result<PathBuf, String> {
     Ok(canon)
 }
 
-/// argv[1] of the helper that prepares a workspace as the project's owner.
-pub const PREPARE_ARG: &str = "__prepare-workspace";
-
 /// Largest env file copied into a workspace.
 pub const ENV_FILE_MAX: u64 = 1 << 20;
 
@@ -119,32 +118,25 @@ pub enum PrepareEvent {
         /// The notice, one sentence.
         message: String,
     },
-    /// Finished.
-    Done,
 }
 
-fn emit(e: &PrepareEvent) {
-    let mut out = std::io::stdout().lock();
-    let _ = serde_json::to_writer(&mut out, e);
-    let _ = out.write_all(b"\n");
-    let _ = out.flush();
-}
+/// The helper that prepares a workspace as the project's owner
+/// (`agentd __prepare-workspace`): clones the project and copies its env
+/// files, streaming [`PrepareEvent`]s.
+#[derive(Debug)]
+pub struct Prepare;
 
-/// Entry point of `agentd __prepare-workspace <spec-json>`.
-#[must_use]
-pub fn prepare_main(spec: &str) -> i32 {
-    let Some(spec) = super::parse_request::<PrepareSpec>(spec) else {
-        return 1;
-    };
-    match prepare(&spec, &mut emit) {
-        Ok(()) => {
-            emit(&PrepareEvent::Done);
-            0
-        }
-        Err(e) => {
-            eprintln!("{e}");
-            1
-        }
+impl Helper for Prepare {
+    const ARG: &'static str = "__prepare-workspace";
+    const WHAT: &'static str = "workspace";
+    type Request = PrepareSpec;
+    type Reply = ();
+
+    fn serve(spec: PrepareSpec, io: &mut Io<'_>) -> Result<(), HelperError> {
+        prepare(&spec, &mut |e| {
+            let _ = io.line(e);
+        })
+        .map_err(HelperError::Failed)
     }
 }
 
@@ -391,12 +383,7 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     go(&p, &n)
 }
 
-/// argv[1] of the helper with which an unprivileged agentd hands a
-/// sandbox's directories to the sandbox's subordinate ids, or empties them
-/// (see [`crate::subid`]; run with [`crate::crate::spawn::command_with_ids`]).
-pub const TREE_ARG: &str = "__tree";
-
-/// What the [`TREE_ARG`] helper does.
+/// What the [`Tree`] helper does.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum TreeOp {
@@ -424,18 +411,21 @@ pub enum TreeOp {
     },
 }
 
-/// Entry point of `agentd __tree OP` (OP is a [`TreeOp`] in JSON).
-#[must_use]
-pub fn tree_main(arg: &str) -> i32 {
-    let done = serde_json::from_str::<TreeOp>(arg)
-        .map_err(|e| format!("bad request: {e}"))
-        .and_then(|op| tree_op(&op));
-    match done {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("{e}");
-            1
-        }
+/// The helper with which an unprivileged agentd hands a sandbox's
+/// directories to the sandbox's subordinate ids, or empties them
+/// (`agentd __tree`, run as [`crate::helper::RunAs::WithIds`]; see
+/// [`crate::subid`]).
+#[derive(Debug)]
+pub struct Tree;
+
+impl Helper for Tree {
+    const ARG: &'static str = "__tree";
+    const WHAT: &'static str = "tree";
+    type Request = TreeOp;
+    type Reply = ();
+
+    fn serve(op: TreeOp, _: &mut Io<'_>) -> Result<(), HelperError> {
+        tree_op(&op).map_err(HelperError::Failed)
     }
 }
 

@@ -23,9 +23,7 @@ use git2::{BranchType, Repository, StatusOptions};
 use serde::{Deserialize, Serialize};
 
 use super::refs::valid_branch;
-
-/// argv[1] of the worktree helper.
-pub const WORKTREE_ARG: &str = "__worktree";
+use crate::helper::{Helper, HelperError, Io};
 
 /// Where the workspace is mounted inside every sandbox.
 pub const SANDBOX_ROOT: &str = "/workspace";
@@ -33,7 +31,7 @@ pub const SANDBOX_ROOT: &str = "/workspace";
 /// Directory of the worktrees, relative to the workspace.
 pub const WORKTREES_DIR: &str = ".worktrees";
 
-/// What the helper is asked to do (argv[2], JSON).
+/// What the helper is asked to do.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum Request {
@@ -66,27 +64,58 @@ pub enum Request {
 /// One worktree, as listed (the wire type).
 pub use keystone_agent_api::WorktreeInfo as Info;
 
-/// Why a request failed.
-#[derive(Debug)]
-pub enum Failure {
-    /// Bad input or state; the message says which.
-    Invalid(String),
-    /// Would lose work.
-    Conflict(String),
-    /// Anything else.
-    Failed(String),
-}
-
-impl Failure {
-    fn message(&self) -> &str {
-        match self {
-            Self::Invalid(m) | Self::Conflict(m) | Self::Failed(m) => m,
-        }
-    }
-}
+/// Why a request failed: [`HelperError::Invalid`] for bad input or
+/// state, [`HelperError::Conflict`] when it would lose work,
+/// [`HelperError::Failed`] for anything else.
+type Failure = HelperError;
 
 fn failed(e: impl std::fmt::Display) -> Failure {
     Failure::Failed(e.to_string())
+}
+
+/// What the helper answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum Reply {
+    /// The worktree made.
+    Added(Info),
+    /// Every worktree, the main one first.
+    Listed {
+        /// The worktrees.
+        worktrees: Vec<Info>,
+    },
+    /// The worktree is gone.
+    Removed,
+}
+
+/// The worktree helper (`agentd __worktree`), run as the sandbox's uid.
+#[derive(Debug)]
+pub struct Worktree;
+
+impl Helper for Worktree {
+    const ARG: &'static str = "__worktree";
+    const WHAT: &'static str = "worktree operation";
+    type Request = Request;
+    type Reply = Reply;
+
+    fn serve(req: Request, _: &mut Io<'_>) -> Result<Reply, HelperError> {
+        super::workspace::ignore_global_config();
+        match req {
+            Request::Add {
+                workspace,
+                branch,
+                from,
+            } => add(&workspace, &branch, from.as_deref()).map(Reply::Added),
+            Request::List { workspace } => {
+                list(&workspace).map(|worktrees| Reply::Listed { worktrees })
+            }
+            Request::Remove {
+                workspace,
+                branch,
+                force,
+            } => remove(&workspace, &branch, force).map(|()| Reply::Removed),
+        }
+    }
 }
 
 /// The directory of `branch`'s worktree, relative to the workspace: the
@@ -96,47 +125,6 @@ fn failed(e: impl std::fmt::Display) -> Failure {
 #[must_use]
 pub fn dir_of(branch: &str) -> PathBuf {
     Path::new(WORKTREES_DIR).join(branch)
-}
-
-/// Entry point of `agentd __worktree <request-json>`: prints the result as
-/// JSON; exit 0 ok, 3 conflict, 4 invalid, 1 other failure.
-#[must_use]
-pub fn main(req: &str) -> i32 {
-    super::workspace::ignore_global_config();
-    let Some(req) = super::parse_request::<Request>(req) else {
-        return 1;
-    };
-    let result = match &req {
-        Request::Add {
-            workspace,
-            branch,
-            from,
-        } => add(workspace, branch, from.as_deref()).map(|i| serde_json::to_string(&i)),
-        Request::List { workspace } => list(workspace).map(|l| serde_json::to_string(&l)),
-        Request::Remove {
-            workspace,
-            branch,
-            force,
-        } => remove(workspace, branch, *force).map(|()| Ok("null".to_owned())),
-    };
-    match result {
-        Ok(Ok(json)) => {
-            println!("{json}");
-            0
-        }
-        Ok(Err(e)) => {
-            eprintln!("{e}");
-            1
-        }
-        Err(f) => {
-            eprintln!("{}", f.message());
-            match f {
-                Failure::Conflict(_) => 3,
-                Failure::Invalid(_) => 4,
-                Failure::Failed(_) => 1,
-            }
-        }
-    }
 }
 
 fn open_main(workspace: &Path) -> Result<Repository, Failure> {

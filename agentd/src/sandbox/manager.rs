@@ -17,6 +17,7 @@ use keystone_agent_api::{
 };
 use tokio::sync::broadcast;
 
+use super::helpers::{self, Helpers};
 use super::state::{self, Event, Next};
 use super::store::SandboxStore;
 use super::watch;
@@ -24,10 +25,11 @@ use super::{Change, Sandbox};
 use crate::auth::{self, Caller};
 use crate::backend::{Backend, BoxFut, ExecRequest, SandboxSpec};
 use crate::config::DaemonConfig;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WorkspaceError};
 use crate::git::sync::WriteSpec;
-use crate::git::transfer::{self, Side, Transfer};
+use crate::git::transfer::{Side, Transfer};
 use crate::git::{refs, snapshot, workspace, worktree};
+use crate::helper::{HelperError, RunAs};
 use crate::procfs;
 use crate::registry::Registry;
 use crate::validate;
@@ -39,7 +41,6 @@ mod gitops;
 mod lifecycle;
 mod reconcile;
 mod session;
-use dirs::remove_owned_tree;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 use exec::shell_words;
 pub use session::{Attached, Terminal, TtyOptions, session_name};
@@ -69,8 +70,6 @@ pub use keystone_agent_api::options::{CreateOptions, SyncOptions};
 /// Settings the manager takes from the daemon configuration.
 #[derive(Debug, Clone)]
 pub struct ManagerSettings {
-    /// The agentd binary (for helpers run as the caller).
-    pub exe: PathBuf,
     /// Backend of new sandboxes.
     pub default_backend: BackendKind,
     /// Settings of new sandboxes.
@@ -125,6 +124,7 @@ pub struct Manager {
     settings: ManagerSettings,
     locks: Mutex<HashMap<String, Arc<SandboxLocks>>>,
     backends: BTreeMap<BackendKind, Arc<dyn Backend>>,
+    helpers: Arc<dyn Helpers>,
     watchers: Mutex<HashMap<String, watch::Handle>>,
     terminals: Mutex<HashMap<u32, session::TermEntry>>,
     next_terminal: std::sync::atomic::AtomicU32,
@@ -136,20 +136,23 @@ pub struct Manager {
 }
 
 impl Manager {
-    /// A manager over the registry's sandboxes. Call [`Manager::reconcile`]
-    /// before serving anyone.
+    /// A manager over the registry's sandboxes that runs them with
+    /// `backends` and acts as other uids through `helpers`. Call
+    /// [`Manager::reconcile`] before serving anyone.
     #[must_use]
     pub fn new(
         registry: Registry,
         sandboxes: Vec<Sandbox>,
         settings: ManagerSettings,
         backends: Vec<Arc<dyn Backend>>,
+        helpers: Arc<dyn Helpers>,
     ) -> Arc<Self> {
         Arc::new(Self {
             store: SandboxStore::new(registry, sandboxes),
             settings,
             locks: Mutex::new(HashMap::new()),
             backends: backends.into_iter().map(|b| (b.kind(), b)).collect(),
+            helpers,
             watchers: Mutex::new(HashMap::new()),
             terminals: Mutex::new(HashMap::new()),
             next_terminal: std::sync::atomic::AtomicU32::new(1),

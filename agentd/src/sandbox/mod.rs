@@ -1,6 +1,7 @@
 //! Sandboxes: the record agentd keeps of each, its state machine, the rules
 //! for names and settings, and the manager that carries out operations.
 
+pub mod helpers;
 pub mod manager;
 pub mod state;
 pub mod store;

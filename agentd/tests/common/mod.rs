@@ -344,27 +344,41 @@ impl Env {
     /// The pid of this agentd's helper `arg` (e.g. `__sync-read`), waiting
     /// up to 30 s for one to run.
     pub fn wait_for_helper(&self, arg: &str) -> i32 {
-        let marker = self.state_dir.to_string_lossy().into_owned();
-        let find = || {
-            agentd::procfs::pids().into_iter().find(|&p| {
-                agentd::procfs::cmdline(p).is_some_and(|c| {
-                    c.get(1).is_some_and(|a| a == arg) && c.join(" ").contains(&marker)
-                })
-            })
-        };
-        wait_for(arg, Duration::from_secs(30), || find().is_some());
-        find().unwrap()
+        wait_for(arg, Duration::from_secs(30), || {
+            !self.helpers(arg, false).is_empty()
+        });
+        self.helpers(arg, false)[0]
     }
 
     /// Whether any helper `arg` of this agentd still runs.
     pub fn helper_runs(&self, arg: &str) -> bool {
-        let marker = self.state_dir.to_string_lossy().into_owned();
-        agentd::procfs::pids().into_iter().any(|p| {
-            agentd::procfs::state(p).is_some_and(|s| s != 'Z')
-                && agentd::procfs::cmdline(p).is_some_and(|c| {
-                    c.get(1).is_some_and(|a| a == arg) && c.join(" ").contains(&marker)
-                })
-        })
+        !self.helpers(arg, true).is_empty()
+    }
+
+    /// The pids of this agentd's helpers `arg` (`agentd ARG`, started by
+    /// this agentd, or by a helper of it), without zombies if `live`.
+    fn helpers(&self, arg: &str, live: bool) -> Vec<i32> {
+        let agentd = self.agentd.as_ref().map(|c| c.id() as i32);
+        let ours = |pid: i32| {
+            let mut p = pid;
+            for _ in 0..4 {
+                match agentd::procfs::ppid(p) {
+                    Some(pp) if Some(pp) == agentd => return true,
+                    Some(pp) if pp > 1 => p = pp,
+                    _ => return false,
+                }
+            }
+            false
+        };
+        agentd::procfs::pids()
+            .into_iter()
+            .filter(|&p| {
+                (!live || agentd::procfs::state(p).is_some_and(|s| s != 'Z'))
+                    && agentd::procfs::cmdline(p)
+                        .is_some_and(|c| c.get(1).is_some_and(|a| a == arg))
+                    && ours(p)
+            })
+            .collect()
     }
 
     /// Live pids of this agentd's sandbox supervisors and inits.

@@ -37,6 +37,29 @@ impl Manager {
         let _ = tokio::task::spawn_blocking(move || disk.release()).await;
     }
 
+    /// Check, as `uid`, that `path` is a readable git repository; its
+    /// canonical path.
+    pub(super) async fn check_project(
+        &self,
+        uid: u32,
+        path: &Path,
+    ) -> std::result::Result<PathBuf, HelperError> {
+        if nix::unistd::Uid::effective().as_raw() == uid {
+            let path = path.to_owned();
+            return tokio::task::spawn_blocking(move || workspace::check_project(&path))
+                .await
+                .map_err(HelperError::failed)?
+                .map_err(HelperError::Invalid);
+        }
+        helpers::call::<auth::CheckProject>(
+            &*self.helpers,
+            RunAs::User(uid),
+            &path.to_owned(),
+            auth::CHECK_TIMEOUT,
+        )
+        .await
+    }
+
     /// Make the sandbox's directories and, when it has none yet, its
     /// workspace: cloned by a helper running as the project's owner (so the
     /// owner's read access is what counts), then handed to the sandbox's uid.
@@ -46,31 +69,32 @@ impl Manager {
         let spec = self.spec(sb);
         let dir = self.store.registry().sandbox_dir(&sb.name);
         let name = sb.name.clone();
-        let wsfail = |message: String| Error::Workspace {
+        let wsfail = |source: WorkspaceError| Error::Workspace {
             name: name.clone(),
-            message,
+            source,
         };
         let owner = sb.owner;
         let (uid, gid) = (spec.uid, spec.gid);
         let root = nix::unistd::Uid::effective().is_root();
         let subordinate = subordinate(&spec);
         let partial = dir.join("workspace.partial");
-        let exe = self.settings.exe.clone();
-        let blocking = |f: Box<dyn FnOnce() -> std::result::Result<(), String> + Send>| async {
+        let blocking = |f: Box<dyn FnOnce() -> std::result::Result<(), WorkspaceError> + Send>| async {
             tokio::task::spawn_blocking(f)
                 .await
-                .map_err(|e| wsfail(e.to_string()))?
+                .map_err(|e| wsfail(HelperError::failed(e).into()))?
                 .map_err(wsfail)
         };
         {
-            let (dir, spec, partial) = (dir.clone(), spec.clone(), partial.clone());
+            let (dir, spec) = (dir.clone(), spec.clone());
             blocking(Box::new(move || {
                 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
                 let mut b = std::fs::DirBuilder::new();
                 b.recursive(true).mode(0o700);
                 for d in [&dir, &spec.log_dir, &spec.run_dir, &spec.home] {
-                    b.create(d)
-                        .map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+                    b.create(d).map_err(|source| WorkspaceError::Create {
+                        path: d.clone(),
+                        source,
+                    })?;
                 }
                 // As root, the owner's and the sandbox's helpers pass through
                 // to their own directories; everything else here stays
@@ -78,12 +102,21 @@ impl Manager {
                 // alone: a sandbox with a subordinate id reaches its
                 // directories only through namespaces that map that user.
                 let mode = if root { 0o711 } else { 0o700 };
-                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode))
-                    .map_err(|e| format!("cannot set permissions of {}: {e}", dir.display()))?;
-                remove_owned_tree(&exe, &partial).map_err(|e| e.to_string())
+                std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).map_err(
+                    |source| WorkspaceError::Permissions {
+                        path: dir.clone(),
+                        source,
+                    },
+                )
             }))
             .await?;
         }
+        self.remove_tree(&partial).await.map_err(|source| {
+            wsfail(WorkspaceError::Leftover {
+                path: partial.clone(),
+                source: Some(source),
+            })
+        })?;
         // Files of a sandbox that ran under other ids (before each had its
         // own) follow it to its own.
         if root || subordinate {
@@ -102,7 +135,7 @@ impl Manager {
                 }
             }
         }
-        let mut notices = Vec::new();
+        let notices = Mutex::new(Vec::new());
         if !procfs::is_real_dir(&spec.workspace) {
             {
                 let partial = partial.clone();
@@ -111,14 +144,21 @@ impl Manager {
                     std::fs::DirBuilder::new()
                         .mode(0o700)
                         .create(&partial)
-                        .map_err(|e| format!("cannot create {}: {e}", partial.display()))?;
+                        .map_err(|source| WorkspaceError::Create {
+                            path: partial.clone(),
+                            source,
+                        })?;
                     if root {
                         let ogid = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(owner))
                             .ok()
                             .flatten()
                             .map_or(owner, |u| u.gid.as_raw());
-                        std::os::unix::fs::lchown(&partial, Some(owner), Some(ogid))
-                            .map_err(|e| e.to_string())?;
+                        std::os::unix::fs::lchown(&partial, Some(owner), Some(ogid)).map_err(
+                            |source| WorkspaceError::Permissions {
+                                path: partial.clone(),
+                                source,
+                            },
+                        )?;
                     }
                     Ok(())
                 }))
@@ -129,9 +169,24 @@ impl Manager {
                 dest: partial.clone(),
                 env_files: sb.config.env_files.clone(),
             };
-            self.run_prepare(&sb.name, owner, &prep, &mut notices)
+            let events = |e: workspace::PrepareEvent| match e {
+                workspace::PrepareEvent::Progress { stage, done, total } => {
+                    self.store.announce(Change::Progress {
+                        name: name.clone(),
+                        stage,
+                        done,
+                        total,
+                    });
+                }
+                workspace::PrepareEvent::Notice { message } => {
+                    tracing::info!(sandbox = %name, %message, "workspace");
+                    notices.lock().unwrap().push(message);
+                }
+            };
+            self.helpers
+                .prepare(owner, &prep, &events)
                 .await
-                .map_err(wsfail)?;
+                .map_err(|e| wsfail(e.into()))?;
             {
                 let partial = partial.clone();
                 blocking(Box::new(move || {
@@ -141,7 +196,10 @@ impl Manager {
                     // TreeOp::HandOver); its directory above is agentd's.
                     let mode = if subordinate { 0o755 } else { 0o700 };
                     std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(mode))
-                        .map_err(|e| e.to_string())
+                        .map_err(|source| WorkspaceError::Permissions {
+                            path: partial.clone(),
+                            source,
+                        })
                 }))
                 .await?;
             }
@@ -152,12 +210,15 @@ impl Manager {
             }
             let (partial, ws) = (partial.clone(), spec.workspace.clone());
             blocking(Box::new(move || {
-                std::fs::rename(&partial, &ws).map_err(|e| e.to_string())
+                std::fs::rename(&partial, &ws).map_err(|source| WorkspaceError::Rename {
+                    path: partial.clone(),
+                    source,
+                })
             }))
             .await?;
         }
         self.store.registry().save_config(sb)?;
-        Ok(notices)
+        Ok(notices.into_inner().unwrap())
     }
 
     /// Give the tree at `path` to the ids of `spec`'s sandbox: directly as
@@ -168,15 +229,15 @@ impl Manager {
         spec: &SandboxSpec,
         path: &Path,
         workspace: bool,
-    ) -> std::result::Result<(), String> {
+    ) -> std::result::Result<(), WorkspaceError> {
         let (uid, gid, path) = (spec.uid, spec.gid, path.to_owned());
         if nix::unistd::Uid::effective().is_root() {
             return tokio::task::spawn_blocking(move || {
                 crate::fsutil::chown_tree(&path, uid, gid)
-                    .map_err(|e| format!("cannot chown {}: {e}", path.display()))
+                    .map_err(|source| WorkspaceError::Permissions { path, source })
             })
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| WorkspaceError::Helper(HelperError::failed(e)))?;
         }
         let op = workspace::TreeOp::HandOver {
             path: path.clone(),
@@ -184,124 +245,65 @@ impl Manager {
             gid,
             readable: workspace,
         };
-        let exe = self.settings.exe.clone();
-        tokio::task::spawn_blocking(move || run_tree_helper(&exe, (uid, gid), &path, &op))
-            .await
-            .map_err(|e| e.to_string())?
+        Ok(self.tree_helper((uid, gid), &path, &op).await?)
     }
 
-    /// Run the prepare helper as `owner`, forwarding its progress.
-    pub(super) async fn run_prepare(
+    /// Run the tree helper ([`workspace::Tree`]) with the sandbox ids `ids`
+    /// mapped, seeing only `path`.
+    async fn tree_helper(
         &self,
-        name: &str,
-        owner: u32,
-        prep: &workspace::PrepareSpec,
-        notices: &mut Vec<String>,
-    ) -> std::result::Result<(), String> {
-        use tokio::io::{AsyncBufReadExt, AsyncReadExt};
-        let mut child = crate::spawn::command_as(&self.settings.exe, owner)?
-            .arg(workspace::PREPARE_ARG)
-            .arg(serde_json::to_string(prep).map_err(|e| e.to_string())?)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| format!("cannot start the workspace helper: {e}"))?;
-        let mut stderr = child.stderr.take().expect("piped");
-        let err_task = tokio::spawn(async move {
-            // Enough for any message; a helper that writes more loses its
-            // stderr rather than agentd its memory.
-            let mut t = Vec::new();
-            let _ = (&mut stderr).take(64 << 10).read_to_end(&mut t).await;
-            String::from_utf8_lossy(&t).into_owned()
-        });
-        let mut lines = tokio::io::BufReader::new(child.stdout.take().expect("piped")).lines();
-        let mut done = false;
-        while let Ok(Some(line)) = lines.next_line().await {
-            match serde_json::from_str::<workspace::PrepareEvent>(&line) {
-                Ok(workspace::PrepareEvent::Progress { stage, done, total }) => {
-                    self.store.announce(Change::Progress {
-                        name: name.to_owned(),
-                        stage,
-                        done,
-                        total,
-                    });
+        ids: (u32, u32),
+        path: &Path,
+        op: &workspace::TreeOp,
+    ) -> std::result::Result<(), HelperError> {
+        let run_as = RunAs::WithIds {
+            ids,
+            keep: vec![path.to_owned()],
+        };
+        helpers::call::<workspace::Tree>(&*self.helpers, run_as, op, TREE_TIMEOUT).await
+    }
+
+    /// Remove the tree at `path` (a sandbox's directory, or a workspace
+    /// being made). An unprivileged agentd first empties, with the tree
+    /// helper, the directories there that belong to one of its subordinate
+    /// ids: `path` itself or those right below it (the workspace, the home).
+    pub(super) async fn remove_tree(&self, path: &Path) -> std::io::Result<()> {
+        use std::os::unix::fs::MetadataExt;
+        if let (false, Ok(pool)) = (
+            nix::unistd::Uid::effective().is_root(),
+            crate::subid::pool(),
+        ) {
+            let below = std::fs::read_dir(path)
+                .into_iter()
+                .flatten()
+                .filter_map(|e| Some(e.ok()?.path()));
+            let dirs: Vec<PathBuf> = std::iter::once(path.to_owned()).chain(below).collect();
+            for dir in dirs {
+                let Ok(m) = std::fs::symlink_metadata(&dir) else {
+                    continue;
+                };
+                let Some(gid) = pool.gid_for(m.uid()).filter(|_| m.is_dir()) else {
+                    continue;
+                };
+                let op = workspace::TreeOp::Empty { path: dir.clone() };
+                if let Err(e) = self.tree_helper((m.uid(), gid), &dir, &op).await {
+                    tracing::warn!(path = %dir.display(), error = %e, "cannot empty a sandbox's directory");
                 }
-                Ok(workspace::PrepareEvent::Notice { message }) => {
-                    tracing::info!(sandbox = %name, %message, "workspace");
-                    notices.push(message);
-                }
-                Ok(workspace::PrepareEvent::Done) => done = true,
-                Err(_) => {}
             }
         }
-        let status = child.wait().await.map_err(|e| e.to_string())?;
-        let err = err_task.await.unwrap_or_default();
-        if status.success() && done {
-            Ok(())
-        } else if err.trim().is_empty() {
-            Err("the workspace helper failed without a message".to_owned())
-        } else {
-            Err(err.trim().to_owned())
-        }
+        let path = path.to_owned();
+        tokio::task::spawn_blocking(move || crate::fsutil::remove_tree(&path))
+            .await
+            .map_err(std::io::Error::other)?
     }
 }
+
+/// Longest the tree helper may take.
+const TREE_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
 /// Whether `spec`'s sandbox runs as a subordinate id of an unprivileged
 /// agentd's user (see [`crate::subid`]).
 pub(super) fn subordinate(spec: &SandboxSpec) -> bool {
     let me = nix::unistd::Uid::effective();
     !me.is_root() && spec.uid != me.as_raw()
-}
-
-/// Run the tree helper ([`workspace::TREE_ARG`]) with the sandbox ids
-/// `ids` mapped, seeing only `path`. Blocking.
-pub(super) fn run_tree_helper(
-    exe: &Path,
-    ids: (u32, u32),
-    path: &Path,
-    op: &workspace::TreeOp,
-) -> std::result::Result<(), String> {
-    let out = crate::spawn::command_with_ids(exe, ids, &[path.to_owned()])?
-        .arg(workspace::TREE_ARG)
-        .arg(serde_json::to_string(op).map_err(|e| e.to_string())?)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run the tree helper: {e}"))?;
-    if out.status.success() {
-        return Ok(());
-    }
-    let err = String::from_utf8_lossy(&out.stderr);
-    Err(crate::text::clamp_text(err.trim()).into_owned())
-}
-
-/// Remove the tree at `path` (a sandbox's directory, or a workspace being
-/// made). An unprivileged agentd first empties, with the tree helper, the
-/// directories there that belong to one of its subordinate ids: `path`
-/// itself or those right below it (the workspace, the home).
-pub(super) fn remove_owned_tree(exe: &Path, path: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    if let (false, Ok(pool)) = (
-        nix::unistd::Uid::effective().is_root(),
-        crate::subid::pool(),
-    ) {
-        let below = std::fs::read_dir(path)
-            .into_iter()
-            .flatten()
-            .filter_map(|e| Some(e.ok()?.path()));
-        for dir in std::iter::once(path.to_owned()).chain(below) {
-            let Ok(m) = std::fs::symlink_metadata(&dir) else {
-                continue;
-            };
-            let Some(gid) = pool.gid_for(m.uid()).filter(|_| m.is_dir()) else {
-                continue;
-            };
-            let op = workspace::TreeOp::Empty { path: dir.clone() };
-            if let Err(e) = run_tree_helper(exe, (m.uid(), gid), &dir, &op) {
-                tracing::warn!(path = %dir.display(), error = %e, "cannot empty a sandbox's directory");
-            }
-        }
-    }
-    crate::fsutil::remove_tree(path)
 }

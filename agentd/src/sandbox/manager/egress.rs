@@ -9,7 +9,7 @@ use tokio::sync::broadcast;
 use super::Manager;
 use crate::auth::Caller;
 use crate::egress::{self, Policy, Rule, gateway, log::Entry, policy::ENTRIES_MAX};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, WorkspaceError};
 
 /// A change to a sandbox's egress policy.
 #[derive(Debug, Clone)]
@@ -286,9 +286,12 @@ impl Manager {
     pub fn egress_log(&self, caller: Caller, name: &str, limit: usize) -> Result<Vec<Entry>> {
         self.get(caller, name)?;
         let path = self.egress_log_path(name);
-        egress::log::tail(&path, limit).map_err(|e| Error::Workspace {
+        egress::log::tail(&path, limit).map_err(|source| Error::Workspace {
             name: name.to_owned(),
-            message: format!("cannot read {}: {e}", path.display()),
+            source: WorkspaceError::Read {
+                path: path.clone(),
+                source,
+            },
         })
     }
 }

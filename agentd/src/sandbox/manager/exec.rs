@@ -79,9 +79,12 @@ impl Manager {
             .sandbox_dir(name)
             .join("logs/history.jsonl");
         let all: Vec<HistoryEntry> =
-            crate::fsutil::read_json_lines(&path).map_err(|e| Error::Workspace {
+            crate::fsutil::read_json_lines(&path).map_err(|source| Error::Workspace {
                 name: name.to_owned(),
-                message: format!("cannot read {}: {e}", path.display()),
+                source: WorkspaceError::Read {
+                    path: path.clone(),
+                    source,
+                },
             })?;
         let skip = if limit == 0 {
             0

@@ -33,7 +33,7 @@ impl Manager {
             r = self.sync_locked(name, opts) => r,
             () = locks.destroyed() => Err(Error::Workspace {
                 name: name.to_owned(),
-                message: "the sync was cut short: the sandbox is being destroyed".into(),
+                source: HelperError::Cancelled { what: "sync" }.into(),
             }),
         }
     }
@@ -53,15 +53,15 @@ impl Manager {
         .await
         .map_err(|e| Error::Sync {
             name: name.to_owned(),
-            message: e.to_string(),
+            source: HelperError::failed(e),
         })?
         .map_err(|e| Error::Sync {
             name: name.to_owned(),
-            message: format!(
+            source: HelperError::Failed(format!(
                 "cannot open the project {}: {}",
                 sb.project_path.display(),
                 e.message()
-            ),
+            )),
         })?;
         let direction = if opts.from_host {
             "from-host"
@@ -71,14 +71,12 @@ impl Manager {
         let t = if opts.from_host {
             Transfer {
                 from: Side {
-                    uid: sb.owner,
+                    run_as: RunAs::User(sb.owner),
                     path: project_git,
-                    confine_to: None,
                 },
                 to: Side {
-                    uid: spec.uid,
+                    run_as: RunAs::confined(spec.uid, &spec.workspace),
                     path: spec.workspace.clone(),
-                    confine_to: Some(spec.workspace.clone()),
                 },
                 spec: WriteSpec {
                     repo: spec.workspace.clone(),
@@ -93,14 +91,12 @@ impl Manager {
         } else {
             Transfer {
                 from: Side {
-                    uid: spec.uid,
+                    run_as: RunAs::confined(spec.uid, &spec.workspace),
                     path: spec.workspace.join(".git"),
-                    confine_to: Some(spec.workspace.clone()),
                 },
                 to: Side {
-                    uid: sb.owner,
+                    run_as: RunAs::User(sb.owner),
                     path: sb.project_path.clone(),
-                    confine_to: None,
                 },
                 spec: WriteSpec {
                     repo: sb.project_path.clone(),
@@ -116,19 +112,19 @@ impl Manager {
                 dry_run: opts.dry_run,
             }
         };
-        let result = transfer::run(&self.settings.exe, t).await;
+        let result = self.helpers.transfer(t).await;
         let report = match result {
             Ok(r) => r,
-            Err(message) => {
+            Err(e) => {
                 if !opts.dry_run {
                     let _ = self.update(name, |s| {
                         s.last_sync_at = Some(SystemTime::now());
-                        s.last_sync_result = format!("{direction}: failed: {message}");
+                        s.last_sync_result = format!("{direction}: failed: {e}");
                     });
                 }
                 return Err(Error::Sync {
                     name: name.to_owned(),
-                    message,
+                    source: e,
                 });
             }
         };
@@ -255,36 +251,22 @@ impl Manager {
             sandbox: name.to_owned(),
             max_file: crate::git::sync::MAX_BLOB,
         };
-        let keep = [spec.workspace.clone()];
-        let Ok(mut cmd) = crate::spawn::command_confined(&self.settings.exe, spec.uid, &keep)
-        else {
-            return false;
-        };
-        let out = cmd
-            .arg(snapshot::SNAPSHOT_ARG)
-            .arg(serde_json::to_string(&req).expect("request serializes"))
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .output();
-        match tokio::time::timeout(Duration::from_secs(600), out).await {
-            Ok(Ok(o)) if o.status.success() => {
-                let outcome: Option<snapshot::Outcome> = serde_json::from_slice(&o.stdout).ok();
-                match outcome {
-                    Some(snapshot::Outcome {
-                        branch,
-                        commit: Some(c),
-                    }) => {
-                        tracing::info!(sandbox = %name, %branch, commit = %c, "snapshot of uncommitted work");
-                        true
-                    }
-                    _ => false,
-                }
+        let run_as = RunAs::confined(spec.uid, &spec.workspace);
+        match helpers::call::<snapshot::Snapshot>(&*self.helpers, run_as, &req, HELPER_TIMEOUT)
+            .await
+        {
+            Ok(snapshot::Outcome {
+                branch,
+                commit: Some(c),
+            }) => {
+                tracing::info!(sandbox = %name, %branch, commit = %c, "snapshot of uncommitted work");
+                true
             }
-            Ok(Ok(o)) => {
-                tracing::warn!(sandbox = %name, error = %String::from_utf8_lossy(&o.stderr).trim(), "snapshot failed");
+            Ok(_) => false,
+            Err(e) => {
+                tracing::warn!(sandbox = %name, error = %e, "snapshot failed");
                 false
             }
-            _ => false,
         }
     }
 
@@ -326,7 +308,7 @@ impl Manager {
         caller: Caller,
         name: &str,
         req: impl FnOnce(PathBuf) -> worktree::Request,
-    ) -> Result<String> {
+    ) -> Result<worktree::Reply> {
         let sb = self.get(caller, name)?;
         let spec = self.spec(&sb);
         let locks = self.locks(name);
@@ -334,37 +316,20 @@ impl Manager {
         if self.snapshot(name).is_none() {
             return Err(Error::NotFound(name.to_owned()));
         }
-        let req = serde_json::to_string(&req(spec.workspace.clone())).expect("request serializes");
-        let fail = |message: String| Error::Workspace {
-            name: name.to_owned(),
-            message,
+        let req = req(spec.workspace.clone());
+        let run_as = RunAs::confined(spec.uid, &spec.workspace);
+        let done = tokio::select! {
+            done = helpers::call::<worktree::Worktree>(&*self.helpers, run_as, &req, HELPER_TIMEOUT) => done,
+            () = locks.destroyed() => Err(HelperError::Cancelled { what: "worktree operation" }),
         };
-        let out = crate::spawn::command_confined(
-            &self.settings.exe,
-            spec.uid,
-            std::slice::from_ref(&spec.workspace),
-        )
-        .map_err(fail)?
-        .arg(worktree::WORKTREE_ARG)
-        .arg(&req)
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .output();
-        let out = tokio::select! {
-            out = tokio::time::timeout(Duration::from_secs(600), out) => out
-                .map_err(|_| fail("the worktree operation took longer than 10 minutes".into()))?
-                .map_err(|e| fail(e.to_string()))?,
-            () = locks.destroyed() => {
-                return Err(fail("the worktree operation was cut short: the sandbox is being destroyed".into()));
-            }
-        };
-        let err = String::from_utf8_lossy(&out.stderr).trim().to_owned();
-        match out.status.code() {
-            Some(0) => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
-            Some(3) => Err(Error::Conflict(format!("Sandbox '{name}': {err}"))),
-            Some(4) => Err(Error::Invalid(vec![err])),
-            _ => Err(fail(err)),
-        }
+        done.map_err(|e| match e {
+            HelperError::Conflict(m) => Error::Conflict(format!("Sandbox '{name}': {m}")),
+            HelperError::Invalid(m) => Error::Invalid(vec![m]),
+            e => Error::Workspace {
+                name: name.to_owned(),
+                source: e.into(),
+            },
+        })
     }
 
     /// Create the worktree of `branch` in sandbox `name`.
@@ -376,17 +341,16 @@ impl Manager {
         from: Option<String>,
     ) -> Result<WorktreeInfo> {
         let branch_owned = branch.to_owned();
-        let json = self
+        let reply = self
             .worktree_op(caller, name, |workspace| worktree::Request::Add {
                 workspace,
                 branch: branch_owned,
                 from,
             })
             .await?;
-        let i: worktree::Info = serde_json::from_str(&json).map_err(|e| Error::Workspace {
-            name: name.to_owned(),
-            message: e.to_string(),
-        })?;
+        let worktree::Reply::Added(i) = reply else {
+            return Err(unexpected(name, &reply));
+        };
         tracing::info!(sandbox = %name, branch, path = %i.path, "worktree added");
         Ok(i)
     }
@@ -411,16 +375,15 @@ impl Manager {
         caller: Caller,
         name: &str,
     ) -> Result<Vec<WorktreeInfo>> {
-        let json = self
+        let reply = self
             .worktree_op(caller, name, |workspace| worktree::Request::List {
                 workspace,
             })
             .await?;
-        let l: Vec<worktree::Info> = serde_json::from_str(&json).map_err(|e| Error::Workspace {
-            name: name.to_owned(),
-            message: e.to_string(),
-        })?;
-        Ok(l)
+        match reply {
+            worktree::Reply::Listed { worktrees } => Ok(worktrees),
+            other => Err(unexpected(name, &other)),
+        }
     }
 
     /// Remove the worktree of `branch` in sandbox `name`.
@@ -440,5 +403,19 @@ impl Manager {
         .await?;
         tracing::info!(sandbox = %name, branch, force, "worktree removed");
         Ok(())
+    }
+}
+
+/// Longest a snapshot or worktree operation may take.
+const HELPER_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+
+/// The worktree helper answered `reply` to a request that expects another.
+fn unexpected(name: &str, reply: &worktree::Reply) -> Error {
+    Error::Workspace {
+        name: name.to_owned(),
+        source: HelperError::Failed(format!(
+            "unexpected answer from the worktree helper: {reply:?}"
+        ))
+        .into(),
     }
 }

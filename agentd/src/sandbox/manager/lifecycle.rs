@@ -19,10 +19,10 @@ impl Manager {
             ));
         }
         let canon = if problems.is_empty() {
-            match auth::check_project_as(&self.settings.exe, caller.uid, project).await {
+            match self.check_project(caller.uid, project).await {
                 Ok(p) => Some(p),
                 Err(e) => {
-                    problems.push(e);
+                    problems.push(e.to_string());
                     None
                 }
             }
@@ -107,11 +107,9 @@ impl Manager {
             Err(e) => {
                 self.forget(&name);
                 self.release_disk(&name).await;
-                let (exe, dir) = (
-                    self.settings.exe.clone(),
-                    self.store.registry().sandbox_dir(&name),
-                );
-                let _ = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &dir)).await;
+                let _ = self
+                    .remove_tree(&self.store.registry().sandbox_dir(&name))
+                    .await;
                 return Err(e);
             }
         };
@@ -132,21 +130,14 @@ impl Manager {
         }
         tracing::warn!(sandbox = %name, "removing a directory an earlier sandbox of this name left");
         self.release_disk(name).await;
-        let (exe, d) = (self.settings.exe.clone(), dir.clone());
-        let removed = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &d))
-            .await
-            .map_err(std::io::Error::other)
-            .and_then(|r| r);
-        match removed {
+        match self.remove_tree(&dir).await {
             Ok(()) if std::fs::symlink_metadata(&dir).is_err() => Ok(()),
             other => Err(Error::Workspace {
                 name: name.to_owned(),
-                message: format!(
-                    "{} is left from an earlier sandbox of this name and cannot be removed{}; \
-                     remove it (as root if need be) and create the sandbox again",
-                    dir.display(),
-                    other.err().map(|e| format!(" ({e})")).unwrap_or_default()
-                ),
+                source: WorkspaceError::Leftover {
+                    path: dir,
+                    source: other.err(),
+                },
             }),
         }
     }
@@ -323,12 +314,10 @@ impl Manager {
         // the next start removes.
         self.forget(name);
         self.release_disk(name).await;
-        let (exe, dir) = (
-            self.settings.exe.clone(),
-            self.store.registry().sandbox_dir(name),
-        );
-        let removed = tokio::task::spawn_blocking(move || remove_owned_tree(&exe, &dir)).await;
-        if let Ok(Err(e)) = removed {
+        let removed = self
+            .remove_tree(&self.store.registry().sandbox_dir(name))
+            .await;
+        if let Err(e) = removed {
             tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox directory; it is removed at next start");
         }
         self.locks.lock().unwrap().remove(name);

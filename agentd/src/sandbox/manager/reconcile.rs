@@ -8,7 +8,7 @@ impl Manager {
     /// Bring the registry in line with reality after a start (or a crash):
     /// roll back half-created sandboxes, apply declared sandboxes, adopt
     /// sandboxes that still run, record those that do not, kill leftovers.
-    pub fn reconcile(self: &Arc<Self>, config: &DaemonConfig) -> Result<()> {
+    pub async fn reconcile(self: &Arc<Self>, config: &DaemonConfig) -> Result<()> {
         let mut rolled_back = Vec::new();
         self.store.replace_all(|map| {
             map.retain(|name, s| {
@@ -63,8 +63,9 @@ impl Manager {
             if !known.contains(&dir) || rolled_back.contains(&dir) {
                 tracing::info!(sandbox = %dir, "removing a leftover sandbox directory");
                 self.disk(&dir).release();
-                let _ =
-                    remove_owned_tree(&self.settings.exe, &self.store.registry().sandbox_dir(&dir));
+                let _ = self
+                    .remove_tree(&self.store.registry().sandbox_dir(&dir))
+                    .await;
             }
         }
         for name in crate::disk::images(self.store.registry().dir()) {
