@@ -372,3 +372,6 @@ impl crate::proxy::Sandboxes for Manager {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;
