@@ -45,6 +45,15 @@ pub enum Error {
         #[source]
         source: BackendError,
     },
+    /// The dev-server proxy (Caddy) failed.
+    #[error("Sandbox '{name}': {source}")]
+    Proxy {
+        /// Sandbox name.
+        name: String,
+        /// What the proxy said.
+        #[source]
+        source: crate::proxy::ProxyError,
+    },
     /// Preparing, reading or changing the sandbox's directories failed.
     #[error("Cannot prepare the workspace of sandbox '{name}': {source}")]
     Workspace {

@@ -34,6 +34,14 @@ pub struct Names {
     pub cid: u64,
 }
 
+/// A subnet that is not an IPv4 /16 written as `A.B.0.0/16`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("subnet '{subnet}' must be an IPv4 /16 written as A.B.0.0/16")]
+pub struct SubnetError {
+    /// The subnet as given.
+    pub subnet: String,
+}
+
 fn hex(s: &str) -> u64 {
     u64::from_str_radix(s, 16).unwrap_or(0)
 }
@@ -42,7 +50,7 @@ fn hex(s: &str) -> u64 {
 ///
 /// # Errors
 /// When `subnet` is not an IPv4 /16 written as `A.B.0.0/16`.
-pub fn derive(name: &str, subnet: &str) -> Result<Names, String> {
+pub fn derive(name: &str, subnet: &str) -> Result<Names, SubnetError> {
     let (a, b) = parse_subnet(subnet)?;
     let h: String = Sha256::digest(name.as_bytes())
         .iter()
@@ -69,13 +77,15 @@ pub fn derive(name: &str, subnet: &str) -> Result<Names, String> {
 ///
 /// # Errors
 /// When `subnet` is not an IPv4 /16 written as `A.B.0.0/16`.
-pub fn host_address(subnet: &str) -> Result<std::net::Ipv4Addr, String> {
+pub fn host_address(subnet: &str) -> Result<std::net::Ipv4Addr, SubnetError> {
     let (a, b) = parse_subnet(subnet)?;
     Ok(std::net::Ipv4Addr::new(a, b, 0, 1))
 }
 
-fn parse_subnet(subnet: &str) -> Result<(u8, u8), String> {
-    let bad = || format!("subnet '{subnet}' must be an IPv4 /16 written as A.B.0.0/16");
+fn parse_subnet(subnet: &str) -> Result<(u8, u8), SubnetError> {
+    let bad = || SubnetError {
+        subnet: subnet.to_owned(),
+    };
     let (addr, len) = subnet.split_once('/').ok_or_else(bad)?;
     let parts: Vec<u8> = addr
         .split('.')

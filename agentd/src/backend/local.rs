@@ -44,6 +44,90 @@ pub const DEFAULT_RO_PATHS: &[&str] = &[
 /// (it answers at once; a command's own run time comes after).
 const CONTROL_ANSWER_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// A failure of the local backend.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    /// The control socket's path does not fit a unix socket address.
+    #[error("control socket path {} is too long for a unix socket; use a shorter state directory", path.display())]
+    SocketPathTooLong {
+        /// The socket's path.
+        path: PathBuf,
+    },
+    /// The supervisor's brief could not be written to it.
+    #[error("cannot brief the supervisor: {0}")]
+    Brief(std::io::Error),
+    /// The supervisor's report is not JSON of a report.
+    #[error("unreadable answer from the supervisor ({error}): {line}")]
+    UnreadableReport {
+        /// Why it does not parse.
+        error: serde_json::Error,
+        /// The line it wrote.
+        line: String,
+    },
+    /// The supervisor ended before it reported.
+    #[error("the sandbox supervisor exited without an answer{log}")]
+    SupervisorSilent {
+        /// The end of the sandbox's log (see [`log_tail`]).
+        log: String,
+    },
+    /// The supervisor did not report within the start timeout.
+    #[error("the sandbox did not come up within {limit:?}{log}")]
+    StartTimeout {
+        /// The start timeout.
+        limit: Duration,
+        /// The end of the sandbox's log (see [`log_tail`]).
+        log: String,
+    },
+    /// The supervisor reported that setting up the sandbox failed.
+    #[error("setting up the sandbox failed: {0}")]
+    Setup(String),
+    /// The control server answered `hello` with something else.
+    #[error("unexpected answer to hello: {0}")]
+    UnexpectedHello(String),
+    /// The control server did not answer `hello` in time, or the sandbox
+    /// ended first.
+    #[error("the sandbox does not answer on {}: {error}{log}", socket.display())]
+    NoAnswer {
+        /// The control socket.
+        socket: PathBuf,
+        /// The last failure to reach it.
+        error: std::io::Error,
+        /// The end of the sandbox's log (see [`log_tail`]).
+        log: String,
+    },
+    /// The control socket could not be reached, or did not answer.
+    #[error("cannot reach the sandbox's control socket: {0}")]
+    Unreachable(std::io::Error),
+    /// The control server refused the request; its message.
+    #[error("{0}")]
+    Refused(String),
+    /// The control server answered out of protocol.
+    #[error("unexpected answer: {0}")]
+    UnexpectedAnswer(String),
+    /// The connection to the control server ended before the command did.
+    #[error("the sandbox ended while the command ran")]
+    CommandEnded,
+    /// The control server's answer lacks the descriptor asked for.
+    #[error("the sandbox did not hand over {0}")]
+    NotHandedOver(&'static str),
+    /// Processes of the sandbox are still there after SIGKILL.
+    #[error("processes {pids:?} of sandbox '{sandbox}' survived SIGKILL")]
+    Survivors {
+        /// The sandbox.
+        sandbox: String,
+        /// The processes left.
+        pids: Vec<i32>,
+    },
+}
+
+impl LocalError {
+    /// Whether the operation ran out of time.
+    #[must_use]
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Self::StartTimeout { .. })
+    }
+}
+
 /// Settings of the local backend.
 #[derive(Debug, Clone)]
 pub struct LocalSettings {
@@ -87,24 +171,20 @@ impl LocalBackend {
     }
 
     async fn start_inner(&self, spec: &SandboxSpec) -> Result<Runtime, BackendError> {
-        let fail = |m: String| BackendError::Failed(m);
         std::fs::create_dir_all(&spec.run_dir)
-            .map_err(|e| fail(format!("cannot create {}: {e}", spec.run_dir.display())))?;
+            .map_err(BackendError::file("cannot create", &spec.run_dir))?;
         std::fs::create_dir_all(&spec.log_dir)
-            .map_err(|e| fail(format!("cannot create {}: {e}", spec.log_dir.display())))?;
+            .map_err(BackendError::file("cannot create", &spec.log_dir))?;
         let socket = Self::control_socket(spec);
         if socket.as_os_str().len() >= 108 {
-            return Err(fail(format!(
-                "control socket path {} is too long for a unix socket; use a shorter state directory",
-                socket.display()
-            )));
+            return Err(LocalError::SocketPathTooLong { path: socket }.into());
         }
         let log_path = spec.log_dir.join("sandbox.log");
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log_path)
-            .map_err(|e| fail(format!("cannot open {}: {e}", log_path.display())))?;
+            .map_err(BackendError::file("cannot open", &log_path))?;
         let groups = self.cgroups.create(
             &spec.name,
             cgroup::Limits {
@@ -147,14 +227,15 @@ impl LocalBackend {
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log))
             .spawn()
-            .map_err(|e| fail(format!("cannot run {}: {e}", self.settings.exe.display())))?;
+            .map_err(|error| BackendError::Spawn {
+                program: self.settings.exe.display().to_string(),
+                hint: "",
+                error,
+            })?;
         let supervisor_pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
         let mut stdin = child.stdin.take().expect("piped");
-        let body = serde_json::to_vec(&init).map_err(|e| fail(e.to_string()))?;
-        stdin
-            .write_all(&body)
-            .await
-            .map_err(|e| fail(format!("cannot brief the supervisor: {e}")))?;
+        let body = serde_json::to_vec(&init)?;
+        stdin.write_all(&body).await.map_err(LocalError::Brief)?;
         drop(stdin);
         let mut stdout = tokio::io::BufReader::new(child.stdout.take().expect("piped"));
         let mut line = String::new();
@@ -165,31 +246,32 @@ impl LocalBackend {
             let _ = child.wait().await;
         });
         let report: InitReport = match read {
-            Ok(Ok(n)) if n > 0 => serde_json::from_str(&line).map_err(|e| {
-                fail(format!(
-                    "unreadable answer from the supervisor ({e}): {line}"
-                ))
-            })?,
+            Ok(Ok(n)) if n > 0 => {
+                serde_json::from_str(&line).map_err(|error| LocalError::UnreadableReport {
+                    error,
+                    line: line.clone(),
+                })?
+            }
             Ok(_) => {
-                return Err(fail(format!(
-                    "the sandbox supervisor exited without an answer{}",
-                    log_tail(&log_path)
-                )));
+                return Err(LocalError::SupervisorSilent {
+                    log: log_tail(&log_path),
+                }
+                .into());
             }
             Err(_) => {
                 self.kill_named(&spec.name);
-                return Err(BackendError::Timeout(format!(
-                    "the sandbox did not come up within {:?}{}",
-                    self.settings.start_timeout,
-                    log_tail(&log_path)
-                )));
+                return Err(LocalError::StartTimeout {
+                    limit: self.settings.start_timeout,
+                    log: log_tail(&log_path),
+                }
+                .into());
             }
         };
         let (init_pid, pid_ns) = match report {
             InitReport::Started { init_pid, pid_ns } => (init_pid, pid_ns),
             InitReport::Failed { message } => {
                 self.cgroups.remove(&spec.name);
-                return Err(fail(format!("setting up the sandbox failed: {message}")));
+                return Err(LocalError::Setup(message).into());
             }
         };
         let rt = Runtime {
@@ -215,18 +297,18 @@ impl LocalBackend {
                 proto::read_response(&mut BufReader::new(&s))?
                     .ok_or_else(|| std::io::Error::other("no answer"))
             })
-            .await
-            .map_err(|e| fail(e.to_string()))?;
+            .await?;
             match hello {
                 Ok(proto::Response::Hello { .. }) => return Ok(rt),
-                Ok(other) => return Err(fail(format!("unexpected answer to hello: {other:?}"))),
-                Err(e) if Instant::now() >= deadline || !self.is_alive(&rt) => {
+                Ok(other) => return Err(LocalError::UnexpectedHello(format!("{other:?}")).into()),
+                Err(error) if Instant::now() >= deadline || !self.is_alive(&rt) => {
                     self.kill_named(&spec.name);
-                    return Err(fail(format!(
-                        "the sandbox does not answer on {}: {e}{}",
-                        socket.display(),
-                        log_tail(&log_path)
-                    )));
+                    return Err(LocalError::NoAnswer {
+                        socket,
+                        error,
+                        log: log_tail(&log_path),
+                    }
+                    .into());
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             }
@@ -248,7 +330,6 @@ impl LocalBackend {
         request: proto::Request,
         fds: Vec<OwnedFd>,
     ) -> Result<(tokio::net::UnixStream, Vec<OwnedFd>), BackendError> {
-        let fail = |m: String| BackendError::Failed(m);
         let socket = Self::control_socket(spec);
         let (stream, first, got) = tokio::task::spawn_blocking(move || {
             let s = UnixStream::connect(&socket)?;
@@ -264,18 +345,17 @@ impl LocalBackend {
             s.set_read_timeout(None)?;
             std::io::Result::Ok((s, first, got))
         })
-        .await
-        .map_err(|e| fail(e.to_string()))?
-        .map_err(|e| fail(format!("cannot reach the sandbox's control socket: {e}")))?;
+        .await?
+        .map_err(LocalError::Unreachable)?;
         match first {
             proto::Response::Started { .. } => {}
-            proto::Response::Error { message } => return Err(fail(message)),
-            other => return Err(fail(format!("unexpected answer: {other:?}"))),
+            proto::Response::Error { message } => return Err(LocalError::Refused(message).into()),
+            other => return Err(LocalError::UnexpectedAnswer(format!("{other:?}")).into()),
         }
         stream
             .set_nonblocking(true)
-            .map_err(|e| fail(e.to_string()))?;
-        let stream = tokio::net::UnixStream::from_std(stream).map_err(|e| fail(e.to_string()))?;
+            .map_err(BackendError::Descriptor)?;
+        let stream = tokio::net::UnixStream::from_std(stream).map_err(BackendError::Descriptor)?;
         Ok((stream, got))
     }
 
@@ -291,23 +371,22 @@ impl LocalBackend {
             match lines.next_line().await {
                 Ok(Some(l)) => match serde_json::from_str(&l) {
                     Ok(proto::Response::Exit { code }) => Ok(code),
-                    _ => Err(BackendError::Failed(format!("unexpected answer: {l}"))),
+                    _ => Err(LocalError::UnexpectedAnswer(l).into()),
                 },
-                _ => Err(BackendError::Failed(
-                    "the sandbox ended while the command ran".to_owned(),
-                )),
+                _ => Err(LocalError::CommandEnded.into()),
             }
         };
         match timeout {
             // Dropping the connection on timeout makes the server kill the
             // command's process group.
-            Some(t) => tokio::time::timeout(t, exit).await.map_err(|_| {
-                BackendError::Timeout(format!(
-                    "command '{}' did not finish within {}s and was killed",
-                    argv.join(" "),
-                    t.as_secs()
-                ))
-            })?,
+            Some(t) => {
+                tokio::time::timeout(t, exit)
+                    .await
+                    .map_err(|_| BackendError::CommandTimeout {
+                        command: argv.join(" "),
+                        secs: t.as_secs(),
+                    })?
+            }
             None => exit.await,
         }
     }
@@ -342,9 +421,7 @@ impl LocalBackend {
         };
         let (stream, fds) = Self::send_control(spec, request, Vec::new()).await?;
         let Some(terminal) = fds.into_iter().next() else {
-            return Err(BackendError::Failed(
-                "the sandbox did not hand over a terminal".to_owned(),
-            ));
+            return Err(LocalError::NotHandedOver("a terminal").into());
         };
         let argv = req.argv;
         let timeout = req.timeout;
@@ -423,10 +500,11 @@ impl Backend for LocalBackend {
                     let _ = kill(Pid::from_raw(*p), Signal::SIGKILL);
                 }
                 if Instant::now() >= deadline {
-                    return Err(BackendError::Failed(format!(
-                        "processes {left:?} of sandbox '{}' survived SIGKILL",
-                        spec.name
-                    )));
+                    return Err(LocalError::Survivors {
+                        sandbox: spec.name.clone(),
+                        pids: left,
+                    }
+                    .into());
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -507,9 +585,9 @@ impl Backend for LocalBackend {
                 port,
             };
             let (_, fds) = Self::send_control(spec, request, Vec::new()).await?;
-            fds.into_iter().next().ok_or_else(|| {
-                BackendError::Failed("the sandbox did not hand over a connection".to_owned())
-            })
+            fds.into_iter()
+                .next()
+                .ok_or_else(|| LocalError::NotHandedOver("a connection").into())
         })
     }
 
@@ -525,11 +603,7 @@ impl Backend for LocalBackend {
             fds.into_iter()
                 .next()
                 .map(|fd| Some(crate::egress::Socket::Tcp(fd.into())))
-                .ok_or_else(|| {
-                    BackendError::Failed(
-                        "the sandbox did not hand over its gateway socket".to_owned(),
-                    )
-                })
+                .ok_or_else(|| LocalError::NotHandedOver("its gateway socket").into())
         })
     }
 

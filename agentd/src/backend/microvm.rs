@@ -108,8 +108,129 @@ fn unit_name(sandbox: &str) -> String {
     format!("microvm@{sandbox}.service")
 }
 
-fn fail(m: impl Into<String>) -> BackendError {
-    BackendError::Failed(m.into())
+/// A failure of the microvm backend.
+#[derive(Debug, thiserror::Error)]
+pub enum MicrovmError {
+    /// systemd's bus cannot be reached.
+    #[error("cannot reach systemd on the {bus} bus: {error}")]
+    Bus {
+        /// `system` or the bus address.
+        bus: String,
+        /// Why not.
+        error: zbus::Error,
+    },
+    /// A D-Bus call to systemd failed.
+    #[error(transparent)]
+    Dbus(#[from] zbus::Error),
+    /// systemd refused to send unit signals.
+    #[error("systemd refused Subscribe: {0}")]
+    Subscribe(zbus::Error),
+    /// systemd cannot load the sandbox's unit.
+    #[error("systemd does not know {unit}: {error}")]
+    UnknownUnit {
+        /// The unit.
+        unit: String,
+        /// systemd's answer.
+        error: zbus::Error,
+    },
+    /// systemd refused a start or stop job.
+    #[error("systemd refused to {verb} {unit}: {error}")]
+    JobRefused {
+        /// `start` or `stop`.
+        verb: &'static str,
+        /// The unit.
+        unit: String,
+        /// systemd's answer.
+        error: zbus::Error,
+    },
+    /// The unit failed (or went back to inactive) while starting.
+    #[error("{unit} failed (result: {result}){log}")]
+    UnitFailed {
+        /// The unit.
+        unit: String,
+        /// Its `Result` property (`unknown` when unread).
+        result: String,
+        /// The end of its journal, formatted to end the message.
+        log: String,
+    },
+    /// The unit is in another state than its job should have left it in.
+    #[error("{unit} is {state} after its {job} job")]
+    UnexpectedState {
+        /// The unit.
+        unit: String,
+        /// Its `ActiveState`.
+        state: String,
+        /// `start` or `stop`.
+        job: &'static str,
+    },
+    /// The unit did not become active in time.
+    #[error("{unit} did not become active within {secs}s")]
+    StartTimeout {
+        /// The unit.
+        unit: String,
+        /// The limit, in seconds.
+        secs: u64,
+    },
+    /// The unit did not stop in time.
+    #[error("{unit} did not stop within {secs}s")]
+    StopTimeout {
+        /// The unit.
+        unit: String,
+        /// The limit, in seconds.
+        secs: u64,
+    },
+    /// The guest's sshd showed a host key other than the pinned one.
+    #[error(
+        "the guest of {unit} presented a host key other than the one agentd \
+         provisioned for it ({}); refusing to talk to it: {error}",
+        pin.display()
+    )]
+    HostKeyChanged {
+        /// The unit.
+        unit: String,
+        /// The known-hosts file with the pin.
+        pin: PathBuf,
+        /// What ssh said.
+        error: ssh::SshError,
+    },
+    /// The guest's sshd did not answer in time.
+    #[error("the guest of {unit} did not answer on ssh://{host}:{port} within {secs}s: {error}")]
+    GuestTimeout {
+        /// The unit.
+        unit: String,
+        /// The guest's address.
+        host: String,
+        /// Its sshd's port.
+        port: u16,
+        /// The limit, in seconds.
+        secs: u64,
+        /// What ssh said last.
+        error: ssh::SshError,
+    },
+    /// The sandbox's derived names cannot be computed.
+    #[error(transparent)]
+    Naming(#[from] crate::naming::SubnetError),
+    /// The sandbox's derived address does not parse.
+    #[error("address {address} of {sandbox}: {error}")]
+    Address {
+        /// The address.
+        address: String,
+        /// The sandbox.
+        sandbox: String,
+        /// Why it does not parse.
+        error: std::net::AddrParseError,
+    },
+}
+
+impl MicrovmError {
+    /// Whether the operation ran out of time.
+    #[must_use]
+    pub fn is_timeout(&self) -> bool {
+        matches!(
+            self,
+            Self::StartTimeout { .. } | Self::StopTimeout { .. } | Self::GuestTimeout { .. }
+        )
+    }
 }
 
 impl MicrovmBackend {
@@ -134,19 +255,17 @@ impl MicrovmBackend {
                         Err(e) => Err(e),
                     },
                 }
-                .map_err(|e| {
-                    fail(format!(
-                        "cannot reach systemd on the {} bus: {e}",
-                        self.settings.systemd_bus
-                    ))
+                .map_err(|error| MicrovmError::Bus {
+                    bus: self.settings.systemd_bus.clone(),
+                    error,
                 })?;
                 // Unit signals only flow to subscribers.
                 SystemdManagerProxy::new(&c)
                     .await
-                    .map_err(|e| fail(e.to_string()))?
+                    .map_err(MicrovmError::Dbus)?
                     .subscribe()
                     .await
-                    .map_err(|e| fail(format!("systemd refused Subscribe: {e}")))?;
+                    .map_err(MicrovmError::Subscribe)?;
                 Ok(c)
             })
             .await
@@ -159,18 +278,21 @@ impl MicrovmBackend {
         let conn = self.conn().await?;
         let mgr = SystemdManagerProxy::new(conn)
             .await
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(MicrovmError::Dbus)?;
         let name = unit_name(sandbox);
         let path = mgr
             .load_unit(&name)
             .await
-            .map_err(|e| fail(format!("systemd does not know {name}: {e}")))?;
+            .map_err(|error| MicrovmError::UnknownUnit {
+                unit: name.clone(),
+                error,
+            })?;
         let unit = SystemdUnitProxy::builder(conn)
             .path(path)
-            .map_err(|e| fail(e.to_string()))?
+            .map_err(MicrovmError::Dbus)?
             .build()
             .await
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(MicrovmError::Dbus)?;
         Ok((unit, name))
     }
 
@@ -190,7 +312,8 @@ impl MicrovmBackend {
 
     fn target(&self, spec: &SandboxSpec) -> Result<SshTarget, BackendError> {
         let dir = sandbox_dir(spec);
-        let names = crate::naming::derive(&spec.name, &self.settings.subnet).map_err(fail)?;
+        let names = crate::naming::derive(&spec.name, &self.settings.subnet)
+            .map_err(MicrovmError::Naming)?;
         let host = self
             .settings
             .ssh_host
@@ -271,14 +394,16 @@ impl MicrovmBackend {
                 )
             })
             .unwrap_or_default();
-        fail(format!(
-            "{name} failed (result: {}){log}",
-            if result.is_empty() {
-                "unknown"
+        MicrovmError::UnitFailed {
+            unit: name.to_owned(),
+            result: if result.is_empty() {
+                "unknown".to_owned()
             } else {
-                &result
-            }
-        ))
+                result
+            },
+            log,
+        }
+        .into()
     }
 
     async fn start_inner(&self, spec: &SandboxSpec) -> Result<Runtime, BackendError> {
@@ -289,21 +414,22 @@ impl MicrovmBackend {
         let target = self.target(spec)?;
         let dir = sandbox_dir(spec);
         let alias = target.alias.clone();
-        tokio::task::spawn_blocking(move || ssh::provision(&dir, &alias))
-            .await
-            .map_err(|e| fail(e.to_string()))?
-            .map_err(fail)?;
+        tokio::task::spawn_blocking(move || ssh::provision(&dir, &alias)).await??;
         let conn = self.conn().await?.clone();
         let (unit, name) = self.unit(&spec.name).await?;
         let mgr = SystemdManagerProxy::new(&conn)
             .await
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(MicrovmError::Dbus)?;
         let limit = self.settings.start_timeout;
         let started = Instant::now();
         let changes = unit.receive_active_state_changed().await;
         mgr.start_unit(&name, "replace")
             .await
-            .map_err(|e| fail(format!("systemd refused to start {name}: {e}")))?;
+            .map_err(|error| MicrovmError::JobRefused {
+                verb: "start",
+                unit: name.clone(),
+                error,
+            })?;
         // Done when active; failed or back to inactive only once the job
         // has been seen at work (the state before it may be either).
         let done = |s: &str, seen: &[String]| {
@@ -317,12 +443,20 @@ impl MicrovmBackend {
         {
             Some("active") => {}
             Some("failed" | "inactive") => return Err(self.failure(&conn, &unit, &name).await),
-            Some(other) => return Err(fail(format!("{name} is {other} after its start job"))),
+            Some(other) => {
+                return Err(MicrovmError::UnexpectedState {
+                    unit: name,
+                    state: other.to_owned(),
+                    job: "start",
+                }
+                .into());
+            }
             None => {
-                return Err(BackendError::Timeout(format!(
-                    "{name} did not become active within {}s",
-                    limit.as_secs()
-                )));
+                return Err(MicrovmError::StartTimeout {
+                    unit: name,
+                    secs: limit.as_secs(),
+                }
+                .into());
             }
         }
         // Running means the guest answers, with the pinned host key.
@@ -331,12 +465,13 @@ impl MicrovmBackend {
                 Ok(()) => break,
                 Err(e) => e,
             };
-            if ssh::host_key_refused(&last) {
-                return Err(fail(format!(
-                    "the guest of {name} presented a host key other than the one agentd \
-                     provisioned for it ({}); refusing to talk to it: {last}",
-                    target.known_hosts.display()
-                )));
+            if last.host_key_refused() {
+                return Err(MicrovmError::HostKeyChanged {
+                    unit: name,
+                    pin: target.known_hosts.clone(),
+                    error: last,
+                }
+                .into());
             }
             // The proxy's cached state follows PropertiesChanged: a guest
             // that dies while booting ends the wait at once.
@@ -349,12 +484,14 @@ impl MicrovmBackend {
                 return Err(self.failure(&conn, &unit, &name).await);
             }
             if started.elapsed() > limit {
-                return Err(BackendError::Timeout(format!(
-                    "the guest of {name} did not answer on ssh://{}:{} within {}s: {last}",
-                    target.host,
-                    target.port,
-                    limit.as_secs()
-                )));
+                return Err(MicrovmError::GuestTimeout {
+                    unit: name,
+                    host: target.host.clone(),
+                    port: target.port,
+                    secs: limit.as_secs(),
+                    error: last,
+                }
+                .into());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
@@ -373,11 +510,15 @@ impl MicrovmBackend {
         let (unit, name) = self.unit(&spec.name).await?;
         let mgr = SystemdManagerProxy::new(&conn)
             .await
-            .map_err(|e| fail(e.to_string()))?;
+            .map_err(MicrovmError::Dbus)?;
         let changes = unit.receive_active_state_changed().await;
         mgr.stop_unit(&name, "replace")
             .await
-            .map_err(|e| fail(format!("systemd refused to stop {name}: {e}")))?;
+            .map_err(|error| MicrovmError::JobRefused {
+                verb: "stop",
+                unit: name.clone(),
+                error,
+            })?;
         let done = |s: &str, _: &[String]| matches!(s, "inactive" | "failed");
         match self
             .wait_state(&unit, changes, &name, Duration::from_secs(120), done)
@@ -385,10 +526,17 @@ impl MicrovmBackend {
             .as_deref()
         {
             Some("inactive" | "failed") => Ok(()),
-            Some(other) => Err(fail(format!("{name} is {other} after its stop job"))),
-            None => Err(BackendError::Timeout(format!(
-                "{name} did not stop within 120s"
-            ))),
+            Some(other) => Err(MicrovmError::UnexpectedState {
+                unit: name,
+                state: other.to_owned(),
+                job: "stop",
+            }
+            .into()),
+            None => Err(MicrovmError::StopTimeout {
+                unit: name,
+                secs: 120,
+            }
+            .into()),
         }
     }
 }
@@ -404,11 +552,16 @@ impl MicrovmBackend {
         if spec.config.network == keystone_agent_api::Network::None {
             return Ok(None);
         }
-        let names = crate::naming::derive(&spec.name, &self.settings.subnet).map_err(fail)?;
+        let names = crate::naming::derive(&spec.name, &self.settings.subnet)
+            .map_err(MicrovmError::Naming)?;
         let source = names
             .address
             .parse()
-            .map_err(|e| fail(format!("address {} of {}: {e}", names.address, spec.name)))?;
+            .map_err(|error| MicrovmError::Address {
+                address: names.address.clone(),
+                sandbox: spec.name.clone(),
+                error,
+            })?;
         Ok(Some(crate::egress::Socket::Shared {
             listen: self.settings.gateway,
             source,

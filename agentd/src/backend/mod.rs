@@ -134,22 +134,120 @@ pub struct ExecRequest {
     pub timeout: Option<Duration>,
 }
 
-/// A backend failure.
+/// A backend failure. Its text is what users read (D-Bus errors carry it);
+/// the failures of one backend are that backend's own enum.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    /// The operation failed; the message says how.
-    #[error("{0}")]
-    Failed(String),
-    /// The operation did not finish in time.
-    #[error("{0}")]
-    Timeout(String),
+    /// A file or directory of the sandbox could not be made, read or changed.
+    #[error("{action} {}: {error}", path.display())]
+    File {
+        /// What was attempted (`cannot create`, `cannot open`, …).
+        action: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// Why not.
+        error: std::io::Error,
+    },
+    /// A file could not be replaced.
+    #[error(transparent)]
+    Write(#[from] crate::fsutil::WriteError),
+    /// A program could not be started.
+    #[error("cannot run {program}{hint}: {error}")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// How to get it, when it may be missing (with a leading space).
+        hint: &'static str,
+        /// Why not.
+        error: std::io::Error,
+    },
+    /// A pipe, socket, terminal or process of agentd's own side failed.
+    #[error(transparent)]
+    Descriptor(std::io::Error),
+    /// A system call on agentd's side failed.
+    #[error(transparent)]
+    Sys(nix::Error),
+    /// A blocking task of agentd's ended abnormally.
+    #[error(transparent)]
+    Join(#[from] tokio::task::JoinError),
+    /// A request to a helper could not be encoded.
+    #[error(transparent)]
+    Encode(#[from] serde_json::Error),
+    /// A command ran past its timeout and was killed.
+    #[error("command '{command}' did not finish within {secs}s and was killed")]
+    CommandTimeout {
+        /// The command line.
+        command: String,
+        /// Its timeout, in seconds.
+        secs: u64,
+    },
+    /// The backend cannot run Zellij sessions; the reason says why.
+    #[error("sessions are not available: {0}")]
+    SessionsUnavailable(String),
+    /// `zellij kill-session` failed; what it printed.
+    #[error("zellij kill-session {session} failed: {output}")]
+    KillSession {
+        /// The session.
+        session: String,
+        /// Zellij's output.
+        output: String,
+    },
+    /// A failure of the `local` backend.
+    #[error(transparent)]
+    Local(Box<local::LocalError>),
+    /// A failure of ssh, the way into `microvm` and `vm` guests.
+    #[error(transparent)]
+    Ssh(#[from] ssh::SshError),
+    /// A failure of the `microvm` backend.
+    #[error(transparent)]
+    Microvm(Box<microvm::MicrovmError>),
+    /// A failure of the `vm` backend.
+    #[error(transparent)]
+    Vm(Box<vm::VmError>),
+}
+
+impl From<local::LocalError> for BackendError {
+    fn from(e: local::LocalError) -> Self {
+        Self::Local(Box::new(e))
+    }
+}
+
+impl From<microvm::MicrovmError> for BackendError {
+    fn from(e: microvm::MicrovmError) -> Self {
+        Self::Microvm(Box::new(e))
+    }
+}
+
+impl From<vm::VmError> for BackendError {
+    fn from(e: vm::VmError) -> Self {
+        Self::Vm(Box::new(e))
+    }
 }
 
 impl BackendError {
     /// Whether the operation ran out of time (D-Bus `Timeout`).
     #[must_use]
     pub fn is_timeout(&self) -> bool {
-        matches!(self, Self::Timeout(_))
+        match self {
+            Self::CommandTimeout { .. } => true,
+            Self::Local(e) => e.is_timeout(),
+            Self::Microvm(e) => e.is_timeout(),
+            Self::Vm(e) => e.is_timeout(),
+            _ => false,
+        }
+    }
+
+    /// A [`BackendError::File`] maker for `map_err`: `action` on `path`.
+    pub fn file(
+        action: &'static str,
+        path: &std::path::Path,
+    ) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.to_path_buf();
+        move |error| Self::File {
+            action,
+            path,
+            error,
+        }
     }
 }
 
@@ -271,12 +369,11 @@ pub async fn capture(
     spec: &SandboxSpec,
     req: ExecRequest,
 ) -> Result<ExecResult, BackendError> {
-    let fail = |e: std::io::Error| BackendError::Failed(e.to_string());
-    let (out_r, out_w) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.into()))?;
-    let (err_r, err_w) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| fail(e.into()))?;
-    let devnull = OwnedFd::from(std::fs::File::open("/dev/null").map_err(fail)?);
+    let fail = |e: nix::Error| BackendError::Descriptor(e.into());
+    let (out_r, out_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(fail)?;
+    let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(fail)?;
+    let devnull =
+        OwnedFd::from(std::fs::File::open("/dev/null").map_err(BackendError::Descriptor)?);
     let mut readers = Readers([
         tokio::spawn(read_capped(out_r)),
         tokio::spawn(read_capped(err_r)),

@@ -17,6 +17,38 @@ use std::process::Stdio;
 
 use super::{BackendError, ExecRequest, Listener, TtyProcess};
 
+/// Why ssh did not reach a guest, or why its keys could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum SshError {
+    /// `ssh` itself hung past its limit.
+    #[error("ssh did not finish within {secs}s")]
+    Hung {
+        /// The limit, in seconds.
+        secs: u64,
+    },
+    /// `ssh` could not be run.
+    #[error("cannot run ssh (install openssh-client): {0}")]
+    Missing(std::io::Error),
+    /// `ssh` ran and failed; what it printed on stderr.
+    #[error("{0}")]
+    Said(String),
+    /// `ssh-keygen` ran and failed; what it printed on stderr.
+    #[error("ssh-keygen failed: {0}")]
+    Keygen(String),
+    /// The guest's public host key file does not hold a key.
+    #[error("the guest's host key is malformed")]
+    MalformedHostKey,
+}
+
+impl SshError {
+    /// Whether ssh refused the guest for a host key other than the pinned
+    /// one (see [`host_key_refused`]).
+    #[must_use]
+    pub fn host_key_refused(&self) -> bool {
+        matches!(self, Self::Said(stderr) if host_key_refused(stderr))
+    }
+}
+
 /// How agentd reaches one guest's sshd.
 #[derive(Debug, Clone)]
 pub struct SshTarget {
@@ -98,7 +130,7 @@ impl SshTarget {
     }
 
     /// `ssh … true`: `Ok` once the guest answers, else what ssh said.
-    pub async fn answers(&self) -> Result<(), String> {
+    pub async fn answers(&self) -> Result<(), SshError> {
         let out = self
             .command()
             .arg(&self.host)
@@ -107,10 +139,12 @@ impl SshTarget {
             .kill_on_drop(true)
             .output();
         match tokio::time::timeout(std::time::Duration::from_secs(20), out).await {
-            Err(_) => Err("ssh did not finish within 20s".to_owned()),
-            Ok(Err(e)) => Err(format!("cannot run ssh (install openssh-client): {e}")),
+            Err(_) => Err(SshError::Hung { secs: 20 }),
+            Ok(Err(e)) => Err(SshError::Missing(e)),
             Ok(Ok(o)) if o.status.success() => Ok(()),
-            Ok(Ok(o)) => Err(String::from_utf8_lossy(&o.stderr).trim().to_owned()),
+            Ok(Ok(o)) => Err(SshError::Said(
+                String::from_utf8_lossy(&o.stderr).trim().to_owned(),
+            )),
         }
     }
 
@@ -129,19 +163,19 @@ impl SshTarget {
             .stderr(Stdio::from(stderr))
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+            .map_err(spawn_ssh)?;
         let wait = child.wait();
-        let status = match req.timeout {
-            Some(t) => tokio::time::timeout(t, wait).await.map_err(|_| {
-                BackendError::Timeout(format!(
-                    "command '{}' did not finish within {}s and was killed",
-                    req.argv.join(" "),
-                    t.as_secs()
-                ))
-            })?,
-            None => wait.await,
-        }
-        .map_err(|e| fail(e.to_string()))?;
+        let status =
+            match req.timeout {
+                Some(t) => tokio::time::timeout(t, wait).await.map_err(|_| {
+                    BackendError::CommandTimeout {
+                        command: req.argv.join(" "),
+                        secs: t.as_secs(),
+                    }
+                })?,
+                None => wait.await,
+            }
+            .map_err(BackendError::Descriptor)?;
         Ok(exit_code(status))
     }
 
@@ -152,17 +186,16 @@ impl SshTarget {
         req: ExecRequest,
         (rows, cols): (u16, u16),
     ) -> Result<TtyProcess, BackendError> {
-        let (master, slave) =
-            crate::pty::open_pty((rows, cols)).map_err(|e| fail(e.to_string()))?;
+        let (master, slave) = crate::pty::open_pty((rows, cols)).map_err(BackendError::Sys)?;
         let mut cmd = self.command();
         cmd.arg("-tt")
             .arg(&self.host)
             .arg(remote_command(&req.argv, &req.env, &req.cwd))
             .stdin(Stdio::from(
-                slave.try_clone().map_err(|e| fail(e.to_string()))?,
+                slave.try_clone().map_err(BackendError::Descriptor)?,
             ))
             .stdout(Stdio::from(
-                slave.try_clone().map_err(|e| fail(e.to_string()))?,
+                slave.try_clone().map_err(BackendError::Descriptor)?,
             ))
             .stderr(Stdio::from(slave))
             .kill_on_drop(true);
@@ -170,9 +203,7 @@ impl SshTarget {
         unsafe {
             cmd.pre_exec(crate::pty::take_terminal);
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+        let mut child = cmd.spawn().map_err(spawn_ssh)?;
         drop(cmd);
         Ok(TtyProcess {
             terminal: master,
@@ -181,7 +212,7 @@ impl SshTarget {
                     .wait()
                     .await
                     .map(exit_code)
-                    .map_err(|e| fail(e.to_string()))
+                    .map_err(BackendError::Descriptor)
             }),
         })
     }
@@ -194,8 +225,8 @@ impl SshTarget {
             None,
             nix::sys::socket::SockFlag::SOCK_CLOEXEC,
         )
-        .map_err(|e| fail(e.to_string()))?;
-        let stdin = theirs.try_clone().map_err(|e| fail(e.to_string()))?;
+        .map_err(BackendError::Sys)?;
+        let stdin = theirs.try_clone().map_err(BackendError::Descriptor)?;
         let mut child = self
             .command()
             .arg("-W")
@@ -204,7 +235,7 @@ impl SshTarget {
             .stdin(Stdio::from(stdin))
             .stdout(Stdio::from(theirs))
             .spawn()
-            .map_err(|e| fail(format!("cannot run ssh: {e}")))?;
+            .map_err(spawn_ssh)?;
         // Reap it when the connection ends.
         tokio::spawn(async move {
             let _ = child.wait().await;
@@ -261,8 +292,12 @@ pub fn host_key_refused(stderr: &str) -> bool {
         || stderr.contains("REMOTE HOST IDENTIFICATION HAS CHANGED")
 }
 
-fn fail(m: impl Into<String>) -> BackendError {
-    BackendError::Failed(m.into())
+fn spawn_ssh(error: std::io::Error) -> BackendError {
+    BackendError::Spawn {
+        program: "ssh".to_owned(),
+        hint: "",
+        error,
+    }
 }
 
 /// The remote command line that runs `argv` in `cwd` with `env` added.
@@ -293,13 +328,17 @@ pub fn quote(s: &str) -> String {
 /// Make the keys of a sandbox under `dir` unless they exist: `ssh/`
 /// (`ssh_host_ed25519_key`, `.pub`, `authorized_keys`; for the guest) and
 /// `client/` (`id_ed25519`, `known_hosts` pinning the host key as `alias`).
-pub fn provision(dir: &Path, alias: &str) -> Result<(), String> {
+///
+/// # Errors
+/// When a directory or key file cannot be made, read or written, or
+/// `ssh-keygen` fails.
+pub fn provision(dir: &Path, alias: &str) -> Result<(), BackendError> {
     let guest = dir.join("ssh");
     let client = dir.join("client");
     for (d, mode) in [(&guest, 0o755), (&client, 0o700)] {
-        fs::create_dir_all(d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+        fs::create_dir_all(d).map_err(BackendError::file("cannot create", d))?;
         fs::set_permissions(d, fs::Permissions::from_mode(mode))
-            .map_err(|e| format!("cannot set the mode of {}: {e}", d.display()))?;
+            .map_err(BackendError::file("cannot set the mode of", d))?;
     }
     let host_key = guest.join("ssh_host_ed25519_key");
     let client_key = client.join("id_ed25519");
@@ -322,28 +361,29 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), String> {
             .arg(key)
             .stdin(Stdio::null())
             .output()
-            .map_err(|e| format!("cannot run ssh-keygen (install openssh-client): {e}"))?;
+            .map_err(|error| BackendError::Spawn {
+                program: "ssh-keygen".to_owned(),
+                hint: " (install openssh-client)",
+                error,
+            })?;
         if !out.status.success() {
-            return Err(format!(
-                "ssh-keygen failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
+            return Err(
+                SshError::Keygen(String::from_utf8_lossy(&out.stderr).trim().to_owned()).into(),
+            );
         }
     }
-    let read = |p: PathBuf| {
-        fs::read_to_string(&p).map_err(|e| format!("cannot read {}: {e}", p.display()))
-    };
+    let read = |p: PathBuf| fs::read_to_string(&p).map_err(BackendError::file("cannot read", &p));
     let host_pub = read(guest.join("ssh_host_ed25519_key.pub"))?;
     let client_pub = read(client.join("id_ed25519.pub"))?;
     let write = |p: PathBuf, text: String, mode: u32| {
-        crate::fsutil::atomic_write(&p, text.as_bytes()).map_err(|e| e.to_string())?;
+        crate::fsutil::atomic_write(&p, text.as_bytes())?;
         fs::set_permissions(&p, fs::Permissions::from_mode(mode))
-            .map_err(|e| format!("cannot set the mode of {}: {e}", p.display()))
+            .map_err(BackendError::file("cannot set the mode of", &p))
     };
     write(guest.join("authorized_keys"), client_pub, 0o644)?;
     let mut parts = host_pub.split_whitespace();
     let (Some(kind), Some(key)) = (parts.next(), parts.next()) else {
-        return Err("the guest's host key is malformed".to_owned());
+        return Err(SshError::MalformedHostKey.into());
     };
     write(
         client.join("known_hosts"),
@@ -352,7 +392,7 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), String> {
     )?;
     // sshd refuses a host key others can read.
     fs::set_permissions(&host_key, fs::Permissions::from_mode(0o600))
-        .map_err(|e| format!("cannot set the mode of {}: {e}", host_key.display()))
+        .map_err(BackendError::file("cannot set the mode of", &host_key))
 }
 
 /// Parse what the listener script prints: `/proc/net/tcp{,6}` lines, `--`,

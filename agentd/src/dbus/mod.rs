@@ -214,6 +214,7 @@ pub fn to_dbus(e: Error) -> api::Error {
         Error::Backend { source, .. } if source.is_timeout() => api::Error::Timeout(msg),
         Error::Conflict(_) => api::Error::Conflict(msg),
         Error::Backend { .. }
+        | Error::Proxy { .. }
         | Error::Workspace { .. }
         | Error::Sync { .. }
         | Error::Registry(_) => api::Error::Backend(msg),

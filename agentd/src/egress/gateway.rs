@@ -141,6 +141,85 @@ struct Ask {
     body_left: Option<u64>,
 }
 
+/// Why the gateway did not take a request or could not reach its
+/// destination. The text goes to the client and into the egress log.
+#[derive(Debug, thiserror::Error)]
+enum GatewayError {
+    /// Reading from or writing to the client failed.
+    #[error(transparent)]
+    Client(std::io::Error),
+    /// The request head is larger than [`HEAD_MAX`].
+    #[error("request head is larger than {HEAD_MAX} bytes")]
+    HeadTooLarge,
+    /// The client hung up before its head ended.
+    #[error("the request ended early")]
+    EndedEarly,
+    /// The head does not parse as HTTP.
+    #[error("not an HTTP proxy request")]
+    NotProxyRequest,
+    /// A plain HTTP request's target is not an absolute URL (shown safely).
+    #[error("'{0}' is not an absolute http:// URL; this is a proxy (use CONNECT for HTTPS)")]
+    NotAbsolute(String),
+    /// A plain HTTP request has a chunked body.
+    #[error("a plain HTTP request with a chunked body is not forwarded; use https:// (CONNECT)")]
+    Chunked,
+    /// A plain HTTP request's `Content-Length` is not a number.
+    #[error("the Content-Length is not a number")]
+    ContentLength,
+    /// An authority is not `host:port` (shown safely).
+    #[error("'{0}' is not host:port")]
+    NotHostPort(String),
+    /// The SOCKS client wants authentication.
+    #[error("the SOCKS client offers no method without authentication")]
+    SocksMethod,
+    /// The SOCKS request is not CONNECT.
+    #[error("only SOCKS5 CONNECT is supported")]
+    SocksCommand,
+    /// The SOCKS host name is not a host name.
+    #[error("the SOCKS host name is not a host name")]
+    SocksHostName,
+    /// The SOCKS address type is unknown.
+    #[error("unknown SOCKS address type")]
+    SocksAddressType,
+    /// A name lookup could not get its permit.
+    #[error(transparent)]
+    Permit(#[from] tokio::sync::AcquireError),
+    /// A name lookup's thread ended abnormally.
+    #[error(transparent)]
+    Join(#[from] tokio::task::JoinError),
+    /// The name does not resolve.
+    #[error("cannot resolve {host}: {error}")]
+    Resolve {
+        /// The name.
+        host: String,
+        /// The resolver's answer.
+        error: std::io::Error,
+    },
+    /// The name lookup took too long.
+    #[error("resolving {host} timed out")]
+    ResolveTimeout {
+        /// The name.
+        host: String,
+    },
+    /// There is no address to connect to.
+    #[error("no address to connect to")]
+    NoAddress,
+    /// Connecting to the destination failed.
+    #[error("cannot connect to {to}: {error}")]
+    Connect {
+        /// The destination.
+        to: SocketAddr,
+        /// Why not.
+        error: std::io::Error,
+    },
+    /// Connecting to the destination took too long.
+    #[error("connecting to {to} timed out")]
+    ConnectTimeout {
+        /// The destination.
+        to: SocketAddr,
+    },
+}
+
 async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::Semaphore>) {
     let started = Instant::now();
     let at = SystemTime::now();
@@ -203,7 +282,7 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
                 Decision {
                     allowed: false,
                     rule: "unresolved".to_owned(),
-                    reason: e,
+                    reason: e.to_string(),
                     suggest: None,
                 },
                 Vec::new(),
@@ -221,7 +300,7 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
     let (mut upstream, addr) = match dial(&addrs, ask.port).await {
         Ok(v) => v,
         Err(e) => {
-            entry.error = e.clone();
+            entry.error = e.to_string();
             if socks {
                 let _ = client.write_all(&socks_reply(5)).await;
             } else {
@@ -345,7 +424,7 @@ async fn resolve(
     port: u16,
     hosts: &std::collections::BTreeMap<String, IpAddr>,
     dns: &Arc<tokio::sync::Semaphore>,
-) -> Result<Vec<IpAddr>, String> {
+) -> Result<Vec<IpAddr>, GatewayError> {
     let bare = host.trim_start_matches('[').trim_end_matches(']');
     if let Ok(ip) = bare.parse::<IpAddr>() {
         return Ok(vec![ip]);
@@ -359,20 +438,19 @@ async fn resolve(
     // DNS_PER_SANDBOX of them, and all sandboxes at most DNS_MAX (tokio's
     // blocking pool, which agentd's other work shares, is far larger).
     let lookup = async {
-        let mine = Arc::clone(dns)
-            .acquire_owned()
-            .await
-            .map_err(|e| e.to_string())?;
-        let all = DNS_ALL.acquire().await.map_err(|e| e.to_string())?;
+        let mine = Arc::clone(dns).acquire_owned().await?;
+        let all = DNS_ALL.acquire().await?;
         let name = host.to_owned();
         tokio::task::spawn_blocking(move || {
             let _permits = (mine, all);
             std::net::ToSocketAddrs::to_socket_addrs(&(name.as_str(), port))
                 .map(|found| found.map(|a| a.ip()).collect::<Vec<_>>())
         })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("cannot resolve {host}: {e}"))
+        .await?
+        .map_err(|error| GatewayError::Resolve {
+            host: host.to_owned(),
+            error,
+        })
     };
     match tokio::time::timeout(RESOLVE_TIMEOUT, lookup).await {
         Ok(Ok(mut v)) => {
@@ -380,7 +458,9 @@ async fn resolve(
             Ok(v)
         }
         Ok(Err(e)) => Err(e),
-        Err(_) => Err(format!("resolving {host} timed out")),
+        Err(_) => Err(GatewayError::ResolveTimeout {
+            host: host.to_owned(),
+        }),
     }
 }
 
@@ -406,14 +486,14 @@ fn host_addresses() -> Vec<IpAddr> {
         .collect()
 }
 
-async fn dial(addrs: &[IpAddr], port: u16) -> Result<(TcpStream, SocketAddr), String> {
-    let mut last = String::from("no address to connect to");
+async fn dial(addrs: &[IpAddr], port: u16) -> Result<(TcpStream, SocketAddr), GatewayError> {
+    let mut last = GatewayError::NoAddress;
     for ip in addrs {
         let to = SocketAddr::new(*ip, port);
         match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(to)).await {
             Ok(Ok(s)) => return Ok((s, to)),
-            Ok(Err(e)) => last = format!("cannot connect to {to}: {e}"),
-            Err(_) => last = format!("connecting to {to} timed out"),
+            Ok(Err(error)) => last = GatewayError::Connect { to, error },
+            Err(_) => last = GatewayError::ConnectTimeout { to },
         }
     }
     Err(last)
@@ -451,7 +531,7 @@ async fn respond(client: &mut impl Socket, status: &str, body: &str) -> std::io:
 /// Read an HTTP request head; for plain HTTP, return the head rewritten
 /// for the origin (origin-form target, no proxy headers, one request per
 /// connection) and any body bytes already read.
-async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>), String> {
+async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>), GatewayError> {
     let mut buf = Vec::with_capacity(1024);
     buf.push(first);
     let end = loop {
@@ -459,12 +539,15 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
             break i + 4;
         }
         if buf.len() >= HEAD_MAX {
-            return Err(format!("request head is larger than {HEAD_MAX} bytes"));
+            return Err(GatewayError::HeadTooLarge);
         }
         let mut chunk = [0u8; 4096];
-        let n = client.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        let n = client
+            .read(&mut chunk)
+            .await
+            .map_err(GatewayError::Client)?;
         if n == 0 {
-            return Err("the request ended early".to_owned());
+            return Err(GatewayError::EndedEarly);
         }
         buf.extend_from_slice(&chunk[..n]);
     };
@@ -472,7 +555,7 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
     let mut req = httparse::Request::new(&mut headers);
     match req.parse(&buf[..end]) {
         Ok(httparse::Status::Complete(_)) => {}
-        _ => return Err("not an HTTP proxy request".to_owned()),
+        _ => return Err(GatewayError::NotProxyRequest),
     }
     let method = req.method.unwrap_or_default();
     let target = req.path.unwrap_or_default();
@@ -491,10 +574,7 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
         ));
     }
     let Some(after) = target.strip_prefix("http://") else {
-        return Err(format!(
-            "'{}' is not an absolute http:// URL; this is a proxy (use CONNECT for HTTPS)",
-            crate::text::shown(target)
-        ));
+        return Err(GatewayError::NotAbsolute(crate::text::shown(target)));
     };
     let (authority, path) = match after.find('/') {
         Some(i) => (&after[..i], &after[i..]),
@@ -508,16 +588,13 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
     for h in req.headers.iter() {
         let n = h.name.to_ascii_lowercase();
         if n == "transfer-encoding" {
-            return Err(
-                "a plain HTTP request with a chunked body is not forwarded; use https:// (CONNECT)"
-                    .to_owned(),
-            );
+            return Err(GatewayError::Chunked);
         }
         if n == "content-length" {
             body = std::str::from_utf8(h.value)
                 .ok()
                 .and_then(|v| v.trim().parse().ok())
-                .ok_or_else(|| "the Content-Length is not a number".to_owned())?;
+                .ok_or(GatewayError::ContentLength)?;
         }
         if n.starts_with("proxy-") || n == "connection" || n == "keep-alive" || n == "host" {
             continue;
@@ -545,8 +622,8 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
 }
 
 /// `host:port` or `[v6]:port` (the port may default).
-fn split_authority(a: &str, default: Option<u16>) -> Result<(String, u16), String> {
-    let bad = || format!("'{}' is not host:port", crate::text::shown(a));
+fn split_authority(a: &str, default: Option<u16>) -> Result<(String, u16), GatewayError> {
+    let bad = || GatewayError::NotHostPort(crate::text::shown(a));
     let (host, port) = if let Some(rest) = a.strip_prefix('[') {
         let (h, p) = rest.split_once(']').ok_or_else(bad)?;
         (h, p.strip_prefix(':'))
@@ -581,35 +658,41 @@ fn valid_host(host: &str) -> bool {
 
 /// Read a SOCKS5 greeting (its version byte already read) and CONNECT
 /// request (RFC 1928, no authentication).
-async fn socks_head(client: &mut impl Socket) -> Result<(Ask, Vec<u8>), String> {
+async fn socks_head(client: &mut impl Socket) -> Result<(Ask, Vec<u8>), GatewayError> {
     let mut count = [0u8; 1];
     client
         .read_exact(&mut count)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(GatewayError::Client)?;
     let mut methods = vec![0u8; usize::from(count[0])];
     client
         .read_exact(&mut methods)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(GatewayError::Client)?;
     if !methods.contains(&0) {
         let _ = client.write_all(&[5, 0xff]).await;
-        return Err("the SOCKS client offers no method without authentication".to_owned());
+        return Err(GatewayError::SocksMethod);
     }
-    client.write_all(&[5, 0]).await.map_err(|e| e.to_string())?;
+    client
+        .write_all(&[5, 0])
+        .await
+        .map_err(GatewayError::Client)?;
     let mut req = [0u8; 4];
     client
         .read_exact(&mut req)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(GatewayError::Client)?;
     if req[0] != 5 || req[1] != 1 {
         let _ = client.write_all(&socks_reply(7)).await;
-        return Err("only SOCKS5 CONNECT is supported".to_owned());
+        return Err(GatewayError::SocksCommand);
     }
     let host = match req[3] {
         1 => {
             let mut a = [0u8; 4];
-            client.read_exact(&mut a).await.map_err(|e| e.to_string())?;
+            client
+                .read_exact(&mut a)
+                .await
+                .map_err(GatewayError::Client)?;
             std::net::Ipv4Addr::from(a).to_string()
         }
         3 => {
@@ -617,35 +700,38 @@ async fn socks_head(client: &mut impl Socket) -> Result<(Ask, Vec<u8>), String> 
             client
                 .read_exact(&mut len)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(GatewayError::Client)?;
             let mut name = vec![0u8; usize::from(len[0])];
             client
                 .read_exact(&mut name)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(GatewayError::Client)?;
             match String::from_utf8(name) {
                 Ok(n) if valid_host(&n) => n,
                 _ => {
                     let _ = client.write_all(&socks_reply(8)).await;
-                    return Err("the SOCKS host name is not a host name".to_owned());
+                    return Err(GatewayError::SocksHostName);
                 }
             }
         }
         4 => {
             let mut a = [0u8; 16];
-            client.read_exact(&mut a).await.map_err(|e| e.to_string())?;
+            client
+                .read_exact(&mut a)
+                .await
+                .map_err(GatewayError::Client)?;
             std::net::Ipv6Addr::from(a).to_string()
         }
         _ => {
             let _ = client.write_all(&socks_reply(8)).await;
-            return Err("unknown SOCKS address type".to_owned());
+            return Err(GatewayError::SocksAddressType);
         }
     };
     let mut port = [0u8; 2];
     client
         .read_exact(&mut port)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(GatewayError::Client)?;
     Ok((
         Ask {
             protocol: "socks5",

@@ -24,6 +24,68 @@ pub const FALLBACK_ID: &str = "keystone-agent.fallback";
 /// `@id` of the TLS automation policy (certificates on demand).
 pub const TLS_ID: &str = "keystone-agent.tls";
 
+/// A failed call to Caddy's admin API.
+#[derive(Debug, thiserror::Error)]
+pub enum CaddyError {
+    /// The request could not be built.
+    #[error(transparent)]
+    Request(#[from] hyper::http::Error),
+    /// Nothing answers at the admin address.
+    #[error("Caddy's admin API at {base} is not reachable: {error}")]
+    Unreachable {
+        /// The admin API's address.
+        base: String,
+        /// Why not.
+        error: hyper_util::client::legacy::Error,
+    },
+    /// The answer could not be read, or was too large.
+    #[error("Caddy's answer to {method} {path} was unreadable or over {REPLY_MAX} bytes: {error}")]
+    Unreadable {
+        /// The request's method.
+        method: Method,
+        /// The request's path.
+        path: String,
+        /// Why not.
+        error: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Caddy took too long.
+    #[error("Caddy did not answer {method} {path} within 10 s")]
+    Timeout {
+        /// The request's method.
+        method: Method,
+        /// The request's path.
+        path: String,
+    },
+    /// Caddy refused a request; what it answered.
+    #[error("Caddy refused {method} {path} ({status}): {body}")]
+    Refused {
+        /// The request's method.
+        method: Method,
+        /// The request's path.
+        path: String,
+        /// Caddy's status.
+        status: StatusCode,
+        /// Caddy's answer.
+        body: String,
+    },
+    /// Caddy answered a lookup by id with an error.
+    #[error("Caddy answered {status} for /id/{id}: {body}")]
+    Lookup {
+        /// The `@id` looked up.
+        id: String,
+        /// Caddy's status.
+        status: StatusCode,
+        /// Caddy's answer.
+        body: String,
+    },
+    /// Caddy's answer is not JSON.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// A route to put has no `@id`.
+    #[error("a route without @id")]
+    NoId,
+}
+
 /// Caddy's admin API at one address.
 #[derive(Debug, Clone)]
 pub struct Caddy {
@@ -52,81 +114,99 @@ impl Caddy {
         method: Method,
         path: &str,
         body: Option<&Value>,
-    ) -> Result<(StatusCode, Bytes), String> {
+    ) -> Result<(StatusCode, Bytes), CaddyError> {
         let uri = format!("{}{path}", self.base);
         let body = body.map(|b| b.to_string()).unwrap_or_default();
         let req = Request::builder()
             .method(method.clone())
             .uri(&uri)
             .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| e.to_string())?;
+            .body(Full::new(Bytes::from(body)))?;
         let send = async {
-            let resp =
-                self.client.request(req).await.map_err(|e| {
-                    format!("Caddy's admin API at {} is not reachable: {e}", self.base)
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|error| CaddyError::Unreachable {
+                    base: self.base.clone(),
+                    error,
                 })?;
             let status = resp.status();
             // Whatever listens on the admin address answers within a size.
             let bytes = http_body_util::Limited::new(resp.into_body(), REPLY_MAX)
                 .collect()
                 .await
-                .map_err(|e| {
-                    format!("Caddy's answer to {method} {path} was unreadable or over {REPLY_MAX} bytes: {e}")
+                .map_err(|error| CaddyError::Unreadable {
+                    method: method.clone(),
+                    path: path.to_owned(),
+                    error,
                 })?
                 .to_bytes();
             Ok((status, bytes))
         };
         tokio::time::timeout(Duration::from_secs(10), send)
             .await
-            .map_err(|_| format!("Caddy did not answer {method} {path} within 10 s"))?
+            .map_err(|_| CaddyError::Timeout {
+                method,
+                path: path.to_owned(),
+            })?
     }
 
     /// `method path` that must succeed (2xx).
-    async fn ok(&self, method: Method, path: &str, body: Option<&Value>) -> Result<Bytes, String> {
+    async fn ok(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Bytes, CaddyError> {
         let (status, bytes) = self.call(method.clone(), path, body).await?;
         if status.is_success() {
             Ok(bytes)
         } else {
-            Err(format!(
-                "Caddy refused {method} {path} ({status}): {}",
-                String::from_utf8_lossy(&bytes).trim()
-            ))
+            Err(CaddyError::Refused {
+                method,
+                path: path.to_owned(),
+                status,
+                body: String::from_utf8_lossy(&bytes).trim().to_owned(),
+            })
         }
     }
 
     /// Whether a config object with `@id` `id` exists.
-    pub async fn exists(&self, id: &str) -> Result<bool, String> {
+    pub async fn exists(&self, id: &str) -> Result<bool, CaddyError> {
         let (status, body) = self.call(Method::GET, &format!("/id/{id}"), None).await?;
         match status {
             s if s.is_success() => Ok(true),
             StatusCode::NOT_FOUND => Ok(false),
-            s => Err(format!(
-                "Caddy answered {s} for /id/{id}: {}",
-                String::from_utf8_lossy(&body).trim()
-            )),
+            status => Err(CaddyError::Lookup {
+                id: id.to_owned(),
+                status,
+                body: String::from_utf8_lossy(&body).trim().to_owned(),
+            }),
         }
     }
 
     /// The config value at `path`; `Null` when it (or a parent) is missing.
-    async fn get(&self, path: &str) -> Result<Value, String> {
+    async fn get(&self, path: &str) -> Result<Value, CaddyError> {
         let (status, bytes) = self.call(Method::GET, path, None).await?;
         let text = String::from_utf8_lossy(&bytes);
         if status.is_success() {
-            serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+            Ok(serde_json::from_slice(&bytes)?)
         } else if status == StatusCode::BAD_REQUEST && text.contains("invalid traversal path") {
             // 2.6's answer when a parent object does not exist.
             Ok(Value::Null)
         } else {
-            Err(format!(
-                "Caddy refused GET {path} ({status}): {}",
-                text.trim()
-            ))
+            Err(CaddyError::Refused {
+                method: Method::GET,
+                path: path.to_owned(),
+                status,
+                body: text.trim().to_owned(),
+            })
         }
     }
 
     /// The routes of `server` (empty when it has none or does not exist).
-    pub async fn routes(&self, server: &str) -> Result<Vec<Value>, String> {
+    pub async fn routes(&self, server: &str) -> Result<Vec<Value>, CaddyError> {
         Ok(
             match self
                 .get(&format!("/config/apps/http/servers/{server}/routes"))
@@ -147,7 +227,7 @@ impl Caddy {
         listen: &[String],
         https: bool,
         fallback: &Value,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, CaddyError> {
         let path = format!("/config/apps/http/servers/{server}");
         if self.get(&path).await?.is_null() {
             let mut body = json!({
@@ -175,7 +255,7 @@ impl Caddy {
     /// Make sure Caddy issues certificates on demand, from its internal CA,
     /// for `domain` and the one and two labels below it, asking `ask`
     /// (agentd's pages) before each.
-    pub async fn ensure_tls(&self, domain: &str, ask: &str) -> Result<(), String> {
+    pub async fn ensure_tls(&self, domain: &str, ask: &str) -> Result<(), CaddyError> {
         let policy = json!({
             "@id": TLS_ID,
             "subjects": [domain, format!("*.{domain}"), format!("*.*.{domain}")],
@@ -227,8 +307,8 @@ impl Caddy {
     /// Put `route` (with its `@id`) into `server`: replaced in place when
     /// its id exists (Caddy 2.6 would accept a duplicate), else inserted
     /// just before the catch-all.
-    pub async fn put_route(&self, server: &str, route: &Value) -> Result<(), String> {
-        let id = route["@id"].as_str().ok_or("a route without @id")?;
+    pub async fn put_route(&self, server: &str, route: &Value) -> Result<(), CaddyError> {
+        let id = route["@id"].as_str().ok_or(CaddyError::NoId)?;
         if self.exists(id).await? {
             self.ok(Method::PATCH, &format!("/id/{id}"), Some(route))
                 .await?;
@@ -249,7 +329,7 @@ impl Caddy {
     }
 
     /// Remove the config object `id` (nothing if it is gone already).
-    pub async fn remove(&self, id: &str) -> Result<(), String> {
+    pub async fn remove(&self, id: &str) -> Result<(), CaddyError> {
         if self.exists(id).await? {
             self.ok(Method::DELETE, &format!("/id/{id}"), None).await?;
         }

@@ -38,6 +38,34 @@ use crate::config::ProxyConfig;
 use crate::registry::{Change, Sandbox};
 use caddy::Caddy;
 
+/// Why the proxy could not bring a sandbox's routes in line.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// Caddy's admin API failed.
+    #[error(transparent)]
+    Caddy(#[from] caddy::CaddyError),
+    /// A forwarder's loopback listener could not be opened.
+    #[error("cannot open a forwarder: {0}")]
+    Forwarder(std::io::Error),
+    /// A forwarder's listener has no address.
+    #[error(transparent)]
+    ForwarderAddress(std::io::Error),
+}
+
+/// Why a connection to a dev server inside a sandbox could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The sandbox is not running.
+    #[error("sandbox '{0}' is not running")]
+    NotRunning(String),
+    /// The sandbox's backend is not available.
+    #[error(transparent)]
+    Sandbox(#[from] crate::error::Error),
+    /// The backend could not connect.
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+}
+
 /// How often agentd checks that Caddy still has its server.
 const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 
@@ -80,7 +108,7 @@ pub trait Sandboxes: Send + Sync + std::fmt::Debug {
         name: &'a str,
         addr: std::net::IpAddr,
         port: u16,
-    ) -> BoxFut<'a, Result<std::os::fd::OwnedFd, String>>;
+    ) -> BoxFut<'a, Result<std::os::fd::OwnedFd, ConnectError>>;
     /// (branch, path inside) of every worktree of sandbox `name`, the main
     /// one first.
     fn worktree_paths<'a>(&'a self, name: &'a str) -> BoxFut<'a, Vec<(String, String)>>;
@@ -252,7 +280,7 @@ impl Proxy {
     }
 
     /// Build agentd's server in Caddy and put every route back.
-    async fn apply_all(&self) -> Result<(), String> {
+    async fn apply_all(&self) -> Result<(), caddy::CaddyError> {
         let routes = self.routes.lock().await;
         let fallback = caddy::fallback(&self.pages.to_string());
         if self.https() {
@@ -312,7 +340,11 @@ impl Proxy {
 
     /// Look at sandbox `name` now and bring its routes in line with its
     /// listeners; returns its routes.
-    pub async fn sync(self: &Arc<Self>, name: &str) -> Result<Vec<RouteInfo>, String> {
+    ///
+    /// # Errors
+    /// None today: what goes wrong with one route is logged, and the
+    /// routes that work are returned.
+    pub async fn sync(self: &Arc<Self>, name: &str) -> Result<Vec<RouteInfo>, ProxyError> {
         let wanted = self.wanted(name).await;
         let mut all = self.routes.lock().await;
         let mut current = all.remove(name).unwrap_or_default();
@@ -357,7 +389,7 @@ impl Proxy {
             tracing::info!(sandbox = %name, hosts = ?gone.hosts, "route removed");
             if let Err(e) = self.caddy.remove(&gone.id).await {
                 self.stale.store(true, std::sync::atomic::Ordering::SeqCst);
-                problems.push(e);
+                problems.push(e.into());
             }
         }
         let infos = next
@@ -381,22 +413,24 @@ impl Proxy {
         Ok(infos)
     }
 
-    async fn put(&self, name: &str, r: &Route) -> Result<(), String> {
+    async fn put(&self, name: &str, r: &Route) -> Result<(), ProxyError> {
         let route = self.caddy_route(name, r);
         let result = self.caddy.put_route(&self.cfg.server, &route).await;
         match &result {
             Ok(()) => tracing::info!(hosts = ?r.hosts, port = r.target.1, "route added"),
             Err(_) => self.stale.store(true, std::sync::atomic::Ordering::SeqCst),
         }
-        result
+        Ok(result?)
     }
 
     /// A forwarder and a route record for `w` in sandbox `name`.
-    async fn new_route(self: &Arc<Self>, name: &str, w: Wanted) -> Result<Route, String> {
+    async fn new_route(self: &Arc<Self>, name: &str, w: Wanted) -> Result<Route, ProxyError> {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
             .await
-            .map_err(|e| format!("cannot open a forwarder: {e}"))?;
-        let forward = listener.local_addr().map_err(|e| e.to_string())?;
+            .map_err(ProxyError::Forwarder)?;
+        let forward = listener
+            .local_addr()
+            .map_err(ProxyError::ForwarderAddress)?;
         let task = tokio::spawn(Arc::clone(self).forward(listener, name.to_owned(), w.target));
         Ok(Route {
             id: format!("{}{name}.{}", caddy::ID_PREFIX, w.target.1),

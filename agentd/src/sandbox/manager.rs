@@ -185,9 +185,9 @@ impl Manager {
             )]);
             return Ok((Vec::new(), info));
         };
-        let routes = proxy.sync(name).await.map_err(|message| Error::Backend {
+        let routes = proxy.sync(name).await.map_err(|source| Error::Proxy {
             name: name.to_owned(),
-            source: crate::backend::BackendError::Failed(message),
+            source,
         })?;
         let mut info = BTreeMap::from([("domain".to_owned(), proxy.domain().to_owned())]);
         let ca = proxy.ca_file();
@@ -342,17 +342,14 @@ impl crate::proxy::Sandboxes for Manager {
         name: &'a str,
         addr: std::net::IpAddr,
         port: u16,
-    ) -> BoxFut<'a, std::result::Result<std::os::fd::OwnedFd, String>> {
+    ) -> BoxFut<'a, std::result::Result<std::os::fd::OwnedFd, crate::proxy::ConnectError>> {
         Box::pin(async move {
             let sb = self
                 .snapshot(name)
                 .filter(|s| s.state == SandboxState::Running)
-                .ok_or_else(|| format!("sandbox '{name}' is not running"))?;
-            let backend = Arc::clone(self.backend(sb.backend).map_err(|e| e.to_string())?);
-            backend
-                .connect(&self.spec(&sb), addr, port)
-                .await
-                .map_err(|e| e.to_string())
+                .ok_or_else(|| crate::proxy::ConnectError::NotRunning(name.to_owned()))?;
+            let backend = Arc::clone(self.backend(sb.backend)?);
+            Ok(backend.connect(&self.spec(&sb), addr, port).await?)
         })
     }
 

@@ -153,7 +153,7 @@ impl Manager {
         let listen = match &self.subnet {
             Some(net) => {
                 agentd::naming::derive(&sandbox, net)
-                    .map_err(zbus::fdo::Error::InvalidArgs)?
+                    .map_err(|e| zbus::fdo::Error::InvalidArgs(e.to_string()))?
                     .address
             }
             None => "127.0.0.1".to_owned(),

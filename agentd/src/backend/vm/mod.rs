@@ -43,8 +43,142 @@ pub struct VmBackend {
     kvm: tokio::sync::Mutex<Option<(PathBuf, Result<(), String>)>>,
 }
 
-fn fail(m: impl Into<String>) -> BackendError {
-    BackendError::Failed(m.into())
+/// A failure of the vm backend.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// The gateway's socket could not be handed to the sandbox's uid.
+    #[error("cannot hand over {}: {error}", path.display())]
+    HandOver {
+        /// The socket.
+        path: PathBuf,
+        /// Why not.
+        error: nix::Error,
+    },
+    /// `vm.accel` asks for KVM, which cannot run guests here.
+    #[error("vm.accel is \"kvm\" but KVM cannot run guests here: {0}; set vm.accel to \"auto\"")]
+    KvmRequired(String),
+    /// QEMU is not installed.
+    #[error("QEMU ({}) is not installed: apt-get install qemu-system-x86, or set vm.qemu", program.display())]
+    NoQemu {
+        /// The program looked for.
+        program: PathBuf,
+    },
+    /// vhost-device-vsock is not installed.
+    #[error(
+        "vhost-device-vsock (the guest's control channel) is not installed: run \
+         tests/install-tools.sh vhost-device-vsock, or set vm.vhost_vsock (looked for {looked})"
+    )]
+    NoVhostVsock {
+        /// The programs looked for, comma-separated.
+        looked: String,
+    },
+    /// `vm.share` asks for virtiofs, which needs root.
+    #[error(
+        "vm.share is \"virtiofs\" but virtiofsd needs agentd to run as root; set vm.share to \"auto\""
+    )]
+    VirtiofsNeedsRoot,
+    /// `vm.share` asks for virtiofs, and there is no virtiofsd.
+    #[error(
+        "vm.share is \"virtiofs\" but there is no virtiofsd (apt-get install qemu-system-common, or set vm.virtiofsd)"
+    )]
+    NoVirtiofsd,
+    /// No guest image is configured.
+    #[error(
+        "no guest image is configured for the vm backend: build one with \
+         guest-image/debian/build.sh (or nix build .#guest-image) and set vm.image \
+         in agentd's config to its directory"
+    )]
+    NoImage,
+    /// The guest image lacks a file.
+    #[error(
+        "the guest image {} has no {file} ({} is missing); rebuild it with \
+         guest-image/debian/build.sh",
+        dir.display(),
+        path.display()
+    )]
+    ImageIncomplete {
+        /// The image's directory.
+        dir: PathBuf,
+        /// The file's name.
+        file: &'static str,
+        /// The file's path.
+        path: PathBuf,
+    },
+    /// A directory or file of the sandbox's VM could not be prepared.
+    #[error("cannot prepare {what}: {error}")]
+    Prepare {
+        /// Which one.
+        what: &'static str,
+        /// Why not.
+        error: std::io::Error,
+    },
+    /// mke2fs failed; what it printed.
+    #[error("mke2fs could not make the home disk {}: {stderr}", image.display())]
+    HomeDisk {
+        /// The home disk.
+        image: PathBuf,
+        /// mke2fs's stderr.
+        stderr: String,
+    },
+    /// The home disk could not be given to the uid QEMU runs as.
+    #[error("cannot hand the home disk to uid {uid}: {error}")]
+    HomeDiskOwner {
+        /// The uid.
+        uid: u32,
+        /// Why not.
+        error: std::io::Error,
+    },
+    /// The supervisor's plan could not be written.
+    #[error("cannot write run/vm-plan.json: {0}")]
+    Plan(crate::fsutil::WriteError),
+    /// The supervisor could not be started.
+    #[error("cannot start the VM supervisor: {0}")]
+    Supervisor(std::io::Error),
+    /// The supervisor's pid does not fit a pid.
+    #[error(transparent)]
+    Pid(#[from] std::num::TryFromIntError),
+    /// The VM ended before its guest answered.
+    #[error("the VM of {sandbox} ended while booting{logs}")]
+    Ended {
+        /// The sandbox.
+        sandbox: String,
+        /// The ends of its boot and VM logs.
+        logs: String,
+    },
+    /// The guest's sshd showed a host key other than the pinned one.
+    #[error(
+        "the guest of {sandbox} presented a host key other than the one agentd \
+         provisioned for it; refusing to talk to it: {error}"
+    )]
+    HostKeyChanged {
+        /// The sandbox.
+        sandbox: String,
+        /// What ssh said.
+        error: ssh::SshError,
+    },
+    /// The guest did not answer in time.
+    #[error(
+        "the guest of {sandbox} did not answer on its control channel within {secs}s: {}{logs}",
+        last.as_ref().map_or_else(|| "its vsock device is not up".to_owned(), ToString::to_string)
+    )]
+    Silent {
+        /// The sandbox.
+        sandbox: String,
+        /// The limit, in seconds.
+        secs: u64,
+        /// What ssh said last (`None`: the vsock device was not up yet).
+        last: Option<ssh::SshError>,
+        /// The ends of its boot and VM logs.
+        logs: String,
+    },
+}
+
+impl VmError {
+    /// Whether the operation ran out of time.
+    #[must_use]
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Self::Silent { .. })
+    }
 }
 
 /// The last `n` lines of a log file, indented, or "" when there are none.
@@ -129,16 +263,13 @@ fn gateway_socket(
     }
     let p = Paths::new(spec);
     let path = PathBuf::from(format!("{}_{GATEWAY_VSOCK_PORT}", p.vsock_uds.display()));
-    let fail = |what: &str, e: &dyn std::fmt::Display| {
-        BackendError::Failed(format!("{what} {}: {e}", path.display()))
-    };
     match std::fs::remove_file(&path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(fail("cannot remove", &e)),
+        Err(e) => return Err(BackendError::file("cannot remove", &path)(e)),
     }
-    let listener =
-        std::os::unix::net::UnixListener::bind(&path).map_err(|e| fail("cannot listen on", &e))?;
+    let listener = std::os::unix::net::UnixListener::bind(&path)
+        .map_err(BackendError::file("cannot listen on", &path))?;
     if nix::unistd::Uid::effective().is_root() && spec.uid != 0 {
         nix::unistd::fchownat(
             nix::fcntl::AT_FDCWD,
@@ -147,7 +278,10 @@ fn gateway_socket(
             Some(nix::unistd::Gid::from_raw(spec.gid)),
             nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
         )
-        .map_err(|e| fail("cannot hand over", &e))?;
+        .map_err(|error| VmError::HandOver {
+            path: path.clone(),
+            error,
+        })?;
     }
     Ok(Some(listener))
 }
@@ -223,9 +357,7 @@ impl VmBackend {
         };
         match (result, self.settings.accel) {
             (Ok(()), _) => Ok((Accel::Kvm, "KVM".to_owned())),
-            (Err(e), AccelChoice::Kvm) => Err(fail(format!(
-                "vm.accel is \"kvm\" but KVM cannot run guests here: {e}; set vm.accel to \"auto\""
-            ))),
+            (Err(e), AccelChoice::Kvm) => Err(VmError::KvmRequired(e).into()),
             (Err(e), _) => Ok((Accel::Tcg, format!("TCG (KVM unusable: {e})"))),
         }
     }
@@ -249,10 +381,10 @@ impl VmBackend {
 
     fn qemu(&self) -> Result<PathBuf, BackendError> {
         qemu::find_program(std::slice::from_ref(&self.settings.qemu)).ok_or_else(|| {
-            fail(format!(
-                "QEMU ({}) is not installed: apt-get install qemu-system-x86, or set vm.qemu",
-                self.settings.qemu.display()
-            ))
+            VmError::NoQemu {
+                program: self.settings.qemu.clone(),
+            }
+            .into()
         })
     }
 
@@ -268,15 +400,14 @@ impl VmBackend {
             }));
         }
         qemu::find_program(&names).ok_or_else(|| {
-            fail(format!(
-                "vhost-device-vsock (the guest's control channel) is not installed: run \
-                 tests/install-tools.sh vhost-device-vsock, or set vm.vhost_vsock (looked for {})",
-                names
+            VmError::NoVhostVsock {
+                looked: names
                     .iter()
                     .map(|n| n.display().to_string())
                     .collect::<Vec<_>>()
-                    .join(", ")
-            ))
+                    .join(", "),
+            }
+            .into()
         })
     }
 
@@ -294,34 +425,25 @@ impl VmBackend {
             (ShareChoice::NineP, _) => Ok((Share::NineP, None)),
             (_, Some(v)) if root => Ok((Share::Virtiofs(p.fs_socket.clone()), Some(v))),
             (ShareChoice::Auto, _) => Ok((Share::NineP, None)),
-            (ShareChoice::Virtiofs, Some(_)) => Err(fail(
-                "vm.share is \"virtiofs\" but virtiofsd needs agentd to run as root; set vm.share to \"auto\"",
-            )),
-            (ShareChoice::Virtiofs, None) => Err(fail(
-                "vm.share is \"virtiofs\" but there is no virtiofsd (apt-get install qemu-system-common, or set vm.virtiofsd)",
-            )),
+            (ShareChoice::Virtiofs, Some(_)) => Err(VmError::VirtiofsNeedsRoot.into()),
+            (ShareChoice::Virtiofs, None) => Err(VmError::NoVirtiofsd.into()),
         }
     }
 
     fn image(&self) -> Result<(PathBuf, PathBuf, PathBuf), BackendError> {
         let Some(dir) = &self.settings.image else {
-            return Err(fail(
-                "no guest image is configured for the vm backend: build one with \
-                 guest-image/debian/build.sh (or nix build .#guest-image) and set vm.image \
-                 in agentd's config to its directory",
-            ));
+            return Err(VmError::NoImage.into());
         };
-        let file = |n: &str| {
+        let file = |n: &'static str| {
             let p = dir.join(n);
             if p.is_file() {
                 Ok(p)
             } else {
-                Err(fail(format!(
-                    "the guest image {} has no {n} ({} is missing); rebuild it with \
-                     guest-image/debian/build.sh",
-                    dir.display(),
-                    p.display()
-                )))
+                Err(VmError::ImageIncomplete {
+                    dir: dir.clone(),
+                    file: n,
+                    path: p,
+                })
             }
         };
         Ok((file("vmlinux")?, file("initrd")?, file("rootfs.img")?))
@@ -355,26 +477,29 @@ impl VmBackend {
             .stdin(Stdio::null())
             .output()
             .await
-            .map_err(|e| fail(format!("cannot run mke2fs (install e2fsprogs): {e}")))?;
+            .map_err(|error| BackendError::Spawn {
+                program: "mke2fs".to_owned(),
+                hint: " (install e2fsprogs)",
+                error,
+            })?;
         if !out.status.success() {
             let _ = std::fs::remove_file(&tmp);
-            return Err(fail(format!(
-                "mke2fs could not make the home disk {}: {}",
-                img.display(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+            return Err(VmError::HomeDisk {
+                image: img,
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            }
+            .into());
         }
         if let Some(r) = run_as {
             std::os::unix::fs::chown(&tmp, Some(r.uid), Some(r.gid))
-                .map_err(|e| fail(format!("cannot hand the home disk to uid {}: {e}", r.uid)))?;
+                .map_err(|error| VmError::HomeDiskOwner { uid: r.uid, error })?;
         }
         {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
-                .map_err(|e| fail(format!("cannot set the mode of {}: {e}", tmp.display())))?;
+                .map_err(BackendError::file("cannot set the mode of", &tmp))?;
         }
-        std::fs::rename(&tmp, &img)
-            .map_err(|e| fail(format!("cannot create {}: {e}", img.display())))?;
+        std::fs::rename(&tmp, &img).map_err(BackendError::file("cannot create", &img))?;
         Ok(img)
     }
 
@@ -404,11 +529,8 @@ impl VmBackend {
         let (accel, accel_why) = self.accel(&kernel).await?;
         let alias = format!("keystone-{}", spec.name);
         let dir = p.dir.clone();
-        tokio::task::spawn_blocking(move || ssh::provision(&dir, &alias))
-            .await
-            .map_err(|e| fail(e.to_string()))?
-            .map_err(fail)?;
-        let io = |what: &str, e: std::io::Error| fail(format!("cannot prepare {what}: {e}"));
+        tokio::task::spawn_blocking(move || ssh::provision(&dir, &alias)).await??;
+        let io = |what: &'static str, error: std::io::Error| VmError::Prepare { what, error };
         let run_as = run_as(spec, accel);
         std::fs::create_dir_all(&spec.log_dir).map_err(|e| io("the log directory", e))?;
         std::fs::create_dir_all(&spec.run_dir).map_err(|e| io("the run directory", e))?;
@@ -499,9 +621,8 @@ impl VmBackend {
             files,
             run_as,
         };
-        let json = serde_json::to_vec_pretty(&plan).map_err(|e| fail(e.to_string()))?;
-        crate::fsutil::atomic_write(&p.plan, &json)
-            .map_err(|e| fail(format!("cannot write run/vm-plan.json: {e}")))?;
+        let json = serde_json::to_vec_pretty(&plan)?;
+        crate::fsutil::atomic_write(&p.plan, &json).map_err(VmError::Plan)?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -520,10 +641,8 @@ impl VmBackend {
         unsafe {
             cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| fail(format!("cannot start the VM supervisor: {e}")))?;
-        let pid = i32::try_from(child.id()).map_err(|e| fail(e.to_string()))?;
+        let mut child = cmd.spawn().map_err(VmError::Supervisor)?;
+        let pid = i32::try_from(child.id()).map_err(VmError::Pid)?;
         let start_time = procfs::start_time(pid).unwrap_or(0);
         // Reap it when it ends (adopted supervisors are reaped by init).
         std::thread::spawn(move || child.wait());
@@ -563,11 +682,11 @@ impl VmBackend {
         let logs = || format!("{}{}", tail(&p.boot_log, 15), tail(&p.vm_log, 10));
         loop {
             if !self.is_alive(rt) {
-                return Err(fail(format!(
-                    "the VM of {} ended while booting{}",
-                    spec.name,
-                    logs()
-                )));
+                return Err(VmError::Ended {
+                    sandbox: spec.name.clone(),
+                    logs: logs(),
+                }
+                .into());
             }
             // Until the guest's vsock device is up there is nobody to ask.
             let last = if p.vsock_uds.exists() {
@@ -576,25 +695,26 @@ impl VmBackend {
                         tracing::info!(sandbox = %spec.name, secs = started.elapsed().as_secs_f64(), "guest answers");
                         return Ok(());
                     }
-                    Err(last) if ssh::host_key_refused(&last) => {
-                        return Err(fail(format!(
-                            "the guest of {} presented a host key other than the one agentd \
-                             provisioned for it; refusing to talk to it: {last}",
-                            spec.name
-                        )));
+                    Err(last) if last.host_key_refused() => {
+                        return Err(VmError::HostKeyChanged {
+                            sandbox: spec.name.clone(),
+                            error: last,
+                        }
+                        .into());
                     }
-                    Err(last) => last,
+                    Err(last) => Some(last),
                 }
             } else {
-                "its vsock device is not up".to_owned()
+                None
             };
             if started.elapsed() > limit {
-                return Err(BackendError::Timeout(format!(
-                    "the guest of {} did not answer on its control channel within {}s: {last}{}",
-                    spec.name,
-                    limit.as_secs(),
-                    logs()
-                )));
+                return Err(VmError::Silent {
+                    sandbox: spec.name.clone(),
+                    secs: limit.as_secs(),
+                    last,
+                    logs: logs(),
+                }
+                .into());
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

@@ -293,9 +293,7 @@ impl Manager {
             .sessions()
             .map_err(|m| Error::Backend {
                 name: sb.name.clone(),
-                source: crate::backend::BackendError::Failed(format!(
-                    "sessions are not available: {m}"
-                )),
+                source: crate::backend::BackendError::SessionsUnavailable(m),
             })
     }
 
@@ -404,10 +402,10 @@ impl Manager {
         if code != 0 {
             return Err(Error::Backend {
                 name: name.to_owned(),
-                source: crate::backend::BackendError::Failed(format!(
-                    "zellij kill-session {session} failed: {}",
-                    text.trim()
-                )),
+                source: crate::backend::BackendError::KillSession {
+                    session,
+                    output: text.trim().to_owned(),
+                },
             });
         }
         tracing::info!(sandbox = %name, %session, "session killed");

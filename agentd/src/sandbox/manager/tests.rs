@@ -48,7 +48,11 @@ impl Backend for FakeBackend {
     ) -> BoxFut<'a, std::result::Result<(), BackendError>> {
         self.stops.fetch_add(1, Ordering::SeqCst);
         let fails = self.stop_fails.lock().unwrap().clone();
-        Box::pin(async move { fails.map_or(Ok(()), |m| Err(BackendError::Failed(m))) })
+        Box::pin(async move {
+            fails.map_or(Ok(()), |m| {
+                Err(BackendError::Descriptor(std::io::Error::other(m)))
+            })
+        })
     }
 
     fn exec<'a>(
@@ -66,7 +70,11 @@ impl Backend for FakeBackend {
         _: ExecRequest,
         _: (u16, u16),
     ) -> BoxFut<'a, std::result::Result<TtyProcess, BackendError>> {
-        Box::pin(async { Err(BackendError::Failed("no terminals here".into())) })
+        Box::pin(async {
+            Err(BackendError::SessionsUnavailable(
+                "no terminals here".into(),
+            ))
+        })
     }
 
     fn listeners(&self, _: &Runtime) -> Vec<Listener> {
@@ -79,7 +87,11 @@ impl Backend for FakeBackend {
         _: std::net::IpAddr,
         _: u16,
     ) -> BoxFut<'a, std::result::Result<std::os::fd::OwnedFd, BackendError>> {
-        Box::pin(async { Err(BackendError::Failed("no connections here".into())) })
+        Box::pin(async {
+            Err(BackendError::Descriptor(std::io::Error::other(
+                "no connections here",
+            )))
+        })
     }
 
     fn is_alive(&self, _: &Runtime) -> bool {
