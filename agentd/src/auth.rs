@@ -87,9 +87,10 @@ pub fn describe_ids(uid: u32) -> String {
     if uid != me.as_raw() {
         return format!("uid {uid} of its own");
     }
-    let why = crate::subid::pool()
-        .err()
-        .unwrap_or("every subordinate id is in use, or it was started before ids were granted");
+    let why = crate::subid::pool().err().map_or_else(
+        || "every subordinate id is in use, or it was started before ids were granted".to_owned(),
+        ToString::to_string,
+    );
     format!("uid {uid}, agentd's own (no id of its own: {why})")
 }
 

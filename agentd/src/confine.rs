@@ -66,7 +66,7 @@ pub fn apply(c: &Confinement) -> Result<(), String> {
     if root {
         unshare(private).map_err(|e| format!("unshare: {e}"))?;
     } else if let Some(ids) = other {
-        crate::subid::enter(ids)?;
+        crate::subid::enter(ids).map_err(|e| e.to_string())?;
         unshare(private).map_err(|e| format!("unshare: {e}"))?;
     } else {
         unshare(CloneFlags::CLONE_NEWUSER | private).map_err(|e| format!("unshare: {e}"))?;

@@ -77,32 +77,107 @@ pub fn parse_range(text: &str, name: &str, uid: u32) -> Option<(u32, u32)> {
 /// wrappers first, then the usual places.
 const TOOL_DIRS: [&str; 3] = ["/run/wrappers/bin", "/usr/bin", "/bin"];
 
-fn tool(name: &str) -> Result<PathBuf, String> {
+/// Why there are no subordinate ids, or they could not be mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum SubidError {
+    /// `newuidmap` or `newgidmap` is missing.
+    #[error("{tool} is not installed (Debian: apt-get install uidmap)")]
+    NoTool {
+        /// Which.
+        tool: &'static str,
+    },
+    /// agentd runs as root (see [`crate::auth::SANDBOX_IDS`]).
+    #[error("agentd runs as root and uses its own id range")]
+    Root,
+    /// agentd's uid has no account to look up in the files.
+    #[error("uid {uid} has no account, so no subordinate ids")]
+    NoAccount {
+        /// agentd's uid.
+        uid: u32,
+    },
+    /// `/etc/subuid` or `/etc/subgid` could not be read.
+    #[error("cannot read {file}: {source}")]
+    Read {
+        /// The file.
+        file: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file grants the user no range.
+    #[error(
+        "{file} grants {user} no ids (add one: usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {user})"
+    )]
+    NoRange {
+        /// The file.
+        file: &'static str,
+        /// The user.
+        user: String,
+    },
+    /// `newuidmap` or `newgidmap` could not be run.
+    #[error("cannot run {tool}: {source}")]
+    Run {
+        /// Which.
+        tool: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `newuidmap` or `newgidmap` refused the maps; what it said.
+    #[error("{tool} {pid} {lines} failed: {message}")]
+    Refused {
+        /// Which.
+        tool: &'static str,
+        /// The process whose maps they were.
+        pid: Pid,
+        /// The map lines asked for.
+        lines: String,
+        /// Its stderr (at most 400 characters).
+        message: String,
+    },
+    /// A system call failed.
+    #[error("{call}: {source}")]
+    Sys {
+        /// Which.
+        call: &'static str,
+        /// Why.
+        #[source]
+        source: nix::Error,
+    },
+    /// The child that writes the maps did not succeed.
+    #[error("the id maps were not written ({0})")]
+    NotWritten(String),
+}
+
+fn sys(call: &'static str) -> impl FnOnce(nix::Error) -> SubidError {
+    move |source| SubidError::Sys { call, source }
+}
+
+fn tool(name: &'static str) -> Result<PathBuf, SubidError> {
     TOOL_DIRS
         .iter()
         .map(|d| Path::new(d).join(name))
         .find(|p| p.is_file())
-        .ok_or_else(|| format!("{name} is not installed (Debian: apt-get install uidmap)"))
+        .ok_or(SubidError::NoTool { tool: name })
 }
 
-fn detect() -> Result<Pool, String> {
+fn detect() -> Result<Pool, SubidError> {
     let uid = Uid::effective();
     if uid.is_root() {
-        return Err("agentd runs as root and uses its own id range".into());
+        return Err(SubidError::Root);
     }
     let user = User::from_uid(uid)
         .ok()
         .flatten()
-        .ok_or_else(|| format!("uid {uid} has no account, so no subordinate ids"))?;
+        .ok_or(SubidError::NoAccount { uid: uid.as_raw() })?;
     tool("newuidmap")?;
     tool("newgidmap")?;
-    let range = |file: &str| -> Result<(u32, u32), String> {
-        let text = std::fs::read_to_string(file).map_err(|e| format!("cannot read {file}: {e}"))?;
-        parse_range(&text, &user.name, uid.as_raw()).ok_or_else(|| {
-            format!(
-                "{file} grants {} no ids (add one: usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {})",
-                user.name, user.name
-            )
+    let range = |file: &'static str| -> Result<(u32, u32), SubidError> {
+        let text =
+            std::fs::read_to_string(file).map_err(|source| SubidError::Read { file, source })?;
+        parse_range(&text, &user.name, uid.as_raw()).ok_or_else(|| SubidError::NoRange {
+            file,
+            user: user.name.clone(),
         })
     };
     let (uid_start, uids) = range("/etc/subuid")?;
@@ -115,9 +190,9 @@ fn detect() -> Result<Pool, String> {
 }
 
 /// This process's pool, read once; or why there is none.
-pub fn pool() -> Result<&'static Pool, &'static str> {
-    static POOL: OnceLock<Result<Pool, String>> = OnceLock::new();
-    POOL.get_or_init(detect).as_ref().map_err(String::as_str)
+pub fn pool() -> Result<&'static Pool, &'static SubidError> {
+    static POOL: OnceLock<Result<Pool, SubidError>> = OnceLock::new();
+    POOL.get_or_init(detect).as_ref()
 }
 
 /// One line of a uid or gid map: `inside outside count`.
@@ -126,7 +201,7 @@ type Line = (u32, u32, u32);
 /// Write `uids` and `gids` as the maps of process `pid` with `newuidmap`
 /// and `newgidmap` (which check them against `/etc/subuid` and
 /// `/etc/subgid`). Blocks; for single-threaded helpers.
-pub fn write_maps(pid: Pid, uids: &[Line], gids: &[Line]) -> Result<(), String> {
+pub fn write_maps(pid: Pid, uids: &[Line], gids: &[Line]) -> Result<(), SubidError> {
     for (name, lines) in [("newuidmap", uids), ("newgidmap", gids)] {
         let mut cmd = std::process::Command::new(tool(name)?);
         cmd.arg(pid.to_string())
@@ -138,13 +213,15 @@ pub fn write_maps(pid: Pid, uids: &[Line], gids: &[Line]) -> Result<(), String> 
         }
         let out = cmd
             .output()
-            .map_err(|e| format!("cannot run {name}: {e}"))?;
+            .map_err(|source| SubidError::Run { tool: name, source })?;
         if !out.status.success() {
             let err = String::from_utf8_lossy(&out.stderr);
-            return Err(format!(
-                "{name} {pid} {lines:?} failed: {}",
-                err.chars().take(400).collect::<String>().trim()
-            ));
+            return Err(SubidError::Refused {
+                tool: name,
+                pid,
+                lines: format!("{lines:?}"),
+                message: err.chars().take(400).collect::<String>().trim().to_owned(),
+            });
         }
     }
     Ok(())
@@ -154,15 +231,15 @@ pub fn write_maps(pid: Pid, uids: &[Line], gids: &[Line]) -> Result<(), String> 
 /// its own ids and the sandbox's ids `sandbox` are mapped to themselves; it
 /// keeps every capability there (over files of both), until it changes ids.
 /// A child writes the maps from outside, as `newuidmap` requires.
-pub fn enter(sandbox: (u32, u32)) -> Result<(), String> {
+pub fn enter(sandbox: (u32, u32)) -> Result<(), SubidError> {
     let (uid, gid) = (Uid::effective().as_raw(), Gid::effective().as_raw());
     let uids = [(uid, uid, 1), (sandbox.0, sandbox.0, 1)];
     let gids = [(gid, gid, 1), (sandbox.1, sandbox.1, 1)];
     let parent = nix::unistd::getpid();
-    let (r, w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    let (r, w) = nix::unistd::pipe().map_err(sys("pipe"))?;
     // SAFETY: the caller is single-threaded; the child only reads a pipe,
     // runs two programs and exits.
-    match unsafe { nix::unistd::fork() }.map_err(|e| format!("fork: {e}"))? {
+    match unsafe { nix::unistd::fork() }.map_err(sys("fork"))? {
         ForkResult::Child => {
             drop(w);
             let mut b = [0u8; 1];
@@ -181,17 +258,17 @@ pub fn enter(sandbox: (u32, u32)) -> Result<(), String> {
         }
         ForkResult::Parent { child } => {
             drop(r);
-            let unshared = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER)
-                .map_err(|e| format!("unshare: {e}"));
+            let unshared =
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER).map_err(sys("unshare"));
             if unshared.is_ok() {
-                nix::unistd::write(&w, b"m").map_err(|e| format!("pipe: {e}"))?;
+                nix::unistd::write(&w, b"m").map_err(sys("pipe"))?;
             }
             drop(w);
             let status = nix::sys::wait::waitpid(child, None);
             unshared?;
             match status {
                 Ok(nix::sys::wait::WaitStatus::Exited(_, 0)) => Ok(()),
-                other => Err(format!("the id maps were not written ({other:?})")),
+                other => Err(SubidError::NotWritten(format!("{other:?}"))),
             }
         }
     }

@@ -289,7 +289,8 @@ fn write_id_maps(child: Pid, spec: &InitSpec) -> Result<(), String> {
             child,
             &[(0, spec.uid, 1), (1, uid, 1)],
             &[(0, spec.gid, 1), (1, gid, 1)],
-        )?;
+        )
+        .map_err(|e| e.to_string())?;
     } else {
         // Without privilege only our own ids can be mapped, and only after
         // giving up setgroups.
