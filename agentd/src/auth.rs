@@ -4,11 +4,11 @@
 //! the caller says about itself), and checks a project path by opening it in
 //! a helper process that runs with the caller's uid and groups.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use nix::unistd::{Gid, Uid, User};
 
-use crate::helper::{HelperError, RunAs};
+use crate::helper::HelperError;
 
 /// The identity of whoever made a D-Bus call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,20 +49,6 @@ impl crate::helper::Helper for CheckProject {
 
 /// How long checking a project may take.
 pub const CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Check, as `uid`, that `path` is a readable git repository; returns its
-/// canonical path.
-pub async fn check_project_as(exe: &Path, uid: u32, path: &Path) -> Result<PathBuf, HelperError> {
-    if Uid::effective().as_raw() == uid {
-        let path = path.to_owned();
-        return tokio::task::spawn_blocking(move || crate::git::workspace::check_project(&path))
-            .await
-            .map_err(HelperError::failed)?
-            .map_err(HelperError::Invalid);
-    }
-    crate::helper::run::<CheckProject>(exe, &RunAs::User(uid), &path.to_owned(), CHECK_TIMEOUT)
-        .await
-}
 
 /// The host uids (and gids) agentd gives sandboxes when it runs as root:
 /// 65,536 ids from `0x70000000`, above the ranges systemd hands to
