@@ -422,49 +422,44 @@ async fn two_syncs_of_one_sandbox_never_overlap() {
     assert_eq!(f.helpers.most_at_once.load(Ordering::SeqCst), 1);
 }
 
-#[tokio::test]
-async fn destroy_cuts_a_running_sync_short_before_it_removes_the_workspace() {
+/// Run `op` on sandbox `demo` with the helpers holding it, destroy the
+/// sandbox meanwhile, and check that the operation was cut short while the
+/// workspace was still there, and that the destroy finished.
+async fn destroy_while_held<T: std::fmt::Debug + Send + 'static>(
+    op: impl FnOnce(Arc<Manager>, Caller) -> BoxFut<'static, Result<T>>,
+) {
     let f = fixture();
     f.create().await;
     f.helpers.hold.store(true, Ordering::SeqCst);
-    let sync = {
-        let m = Arc::clone(&f.manager);
-        let me = f.me;
-        tokio::spawn(async move { m.sync(me, "demo", SyncOptions::default()).await })
-    };
+    let running = tokio::spawn(op(Arc::clone(&f.manager), f.me));
     f.helpers.entered.notified().await;
     // Bounded: a destroy that waited for the held operation would hang.
     tokio::time::timeout(Duration::from_secs(20), f.manager.destroy(f.me, "demo"))
         .await
         .expect("destroy waits for nothing the sandbox holds")
         .unwrap();
-    let err = sync.await.unwrap().unwrap_err();
+    let err = running.await.unwrap().unwrap_err();
     assert!(err.to_string().contains("cut short"), "{err}");
-    // The transfer ended while the workspace was still there.
+    // The helper ended while the workspace was still there.
     assert_eq!(*f.helpers.dropped.lock().unwrap(), [true]);
     assert!(!f.workspace("demo").exists());
     assert!(f.manager.snapshot("demo").is_none());
 }
 
 #[tokio::test]
+async fn destroy_cuts_a_running_sync_short_before_it_removes_the_workspace() {
+    destroy_while_held(|m, me| {
+        Box::pin(async move { m.sync(me, "demo", SyncOptions::default()).await })
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn destroy_cuts_a_running_worktree_operation_short_too() {
-    let f = fixture();
-    f.create().await;
-    f.helpers.hold.store(true, Ordering::SeqCst);
-    let add = {
-        let m = Arc::clone(&f.manager);
-        let me = f.me;
-        tokio::spawn(async move { m.add_worktree(me, "demo", "feat", None).await })
-    };
-    f.helpers.entered.notified().await;
-    // Bounded: a destroy that waited for the held operation would hang.
-    tokio::time::timeout(Duration::from_secs(20), f.manager.destroy(f.me, "demo"))
-        .await
-        .expect("destroy waits for nothing the sandbox holds")
-        .unwrap();
-    let err = add.await.unwrap().unwrap_err();
-    assert!(err.to_string().contains("cut short"), "{err}");
-    assert_eq!(*f.helpers.dropped.lock().unwrap(), [true]);
+    destroy_while_held(|m, me| {
+        Box::pin(async move { m.add_worktree(me, "demo", "feat", None).await })
+    })
+    .await;
 }
 
 #[tokio::test]
