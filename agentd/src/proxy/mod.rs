@@ -58,9 +58,9 @@ pub enum ConnectError {
     /// The sandbox is not running.
     #[error("sandbox '{0}' is not running")]
     NotRunning(String),
-    /// The sandbox's backend is not available.
-    #[error(transparent)]
-    Sandbox(#[from] crate::error::Error),
+    /// The sandbox's backend is not available in this agentd.
+    #[error("backend '{0}' is not available in this agentd")]
+    NoBackend(keystone_agent_api::BackendKind),
     /// The backend could not connect.
     #[error(transparent)]
     Backend(#[from] crate::backend::BackendError),

@@ -348,7 +348,10 @@ impl crate::proxy::Sandboxes for Manager {
                 .snapshot(name)
                 .filter(|s| s.state == SandboxState::Running)
                 .ok_or_else(|| crate::proxy::ConnectError::NotRunning(name.to_owned()))?;
-            let backend = Arc::clone(self.backend(sb.backend)?);
+            let backend = self
+                .backends
+                .get(&sb.backend)
+                .ok_or(crate::proxy::ConnectError::NoBackend(sb.backend))?;
             Ok(backend.connect(&self.spec(&sb), addr, port).await?)
         })
     }

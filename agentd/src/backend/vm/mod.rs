@@ -10,6 +10,7 @@
 //! pinned for the sandbox and one shared ssh connection; nothing listens
 //! on a host port. A sandbox is `running` once that sshd answers.
 
+mod error;
 pub mod qemu;
 mod settings;
 pub mod supervise;
@@ -32,6 +33,7 @@ use super::{
     Backend, BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess,
 };
 use crate::procfs;
+pub use error::VmError;
 use qemu::{Accel, Machine, Share};
 use supervise::{FileArg, Helper, Plan, RunAs, VM_ARG, fd_path};
 
@@ -41,144 +43,6 @@ pub struct VmBackend {
     settings: VmSettings,
     /// KVM check result, per kernel checked.
     kvm: tokio::sync::Mutex<Option<(PathBuf, Result<(), String>)>>,
-}
-
-/// A failure of the vm backend.
-#[derive(Debug, thiserror::Error)]
-pub enum VmError {
-    /// The gateway's socket could not be handed to the sandbox's uid.
-    #[error("cannot hand over {}: {error}", path.display())]
-    HandOver {
-        /// The socket.
-        path: PathBuf,
-        /// Why not.
-        error: nix::Error,
-    },
-    /// `vm.accel` asks for KVM, which cannot run guests here.
-    #[error("vm.accel is \"kvm\" but KVM cannot run guests here: {0}; set vm.accel to \"auto\"")]
-    KvmRequired(String),
-    /// QEMU is not installed.
-    #[error("QEMU ({}) is not installed: apt-get install qemu-system-x86, or set vm.qemu", program.display())]
-    NoQemu {
-        /// The program looked for.
-        program: PathBuf,
-    },
-    /// vhost-device-vsock is not installed.
-    #[error(
-        "vhost-device-vsock (the guest's control channel) is not installed: run \
-         tests/install-tools.sh vhost-device-vsock, or set vm.vhost_vsock (looked for {looked})"
-    )]
-    NoVhostVsock {
-        /// The programs looked for, comma-separated.
-        looked: String,
-    },
-    /// `vm.share` asks for virtiofs, which needs root.
-    #[error(
-        "vm.share is \"virtiofs\" but virtiofsd needs agentd to run as root; set vm.share to \"auto\""
-    )]
-    VirtiofsNeedsRoot,
-    /// `vm.share` asks for virtiofs, and there is no virtiofsd.
-    #[error(
-        "vm.share is \"virtiofs\" but there is no virtiofsd (apt-get install qemu-system-common, or set vm.virtiofsd)"
-    )]
-    NoVirtiofsd,
-    /// No guest image is configured.
-    #[error(
-        "no guest image is configured for the vm backend: build one with \
-         guest-image/debian/build.sh (or nix build .#guest-image) and set vm.image \
-         in agentd's config to its directory"
-    )]
-    NoImage,
-    /// The guest image lacks a file.
-    #[error(
-        "the guest image {} has no {file} ({} is missing); rebuild it with \
-         guest-image/debian/build.sh",
-        dir.display(),
-        path.display()
-    )]
-    ImageIncomplete {
-        /// The image's directory.
-        dir: PathBuf,
-        /// The file's name.
-        file: &'static str,
-        /// The file's path.
-        path: PathBuf,
-    },
-    /// A directory or file of the sandbox's VM could not be prepared.
-    #[error("cannot prepare {what}: {error}")]
-    Prepare {
-        /// Which one.
-        what: &'static str,
-        /// Why not.
-        error: std::io::Error,
-    },
-    /// mke2fs failed; what it printed.
-    #[error("mke2fs could not make the home disk {}: {stderr}", image.display())]
-    HomeDisk {
-        /// The home disk.
-        image: PathBuf,
-        /// mke2fs's stderr.
-        stderr: String,
-    },
-    /// The home disk could not be given to the uid QEMU runs as.
-    #[error("cannot hand the home disk to uid {uid}: {error}")]
-    HomeDiskOwner {
-        /// The uid.
-        uid: u32,
-        /// Why not.
-        error: std::io::Error,
-    },
-    /// The supervisor's plan could not be written.
-    #[error("cannot write run/vm-plan.json: {0}")]
-    Plan(crate::fsutil::WriteError),
-    /// The supervisor could not be started.
-    #[error("cannot start the VM supervisor: {0}")]
-    Supervisor(std::io::Error),
-    /// The supervisor's pid does not fit a pid.
-    #[error(transparent)]
-    Pid(#[from] std::num::TryFromIntError),
-    /// The VM ended before its guest answered.
-    #[error("the VM of {sandbox} ended while booting{logs}")]
-    Ended {
-        /// The sandbox.
-        sandbox: String,
-        /// The ends of its boot and VM logs.
-        logs: String,
-    },
-    /// The guest's sshd showed a host key other than the pinned one.
-    #[error(
-        "the guest of {sandbox} presented a host key other than the one agentd \
-         provisioned for it; refusing to talk to it: {error}"
-    )]
-    HostKeyChanged {
-        /// The sandbox.
-        sandbox: String,
-        /// What ssh said.
-        error: ssh::SshError,
-    },
-    /// The guest did not answer in time.
-    #[error(
-        "the guest of {sandbox} did not answer on its control channel within {secs}s: {}{logs}",
-        last.as_ref().map_or_else(|| "its vsock device is not up".to_owned(), ToString::to_string)
-    )]
-    Silent {
-        /// The sandbox.
-        sandbox: String,
-        /// The limit, in seconds.
-        secs: u64,
-        /// What ssh said last (`None`: the vsock device was not up yet).
-        last: Option<ssh::SshError>,
-        /// The ends of its boot and VM logs.
-        logs: String,
-    },
-}
-
-impl VmError {
-    /// Whether the operation ran out of time.
-    #[must_use]
-    pub fn is_timeout(&self) -> bool {
-        matches!(self, Self::Silent { .. })
-    }
 }
 
 /// The last `n` lines of a log file, indented, or "" when there are none.
