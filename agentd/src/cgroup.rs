@@ -24,6 +24,7 @@
 use std::fmt;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -96,13 +97,106 @@ impl fmt::Display for Created {
     }
 }
 
+/// Why agentd cannot use a controller.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Unavailable {
+    /// agentd's v1 group is outside the mounted hierarchy.
+    #[error("agentd's {controller} group (cgroup v1) is not below {}", mount.display())]
+    V1Outside {
+        /// The controller.
+        controller: &'static str,
+        /// The hierarchy's mount point.
+        mount: PathBuf,
+    },
+    /// agentd may not write its v1 group.
+    #[error(
+        "agentd may not create groups in {} (cgroup v1): {source}{}",
+        dir.display(),
+        if *root { "" } else { "; agentd is not root and has no delegated group there" }
+    )]
+    V1Denied {
+        /// agentd's group.
+        dir: PathBuf,
+        /// What `access(W_OK)` said.
+        #[source]
+        source: nix::Error,
+        /// Whether agentd runs as root.
+        root: bool,
+    },
+    /// agentd's v2 group has other controllers, not this one.
+    #[error(
+        "the {controller} controller is not delegated to {} (cgroup v2; run agentd with \
+         Delegate=yes)",
+        base.display()
+    )]
+    NotDelegated {
+        /// The controller.
+        controller: &'static str,
+        /// agentd's v2 group.
+        base: PathBuf,
+    },
+    /// No hierarchy at all.
+    #[error("no cgroup hierarchy (v1 or v2) has the controller")]
+    NoHierarchy,
+    /// agentd has no v2 group.
+    #[error("agentd is not in a cgroup v2 group")]
+    NotInV2,
+    /// agentd's v2 group is outside the mounted hierarchy.
+    #[error("agentd's cgroup v2 group is not mounted")]
+    V2Outside,
+    /// agentd's v2 group has none of the controllers it lacks in v1.
+    #[error(
+        "no cgroup v1 hierarchy has the controller, and it is not delegated to {} \
+         (cgroup v2; run agentd with Delegate=yes)",
+        .0.display()
+    )]
+    NoneDelegated(PathBuf),
+    /// Preparing agentd's v2 leaf failed.
+    #[error("cannot {what} {}: {source}", path.display())]
+    Leaf {
+        /// `create`, `move agentd into`.
+        what: &'static str,
+        /// The leaf's path (or its `cgroup.procs`).
+        path: PathBuf,
+        /// Why not.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// No controller could be enabled for agentd's v2 subtree.
+    #[error("{} ({})", enable_failures(.errors), base.display())]
+    CannotEnable {
+        /// agentd's v2 group.
+        base: PathBuf,
+        /// Each controller and why it could not be enabled.
+        errors: Vec<(Controller, Arc<std::io::Error>)>,
+    },
+}
+
+fn enable_failures(errors: &[(Controller, Arc<std::io::Error>)]) -> String {
+    errors
+        .iter()
+        .map(|(c, e)| format!("cannot enable {}: {e}", c.name()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Unavailable {
+    fn leaf<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Self + 'a {
+        move |e| Self::Leaf {
+            what,
+            path: path.to_owned(),
+            source: Arc::new(e),
+        }
+    }
+}
+
 /// What agentd can do with cgroups on this host, controller by controller.
 #[derive(Debug, Clone)]
 pub struct Cgroups {
     tag: String,
-    memory: Result<Place, String>,
-    pids: Result<Place, String>,
-    cpu: Result<Place, String>,
+    memory: Result<Place, Unavailable>,
+    pids: Result<Place, Unavailable>,
+    cpu: Result<Place, Unavailable>,
 }
 
 /// One line of `/proc/self/mountinfo` that mounts a cgroup file system.
@@ -191,7 +285,7 @@ impl Cgroups {
             .collect();
         let root = nix::unistd::Uid::effective().is_root();
         // v2 only matters for controllers no v1 hierarchy has.
-        let v1 = |ctl: Controller| -> Option<Result<Place, String>> {
+        let v1 = |ctl: Controller| -> Option<Result<Place, Unavailable>> {
             let mount = mounts.iter().find(|m| {
                 m.v1_controllers
                     .as_ref()
@@ -203,24 +297,15 @@ impl Cgroups {
                 ctls.split(',').any(|c| c == ctl.name()).then_some(path)
             });
             let Some(dir) = path.and_then(|p| group_dir(mount, p)) else {
-                return Some(Err(format!(
-                    "agentd's {} group (cgroup v1) is not below {}",
-                    ctl.name(),
-                    mount.point.display()
-                )));
+                return Some(Err(Unavailable::V1Outside {
+                    controller: ctl.name(),
+                    mount: mount.point.clone(),
+                }));
             };
             Some(
                 match nix::unistd::access(&dir, nix::unistd::AccessFlags::W_OK) {
                     Ok(()) => Ok(Place::V1(dir)),
-                    Err(e) => Err(format!(
-                        "agentd may not create groups in {} (cgroup v1): {e}{}",
-                        dir.display(),
-                        if root {
-                            ""
-                        } else {
-                            "; agentd is not root and has no delegated group there"
-                        }
-                    )),
+                    Err(source) => Err(Unavailable::V1Denied { dir, source, root }),
                 },
             )
         };
@@ -229,7 +314,8 @@ impl Cgroups {
             .filter(|c| v1(*c).is_none())
             .collect();
         let v2 = if wanted_v2.is_empty() {
-            Err(String::new())
+            // Never read: every controller has its v1 hierarchy.
+            Err(Unavailable::NoHierarchy)
         } else {
             Self::prepare_v2(mounts, own, &wanted_v2, prepare_v2)
         };
@@ -237,12 +323,10 @@ impl Cgroups {
             Some(p) => p,
             None => match &v2 {
                 Ok((base, enabled)) if enabled.contains(&ctl) => Ok(Place::V2(base.clone())),
-                Ok((base, _)) => Err(format!(
-                    "the {} controller is not delegated to {} (cgroup v2; run agentd with \
-                     Delegate=yes)",
-                    ctl.name(),
-                    base.display()
-                )),
+                Ok((base, _)) => Err(Unavailable::NotDelegated {
+                    controller: ctl.name(),
+                    base: base.clone(),
+                }),
                 Err(e) => Err(e.clone()),
             },
         };
@@ -260,16 +344,16 @@ impl Cgroups {
         own: &str,
         wanted: &[Controller],
         prepare: bool,
-    ) -> Result<(PathBuf, Vec<Controller>), String> {
+    ) -> Result<(PathBuf, Vec<Controller>), Unavailable> {
         let mount = mounts
             .iter()
             .find(|m| m.v1_controllers.is_none())
-            .ok_or("no cgroup hierarchy (v1 or v2) has the controller")?;
+            .ok_or(Unavailable::NoHierarchy)?;
         let rel = own
             .lines()
             .find_map(|l| l.strip_prefix("0::"))
-            .ok_or("agentd is not in a cgroup v2 group")?;
-        let base = group_dir(mount, rel).ok_or("agentd's cgroup v2 group is not mounted")?;
+            .ok_or(Unavailable::NotInV2)?;
+        let base = group_dir(mount, rel).ok_or(Unavailable::V2Outside)?;
         let available = fs::read_to_string(base.join("cgroup.controllers")).unwrap_or_default();
         let available: Vec<Controller> = wanted
             .iter()
@@ -277,11 +361,7 @@ impl Cgroups {
             .filter(|c| available.split_whitespace().any(|a| a == c.name()))
             .collect();
         if available.is_empty() {
-            return Err(format!(
-                "no cgroup v1 hierarchy has the controller, and it is not delegated to {} \
-                 (cgroup v2; run agentd with Delegate=yes)",
-                base.display()
-            ));
+            return Err(Unavailable::NoneDelegated(base));
         }
         if !prepare {
             return Ok((base, available));
@@ -289,9 +369,9 @@ impl Cgroups {
         // A cgroup with processes cannot hand controllers to children: move
         // agentd into a leaf of its own first.
         let leaf = base.join("agentd");
-        fs::create_dir_all(&leaf).map_err(|e| format!("cannot create {}: {e}", leaf.display()))?;
+        fs::create_dir_all(&leaf).map_err(Unavailable::leaf("create", &leaf))?;
         fs::write(leaf.join("cgroup.procs"), std::process::id().to_string())
-            .map_err(|e| format!("cannot move agentd into {}: {e}", leaf.display()))?;
+            .map_err(Unavailable::leaf("move agentd into", &leaf))?;
         let mut enabled = Vec::new();
         let mut errors = Vec::new();
         for ctl in available {
@@ -300,16 +380,16 @@ impl Cgroups {
                 format!("+{}", ctl.name()),
             ) {
                 Ok(()) => enabled.push(ctl),
-                Err(e) => errors.push(format!("cannot enable {}: {e}", ctl.name())),
+                Err(e) => errors.push((ctl, Arc::new(e))),
             }
         }
         if enabled.is_empty() {
-            return Err(format!("{} ({})", errors.join(", "), base.display()));
+            return Err(Unavailable::CannotEnable { base, errors });
         }
         Ok((base, enabled))
     }
 
-    fn place(&self, ctl: Controller) -> &Result<Place, String> {
+    fn place(&self, ctl: Controller) -> &Result<Place, Unavailable> {
         match ctl {
             Controller::Memory => &self.memory,
             Controller::Pids => &self.pids,
@@ -502,8 +582,14 @@ mod tests {
         }
         let own = "8:pids:/\n4:memory:/ci/job\n1:cpu:/\n0::/\n";
         let c = Cgroups::probe(Path::new("/s"), &parse_mountinfo(&mountinfo), own, false);
-        assert_eq!(c.memory, Ok(Place::V1(tmp.path().join("memory/ci/job"))));
-        assert_eq!(c.pids, Ok(Place::V1(tmp.path().join("pids"))));
+        assert_eq!(
+            c.memory.as_ref().ok(),
+            Some(&Place::V1(tmp.path().join("memory/ci/job")))
+        );
+        assert_eq!(
+            c.pids.as_ref().ok(),
+            Some(&Place::V1(tmp.path().join("pids")))
+        );
         assert!(c.unavailable().is_none());
         let made = c.create(
             "demo",

@@ -153,24 +153,35 @@ pub struct MicrovmConfig {
     pub gateway_listen: Option<String>,
 }
 
+/// What is wrong with the gateway's address, as [`DaemonConfig::validate`]
+/// words it.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayAddressError {
+    /// `gateway_listen` is not a usable IPv4 socket address.
+    #[error(
+        "microvm.gateway_listen '{0}' must be an IPv4 address and a port other than 0, \
+         like 10.231.0.1:3128"
+    )]
+    Listen(String),
+    /// `subnet` does not parse.
+    #[error("microvm.subnet: {0}")]
+    Subnet(#[source] crate::naming::SubnetError),
+}
+
 impl MicrovmConfig {
     /// The gateway's address: `gateway_listen`, else `A.B.0.1:3128`.
     ///
     /// # Errors
-    /// What is wrong with `gateway_listen` or `subnet`, as
-    /// [`DaemonConfig::validate`] words it.
-    pub fn gateway(&self) -> Result<std::net::SocketAddrV4, String> {
+    /// What is wrong with `gateway_listen` or `subnet`.
+    pub fn gateway(&self) -> Result<std::net::SocketAddrV4, GatewayAddressError> {
         match &self.gateway_listen {
             Some(listen) => match listen.parse::<std::net::SocketAddrV4>() {
                 Ok(a) if a.port() != 0 && !a.ip().is_unspecified() => Ok(a),
-                _ => Err(format!(
-                    "microvm.gateway_listen '{listen}' must be an IPv4 address and a port \
-                     other than 0, like 10.231.0.1:3128"
-                )),
+                _ => Err(GatewayAddressError::Listen(listen.clone())),
             },
             None => crate::naming::host_address(&self.subnet)
                 .map(|ip| std::net::SocketAddrV4::new(ip, crate::egress::GATEWAY_ADDR.port()))
-                .map_err(|e| format!("microvm.subnet: {e}")),
+                .map_err(GatewayAddressError::Subnet),
         }
     }
 }
@@ -461,7 +472,7 @@ impl DaemonConfig {
         }
         if self.microvm.gateway_listen.is_some() {
             if let Err(e) = self.microvm.gateway() {
-                p.push(e);
+                p.push(e.to_string());
             }
         }
         if self.vm.image.as_ref().is_some_and(|i| !i.is_absolute()) {

@@ -242,7 +242,8 @@ fn add_mode(fd: &OwnedFd, add: u32) -> nix::Result<()> {
     Ok(())
 }
 
-/// A failed step of [`atomic_write`].
+/// A failed step of writing a file or directory ([`atomic_write`] and
+/// others).
 #[derive(Debug, thiserror::Error)]
 #[error("Cannot {what} {}: {source}", path.display())]
 pub struct WriteError {
@@ -255,11 +256,17 @@ pub struct WriteError {
     pub source: std::io::Error,
 }
 
-fn step<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> WriteError + 'a {
-    move |source| WriteError {
-        what,
-        path: path.to_owned(),
-        source,
+impl WriteError {
+    /// A `map_err` for step `what` on `path`.
+    pub fn of<'a>(
+        what: &'static str,
+        path: &'a Path,
+    ) -> impl FnOnce(std::io::Error) -> WriteError + 'a {
+        move |source| WriteError {
+            what,
+            path: path.to_owned(),
+            source,
+        }
     }
 }
 
@@ -279,14 +286,14 @@ pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
         .mode(0o600)
         .custom_flags(nix::libc::O_NOFOLLOW)
         .open(&tmp)
-        .map_err(step("create", &tmp))?;
-    f.write_all(bytes).map_err(step("write", &tmp))?;
-    f.sync_all().map_err(step("fsync", &tmp))?;
+        .map_err(WriteError::of("create", &tmp))?;
+    f.write_all(bytes).map_err(WriteError::of("write", &tmp))?;
+    f.sync_all().map_err(WriteError::of("fsync", &tmp))?;
     drop(f);
-    fs::rename(&tmp, path).map_err(step("rename onto", path))?;
+    fs::rename(&tmp, path).map_err(WriteError::of("rename onto", path))?;
     File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(step("fsync", dir))?;
+        .map_err(WriteError::of("fsync", dir))?;
     Ok(())
 }
 

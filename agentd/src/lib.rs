@@ -117,7 +117,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         stop_grace: Duration::from_secs(u64::from(config.local.stop_grace_seconds)),
         start_timeout: Duration::from_secs(u64::from(config.local.start_timeout_seconds)),
         guest_dir,
-        sessions: zellij.map(|_| ()),
+        sessions: zellij.map(|_| ()).map_err(Arc::new),
     }));
     let microvm = Arc::new(MicrovmBackend::new(MicrovmSettings {
         systemd_bus: config.microvm.systemd_bus.clone(),
@@ -128,10 +128,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         start_timeout: Duration::from_secs(u64::from(config.microvm.start_timeout_seconds)),
         state_dir: dir.clone(),
         // DaemonConfig::load has checked it.
-        gateway: config
-            .microvm
-            .gateway()
-            .map_err(|e| anyhow::anyhow!("{e}"))?,
+        gateway: config.microvm.gateway()?,
     }));
     let vm = Arc::new(VmBackend::new(VmSettings {
         exe: exe.clone(),

@@ -7,7 +7,7 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use crate::fsutil::atomic_write;
+use crate::fsutil::{WriteError, atomic_write};
 
 /// The Zellij release agentd's sessions are made for (client and server
 /// must be the same version).
@@ -40,10 +40,42 @@ fn cached_zellij() -> Option<PathBuf> {
     Some(cache.join(format!("zellij-{ZELLIJ_PINNED}/bin/zellij")))
 }
 
+/// Why sessions are not available: no usable Zellij.
+#[derive(Debug, thiserror::Error)]
+pub enum ZellijError {
+    /// None configured, on `PATH` or in the cache.
+    #[error(
+        "no zellij found on PATH or in the cache; install Zellij {ZELLIJ_PINNED} with \
+         `tests/install-zellij.sh` and restart agentd (or pass --zellij PATH)"
+    )]
+    NotFound,
+    /// The binary does not run.
+    #[error("cannot run {} --version: {source}", path.display())]
+    Run {
+        /// The binary.
+        path: PathBuf,
+        /// Why not.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The binary is another release.
+    #[error(
+        "{} is '{version}', but sessions need Zellij {ZELLIJ_VERSION}.x; install it with \
+         `tests/install-zellij.sh` and pass --zellij PATH",
+        path.display()
+    )]
+    Version {
+        /// The binary.
+        path: PathBuf,
+        /// What `--version` printed.
+        version: String,
+    },
+}
+
 /// The Zellij binary to give sandboxes: `configured`, else `zellij` on
 /// `PATH`, else the cached build of `tests/install-zellij.sh`. Checks that
 /// it runs and is the right release.
-pub fn find_zellij(configured: Option<&Path>) -> Result<PathBuf, String> {
+pub fn find_zellij(configured: Option<&Path>) -> Result<PathBuf, ZellijError> {
     let path = match configured {
         Some(p) => p.to_owned(),
         None => std::env::var_os("PATH")
@@ -52,24 +84,15 @@ pub fn find_zellij(configured: Option<&Path>) -> Result<PathBuf, String> {
             .map(|d| d.join("zellij"))
             .chain(cached_zellij())
             .find(|p| p.is_file())
-            .ok_or_else(|| {
-                format!(
-                    "no zellij found on PATH or in the cache; install Zellij {ZELLIJ_PINNED} with \
-                     `tests/install-zellij.sh` and restart agentd (or pass --zellij PATH)"
-                )
-            })?,
+            .ok_or(ZellijError::NotFound)?,
     };
-    let out = std::process::Command::new(&path)
-        .arg("--version")
-        .output()
-        .map_err(|e| format!("cannot run {} --version: {e}", path.display()))?;
+    let out = match std::process::Command::new(&path).arg("--version").output() {
+        Ok(out) => out,
+        Err(source) => return Err(ZellijError::Run { path, source }),
+    };
     let version = String::from_utf8_lossy(&out.stdout).trim().to_owned();
     if !version.starts_with(&format!("zellij {ZELLIJ_VERSION}.")) {
-        return Err(format!(
-            "{} is '{version}', but sessions need Zellij {ZELLIJ_VERSION}.x; install it with \
-             `tests/install-zellij.sh` and pass --zellij PATH",
-            path.display()
-        ));
+        return Err(ZellijError::Version { path, version });
     }
     Ok(path)
 }
@@ -77,23 +100,23 @@ pub fn find_zellij(configured: Option<&Path>) -> Result<PathBuf, String> {
 /// Assemble `<state>/guest` (shown at `/run/keystone` in sandboxes):
 /// `share/zellij/{config.kdl,layout.kdl}` always, `bin/zellij` from
 /// `zellij` when there is one. Returns the directory.
-pub fn install(state_dir: &Path, zellij: Option<&Path>) -> Result<PathBuf, String> {
+pub fn install(state_dir: &Path, zellij: Option<&Path>) -> Result<PathBuf, WriteError> {
     let dir = state_dir.join("guest");
     let share = dir.join("share/zellij");
     let bin = dir.join("bin");
     for d in [&dir, &dir.join("share"), &share, &bin] {
-        fs::create_dir_all(d).map_err(|e| format!("cannot create {}: {e}", d.display()))?;
+        fs::create_dir_all(d).map_err(WriteError::of("create", d))?;
         // Readable by every sandbox uid (root's sandboxes run as nobody).
         fs::set_permissions(d, fs::Permissions::from_mode(0o755))
-            .map_err(|e| format!("cannot set the mode of {}: {e}", d.display()))?;
+            .map_err(WriteError::of("set the mode of", d))?;
     }
     for (name, text) in [("config.kdl", CONFIG_KDL), ("layout.kdl", LAYOUT_KDL)] {
         let path = share.join(name);
         if fs::read_to_string(&path).ok().as_deref() != Some(text) {
-            atomic_write(&path, text.as_bytes()).map_err(|e| e.to_string())?;
+            atomic_write(&path, text.as_bytes())?;
         }
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644))
-            .map_err(|e| format!("cannot set the mode of {}: {e}", path.display()))?;
+            .map_err(WriteError::of("set the mode of", &path))?;
     }
     let target = bin.join("zellij");
     match zellij {
@@ -105,9 +128,7 @@ pub fn install(state_dir: &Path, zellij: Option<&Path>) -> Result<PathBuf, Strin
                 fs::copy(src, &tmp)
                     .and_then(|_| fs::set_permissions(&tmp, fs::Permissions::from_mode(0o755)))
                     .and_then(|()| fs::rename(&tmp, &target))
-                    .map_err(|e| {
-                        format!("cannot copy {} to {}: {e}", src.display(), target.display())
-                    })?;
+                    .map_err(WriteError::of("copy Zellij to", &target))?;
             }
         }
         None => {
@@ -165,7 +186,7 @@ mod tests {
         let fake = dir.path().join("zellij");
         fs::write(&fake, "#!/bin/sh\necho zellij 0.44.0\n").unwrap();
         fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
-        let err = find_zellij(Some(&fake)).unwrap_err();
+        let err = find_zellij(Some(&fake)).unwrap_err().to_string();
         assert!(err.contains("0.44.0") && err.contains("0.45"), "{err}");
         fs::write(&fake, "#!/bin/sh\necho zellij 0.45.1\n").unwrap();
         assert_eq!(find_zellij(Some(&fake)).unwrap(), fake);

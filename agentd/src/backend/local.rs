@@ -12,6 +12,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keystone_agent_api::BackendKind;
@@ -24,6 +25,7 @@ use crate::cgroup::{self, Cgroups};
 use crate::guest::init::{InitReport, InitSpec};
 use crate::guest::{INIT_ARG, proto};
 use crate::procfs;
+use crate::tools::ZellijError;
 
 /// Host paths shown read-only inside every local sandbox (where present).
 pub const DEFAULT_RO_PATHS: &[&str] = &[
@@ -55,11 +57,12 @@ pub enum LocalError {
     },
     /// The supervisor's brief could not be written to it.
     #[error("cannot brief the supervisor: {0}")]
-    Brief(std::io::Error),
+    Brief(#[source] std::io::Error),
     /// The supervisor's report is not JSON of a report.
     #[error("unreadable answer from the supervisor ({error}): {line}")]
     UnreadableReport {
         /// Why it does not parse.
+        #[source]
         error: serde_json::Error,
         /// The line it wrote.
         line: String,
@@ -91,13 +94,14 @@ pub enum LocalError {
         /// The control socket.
         socket: PathBuf,
         /// The last failure to reach it.
+        #[source]
         error: std::io::Error,
         /// The end of the sandbox's log (see [`log_tail`]).
         log: String,
     },
     /// The control socket could not be reached, or did not answer.
     #[error("cannot reach the sandbox's control socket: {0}")]
-    Unreachable(std::io::Error),
+    Unreachable(#[source] std::io::Error),
     /// The control server refused the request; its message.
     #[error("{0}")]
     Refused(String),
@@ -145,7 +149,7 @@ pub struct LocalSettings {
     /// [`crate::tools`]).
     pub guest_dir: Option<PathBuf>,
     /// Whether sessions work, or why not.
-    pub sessions: Result<(), String>,
+    pub sessions: Result<(), Arc<ZellijError>>,
 }
 
 /// The local namespace backend.
@@ -607,7 +611,7 @@ impl Backend for LocalBackend {
         })
     }
 
-    fn sessions(&self) -> Result<(), String> {
+    fn sessions(&self) -> Result<(), Arc<ZellijError>> {
         self.settings.sessions.clone()
     }
 

@@ -117,6 +117,7 @@ pub enum MicrovmError {
         /// `system` or the bus address.
         bus: String,
         /// Why not.
+        #[source]
         error: zbus::Error,
     },
     /// A D-Bus call to systemd failed.
@@ -124,13 +125,14 @@ pub enum MicrovmError {
     Dbus(#[from] zbus::Error),
     /// systemd refused to send unit signals.
     #[error("systemd refused Subscribe: {0}")]
-    Subscribe(zbus::Error),
+    Subscribe(#[source] zbus::Error),
     /// systemd cannot load the sandbox's unit.
     #[error("systemd does not know {unit}: {error}")]
     UnknownUnit {
         /// The unit.
         unit: String,
         /// systemd's answer.
+        #[source]
         error: zbus::Error,
     },
     /// systemd refused a start or stop job.
@@ -141,6 +143,7 @@ pub enum MicrovmError {
         /// The unit.
         unit: String,
         /// systemd's answer.
+        #[source]
         error: zbus::Error,
     },
     /// The unit failed (or went back to inactive) while starting.
@@ -191,6 +194,7 @@ pub enum MicrovmError {
         /// The known-hosts file with the pin.
         pin: PathBuf,
         /// What ssh said.
+        #[source]
         error: ssh::SshError,
     },
     /// The guest's sshd did not answer in time.
@@ -205,6 +209,7 @@ pub enum MicrovmError {
         /// The limit, in seconds.
         secs: u64,
         /// What ssh said last.
+        #[source]
         error: ssh::SshError,
     },
     /// The sandbox's derived names cannot be computed.
@@ -218,6 +223,7 @@ pub enum MicrovmError {
         /// The sandbox.
         sandbox: String,
         /// Why it does not parse.
+        #[source]
         error: std::net::AddrParseError,
     },
 }

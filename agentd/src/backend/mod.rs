@@ -146,6 +146,7 @@ pub enum BackendError {
         /// The file or directory.
         path: PathBuf,
         /// Why not.
+        #[source]
         error: std::io::Error,
     },
     /// A file could not be replaced.
@@ -159,6 +160,7 @@ pub enum BackendError {
         /// How to get it, when it may be missing (with a leading space).
         hint: &'static str,
         /// Why not.
+        #[source]
         error: std::io::Error,
     },
     /// A pipe, socket, terminal or process of agentd's own side failed.
@@ -183,7 +185,7 @@ pub enum BackendError {
     },
     /// The backend cannot run Zellij sessions; the reason says why.
     #[error("sessions are not available: {0}")]
-    SessionsUnavailable(String),
+    SessionsUnavailable(#[source] std::sync::Arc<crate::tools::ZellijError>),
     /// `zellij kill-session` failed; what it printed.
     #[error("zellij kill-session {session} failed: {output}")]
     KillSession {
@@ -317,7 +319,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> BoxFut<'a, Result<TtyProcess, BackendError>>;
 
     /// Whether Zellij sessions work in this backend's sandboxes, or why not.
-    fn sessions(&self) -> Result<(), String> {
+    fn sessions(&self) -> Result<(), std::sync::Arc<crate::tools::ZellijError>> {
         Ok(())
     }
 

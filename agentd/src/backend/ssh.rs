@@ -28,7 +28,7 @@ pub enum SshError {
     },
     /// `ssh` could not be run.
     #[error("cannot run ssh (install openssh-client): {0}")]
-    Missing(std::io::Error),
+    Missing(#[source] std::io::Error),
     /// `ssh` ran and failed; what it printed on stderr.
     #[error("{0}")]
     Said(String),

@@ -193,6 +193,7 @@ enum GatewayError {
         /// The name.
         host: String,
         /// The resolver's answer.
+        #[source]
         error: std::io::Error,
     },
     /// The name lookup took too long.
@@ -210,6 +211,7 @@ enum GatewayError {
         /// The destination.
         to: SocketAddr,
         /// Why not.
+        #[source]
         error: std::io::Error,
     },
     /// Connecting to the destination took too long.

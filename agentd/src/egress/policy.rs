@@ -84,14 +84,27 @@ pub enum Rule {
     },
 }
 
+/// An egress entry that does not parse, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "egress entry '{}' {why} (examples: example.com, *.example.com, example.com:22, 10.0.0.0/8, 192.0.2.1/32:443, [fd00::]/8:443)",
+    entry.escape_debug()
+)]
+pub struct BadRule {
+    /// The entry as given.
+    pub entry: String,
+    /// What is wrong with it: `is not an address range`, ...
+    pub why: &'static str,
+}
+
 impl Rule {
     /// Parse an entry; the error says what is wrong with it.
-    pub fn parse(entry: &str) -> Result<Self, String> {
-        let bad = |why: &str| {
-            Err(format!(
-                "egress entry '{}' {why} (examples: example.com, *.example.com, example.com:22, 10.0.0.0/8, 192.0.2.1/32:443, [fd00::]/8:443)",
-                entry.escape_debug()
-            ))
+    pub fn parse(entry: &str) -> Result<Self, BadRule> {
+        let bad = |why: &'static str| {
+            Err(BadRule {
+                entry: entry.to_owned(),
+                why,
+            })
         };
         if entry.is_empty() || entry.len() > 260 {
             return bad("must be 1 to 260 characters");

@@ -186,9 +186,24 @@ pub fn head_branch(git_dir: &Path) -> Option<String> {
     valid_branch(&branch).then_some(branch)
 }
 
+/// Why a ref file was skipped.
+#[derive(Debug, thiserror::Error)]
+enum Skipped {
+    #[error("is a symlink; skipped")]
+    Symlink,
+    #[error("is not a regular file; skipped")]
+    NotRegular,
+    #[error("is {len} bytes, more than {max}; skipped")]
+    TooLarge { len: u64, max: u64 },
+    #[error("{0}")]
+    Open(#[source] std::io::Error),
+    #[error("unreadable: {0}")]
+    Read(#[source] std::io::Error),
+}
+
 /// Read a regular file (never through a symlink, never blocking on a FIFO)
 /// of at most `max` bytes.
-fn read_regular(path: &Path, max: u64) -> Result<Option<String>, String> {
+fn read_regular(path: &Path, max: u64) -> Result<Option<String>, Skipped> {
     let f = match fs::OpenOptions::new()
         .read(true)
         .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
@@ -196,22 +211,23 @@ fn read_regular(path: &Path, max: u64) -> Result<Option<String>, String> {
     {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) if e.raw_os_error() == Some(nix::libc::ELOOP) => {
-            return Err("is a symlink; skipped".to_owned());
-        }
-        Err(e) => return Err(e.to_string()),
+        Err(e) if e.raw_os_error() == Some(nix::libc::ELOOP) => return Err(Skipped::Symlink),
+        Err(e) => return Err(Skipped::Open(e)),
     };
-    let meta = f.metadata().map_err(|e| e.to_string())?;
+    let meta = f.metadata().map_err(Skipped::Open)?;
     if !meta.is_file() {
-        return Err("is not a regular file; skipped".to_owned());
+        return Err(Skipped::NotRegular);
     }
     if meta.len() > max {
-        return Err(format!("is {} bytes, more than {max}; skipped", meta.len()));
+        return Err(Skipped::TooLarge {
+            len: meta.len(),
+            max,
+        });
     }
     let mut text = String::new();
     f.take(max)
         .read_to_string(&mut text)
-        .map_err(|e| format!("unreadable: {e}"))?;
+        .map_err(Skipped::Read)?;
     Ok(Some(text))
 }
 

@@ -36,6 +36,7 @@ pub enum CaddyError {
         /// The admin API's address.
         base: String,
         /// Why not.
+        #[source]
         error: hyper_util::client::legacy::Error,
     },
     /// The answer could not be read, or was too large.
@@ -46,6 +47,7 @@ pub enum CaddyError {
         /// The request's path.
         path: String,
         /// Why not.
+        #[source]
         error: Box<dyn std::error::Error + Send + Sync>,
     },
     /// Caddy took too long.

@@ -46,7 +46,7 @@ pub enum ProxyError {
     Caddy(#[from] caddy::CaddyError),
     /// A forwarder's loopback listener could not be opened.
     #[error("cannot open a forwarder: {0}")]
-    Forwarder(std::io::Error),
+    Forwarder(#[source] std::io::Error),
     /// A forwarder's listener has no address.
     #[error(transparent)]
     ForwarderAddress(std::io::Error),

@@ -13,11 +13,12 @@ pub enum VmError {
         /// The socket.
         path: PathBuf,
         /// Why not.
+        #[source]
         error: nix::Error,
     },
     /// `vm.accel` asks for KVM, which cannot run guests here.
     #[error("vm.accel is \"kvm\" but KVM cannot run guests here: {0}; set vm.accel to \"auto\"")]
-    KvmRequired(String),
+    KvmRequired(#[source] std::sync::Arc<super::qemu::KvmUnusable>),
     /// QEMU is not installed.
     #[error("QEMU ({}) is not installed: apt-get install qemu-system-x86, or set vm.qemu", program.display())]
     NoQemu {
@@ -71,6 +72,7 @@ pub enum VmError {
         /// Which one.
         what: &'static str,
         /// Why not.
+        #[source]
         error: std::io::Error,
     },
     /// mke2fs failed; what it printed.
@@ -87,14 +89,15 @@ pub enum VmError {
         /// The uid.
         uid: u32,
         /// Why not.
+        #[source]
         error: std::io::Error,
     },
     /// The supervisor's plan could not be written.
     #[error("cannot write run/vm-plan.json: {0}")]
-    Plan(crate::fsutil::WriteError),
+    Plan(#[source] crate::fsutil::WriteError),
     /// The supervisor could not be started.
     #[error("cannot start the VM supervisor: {0}")]
-    Supervisor(std::io::Error),
+    Supervisor(#[source] std::io::Error),
     /// The supervisor's pid does not fit a pid.
     #[error(transparent)]
     Pid(#[from] std::num::TryFromIntError),
@@ -115,6 +118,7 @@ pub enum VmError {
         /// The sandbox.
         sandbox: String,
         /// What ssh said.
+        #[source]
         error: ssh::SshError,
     },
     /// The guest did not answer in time.

@@ -22,6 +22,7 @@ use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use keystone_agent_api::BackendKind;
@@ -37,12 +38,15 @@ pub use error::VmError;
 use qemu::{Accel, Machine, Share};
 use supervise::{FileArg, Helper, Plan, RunAs, VM_ARG, fd_path};
 
+/// The kernel KVM was last checked with, and the answer.
+type KvmCheck = (PathBuf, Result<(), Arc<qemu::KvmUnusable>>);
+
 /// The QEMU microVM backend.
 #[derive(Debug)]
 pub struct VmBackend {
     settings: VmSettings,
     /// KVM check result, per kernel checked.
-    kvm: tokio::sync::Mutex<Option<(PathBuf, Result<(), String>)>>,
+    kvm: tokio::sync::Mutex<Option<KvmCheck>>,
 }
 
 /// The last `n` lines of a log file, indented, or "" when there are none.
@@ -208,7 +212,9 @@ impl VmBackend {
         let result = match cached.as_ref() {
             Some((k, r)) if k == kernel => r.clone(),
             _ => {
-                let r = qemu::probe_kvm(&self.qemu()?, kernel).await;
+                let r = qemu::probe_kvm(&self.qemu()?, kernel)
+                    .await
+                    .map_err(Arc::new);
                 match &r {
                     Ok(()) => tracing::info!("KVM runs guests here: using it"),
                     Err(e) => {

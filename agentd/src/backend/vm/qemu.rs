@@ -185,17 +185,38 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
     a
 }
 
+/// Why KVM cannot run guests here.
+#[derive(Debug, thiserror::Error)]
+pub enum KvmUnusable {
+    /// `/dev/kvm` is missing or not ours.
+    #[error("cannot open /dev/kvm: {0}")]
+    Device(#[source] std::io::Error),
+    /// QEMU could not be started.
+    #[error("cannot run {}: {source}", qemu.display())]
+    Run {
+        /// The QEMU binary.
+        qemu: PathBuf,
+        /// Why not.
+        #[source]
+        source: std::io::Error,
+    },
+    /// QEMU refused KVM (its first line of stderr).
+    #[error("QEMU ended before the kernel started under KVM: {0}")]
+    Refused(String),
+    /// The kernel stayed silent.
+    #[error("the kernel printed nothing within 3s under KVM")]
+    Silent,
+}
+
 /// Whether KVM can run this kernel: the guest must print its first kernel
 /// line within a few seconds under `accel=kvm`. `/dev/kvm` existing is not
 /// enough (some hosts' KVM runs only special guests).
-pub async fn probe_kvm(qemu: &Path, kernel: &Path) -> Result<(), String> {
-    if let Err(e) = std::fs::OpenOptions::new()
+pub async fn probe_kvm(qemu: &Path, kernel: &Path) -> Result<(), KvmUnusable> {
+    std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/kvm")
-    {
-        return Err(format!("cannot open /dev/kvm: {e}"));
-    }
+        .map_err(KvmUnusable::Device)?;
     let mut child = tokio::process::Command::new(qemu)
         .args([
             "-machine",
@@ -221,7 +242,10 @@ pub async fn probe_kvm(qemu: &Path, kernel: &Path) -> Result<(), String> {
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", qemu.display()))?;
+        .map_err(|source| KvmUnusable::Run {
+            qemu: qemu.to_path_buf(),
+            source,
+        })?;
     let mut out = child.stdout.take().expect("piped");
     let mut seen = Vec::new();
     let booted = tokio::time::timeout(Duration::from_secs(3), async {
@@ -246,11 +270,10 @@ pub async fn probe_kvm(qemu: &Path, kernel: &Path) -> Result<(), String> {
     }
     match booted {
         Ok(true) => Ok(()),
-        Ok(false) => Err(format!(
-            "QEMU ended before the kernel started under KVM: {}",
-            err.lines().next().unwrap_or("no message").trim()
+        Ok(false) => Err(KvmUnusable::Refused(
+            err.lines().next().unwrap_or("no message").trim().to_owned(),
         )),
-        Err(_) => Err("the kernel printed nothing within 3s under KVM".to_owned()),
+        Err(_) => Err(KvmUnusable::Silent),
     }
 }
 

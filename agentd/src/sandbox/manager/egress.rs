@@ -238,11 +238,11 @@ impl Manager {
         let parsed = match &change {
             EgressChange::Allow(e) | EgressChange::Deny(e) | EgressChange::Remove(e) => Some(
                 Rule::parse(e)
-                    .map_err(|m| Error::Invalid(vec![m]))?
+                    .map_err(|m| Error::Invalid(vec![m.to_string()]))?
                     .to_string(),
             ),
             EgressChange::AllowOnce(e) => {
-                let rule = Rule::parse(e).map_err(|m| Error::Invalid(vec![m]))?;
+                let rule = Rule::parse(e).map_err(|m| Error::Invalid(vec![m.to_string()]))?;
                 let n = self.pending_of(name).admit_once(&rule);
                 tracing::info!(sandbox = %name, entry = %rule, waiting = n, "egress allowed once");
                 return self.egress_view(caller, name);

@@ -19,16 +19,11 @@ impl Manager {
             caller.uid,
             (kind, detail),
             started,
-            result
-                .as_ref()
-                .map(|r| r.exit_code)
-                .map_err(ToString::to_string),
+            result.as_ref().map(|r| r.exit_code),
         );
         result
     }
 
-    /// Append `entry` to sandbox `name`'s history (`logs/history.jsonl`,
-    /// append-only, one JSON object per line).
     /// Record in `name`'s history a command run for `uid` since `started`:
     /// its exit code, or -1 and why it failed.
     pub(super) fn record_run(
@@ -37,11 +32,11 @@ impl Manager {
         uid: u32,
         (kind, detail): (String, String),
         started: SystemTime,
-        outcome: std::result::Result<i32, String>,
+        outcome: std::result::Result<i32, impl std::fmt::Display>,
     ) {
         let (exit_code, error) = match outcome {
             Ok(c) => (c, String::new()),
-            Err(e) => (-1, crate::text::clamp_text(&e).into_owned()),
+            Err(e) => (-1, crate::text::clamp_text(&e.to_string()).into_owned()),
         };
         let detail = crate::text::clamp_text(&detail).into_owned();
         self.record(
@@ -59,6 +54,8 @@ impl Manager {
         );
     }
 
+    /// Append `entry` to sandbox `name`'s history (`logs/history.jsonl`,
+    /// append-only, one JSON object per line).
     pub(super) fn record(&self, name: &str, entry: HistoryEntry) {
         let path = self
             .store

@@ -184,13 +184,7 @@ impl Manager {
         tokio::spawn(async move {
             let result = proc.exit.await;
             let exit_code = *result.as_ref().unwrap_or(&-1);
-            this.record_run(
-                &sandbox,
-                caller.uid,
-                (kind, detail),
-                started,
-                result.map_err(|e| e.to_string()),
-            );
+            this.record_run(&sandbox, caller.uid, (kind, detail), started, result);
             let _ = tx.send(Some(exit_code));
             // Nobody asked in time: forget it.
             tokio::time::sleep(KEEP_EXITED).await;

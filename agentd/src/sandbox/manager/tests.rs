@@ -71,9 +71,9 @@ impl Backend for FakeBackend {
         _: (u16, u16),
     ) -> BoxFut<'a, std::result::Result<TtyProcess, BackendError>> {
         Box::pin(async {
-            Err(BackendError::SessionsUnavailable(
-                "no terminals here".into(),
-            ))
+            Err(BackendError::SessionsUnavailable(Arc::new(
+                crate::tools::ZellijError::NotFound,
+            )))
         })
     }
 
