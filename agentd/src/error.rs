@@ -120,6 +120,20 @@ pub enum WorkspaceError {
         #[source]
         source: std::io::Error,
     },
+    /// An empty workspace directory that agentd did not make cannot be
+    /// removed to clone into its place.
+    #[error(
+        "{} is an empty directory agentd did not make, and it cannot be removed ({source}); \
+         remove it and start the sandbox again",
+        path.display()
+    )]
+    Foreign {
+        /// The directory.
+        path: PathBuf,
+        /// Why not.
+        #[source]
+        source: std::io::Error,
+    },
     /// What an earlier sandbox of the same name left cannot be removed.
     #[error(
         "{} is left from an earlier sandbox of this name and cannot be removed{}; \

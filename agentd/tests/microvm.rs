@@ -24,6 +24,14 @@ const SUBNET: &str = "127.0.0.0/16";
 /// agentd with the double; every guest's sshd on 127.0.0.1 (`ssh_host`),
 /// the gateway on a loopback port (returned).
 fn setup() -> Option<(Env, FakeSystemd, SocketAddrV4)> {
+    setup_with(|_| serde_json::json!({}))
+}
+
+/// [`setup`] with `sandboxes` (given the test's environment) declared in
+/// agentd's configuration.
+fn setup_with(
+    sandboxes: impl FnOnce(&Env) -> serde_json::Value,
+) -> Option<(Env, FakeSystemd, SocketAddrV4)> {
     if !is_root() {
         eprintln!("skipped: the stand-in guest (sshd in a mount namespace) needs root");
         return None;
@@ -34,6 +42,7 @@ fn setup() -> Option<(Env, FakeSystemd, SocketAddrV4)> {
     let fake = FakeSystemd::start(&env.address, env.state_dir.clone(), port);
     let config = env.tmp.path().join("agentd.json");
     let cfg = serde_json::json!({
+        "sandboxes": sandboxes(&env),
         "microvm": {
             "systemd_bus": env.address,
             "ssh_user": "root",
@@ -141,6 +150,49 @@ fn a_microvm_sandbox_runs_as_a_systemd_unit_reached_over_pinned_ssh() {
         "{err}"
     );
     assert_eq!(env.state("vm"), "error");
+}
+
+#[test]
+fn the_first_start_of_a_declared_sandbox_takes_over_the_share_directories_made_at_activation() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    // What microvm.nix's host module does at activation, before agentd ever
+    // starts the sandbox: a tmpfiles `d` rule for every share source, made
+    // microvm:kvm 0775 (uid 65534 stands in for microvm here). A member of
+    // kvm has planted a key of its own in the guest's key directory.
+    let Some((env, _fake, _)) = setup_with(|env| {
+        let repo = env.repo("declared");
+        let dir = env.state_dir.join("sandboxes/declared");
+        for share in ["workspace", "ssh"] {
+            let d = dir.join(share);
+            std::fs::create_dir_all(&d).unwrap();
+            std::os::unix::fs::chown(&d, Some(65534), Some(65534)).unwrap();
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o775)).unwrap();
+        }
+        std::fs::write(
+            dir.join("ssh/authorized_keys"),
+            "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB7hY3k2b2Wb2cI4vYqT7m3nJ6x1i5r3n0m6c8Yc6P2Q intruder
+",
+        )
+        .unwrap();
+        serde_json::json!({"declared": {"project": repo, "owner": "root", "backend": "microvm"}})
+    }) else {
+        return;
+    };
+    env.ok(&["start", "declared"]);
+    assert_eq!(env.state("declared"), "running");
+    // The workspace is the project's clone, not the empty directory.
+    assert_eq!(
+        env.ok(&["exec", "declared", "--", "cat", "README.md"]),
+        "# declared\n"
+    );
+    // The key directory is agentd's, 0755, and holds agentd's key only.
+    let dir = env.state_dir.join("sandboxes/declared");
+    let m = std::fs::metadata(dir.join("ssh")).unwrap();
+    assert_eq!((m.uid(), m.gid(), m.mode() & 0o7777), (0, 0, 0o755));
+    let authorized = std::fs::read_to_string(dir.join("ssh/authorized_keys")).unwrap();
+    let ours = std::fs::read_to_string(dir.join("client/id_ed25519.pub")).unwrap();
+    assert_eq!(authorized, ours);
+    assert!(!authorized.contains("intruder"));
 }
 
 #[test]

@@ -336,9 +336,12 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), BackendError> {
     let guest = dir.join("ssh");
     let client = dir.join("client");
     for (d, mode) in [(&guest, 0o755), (&client, 0o700)] {
-        fs::create_dir_all(d).map_err(BackendError::file("cannot create", d))?;
-        fs::set_permissions(d, fs::Permissions::from_mode(mode))
-            .map_err(BackendError::file("cannot set the mode of", d))?;
+        if own_dir(d, mode)? {
+            tracing::warn!(
+                path = %d.display(),
+                "a key directory agentd did not make was emptied; the guest's keys are made anew"
+            );
+        }
     }
     let host_key = guest.join("ssh_host_ed25519_key");
     let client_key = client.join("id_ed25519");
@@ -393,6 +396,40 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), BackendError> {
     // sshd refuses a host key others can read.
     fs::set_permissions(&host_key, fs::Permissions::from_mode(0o600))
         .map_err(BackendError::file("cannot set the mode of", &host_key))
+}
+
+/// Make directory `path` agentd's own, with `mode`, whoever made it; true
+/// when it was someone else's. Such a directory (microvm.nix's tmpfiles rule
+/// makes every share source `microvm:kvm` 0775 at activation) may hold
+/// files others planted there, such as an `authorized_keys` of their own:
+/// it is emptied first. Never follows a symlink.
+fn own_dir(path: &Path, mode: u32) -> Result<bool, BackendError> {
+    use nix::fcntl::{OFlag, open};
+    use nix::sys::stat::{Mode, fchmod, fstat};
+    let io = |what: &'static str| {
+        move |e: nix::Error| BackendError::file(what, path)(std::io::Error::from(e))
+    };
+    match nix::unistd::mkdir(path, Mode::from_bits_truncate(mode)) {
+        Ok(()) | Err(nix::Error::EEXIST) => {}
+        Err(e) => return Err(io("cannot create")(e)),
+    }
+    let dir = open(
+        path,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io("cannot open"))?;
+    let st = fstat(&dir).map_err(io("cannot read"))?;
+    let (uid, gid) = (nix::unistd::geteuid(), nix::unistd::getegid());
+    let foreign = st.st_uid != uid.as_raw() || st.st_gid != gid.as_raw() || st.st_mode & 0o022 != 0;
+    if foreign {
+        // Nobody else may add files while it is being emptied.
+        fchmod(&dir, Mode::S_IRWXU).map_err(io("cannot set the mode of"))?;
+        nix::unistd::fchown(&dir, Some(uid), Some(gid)).map_err(io("cannot take over"))?;
+        crate::fsutil::empty_dir(&dir).map_err(io("cannot empty"))?;
+    }
+    fchmod(&dir, Mode::from_bits_truncate(mode)).map_err(io("cannot set the mode of"))?;
+    Ok(foreign)
 }
 
 /// Parse what the listener script prints: `/proc/net/tcp{,6}` lines, `--`,
@@ -453,6 +490,42 @@ pub fn exit_code(status: std::process::ExitStatus) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_directory_made_by_others_is_emptied_and_taken_over() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().join("ssh");
+        // As microvm.nix's tmpfiles rule leaves it: writable by a group,
+        // and (as root) another user's; with a key planted in it.
+        fs::create_dir(&d).unwrap();
+        fs::set_permissions(&d, fs::Permissions::from_mode(0o775)).unwrap();
+        fs::write(d.join("authorized_keys"), "ssh-ed25519 AAAA intruder\n").unwrap();
+        fs::create_dir(d.join("sub")).unwrap();
+        fs::write(d.join("sub/file"), "x").unwrap();
+        let root = nix::unistd::geteuid().is_root();
+        if root {
+            std::os::unix::fs::chown(&d, Some(65534), Some(65534)).unwrap();
+        }
+        assert!(own_dir(&d, 0o755).unwrap());
+        assert_eq!(fs::read_dir(&d).unwrap().count(), 0);
+        let m = fs::metadata(&d).unwrap();
+        assert_eq!(m.permissions().mode() & 0o7777, 0o755);
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(m.uid(), nix::unistd::geteuid().as_raw());
+        assert_eq!(m.gid(), nix::unistd::getegid().as_raw());
+
+        // Its own directory keeps what is in it.
+        fs::write(d.join("authorized_keys"), "ssh-ed25519 AAAA agentd\n").unwrap();
+        assert!(!own_dir(&d, 0o755).unwrap());
+        assert!(d.join("authorized_keys").exists());
+
+        // A symlink in its place is refused, not followed.
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&d, &link).unwrap();
+        let err = own_dir(&link, 0o755).unwrap_err().to_string();
+        assert!(err.contains("cannot open") && err.contains("link"), "{err}");
+        assert!(d.join("authorized_keys").exists());
+    }
 
     #[test]
     fn forwarding_specs_bracket_ipv6() {

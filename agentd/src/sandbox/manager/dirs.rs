@@ -117,6 +117,21 @@ impl Manager {
                 source: Some(source),
             })
         })?;
+        // An empty workspace directory is not a workspace (one always has
+        // `.git`) but somebody else's: microvm.nix's tmpfiles rule makes
+        // every share source at activation, before the first start. The
+        // clone takes its place.
+        if procfs::is_real_dir(&spec.workspace)
+            && std::fs::read_dir(&spec.workspace).is_ok_and(|mut d| d.next().is_none())
+        {
+            tracing::info!(sandbox = %sb.name, "the workspace directory is empty: cloning into its place");
+            std::fs::remove_dir(&spec.workspace).map_err(|source| {
+                wsfail(WorkspaceError::Foreign {
+                    path: spec.workspace.clone(),
+                    source,
+                })
+            })?;
+        }
         // Files of a sandbox that ran under other ids (before each had its
         // own) follow it to its own.
         if root || subordinate {
