@@ -162,22 +162,20 @@
       nixosModules = {
         # The host module with microvm.nix's host module and this flake's
         # package: all a configuration needs.
+        # microvm.host.enable keeps microvm.nix's own default (on): a host
+        # that runs other microVMs with Keystone Agent off keeps them.
         default =
-          {
-            config,
-            lib,
-            pkgs,
-            ...
-          }:
+          { lib, pkgs, ... }:
+          let
+            packages = self.packages.${pkgs.stdenv.hostPlatform.system};
+          in
           {
             imports = [
               microvm.nixosModules.host
               ./nixos-modules/host
             ];
-            keystone.agent.package = lib.mkDefault self.packages.${pkgs.stdenv.hostPlatform.system}.default;
-            # microvm.nix's host side (user microvm, tun, KSM, ...) only where
-            # Keystone Agent is on.
-            microvm.host.enable = lib.mkDefault config.keystone.agent.enable;
+            keystone.agent.package = lib.mkDefault packages.default;
+            keystone.agent.vm.image = lib.mkDefault packages.guest-image;
           };
         # The bare host module: bring microvm.nix's host module and
         # keystone.agent.package yourself.

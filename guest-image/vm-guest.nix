@@ -315,7 +315,7 @@ in
     };
 
     # The root disk is thrown away at stop: keep the journal in memory.
-    services.journald.extraConfig = "Storage=volatile";
+    services.journald.storage = "volatile";
     # Slow under TCG, and nothing a sandbox needs.
     systemd.services.mount-pstore.enable = false;
 

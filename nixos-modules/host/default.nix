@@ -241,11 +241,16 @@ in
       environment.AGENTD_LOG = lib.mkDefault "info";
       # ssh and ssh-keygen reach and provision the guests (socat carries ssh
       # over vsock to guests without a network); git for helpers that shell
-      # out.
+      # out; QEMU, virtiofsd and vhost-device-vsock for the guests of the vm
+      # backend, which agentd boots itself (found on PATH: agentd.json names
+      # none of them).
       path = [
         pkgs.openssh
         pkgs.socat
         pkgs.git
+        pkgs.qemu_kvm
+        pkgs.virtiofsd
+        pkgs.vhost-device-vsock
       ];
 
       serviceConfig = {
@@ -339,6 +344,15 @@ in
 
     # --- Sandboxes as microVMs ---------------------------------------------------
     microvm.vms = lib.genAttrs vmNames sandboxVm;
+
+    # microvm.nix's host module makes every share source microvm:kvm 0775 at
+    # activation (its tmpfiles rule "10-microvm"). The workspace and the key
+    # directory are agentd's to make: the workspace as a clone of the project
+    # at the first start, ssh/ as a directory only agentd writes. Made by the
+    # rule, the first start would find an empty workspace it must not clone
+    # over and a key directory that members of kvm can write and the guest's
+    # sshd refuses (agentd copes with both, but nobody else should get them).
+    systemd.tmpfiles.settings."10-microvm" = lib.genAttrs (pure.shareSources cfg) (_: lib.mkForce { });
 
     # vhost-vsock: agentd reaches every guest over vsock (QEMU's vhost-vsock).
     boot.kernelModules = [ "vhost_vsock" ];
@@ -436,11 +450,21 @@ in
     # allows.
     networking.firewall.interfaces.${bridge}.allowedTCPPorts = [ pure.gatewayPort ];
 
-    # NetworkManager, where it runs, must leave the bridge and taps alone.
-    networking.networkmanager.unmanaged = [
-      "interface-name:${bridge}"
-      "interface-name:ks*"
-    ];
+    # systemd-networkd configures only the two networks above. On a host
+    # whose own interfaces are not networkd's, systemd-networkd-wait-online
+    # would have nothing to wait for (both are RequiredForOnline=no) and
+    # fail after its timeout at every boot.
+    systemd.network.wait-online.enable = lib.mkIf (
+      !pure.waitOnlineUseful {
+        inherit (config.networking) useNetworkd;
+        networks = builtins.attrNames config.systemd.network.networks;
+      }
+    ) (lib.mkDefault false);
+
+    # NetworkManager and dhcpcd, where they run, must leave the bridge and
+    # taps alone (dhcpcd would ask for addresses on them).
+    networking.networkmanager.unmanaged = map (i: "interface-name:${i}") pure.sandboxInterfaces;
+    networking.dhcpcd.denyInterfaces = pure.sandboxInterfaces;
 
     # --- Dev-server links ------------------------------------------------------------
     # agentd owns a server of its own in Caddy (`keystone-agent`, on :443),

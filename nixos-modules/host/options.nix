@@ -201,6 +201,7 @@ let
           type = types.nullOr (
             types.enum [
               "microvm"
+              "vm"
               "local"
             ]
           );
@@ -208,8 +209,11 @@ let
           example = "local";
           description = ''
             Backend of this sandbox; `null` takes {option}`keystone.agent.backend`.
-            `local` runs it in Linux namespaces on the host (no VM, no
-            `microvm.vms` entry; not a security boundary against a hostile agent).
+            `vm` is a QEMU microVM that agentd boots itself from
+            {option}`keystone.agent.vm.image` (no `microvm.vms` entry, no tap:
+            its only way out is the egress gateway over vsock). `local` runs
+            it in Linux namespaces on the host (no VM, no `microvm.vms` entry;
+            not a security boundary against a hostile agent).
           '';
         };
         autostart = lib.mkOption {
@@ -288,6 +292,7 @@ in
     backend = lib.mkOption {
       type = types.enum [
         "microvm"
+        "vm"
         "kubernetes"
       ];
       default = d.backend;
@@ -296,6 +301,45 @@ in
         `--backend`. `kubernetes` is reserved and refused for now.
         agentd: `default_backend`.
       '';
+    };
+
+    vm = {
+      image = lib.mkOption {
+        type = types.nullOr types.path;
+        default = d.vm.image;
+        defaultText = lib.literalExpression "keystone-agent.packages.\${system}.guest-image (with the flake's nixosModules.default)";
+        description = ''
+          Directory of the `vm` backend's guest image (vmlinux, initrd,
+          rootfs.img, image.json; docs/guest-image.md). `null`: the `vm`
+          backend refuses to start sandboxes. agentd: `vm.image`.
+        '';
+      };
+      accel = lib.mkOption {
+        type = types.enum [
+          "auto"
+          "kvm"
+          "tcg"
+        ];
+        default = d.vm.accel;
+        description = ''
+          How `vm` guests run: `auto` uses KVM when it can run a guest here
+          and TCG (emulation, slow) otherwise; `kvm` refuses to start without
+          it. agentd: `vm.accel`.
+        '';
+      };
+      share = lib.mkOption {
+        type = types.enum [
+          "auto"
+          "virtiofs"
+          "9p"
+        ];
+        default = d.vm.share;
+        description = ''
+          How the workspace reaches `vm` guests: `auto` is virtiofs (agentd
+          runs virtiofsd, as root) where it can and 9p otherwise. agentd:
+          `vm.share`.
+        '';
+      };
     };
 
     microvm = {

@@ -25,8 +25,11 @@
 # (./firewall.nix renders the rules that make it their only way out).
 let
   inherit (builtins)
+    any
     attrNames
     concatLists
+    concatMap
+    elem
     concatStringsSep
     elemAt
     filter
@@ -122,6 +125,12 @@ let
       hypervisor = "qemu";
       homeSize = 10240;
     };
+    # null: no image (the flake's module sets its guest-image package).
+    vm = {
+      image = null;
+      accel = "auto";
+      share = "auto";
+    };
     kubernetes = {
       context = "";
       namespace = "agent-sandboxes";
@@ -186,6 +195,7 @@ let
     // {
       defaults = section "defaults";
       microvm = section "microvm";
+      vm = section "vm";
       kubernetes = section "kubernetes";
       proxy = section "proxy";
       network = section "network";
@@ -286,6 +296,44 @@ let
   tapSandboxes =
     cfg: filter (name: (sandboxSettings cfg name).network != "none") (microvmSandboxes cfg);
 
+  # --- The host's side of the guests ------------------------------------------
+
+  # agentd's directory of sandbox `name` on the host.
+  sandboxDir = name: "${stateDir}/sandboxes/${name}";
+
+  # The host directories that microvm.nix guests get as shares (besides the
+  # store). agentd makes them, the workspace as a clone of the project and
+  # ssh/ as a directory of its own; microvm.nix's host module would make
+  # each one microvm:kvm 0775 at activation (a tmpfiles rule per share
+  # source), before agentd could, so the module takes them out of that rule.
+  shareSources =
+    cfg:
+    concatMap (name: [
+      "${sandboxDir name}/workspace"
+      "${sandboxDir name}/ssh"
+    ]) (microvmSandboxes cfg);
+
+  # Interfaces that belong to the sandboxes: the bridge and the taps
+  # ("ks" + 13 hex digits). No DHCP client or network manager may touch
+  # them (globs as dhcpcd's denyinterfaces and NetworkManager take them).
+  sandboxInterfaces = [
+    bridgeName
+    "ks*"
+  ];
+
+  # The systemd-networkd networks the module defines.
+  ownNetworks = [
+    "40-${bridgeName}"
+    "41-keystone-taps"
+  ];
+
+  # Whether systemd-networkd-wait-online has something to wait for: the
+  # host's own interfaces are networkd's (networking.useNetworkd), or it
+  # defines networks of its own. The module's links are all
+  # RequiredForOnline=no, so on a host without either it would only time out.
+  waitOnlineUseful =
+    { useNetworkd, networks }: useNetworkd || any (n: !(elem n ownNetworks)) networks;
+
   # --- agentd's JSON configuration -------------------------------------------
 
   renderSettings = s: listToAttrs (map (key: {
@@ -331,6 +379,10 @@ let
         inherit (c.network) subnet;
       }
       // optionalAttrs (listen != null) { gateway_listen = listen; };
+      vm = {
+        inherit (c.vm) accel share;
+      }
+      // optionalAttrs (c.vm.image != null) { image = toString c.vm.image; };
       sandboxes = mapAttrs (_: renderSandbox) c.sandboxes;
     };
 
@@ -401,6 +453,19 @@ let
           "keystone.agent.proxy.domain: '${toString c.proxy.domain}' is not a lowercase DNS name"
         ++ map (m: "keystone.agent.defaults: ${m}") (settingsProblems c.defaults);
 
+      # microvm.nix passes the module's CPU flags (nestedVirt) to QEMU only,
+      # and cloud-hypervisor's vsock is a unix socket on the host, which
+      # agentd's `ssh vsock/<cid>` cannot reach.
+      cloudHypervisorProblems =
+        name:
+        let
+          s = sandboxSettings c name;
+        in
+        optional (s.network == "none")
+          "network \"none\" is reached over vsock, which cloud-hypervisor offers only as a unix socket agentd cannot use; give the sandbox a network or set keystone.agent.microvm.hypervisor to \"qemu\""
+        ++ optional s.nestedVirt
+          "nestedVirt is passed to QEMU only; set nestedVirt = false for this sandbox (or in keystone.agent.defaults) or set keystone.agent.microvm.hypervisor to \"qemu\"";
+
       perSandbox =
         name:
         let
@@ -415,6 +480,13 @@ let
           ++ clashes name "tapId" "tap interface"
           ++ clashes name "address" "address"
           ++ clashes name "cid" "vsock CID"
+          ++ optional (sandboxBackend c name == "vm" && c.vm.image == null)
+            "the vm backend needs keystone.agent.vm.image (the flake's nixosModules.default sets it to the guest-image package)"
+          ++ concatLists (
+            optional (
+              c.microvm.hypervisor == "cloud-hypervisor" && elem name vmNames
+            ) (cloudHypervisorProblems name)
+          )
         );
     in
     global ++ concatLists (map perSandbox names);
@@ -438,6 +510,11 @@ in
     sandboxSettings
     sandboxBackend
     microvmSandboxes
+    sandboxDir
+    shareSources
+    sandboxInterfaces
+    ownNetworks
+    waitOnlineUseful
     renderConfig
     nameRule
     validName

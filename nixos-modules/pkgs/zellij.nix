@@ -19,8 +19,12 @@ rustPlatform.buildRustPackage rec {
     hash = "sha256-WKwI493DjSig9f+nRJu0YHNVKb9dwr0lIvVAvWawa8k=";
   };
 
-  # The crate ships its Cargo.lock; every dependency comes from crates.io.
-  cargoLock.lockFile = "${src}/Cargo.lock";
+  # A copy of the Cargo.lock the crate ships (every dependency comes from
+  # crates.io). Reading "${src}/Cargo.lock" instead would be
+  # import-from-derivation: evaluation would have to build src first, which
+  # fails wherever that is off (Hydra, `nix flake show`). tests/nix/check.sh
+  # checks that the copy equals the crate's.
+  cargoLock.lockFile = ./zellij.Cargo.lock;
 
   # The default features minus `vendored_curl`: link nixpkgs' curl.
   buildNoDefaultFeatures = true;

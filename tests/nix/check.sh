@@ -202,6 +202,42 @@ else
   fail "validate: backend = \"kubernetes\": $kube"
 fi
 
+# The module's decisions about the host (nixos-modules/host/default.nix
+# applies them; each was a defect of a first `nixos-rebuild switch`).
+expect() {
+  local what=$1 expr=$2 want=$3 got
+  if got=$(nix_json "$expr" 2>&1) && [[ $got == "$want" ]]; then
+    pass "$what"
+  else
+    fail "$what"
+    echo "        want: $want"
+    echo "        got:  $got"
+  fi
+}
+ws=/var/lib/keystone-agent/sandboxes
+expect "shareSources: the workspace and ssh/ of every microvm sandbox leave microvm.nix's tmpfiles rule" \
+  "(import $lib).shareSources (import $good)" \
+  "[\"$ws/batch/workspace\",\"$ws/batch/ssh\",\"$ws/docs/workspace\",\"$ws/docs/ssh\",\"$ws/webapp/workspace\",\"$ws/webapp/ssh\"]"
+expect "sandboxInterfaces: dhcpcd and NetworkManager leave the bridge and the taps alone" \
+  "(import $lib).sandboxInterfaces" '["keystone-br0","ks*"]'
+expect "waitOnlineUseful: not on a host whose only networkd networks are the module's" \
+  "let n = import $lib; in n.waitOnlineUseful { useNetworkd = false; networks = n.ownNetworks; }" false
+expect "waitOnlineUseful: on a host with networks of its own" \
+  "let n = import $lib; in n.waitOnlineUseful { useNetworkd = false; networks = n.ownNetworks ++ [ \"10-uplink\" ]; }" true
+expect "waitOnlineUseful: on a host with networking.useNetworkd" \
+  "let n = import $lib; in n.waitOnlineUseful { useNetworkd = true; networks = n.ownNetworks; }" true
+expect "validate: cloud-hypervisor is refused for a sandbox without network and for nestedVirt, naming the sandbox" \
+  "map (m: builtins.head (builtins.split \":\" m)) ((import $lib).validate ((import $good) // { microvm.hypervisor = \"cloud-hypervisor\"; }))" \
+  '["keystone.agent.sandboxes.batch","keystone.agent.sandboxes.batch","keystone.agent.sandboxes.docs","keystone.agent.sandboxes.webapp"]'
+expect "validate: cloud-hypervisor with nestedVirt off and a network everywhere is accepted" \
+  "(import $lib).validate { microvm.hypervisor = \"cloud-hypervisor\"; defaults.nestedVirt = false; sandboxes.a = { project = \"/p\"; owner = \"u\"; }; }" '[]'
+expect "validate: a vm sandbox needs vm.image" \
+  "(import $lib).validate { sandboxes.a = { project = \"/p\"; owner = \"u\"; backend = \"vm\"; }; }" \
+  '["keystone.agent.sandboxes.a: the vm backend needs keystone.agent.vm.image (the flake'"'"'s nixosModules.default sets it to the guest-image package)"]'
+expect "renderConfig: vm.image reaches agentd.json" \
+  "((import $lib).renderConfig { vm.image = \"/nix/store/x-guest-image\"; vm.accel = \"tcg\"; }).vm" \
+  '{"accel":"tcg","image":"/nix/store/x-guest-image","share":"auto"}'
+
 # --- (d) -----------------------------------------------------------------------
 echo "== (d) the module's nftables rules (firewall.nix)"
 expected_nft=tests/nix/nix-config.expected.nft
@@ -249,6 +285,30 @@ else
 fi
 
 # --- (e) -----------------------------------------------------------------------
+echo "== (e0) no import-from-derivation: Zellij's Cargo.lock is a file of this repository"
+zellij_nix=./nixos-modules/pkgs/zellij.nix
+# zellij.nix with stand-ins for nixpkgs: what it hands buildRustPackage.
+zellij_args="import $zellij_nix { lib = { licenses.mit = null; }; rustPlatform.buildRustPackage = a: a; fetchCrate = a: \"/nix/store/stand-in-src\"; pkg-config = null; curl = null; openssl = null; }"
+if [[ $(nix_json "builtins.typeOf ($zellij_args).cargoLock.lockFile") == '"path"' ]]; then
+  pass "zellij.nix: cargoLock.lockFile is a path in the repository, not a file of src"
+else
+  fail "zellij.nix: cargoLock.lockFile is not a path (import-from-derivation)"
+fi
+zellij_version=$(nix_json "($zellij_args).version" | tr -d '"')
+crate=$(find "${CARGO_HOME:-$HOME/.cargo}/registry/cache" -name "zellij-$zellij_version.crate" 2>/dev/null | head -n1 || true)
+if [[ -z $crate ]] && command -v curl >/dev/null; then
+  crate=$tmp/zellij.crate
+  curl -fsSL -o "$crate" "https://static.crates.io/crates/zellij/zellij-$zellij_version.crate" || crate=
+fi
+if [[ -z $crate ]]; then
+  fail "zellij-$zellij_version.crate: neither in cargo's cache nor downloadable (curl)"
+elif tar -xzf "$crate" -C "$tmp" "zellij-$zellij_version/Cargo.lock" &&
+  cmp -s "$tmp/zellij-$zellij_version/Cargo.lock" nixos-modules/pkgs/zellij.Cargo.lock; then
+  pass "nixos-modules/pkgs/zellij.Cargo.lock is the Cargo.lock of zellij-$zellij_version.crate"
+else
+  fail "nixos-modules/pkgs/zellij.Cargo.lock differs from the Cargo.lock of zellij-$zellij_version.crate"
+fi
+
 echo "== (e) flake.lock is current for flake.nix"
 # Untracked files are invisible to a flake in a git repository: check a copy.
 # The copy goes into a throw-away store of our own (no daemon, no root).
