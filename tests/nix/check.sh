@@ -8,12 +8,17 @@
 #   (c) renderConfig turns tests/fixtures/nix-config.nix into the expected
 #       JSON, which `agentd --check-config` accepts; validate reports the
 #       expected problems of tests/nix/bad-config.nix, and agentd finds the
-#       same ones in that configuration's JSON;
+#       same ones in that configuration's JSON; the module's decisions about
+#       the host (share directories taken out of microvm.nix's tmpfiles rule,
+#       interfaces dhcpcd and NetworkManager must skip, whether
+#       networkd-wait-online is useful, cloud-hypervisor refusals, vm.image);
 #   (d) nixos-modules/lib/firewall.nix renders tests/fixtures/nix-config.nix
 #       into the expected nftables rules (tests/nix/nix-config.expected.nft),
 #       and `nft --check` accepts them in a network namespace of its own
 #       (skipped, and said so, without nft or unshare);
-#   (e) flake.lock is current for flake.nix's inputs (offline, no fetching).
+#   (e) flake.lock is current for flake.nix's inputs (offline, no fetching);
+#   (f) no import-from-derivation: nixos-modules/pkgs/zellij.nix reads a
+#       Cargo.lock of this repository, equal to the one in the crate.
 #
 # The module evaluation, package builds and NixOS VM tests need nixpkgs and
 # KVM: `nix flake check` (docs/configuration.md, "What runs where").
@@ -285,30 +290,6 @@ else
 fi
 
 # --- (e) -----------------------------------------------------------------------
-echo "== (e0) no import-from-derivation: Zellij's Cargo.lock is a file of this repository"
-zellij_nix=./nixos-modules/pkgs/zellij.nix
-# zellij.nix with stand-ins for nixpkgs: what it hands buildRustPackage.
-zellij_args="import $zellij_nix { lib = { licenses.mit = null; }; rustPlatform.buildRustPackage = a: a; fetchCrate = a: \"/nix/store/stand-in-src\"; pkg-config = null; curl = null; openssl = null; }"
-if [[ $(nix_json "builtins.typeOf ($zellij_args).cargoLock.lockFile") == '"path"' ]]; then
-  pass "zellij.nix: cargoLock.lockFile is a path in the repository, not a file of src"
-else
-  fail "zellij.nix: cargoLock.lockFile is not a path (import-from-derivation)"
-fi
-zellij_version=$(nix_json "($zellij_args).version" | tr -d '"')
-crate=$(find "${CARGO_HOME:-$HOME/.cargo}/registry/cache" -name "zellij-$zellij_version.crate" 2>/dev/null | head -n1 || true)
-if [[ -z $crate ]] && command -v curl >/dev/null; then
-  crate=$tmp/zellij.crate
-  curl -fsSL -o "$crate" "https://static.crates.io/crates/zellij/zellij-$zellij_version.crate" || crate=
-fi
-if [[ -z $crate ]]; then
-  fail "zellij-$zellij_version.crate: neither in cargo's cache nor downloadable (curl)"
-elif tar -xzf "$crate" -C "$tmp" "zellij-$zellij_version/Cargo.lock" &&
-  cmp -s "$tmp/zellij-$zellij_version/Cargo.lock" nixos-modules/pkgs/zellij.Cargo.lock; then
-  pass "nixos-modules/pkgs/zellij.Cargo.lock is the Cargo.lock of zellij-$zellij_version.crate"
-else
-  fail "nixos-modules/pkgs/zellij.Cargo.lock differs from the Cargo.lock of zellij-$zellij_version.crate"
-fi
-
 echo "== (e) flake.lock is current for flake.nix"
 # Untracked files are invisible to a flake in a git repository: check a copy.
 # The copy goes into a throw-away store of our own (no daemon, no root).
@@ -334,6 +315,32 @@ else
   fail "nix flake metadata --no-update-lock-file: flake.lock does not match flake.nix"
   printf '%s\n' "$out" | sed 's/^/        /'
 fi
+
+# --- (f) -----------------------------------------------------------------------
+echo "== (f) no import-from-derivation: Zellij's Cargo.lock is a file of this repository"
+zellij_nix=./nixos-modules/pkgs/zellij.nix
+# zellij.nix with stand-ins for nixpkgs: what it hands buildRustPackage.
+zellij_args="import $zellij_nix { lib = { licenses.mit = null; }; rustPlatform.buildRustPackage = a: a; fetchCrate = a: \"/nix/store/stand-in-src\"; pkg-config = null; curl = null; openssl = null; }"
+if [[ $(nix_json "builtins.typeOf ($zellij_args).cargoLock.lockFile") == '"path"' ]]; then
+  pass "zellij.nix: cargoLock.lockFile is a path in the repository, not a file of src"
+else
+  fail "zellij.nix: cargoLock.lockFile is not a path (import-from-derivation)"
+fi
+zellij_version=$(nix_json "($zellij_args).version" | tr -d '"')
+crate=$(find "${CARGO_HOME:-$HOME/.cargo}/registry/cache" -name "zellij-$zellij_version.crate" 2>/dev/null | head -n1 || true)
+if [[ -z $crate ]] && command -v curl >/dev/null; then
+  crate=$tmp/zellij.crate
+  curl -fsSL -o "$crate" "https://static.crates.io/crates/zellij/zellij-$zellij_version.crate" || crate=
+fi
+if [[ -z $crate ]]; then
+  fail "zellij-$zellij_version.crate: neither in cargo's cache nor downloadable (curl)"
+elif tar -xzf "$crate" -C "$tmp" "zellij-$zellij_version/Cargo.lock" &&
+  cmp -s "$tmp/zellij-$zellij_version/Cargo.lock" nixos-modules/pkgs/zellij.Cargo.lock; then
+  pass "nixos-modules/pkgs/zellij.Cargo.lock is the Cargo.lock of zellij-$zellij_version.crate"
+else
+  fail "nixos-modules/pkgs/zellij.Cargo.lock differs from the Cargo.lock of zellij-$zellij_version.crate"
+fi
+
 
 echo "nix checks: $passed passed, $failed failed"
 ((failed == 0))
