@@ -205,7 +205,7 @@ impl Env {
         let mut cmd = Command::new(AGENTD);
         cmd.args(["--address", &self.address, "--state-dir"])
             .arg(&self.state_dir)
-            .env("AGENTD_LOG", "debug")
+            .env("AGENTD_LOG", "debug,hyper_util=info,hyper=info")
             .stdout(Stdio::null())
             .stderr(log);
         if let Some(c) = &self.config {
@@ -273,12 +273,13 @@ impl Env {
     /// agentctl that must succeed; returns stdout.
     pub fn ok(&self, args: &[&str]) -> String {
         let out = self.ctl(args);
+        // The log first and the failure last: CI shows the end of it.
         assert!(
             out.status.success(),
-            "agentctl {args:?} failed ({:?}):\n{}\n--- agentd log ---\n{}",
+            "--- agentd log ---\n{}\n--- end of agentd log ---\nagentctl {args:?} failed ({:?}):\n{}",
+            self.log(),
             out.status.code(),
             String::from_utf8_lossy(&out.stderr),
-            self.log()
         );
         String::from_utf8(out.stdout).unwrap()
     }
