@@ -17,6 +17,7 @@
 # checks are pure functions in ../lib/naming.nix, tested by tests/nix/check.sh.
 {
   config,
+  options,
   lib,
   pkgs,
   ...
@@ -26,6 +27,18 @@ let
   pure = import ../lib/naming.nix;
 
   firewall = (import ../lib/firewall.nix).rules cfg;
+
+  # systemd-networkd (for the bridge) brings systemd-resolved with it, by
+  # nixpkgs' default: say so, rather than change the host's resolver
+  # silently.
+  resolvedWarnings =
+    lib.optional
+      (pure.resolvedOnlyByNetworkd {
+        resolved = config.services.resolved.enable;
+        priority = options.services.resolved.enable.highestPrio;
+        inherit (config.networking) useNetworkd;
+      })
+      "keystone.agent turns on systemd-networkd for the sandboxes' bridge, and with it nixpkgs turns on systemd-resolved, which now answers this host's DNS queries (dnsmasq and resolved are set up to work together). Set services.resolved.enable = true to keep it, or false to keep the resolver you had; either silences this warning.";
 
   configPath = "/etc/keystone-agent/agentd.json";
   # Where Caddy (services.caddy, user caddy, data under /var/lib/caddy) keeps
@@ -208,7 +221,7 @@ in
         }
       ];
 
-    warnings = uidWarnings ++ groupWarnings;
+    warnings = uidWarnings ++ groupWarnings ++ resolvedWarnings;
 
     environment.systemPackages = [ cfg.package ];
 
@@ -486,11 +499,26 @@ in
 
     # Browsers on this machine resolve `*.<domain>` through dnsmasq, which
     # answers every name under the domain with the loopback address (where
-    # Caddy listens) and forwards everything else.
+    # Caddy listens) and forwards everything else. It listens on loopback
+    # only, beside systemd-resolved's stub listener where resolved runs.
     services.dnsmasq = lib.mkIf cfg.proxy.enable {
       enable = true;
       resolveLocalQueries = true;
-      settings.address = [ "/${cfg.proxy.domain}/127.0.0.1" ];
+      settings = pure.dnsmasqSettings {
+        inherit (cfg.proxy) domain;
+        inherit (config.networking) enableIPv6;
+      };
     };
+
+    # Where systemd-resolved answers the host's queries, it sends the names
+    # under the domain to dnsmasq (a routing domain: without one, resolved
+    # asks mDNS for names under .local). A drop-in, whichever way the host
+    # configures resolved itself.
+    environment.etc."systemd/resolved.conf.d/keystone-agent.conf" =
+      lib.mkIf (cfg.proxy.enable && config.services.resolved.enable)
+        { text = pure.resolvedDropIn cfg.proxy.domain; };
+    systemd.services.systemd-resolved.restartTriggers =
+      lib.mkIf (cfg.proxy.enable && config.services.resolved.enable)
+        [ (pure.resolvedDropIn cfg.proxy.domain) ];
   };
 }

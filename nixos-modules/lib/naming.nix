@@ -334,6 +334,45 @@ let
   waitOnlineUseful =
     { useNetworkd, networks }: useNetworkd || any (n: !(elem n ownNetworks)) networks;
 
+  # --- Dev-server names on the host (proxy.enable) ---------------------------
+
+  # dnsmasq's settings: every name under the domain is the loopback address
+  # (where Caddy listens). It listens on loopback only: its default, a
+  # wildcard bind of port 53, collides with systemd-resolved's stub listener
+  # on 127.0.0.53:53 (dnsmasq would not start) and would answer on the
+  # sandboxes' bridge as well. ::1 too when the host has IPv6, as
+  # networking.resolvconf.useLocalResolver lists both in /etc/resolv.conf.
+  dnsmasqSettings =
+    { domain, enableIPv6 }:
+    {
+      address = [ "/${domain}/127.0.0.1" ];
+      listen-address = [ "127.0.0.1" ] ++ optional enableIPv6 "::1";
+      bind-interfaces = true;
+    };
+
+  # A drop-in for systemd-resolved, on hosts that run it: names under the
+  # domain go to dnsmasq. resolved sends a name under .local to unicast DNS
+  # only when a routing domain ("~domain") matches it, and to mDNS
+  # otherwise, where it would never reach dnsmasq.
+  resolvedDropIn = domain: ''
+    [Resolve]
+    DNS=127.0.0.1
+    Domains=~${domain}
+  '';
+
+  # Whether to tell the host that systemd-resolved runs only because the
+  # module turned systemd-networkd on (nixpkgs' networkd module enables
+  # resolved with mkDefault): resolved is on, no definition stronger than
+  # mkDefault (priority 1000) asked for it, and the host does not use
+  # networkd for its own interfaces.
+  resolvedOnlyByNetworkd =
+    {
+      resolved,
+      priority,
+      useNetworkd,
+    }:
+    resolved && priority >= 1000 && !useNetworkd;
+
   # --- agentd's JSON configuration -------------------------------------------
 
   renderSettings = s: listToAttrs (map (key: {
@@ -515,6 +554,9 @@ in
     sandboxInterfaces
     ownNetworks
     waitOnlineUseful
+    dnsmasqSettings
+    resolvedDropIn
+    resolvedOnlyByNetworkd
     renderConfig
     nameRule
     validName

@@ -18,7 +18,12 @@
 #       (skipped, and said so, without nft or unshare);
 #   (e) flake.lock is current for flake.nix's inputs (offline, no fetching);
 #   (f) no import-from-derivation: nixos-modules/pkgs/zellij.nix reads a
-#       Cargo.lock of this repository, equal to the one in the crate.
+#       Cargo.lock of this repository, equal to the one in the crate;
+#   (g) the host's names under proxy.domain: dnsmasq with the module's
+#       settings starts beside systemd-resolved's stub listener (simulated
+#       with resolved's socket options, in a network namespace of its own)
+#       and answers them, where its default wildcard bind fails; resolved
+#       gets a routing domain for them.
 #
 # The module evaluation, package builds and NixOS VM tests need nixpkgs and
 # KVM: `nix flake check` (docs/configuration.md, "What runs where").
@@ -341,6 +346,58 @@ else
   fail "nixos-modules/pkgs/zellij.Cargo.lock differs from the Cargo.lock of zellij-$zellij_version.crate"
 fi
 
+# --- (g) -----------------------------------------------------------------------
+echo "== (g) dnsmasq with the module's settings beside systemd-resolved's stub listener"
+domain=sandbox.local
+expect "dnsmasqSettings: the domain's names are loopback; dnsmasq listens on loopback only" \
+  "(import $lib).dnsmasqSettings { domain = \"$domain\"; enableIPv6 = true; }" \
+  '{"address":["/sandbox.local/127.0.0.1"],"bind-interfaces":true,"listen-address":["127.0.0.1","::1"]}'
+expect "resolvedDropIn: resolved routes the domain to dnsmasq (a routing domain, or .local goes to mDNS)" \
+  "(import $lib).resolvedDropIn \"$domain\"" '"[Resolve]\nDNS=127.0.0.1\nDomains=~sandbox.local\n"'
+expect "resolvedOnlyByNetworkd: warned when only nixpkgs' networkd default turned resolved on" \
+  "(import $lib).resolvedOnlyByNetworkd { resolved = true; priority = 1000; useNetworkd = false; }" true
+expect "resolvedOnlyByNetworkd: not when the host set services.resolved.enable itself" \
+  "(import $lib).resolvedOnlyByNetworkd { resolved = true; priority = 100; useNetworkd = false; }" false
+expect "resolvedOnlyByNetworkd: not on a host that uses networkd" \
+  "(import $lib).resolvedOnlyByNetworkd { resolved = true; priority = 1000; useNetworkd = true; }" false
+expect "resolvedOnlyByNetworkd: not when resolved is off" \
+  "(import $lib).resolvedOnlyByNetworkd { resolved = false; priority = 1500; useNetworkd = false; }" false
+
+# The real dnsmasq, in a network namespace of its own, with its
+# configuration rendered as nixpkgs' dnsmasq module renders settings (true: the
+# bare key; a list: the key once per item).
+render_dnsmasq() {
+  python3 -c 'import json, sys
+for k, v in sorted(json.loads(sys.argv[1]).items()):
+    for x in v if isinstance(v, list) else [v]:
+        print(k if x is True else f"{k}={x}")' "$1"
+}
+missing=()
+for tool in dnsmasq python3 unshare ip; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+if ((${#missing[@]})); then
+  if [[ -n ${CI:-} ]]; then
+    fail "dnsmasq beside resolved's stub: ${missing[*]} missing (Debian: apt-get install -y dnsmasq-base python3 util-linux iproute2)"
+  else
+    echo "  skip  dnsmasq beside resolved's stub: ${missing[*]} missing (Debian: apt-get install -y dnsmasq-base)"
+  fi
+else
+  ipv6=false
+  [[ -e /proc/net/if_inet6 ]] && ipv6=true
+  settings=$(nix_json "(import $lib).dnsmasqSettings { domain = \"$domain\"; enableIPv6 = $ipv6; }")
+  render_dnsmasq "$settings" >"$tmp/dnsmasq.conf"
+  render_dnsmasq "$settings" | grep -v -e '^listen-address=' -e '^bind-interfaces$' >"$tmp/dnsmasq-wildcard.conf"
+  ns=(unshare -n)
+  if ((EUID != 0)); then ns=(unshare -r -n); fi
+  out=$("${ns[@]}" python3 tests/nix/dnsmasq-beside-resolved.py "$tmp/dnsmasq.conf" "$tmp/dnsmasq-wildcard.conf" "$domain" 2>&1) || true
+  while IFS= read -r line; do
+    case $line in
+      "ok    "*) pass "${line#ok    }" ;;
+      "FAIL  "*) fail "${line#FAIL  }" ;;
+      *) echo "        $line" ;;
+    esac
+  done <<<"$out"
+  grep -q '^ok    the module' <<<"$out" || fail "dnsmasq-beside-resolved.py did not report the module's settings"
+fi
 
 echo "nix checks: $passed passed, $failed failed"
 ((failed == 0))

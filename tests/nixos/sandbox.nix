@@ -152,7 +152,23 @@ pkgs.testers.runNixOSTest {
             timeout=60,
         )
 
-    # ---- From here on: agentd's microvm backend (not written yet). ----
+    with subtest("the first switch left no failed unit, and both resolvers work together"):
+        # systemd-networkd (the bridge) brought systemd-resolved along; its
+        # stub listener and dnsmasq (loopback only) both run, and resolved
+        # routes the domain to dnsmasq. networkd-wait-online, with nothing
+        # to wait for on this host, is not there to fail.
+        host.wait_for_unit("dnsmasq.service")
+        host.wait_for_unit("systemd-resolved.service")
+        out = host.succeed("systemctl list-units --failed --no-legend --plain")
+        assert out.strip() == "", out
+        host.fail("systemctl is-enabled systemd-networkd-wait-online.service")
+        out = host.succeed("getent ahostsv4 main.demo.sandbox.local")
+        assert out.startswith("127.0.0.1 "), out
+        out = host.succeed("resolvectl query main.demo.sandbox.local")
+        assert "127.0.0.1" in out, out
+        # dnsmasq answers on loopback only, not on the sandboxes' bridge.
+        out = host.succeed("ss -Hlnu 'sport = :53'")
+        assert "10.231.0.1" not in out and "0.0.0.0:53" not in out, out
 
     with subtest("agentctl start boots the microVM"):
         host.succeed(alice("agentctl --bus system start demo"))
@@ -162,8 +178,13 @@ pkgs.testers.runNixOSTest {
         host.succeed("ip link show master keystone-br0 | grep -q ': ks'")
 
     with subtest("agentctl exec runs git in /workspace"):
+        # The first start cloned the project over the empty directory that
+        # microvm.nix's activation would have made, and agentd logged in
+        # with the key it provisioned.
         out = host.succeed(alice("agentctl --bus system exec demo -- git status"))
         assert "On branch main" in out, out
+        out = host.succeed("stat -c '%U %a' /var/lib/keystone-agent/sandboxes/demo/ssh")
+        assert out.split()[0] != "microvm", out
         out = host.succeed(alice("agentctl --bus system exec demo -- cat /etc/keystone-agent-sandbox"))
         assert out.strip() == "demo", out
 
