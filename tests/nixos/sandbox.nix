@@ -60,6 +60,15 @@ pkgs.testers.runNixOSTest {
           persist = false;
         };
         proxy.enable = true;
+        # A sandbox of agentd's own QEMU guests: the flake's guest image
+        # (keystone.agent.vm.image's default), QEMU, virtiofsd and
+        # vhost-device-vsock on agentd's PATH.
+        sandboxes.vmdemo = {
+          project = "/home/alice/vmdemo";
+          owner = "alice";
+          backend = "vm";
+          network = "none";
+        };
         sandboxes.demo = {
           project = "/home/alice/demo";
           owner = "alice";
@@ -152,6 +161,11 @@ pkgs.testers.runNixOSTest {
             timeout=60,
         )
 
+    with subtest("switching to the configuration again succeeds"):
+        # What `nixos-rebuild switch` runs last; it exits 4 when a unit
+        # fails to start (dnsmasq beside resolved's stub, networkd-wait-online).
+        host.succeed("/run/current-system/bin/switch-to-configuration test")
+
     with subtest("the first switch left no failed unit, and both resolvers work together"):
         # systemd-networkd (the bridge) brought systemd-resolved along; its
         # stub listener and dnsmasq (loopback only) both run, and resolved
@@ -169,6 +183,18 @@ pkgs.testers.runNixOSTest {
         # dnsmasq answers on loopback only, not on the sandboxes' bridge.
         out = host.succeed("ss -Hlnu 'sport = :53'")
         assert "10.231.0.1" not in out and "0.0.0.0:53" not in out, out
+
+    with subtest("a vm-backend sandbox starts, runs git and stops"):
+        host.succeed(alice(
+            "git init -q -b main vmdemo && cd vmdemo"
+            " && git -c user.name=Alice -c user.email=alice@example.org commit -q --allow-empty -m init"
+        ))
+        host.succeed(alice("agentctl --bus system start vmdemo"), timeout=900)
+        out = host.succeed(alice("agentctl --bus system status vmdemo"))
+        assert "running" in out, out
+        out = host.succeed(alice("agentctl --bus system exec vmdemo -- git status"))
+        assert "On branch main" in out, out
+        host.succeed(alice("agentctl --bus system stop vmdemo"), timeout=300)
 
     with subtest("agentctl start boots the microVM"):
         host.succeed(alice("agentctl --bus system start demo"))
