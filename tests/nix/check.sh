@@ -23,7 +23,13 @@
 #       settings starts beside systemd-resolved's stub listener (simulated
 #       with resolved's socket options, in a network namespace of its own)
 #       and answers them, where its default wildcard bind fails; resolved
-#       gets a routing domain for them.
+#       gets a routing domain for them;
+#   (h) every option of another project (nixpkgs, microvm.nix) that the host
+#       module, the guest module and flake.nix's nixosModules.default set is
+#       listed, with where it is declared, in tests/nix/foreign-options.json,
+#       and every listed option is still set (tests/nix/options-set.nix walks
+#       the modules with stub lib, pkgs and config; entries marked "pending"
+#       are allowed but not yet required).
 #
 # The module evaluation, package builds and NixOS VM tests need nixpkgs and
 # KVM: `nix flake check` (docs/configuration.md, "What runs where").
@@ -397,6 +403,58 @@ else
     esac
   done <<<"$out"
   grep -q '^ok    the module' <<<"$out" || fail "dnsmasq-beside-resolved.py did not report the module's settings"
+fi
+
+# --- (h) -----------------------------------------------------------------------
+echo "== (h) options of other projects the modules set (tests/nix/foreign-options.json)"
+foreign=tests/nix/foreign-options.json
+walker=./tests/nix/options-set.nix
+# A JSON list of strings, one per line, back to text.
+json_strings() {
+  [[ $1 == "[]" ]] && return 0
+  printf '%s\n' "$1" | json_lines | sed -e 's/^"//' -e 's/"$//' -e 's/\\"/"/g' -e 's/\\\\/\\/g'
+}
+if ! listed=$(nix_json "builtins.length (builtins.fromJSON (builtins.readFile ./$foreign)).options" 2>"$tmp/err"); then
+  fail "$foreign: not JSON with an \"options\" list"
+  sed 's/^/        /' "$tmp/err"
+elif ! nix_json "import $walker { }" >"$tmp/walk.json" 2>"$tmp/err"; then
+  fail "$walker could not walk the modules"
+  sed 's/^/        /' "$tmp/err"
+else
+  walk="builtins.fromJSON (builtins.readFile $tmp/walk.json)"
+  set_count=$(nix_json "builtins.length ($walk).set")
+  guests=$(nix_json "($walk).guests")
+  malformed=$(nix_json "($walk).malformed")
+  if [[ $malformed == "[]" ]]; then
+    pass "$foreign: $listed entries, each with option, project, file, line and rev"
+  else
+    fail "$foreign: entries without option, project (nixpkgs or microvm.nix), file, line or a 40-digit rev, or listed twice:"
+    json_strings "$malformed" | sed 's/^/        /'
+  fi
+  if ((guests == 0)); then
+    fail "no microvm.vms.<name>.config was walked: the guest module went unchecked"
+  fi
+  unlisted=$(nix_json "($walk).unlisted")
+  if [[ $unlisted == "[]" ]]; then
+    pass "every foreign option the modules set is listed ($set_count listed options set; host, flake and $guests guest definitions walked)"
+  else
+    fail "the modules set options that $foreign does not list (add each with its declaration; see the file's \"about\"):"
+    json_strings "$unlisted" | sed 's/^/        /'
+  fi
+  unset_=$(nix_json "($walk).unset")
+  if [[ $unset_ == "[]" ]]; then
+    pass "every listed option is still set by the modules (pending entries excepted)"
+  else
+    fail "listed in $foreign but set by no module any more (remove them, or mark them \"pending\"):"
+    json_strings "$unset_" | sed 's/^/        /'
+  fi
+  pending_set=$(nix_json "($walk).pendingSet")
+  if [[ $pending_set == "[]" ]]; then
+    pass "no entry marked pending is set yet"
+  else
+    fail "marked \"pending\" in $foreign but set now (drop \"pending\"):"
+    json_strings "$pending_set" | sed 's/^/        /'
+  fi
 fi
 
 echo "nix checks: $passed passed, $failed failed"
