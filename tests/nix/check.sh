@@ -426,10 +426,15 @@ else
   guests=$(nix_json "($walk).guests")
   malformed=$(nix_json "($walk).malformed")
   if [[ $malformed == "[]" ]]; then
-    pass "$foreign: $listed entries, each with option, project, file, line and rev"
+    pass "$foreign: $listed entries, each with option, project, file, and line and rev (or a note why not)"
   else
-    fail "$foreign: entries without option, project (nixpkgs or microvm.nix), file, line or a 40-digit rev, or listed twice:"
+    fail "$foreign: entries without option, project (nixpkgs or microvm.nix), file, line and a 40-digit rev (or both null with a note), or listed twice:"
     json_strings "$malformed" | sed 's/^/        /'
+  fi
+  unlocated=$(nix_json "($walk).unlocated")
+  if [[ $unlocated != "[]" ]]; then
+    echo "  note  entries whose declaration is not recorded yet (line and rev null; see their notes):"
+    json_strings "$unlocated" | sed 's/^/        /'
   fi
   if ((guests == 0)); then
     fail "no microvm.vms.<name>.config was walked: the guest module went unchecked"

@@ -571,9 +571,11 @@ let
       "microvm.nix"
     ]
     && builtins.isString (e.file or null)
-    && builtins.isInt (e.line or null)
-    && builtins.isString (e.rev or null)
-    && match "[0-9a-f]{40}" e.rev != null
+    && (
+      builtins.isInt (e.line or null) && builtins.isString (e.rev or null) && match "[0-9a-f]{40}" e.rev != null
+      # Not looked up yet: both null, and a note that says so.
+      || (e.line or 0) == null && (e.rev or 0) == null && builtins.isString (e.note or null)
+    )
     && builtins.isBool (e.pending or false);
   names = map (e: e.option or null) listed;
 in
@@ -592,6 +594,8 @@ in
   pendingSet = map (p: p.option) (filter (p: p.pending && elem p.option setOptions) patterns);
   # Listed options that are set.
   set = setOptions;
+  # Entries whose declaration (line, rev) is not recorded yet.
+  unlocated = map (e: e.option) (filter (e: (e.line or 0) == null) listed);
   # How many definitions of microvm.vms.<name>.config were walked as guests.
   guests = length guestModules;
 }
