@@ -25,7 +25,8 @@
 # The keystone.agent values are tests/fixtures/nix-config.nix over the
 # defaults the module's own option declarations give.
 #
-# Result: { unlisted; unset; pendingSet; set; } (see the end of the file).
+# Result: { malformed; unlisted; unset; pendingSet; set; unlocated; guests; }
+# (each explained at the end of the file).
 {
   listFile ? ./foreign-options.json,
   fixture ? import ../fixtures/nix-config.nix,
