@@ -35,6 +35,8 @@ pub struct DaemonConfig {
     pub vm: VmConfig,
     /// The egress gateway.
     pub egress: EgressConfig,
+    /// The agent CLIs every sandbox gets.
+    pub toolbox: crate::toolbox::ToolboxConfig,
     /// Sandboxes declared by the administrator (NixOS `sandboxes.<name>`).
     pub sandboxes: BTreeMap<String, DeclaredSandbox>,
 }
@@ -420,6 +422,7 @@ impl DaemonConfig {
                 ));
             }
         }
+        p.extend(self.toolbox.problems());
         if let Some(preset) = &self.egress.preset {
             validate::check_egress_entries("egress.preset", preset, &mut p);
         }

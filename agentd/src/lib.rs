@@ -26,6 +26,7 @@ pub mod registry;
 pub mod sandbox;
 pub mod subid;
 pub mod text;
+pub mod toolbox;
 pub mod tools;
 pub mod validate;
 
@@ -90,6 +91,70 @@ pub fn state_dir(opts: &Options, config: &DaemonConfig) -> PathBuf {
     base.join("keystone/agent")
 }
 
+/// The toolbox of `config` with its launchers in `bin`, and (with
+/// `download`) a background task that installs what the cache lacks.
+fn start_toolbox(config: &toolbox::ToolboxConfig, bin: &Path) -> Option<Arc<toolbox::Toolbox>> {
+    let Some(tb) = toolbox::Toolbox::new(config.clone(), tools::cache_dir()) else {
+        tracing::warn!("no agent toolbox: no cache directory (set toolbox.cache_dir or HOME)");
+        return None;
+    };
+    let tb = Arc::new(tb);
+    if let Err(e) = tb.write_launchers(bin) {
+        tracing::warn!("cannot write the agents' launchers: {e}");
+    }
+    let missing = tb.missing();
+    if missing.is_empty() {
+        tracing::info!(agents = %tb.describe(), cache = %tb.dir.display(), "agent toolbox ready");
+    } else if !config.download {
+        tracing::warn!(
+            agents = %tb.describe(),
+            cache = %tb.dir.display(),
+            "agent toolbox incomplete and toolbox.download is off: fill the cache with `agentd --install-agents`"
+        );
+    } else {
+        let (task_tb, bin) = (Arc::clone(&tb), bin.to_owned());
+        tokio::task::spawn_blocking(move || {
+            let r = task_tb.install_missing(|pkg, outcome| match outcome {
+                None => tracing::info!(package = %format!("{}@{}", pkg.name, pkg.version), "agent toolbox: downloading"),
+                Some(Ok(())) => {
+                    tracing::info!(package = %format!("{}@{}", pkg.name, pkg.version), "agent toolbox: installed");
+                    if let Err(e) = task_tb.write_launchers(&bin) {
+                        tracing::warn!("cannot write the agents' launchers: {e}");
+                    }
+                }
+                Some(Err(_)) => {}
+            });
+            match r {
+                Ok(()) => {
+                    if let Err(e) = task_tb.write_launchers(&bin) {
+                        tracing::warn!("cannot write the agents' launchers: {e}");
+                    }
+                    tracing::info!(agents = %task_tb.describe(), "agent toolbox ready");
+                }
+                Err(e) => tracing::warn!("agent toolbox incomplete: {e}"),
+            }
+        });
+    }
+    Some(tb)
+}
+
+/// `agentd --install-agents`: install what the toolbox of `config` lacks
+/// into its cache, with a line per package on stderr.
+pub fn install_agents(config: Option<&Path>) -> anyhow::Result<String> {
+    let config = match config {
+        Some(p) => DaemonConfig::load(p)?,
+        None => DaemonConfig::default(),
+    };
+    let tb = toolbox::Toolbox::new(config.toolbox, tools::cache_dir())
+        .context("no cache directory: set toolbox.cache_dir, KEYSTONE_CACHE_DIR or HOME")?;
+    tb.install_missing(|pkg, outcome| match outcome {
+        None => eprintln!("agentd: downloading {}@{} …", pkg.name, pkg.version),
+        Some(Ok(())) => eprintln!("agentd: installed {}", tb.dir.join(&pkg.dir).display()),
+        Some(Err(_)) => {}
+    })?;
+    Ok(format!("{} in {}", tb.describe(), tb.dir.display()))
+}
+
 /// Run the daemon until SIGTERM or SIGINT.
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     let config = match &opts.config {
@@ -110,6 +175,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let guest_dir = tools::install(&dir, zellij.as_deref().ok())
         .map_err(|e| tracing::warn!("cannot assemble the sandbox tools: {e}"))
         .ok();
+    let toolbox = guest_dir
+        .as_deref()
+        .and_then(|g| start_toolbox(&config.toolbox, &g.join("bin")));
     let local: Arc<dyn Backend> = Arc::new(LocalBackend::new(LocalSettings {
         exe: exe.clone(),
         state_dir: dir.clone(),
@@ -117,6 +185,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         stop_grace: Duration::from_secs(u64::from(config.local.stop_grace_seconds)),
         start_timeout: Duration::from_secs(u64::from(config.local.start_timeout_seconds)),
         guest_dir,
+        toolbox,
         sessions: zellij.map(|_| ()).map_err(Arc::new),
     }));
     let microvm = Arc::new(MicrovmBackend::new(MicrovmSettings {

@@ -11,7 +11,7 @@ use clap::{ArgGroup, Parser};
 #[derive(Debug, Parser)]
 #[command(version, group(ArgGroup::new("bus").args(["system", "session", "address"])))]
 #[command(
-    after_help = "Examples:\n  agentd --session                  serve your own sandboxes on your session bus\n  agentd --system --config /etc/keystone-agent/agentd.json\n  agentd --check-config agentd.json  validate a configuration and exit"
+    after_help = "Examples:\n  agentd --session                  serve your own sandboxes on your session bus\n  agentd --system --config /etc/keystone-agent/agentd.json\n  agentd --check-config agentd.json  validate a configuration and exit\n  agentd --install-agents            download Claude Code, Codex and Gemini CLI into the cache"
 )]
 struct Args {
     /// Serve on the system bus (default when run as root).
@@ -36,6 +36,10 @@ struct Args {
     /// Validate a configuration file and exit (0 valid, 1 invalid).
     #[arg(long, value_name = "FILE")]
     check_config: Option<PathBuf>,
+    /// Download the agent toolbox (Claude Code, Codex, Gemini CLI at the
+    /// versions of --config's `toolbox`) into its cache and exit.
+    #[arg(long)]
+    install_agents: bool,
 }
 
 fn main() -> ExitCode {
@@ -59,6 +63,18 @@ fn main() -> ExitCode {
     let args = Args::parse();
     if let Some(path) = &args.check_config {
         return match agentd::check_config(path) {
+            Ok(summary) => {
+                println!("{summary}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("agentd: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if args.install_agents {
+        return match agentd::install_agents(args.config.as_deref()) {
             Ok(summary) => {
                 println!("{summary}");
                 ExitCode::SUCCESS

@@ -1,7 +1,9 @@
 //! The tools agentd gives every local sandbox, read-only at `/run/keystone`:
-//! the Zellij binary (`bin/zellij`) and agentd's Zellij configuration and
-//! default layout (`share/zellij/`). agentd assembles them in its state
-//! directory (`guest/`) at startup.
+//! the Zellij binary (`bin/zellij`), agentd's Zellij configuration and
+//! default layout (`share/zellij/`), and the agent toolbox's launchers
+//! (`bin/claude`, …; the packages are mounted at `agents/`, see
+//! [`crate::toolbox`]). agentd assembles them in its state directory
+//! (`guest/`) at startup.
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
@@ -19,13 +21,20 @@ const ZELLIJ_PINNED: &str = "0.45.1";
 const CONFIG_KDL: &str = include_str!("../share/zellij/config.kdl");
 const LAYOUT_KDL: &str = include_str!("../share/zellij/layout.kdl");
 
-/// The cache of `tests/install-tools.sh` and the guest image:
-/// `$KEYSTONE_CACHE_DIR`, else `$XDG_CACHE_HOME/keystone-agent`, else
-/// `~/.cache/keystone-agent`.
+/// The cache of `tests/install-tools.sh`, the guest image and the agent
+/// toolbox: `$KEYSTONE_CACHE_DIR`, else `$CACHE_DIRECTORY` (systemd's
+/// `CacheDirectory=`, the first one), else `$XDG_CACHE_HOME/keystone-agent`,
+/// else `~/.cache/keystone-agent`.
 #[must_use]
 pub fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("KEYSTONE_CACHE_DIR")
         .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var("CACHE_DIRECTORY")
+                .ok()
+                .and_then(|d| d.split(':').next().map(PathBuf::from))
+                .filter(|d| d.is_absolute())
+        })
         .or_else(|| {
             std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("keystone-agent"))
         })
@@ -104,7 +113,8 @@ pub fn install(state_dir: &Path, zellij: Option<&Path>) -> Result<PathBuf, Write
     let dir = state_dir.join("guest");
     let share = dir.join("share/zellij");
     let bin = dir.join("bin");
-    for d in [&dir, &dir.join("share"), &share, &bin] {
+    // `agents/`: where the agent toolbox is mounted (crate::toolbox).
+    for d in [&dir, &dir.join("share"), &share, &bin, &dir.join("agents")] {
         fs::create_dir_all(d).map_err(WriteError::of("create", d))?;
         // Readable by every sandbox uid (root's sandboxes run as nobody).
         fs::set_permissions(d, fs::Permissions::from_mode(0o755))

@@ -256,7 +256,8 @@ in
       # over vsock to guests without a network); git for helpers that shell
       # out; QEMU, virtiofsd and vhost-device-vsock for the guests of the vm
       # backend, which agentd boots itself (found on PATH: agentd.json names
-      # none of them).
+      # none of them); curl, tar and gzip download and unpack the agent
+      # toolbox of local sandboxes (docs/agents.md).
       path = [
         pkgs.openssh
         pkgs.socat
@@ -264,6 +265,9 @@ in
         pkgs.qemu_kvm
         pkgs.virtiofsd
         pkgs.vhost-device-vsock
+        pkgs.curl
+        pkgs.gnutar
+        pkgs.gzip
       ];
 
       serviceConfig = {
@@ -278,6 +282,9 @@ in
         # modes (virtiofsd runs as root; with 9p QEMU runs as user microvm).
         StateDirectory = "keystone-agent";
         StateDirectoryMode = "0711";
+        # /var/cache/keystone-agent/agents: the agent toolbox's packages
+        # ($CACHE_DIRECTORY), shown read-only in local sandboxes.
+        CacheDirectory = "keystone-agent";
 
         # Resource limits of local sandboxes: agentd creates their cgroups in
         # its delegated subtree (cgroup v2).

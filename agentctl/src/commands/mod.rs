@@ -96,6 +96,9 @@ fn print_status(v: &serde_json::Value) {
     if !s("limits").is_empty() {
         crate::outln!("Limits:     {}", s("limits"));
     }
+    if !s("agents").is_empty() {
+        crate::outln!("Agents:     {}", s("agents"));
+    }
     crate::outln!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
     if let Some(at) = v["last_sync_at"].as_str() {
         crate::outln!("Last sync:  {at} ({})", s("last_sync_result"));

@@ -232,4 +232,8 @@ pub trait Sandbox {
     /// Resource limits in force while running, or why there are none.
     #[zbus(property)]
     fn limits(&self) -> zbus::Result<String>;
+
+    /// The agent CLIs and versions the running sandbox was started with.
+    #[zbus(property)]
+    fn agents(&self) -> zbus::Result<String>;
 }

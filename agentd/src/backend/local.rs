@@ -148,6 +148,8 @@ pub struct LocalSettings {
     /// Host directory shown read-only at `/run/keystone` (the tools of
     /// [`crate::tools`]).
     pub guest_dir: Option<PathBuf>,
+    /// The agent toolbox, shown read-only at `/run/keystone/agents`.
+    pub toolbox: Option<Arc<crate::toolbox::Toolbox>>,
     /// Whether sessions work, or why not.
     pub sessions: Result<(), Arc<ZellijError>>,
 }
@@ -219,6 +221,7 @@ impl LocalBackend {
             gateway: spec.config.network != keystone_agent_api::Network::None,
             ro_paths: self.settings.ro_paths.clone(),
             guest_dir: self.settings.guest_dir.clone(),
+            agents_dir: self.settings.toolbox.as_ref().map(|t| t.dir.clone()),
             stop_grace_ms: u64::try_from(self.settings.stop_grace.as_millis()).unwrap_or(u64::MAX),
             cgroups: groups.dirs,
             memory_mib: spec.config.memory,
@@ -289,6 +292,12 @@ impl LocalBackend {
             },
             limits,
             unit: String::new(),
+            agents: self
+                .settings
+                .toolbox
+                .as_ref()
+                .map(|t| t.describe())
+                .unwrap_or_default(),
         };
         // Running means answering on the control channel.
         let deadline = Instant::now() + self.settings.start_timeout;

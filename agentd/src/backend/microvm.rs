@@ -508,6 +508,7 @@ impl MicrovmBackend {
             pid_ns: 0,
             limits: format!("set by {name}"),
             unit: name,
+            agents: String::new(),
         })
     }
 

@@ -119,6 +119,9 @@ pub struct Runtime {
     /// The systemd unit that runs the sandbox (`microvm` backend).
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub unit: String,
+    /// The agent CLIs and versions it was started with.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub agents: String,
 }
 
 /// A command to run in a sandbox.

@@ -676,6 +676,20 @@ impl SandboxObject {
             .map(|s| s.ports.into_iter().collect())
     }
 
+    /// The agent CLIs and their versions the running sandbox was started
+    /// with (e.g. `claude 2.1.331, codex 0.169.0`); empty when stopped or
+    /// when its backend brings its own.
+    #[zbus(property)]
+    async fn agents(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header)
+            .await
+            .map(|s| s.runtime.map(|r| r.agents).unwrap_or_default())
+    }
+
     /// Resource limits in force while running, or why there are none.
     #[zbus(property)]
     async fn limits(

@@ -95,6 +95,9 @@ pub(super) async fn announce_to(
         if before.runtime.as_ref().map(|r| &r.limits) != now.runtime.as_ref().map(|r| &r.limits) {
             obj.limits_changed(emitter).await?;
         }
+        if before.runtime.as_ref().map(|r| &r.agents) != now.runtime.as_ref().map(|r| &r.agents) {
+            obj.agents_changed(emitter).await?;
+        }
         Ok(())
     }
     .await;

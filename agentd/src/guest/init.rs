@@ -52,6 +52,10 @@ pub struct InitSpec {
     /// Host directory shown read-only at `/run/keystone` (agentd's tools).
     #[serde(default)]
     pub guest_dir: Option<PathBuf>,
+    /// Host directory shown read-only at `/run/keystone/agents` (the agent
+    /// toolbox's cache).
+    #[serde(default)]
+    pub agents_dir: Option<PathBuf>,
     /// How long the init waits for processes after SIGTERM before SIGKILL.
     pub stop_grace_ms: u64,
     /// cgroup directories to join before the namespaces are made (one per
@@ -158,6 +162,7 @@ struct Handles {
     workspace: Source,
     home: Source,
     guest: Option<Source>,
+    agents: Option<Source>,
 }
 
 fn supervise(spec: &InitSpec) -> Result<i32, String> {
@@ -196,6 +201,10 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
         workspace: source(&spec.workspace)?,
         home: source(&spec.home)?,
         guest: spec.guest_dir.as_deref().map(source).transpose()?,
+        agents: match (&spec.guest_dir, &spec.agents_dir) {
+            (Some(_), Some(a)) if a.is_dir() => Some(source(a)?),
+            _ => None,
+        },
     };
 
     // Close-on-exec: nothing the sandbox runs may inherit the handshake.
@@ -336,6 +345,7 @@ fn init(
         workspace: tree(&handles.workspace)?,
         home: tree(&handles.home)?,
         guest: handles.guest.as_ref().map(tree).transpose()?,
+        agents: handles.agents.as_ref().map(tree).transpose()?,
     };
     build_root(spec, &handles)?;
     loopback_up()?;
@@ -464,6 +474,7 @@ const TMPFS_ROOT: &str = "/tmp";
 
 /// Where agentd's tools appear inside the sandbox.
 const GUEST_DIR: &str = "/run/keystone";
+const AGENTS_DIR: &str = crate::toolbox::INSIDE;
 
 /// Assemble the sandbox's root file system and pivot into it.
 fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
@@ -563,6 +574,11 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     }
     if let Some(guest) = &handles.guest {
         bind_fd(guest, GUEST_DIR)?;
+        // The agent toolbox over the guest directory's `agents/`, before
+        // both are made read-only together.
+        if let Some(agents) = &handles.agents {
+            bind_fd(agents, AGENTS_DIR)?;
+        }
         make_readonly(&at(GUEST_DIR), true)?;
     }
 

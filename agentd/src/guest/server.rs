@@ -16,9 +16,11 @@ use nix::unistd::Pid;
 
 use super::proto::{self, Request, Response};
 
-/// The directories `PATH` may hold, in order; the NixOS profile comes first
-/// when the host has one (it is bind-mounted read-only).
+/// The directories `PATH` may hold, in order: agentd's tools first, then
+/// the NixOS profile when the host has one (it is bind-mounted read-only).
 const BASE_PATH: &[&str] = &[
+    // agentd's tools: the pinned agent CLIs and Zellij.
+    "/run/keystone/bin",
     "/run/current-system/sw/bin",
     "/usr/local/sbin",
     "/usr/local/bin",

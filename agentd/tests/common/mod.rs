@@ -208,9 +208,7 @@ impl Env {
             .env("AGENTD_LOG", "debug,hyper_util=info,hyper=info")
             .stdout(Stdio::null())
             .stderr(log);
-        if let Some(c) = &self.config {
-            cmd.arg("--config").arg(c);
-        }
+        cmd.arg("--config").arg(self.effective_config());
         if let Some(uid) = self.user {
             let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
                 .unwrap()
@@ -218,6 +216,29 @@ impl Env {
             cmd.uid(uid).gid(user.gid.as_raw()).env("HOME", user.dir);
         }
         cmd.spawn().unwrap()
+    }
+
+    /// The configuration file agentd gets: the test's, with the agent
+    /// toolbox's downloads off unless the test configures the toolbox (so
+    /// that no test but those of the toolbox fetches packages). A file
+    /// that is not a JSON object goes through as it is.
+    fn effective_config(&self) -> PathBuf {
+        let mut config = match &self.config {
+            Some(c) => match fs::read_to_string(c)
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            {
+                Some(v) if v.is_object() => v,
+                _ => return c.clone(),
+            },
+            None => serde_json::json!({}),
+        };
+        if config.get("toolbox").is_none() {
+            config["toolbox"] = serde_json::json!({"download": false});
+        }
+        let path = self.tmp.path().join("agentd.effective.json");
+        fs::write(&path, config.to_string()).unwrap();
+        path
     }
 
     /// SIGKILL agentd, as a crash would.

@@ -528,6 +528,7 @@ impl VmBackend {
                 share.as_str()
             ),
             unit: String::new(),
+            agents: String::new(),
         };
         tracing::info!(sandbox = %spec.name, pid, accel = %accel.as_str(), share = %share.as_str(), "VM starting");
         match self.wait_answer(spec, &rt, &p).await {

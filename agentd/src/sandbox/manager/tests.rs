@@ -36,6 +36,7 @@ impl Backend for FakeBackend {
                 pid_ns: 0,
                 limits: String::new(),
                 unit: String::new(),
+                agents: String::new(),
             })
         })
     }

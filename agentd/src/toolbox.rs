@@ -1,0 +1,744 @@
+//! The agent toolbox: Claude Code, Codex and Gemini CLI (with the Node it
+//! runs on) from the npm registry at pinned versions.
+//!
+//! Each package is downloaded once into a cache keyed by name and version
+//! (`<cache>/agents/<agent>-<version>/`), checked against the registry's
+//! sha512 integrity before it is unpacked, and moved into place whole, so a
+//! directory in the cache is always complete. Every local sandbox sees the
+//! cache read-only at `/run/keystone/agents`, and a launcher per agent in
+//! `/run/keystone/bin` (first on `PATH`) runs the pinned version; an agent
+//! that is not installed yet gets a launcher that says so.
+//!
+//! Only each agent's native package is needed (Claude Code and Codex ship
+//! native binaries); Gemini CLI is a single bundled script run by the Node
+//! binary that npm publishes as `node-linux-<arch>`. Nothing of the
+//! packages runs on the host: no install scripts, no `npm`.
+
+use std::fmt;
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde::{Deserialize, Serialize};
+
+use crate::fsutil::atomic_write;
+
+/// An agent CLI of the toolbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Agent {
+    /// Claude Code (`claude`).
+    Claude,
+    /// Codex (`codex`).
+    Codex,
+    /// Gemini CLI (`gemini`).
+    Gemini,
+}
+
+impl Agent {
+    /// Every agent, in the order they are shown.
+    pub const ALL: [Self; 3] = [Self::Claude, Self::Codex, Self::Gemini];
+
+    /// The command's name.
+    #[must_use]
+    pub fn command(self) -> &'static str {
+        match self {
+            Self::Claude => "claude",
+            Self::Codex => "codex",
+            Self::Gemini => "gemini",
+        }
+    }
+}
+
+impl fmt::Display for Agent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.command())
+    }
+}
+
+/// The pinned versions (npm versions of each agent's package, and of Node).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Versions {
+    /// `@anthropic-ai/claude-code`.
+    pub claude: String,
+    /// `@openai/codex`.
+    pub codex: String,
+    /// `@google/gemini-cli`.
+    pub gemini: String,
+    /// `node-linux-<arch>`, which runs Gemini CLI (it needs Node >= 20).
+    pub node: String,
+}
+
+impl Default for Versions {
+    fn default() -> Self {
+        Self {
+            claude: "2.1.331".into(),
+            codex: "0.169.0".into(),
+            gemini: "0.61.0".into(),
+            node: "22.23.3".into(),
+        }
+    }
+}
+
+/// The `toolbox` section of agentd's configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ToolboxConfig {
+    /// The agents every sandbox gets.
+    pub agents: Vec<Agent>,
+    /// Their versions.
+    pub versions: Versions,
+    /// The npm registry: `https://…`, or `http://` on a loopback address.
+    pub registry: String,
+    /// Download what the cache lacks (in the background at startup);
+    /// `false`: only what is already there is used (`agentd
+    /// --install-agents` fills the cache).
+    pub download: bool,
+    /// Where the packages are kept; default: the cache directory
+    /// (`$KEYSTONE_CACHE_DIR`, else `$XDG_CACHE_HOME/keystone-agent`, else
+    /// `~/.cache/keystone-agent`), `agents/` in it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for ToolboxConfig {
+    fn default() -> Self {
+        Self {
+            agents: Agent::ALL.to_vec(),
+            versions: Versions::default(),
+            registry: "https://registry.npmjs.org".into(),
+            download: true,
+            cache_dir: None,
+        }
+    }
+}
+
+impl ToolboxConfig {
+    /// What is wrong with these settings, one line each.
+    #[must_use]
+    pub fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let v = &self.versions;
+        for (key, value) in [
+            ("claude", &v.claude),
+            ("codex", &v.codex),
+            ("gemini", &v.gemini),
+            ("node", &v.node),
+        ] {
+            if !valid_version(value) {
+                out.push(format!(
+                    "toolbox.versions.{key}: '{value}' is not an npm version (1 to 64 of A-Z a-z 0-9 . + -, starting with a digit)"
+                ));
+            }
+        }
+        if !registry_allowed(&self.registry) {
+            out.push(format!(
+                "toolbox.registry: '{}' must be an https:// URL (or http:// on 127.0.0.1 or [::1]), without a trailing /",
+                self.registry
+            ));
+        }
+        if let Some(d) = &self.cache_dir
+            && !d.is_absolute()
+        {
+            out.push(format!(
+                "toolbox.cache_dir: '{}' must be an absolute path",
+                d.display()
+            ));
+        }
+        out
+    }
+}
+
+fn valid_version(v: &str) -> bool {
+    !v.is_empty()
+        && v.len() <= 64
+        && v.starts_with(|c: char| c.is_ascii_digit())
+        && v.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '+' | '-'))
+}
+
+fn registry_allowed(r: &str) -> bool {
+    let rest = if let Some(rest) = r.strip_prefix("https://") {
+        rest
+    } else if let Some(rest) = r.strip_prefix("http://") {
+        if !(rest.starts_with("127.0.0.1") || rest.starts_with("[::1]")) {
+            return false;
+        }
+        rest
+    } else {
+        return false;
+    };
+    !rest.is_empty()
+        && !r.ends_with('/')
+        && rest
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || ".-:[]/_".contains(c))
+}
+
+/// One npm package of the toolbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Package {
+    /// npm name.
+    pub name: String,
+    /// npm version.
+    pub version: String,
+    /// Directory in the cache (and under `/run/keystone/agents`).
+    pub dir: String,
+}
+
+/// The npm platform suffix of this machine (`linux-x64`, `linux-arm64`).
+fn platform() -> &'static str {
+    match std::env::consts::ARCH {
+        "aarch64" => "linux-arm64",
+        _ => "linux-x64",
+    }
+}
+
+/// Codex's target triple inside its platform package.
+fn codex_triple() -> &'static str {
+    match std::env::consts::ARCH {
+        "aarch64" => "aarch64-unknown-linux-musl",
+        _ => "x86_64-unknown-linux-musl",
+    }
+}
+
+/// The packages `agent` needs at `versions`.
+#[must_use]
+pub fn packages(agent: Agent, versions: &Versions) -> Vec<Package> {
+    let p = platform();
+    match agent {
+        Agent::Claude => vec![Package {
+            name: format!("@anthropic-ai/claude-code-{p}"),
+            version: versions.claude.clone(),
+            dir: format!("claude-{}", versions.claude),
+        }],
+        // The platform builds are versions of @openai/codex itself.
+        Agent::Codex => vec![Package {
+            name: "@openai/codex".into(),
+            version: format!("{}-{p}", versions.codex),
+            dir: format!("codex-{}", versions.codex),
+        }],
+        Agent::Gemini => vec![
+            Package {
+                name: "@google/gemini-cli".into(),
+                version: versions.gemini.clone(),
+                dir: format!("gemini-{}", versions.gemini),
+            },
+            Package {
+                name: format!("node-{p}"),
+                version: versions.node.clone(),
+                dir: format!("node-{}", versions.node),
+            },
+        ],
+    }
+}
+
+/// Where the toolbox is seen inside a sandbox.
+pub const INSIDE: &str = "/run/keystone/agents";
+
+/// The launcher of `agent`: runs the pinned version from [`INSIDE`].
+#[must_use]
+pub fn launcher(agent: Agent, versions: &Versions, installed: bool) -> String {
+    let head = "#!/bin/sh\n# Written by agentd: the toolbox's pinned version.\n";
+    if !installed {
+        return format!(
+            "{head}echo \"{agent}: version {} is not installed yet: agentd is downloading it (agentctl status shows when it is ready)\" >&2\nexit 127\n",
+            version_of(agent, versions)
+        );
+    }
+    let pkg = packages(agent, versions).remove(0);
+    let at = format!("{INSIDE}/{}", pkg.dir);
+    match agent {
+        Agent::Claude => format!("{head}exec {at}/claude \"$@\"\n"),
+        Agent::Codex => {
+            let t = codex_triple();
+            format!(
+                "{head}PATH=\"{at}/vendor/{t}/codex-path:$PATH\" exec {at}/vendor/{t}/bin/codex \"$@\"\n"
+            )
+        }
+        Agent::Gemini => format!(
+            "{head}exec {INSIDE}/node-{}/bin/node {at}/bundle/gemini.js \"$@\"\n",
+            versions.node
+        ),
+    }
+}
+
+fn version_of(agent: Agent, v: &Versions) -> &str {
+    match agent {
+        Agent::Claude => &v.claude,
+        Agent::Codex => &v.codex,
+        Agent::Gemini => &v.gemini,
+    }
+}
+
+/// Why a package could not be installed.
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    /// curl failed or is missing.
+    #[error("cannot download {what}: {why}")]
+    Download {
+        /// The URL.
+        what: String,
+        /// curl's message.
+        why: String,
+    },
+    /// The registry's answer is not what npm's registry sends.
+    #[error("the registry's metadata of {package} is unusable: {why}")]
+    Metadata {
+        /// `name@version`.
+        package: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// The tarball is not the one the registry vouches for.
+    #[error(
+        "{package}: the tarball's sha512 is {got}, the registry says {want}; nothing was installed"
+    )]
+    Integrity {
+        /// `name@version`.
+        package: String,
+        /// The registry's digest (base64).
+        want: String,
+        /// The download's digest (base64).
+        got: String,
+    },
+    /// Unpacking failed.
+    #[error("cannot unpack {package}: {why}")]
+    Unpack {
+        /// `name@version`.
+        package: String,
+        /// tar's message.
+        why: String,
+    },
+    /// A file operation in the cache failed.
+    #[error("cannot {what} {}: {source}", path.display())]
+    File {
+        /// What was being done.
+        what: &'static str,
+        /// Where.
+        path: PathBuf,
+        /// Why not.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn file_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> InstallError {
+    let path = path.to_owned();
+    move |source| InstallError::File { what, path, source }
+}
+
+/// Largest package metadata document accepted (bytes).
+const MAX_METADATA: u64 = 4 << 20;
+/// Largest tarball accepted (bytes).
+const MAX_TARBALL: u64 = 1 << 30;
+
+/// The toolbox of one agentd: its settings and where things are.
+#[derive(Debug, Clone)]
+pub struct Toolbox {
+    /// The settings.
+    pub config: ToolboxConfig,
+    /// `<cache>/agents`, shown at [`INSIDE`].
+    pub dir: PathBuf,
+}
+
+impl Toolbox {
+    /// The toolbox of `config`, in its cache directory (or `default_cache`'s
+    /// `agents/`).
+    #[must_use]
+    pub fn new(config: ToolboxConfig, default_cache: Option<PathBuf>) -> Option<Self> {
+        let dir = match &config.cache_dir {
+            Some(d) => d.clone(),
+            None => default_cache?.join("agents"),
+        };
+        Some(Self { config, dir })
+    }
+
+    /// Whether `pkg` is in the cache (its directory only appears complete).
+    #[must_use]
+    pub fn has(&self, pkg: &Package) -> bool {
+        self.dir.join(&pkg.dir).is_dir()
+    }
+
+    /// Whether every package of `agent` is in the cache.
+    #[must_use]
+    pub fn installed(&self, agent: Agent) -> bool {
+        packages(agent, &self.config.versions)
+            .iter()
+            .all(|p| self.has(p))
+    }
+
+    /// The agents and their versions, as `agentctl status` shows them.
+    #[must_use]
+    pub fn describe(&self) -> String {
+        let v = &self.config.versions;
+        let mut parts: Vec<String> = self
+            .config
+            .agents
+            .iter()
+            .map(|&a| {
+                let mut s = format!("{a} {}", version_of(a, v));
+                if !self.installed(a) {
+                    s.push_str(" (not installed yet)");
+                }
+                s
+            })
+            .collect();
+        if self.config.agents.contains(&Agent::Gemini) {
+            parts.push(format!("node {}", v.node));
+        }
+        parts.join(", ")
+    }
+
+    /// Write the launchers into `bin` (agentd's `/run/keystone/bin`): one
+    /// per configured agent, and none for the others.
+    pub fn write_launchers(&self, bin: &Path) -> Result<(), InstallError> {
+        for agent in Agent::ALL {
+            let path = bin.join(agent.command());
+            if !self.config.agents.contains(&agent) {
+                match fs::remove_file(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(file_err("remove", &path)(e)),
+                }
+                continue;
+            }
+            let text = launcher(agent, &self.config.versions, self.installed(agent));
+            if fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+                atomic_write(&path, text.as_bytes()).map_err(|e| InstallError::File {
+                    what: "write",
+                    path: path.clone(),
+                    source: std::io::Error::other(e),
+                })?;
+            }
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o755))
+                .map_err(file_err("set the mode of", &path))?;
+        }
+        Ok(())
+    }
+
+    /// Every package the configured agents need that the cache lacks.
+    #[must_use]
+    pub fn missing(&self) -> Vec<Package> {
+        let mut out: Vec<Package> = Vec::new();
+        for &a in &self.config.agents {
+            for p in packages(a, &self.config.versions) {
+                if !self.has(&p) && !out.contains(&p) {
+                    out.push(p);
+                }
+            }
+        }
+        out
+    }
+
+    /// Install every missing package, one agentd at a time (a lock file in
+    /// the cache), calling `progress` before each and after each with its
+    /// outcome. Stops at the first failure.
+    pub fn install_missing(
+        &self,
+        mut progress: impl FnMut(&Package, Option<&Result<(), InstallError>>),
+    ) -> Result<(), InstallError> {
+        make_dir(&self.dir)?;
+        let lock_path = self.dir.join(".lock");
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(file_err("open", &lock_path))?;
+        // Another agentd may be downloading the same packages: wait for it,
+        // then take what it installed.
+        let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| file_err("lock", &lock_path)(e.into()))?;
+        for pkg in self.missing() {
+            progress(&pkg, None);
+            let r = self.install(&pkg);
+            progress(&pkg, Some(&r));
+            r?;
+        }
+        Ok(())
+    }
+
+    /// Download, check and unpack `pkg` into the cache.
+    pub fn install(&self, pkg: &Package) -> Result<(), InstallError> {
+        let id = format!("{}@{}", pkg.name, pkg.version);
+        make_dir(&self.dir)?;
+        let work = tempfile::Builder::new()
+            .prefix(".install-")
+            .tempdir_in(&self.dir)
+            .map_err(file_err("make a directory in", &self.dir))?;
+        // npm's registry takes the scope's slash encoded.
+        let meta_url = format!(
+            "{}/{}/{}",
+            self.config.registry,
+            pkg.name.replace('/', "%2f"),
+            pkg.version
+        );
+        let meta_file = work.path().join("meta.json");
+        curl(&meta_url, &meta_file, MAX_METADATA)?;
+        let (tarball, want) = read_metadata(&meta_file, &id, &self.config.registry)?;
+        let tgz = work.path().join("package.tgz");
+        curl(&tarball, &tgz, MAX_TARBALL)?;
+        let got = sha512_base64(&tgz)?;
+        if got != want {
+            return Err(InstallError::Integrity {
+                package: id,
+                want,
+                got,
+            });
+        }
+        let unpacked = work.path().join("package");
+        make_dir(&unpacked)?;
+        let out = Command::new("tar")
+            .args(["-xzf"])
+            .arg(&tgz)
+            .arg("-C")
+            .arg(&unpacked)
+            .args([
+                "--strip-components=1",
+                "--no-same-owner",
+                "--no-same-permissions",
+                "--no-overwrite-dir",
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| InstallError::Unpack {
+                package: id.clone(),
+                why: format!("cannot run tar: {e}"),
+            })?;
+        if !out.status.success() {
+            return Err(InstallError::Unpack {
+                package: id,
+                why: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            });
+        }
+        normalize(&unpacked)?;
+        let target = self.dir.join(&pkg.dir);
+        fs::rename(&unpacked, &target).map_err(file_err("move into place", &target))?;
+        Ok(())
+    }
+}
+
+fn make_dir(d: &Path) -> Result<(), InstallError> {
+    fs::create_dir_all(d).map_err(file_err("create", d))?;
+    fs::set_permissions(d, fs::Permissions::from_mode(0o755))
+        .map_err(file_err("set the mode of", d))
+}
+
+/// Fetch `url` into `to` with curl: HTTPS (or loopback HTTP) only, no
+/// redirect to anything else, at most `max` bytes.
+fn curl(url: &str, to: &Path, max: u64) -> Result<(), InstallError> {
+    let out = Command::new("curl")
+        .args([
+            "--silent",
+            "--show-error",
+            "--fail",
+            "--location",
+            "--proto",
+            "=https,http",
+            "--proto-redir",
+            "=https",
+            "--max-redirs",
+            "3",
+            "--connect-timeout",
+            "30",
+            "--max-time",
+            "1800",
+            "--max-filesize",
+        ])
+        .arg(max.to_string())
+        .arg("--output")
+        .arg(to)
+        .arg("--")
+        .arg(url)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| InstallError::Download {
+            what: url.to_owned(),
+            why: format!("cannot run curl ({e}); install curl"),
+        })?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(InstallError::Download {
+            what: url.to_owned(),
+            why: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        })
+    }
+}
+
+/// The tarball URL and sha512 (base64) that the metadata of `id` names.
+fn read_metadata(path: &Path, id: &str, registry: &str) -> Result<(String, String), InstallError> {
+    let bad = |why: String| InstallError::Metadata {
+        package: id.to_owned(),
+        why,
+    };
+    let text = fs::read(path).map_err(file_err("read", path))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let dist = &v["dist"];
+    let tarball = dist["tarball"]
+        .as_str()
+        .ok_or_else(|| bad("no dist.tarball".into()))?;
+    // The tarball comes from the registry itself, over the same scheme.
+    let scheme_host =
+        |u: &str| -> String { u.splitn(4, '/').take(3).collect::<Vec<_>>().join("/") };
+    if scheme_host(tarball) != scheme_host(registry) {
+        return Err(bad(format!("dist.tarball {tarball} is not on {registry}")));
+    }
+    let integrity = dist["integrity"]
+        .as_str()
+        .ok_or_else(|| bad("no dist.integrity".into()))?;
+    let want = integrity
+        .split_whitespace()
+        .find_map(|h| h.strip_prefix("sha512-"))
+        .ok_or_else(|| bad(format!("dist.integrity '{integrity}' has no sha512")))?;
+    Ok((tarball.to_owned(), want.to_owned()))
+}
+
+fn sha512_base64(path: &Path) -> Result<String, InstallError> {
+    use base64::Engine;
+    use sha2::Digest;
+    let mut f = fs::File::open(path).map_err(file_err("read", path))?;
+    let mut h = sha2::Sha512::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = f.read(&mut buf).map_err(file_err("read", path))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(base64::engine::general_purpose::STANDARD.encode(h.finalize()))
+}
+
+/// Make an unpacked package safe to show to every sandbox: directories
+/// 0755, files 0755 or 0644 (by their execute bit), and nothing else (no
+/// symlink, device or fifo stays).
+fn normalize(dir: &Path) -> Result<(), InstallError> {
+    for entry in fs::read_dir(dir).map_err(file_err("read", dir))? {
+        let entry = entry.map_err(file_err("read", dir))?;
+        let path = entry.path();
+        let meta = fs::symlink_metadata(&path).map_err(file_err("read", &path))?;
+        let ft = meta.file_type();
+        if ft.is_dir() {
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o755))
+                .map_err(file_err("set the mode of", &path))?;
+            normalize(&path)?;
+        } else if ft.is_file() {
+            let mode = if meta.permissions().mode() & 0o111 != 0 {
+                0o755
+            } else {
+                0o644
+            };
+            fs::set_permissions(&path, fs::Permissions::from_mode(mode))
+                .map_err(file_err("set the mode of", &path))?;
+        } else {
+            fs::remove_file(&path).map_err(file_err("remove", &path))?;
+        }
+    }
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o755))
+        .map_err(file_err("set the mode of", dir))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packages_and_launchers_follow_the_versions() {
+        let v = Versions::default();
+        let claude = packages(Agent::Claude, &v);
+        assert_eq!(claude[0].dir, format!("claude-{}", v.claude));
+        assert!(
+            claude[0]
+                .name
+                .starts_with("@anthropic-ai/claude-code-linux-")
+        );
+        let codex = packages(Agent::Codex, &v);
+        assert_eq!(codex[0].name, "@openai/codex");
+        assert!(codex[0].version.starts_with(&format!("{}-linux-", v.codex)));
+        let gemini = packages(Agent::Gemini, &v);
+        assert_eq!(gemini.len(), 2, "Gemini CLI and Node");
+        let l = launcher(Agent::Gemini, &v, true);
+        assert!(
+            l.contains(&format!("/run/keystone/agents/node-{}/bin/node", v.node))
+                && l.contains(&format!(
+                    "/run/keystone/agents/gemini-{}/bundle/gemini.js",
+                    v.gemini
+                )),
+            "{l}"
+        );
+        let l = launcher(Agent::Claude, &v, false);
+        assert!(
+            l.contains("not installed yet") && l.contains("exit 127"),
+            "{l}"
+        );
+    }
+
+    #[test]
+    fn bad_settings_are_named() {
+        let mut c = ToolboxConfig::default();
+        assert!(c.problems().is_empty());
+        c.versions.claude = "../../etc".into();
+        c.versions.node = String::new();
+        c.registry = "http://registry.example.org".into();
+        c.cache_dir = Some("relative".into());
+        let p = c.problems();
+        assert_eq!(p.len(), 4, "{p:#?}");
+        assert!(
+            p[0].starts_with("toolbox.versions.claude: '../../etc'"),
+            "{p:#?}"
+        );
+        c.registry = "http://127.0.0.1:4873".into();
+        assert_eq!(c.problems().len(), 3);
+    }
+
+    #[test]
+    fn a_tarball_from_elsewhere_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let meta = dir.path().join("m.json");
+        fs::write(
+            &meta,
+            r#"{"dist":{"tarball":"https://evil.example.com/x.tgz","integrity":"sha512-AAAA"}}"#,
+        )
+        .unwrap();
+        let err = read_metadata(&meta, "x@1", "https://registry.npmjs.org")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("is not on https://registry.npmjs.org"),
+            "{err}"
+        );
+        fs::write(
+            &meta,
+            r#"{"dist":{"tarball":"https://registry.npmjs.org/x/-/x-1.tgz","integrity":"sha1-AAAA"}}"#,
+        )
+        .unwrap();
+        let err = read_metadata(&meta, "x@1", "https://registry.npmjs.org")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("has no sha512"), "{err}");
+    }
+
+    #[test]
+    fn normalize_keeps_files_and_drops_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        fs::create_dir(p.join("bin")).unwrap();
+        fs::write(p.join("bin/tool"), "x").unwrap();
+        fs::set_permissions(p.join("bin/tool"), fs::Permissions::from_mode(0o700)).unwrap();
+        fs::write(p.join("README"), "x").unwrap();
+        fs::set_permissions(p.join("README"), fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::symlink("/etc/shadow", p.join("link")).unwrap();
+        normalize(p).unwrap();
+        let mode = |f: &str| fs::metadata(p.join(f)).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode("bin/tool"), 0o755);
+        assert_eq!(mode("README"), 0o644);
+        assert_eq!(mode("bin"), 0o755);
+        assert!(fs::symlink_metadata(p.join("link")).is_err());
+    }
+}

@@ -1,0 +1,324 @@
+//! The agent toolbox (agentd/src/toolbox.rs): Claude Code, Codex and
+//! Gemini CLI from the npm registry at pinned versions, in a cache keyed by
+//! version, read-only inside local sandboxes with launchers on PATH.
+//!
+//! `the_pinned_agent_clis_run_inside_a_local_sandbox` uses the real
+//! packages from registry.npmjs.org (`.ci/run` fills the cache first with
+//! `agentd --install-agents`). The others serve a registry of their own on
+//! loopback: a package whose tarball does not match the registry's sha512
+//! is never installed.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::{Env, wait_for};
+
+fn sh(env: &Env, name: &str, script: &str) -> String {
+    env.ok(&["exec", name, "--", "sh", "-c", script])
+}
+
+#[test]
+fn the_pinned_agent_clis_run_inside_a_local_sandbox() {
+    let versions = agentd::toolbox::Versions::default();
+    let env = Env::with_config(&serde_json::json!({"toolbox": {"download": true}}));
+    // Downloads (about 420 MB) happen only where the cache lacks them.
+    wait_for("the agent toolbox", Duration::from_secs(1800), || {
+        let log = env.log();
+        assert!(
+            !log.contains("agent toolbox incomplete"),
+            "the toolbox could not be installed:\n{log}"
+        );
+        log.contains("agent toolbox ready")
+    });
+    env.create_running("agents", &[]);
+
+    let out = env.ok(&["exec", "agents", "--", "claude", "--version"]);
+    assert_eq!(out.trim(), format!("{} (Claude Code)", versions.claude));
+    let out = env.ok(&["exec", "agents", "--", "codex", "--version"]);
+    assert_eq!(out.trim(), format!("codex-cli {}", versions.codex));
+    let out = env.ok(&["exec", "agents", "--", "gemini", "--version"]);
+    assert_eq!(out.trim(), versions.gemini);
+
+    // On PATH from agentd's tools, and read-only for the sandbox, root
+    // included.
+    let out = sh(
+        &env,
+        "agents",
+        "for c in claude codex gemini; do command -v $c; done",
+    );
+    assert_eq!(
+        out,
+        "/run/keystone/bin/claude\n/run/keystone/bin/codex\n/run/keystone/bin/gemini\n"
+    );
+    // As a hostile agent would: remount read-write, then write and delete.
+    let out = sh(
+        &env,
+        "agents",
+        "for m in /run/keystone/agents /run/keystone; do \
+           mount -o remount,bind,rw $m 2>/dev/null && echo remounted $m; done; \
+         for f in /run/keystone/agents/x /run/keystone/bin/claude; do \
+           if (echo hostile > $f) 2>/dev/null; then echo wrote $f; fi; done; \
+         rm -rf /run/keystone/agents/claude-* 2>/dev/null; ls /run/keystone/agents",
+    );
+    assert!(!out.contains("wrote"), "{out}");
+    assert!(
+        out.contains(&format!("claude-{}", versions.claude)),
+        "{out}"
+    );
+    let cache = agentd::tools::cache_dir().unwrap().join("agents");
+    assert!(!cache.join("x").exists());
+    assert!(
+        cache
+            .join(format!("claude-{}/claude", versions.claude))
+            .is_file()
+    );
+    let launcher = std::fs::read_to_string(env.state_dir.join("guest/bin/claude")).unwrap();
+    assert!(!launcher.contains("hostile"), "{launcher}");
+
+    let status: serde_json::Value =
+        serde_json::from_str(&env.ok(&["status", "agents", "--json"])).unwrap();
+    assert_eq!(
+        status["agents"],
+        format!(
+            "claude {}, codex {}, gemini {}, node {}",
+            versions.claude, versions.codex, versions.gemini, versions.node
+        ),
+        "{status}"
+    );
+    let human = env.ok(&["status", "agents"]);
+    assert!(human.contains("Agents:     claude "), "{human}");
+}
+
+/// An npm tarball (`package/…`) holding a `claude` that prints `says`.
+fn fake_claude_tgz(dir: &Path, says: &str) -> Vec<u8> {
+    let pkg = dir.join("package");
+    std::fs::create_dir_all(&pkg).unwrap();
+    std::fs::write(pkg.join("claude"), format!("#!/bin/sh\necho '{says}'\n")).unwrap();
+    std::fs::set_permissions(
+        pkg.join("claude"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    std::fs::write(pkg.join("package.json"), "{}").unwrap();
+    let tgz = dir.join("p.tgz");
+    let ok = Command::new("tar")
+        .arg("-czf")
+        .arg(&tgz)
+        .arg("-C")
+        .arg(dir)
+        .arg("package")
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    std::fs::read(&tgz).unwrap()
+}
+
+fn sha512_base64(data: &[u8]) -> String {
+    use base64::Engine;
+    use sha2::Digest;
+    base64::engine::general_purpose::STANDARD.encode(sha2::Sha512::digest(data))
+}
+
+/// agentd's config for a toolbox of Claude `version` from `registry`, cached
+/// in `cache`.
+fn fake_config(registry: &str, cache: &Path, version: &str) -> serde_json::Value {
+    serde_json::json!({"toolbox": {
+        "agents": ["claude"],
+        "versions": {"claude": version},
+        "registry": registry,
+        "cache_dir": cache,
+    }})
+}
+
+fn packument(base: &str, version: &str, integrity: &str) -> (String, Vec<u8>) {
+    let arch = if std::env::consts::ARCH == "aarch64" {
+        "arm64"
+    } else {
+        "x64"
+    };
+    (
+        format!("/@anthropic-ai%2fclaude-code-linux-{arch}/{version}"),
+        serde_json::json!({"dist": {
+            "tarball": format!("{base}/t/claude-{version}.tgz"),
+            "integrity": format!("sha512-{integrity}"),
+        }})
+        .to_string()
+        .into_bytes(),
+    )
+}
+
+#[test]
+fn a_package_from_the_registry_runs_in_the_sandbox_and_a_tampered_one_is_never_installed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = fake_claude_tgz(&tmp.path().join("good"), "9.9.9 (stand-in Claude)");
+    let evil = fake_claude_tgz(&tmp.path().join("evil"), "pwned");
+    // 9.9.9 as the registry vouches for it; 6.6.6's tarball is not the one
+    // its metadata names (a mirror or a proxy swapped it).
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let served = format!("http://{}", listener.local_addr().unwrap());
+    serve(
+        listener,
+        vec![
+            packument(&served, "9.9.9", &sha512_base64(&good)),
+            ("/t/claude-9.9.9.tgz".into(), good.clone()),
+            packument(&served, "6.6.6", &sha512_base64(&good)),
+            ("/t/claude-6.6.6.tgz".into(), evil),
+        ],
+    );
+    let cache = tmp.path().join("cache");
+
+    // The tampered one: refused, and nothing of it in the cache.
+    let config = tmp.path().join("evil.json");
+    std::fs::write(&config, fake_config(&served, &cache, "6.6.6").to_string()).unwrap();
+    let out = Command::new(common::AGENTD)
+        .arg("--install-agents")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the tarball's sha512 is") && err.contains("nothing was installed"),
+        "{err}"
+    );
+    let left: Vec<PathBuf> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| !p.ends_with(".lock"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+
+    // A sandbox of an agentd configured for it: the launcher says it is not
+    // there, and nothing of the tampered package runs.
+    let env = Env::with_config(&fake_config(&served, &cache, "6.6.6"));
+    wait_for("the failed install", Duration::from_secs(60), || {
+        env.log().contains("agent toolbox incomplete")
+    });
+    env.create_running("tampered", &[]);
+    let out = env.ctl(&["exec", "tampered", "--", "claude", "--version"]);
+    assert_eq!(out.status.code(), Some(127));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("claude: version 6.6.6 is not installed yet"),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("pwned"));
+    drop(env);
+
+    // The good one: installed in the background at startup, and run.
+    let env = Env::with_config(&fake_config(&served, &cache, "9.9.9"));
+    wait_for("the toolbox", Duration::from_secs(60), || {
+        env.log().contains("agent toolbox ready")
+    });
+    env.create_running("good", &[]);
+    let out = env.ok(&["exec", "good", "--", "claude", "--version"]);
+    assert_eq!(out, "9.9.9 (stand-in Claude)\n");
+    let installed = cache.join("claude-9.9.9");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(installed.join("claude"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o7777, 0o755);
+    assert!(!cache.join("claude-6.6.6").exists());
+}
+
+/// Serve `files` (URL path → body) over HTTP/1.1 on `listener`: a
+/// registry on loopback.
+fn serve(listener: TcpListener, files: Vec<(String, Vec<u8>)>) {
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let mut reader = BufReader::new(conn.try_clone().unwrap());
+            let mut line = String::new();
+            if reader.read_line(&mut line).is_err() {
+                continue;
+            }
+            let mut h = String::new();
+            while reader.read_line(&mut h).is_ok_and(|n| n > 2) {
+                h.clear();
+            }
+            let path = line.split_whitespace().nth(1).unwrap_or("").to_owned();
+            let reply = match files.iter().find(|(p, _)| *p == path) {
+                Some((_, body)) => {
+                    let mut r = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    )
+                    .into_bytes();
+                    r.extend_from_slice(body);
+                    r
+                }
+                None => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    .to_vec(),
+            };
+            let _ = conn.write_all(&reply);
+        }
+    });
+}
+
+#[test]
+fn the_agents_logins_stay_with_their_sandbox_across_restarts_and_go_with_it() {
+    let mut env = Env::new();
+    env.create_running("login", &[]);
+    env.create_running("other", &[]);
+    // What `claude login`, `codex login` and `gemini` leave in the home.
+    sh(
+        &env,
+        "login",
+        "mkdir -p ~/.claude ~/.codex ~/.gemini && echo token > ~/.claude/.credentials.json \
+         && echo '{}' > ~/.claude.json && echo token > ~/.codex/auth.json \
+         && echo token > ~/.gemini/oauth_creds.json",
+    );
+    let read = "cat ~/.claude/.credentials.json ~/.claude.json ~/.codex/auth.json ~/.gemini/oauth_creds.json";
+    env.ok(&["stop", "login"]);
+    env.ok(&["start", "login"]);
+    assert_eq!(sh(&env, "login", read), "token\n{}\ntoken\ntoken\n");
+    // agentd killed and started again: the running sandbox is adopted
+    // with its home.
+    env.kill_agentd();
+    env.start_agentd();
+    assert_eq!(sh(&env, "login", read), "token\n{}\ntoken\ntoken\n");
+    // Another sandbox of the same owner sees none of it.
+    let out = sh(
+        &env,
+        "other",
+        "ls -A ~; cat ~/.claude/.credentials.json 2>&1 || true",
+    );
+    assert!(!out.contains("token"), "{out}");
+    // Destroyed with the sandbox: nothing of the home is left on the host.
+    env.ok(&["stop", "login"]);
+    env.ok(&["destroy", "--force", "login"]);
+    assert!(!env.state_dir.join("sandboxes/login").exists());
+    let mut leftovers = Vec::new();
+    for entry in walk(&env.state_dir) {
+        if std::fs::read(&entry).is_ok_and(|b| b == b"token\n") {
+            leftovers.push(entry);
+        }
+    }
+    // The other sandbox holds no such file either.
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// Every regular file under `dir` (not following links).
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        match e.file_type() {
+            Ok(t) if t.is_dir() => out.extend(walk(&p)),
+            Ok(t) if t.is_file() => out.push(p),
+            _ => {}
+        }
+    }
+    out
+}
