@@ -335,6 +335,9 @@ fn file_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> I
 const MAX_METADATA: u64 = 4 << 20;
 /// Largest tarball accepted (bytes).
 const MAX_TARBALL: u64 = 1 << 30;
+/// Largest unpacked package accepted (bytes of the tar stream): a small
+/// tarball must not fill the host's disk.
+const MAX_UNPACKED: u64 = 4 << 30;
 
 /// The toolbox of one agentd: its settings and where things are.
 #[derive(Debug, Clone)]
@@ -490,6 +493,11 @@ impl Toolbox {
                 got,
             });
         }
+        let size = unpacked_size(&tgz, MAX_UNPACKED).map_err(|why| InstallError::Unpack {
+            package: id.clone(),
+            why,
+        })?;
+        tracing::debug!(package = %id, bytes = size, "unpacking");
         let unpacked = work.path().join("package");
         make_dir(&unpacked)?;
         let out = Command::new("tar")
@@ -597,6 +605,48 @@ fn read_metadata(path: &Path, id: &str, registry: &str) -> Result<(String, Strin
         .find_map(|h| h.strip_prefix("sha512-"))
         .ok_or_else(|| bad(format!("dist.integrity '{integrity}' has no sha512")))?;
     Ok((tarball.to_owned(), want.to_owned()))
+}
+
+/// The size of the tar stream in gzip file `tgz` (`gzip -dc`, counted as
+/// it comes), or why it is refused: more than `max` bytes, or not gzip.
+fn unpacked_size(tgz: &Path, max: u64) -> Result<u64, String> {
+    let mut child = Command::new("gzip")
+        .arg("-dc")
+        .arg(tgz)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run gzip: {e}"))?;
+    let mut out = child.stdout.take().expect("piped");
+    let mut buf = vec![0u8; 1 << 16];
+    let mut total: u64 = 0;
+    loop {
+        let n = match out.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("cannot read gzip's output: {e}"));
+            }
+        };
+        total += n as u64;
+        if total > max {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("it unpacks to more than {} MiB", max >> 20));
+        }
+    }
+    let done = child.wait_with_output().map_err(|e| format!("gzip: {e}"))?;
+    if done.status.success() {
+        Ok(total)
+    } else {
+        Err(format!(
+            "not a gzip file: {}",
+            String::from_utf8_lossy(&done.stderr).trim()
+        ))
+    }
 }
 
 fn sha512_base64(path: &Path) -> Result<String, InstallError> {
@@ -722,6 +772,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("has no sha512"), "{err}");
+    }
+
+    #[test]
+    fn a_package_that_unpacks_too_large_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let raw = dir.path().join("zeros");
+        fs::write(&raw, vec![0u8; 3 << 20]).unwrap();
+        let ok = Command::new("gzip").arg("-k").arg(&raw).status().unwrap();
+        assert!(ok.success());
+        let tgz = dir.path().join("zeros.gz");
+        assert!(fs::metadata(&tgz).unwrap().len() < 64 << 10, "a small file");
+        let err = unpacked_size(&tgz, 1 << 20).unwrap_err();
+        assert!(err.contains("more than 1 MiB"), "{err}");
+        assert_eq!(unpacked_size(&tgz, 4 << 20).unwrap(), 3 << 20);
+        fs::write(&tgz, b"not gzip").unwrap();
+        assert!(
+            unpacked_size(&tgz, 1 << 20)
+                .unwrap_err()
+                .contains("not a gzip file")
+        );
     }
 
     #[test]
