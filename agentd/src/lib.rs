@@ -184,8 +184,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         ro_paths: config.local.ro_paths.clone(),
         stop_grace: Duration::from_secs(u64::from(config.local.stop_grace_seconds)),
         start_timeout: Duration::from_secs(u64::from(config.local.start_timeout_seconds)),
-        guest_dir,
-        toolbox,
+        guest_dir: guest_dir.clone(),
+        toolbox: toolbox.clone(),
         sessions: zellij.map(|_| ()).map_err(Arc::new),
     }));
     let microvm = Arc::new(MicrovmBackend::new(MicrovmSettings {
@@ -211,6 +211,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         start_timeout: Duration::from_secs(u64::from(config.vm.start_timeout_seconds)),
         stop_grace: Duration::from_secs(u64::from(config.vm.stop_grace_seconds)),
         home_size_mib: config.vm.home_size_mib,
+        tools_dir: guest_dir.clone(),
+        toolbox: toolbox.clone(),
     }));
     // Decide between KVM and TCG now, not in the first start.
     tokio::spawn({

@@ -127,6 +127,31 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
         "{out}"
     );
 
+    // The agent toolbox, shared read-only from the host's cache (.ci/run
+    // fills it with `agentd --install-agents`): the pinned CLIs run in the
+    // guest, first on PATH, and the guest cannot write them.
+    let v = agentd::toolbox::Versions::default();
+    let out = sh(
+        &env,
+        "vmtest",
+        "command -v claude; claude --version; codex --version; gemini --version; \
+         (echo hostile > /run/keystone/agents/x) 2>/dev/null && echo wrote; true",
+    );
+    assert_eq!(
+        out,
+        format!(
+            "/run/keystone/bin/claude\n{} (Claude Code)\ncodex-cli {}\n{}\n",
+            v.claude, v.codex, v.gemini
+        ),
+        "(the toolbox comes from the cache: agentd --install-agents)"
+    );
+    assert!(
+        env.status("vmtest")["agents"]
+            .as_str()
+            .unwrap()
+            .starts_with("claude ")
+    );
+
     // A commit made in the guest reaches the host with sync.
     sh(
         &env,

@@ -424,7 +424,7 @@ impl VmBackend {
         // opened: it needs no access to the cache or the sandbox's keys.
         let home = self.home_disk(spec, &p, run_as.as_ref()).await?;
         let arg = |path: PathBuf, copy: bool| FileArg { path, copy };
-        let files = vec![
+        let mut files = vec![
             arg(kernel, false),
             arg(initrd, false),
             arg(rootfs, false),
@@ -432,6 +432,16 @@ impl VmBackend {
             arg(p.dir.join("ssh/authorized_keys"), true),
             arg(home, false),
         ];
+        // The tools and the toolbox as directories the supervisor opened:
+        // QEMU runs as the sandbox's uid, which may not reach the cache.
+        let toolbox = match (&self.settings.tools_dir, &self.settings.toolbox) {
+            (Some(t), Some(tb)) if t.is_dir() && tb.dir.is_dir() => {
+                files.push(arg(t.clone(), false));
+                files.push(arg(tb.dir.clone(), false));
+                Some(tb.describe())
+            }
+            _ => None,
+        };
         let machine = Machine {
             name: spec.name.clone(),
             kernel: fd_path(0).into(),
@@ -449,6 +459,9 @@ impl VmBackend {
             home: fd_path(5).into(),
             uid: spec.uid,
             gid: spec.gid,
+            tools: toolbox
+                .is_some()
+                .then(|| (fd_path(6).into(), fd_path(7).into())),
         };
         let s = |p: &Path| p.display().to_string();
         let mut helpers = Vec::new();
@@ -528,7 +541,7 @@ impl VmBackend {
                 share.as_str()
             ),
             unit: String::new(),
-            agents: String::new(),
+            agents: toolbox.unwrap_or_default(),
         };
         tracing::info!(sandbox = %spec.name, pid, accel = %accel.as_str(), share = %share.as_str(), "VM starting");
         match self.wait_answer(spec, &rt, &p).await {

@@ -85,6 +85,9 @@ pub struct Machine {
     pub uid: u32,
     /// See `uid`.
     pub gid: u32,
+    /// agentd's tools and the agent toolbox, shared read-only over 9p:
+    /// (the tools directory with the launchers, the toolbox's cache).
+    pub tools: Option<(PathBuf, PathBuf)>,
 }
 
 /// The kernel command line of a guest (docs/guest-image.md).
@@ -100,6 +103,9 @@ pub fn kernel_cmdline(m: &Machine) -> String {
     if m.network != Network::None {
         // The guest's relay to the egress gateway starts only then.
         c.push_str(" keystone.egress=1");
+    }
+    if m.tools.is_some() {
+        c.push_str(" keystone.tools=1");
     }
     if m.accel == Accel::Tcg {
         // Without them an emulated guest may hang calibrating its clock.
@@ -179,6 +185,22 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
             "-device".into(),
             "virtio-9p-device,fsdev=fs,mount_tag=workspace".into(),
         ]),
+    }
+    // agentd's tools (the agents' launchers) and the agent toolbox,
+    // read-only: the guest mounts them at /opt/keystone/host and
+    // /opt/keystone/agents (docs/guest-image.md).
+    if let Some((tools, agents)) = &m.tools {
+        for (id, dir) in [("tools", tools), ("agents", agents)] {
+            a.extend([
+                "-fsdev".into(),
+                format!(
+                    "local,id={id},path={},security_model=none,readonly=on",
+                    p(dir)
+                ),
+                "-device".into(),
+                format!("virtio-9p-device,fsdev={id},mount_tag=keystone-{id}"),
+            ]);
+        }
     }
     // No network device, whatever the mode: a guest's only way out is the
     // egress gateway over vsock (docs/network.md).
@@ -325,11 +347,30 @@ mod tests {
             home: "/s/demo/home.img".into(),
             uid: 1000,
             gid: 100,
+            tools: None,
         }
     }
 
     fn has(args: &[String], pair: [&str; 2]) -> bool {
         args.windows(2).any(|w| w[0] == pair[0] && w[1] == pair[1])
+    }
+
+    #[test]
+    fn the_toolbox_is_shared_read_only_and_announced_on_the_command_line() {
+        let mut m = machine(Share::NineP, Network::None, Accel::Tcg);
+        assert!(!kernel_cmdline(&m).contains("keystone.tools"));
+        assert!(!qemu_args(&m).iter().any(|a| a.contains("keystone-agents")));
+        m.tools = Some(("/proc/self/fd/106".into(), "/proc/self/fd/107".into()));
+        assert!(kernel_cmdline(&m).contains(" keystone.tools=1"));
+        let a = qemu_args(&m);
+        for (id, fd) in [("tools", 106), ("agents", 107)] {
+            let fsdev =
+                format!("local,id={id},path=/proc/self/fd/{fd},security_model=none,readonly=on");
+            assert!(a.contains(&fsdev), "{a:?}");
+            assert!(a.contains(&format!(
+                "virtio-9p-device,fsdev={id},mount_tag=keystone-{id}"
+            )));
+        }
     }
 
     #[test]

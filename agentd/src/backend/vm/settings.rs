@@ -53,4 +53,9 @@ pub struct VmSettings {
     pub stop_grace: Duration,
     /// Size of a sandbox's home disk in MiB.
     pub home_size_mib: u32,
+    /// agentd's tools directory (the agents' launchers in `bin/`), shared
+    /// with every guest.
+    pub tools_dir: Option<PathBuf>,
+    /// The agent toolbox, shared with every guest.
+    pub toolbox: Option<std::sync::Arc<crate::toolbox::Toolbox>>,
 }
