@@ -331,14 +331,21 @@ agentctl egress myproject allow --once api.example.com")]
     /// the session keeps running, and attaching again shows the same screen.
     #[command(
         after_help = "Examples:\n  agentctl attach myproject            # the main worktree's branch\n  \
-agentctl attach myproject feature-x  # /workspace/.worktrees/feature-x\n\n\
-A project can bring its own layout in .keystone/layout.kdl (in the worktree)."
+agentctl attach myproject feature-x  # /workspace/.worktrees/feature-x\n  \
+agentctl attach myproject --agent claude  # Claude Code in the first pane\n\n\
+A project can bring its own layout in .keystone/layout.kdl (in the worktree).\n\
+--agent applies when the session is created; an existing session keeps its\n\
+panes (agentctl kill-session NAME BRANCH, then attach again)."
     )]
     Attach {
         /// Sandbox name.
         name: String,
         /// Branch of the worktree. Default: the main worktree's branch.
         branch: Option<String>,
+        /// Run this agent (the sandbox's pinned version) in the first pane of
+        /// a new session, beside a shell.
+        #[arg(long, value_parser = ["claude", "codex", "gemini"])]
+        agent: Option<String>,
     },
     /// List the Zellij sessions of a sandbox: name, branch, attached
     /// clients, age.

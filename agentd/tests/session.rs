@@ -278,3 +278,98 @@ fn attach_defaults_to_the_main_branch_and_rejects_bad_branches() {
         "{out}"
     );
 }
+
+#[test]
+fn attach_with_an_agent_runs_it_in_the_first_pane_and_attaching_again_rejoins_it() {
+    // A stand-in for Claude Code in a toolbox cache of our own: the real one
+    // would need a login before its first screen.
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("agents");
+    let stub = cache.join("claude-0.0.1");
+    fs::create_dir_all(&stub).unwrap();
+    fs::write(
+        stub.join("claude"),
+        "#!/bin/sh\necho \"STUB-AGENT-FIRST-SCREEN in $(pwd)\"\nexec cat\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(stub.join("claude"), fs::Permissions::from_mode(0o755)).unwrap();
+    let env = Env::with_config(&serde_json::json!({"toolbox": {
+        "agents": ["claude"],
+        "versions": {"claude": "0.0.1"},
+        "cache_dir": cache,
+        "download": false,
+    }}));
+    with_zellij(&env);
+    let repo = env.repo("agt");
+    env.ok(&["create", repo.to_str().unwrap()]);
+
+    let t = Terminal::new(env.tmp.path(), 120, 30, &[]);
+    t.line(&format!(
+        "{}; echo attach-exit=$?",
+        ctl_line(&env, "attach agt --agent claude")
+    ));
+    t.wait_screen("the agent's first screen", LONG, |s| {
+        s.contains("STUB-AGENT-FIRST-SCREEN in /workspace")
+    });
+    // The agent has the focus: typing goes to it.
+    t.line("typed-to-the-agent");
+    t.wait_screen("the agent to echo", LONG, |s| {
+        s.matches("typed-to-the-agent").count() >= 2
+    });
+    t.keys(&["C-o"]);
+    t.keys(&["d"]);
+    t.wait_screen("agentctl to exit", LONG, |s| s.contains("attach-exit=0"));
+
+    // Attaching again (with or without --agent) rejoins the same session:
+    // the agent is still there, and no second one started.
+    t.line("clear");
+    t.line(&format!(
+        "{}; echo again-exit=$?",
+        ctl_line(&env, "attach agt")
+    ));
+    t.wait_screen("the same agent", LONG, |s| {
+        s.contains("STUB-AGENT-FIRST-SCREEN") && s.contains("typed-to-the-agent")
+    });
+    // The stand-in ends as `cat`: count those.
+    let launched = env.ok(&[
+        "exec",
+        "agt",
+        "--",
+        "sh",
+        "-c",
+        "for p in /proc/[0-9]*; do \
+           [ \"$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)\" = 'cat ' ] && echo agent; done | wc -l",
+    ]);
+    assert_eq!(launched.trim(), "1", "one agent runs");
+    term_agentctl(&env, "attach");
+    t.wait_screen("agentctl to exit", LONG, |s| s.contains("again-exit=143"));
+
+    // An agent that is not one of the toolbox's is refused, by agentctl
+    // and, on a raw D-Bus call, by agentd, naming the known ones.
+    let err = env.fails(4, &["attach", "agt", "--agent", "vim"]);
+    assert!(err.contains("claude") && err.contains("codex"), "{err}");
+    let out = std::process::Command::new("busctl")
+        .args([
+            &format!("--address={}", env.address),
+            "call",
+            "org.keystone.Agent1",
+            "/org/keystone/Agent1/sandbox/agt",
+            "org.keystone.Agent1.Sandbox",
+            "Attach",
+            "sa{sv}",
+            "main",
+            "1",
+            "agent",
+            "s",
+            "sh -c id",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("agent 'sh -c id' is not one of: claude, codex, gemini"),
+        "{err}"
+    );
+}

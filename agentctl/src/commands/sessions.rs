@@ -9,9 +9,16 @@ pub(super) async fn run(
     command: Command,
 ) -> Result<i32> {
     match command {
-        Command::Attach { name, branch } => {
+        Command::Attach {
+            name,
+            branch,
+            agent,
+        } => {
             let sb = lookup(conn, manager, &name).await?;
-            let opts = crate::tty::terminal_options("agentctl attach")?;
+            let opts = keystone_agent_api::options::AttachOptions {
+                tty: crate::tty::terminal_options("agentctl attach")?,
+                agent,
+            };
             let (fd, process, session, notices) = sb
                 .attach(branch.as_deref().unwrap_or(""), opts.to_dict())
                 .await?;

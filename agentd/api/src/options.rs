@@ -348,6 +348,43 @@ impl TtyOptions {
     }
 }
 
+/// `Attach`'s options: the caller's terminal, and the agent to run in a new
+/// session's first pane.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AttachOptions {
+    /// The caller's terminal.
+    pub tty: TtyOptions,
+    /// `claude`, `codex` or `gemini`.
+    pub agent: Option<String>,
+}
+
+impl AttachOptions {
+    /// The keys it knows besides [`TtyOptions`]'.
+    pub const KEYS: &'static [&'static str] = &["agent"];
+
+    /// Read `dict`.
+    ///
+    /// # Errors
+    /// Every problem found.
+    pub fn from_dict(dict: &Dict) -> Result<Self, Vec<String>> {
+        let mut r = Reader::new(dict);
+        let o = Self {
+            tty: TtyOptions::read(&mut r),
+            agent: r.string("agent"),
+        };
+        let known: Vec<&str> = TtyOptions::KEYS.iter().chain(Self::KEYS).copied().collect();
+        r.finish(&known, o)
+    }
+
+    /// The dictionary to send.
+    #[must_use]
+    pub fn to_dict(&self) -> OutDict<'_> {
+        let mut d = self.tty.to_dict();
+        put(&mut d, "agent", self.agent.as_deref());
+        d
+    }
+}
+
 /// `Configure`'s settings: what may change on an existing sandbox.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConfigureOptions {

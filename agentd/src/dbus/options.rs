@@ -63,12 +63,32 @@ pub(super) fn exec_options(
 }
 
 /// Read `Attach`'s options (`rows`, `cols`, `term`) into `tty`.
-pub(super) fn tty_options(options: &Dict, tty: &mut TtyOptions) -> Result<(), api::Error> {
-    let size = TtyDict::from_dict(options).map_err(invalid)?;
+/// `Attach`'s options: the terminal into `tty`, and the agent for a new
+/// session's first pane.
+pub(super) fn attach_options(
+    options: &Dict,
+    tty: &mut TtyOptions,
+) -> Result<Option<crate::toolbox::Agent>, api::Error> {
+    let o = keystone_agent_api::options::AttachOptions::from_dict(options).map_err(invalid)?;
     let mut problems = Vec::new();
-    terminal(size, tty, &mut problems);
+    terminal(o.tty, tty, &mut problems);
+    let agent = match o.agent.as_deref() {
+        None => None,
+        Some(a) => {
+            let found = crate::toolbox::Agent::ALL
+                .into_iter()
+                .find(|x| x.command() == a);
+            if found.is_none() {
+                problems.push(format!(
+                    "agent '{a}' is not one of: {}",
+                    crate::toolbox::Agent::ALL.map(|x| x.command()).join(", ")
+                ));
+            }
+            found
+        }
+    };
     if problems.is_empty() {
-        Ok(())
+        Ok(agent)
     } else {
         Err(invalid(problems))
     }

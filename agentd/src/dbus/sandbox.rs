@@ -10,7 +10,7 @@ use zbus::object_server::SignalEmitter;
 use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
-use super::options::{configure_options, exec_options, sync_options, tty_options};
+use super::options::{attach_options, configure_options, exec_options, sync_options};
 use super::{Callers, check_strings, to_dbus};
 use crate::sandbox::Sandbox;
 use crate::sandbox::manager::{EgressChange, ExecCall, Manager, TtyOptions};
@@ -453,7 +453,8 @@ impl SandboxObject {
     /// sandbox if it is stopped, creates the worktree if it is missing and
     /// the session if it does not run, then runs the Zellij client on a
     /// terminal as `OpenTerminal` does. `options`: `rows`, `cols` (q),
-    /// `term` (s). Returns the terminal, the process id, the session name
+    /// `term` (s), `agent` (s: `claude`, `codex` or `gemini`, run in the
+    /// first pane of a session this call creates). Returns the terminal, the process id, the session name
     /// and notices (what was started or created on the way).
     async fn attach(
         &self,
@@ -466,11 +467,11 @@ impl SandboxObject {
         super::check_strings(&[("branch", &branch)])?;
         super::check_options(&options)?;
         let mut tty = TtyOptions::default();
-        tty_options(&options, &mut tty)?;
+        let agent = attach_options(&options, &mut tty)?;
         let branch = (!branch.is_empty()).then_some(branch);
         let a = self
             .manager
-            .attach(caller, &self.name, branch, &tty)
+            .attach(caller, &self.name, branch, &tty, agent)
             .await
             .map_err(to_dbus)?;
         Ok((

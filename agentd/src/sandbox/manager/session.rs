@@ -28,9 +28,25 @@ pub const ZELLIJ: &str = "/run/keystone/bin/zellij";
 pub const ZELLIJ_SHARE: &str = "/run/keystone/share/zellij";
 
 /// Attach to session `$1`, creating it with the project's layout
-/// (`.keystone/layout.kdl` of the worktree) or agentd's default.
+/// (`.keystone/layout.kdl` of the worktree) or agentd's default; with an
+/// agent's command in `$2`, a layout whose first pane runs it (beside a
+/// shell), written where only this sandbox looks.
 const ATTACH_SCRIPT: &str = r#"layout=/run/keystone/share/zellij/layout.kdl
 if [ -f .keystone/layout.kdl ]; then layout="$PWD/.keystone/layout.kdl"; fi
+if [ -n "$2" ]; then
+  layout=$(mktemp /tmp/keystone-layout-XXXXXX.kdl) || exit 1
+  cat > "$layout" <<EOF
+layout {
+    pane split_direction="vertical" {
+        pane command="$2" focus=true
+        pane size="30%"
+    }
+    pane size=1 borderless=true {
+        plugin location="zellij:compact-bar"
+    }
+}
+EOF
+fi
 exec /run/keystone/bin/zellij --config /run/keystone/share/zellij/config.kdl \
   --config-dir /run/keystone/share/zellij \
   attach --create "$1" options --default-layout "$layout""#;
@@ -232,6 +248,7 @@ impl Manager {
         name: &str,
         branch: Option<String>,
         tty: &TtyOptions,
+        agent: Option<crate::toolbox::Agent>,
     ) -> Result<Attached> {
         let mut notices = Vec::new();
         let mut sb = self.get(caller, name)?;
@@ -265,6 +282,7 @@ impl Manager {
                 ATTACH_SCRIPT.into(),
                 "keystone-attach".into(),
                 session.clone(),
+                agent.map(|a| a.command().to_owned()).unwrap_or_default(),
             ],
             env: BTreeMap::from([("TERM".to_owned(), tty.term())]),
             cwd,
