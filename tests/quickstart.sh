@@ -30,12 +30,25 @@ fi
 
 echo "==> building agentd and agentctl"
 cargo build --quiet --bins
+bin="$PWD/target/debug"
+state="${XDG_STATE_HOME:-$HOME/.local/state}/keystone/agent"
+mkdir -p "$state"
 # Sessions (agentctl attach) run the pinned Zellij inside the sandbox: built
 # once into a cache (about 20 minutes the first time), reused after that.
-echo "==> Zellij for sessions"
-KEYSTONE_ZELLIJ="$(tests/install-zellij.sh)"
-export KEYSTONE_ZELLIJ
-bin="$PWD/target/debug"
+# The first time it builds in the background: the sandbox does not wait
+# for it, agentd picks it up when it is there, and `agentctl attach` says
+# how long is left meanwhile.
+zellij_building=
+if zellij="$(tests/install-zellij.sh --cached 2>/dev/null)"; then
+  export KEYSTONE_ZELLIJ="$zellij"
+else
+  zellij_log="$state/zellij-build.log"
+  if ! pgrep -f 'install-tools.sh zellij' >/dev/null; then
+    KEYSTONE_BUILD_LOG="$zellij_log" nohup tests/install-zellij.sh >"$zellij_log" 2>&1 &
+  fi
+  zellij_building=1
+  echo "==> Zellij for sessions is building in the background (about 20 minutes, once; log: $zellij_log)"
+fi
 vm_config=
 create_args=()
 if [ -n "$vm" ]; then
@@ -54,8 +67,6 @@ if [ -n "$vm" ]; then
   vm_config="\"default_backend\": \"vm\", \"vm\": {\"image\": \"$image\", \"vhost_vsock\": \"$vsock\"}"
   create_args=(--backend vm --memory 2048 --vcpus 2)
 fi
-state="${XDG_STATE_HOME:-$HOME/.local/state}/keystone/agent"
-mkdir -p "$state"
 
 if [ -z "${DBUS_SESSION_BUS_ADDRESS:-}" ]; then
   sock="$state/session-bus.sock"
@@ -143,3 +154,9 @@ Sandbox '$name' is running. Try:
   $bin/agentctl stop $name && $bin/agentctl destroy $name
 agentd keeps running in the background (log: $state/agentd.log); stop it with: pkill -f 'agentd --session'
 MSG
+echo "Agents: agentd downloads Claude Code, Codex and Gemini CLI in the background (once);"
+echo "  $bin/agentctl status $name   shows their versions, and 'not installed yet' until then."
+if [ -n "$zellij_building" ]; then
+  echo "Zellij is still building (log: $zellij_log): until it is done, use"
+  echo "  $bin/agentctl exec -t $name -- bash   for a shell; agentctl attach says how long is left."
+fi

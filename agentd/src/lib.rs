@@ -167,7 +167,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .with_context(|| format!("state directory {}", dir.display()))?;
     tracing::info!(state_dir = %dir.display(), sandboxes = sandboxes.len(), "registry loaded");
     let exe = std::env::current_exe().context("cannot find agentd's own binary")?;
-    let zellij = tools::find_zellij(opts.zellij.as_deref().or(config.local.zellij.as_deref()));
+    let configured_zellij = opts.zellij.clone().or_else(|| config.local.zellij.clone());
+    let zellij = tools::find_zellij_or_build(configured_zellij.as_deref());
     match &zellij {
         Ok(z) => tracing::info!(zellij = %z.display(), "sessions enabled"),
         Err(e) => tracing::warn!("sessions disabled: {e}"),
@@ -187,6 +188,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         guest_dir: guest_dir.clone(),
         toolbox: toolbox.clone(),
         sessions: zellij.map(|_| ()).map_err(Arc::new),
+        zellij: configured_zellij,
     }));
     let microvm = Arc::new(MicrovmBackend::new(MicrovmSettings {
         systemd_bus: config.microvm.systemd_bus.clone(),

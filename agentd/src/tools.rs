@@ -67,6 +67,21 @@ pub enum ZellijError {
         #[source]
         source: std::io::Error,
     },
+    /// None yet, but `tests/install-zellij.sh` is building it.
+    #[error(
+        "Zellij {ZELLIJ_PINNED} is still being built (started {} ago, about {} left; log: {log}); \
+         `agentctl attach` works once it is done, and `agentctl exec -t SANDBOX -- bash` gives a shell meanwhile",
+        minutes(*elapsed_secs / 60),
+        minutes(expected_secs.saturating_sub(*elapsed_secs).max(60).div_ceil(60))
+    )]
+    Building {
+        /// Seconds since the build started.
+        elapsed_secs: u64,
+        /// How long such a build takes.
+        expected_secs: u64,
+        /// Where its output goes.
+        log: String,
+    },
     /// The binary is another release.
     #[error(
         "{} is '{version}', but sessions need Zellij {ZELLIJ_VERSION}.x; install it with \
@@ -79,6 +94,56 @@ pub enum ZellijError {
         /// What `--version` printed.
         version: String,
     },
+}
+
+fn minutes(m: u64) -> String {
+    if m == 1 {
+        "1 minute".into()
+    } else {
+        format!("{m} minutes")
+    }
+}
+
+/// The build of `tests/install-tools.sh` for `tool-version` in progress:
+/// its marker (`<cache>/<tool>-<version>.building`: `started=`, `expected=`,
+/// `pid=`, `log=` lines) names a process that still runs.
+#[must_use]
+pub fn build_in_progress(tool_version: &str) -> Option<ZellijError> {
+    let marker = cache_dir()?.join(format!("{tool_version}.building"));
+    let text = std::fs::read_to_string(marker).ok()?;
+    let field = |k: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
+            .map(str::to_owned)
+    };
+    let pid: i32 = field("pid")?.parse().ok()?;
+    if pid <= 0 || nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err() {
+        return None;
+    }
+    let started: u64 = field("started")?.parse().ok()?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Some(ZellijError::Building {
+        elapsed_secs: now.saturating_sub(started),
+        expected_secs: field("expected")
+            .and_then(|e| e.parse().ok())
+            .unwrap_or(1200),
+        log: field("log")
+            .filter(|l| !l.is_empty())
+            .unwrap_or_else(|| "-".into()),
+    })
+}
+
+/// [`find_zellij`], or, when there is none yet, the build in progress.
+pub fn find_zellij_or_build(configured: Option<&Path>) -> Result<PathBuf, ZellijError> {
+    match find_zellij(configured) {
+        Err(ZellijError::NotFound) => {
+            Err(build_in_progress(&format!("zellij-{ZELLIJ_PINNED}"))
+                .unwrap_or(ZellijError::NotFound))
+        }
+        other => other,
+    }
 }
 
 /// The Zellij binary to give sandboxes: `configured`, else `zellij` on

@@ -373,3 +373,101 @@ fn attach_with_an_agent_runs_it_in_the_first_pane_and_attaching_again_rejoins_it
         "{err}"
     );
 }
+
+#[test]
+fn attach_says_how_long_a_zellij_build_has_left_and_works_once_it_is_there() {
+    // A machine whose Zellij is still building: an empty cache with the
+    // build's marker, naming a process that runs.
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    fs::create_dir_all(&cache).unwrap();
+    let mut build = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        - 120;
+    fs::write(
+        cache.join("zellij-0.45.1.building"),
+        format!(
+            "started={started}\nexpected=1200\npid={}\nlog=/var/tmp/zellij-build.log\n",
+            build.id()
+        ),
+    )
+    .unwrap();
+    let mut env = Env::bus_only();
+    env.agentd_env = vec![
+        (
+            "KEYSTONE_CACHE_DIR".into(),
+            Some(cache.display().to_string()),
+        ),
+        ("KEYSTONE_ZELLIJ".into(), None),
+        ("PATH".into(), Some("/usr/sbin:/usr/bin:/sbin:/bin".into())),
+    ];
+    env.start_agentd();
+    assert!(env.log().contains("still being built"), "{}", env.log());
+    let repo = env.repo("late");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "late"]);
+
+    let attach = || {
+        std::process::Command::new("busctl")
+            .args([
+                &format!("--address={}", env.address),
+                "call",
+                "org.keystone.Agent1",
+                "/org/keystone/Agent1/sandbox/late",
+                "org.keystone.Agent1.Sandbox",
+                "Attach",
+                "sa{sv}",
+                "main",
+                "0",
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = attach();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("still being built (started 2 minutes ago, about 18 minutes left; log: /var/tmp/zellij-build.log)")
+            && err.contains("agentctl exec -t"),
+        "{err}"
+    );
+    // A build that ended without a binary: Zellij is just missing.
+    build.kill().unwrap();
+    build.wait().unwrap();
+    let err = String::from_utf8_lossy(&attach().stderr).into_owned();
+    assert!(err.contains("no zellij found"), "{err}");
+
+    // The build's result arrives: the next attach finds it, with no
+    // restart of agentd or of the sandbox.
+    let real = agentd::tools::find_zellij(
+        std::env::var_os("KEYSTONE_ZELLIJ")
+            .as_deref()
+            .map(std::path::Path::new),
+    )
+    .expect("the pinned Zellij: run tests/install-zellij.sh (or tests/run.sh) first");
+    let bin = cache.join("zellij-0.45.1/bin");
+    fs::create_dir_all(&bin).unwrap();
+    fs::copy(&real, bin.join("zellij")).unwrap();
+    fs::remove_file(cache.join("zellij-0.45.1.building")).unwrap();
+    let t = Terminal::new(env.tmp.path(), 100, 30, &[]);
+    t.line(&format!(
+        "{}; echo attach-exit=$?",
+        ctl_line(&env, "attach late")
+    ));
+    t.wait_screen("a session in the running sandbox", LONG, |s| {
+        s.contains("late-main") && s.contains("@late:/workspace")
+    });
+    t.keys(&["C-o"]);
+    t.keys(&["d"]);
+    t.wait_screen("agentctl to exit", LONG, |s| s.contains("attach-exit=0"));
+    assert!(env.log().contains("sessions enabled"));
+    let sessions: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["sessions", "late", "--json"])).unwrap();
+    assert_eq!(sessions[0]["name"], "late-main", "{sessions:?}");
+}

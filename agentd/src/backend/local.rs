@@ -152,6 +152,9 @@ pub struct LocalSettings {
     pub toolbox: Option<Arc<crate::toolbox::Toolbox>>,
     /// Whether sessions work, or why not.
     pub sessions: Result<(), Arc<ZellijError>>,
+    /// The configured Zellij binary (`--zellij`, `local.zellij`), looked
+    /// for again while sessions are not available (a build may finish).
+    pub zellij: Option<PathBuf>,
 }
 
 /// The local namespace backend.
@@ -159,6 +162,8 @@ pub struct LocalSettings {
 pub struct LocalBackend {
     settings: LocalSettings,
     cgroups: Cgroups,
+    /// Whether sessions work now ([`LocalSettings::sessions`] at first).
+    sessions: std::sync::Mutex<Result<(), Arc<ZellijError>>>,
 }
 
 impl LocalBackend {
@@ -169,7 +174,12 @@ impl LocalBackend {
         if let Some(reason) = cgroups.unavailable() {
             tracing::warn!(%reason, "memory, process and CPU limits of local sandboxes are not enforced");
         }
-        Self { settings, cgroups }
+        let sessions = std::sync::Mutex::new(settings.sessions.clone());
+        Self {
+            settings,
+            cgroups,
+            sessions,
+        }
     }
 
     fn control_socket(spec: &SandboxSpec) -> PathBuf {
@@ -621,7 +631,29 @@ impl Backend for LocalBackend {
     }
 
     fn sessions(&self) -> Result<(), Arc<ZellijError>> {
-        self.settings.sessions.clone()
+        let mut now = self
+            .sessions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if now.is_err() {
+            // Zellij may have arrived since (its build runs in the
+            // background on a fresh machine): into the tools directory,
+            // where running sandboxes see it at once.
+            *now = match crate::tools::find_zellij_or_build(self.settings.zellij.as_deref()) {
+                Ok(z) => match crate::tools::install(&self.settings.state_dir, Some(&z)) {
+                    Ok(_) => {
+                        tracing::info!(zellij = %z.display(), "sessions enabled");
+                        Ok(())
+                    }
+                    Err(e) => {
+                        tracing::warn!("cannot install Zellij for the sandboxes: {e}");
+                        now.clone()
+                    }
+                },
+                Err(e) => Err(Arc::new(e)),
+            };
+        }
+        now.clone()
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {

@@ -51,6 +51,8 @@ pub struct Env {
     /// The uid agentd and agentctl run as (root's tests only); agentd's own
     /// otherwise.
     pub user: Option<u32>,
+    /// Environment for agentd: set (`Some`) or removed (`None`).
+    pub agentd_env: Vec<(String, Option<String>)>,
 }
 
 impl Env {
@@ -90,6 +92,7 @@ impl Env {
             agentd: None,
             config: None,
             user: None,
+            agentd_env: Vec::new(),
         }
     }
 
@@ -209,6 +212,12 @@ impl Env {
             .stdout(Stdio::null())
             .stderr(log);
         cmd.arg("--config").arg(self.effective_config());
+        for (k, v) in &self.agentd_env {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
         if let Some(uid) = self.user {
             let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
                 .unwrap()
