@@ -99,6 +99,7 @@ fn start_toolbox(config: &toolbox::ToolboxConfig, bin: &Path) -> Option<Arc<tool
         return None;
     };
     let tb = Arc::new(tb);
+    tb.restrict_lock();
     if let Err(e) = tb.write_launchers(bin) {
         tracing::warn!("cannot write the agents' launchers: {e}");
     }

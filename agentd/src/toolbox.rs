@@ -164,7 +164,19 @@ fn registry_allowed(r: &str) -> bool {
     let rest = if let Some(rest) = r.strip_prefix("https://") {
         rest
     } else if let Some(rest) = r.strip_prefix("http://") {
-        if !(rest.starts_with("127.0.0.1") || rest.starts_with("[::1]")) {
+        // The loopback address itself, not a name that starts like it
+        // (`http://127.0.0.1.example.com`).
+        let after = rest
+            .strip_prefix("127.0.0.1")
+            .or_else(|| rest.strip_prefix("[::1]"));
+        let port_then_path = |a: &str| match a.strip_prefix(':') {
+            Some(p) => {
+                let port = p.split('/').next().unwrap_or("");
+                !port.is_empty() && port.chars().all(|c| c.is_ascii_digit())
+            }
+            None => a.is_empty() || a.starts_with('/'),
+        };
+        if !after.is_some_and(port_then_path) {
             return false;
         }
         rest
@@ -338,6 +350,16 @@ const MAX_TARBALL: u64 = 1 << 30;
 /// Largest unpacked package accepted (bytes of the tar stream): a small
 /// tarball must not fill the host's disk.
 const MAX_UNPACKED: u64 = 4 << 30;
+/// Most members a package may have: each costs an inode (a directory a
+/// block too) however few bytes of the tar stream it takes, so the bound
+/// on bytes alone would let 8 million through. Node, the largest, has
+/// about 3,300.
+const MAX_ENTRIES: u64 = 100_000;
+/// Deepest path in a package (components; Node's deepest has 12): deeper
+/// ones take a descriptor per level to walk and remove.
+const MAX_DEPTH: usize = 64;
+/// Longest path in a package (bytes; Node's longest has about 110).
+const MAX_NAME: usize = 1024;
 
 /// The toolbox of one agentd: its settings and where things are.
 #[derive(Debug, Clone)]
@@ -423,6 +445,18 @@ impl Toolbox {
         Ok(())
     }
 
+    /// Make the lock file of an older agentd write-only (see
+    /// [`Self::install_missing`]), at startup: before the next install,
+    /// which may be far off.
+    pub fn restrict_lock(&self) {
+        if let Ok(f) = fs::OpenOptions::new()
+            .write(true)
+            .open(self.dir.join(".lock"))
+        {
+            restrict(&f);
+        }
+    }
+
     /// Every package the configured agents need that the cache lacks.
     #[must_use]
     pub fn missing(&self) -> Vec<Package> {
@@ -444,18 +478,38 @@ impl Toolbox {
         &self,
         mut progress: impl FnMut(&Package, Option<&Result<(), InstallError>>),
     ) -> Result<(), InstallError> {
+        use std::os::unix::fs::OpenOptionsExt;
         make_dir(&self.dir)?;
         let lock_path = self.dir.join(".lock");
+        // Write-only, and for agentd alone: every sandbox sees this
+        // directory (read-only), and one that could open the file could
+        // flock it and hold every install back for as long as it likes. A
+        // read-only mount refuses it the write, the mode the read (and a
+        // descriptor opened with O_PATH cannot be locked).
         let lock = fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(0o200)
             .open(&lock_path)
             .map_err(file_err("open", &lock_path))?;
+        restrict(&lock);
         // Another agentd may be downloading the same packages: wait for it,
         // then take what it installed.
         let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
             .map_err(|(_, e)| file_err("lock", &lock_path)(e.into()))?;
+        // What an agentd that died while installing left (only the holder of
+        // the lock installs, so none of these is in use).
+        if let Ok(entries) = fs::read_dir(&self.dir) {
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().starts_with(".install-") {
+                    let path = entry.path();
+                    if let Err(e) = remove_tree(&path) {
+                        tracing::warn!(path = %path.display(), "cannot remove an unfinished install: {e}");
+                    }
+                }
+            }
+        }
         for pkg in self.missing() {
             progress(&pkg, None);
             let r = self.install(&pkg);
@@ -465,14 +519,26 @@ impl Toolbox {
         Ok(())
     }
 
-    /// Download, check and unpack `pkg` into the cache.
-    pub fn install(&self, pkg: &Package) -> Result<(), InstallError> {
-        let id = format!("{}@{}", pkg.name, pkg.version);
+    /// Download, check and unpack `pkg` into the cache (with the lock of
+    /// [`Self::install_missing`] held).
+    fn install(&self, pkg: &Package) -> Result<(), InstallError> {
         make_dir(&self.dir)?;
         let work = tempfile::Builder::new()
             .prefix(".install-")
             .tempdir_in(&self.dir)
             .map_err(file_err("make a directory in", &self.dir))?;
+        let r = self.install_in(pkg, work.path());
+        // Whatever tar left, even a directory of mode 000 (which the
+        // TempDir's own removal cannot enter without privilege).
+        if let Err(e) = remove_tree(work.path()) {
+            tracing::warn!(path = %work.path().display(), "cannot remove an unfinished install: {e}");
+        }
+        r
+    }
+
+    /// [`Self::install`] in the temporary directory `work`.
+    fn install_in(&self, pkg: &Package, work: &Path) -> Result<(), InstallError> {
+        let id = format!("{}@{}", pkg.name, pkg.version);
         // npm's registry takes the scope's slash encoded.
         let meta_url = format!(
             "{}/{}/{}",
@@ -480,10 +546,10 @@ impl Toolbox {
             pkg.name.replace('/', "%2f"),
             pkg.version
         );
-        let meta_file = work.path().join("meta.json");
+        let meta_file = work.join("meta.json");
         curl(&meta_url, &meta_file, MAX_METADATA)?;
         let (tarball, want) = read_metadata(&meta_file, &id, &self.config.registry)?;
-        let tgz = work.path().join("package.tgz");
+        let tgz = work.join("package.tgz");
         curl(&tarball, &tgz, MAX_TARBALL)?;
         let got = sha512_base64(&tgz)?;
         if got != want {
@@ -497,8 +563,14 @@ impl Toolbox {
             package: id.clone(),
             why,
         })?;
-        tracing::debug!(package = %id, bytes = size, "unpacking");
-        let unpacked = work.path().join("package");
+        let entries = check_members(&tgz, MAX_ENTRIES, MAX_DEPTH, MAX_NAME).map_err(|why| {
+            InstallError::Unpack {
+                package: id.clone(),
+                why,
+            }
+        })?;
+        tracing::debug!(package = %id, bytes = size, entries, "unpacking");
+        let unpacked = work.join("package");
         make_dir(&unpacked)?;
         let out = Command::new("tar")
             .args(["-xzf"])
@@ -530,20 +602,39 @@ impl Toolbox {
     }
 }
 
+/// Make lock file `f` write-only for its owner, unless it is already (or
+/// another user's, which is left as it is).
+fn restrict(f: &fs::File) {
+    if f.metadata()
+        .is_ok_and(|m| m.permissions().mode() & 0o7777 != 0o200)
+    {
+        let _ = f.set_permissions(fs::Permissions::from_mode(0o200));
+    }
+}
+
 fn make_dir(d: &Path) -> Result<(), InstallError> {
     fs::create_dir_all(d).map_err(file_err("create", d))?;
     fs::set_permissions(d, fs::Permissions::from_mode(0o755))
         .map_err(file_err("set the mode of", d))
 }
 
-/// Fetch `url` into `to` with curl: HTTPS (or loopback HTTP) only, no
-/// redirect to anything else, at most `max` bytes.
+/// Fetch `url` into `to` with curl: HTTPS (or loopback HTTP) only,
+/// redirects (at most 3) to HTTPS only, at most `max` bytes. The bytes come through
+/// agentd, which counts them: curl's `--max-filesize` only checks a length
+/// the server announces (before curl 8.4), and a chunked answer has none.
 fn curl(url: &str, to: &Path, max: u64) -> Result<(), InstallError> {
-    let out = Command::new("curl")
+    let fail = |why: String| InstallError::Download {
+        what: url.to_owned(),
+        why,
+    };
+    let mut child = Command::new("curl")
         .args([
             "--silent",
             "--show-error",
             "--fail",
+            // A URL is fetched as it is: `[1-1000]` or `{a,b}` in a path
+            // would otherwise be one request per expansion.
+            "--globoff",
             "--location",
             "--proto",
             "=https,http",
@@ -558,23 +649,56 @@ fn curl(url: &str, to: &Path, max: u64) -> Result<(), InstallError> {
             "--max-filesize",
         ])
         .arg(max.to_string())
-        .arg("--output")
-        .arg(to)
-        .arg("--")
-        .arg(url)
+        .args(["--output", "-", "--", url])
         .stdin(Stdio::null())
-        .output()
-        .map_err(|e| InstallError::Download {
-            what: url.to_owned(),
-            why: format!("cannot run curl ({e}); install curl"),
-        })?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(InstallError::Download {
-            what: url.to_owned(),
-            why: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(format!("cannot run curl ({e}); install curl")))?;
+    let copied = copy_at_most(child.stdout.take().expect("piped"), to, max);
+    if copied.is_err() {
+        let _ = child.kill();
+    }
+    let done = child
+        .wait_with_output()
+        .map_err(|e| fail(format!("curl: {e}")))?;
+    match copied {
+        Err(CopyError::TooLarge) => {
+            Err(fail(format!("the answer is larger than {} MiB", max >> 20)))
+        }
+        Err(CopyError::Write(e)) => Err(file_err("write", to)(e)),
+        Err(CopyError::Read(e)) => Err(fail(format!("cannot read curl's output: {e}"))),
+        Ok(()) if done.status.success() => Ok(()),
+        Ok(()) => Err(fail(
+            String::from_utf8_lossy(&done.stderr).trim().to_owned(),
+        )),
+    }
+}
+
+enum CopyError {
+    TooLarge,
+    Read(std::io::Error),
+    Write(std::io::Error),
+}
+
+/// Copy `from` into a new file `to`, refusing more than `max` bytes.
+fn copy_at_most(mut from: impl Read, to: &Path, max: u64) -> Result<(), CopyError> {
+    use std::io::Write;
+    let mut file = fs::File::create(to).map_err(CopyError::Write)?;
+    let mut buf = vec![0u8; 1 << 16];
+    let mut total: u64 = 0;
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(CopyError::Read(e)),
+        };
+        total += n as u64;
+        if total > max {
+            return Err(CopyError::TooLarge);
+        }
+        file.write_all(&buf[..n]).map_err(CopyError::Write)?;
     }
 }
 
@@ -649,6 +773,103 @@ fn unpacked_size(tgz: &Path, max: u64) -> Result<u64, String> {
     }
 }
 
+/// The number of members of gzipped tarball `tgz` as `tar` lists them, or
+/// why it is refused: more than `max_entries`, a path of more than
+/// `max_depth` components or `max_name` bytes, or not a tarball.
+fn check_members(
+    tgz: &Path,
+    max_entries: u64,
+    max_depth: usize,
+    max_name: usize,
+) -> Result<u64, String> {
+    let mut child = Command::new("tar")
+        // One line per member: a newline in a name is written `\n`.
+        .args(["--quoting-style=escape", "-tzf"])
+        .arg(tgz)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run tar: {e}"))?;
+    let mut out = child.stdout.take().expect("piped");
+    let mut buf = vec![0u8; 1 << 16];
+    let (mut entries, mut len, mut depth, mut at_start) = (0u64, 0usize, 0usize, true);
+    let refused = 'read: loop {
+        let n = match out.read(&mut buf) {
+            Ok(0) => break None,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => break Some(format!("cannot read tar's listing: {e}")),
+        };
+        for &b in &buf[..n] {
+            if b == b'\n' {
+                entries += 1;
+                if entries > max_entries {
+                    break 'read Some(format!("it has more than {max_entries} entries"));
+                }
+                (len, depth, at_start) = (0, 0, true);
+                continue;
+            }
+            len += 1;
+            if b == b'/' {
+                at_start = true;
+            } else if at_start {
+                depth += 1;
+                at_start = false;
+            }
+            if len > max_name {
+                break 'read Some(format!("it has a path longer than {max_name} bytes"));
+            }
+            if depth > max_depth {
+                break 'read Some(format!("it has a path deeper than {max_depth} directories"));
+            }
+        }
+    };
+    drop(out);
+    if refused.is_some() {
+        let _ = child.kill();
+    }
+    let done = child.wait_with_output().map_err(|e| format!("tar: {e}"))?;
+    match refused {
+        Some(why) => Err(why),
+        None if done.status.success() => Ok(entries),
+        None => Err(format!(
+            "not a tarball: {}",
+            String::from_utf8_lossy(&done.stderr).trim()
+        )),
+    }
+}
+
+/// Remove `path` and everything under it, not following links; directories
+/// are made accessible first (a package may hold one of mode 000, which an
+/// unprivileged agentd could not enter). Holds no descriptor per level.
+fn remove_tree(path: &Path) -> std::io::Result<()> {
+    let meta = match fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !meta.is_dir() {
+        return fs::remove_file(path);
+    }
+    if meta.permissions().mode() & 0o700 != 0o700 {
+        fs::set_permissions(path, fs::Permissions::from_mode(0o700))?;
+    }
+    let children = fs::read_dir(path)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut first_error = None;
+    for child in children {
+        if let Err(e) = remove_tree(&child) {
+            first_error.get_or_insert(e);
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => fs::remove_dir(path),
+    }
+}
+
 fn sha512_base64(path: &Path) -> Result<String, InstallError> {
     use base64::Engine;
     use sha2::Digest;
@@ -669,9 +890,14 @@ fn sha512_base64(path: &Path) -> Result<String, InstallError> {
 /// 0755, files 0755 or 0644 (by their execute bit), and nothing else (no
 /// symlink, device or fifo stays).
 fn normalize(dir: &Path) -> Result<(), InstallError> {
-    for entry in fs::read_dir(dir).map_err(file_err("read", dir))? {
-        let entry = entry.map_err(file_err("read", dir))?;
-        let path = entry.path();
+    // Read before descending: no descriptor stays open per level.
+    let children = fs::read_dir(dir)
+        .and_then(|rd| {
+            rd.map(|e| e.map(|e| e.path()))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .map_err(file_err("read", dir))?;
+    for path in children {
         let meta = fs::symlink_metadata(&path).map_err(file_err("read", &path))?;
         let ft = meta.file_type();
         if ft.is_dir() {
@@ -810,5 +1036,260 @@ mod tests {
         assert_eq!(mode("README"), 0o644);
         assert_eq!(mode("bin"), 0o755);
         assert!(fs::symlink_metadata(p.join("link")).is_err());
+    }
+}
+
+#[cfg(test)]
+mod attacks {
+    use super::*;
+
+    #[test]
+    fn settings_that_would_inject_into_urls_paths_or_launchers_are_refused() {
+        for version in [
+            "1.0.0$(id)",
+            "1.0.0`id`",
+            "1.0.0\"; id; \"",
+            "1.0.0'",
+            "1.0.0\nexec sh",
+            "1.0.0 x",
+            "1.0.0;id",
+            "1.0.0/../../x",
+            "../1.0.0",
+            "..",
+            "1.0.0%2f..",
+            "1.0.0?x",
+            "1.0.0#x",
+            "1.0.0\\x",
+            "1.0.0*",
+            "-1.0.0",
+            "",
+            &"9".repeat(65),
+        ] {
+            let mut c = ToolboxConfig::default();
+            c.versions.codex = version.to_owned();
+            assert_eq!(c.problems().len(), 1, "{version:?} is accepted");
+        }
+        // What passes is plain in the launcher: no quote, no expansion.
+        let v = Versions {
+            claude: "1.0.0-rc.1+build.5".into(),
+            ..Versions::default()
+        };
+        let l = launcher(Agent::Claude, &v, true);
+        assert_eq!(
+            l.lines().last().unwrap(),
+            "exec /run/keystone/agents/claude-1.0.0-rc.1+build.5/claude \"$@\""
+        );
+        for registry in [
+            // Plain HTTP to a name that merely starts like loopback.
+            "http://127.0.0.1.example.com",
+            "http://127.0.0.1.nip.io:4873",
+            "http://127.0.0.10",
+            "http://[::1].example.com",
+            "http://127.0.0.1:4873.example.com",
+            "http://127.0.0.1:",
+            "http://localhost:4873",
+            "https://registry.npmjs.org/",
+            "https://user@registry.npmjs.org",
+            "https://registry.npmjs.org/$(id)",
+            "https://registry.npmjs.org/ x",
+            "https://registry.npmjs.org\n",
+            "https://registry.npmjs.org?x",
+            "https://registry.npmjs.org#x",
+            "ftp://registry.npmjs.org",
+            "file:///etc",
+            "https://",
+        ] {
+            assert!(
+                !registry_allowed(registry),
+                "{registry:?} is accepted as a registry"
+            );
+        }
+        for registry in [
+            "https://registry.npmjs.org",
+            "https://npm.example.com:8443/api/npm",
+            "http://127.0.0.1",
+            "http://127.0.0.1:4873",
+            "http://127.0.0.1:4873/npm",
+            "http://[::1]:4873",
+            "http://[::1]/npm",
+        ] {
+            assert!(registry_allowed(registry), "{registry:?} is refused");
+        }
+        let c = ToolboxConfig {
+            cache_dir: Some("cache/../agents".into()),
+            ..ToolboxConfig::default()
+        };
+        assert_eq!(c.problems().len(), 1);
+    }
+
+    #[test]
+    fn tarballs_off_the_registry_and_unusable_integrity_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let meta = dir.path().join("m.json");
+        let registry = "https://registry.npmjs.org";
+        for tarball in [
+            "https://registry.npmjs.org@evil.example.com/x.tgz",
+            "https://registry.npmjs.org.evil.example.com/x.tgz",
+            "https://registry.npmjs.org:8443/x.tgz",
+            "https://registry.npmjs.org\\@evil.example.com/x.tgz",
+            "https://registry.npmjs.org#@evil.example.com/x.tgz",
+            "http://registry.npmjs.org/x.tgz",
+            "HTTPS://evil.example.com/x.tgz",
+            "//evil.example.com/x.tgz",
+            "/x.tgz",
+            "file:///etc/passwd",
+        ] {
+            let doc = serde_json::json!({"dist": {"tarball": tarball, "integrity": "sha512-AAAA"}});
+            fs::write(&meta, doc.to_string()).unwrap();
+            assert!(
+                read_metadata(&meta, "x@1", registry).is_err(),
+                "{tarball} is accepted"
+            );
+        }
+        // Several hashes: the first sha512 is the one that must match (a
+        // second, right one does not rescue a wrong first one).
+        let doc = serde_json::json!({"dist": {
+            "tarball": "https://registry.npmjs.org/x/-/x-1.tgz",
+            "integrity": "sha1-AAAA sha512-FIRST sha512-SECOND",
+        }});
+        fs::write(&meta, doc.to_string()).unwrap();
+        assert_eq!(read_metadata(&meta, "x@1", registry).unwrap().1, "FIRST");
+        for bad in [
+            serde_json::json!({"dist": {"tarball": "https://registry.npmjs.org/x.tgz"}}),
+            serde_json::json!({"dist": {"tarball": "https://registry.npmjs.org/x.tgz", "integrity": 5}}),
+            serde_json::json!({"dist": {"tarball": ["https://registry.npmjs.org/x.tgz"], "integrity": "sha512-A"}}),
+            serde_json::json!([]),
+        ] {
+            fs::write(&meta, bad.to_string()).unwrap();
+            assert!(read_metadata(&meta, "x@1", registry).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_download_is_cut_off_at_its_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let to = dir.path().join("out");
+        let endless = std::io::repeat(b'x');
+        assert!(matches!(
+            copy_at_most(endless, &to, 1 << 20),
+            Err(CopyError::TooLarge)
+        ));
+        assert!(fs::metadata(&to).unwrap().len() <= 1 << 20);
+        copy_at_most(&b"just enough"[..], &to, 11).ok().unwrap();
+        assert_eq!(fs::read(&to).unwrap(), b"just enough");
+    }
+
+    /// A gzipped tarball of `names` (directories end in `/`), made by tar.
+    fn tarball(dir: &Path, names: &[String]) -> PathBuf {
+        let root = dir.join("root");
+        for n in names {
+            let p = root.join(n);
+            if n.ends_with('/') {
+                fs::create_dir_all(&p).unwrap();
+            } else {
+                fs::create_dir_all(p.parent().unwrap()).unwrap();
+                fs::write(&p, "").unwrap();
+            }
+        }
+        let tgz = dir.join("t.tgz");
+        let ok = Command::new("tar")
+            .arg("-czf")
+            .arg(&tgz)
+            .arg("-C")
+            .arg(&root)
+            .arg("--no-recursion")
+            .args(names)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        tgz
+    }
+
+    #[test]
+    fn packages_of_too_many_too_deep_or_too_long_members_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let names: Vec<String> = ["package/", "package/a", "package/b/", "package/b/c"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        let tgz = tarball(dir.path(), &names);
+        assert_eq!(check_members(&tgz, 4, 3, 100), Ok(4));
+        assert!(
+            check_members(&tgz, 3, 3, 100)
+                .unwrap_err()
+                .contains("more than 3 entries")
+        );
+        assert!(
+            check_members(&tgz, 4, 2, 100)
+                .unwrap_err()
+                .contains("deeper than 2")
+        );
+        assert!(
+            check_members(&tgz, 4, 3, 10)
+                .unwrap_err()
+                .contains("longer than 10")
+        );
+        // A newline in a name does not split it into two short ones.
+        let dir = tempfile::tempdir().unwrap();
+        let tgz = tarball(dir.path(), &["package/a\nb".to_owned()]);
+        assert_eq!(check_members(&tgz, 1, 3, 100), Ok(1));
+        fs::write(&tgz, b"not a tarball").unwrap();
+        assert!(
+            check_members(&tgz, 4, 3, 100)
+                .unwrap_err()
+                .contains("not a tarball")
+        );
+    }
+
+    #[test]
+    fn removing_an_unfinished_install_follows_no_link_and_enters_locked_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        fs::write(outside.join("keep"), "host").unwrap();
+        fs::set_permissions(&outside, fs::Permissions::from_mode(0o555)).unwrap();
+        let work = dir.path().join(".install-x");
+        fs::create_dir_all(work.join("package/locked/inner")).unwrap();
+        fs::write(work.join("package/locked/inner/f"), "x").unwrap();
+        std::os::unix::fs::symlink(&outside, work.join("package/to-dir")).unwrap();
+        std::os::unix::fs::symlink(outside.join("keep"), work.join("package/to-file")).unwrap();
+        fs::set_permissions(
+            work.join("package/locked/inner"),
+            fs::Permissions::from_mode(0o000),
+        )
+        .unwrap();
+        fs::set_permissions(
+            work.join("package/locked"),
+            fs::Permissions::from_mode(0o000),
+        )
+        .unwrap();
+        remove_tree(&work).unwrap();
+        assert!(!work.exists());
+        assert_eq!(fs::read_to_string(outside.join("keep")).unwrap(), "host");
+        let mode = fs::metadata(&outside).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o555, "the link's target was changed");
+        remove_tree(&work).unwrap();
+    }
+
+    #[test]
+    fn the_lock_file_is_write_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = ToolboxConfig {
+            agents: Vec::new(),
+            cache_dir: Some(dir.path().join("agents")),
+            ..ToolboxConfig::default()
+        };
+        let tb = Toolbox::new(c, None).unwrap();
+        fs::create_dir_all(&tb.dir).unwrap();
+        fs::write(tb.dir.join(".lock"), "").unwrap();
+        fs::set_permissions(tb.dir.join(".lock"), fs::Permissions::from_mode(0o644)).unwrap();
+        fs::create_dir_all(tb.dir.join(".install-stale/package/d")).unwrap();
+        tb.restrict_lock();
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode(&tb.dir.join(".lock")), 0o200);
+        fs::remove_file(tb.dir.join(".lock")).unwrap();
+        tb.install_missing(|_, _| {}).unwrap();
+        assert_eq!(mode(&tb.dir.join(".lock")), 0o200);
+        assert!(!tb.dir.join(".install-stale").exists());
     }
 }
