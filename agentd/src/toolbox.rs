@@ -635,13 +635,13 @@ fn curl(url: &str, to: &Path, max: u64) -> Result<(), InstallError> {
             // A URL is fetched as it is: `[1-1000]` or `{a,b}` in a path
             // would otherwise be one request per expansion.
             "--globoff",
+            // No redirect is followed: everything comes from the registry's
+            // own host (a redirect is curl's error 47, reported below).
             "--location",
+            "--max-redirs",
+            "0",
             "--proto",
             "=https,http",
-            "--proto-redir",
-            "=https",
-            "--max-redirs",
-            "3",
             "--connect-timeout",
             "30",
             "--max-time",
@@ -669,6 +669,11 @@ fn curl(url: &str, to: &Path, max: u64) -> Result<(), InstallError> {
         Err(CopyError::Write(e)) => Err(file_err("write", to)(e)),
         Err(CopyError::Read(e)) => Err(fail(format!("cannot read curl's output: {e}"))),
         Ok(()) if done.status.success() => Ok(()),
+        Ok(()) if done.status.code() == Some(47) => Err(fail(
+            "the registry answered with a redirect, which agentd does not follow: \
+             toolbox.registry must serve the metadata and the tarballs itself"
+                .to_owned(),
+        )),
         Ok(()) => Err(fail(
             String::from_utf8_lossy(&done.stderr).trim().to_owned(),
         )),

@@ -902,16 +902,11 @@ fn a_tarball_url_is_fetched_as_it_is_not_expanded() {
     );
 }
 
-/// The registry redirects the tarball to another host. agentd checks that
-/// `dist.tarball` is on the registry's host, but curl follows redirects
-/// (`--location`, to any https host), so the package comes from elsewhere.
+/// The registry redirects the tarball to another host (with a tarball
+/// whose sha512 matches): agentd follows no redirect, so the package never
+/// comes from elsewhere.
 #[test]
-#[ignore = "weakness: redirects are followed to any https host, past the check that the tarball is on the registry's host; see the test's comment for the fix"]
 fn a_tarball_redirected_to_another_host_is_not_installed() {
-    // Fix: check where curl ended up (`--write-out '%{stderr}%{url_effective}'`)
-    // against the registry's scheme and host, or drop `--location`; a
-    // mirror that redirects to blob storage (GitHub Packages does) would
-    // then need its storage host allowed in the settings.
     let tmp = scratch();
     let www = tmp.path().join("www");
     std::fs::create_dir_all(&www).unwrap();
@@ -988,6 +983,11 @@ fn a_tarball_redirected_to_another_host_is_not_installed() {
     assert!(
         !cache.join("claude-1.0.0").exists(),
         "installed from https://localhost:{port}, not the registry's host: {}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains("the registry answered with a redirect"),
+        "{}",
         run.stderr
     );
 }
