@@ -141,10 +141,10 @@ impl ToolboxConfig {
             ));
         }
         if let Some(d) = &self.cache_dir
-            && !d.is_absolute()
+            && (!d.is_absolute() || d.parent().is_none())
         {
             out.push(format!(
-                "toolbox.cache_dir: '{}' must be an absolute path",
+                "toolbox.cache_dir: '{}' must be an absolute path below /",
                 d.display()
             ));
         }
@@ -612,14 +612,20 @@ fn restrict(f: &fs::File) {
     }
 }
 
+/// Make directory `d` (and its parents) readable by every sandbox uid; a
+/// directory that exists keeps its mode (`cache_dir` may name one of the
+/// administrator's).
 fn make_dir(d: &Path) -> Result<(), InstallError> {
+    if d.is_dir() {
+        return Ok(());
+    }
     fs::create_dir_all(d).map_err(file_err("create", d))?;
     fs::set_permissions(d, fs::Permissions::from_mode(0o755))
         .map_err(file_err("set the mode of", d))
 }
 
-/// Fetch `url` into `to` with curl: HTTPS (or loopback HTTP) only,
-/// redirects (at most 3) to HTTPS only, at most `max` bytes. The bytes come through
+/// Fetch `url` into `to` with curl: HTTPS (or loopback HTTP) only, no
+/// redirect, at most `max` bytes. The bytes come through
 /// agentd, which counts them: curl's `--max-filesize` only checks a length
 /// the server announces (before curl 8.4), and a chunked answer has none.
 fn curl(url: &str, to: &Path, max: u64) -> Result<(), InstallError> {
