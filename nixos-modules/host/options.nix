@@ -342,6 +342,50 @@ in
       };
     };
 
+    toolbox = {
+      agents = lib.mkOption {
+        type = types.listOf (
+          types.enum [
+            "claude"
+            "codex"
+            "gemini"
+          ]
+        );
+        default = d.toolbox.agents;
+        description = ''
+          The agent CLIs that `local` and `vm` sandboxes get from agentd's
+          agent toolbox (docs/agents.md): Claude Code, Codex and Gemini CLI
+          from the npm registry at pinned versions, read-only at
+          `/run/keystone/agents` with launchers on `PATH`. `microvm`
+          sandboxes use nixpkgs' packages instead
+          ({option}`keystone.sandbox.agents` in the guest). agentd:
+          `toolbox.agents`.
+        '';
+      };
+      versions = lib.mkOption {
+        type = types.attrsOf types.str;
+        default = d.toolbox.versions;
+        example = {
+          claude = "2.1.331";
+        };
+        description = ''
+          npm versions of `claude`, `codex`, `gemini` and `node` (which runs
+          Gemini CLI); those left out take the versions agentd pins. A
+          change takes effect when agentd restarts. agentd:
+          `toolbox.versions`.
+        '';
+      };
+      download = lib.mkOption {
+        type = types.bool;
+        default = d.toolbox.download;
+        description = ''
+          Download what the cache (/var/cache/keystone-agent/agents) lacks
+          when agentd starts; `false`: only what `agentd --install-agents`
+          put there. agentd: `toolbox.download`.
+        '';
+      };
+    };
+
     microvm = {
       shareProto = lib.mkOption {
         type = types.enum [

@@ -136,6 +136,17 @@ let
       namespace = "agent-sandboxes";
       storageClass = "standard";
     };
+    # The agent toolbox of local and vm sandboxes (docs/agents.md); versions
+    # left out take agentd's pinned ones.
+    toolbox = {
+      agents = [
+        "claude"
+        "codex"
+        "gemini"
+      ];
+      versions = { };
+      download = true;
+    };
     proxy = {
       enable = false;
       domain = "sandbox.local";
@@ -197,6 +208,7 @@ let
       microvm = section "microvm";
       vm = section "vm";
       kubernetes = section "kubernetes";
+      toolbox = section "toolbox";
       proxy = section "proxy";
       network = section "network";
       sandboxes = mapAttrs (_: s: d.sandbox // s) (cfg.sandboxes or { });
@@ -373,6 +385,11 @@ let
     }:
     resolved && priority >= 1000 && !useNetworkd;
 
+  # Whether local or vm sandboxes are to be expected: the default backend is
+  # not microvm, or a declared sandbox is not.
+  toolboxUsed =
+    c: c.backend != "microvm" || any (n: sandboxBackend c n != "microvm") (attrNames c.sandboxes);
+
   # --- agentd's JSON configuration -------------------------------------------
 
   renderSettings = s: listToAttrs (map (key: {
@@ -422,6 +439,14 @@ let
         inherit (c.vm) accel share;
       }
       // optionalAttrs (c.vm.image != null) { image = toString c.vm.image; };
+      # The download only where a sandbox may need the toolbox: microvm
+      # guests bring nixpkgs' agents (`agentctl create --backend local` on a
+      # host without declared ones: `agentd --install-agents` once).
+      toolbox = {
+        inherit (c.toolbox) agents;
+        download = c.toolbox.download && toolboxUsed c;
+      }
+      // optionalAttrs (c.toolbox.versions != { }) { inherit (c.toolbox) versions; };
       sandboxes = mapAttrs (_: renderSandbox) c.sandboxes;
     };
 

@@ -250,6 +250,10 @@ expect "validate: cloud-hypervisor with nestedVirt off and a network everywhere 
 expect "validate: a vm sandbox needs vm.image" \
   "(import $lib).validate { sandboxes.a = { project = \"/p\"; owner = \"u\"; backend = \"vm\"; }; }" \
   '["keystone.agent.sandboxes.a: the vm backend needs keystone.agent.vm.image (the flake'"'"'s nixosModules.default sets it to the guest-image package)"]'
+expect "renderConfig: no toolbox download on a host of microvm sandboxes only (their guests bring nixpkgs' agents)" \
+  "((import $lib).renderConfig { sandboxes.a = { project = \"/p\"; owner = \"u\"; }; }).toolbox.download" false
+expect "renderConfig: the toolbox downloads for a vm sandbox" \
+  "((import $lib).renderConfig { sandboxes.a = { project = \"/p\"; owner = \"u\"; backend = \"vm\"; }; }).toolbox.download" true
 expect "renderConfig: vm.image reaches agentd.json" \
   "((import $lib).renderConfig { vm.image = \"/nix/store/x-guest-image\"; vm.accel = \"tcg\"; }).vm" \
   '{"accel":"tcg","image":"/nix/store/x-guest-image","share":"auto"}'
