@@ -72,6 +72,48 @@ agentctl worktree add myproject spike --from host/main"
     },
 }
 
+/// `agentctl secret …` verbs.
+#[derive(Debug, Subcommand)]
+pub enum SecretCommand {
+    /// Set (or replace) the secret of VAR in sandbox NAME.
+    Set {
+        /// Sandbox name.
+        name: String,
+        /// The environment variable inside (its placeholder), such as
+        /// ANTHROPIC_API_KEY.
+        var: String,
+        /// The host whose HTTPS requests get the value.
+        #[arg(long)]
+        host: String,
+        /// The header that carries it (e.g. x-api-key).
+        #[arg(long, conflicts_with = "bearer", required_unless_present = "bearer")]
+        header: Option<String>,
+        /// `Authorization: Bearer <value>`.
+        #[arg(long)]
+        bearer: bool,
+        /// Read the value from this file instead of standard input.
+        #[arg(long, value_name = "FILE")]
+        file: Option<std::path::PathBuf>,
+    },
+    /// List the sandbox's secrets (variables, hosts and headers; never a value).
+    #[command(visible_alias = "ls")]
+    List {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove the secret of VAR.
+    #[command(visible_alias = "rm")]
+    Remove {
+        /// Sandbox name.
+        name: String,
+        /// The variable.
+        var: String,
+    },
+}
+
 /// `agentctl egress NAME …`.
 #[derive(Debug, Subcommand)]
 pub enum EgressCommand {
@@ -324,6 +366,23 @@ agentctl egress myproject allow --once api.example.com")]
         /// What to do.
         #[command(subcommand)]
         command: EgressCommand,
+    },
+    /// Secrets the sandbox's agent can use but not read: inside, the
+    /// variable holds a placeholder; agentd's egress gateway puts the real
+    /// value in the named header of the sandbox's HTTPS requests to the
+    /// host, and nowhere else (docs/agents.md).
+    #[command(after_help = "Examples:\n  \
+agentctl secret set myproject ANTHROPIC_API_KEY --host api.anthropic.com --header x-api-key < key.txt\n  \
+agentctl secret set myproject OPENAI_API_KEY --host api.openai.com --bearer --file ~/.openai-key\n  \
+agentctl secret list myproject\n  \
+agentctl secret rm myproject OPENAI_API_KEY\n\n\
+The value is read from --file or standard input (never the command line); a\n\
+terminal does not echo it. Running commands keep their environment: the\n\
+variable appears in the next exec, terminal or session.")]
+    Secret {
+        /// What to do.
+        #[command(subcommand)]
+        command: SecretCommand,
     },
     /// Attach your terminal to the Zellij session of a worktree
     /// (`<name>-<branch>`). Starts the sandbox if it is stopped, creates the

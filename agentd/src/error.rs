@@ -78,6 +78,15 @@ pub enum Error {
     /// The registry could not be written.
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    /// A sandbox's secrets could not be kept (never shows a value).
+    #[error("Sandbox '{name}': {source}")]
+    Secrets {
+        /// Sandbox name.
+        name: String,
+        /// What went wrong.
+        #[source]
+        source: crate::secrets::SecretError,
+    },
 }
 
 /// Why something with a sandbox's directories failed (below

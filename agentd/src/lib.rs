@@ -24,6 +24,7 @@ pub mod proxy;
 pub mod pty;
 pub mod registry;
 pub mod sandbox;
+pub mod secrets;
 pub mod subid;
 pub mod text;
 pub mod toolbox;

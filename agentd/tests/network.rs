@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::tls::{Tls, tls};
 use common::{Env, origin};
 
 /// This host's first non-loopback IPv4 address.
@@ -86,14 +87,6 @@ fn installed(env: &Env, name: &str, tool: &str) -> bool {
     found
 }
 
-/// A certificate authority, and a server certificate it signed for
-/// `names` and 127.0.0.1, made by openssl in `dir`.
-struct Tls {
-    ca: PathBuf,
-    cert: PathBuf,
-    key: PathBuf,
-}
-
 /// A repository `served` with one commit, and a bare clone of it at
 /// `bare` (its directories made) for an origin to serve.
 fn served(env: &Env, bare: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
@@ -110,36 +103,6 @@ fn served(env: &Env, bare: &Path) -> (std::path::PathBuf, std::path::PathBuf) {
         ],
     );
     (source, bare.to_owned())
-}
-
-fn tls(dir: &Path, names: &[&str]) -> Tls {
-    let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
-    let script = format!(
-        "set -e
-        key='-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes'
-        openssl req -x509 $key -days 2 -subj '/CN=Keystone test CA' -keyout ca.key -out ca.pem
-        openssl req $key -subj /CN=site -keyout site.key -out site.csr
-        printf '%s\\n' subjectAltName={},IP:127.0.0.1 basicConstraints=CA:FALSE \
-            extendedKeyUsage=serverAuth > site.ext
-        openssl x509 -req -days 2 -in site.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
-            -extfile site.ext -out site.pem",
-        san.join(",")
-    );
-    let out = Command::new("sh")
-        .args(["-c", &script])
-        .current_dir(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "openssl (apt-get install openssl): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Tls {
-        ca: dir.join("ca.pem"),
-        cert: dir.join("site.pem"),
-        key: dir.join("site.key"),
-    }
 }
 
 /// A site on the host (network/site.py): python3's HTTP server, over TLS

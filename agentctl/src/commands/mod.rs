@@ -20,6 +20,7 @@ mod gitops;
 mod history;
 mod lifecycle;
 mod links;
+mod secrets;
 mod sessions;
 
 /// Run one command.
@@ -53,6 +54,15 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         Command::Egress { name, command } => {
             let sb = lookup(conn, &manager, &name).await?;
             egress::run(&sb, &name, command).await
+        }
+        Command::Secret { command } => {
+            let name = match &command {
+                crate::cli::SecretCommand::Set { name, .. }
+                | crate::cli::SecretCommand::List { name, .. }
+                | crate::cli::SecretCommand::Remove { name, .. } => name.clone(),
+            };
+            let path = manager.get_sandbox(&name).await?;
+            secrets::run(conn, path, command).await
         }
     }
 }

@@ -16,7 +16,7 @@ pub use names::{
     BUS_NAME, ERROR_PREFIX, MANAGER_INTERFACE, MANAGER_PATH, SANDBOX_INTERFACE,
     SANDBOX_PATH_PREFIX, sandbox_path,
 };
-pub use proxy::{ManagerProxy, SandboxProxy};
+pub use proxy::{ManagerProxy, SandboxProxy, SecretsProxy};
 pub use types::{
     BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network, RouteInfo, SandboxConfig,
     SandboxState, SandboxSummary, SessionInfo, SyncMode, SyncReport, WorktreeInfo,

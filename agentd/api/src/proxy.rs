@@ -237,3 +237,26 @@ pub trait Sandbox {
     #[zbus(property)]
     fn agents(&self) -> zbus::Result<String>;
 }
+
+/// A sandbox's secrets, on the sandbox's object (`org.keystone.Agent1.Secrets`).
+#[proxy(
+    interface = "org.keystone.Agent1.Secrets",
+    default_service = "org.keystone.Agent1"
+)]
+pub trait Secrets {
+    /// Give the sandbox a secret for `host`, carried in `header`.
+    fn set(
+        &self,
+        var: &str,
+        host: &str,
+        header: &str,
+        bearer: bool,
+        value: &[u8],
+    ) -> Result<(), Error>;
+
+    /// The sandbox's secrets: (variable, host, header, bearer) each.
+    fn list(&self) -> Result<Vec<(String, String, String, bool)>, Error>;
+
+    /// Remove the secret of `var`; whether there was one.
+    fn remove(&self, var: &str) -> Result<bool, Error>;
+}

@@ -157,6 +157,10 @@ pub async fn removed(conn: &Connection, callers: &Arc<Callers>, name: &str) -> z
     conn.object_server()
         .remove::<sandbox::SandboxObject, _>(&path)
         .await?;
+    let _ = conn
+        .object_server()
+        .remove::<super::secrets::SecretsObject, _>(&path)
+        .await;
     // Unknown owner: only root hears of it.
     let owner = owner.unwrap_or(0);
     for e in callers.emitters(conn, owner, &api::MANAGER_PATH.try_into()?) {

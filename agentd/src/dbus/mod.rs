@@ -4,6 +4,7 @@
 mod manager;
 mod options;
 mod sandbox;
+mod secrets;
 mod signals;
 
 use std::collections::HashMap;
@@ -217,6 +218,7 @@ pub fn to_dbus(e: Error) -> api::Error {
         | Error::Proxy { .. }
         | Error::Workspace { .. }
         | Error::Sync { .. }
+        | Error::Secrets { .. }
         | Error::Registry(_) => api::Error::Backend(msg),
     }
 }

@@ -724,7 +724,13 @@ pub async fn export(
         callers: Arc::clone(callers),
         announced: Mutex::new(manager.snapshot(name)),
     };
-    server.at(&path, obj).await.map(|_| ())
+    server.at(&path, obj).await?;
+    let secrets = super::secrets::SecretsObject {
+        name: name.to_owned(),
+        manager: Arc::clone(manager),
+        callers: Arc::clone(callers),
+    };
+    server.at(&path, secrets).await.map(|_| ())
 }
 
 impl SandboxObject {

@@ -45,6 +45,9 @@ pub struct Context {
     pub ask_timeout: Duration,
     /// Called when a connection starts waiting.
     pub asked: Asked,
+    /// For a CONNECT to (host, port): how to swap the sandbox's secrets in
+    /// it, when the host carries one ([`super::intercept`]).
+    pub intercept: super::intercept::Intercept,
 }
 
 /// What the gateway calls with the host and port of a connection that
@@ -332,6 +335,17 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
     let mut sent = 0u64;
     if ready.is_ok() && !head.is_empty() && upstream.write_all(&head).await.is_ok() {
         sent = head.len() as u64;
+    }
+    // A CONNECT to a host that carries a secret: swapped in on the way.
+    let plan = ready.is_ok() && ask.protocol == "connect";
+    if let Some(plan) = plan.then(|| (ctx.intercept)(&ask.host, ask.port)).flatten() {
+        let reason = format!("; the sandbox's secrets for {} swapped in", ask.host);
+        entry.reason.push_str(&reason);
+        let error;
+        (entry.sent, entry.received, error) =
+            super::intercept::intercept(client, upstream, plan).await;
+        entry.error = error.unwrap_or_default();
+        return finish(entry);
     }
     match (ready.is_ok(), ask.body_left) {
         (false, _) => {}

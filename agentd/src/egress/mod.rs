@@ -15,6 +15,7 @@
 
 pub mod ask;
 pub mod gateway;
+pub mod intercept;
 pub mod log;
 pub mod policy;
 pub mod shared;

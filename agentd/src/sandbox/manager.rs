@@ -40,6 +40,7 @@ mod exec;
 mod gitops;
 mod lifecycle;
 mod reconcile;
+mod secrets;
 mod session;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 use exec::shell_words;
@@ -133,6 +134,9 @@ pub struct Manager {
     egress_events: broadcast::Sender<egress::EgressEvent>,
     pending: Mutex<HashMap<String, Arc<crate::egress::ask::Pending>>>,
     egress_preset: std::sync::OnceLock<Vec<crate::egress::Rule>>,
+    /// The roots hosts' certificates are checked against when the gateway
+    /// swaps secrets (loaded on first use).
+    secret_roots: std::sync::OnceLock<Arc<rustls::RootCertStore>>,
 }
 
 impl Manager {
@@ -161,6 +165,7 @@ impl Manager {
             egress_events: broadcast::channel(256).0,
             pending: Mutex::new(HashMap::new()),
             egress_preset: std::sync::OnceLock::new(),
+            secret_roots: std::sync::OnceLock::new(),
         })
     }
 

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 pub mod caddy;
 pub mod systemd;
 pub mod term;
+pub mod tls;
 
 pub const AGENTD: &str = env!("CARGO_BIN_EXE_agentd");
 

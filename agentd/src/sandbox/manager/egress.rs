@@ -197,6 +197,11 @@ impl Manager {
                         }
                     })
                 },
+                intercept: {
+                    let weak = Arc::downgrade(&this);
+                    let name = name.clone();
+                    Box::new(move |host, _port| weak.upgrade()?.intercept_plan(&name, host))
+                },
             };
             match this.gateways.start(socket, ctx) {
                 Ok(()) => tracing::info!(sandbox = %name, "egress gateway serving"),

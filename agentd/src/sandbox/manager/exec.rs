@@ -169,6 +169,8 @@ impl Manager {
             (None, true) => worktree::SANDBOX_ROOT.to_owned(),
             (None, false) => cwd,
         };
+        let mut env = env;
+        self.add_secret_env(sb, &mut env);
         Ok(ExecRequest {
             argv,
             env,

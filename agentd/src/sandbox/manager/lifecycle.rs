@@ -102,6 +102,9 @@ impl Manager {
             self.forget(&name);
             return Err(e);
         }
+        // A sandbox of this name that was destroyed half-way left no
+        // secrets to this one.
+        self.forget_secrets(&name);
         let notices = match self.prepare_dirs(&sb).await {
             Ok(n) => n,
             Err(e) => {
@@ -310,6 +313,9 @@ impl Manager {
             backend.kill_strays(&self.live_runtimes_except(name));
         }
         self.watchers.lock().unwrap().remove(name);
+        // Its secrets before the registry: a crash in between leaves a
+        // sandbox without secrets, never secrets without their sandbox.
+        self.forget_secrets(name);
         // Registry first: a crash after this leaves only a directory, which
         // the next start removes.
         self.forget(name);

@@ -177,6 +177,8 @@ impl Manager {
         let backend = Arc::clone(self.backend(sb.backend)?);
         let spec = self.spec(&sb);
         let started = SystemTime::now();
+        let mut req = req;
+        self.add_secret_env(&sb, &mut req.env);
         let proc = backend
             .exec_tty(&spec, req, tty.size())
             .await

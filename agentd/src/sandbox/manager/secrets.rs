@@ -1,0 +1,249 @@
+//! Secrets a sandbox's agent can use but not read ([`crate::secrets`]):
+//! setting, listing and removing them, the placeholders and CA trust in
+//! every command's environment, and the gateway's plan for a CONNECT to a
+//! host that carries one.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use keystone_agent_api::BackendKind;
+
+use super::{Manager, Sandbox};
+use crate::auth::Caller;
+use crate::error::{Error, Result};
+use crate::secrets::{Secret, SecretError, Store};
+
+/// A secret as `agentctl secret list` shows it (never its value).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretInfo {
+    /// The variable.
+    pub var: String,
+    /// The host.
+    pub host: String,
+    /// The header.
+    pub header: String,
+    /// `Authorization: Bearer`.
+    pub bearer: bool,
+}
+
+/// Where the system's CA bundle usually is (Debian, Fedora, Arch, NixOS).
+const SYSTEM_BUNDLES: &[&str] = &[
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/cert.pem",
+];
+
+fn secret_error(name: &str, e: SecretError) -> Error {
+    match e {
+        SecretError::Invalid(p) => Error::Invalid(
+            p.into_iter()
+                .map(|m| format!("sandbox '{name}': {m}"))
+                .collect(),
+        ),
+        source => Error::Secrets {
+            name: name.to_owned(),
+            source,
+        },
+    }
+}
+
+impl Manager {
+    fn secret_store(&self) -> Store {
+        Store::new(self.store.registry().dir())
+    }
+
+    /// `<state>/guest/ca/`: each sandbox's CA certificate, and a bundle of
+    /// the system's roots with it (seen inside at `/run/keystone/ca/`).
+    fn ca_dir(&self) -> PathBuf {
+        self.store.registry().dir().join("guest/ca")
+    }
+
+    /// Give sandbox `name` a secret: its `var` holds a placeholder inside
+    /// from the next command on, and the gateway puts `value` in `header`
+    /// (as `Bearer <value>` with `bearer`) of its requests to `host`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn set_secret(
+        &self,
+        caller: Caller,
+        name: &str,
+        var: &str,
+        host: &str,
+        header: &str,
+        bearer: bool,
+        value: &[u8],
+    ) -> Result<()> {
+        let sb = self.get(caller, name)?;
+        if !matches!(sb.backend, BackendKind::Local | BackendKind::Vm) {
+            return Err(Error::Invalid(vec![format!(
+                "sandbox '{name}' runs on the {} backend: secrets work in local and vm sandboxes for now",
+                sb.backend
+            )]));
+        }
+        let value = value.strip_suffix(b"\n").unwrap_or(value);
+        let value = value.strip_suffix(b"\r").unwrap_or(value);
+        let host = host.to_ascii_lowercase();
+        let header = header.to_ascii_lowercase();
+        let problems = crate::secrets::problems(var, &host, &header, value);
+        if !problems.is_empty() {
+            return Err(secret_error(name, SecretError::Invalid(problems)));
+        }
+        let store = self.secret_store();
+        let secret = Secret {
+            var: var.to_owned(),
+            host: host.clone(),
+            header,
+            bearer,
+            placeholder: crate::secrets::placeholder(),
+            value: String::from_utf8_lossy(value).into_owned(),
+        };
+        store.set(name, secret).map_err(|e| secret_error(name, e))?;
+        let ca = store.ca(name).map_err(|e| secret_error(name, e))?;
+        self.write_ca_files(name, &ca.cert_pem)?;
+        tracing::info!(sandbox = %name, var, %host, "secret set");
+        Ok(())
+    }
+
+    fn write_ca_files(&self, name: &str, cert_pem: &str) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = self.ca_dir();
+        let io = |what: &'static str, path: &std::path::Path| {
+            let path = path.to_owned();
+            move |source: std::io::Error| {
+                secret_error(name, SecretError::File { what, path, source })
+            }
+        };
+        std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+            .map_err(io("set the mode of", &dir))?;
+        let system = SYSTEM_BUNDLES
+            .iter()
+            .find_map(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        for (file, text) in [
+            (format!("{name}.ca.pem"), cert_pem.to_owned()),
+            (format!("{name}.pem"), format!("{system}\n{cert_pem}")),
+        ] {
+            let path = dir.join(file);
+            crate::fsutil::atomic_write(&path, text.as_bytes())
+                .map_err(|e| io("write", &path)(std::io::Error::other(e)))?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
+                .map_err(io("set the mode of", &path))?;
+        }
+        Ok(())
+    }
+
+    /// The secrets of sandbox `name`, without their values.
+    pub fn list_secrets(&self, caller: Caller, name: &str) -> Result<Vec<SecretInfo>> {
+        self.get(caller, name)?;
+        Ok(self
+            .secret_store()
+            .load(name)
+            .map_err(|e| secret_error(name, e))?
+            .into_iter()
+            .map(|s| SecretInfo {
+                var: s.var,
+                host: s.host,
+                header: s.header,
+                bearer: s.bearer,
+            })
+            .collect())
+    }
+
+    /// Remove the secret of `var` from sandbox `name`; whether it had one.
+    pub fn remove_secret(&self, caller: Caller, name: &str, var: &str) -> Result<bool> {
+        self.get(caller, name)?;
+        let gone = self
+            .secret_store()
+            .remove(name, var)
+            .map_err(|e| secret_error(name, e))?;
+        if gone {
+            tracing::info!(sandbox = %name, var, "secret removed");
+        }
+        Ok(gone)
+    }
+
+    /// Forget the secrets and CA of a destroyed sandbox.
+    pub(super) fn forget_secrets(&self, name: &str) {
+        self.secret_store().remove_all(name);
+        for f in [format!("{name}.ca.pem"), format!("{name}.pem")] {
+            let _ = std::fs::remove_file(self.ca_dir().join(f));
+        }
+    }
+
+    /// Add what a command in `sb` gets for its secrets to `env` (what the
+    /// caller set explicitly stays): each variable's placeholder, and the
+    /// sandbox's CA for Node, OpenSSL and Python clients.
+    pub(super) fn add_secret_env(&self, sb: &Sandbox, env: &mut BTreeMap<String, String>) {
+        let Ok(list) = self.secret_store().load(&sb.name) else {
+            return;
+        };
+        if list.is_empty() {
+            return;
+        }
+        let ca = match sb.backend {
+            BackendKind::Local => Some("/run/keystone/ca"),
+            // The tools directory is shared at /opt/keystone/host.
+            BackendKind::Vm => Some("/run/keystone/host/ca"),
+            _ => None,
+        };
+        let mut add = |k: &str, v: String| {
+            env.entry(k.to_owned()).or_insert(v);
+        };
+        for s in list {
+            add(&s.var, s.placeholder);
+        }
+        if let Some(dir) = ca {
+            add("NODE_EXTRA_CA_CERTS", format!("{dir}/{}.ca.pem", sb.name));
+            add("SSL_CERT_FILE", format!("{dir}/{}.pem", sb.name));
+            add("REQUESTS_CA_BUNDLE", format!("{dir}/{}.pem", sb.name));
+            add("CURL_CA_BUNDLE", format!("{dir}/{}.pem", sb.name));
+        }
+    }
+
+    /// The gateway's plan for sandbox `name`'s CONNECT to `host`: its
+    /// secrets for that host, a certificate for it from the sandbox's CA.
+    pub(super) fn intercept_plan(
+        &self,
+        name: &str,
+        host: &str,
+    ) -> Option<crate::egress::intercept::Plan> {
+        let store = self.secret_store();
+        let swaps: Vec<_> = store
+            .load(name)
+            .ok()?
+            .into_iter()
+            .filter(|s| s.host.eq_ignore_ascii_case(host))
+            .map(|s| crate::egress::intercept::Swap {
+                header: s.header,
+                placeholder: s.placeholder,
+                // (With `bearer`, "Bearer <placeholder>" becomes
+                // "Bearer <value>": the placeholder is what is replaced.)
+                value: s.value,
+            })
+            .collect();
+        if swaps.is_empty() {
+            return None;
+        }
+        let leaf = match store
+            .ca(name)
+            .and_then(|ca| ca.leaf(&host.to_ascii_lowercase()))
+        {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(sandbox = %name, %host, error = %e, "no certificate for a secret's host");
+                return None;
+            }
+        };
+        let roots = Arc::clone(
+            self.secret_roots
+                .get_or_init(crate::egress::intercept::system_roots),
+        );
+        Some(crate::egress::intercept::Plan {
+            host: host.to_ascii_lowercase(),
+            swaps,
+            leaf,
+            roots,
+        })
+    }
+}
