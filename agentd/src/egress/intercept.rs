@@ -7,7 +7,9 @@
 //! - requests: in the secret's header only, the placeholder becomes the
 //!   value; nothing else of a request changes;
 //! - responses: every occurrence of a value is masked (`*` for each byte,
-//!   so lengths and framing stay as they are) before the sandbox sees it.
+//!   so lengths and framing stay as they are) before the sandbox sees it;
+//!   requests go without `Accept-Encoding`, so that answers come
+//!   uncompressed and the masking sees every byte.
 //!
 //! Only HTTP/1.1 is offered (ALPN). An `Upgrade` (WebSocket) continues as
 //! raw bytes, masked the same way towards the sandbox.
@@ -272,6 +274,10 @@ fn rewrite_request(req: &httparse::Request<'_, '_>, swaps: &[Swap]) -> Vec<u8> {
     out.extend_from_slice(req.path.unwrap_or("/").as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     for h in req.headers.iter() {
+        // Answers come uncompressed, so that masking sees every byte.
+        if h.name.eq_ignore_ascii_case("accept-encoding") {
+            continue;
+        }
         out.extend_from_slice(h.name.as_bytes());
         out.extend_from_slice(b": ");
         let mut value = h.value.to_vec();
@@ -537,7 +543,7 @@ mod tests {
 
     #[test]
     fn only_the_named_header_gets_the_value() {
-        let head = b"POST /v1/messages HTTP/1.1\r\nHost: api.example.com\r\nx-api-key: keystone-placeholder-abc\r\nx-other: keystone-placeholder-abc\r\n\r\n";
+        let head = b"POST /v1/messages HTTP/1.1\r\nHost: api.example.com\r\nx-api-key: keystone-placeholder-abc\r\nAccept-Encoding: gzip, br\r\nx-other: keystone-placeholder-abc\r\n\r\n";
         let mut headers = [httparse::EMPTY_HEADER; 16];
         let mut req = httparse::Request::new(&mut headers);
         req.parse(head).unwrap();
@@ -545,6 +551,10 @@ mod tests {
         assert!(out.contains("x-api-key: sk-real-value-123\r\n"), "{out}");
         assert!(
             out.contains("x-other: keystone-placeholder-abc\r\n"),
+            "{out}"
+        );
+        assert!(
+            !out.to_ascii_lowercase().contains("accept-encoding"),
             "{out}"
         );
     }
