@@ -122,7 +122,16 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         "-name".into(),
         format!("keystone-{},debug-threads=on", m.name),
         "-machine".into(),
-        format!("microvm,accel={},memory-backend=mem", m.accel.as_str()),
+        "microvm,memory-backend=mem".into(),
+        // Under TCG every vCPU in one host thread: with a thread each, a
+        // guest on a busy host was seen spinning in early boot for minutes.
+        "-accel".into(),
+        (if m.accel == Accel::Kvm {
+            "kvm"
+        } else {
+            "tcg,thread=single"
+        })
+        .into(),
         "-cpu".into(),
         (if m.accel == Accel::Kvm { "host" } else { "max" }).into(),
         "-smp".into(),
@@ -400,7 +409,10 @@ mod tests {
             "{cmdline}"
         );
         assert!(cmdline.contains("tsc=reliable"), "{cmdline}");
-        assert!(a.iter().any(|x| x.starts_with("microvm,accel=tcg")));
+        assert!(
+            a.windows(2).any(|w| w == ["-accel", "tcg,thread=single"]),
+            "{a:?}"
+        );
     }
 
     #[test]
