@@ -5,11 +5,14 @@
 //! roots, as any client would), and relays HTTP/1.1 in both directions:
 //!
 //! - requests: in the secret's header only, the placeholder becomes the
-//!   value; nothing else of a request changes;
-//! - responses: every occurrence of a value is masked (`*` for each byte,
-//!   so lengths and framing stay as they are) before the sandbox sees it;
-//!   requests go without `Accept-Encoding`, so that answers come
-//!   uncompressed and the masking sees every byte.
+//!   value; each must be for the host (its `Host`, an origin-form target)
+//!   and framed without ambiguity ([`framing`]), or the connection ends;
+//! - responses: every occurrence of a value, and of the forms a host may
+//!   echo it in ([`mask_forms`]), is masked (`*` for each byte) before the
+//!   sandbox sees it; a chunked body is masked as the data it carries and
+//!   re-chunked; requests go without `Accept-Encoding` (nor WebSocket
+//!   compression), so that answers come uncompressed, and a compressed
+//!   body ends the connection unseen.
 //!
 //! Only HTTP/1.1 is offered (ALPN). An `Upgrade` (WebSocket) continues as
 //! raw bytes, masked the same way towards the sandbox.
@@ -131,9 +134,12 @@ where
     let (ur, mut uw) = tokio::io::split(outside);
     let (methods_tx, methods_rx) = tokio::sync::mpsc::unbounded_channel();
     let swaps = plan.swaps;
-    let masks: Vec<Vec<u8>> = swaps.iter().map(|s| s.value.as_bytes().to_vec()).collect();
+    let masks: Vec<Vec<u8>> = swaps
+        .iter()
+        .flat_map(|s| mask_forms(s.value.as_bytes()))
+        .collect();
     let up = async {
-        let r = requests(BufReader::new(cr), &mut uw, &swaps, methods_tx).await;
+        let r = requests(BufReader::new(cr), &mut uw, &plan.host, &swaps, methods_tx).await;
         let _ = uw.shutdown().await;
         r
     };
@@ -186,20 +192,29 @@ enum Body {
     UntilEnd,
 }
 
+/// The framing of a message, strictly: one `Transfer-Encoding`, exactly
+/// `chunked`, or `Content-Length`s of digits that agree, never both (what
+/// is ambiguous could be framed otherwise by the host, and a request that
+/// the gateway swapped the value into read by the host as another's body).
 fn framing(headers: &[httparse::Header<'_>]) -> Result<Option<Body>, String> {
     let mut length = None;
+    let mut chunked = 0;
     for h in headers {
         if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            let v = String::from_utf8_lossy(h.value).to_ascii_lowercase();
-            if v.trim().ends_with("chunked") {
-                return Ok(Some(Body::Chunked));
+            // (Neither this header nor another is quoted in an error: the
+            // host's could reflect the value.)
+            if !h.value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+                return Err("a Transfer-Encoding other than chunked is not supported".into());
             }
-            return Err(format!("transfer-encoding '{v}' is not supported"));
+            chunked += 1;
         }
         if h.name.eq_ignore_ascii_case("content-length") {
-            let n: u64 = std::str::from_utf8(h.value)
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
+            let v = std::str::from_utf8(h.value).unwrap_or("").trim();
+            let n: u64 = v
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+                .then(|| v.parse().ok())
+                .flatten()
                 .ok_or("the Content-Length is not a number")?;
             if length.is_some_and(|l| l != n) {
                 return Err("two different Content-Lengths".into());
@@ -207,7 +222,43 @@ fn framing(headers: &[httparse::Header<'_>]) -> Result<Option<Body>, String> {
             length = Some(n);
         }
     }
-    Ok(length.map(Body::Length))
+    match (chunked, length) {
+        (0, l) => Ok(l.map(Body::Length)),
+        (1, None) => Ok(Some(Body::Chunked)),
+        (1, Some(_)) => Err("both a Content-Length and a Transfer-Encoding".into()),
+        _ => Err("two Transfer-Encodings".into()),
+    }
+}
+
+/// A request on the connection to `host` must be for `host`: one `Host`
+/// of that name (any port), an origin-form target (a shared front end
+/// would route the value to whichever site Host or an absolute target
+/// names).
+fn check_target(req: &httparse::Request<'_, '_>, host: &str) -> Result<(), String> {
+    let path = req.path.unwrap_or("");
+    if !path.starts_with('/') && path != "*" {
+        return Err("a request target that is not a path".into());
+    }
+    let mut hosts = req
+        .headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("host"));
+    let named = match (hosts.next(), hosts.next()) {
+        (Some(h), None) => String::from_utf8_lossy(h.value).trim().to_owned(),
+        (None, _) => return Err("a request without Host".into()),
+        (Some(_), Some(_)) => return Err("a request with two Hosts".into()),
+    };
+    let name = match named.rsplit_once(':') {
+        Some((n, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => n,
+        _ => named.as_str(),
+    };
+    if !name.eq_ignore_ascii_case(host) {
+        return Err(format!(
+            "a request for '{}' on the connection to {host}",
+            crate::text::clamp_text(name)
+        ));
+    }
+    Ok(())
 }
 
 /// The sandbox's requests to the host, the placeholders swapped; (bytes
@@ -215,6 +266,7 @@ fn framing(headers: &[httparse::Header<'_>]) -> Result<Option<Body>, String> {
 async fn requests<R, W>(
     mut r: BufReader<R>,
     w: &mut W,
+    host: &str,
     swaps: &[Swap],
     methods: tokio::sync::mpsc::UnboundedSender<String>,
 ) -> (u64, Option<String>)
@@ -236,6 +288,9 @@ where
         match req.parse(&head) {
             Ok(httparse::Status::Complete(_)) => {}
             _ => return (total, Some("a request that is not HTTP/1.1".into())),
+        }
+        if let Err(e) = check_target(&req, host) {
+            return (total, Some(e));
         }
         let method = req.method.unwrap_or("GET").to_owned();
         let upgrade = req
@@ -274,8 +329,11 @@ fn rewrite_request(req: &httparse::Request<'_, '_>, swaps: &[Swap]) -> Vec<u8> {
     out.extend_from_slice(req.path.unwrap_or("/").as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     for h in req.headers.iter() {
-        // Answers come uncompressed, so that masking sees every byte.
-        if h.name.eq_ignore_ascii_case("accept-encoding") {
+        // Answers come uncompressed, so that masking sees every byte (a
+        // WebSocket's too: no permessage-deflate).
+        if h.name.eq_ignore_ascii_case("accept-encoding")
+            || h.name.eq_ignore_ascii_case("sec-websocket-extensions")
+        {
             continue;
         }
         out.extend_from_slice(h.name.as_bytes());
@@ -330,12 +388,15 @@ fn mask(buf: &mut [u8], masks: &[Vec<u8>]) {
 }
 
 /// Bytes towards the sandbox, masked: a value split across two reads is
-/// still found, as the last bytes of each read wait for the next.
+/// still found, as the last bytes of each read wait for the next. With
+/// `chunked`, what goes on is framed as chunks of its own (the host's
+/// chunks are undone first, so that a value split across them is found).
 struct Masked<'a, W> {
     w: &'a mut W,
     masks: &'a [Vec<u8>],
     held: Vec<u8>,
     keep: usize,
+    chunked: bool,
 }
 
 impl<'a, W: AsyncWrite + Unpin> Masked<'a, W> {
@@ -351,6 +412,7 @@ impl<'a, W: AsyncWrite + Unpin> Masked<'a, W> {
             masks,
             held: Vec::new(),
             keep,
+            chunked: false,
         }
     }
 
@@ -358,19 +420,59 @@ impl<'a, W: AsyncWrite + Unpin> Masked<'a, W> {
         self.held.extend_from_slice(data);
         mask(&mut self.held, self.masks);
         if self.held.len() > self.keep {
-            let n = self.held.len() - self.keep;
-            self.w.write_all(&self.held[..n]).await?;
-            self.held.drain(..n);
+            self.emit(self.held.len() - self.keep).await?;
         }
+        Ok(())
+    }
+
+    /// Send the first `n` bytes held.
+    async fn emit(&mut self, n: usize) -> std::io::Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if self.chunked {
+            self.w.write_all(format!("{n:x}\r\n").as_bytes()).await?;
+        }
+        self.w.write_all(&self.held[..n]).await?;
+        if self.chunked {
+            self.w.write_all(b"\r\n").await?;
+        }
+        self.held.drain(..n);
         Ok(())
     }
 
     async fn flush(&mut self) -> std::io::Result<()> {
         mask(&mut self.held, self.masks);
-        self.w.write_all(&self.held).await?;
-        self.held.clear();
+        self.emit(self.held.len()).await?;
         self.w.flush().await
     }
+}
+
+/// What is masked of `value`: its bytes, and the forms a host may reflect
+/// them in (JSON-escaped, with `/` escaped as PHP does, percent-encoded).
+fn mask_forms(value: &[u8]) -> Vec<Vec<u8>> {
+    let (mut json, mut upper, mut lower) = (Vec::new(), Vec::new(), Vec::new());
+    for &b in value {
+        match b {
+            b'"' | b'\\' => json.extend_from_slice(&[b'\\', b]),
+            _ => json.push(b),
+        }
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            upper.push(b);
+            lower.push(b);
+        } else {
+            upper.extend_from_slice(format!("%{b:02X}").as_bytes());
+            lower.extend_from_slice(format!("%{b:02x}").as_bytes());
+        }
+    }
+    let slashes = replace_all(&json, b"/", b"\\/");
+    let mut forms = vec![value.to_vec()];
+    for f in [json, slashes, upper, lower] {
+        if !forms.contains(&f) {
+            forms.push(f);
+        }
+    }
+    forms
 }
 
 /// The host's responses to the sandbox, masked; (bytes written, why it
@@ -406,9 +508,37 @@ where
             Ok(httparse::Status::Complete(_)) => resp.code.unwrap_or(0),
             _ => return (total, Some("a response that is not HTTP/1.1".into())),
         };
-        let framed = framing(resp.headers);
         total += head.len() as u64;
-        if let Err(e) = out.write(&head).await {
+        let body = if (100..200).contains(&code) {
+            // Interim, or the end of HTTP (101): no body of its own.
+            Body::None
+        } else {
+            let method = methods.recv().await.unwrap_or_default();
+            match framing(resp.headers) {
+                _ if method == "HEAD" || code == 204 || code == 304 => Body::None,
+                Ok(Some(b)) => b,
+                Ok(None) => Body::UntilEnd,
+                Err(e) => return (total, Some(e)),
+            }
+        };
+        // A compressed body hides the value from the masking: not passed
+        // on, asked for or not.
+        let coded = resp.headers.iter().find(|h| {
+            h.name.eq_ignore_ascii_case("content-encoding")
+                && !h.value.trim_ascii().eq_ignore_ascii_case(b"identity")
+        });
+        if coded.is_some() && !matches!(body, Body::None) {
+            return (
+                total,
+                Some("a compressed body (Content-Encoding) cannot be masked".into()),
+            );
+        }
+        // The whole head, before anything of a body or another message.
+        let wrote = match out.write(&head).await {
+            Ok(()) => out.flush().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = wrote {
             return (total, Some(e.to_string()));
         }
         if code == 101 {
@@ -419,21 +549,7 @@ where
             };
         }
         if (100..200).contains(&code) {
-            let _ = out.flush().await;
             continue;
-        }
-        let method = methods.recv().await.unwrap_or_default();
-        let body = if method == "HEAD" || code == 204 || code == 304 {
-            Body::None
-        } else {
-            match framed {
-                Ok(Some(b)) => b,
-                Ok(None) => Body::UntilEnd,
-                Err(e) => return (total, Some(e)),
-            }
-        };
-        if let Err(e) = out.flush().await {
-            return (total, Some(e.to_string()));
         }
         let until_end = matches!(body, Body::UntilEnd);
         match copy_body(&mut r, out.w, body, masks).await {
@@ -475,55 +591,74 @@ where
             }
         }
         Body::UntilEnd => loop {
-            let n = r.read(&mut buf).await?;
+            let n = match r.read(&mut buf).await {
+                Ok(n) => n,
+                // Many hosts close without TLS's close_notify: that ends
+                // this body as well.
+                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => 0,
+                Err(e) => return Err(e),
+            };
             if n == 0 {
                 break;
             }
             out.write(&buf[..n]).await?;
             total += n as u64;
         },
-        Body::Chunked => loop {
-            let mut line = Vec::new();
-            let n = (&mut *r).take(1024).read_until(b'\n', &mut line).await?;
-            if n == 0 || !line.ends_with(b"\n") {
-                return Err(std::io::Error::other("a chunk size line is broken"));
-            }
-            out.write(&line).await?;
-            total += n as u64;
-            let text = String::from_utf8_lossy(&line);
-            let size = u64::from_str_radix(text.trim().split(';').next().unwrap_or("").trim(), 16)
-                .map_err(|_| std::io::Error::other("a chunk size is not hex"))?;
-            if size == 0 {
-                // Trailers, up to the empty line.
-                loop {
-                    let mut t = Vec::new();
-                    let n = (&mut *r)
-                        .take(HEAD_MAX as u64)
-                        .read_until(b'\n', &mut t)
-                        .await?;
-                    if n == 0 {
-                        return Err(std::io::Error::other("the trailers ended early"));
-                    }
-                    out.write(&t).await?;
-                    total += n as u64;
-                    if t == b"\r\n" || t == b"\n" {
-                        break;
-                    }
+        Body::Chunked => {
+            // The data of the chunks, masked as one, in chunks of its own.
+            let mut data = Masked::new(&mut *out.w, masks);
+            data.chunked = true;
+            loop {
+                let mut line = Vec::new();
+                let n = (&mut *r).take(1024).read_until(b'\n', &mut line).await?;
+                if n == 0 || !line.ends_with(b"\n") {
+                    return Err(std::io::Error::other("a chunk size line is broken"));
                 }
-                break;
-            }
-            let mut left = size + 2;
-            while left > 0 {
-                let want = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
-                let n = r.read(&mut buf[..want]).await?;
-                if n == 0 {
-                    return Err(std::io::Error::other("a chunk ended early"));
-                }
-                out.write(&buf[..n]).await?;
-                left -= n as u64;
                 total += n as u64;
+                let text = String::from_utf8_lossy(&line);
+                let size =
+                    u64::from_str_radix(text.trim().split(';').next().unwrap_or("").trim(), 16)
+                        .map_err(|_| std::io::Error::other("a chunk size is not hex"))?;
+                if size == 0 {
+                    break;
+                }
+                let mut left = size;
+                while left > 0 {
+                    let want = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
+                    let n = r.read(&mut buf[..want]).await?;
+                    if n == 0 {
+                        return Err(std::io::Error::other("a chunk ended early"));
+                    }
+                    data.write(&buf[..n]).await?;
+                    left -= n as u64;
+                    total += n as u64;
+                }
+                let mut end = Vec::new();
+                (&mut *r).take(2).read_until(b'\n', &mut end).await?;
+                if end != b"\r\n" && end != b"\n" {
+                    return Err(std::io::Error::other("a chunk does not end with CRLF"));
+                }
+                total += end.len() as u64;
             }
-        },
+            data.flush().await?;
+            out.w.write_all(b"0\r\n").await?;
+            // Trailers, up to the empty line.
+            loop {
+                let mut t = Vec::new();
+                let n = (&mut *r)
+                    .take(HEAD_MAX as u64)
+                    .read_until(b'\n', &mut t)
+                    .await?;
+                if n == 0 {
+                    return Err(std::io::Error::other("the trailers ended early"));
+                }
+                out.write(&t).await?;
+                total += n as u64;
+                if t == b"\r\n" || t == b"\n" {
+                    break;
+                }
+            }
+        }
     }
     out.flush().await?;
     Ok(total)
@@ -575,5 +710,80 @@ mod tests {
             s.len(),
             "echo: sk-real-value-123 and sk-real-value-123!".len()
         );
+    }
+}
+
+#[cfg(test)]
+mod attacks {
+    use super::*;
+
+    fn parse<T>(head: &[u8], f: impl FnOnce(&httparse::Request<'_, '_>) -> T) -> T {
+        let mut headers = [httparse::EMPTY_HEADER; 16];
+        let mut req = httparse::Request::new(&mut headers);
+        req.parse(head).unwrap();
+        f(&req)
+    }
+
+    #[test]
+    fn ambiguous_framing_and_other_hosts_are_refused() {
+        for bad in [
+            "Content-Length: 5\r\nTransfer-Encoding: chunked",
+            "Transfer-Encoding: xchunked",
+            "Transfer-Encoding: gzip, chunked",
+            "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked",
+            "Content-Length: +5",
+            "Content-Length: 5\r\nContent-Length: 6",
+        ] {
+            let head = format!("POST / HTTP/1.1\r\nHost: h.test\r\n{bad}\r\n\r\n");
+            parse(head.as_bytes(), |r| {
+                assert!(framing(r.headers).is_err(), "{bad}")
+            });
+        }
+        for (target, host, ok) in [
+            ("/", "Host: H.TEST:8443", true),
+            ("*", "Host: h.test", true),
+            ("/", "Host: evil.test", false),
+            ("/", "Host: h.test.evil.test", false),
+            ("https://evil.test/", "Host: h.test", false),
+            ("/", "X: y", false),
+            ("/", "Host: h.test\r\nHost: evil.test", false),
+        ] {
+            let head = format!("GET {target} HTTP/1.1\r\n{host}\r\n\r\n");
+            let got = parse(head.as_bytes(), |r| check_target(r, "h.test"));
+            assert_eq!(got.is_ok(), ok, "{target} {host}: {got:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_value_across_chunks_and_in_other_forms_is_masked() {
+        let masks = mask_forms(b"sk-a/b+c\"d");
+        let third = " sk-a\\/b+c\\\"d sk-a%2fb%2bc%22d";
+        let body = format!(
+            "4\r\nsk-a\r\n6;x=1\r\n/b+c\"d\r\n{:x}\r\n{third}\r\n0\r\nT: 1\r\n\r\nNEXT",
+            third.len()
+        );
+        let mut r = BufReader::new(body.as_bytes());
+        let mut out = Vec::new();
+        copy_body(&mut r, &mut out, Body::Chunked, &masks)
+            .await
+            .unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(!out.contains("sk-"), "{out}");
+        assert!(out.ends_with("0\r\nT: 1\r\n\r\n"), "{out}");
+        // The chunks the sandbox gets join to as many bytes.
+        let mut rest = out.as_str();
+        let mut data = String::new();
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let n = usize::from_str_radix(size, 16).unwrap();
+            if n == 0 {
+                break;
+            }
+            data.push_str(&after[..n]);
+            rest = &after[n + 2..];
+        }
+        assert_eq!(data.len(), 4 + 6 + third.len());
+        let mut next = String::new();
+        r.read_to_string(&mut next).await.unwrap();
+        assert_eq!(next, "NEXT");
     }
 }
