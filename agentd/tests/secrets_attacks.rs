@@ -729,3 +729,49 @@ fn the_store_the_ca_and_the_bus_keep_the_value_to_agentd() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn secrets_set_at_once_are_all_kept() {
+    let env = Env::running("sec", &[]);
+    let sets: Vec<_> = (0..8)
+        .map(|i| {
+            let mut c = env
+                .ctl_cmd(&[
+                    "secret",
+                    "set",
+                    "sec",
+                    &format!("KEY_{i}"),
+                    "--host",
+                    &format!("api{i}.example.com"),
+                    "--header",
+                    "x-api-key",
+                ])
+                .stdin(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            c.stdin
+                .take()
+                .unwrap()
+                .write_all(format!("value-{i}").as_bytes())
+                .unwrap();
+            c
+        })
+        .collect();
+    let errors: Vec<_> = sets
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .filter(|o| !o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+        .collect();
+    let list: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["secret", "list", "sec", "--json"])).unwrap();
+    assert!(errors.is_empty() && list.len() == 8, "{errors:?} {list:?}");
+    // One CA, whose certificate is the one the sandbox trusts.
+    let store = env.state_dir.join("secrets");
+    let shown = std::fs::read_to_string(env.state_dir.join("guest/ca/sec.ca.pem")).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(store.join("sec.ca.pem")).unwrap(),
+        shown
+    );
+}

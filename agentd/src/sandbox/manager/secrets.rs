@@ -34,6 +34,17 @@ const SYSTEM_BUNDLES: &[&str] = &[
     "/etc/ssl/cert.pem",
 ];
 
+/// Held while the secret store and the CA files change (or a CA is made):
+/// each change reads, changes and writes whole files, and two at once
+/// would lose one or mix two CAs.
+static CHANGING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn changing() -> std::sync::MutexGuard<'static, ()> {
+    CHANGING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 fn secret_error(name: &str, e: SecretError) -> Error {
     match e {
         SecretError::Invalid(p) => Error::Invalid(
@@ -89,6 +100,7 @@ impl Manager {
             return Err(secret_error(name, SecretError::Invalid(problems)));
         }
         let store = self.secret_store();
+        let _changing = changing();
         let secret = Secret {
             var: var.to_owned(),
             host: host.clone(),
@@ -153,6 +165,7 @@ impl Manager {
     /// Remove the secret of `var` from sandbox `name`; whether it had one.
     pub fn remove_secret(&self, caller: Caller, name: &str, var: &str) -> Result<bool> {
         self.get(caller, name)?;
+        let _changing = changing();
         let gone = self
             .secret_store()
             .remove(name, var)
@@ -165,6 +178,7 @@ impl Manager {
 
     /// Forget the secrets and CA of a destroyed sandbox.
     pub(super) fn forget_secrets(&self, name: &str) {
+        let _changing = changing();
         self.secret_store().remove_all(name);
         for f in [format!("{name}.ca.pem"), format!("{name}.pem")] {
             let _ = std::fs::remove_file(self.ca_dir().join(f));
@@ -225,10 +239,11 @@ impl Manager {
         if swaps.is_empty() {
             return None;
         }
-        let leaf = match store
-            .ca(name)
-            .and_then(|ca| ca.leaf(&host.to_ascii_lowercase()))
-        {
+        let ca = {
+            let _changing = changing();
+            store.ca(name)
+        };
+        let leaf = match ca.and_then(|ca| ca.leaf(&host.to_ascii_lowercase())) {
             Ok(l) => l,
             Err(e) => {
                 tracing::warn!(sandbox = %name, %host, error = %e, "no certificate for a secret's host");
