@@ -126,7 +126,10 @@ impl Manager {
             }
         };
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+        // Every sandbox sees this directory (and a `vm` guest the tools'):
+        // each finds its own files by name, none lists the others' (their
+        // names are their owners' business).
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
             .map_err(io("set the mode of", &dir))?;
         let system = SYSTEM_BUNDLES
             .iter()
