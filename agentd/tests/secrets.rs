@@ -163,10 +163,13 @@ fn a_secret_reaches_its_host_in_its_header_only_and_never_the_sandbox() {
         placeholder.starts_with("keystone-placeholder-"),
         "{placeholder}"
     );
+    // (Named by the sandbox's id: a listing of the directory, which every
+    // sandbox sees, tells nothing of whose sandboxes have secrets.)
+    let id = env.status("sec")["id"].as_str().unwrap().to_owned();
     let ca_env = sh(&env, "echo $NODE_EXTRA_CA_CERTS $SSL_CERT_FILE");
     assert_eq!(
         ca_env.trim(),
-        "/run/keystone/ca/sec.ca.pem /run/keystone/ca/sec.pem"
+        format!("/run/keystone/ca/{id}.ca.pem /run/keystone/ca/{id}.pem")
     );
 
     // The request carries the placeholder twice: the host gets the value

@@ -622,12 +622,13 @@ fn the_store_the_ca_and_the_bus_keep_the_value_to_agentd() {
         .map(|e| e.file_name().into_string().unwrap())
         .collect();
     shown.sort();
-    assert_eq!(shown, ["sec.ca.pem", "sec.pem"]);
+    let id = s.env.status("sec")["id"].as_str().unwrap().to_owned();
+    assert_eq!(shown, [format!("{id}.ca.pem"), format!("{id}.pem")]);
     let inside = s.env.sh(
         "sec",
         &format!(
-            "cat /run/keystone/ca/sec.ca.pem /run/keystone/ca/sec.pem | grep -c PRIVATE; \
-             cat /run/keystone/ca/sec.ca.key {}/sec.json {}/sec.ca.key 2>&1 | head -c 300; true",
+            "cat \"$NODE_EXTRA_CA_CERTS\" \"$SSL_CERT_FILE\" | grep -c PRIVATE; \
+             cat /run/keystone/ca/*.key {}/sec.json {}/sec.ca.key 2>&1 | head -c 300; true",
             store.display(),
             store.display()
         ),
@@ -783,7 +784,9 @@ fn secrets_set_at_once_are_all_kept() {
     assert!(errors.is_empty() && list.len() == 8, "{errors:?} {list:?}");
     // One CA, whose certificate is the one the sandbox trusts.
     let store = env.state_dir.join("secrets");
-    let shown = std::fs::read_to_string(env.state_dir.join("guest/ca/sec.ca.pem")).unwrap();
+    let id = env.status("sec")["id"].as_str().unwrap().to_owned();
+    let shown =
+        std::fs::read_to_string(env.state_dir.join(format!("guest/ca/{id}.ca.pem"))).unwrap();
     assert_eq!(
         std::fs::read_to_string(store.join("sec.ca.pem")).unwrap(),
         shown

@@ -152,6 +152,37 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
             .starts_with("claude ")
     );
 
+    // A secret: its placeholder and the sandbox's CA reach the guest (the
+    // CA through agentd's shared tools directory).
+    let mut set = env
+        .ctl_cmd(&[
+            "secret",
+            "set",
+            "vmtest",
+            "ANTHROPIC_API_KEY",
+            "--host",
+            "api.anthropic.com",
+            "--header",
+            "x-api-key",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut set.stdin.take().unwrap(), b"sk-vm-test-value\n").unwrap();
+    assert!(set.wait().unwrap().success());
+    let out = sh(
+        &env,
+        "vmtest",
+        "echo $ANTHROPIC_API_KEY; head -1 $NODE_EXTRA_CA_CERTS; grep -c 'BEGIN CERTIFICATE' $SSL_CERT_FILE",
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("keystone-placeholder-"), "{out}");
+    assert_eq!(lines[1], "-----BEGIN CERTIFICATE-----", "{out}");
+    assert!(
+        lines[2].parse::<u32>().unwrap() > 1,
+        "the system's roots and the sandbox's CA: {out}"
+    );
+
     // A commit made in the guest reaches the host with sync.
     sh(
         &env,

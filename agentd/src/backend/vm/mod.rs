@@ -432,16 +432,24 @@ impl VmBackend {
             arg(p.dir.join("ssh/authorized_keys"), true),
             arg(home, false),
         ];
-        // The tools and the toolbox as directories the supervisor opened:
-        // QEMU runs as the sandbox's uid, which may not reach the cache.
-        let toolbox = match (&self.settings.tools_dir, &self.settings.toolbox) {
-            (Some(t), Some(tb)) if t.is_dir() && tb.dir.is_dir() => {
-                files.push(arg(t.clone(), false));
-                files.push(arg(tb.dir.clone(), false));
-                Some(tb.describe())
-            }
-            _ => None,
-        };
+        // The tools directory (launchers, the sandboxes' CAs) and the
+        // toolbox as directories the supervisor opened: QEMU runs as the
+        // sandbox's uid, which may not reach the cache.
+        let tools = self.settings.tools_dir.as_ref().filter(|t| t.is_dir());
+        let tools_fd = tools.map(|t| {
+            files.push(arg(t.clone(), false));
+            fd_path(files.len() - 1)
+        });
+        let toolbox = self
+            .settings
+            .toolbox
+            .as_ref()
+            .filter(|tb| tools.is_some() && tb.dir.is_dir());
+        let agents_fd = toolbox.map(|tb| {
+            files.push(arg(tb.dir.clone(), false));
+            fd_path(files.len() - 1)
+        });
+        let toolbox = toolbox.map(|tb| tb.describe());
         let machine = Machine {
             name: spec.name.clone(),
             kernel: fd_path(0).into(),
@@ -459,9 +467,8 @@ impl VmBackend {
             home: fd_path(5).into(),
             uid: spec.uid,
             gid: spec.gid,
-            tools: toolbox
-                .is_some()
-                .then(|| (fd_path(6).into(), fd_path(7).into())),
+            tools: tools_fd.map(Into::into),
+            agents: agents_fd.map(Into::into),
         };
         let s = |p: &Path| p.display().to_string();
         let mut helpers = Vec::new();

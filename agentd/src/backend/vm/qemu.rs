@@ -85,9 +85,11 @@ pub struct Machine {
     pub uid: u32,
     /// See `uid`.
     pub gid: u32,
-    /// agentd's tools and the agent toolbox, shared read-only over 9p:
-    /// (the tools directory with the launchers, the toolbox's cache).
-    pub tools: Option<(PathBuf, PathBuf)>,
+    /// agentd's tools directory (the agents' launchers, the sandboxes'
+    /// CAs), shared read-only over 9p.
+    pub tools: Option<PathBuf>,
+    /// The agent toolbox's cache, shared read-only over 9p.
+    pub agents: Option<PathBuf>,
 }
 
 /// The kernel command line of a guest (docs/guest-image.md).
@@ -106,6 +108,9 @@ pub fn kernel_cmdline(m: &Machine) -> String {
     }
     if m.tools.is_some() {
         c.push_str(" keystone.tools=1");
+    }
+    if m.agents.is_some() {
+        c.push_str(" keystone.agents=1");
     }
     if m.accel == Accel::Tcg {
         // Without them an emulated guest may hang calibrating its clock.
@@ -198,8 +203,8 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
     // agentd's tools (the agents' launchers) and the agent toolbox,
     // read-only: the guest mounts them at /opt/keystone/host and
     // /opt/keystone/agents (docs/guest-image.md).
-    if let Some((tools, agents)) = &m.tools {
-        for (id, dir) in [("tools", tools), ("agents", agents)] {
+    for (id, dir) in [("tools", &m.tools), ("agents", &m.agents)] {
+        if let Some(dir) = dir {
             a.extend([
                 "-fsdev".into(),
                 format!(
@@ -357,6 +362,7 @@ mod tests {
             uid: 1000,
             gid: 100,
             tools: None,
+            agents: None,
         }
     }
 
@@ -369,8 +375,9 @@ mod tests {
         let mut m = machine(Share::NineP, Network::None, Accel::Tcg);
         assert!(!kernel_cmdline(&m).contains("keystone.tools"));
         assert!(!qemu_args(&m).iter().any(|a| a.contains("keystone-agents")));
-        m.tools = Some(("/proc/self/fd/106".into(), "/proc/self/fd/107".into()));
-        assert!(kernel_cmdline(&m).contains(" keystone.tools=1"));
+        m.tools = Some("/proc/self/fd/106".into());
+        m.agents = Some("/proc/self/fd/107".into());
+        assert!(kernel_cmdline(&m).contains(" keystone.tools=1 keystone.agents=1"));
         let a = qemu_args(&m);
         for (id, fd) in [("tools", 106), ("agents", 107)] {
             let fsdev =

@@ -104,7 +104,7 @@ impl Manager {
         }
         // A sandbox of this name that was destroyed half-way left no
         // secrets to this one.
-        self.forget_secrets(&name);
+        self.forget_secrets(&sb);
         let notices = match self.prepare_dirs(&sb).await {
             Ok(n) => n,
             Err(e) => {
@@ -315,7 +315,7 @@ impl Manager {
         self.watchers.lock().unwrap().remove(name);
         // Its secrets before the registry: a crash in between leaves a
         // sandbox without secrets, never secrets without their sandbox.
-        self.forget_secrets(name);
+        self.forget_secrets(&sb);
         // Registry first: a crash after this leaves only a directory, which
         // the next start removes.
         self.forget(name);

@@ -111,12 +111,12 @@ impl Manager {
         };
         store.set(name, secret).map_err(|e| secret_error(name, e))?;
         let ca = store.ca(name).map_err(|e| secret_error(name, e))?;
-        self.write_ca_files(name, &ca.cert_pem)?;
+        self.write_ca_files(name, &sb.id, &ca.cert_pem)?;
         tracing::info!(sandbox = %name, var, %host, "secret set");
         Ok(())
     }
 
-    fn write_ca_files(&self, name: &str, cert_pem: &str) -> Result<()> {
+    fn write_ca_files(&self, name: &str, id: &str, cert_pem: &str) -> Result<()> {
         use std::os::unix::fs::PermissionsExt;
         let dir = self.ca_dir();
         let io = |what: &'static str, path: &std::path::Path| {
@@ -126,18 +126,19 @@ impl Manager {
             }
         };
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
-        // Every sandbox sees this directory (and a `vm` guest the tools'):
-        // each finds its own files by name, none lists the others' (their
-        // names are their owners' business).
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+        // Every sandbox sees this directory (a `vm` guest through 9p, which
+        // must read it to walk into it): its files are named by each
+        // sandbox's random id, so a listing tells no one which sandboxes,
+        // of whom, have secrets.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
             .map_err(io("set the mode of", &dir))?;
         let system = SYSTEM_BUNDLES
             .iter()
             .find_map(|p| std::fs::read_to_string(p).ok())
             .unwrap_or_default();
         for (file, text) in [
-            (format!("{name}.ca.pem"), cert_pem.to_owned()),
-            (format!("{name}.pem"), format!("{system}\n{cert_pem}")),
+            (format!("{id}.ca.pem"), cert_pem.to_owned()),
+            (format!("{id}.pem"), format!("{system}\n{cert_pem}")),
         ] {
             let path = dir.join(file);
             crate::fsutil::atomic_write(&path, text.as_bytes())
@@ -180,10 +181,10 @@ impl Manager {
     }
 
     /// Forget the secrets and CA of a destroyed sandbox.
-    pub(super) fn forget_secrets(&self, name: &str) {
+    pub(super) fn forget_secrets(&self, sb: &Sandbox) {
         let _changing = changing();
-        self.secret_store().remove_all(name);
-        for f in [format!("{name}.ca.pem"), format!("{name}.pem")] {
+        self.secret_store().remove_all(&sb.name);
+        for f in [format!("{}.ca.pem", sb.id), format!("{}.pem", sb.id)] {
             let _ = std::fs::remove_file(self.ca_dir().join(f));
         }
     }
@@ -211,10 +212,10 @@ impl Manager {
             add(&s.var, s.placeholder);
         }
         if let Some(dir) = ca {
-            add("NODE_EXTRA_CA_CERTS", format!("{dir}/{}.ca.pem", sb.name));
-            add("SSL_CERT_FILE", format!("{dir}/{}.pem", sb.name));
-            add("REQUESTS_CA_BUNDLE", format!("{dir}/{}.pem", sb.name));
-            add("CURL_CA_BUNDLE", format!("{dir}/{}.pem", sb.name));
+            add("NODE_EXTRA_CA_CERTS", format!("{dir}/{}.ca.pem", sb.id));
+            add("SSL_CERT_FILE", format!("{dir}/{}.pem", sb.id));
+            add("REQUESTS_CA_BUNDLE", format!("{dir}/{}.pem", sb.id));
+            add("CURL_CA_BUNDLE", format!("{dir}/{}.pem", sb.id));
         }
     }
 
