@@ -26,8 +26,13 @@ from common import Daemon, pct, small_repo
 
 ORIGIN = r"""
 import http.server as h, ssl, sys
+import socket
 class H(h.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    def setup(self):
+        super().setup()
+        # No Nagle: the head and the body go out as written.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         body = b'{"id":"msg","content":"hello"}'
@@ -53,9 +58,13 @@ host, port, n, cafile = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.arg
 ctx = ssl.create_default_context(cafile=cafile)
 key = os.environ.get("ANTHROPIC_API_KEY", "none")
 body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+import socket
 def conn():
     c = http.client.HTTPSConnection("127.0.0.1", 3128, context=ctx)
     c.set_tunnel(host, port)
+    c.connect()
+    # No Nagle: http.client writes the head and the body separately.
+    c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return c
 def post(c):
     c.request("POST", "/v1/messages", body, {"x-api-key": key, "content-type": "application/json"})
