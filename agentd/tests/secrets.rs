@@ -7,59 +7,10 @@
 mod common;
 
 use std::io::Write;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 
 use common::Env;
-use common::tls::tls;
-
-/// The origin (secrets/origin.py): its port, and the process.
-struct Origin {
-    port: u16,
-    log: std::path::PathBuf,
-    server: Child,
-}
-
-impl Origin {
-    fn start(env: &Env, cert: &std::path::Path, key: &std::path::Path) -> Self {
-        let dir = env.tmp.path();
-        let script = dir.join("origin.py");
-        std::fs::write(&script, include_str!("secrets/origin.py")).unwrap();
-        let log = dir.join("origin.log");
-        let mut server = Command::new("python3")
-            .arg(&script)
-            .arg(cert)
-            .arg(key)
-            .arg(&log)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let port = line.trim().parse().expect("the origin prints its port");
-        Self { port, log, server }
-    }
-
-    /// What it recorded of each request.
-    fn requests(&self) -> Vec<serde_json::Value> {
-        std::fs::read_to_string(&self.log)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    }
-}
-
-impl Drop for Origin {
-    fn drop(&mut self) {
-        let _ = self.server.kill();
-        let _ = self.server.wait();
-    }
-}
+use common::tls::{Origin, tls};
 
 fn sh(env: &Env, script: &str) -> String {
     env.ok(&["exec", "sec", "--", "sh", "-c", script])
@@ -115,7 +66,12 @@ fn a_secret_reaches_its_host_in_its_header_only_and_never_the_sandbox() {
     .unwrap();
     env.config = Some(config);
     env.start_agentd();
-    let origin = Origin::start(&env, &certs.cert, &certs.key);
+    let origin = Origin::start(
+        env.tmp.path(),
+        "origin.py",
+        include_str!("secrets/origin.py"),
+        &certs,
+    );
     let port = origin.port;
     env.create_running("sec", &[]);
     env.ok(&["egress", "sec", "allow", &format!("127.0.0.1/32:{port}")]);

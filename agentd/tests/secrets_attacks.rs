@@ -10,62 +10,13 @@ mod common;
 
 use std::io::Write;
 use std::os::unix::process::CommandExt as _;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::Env;
-use common::tls::tls;
+use common::tls::{Origin, tls};
 
 const HOST: &str = "api.secret.test";
-
-/// The origin: its port and process.
-struct Origin {
-    port: u16,
-    log: std::path::PathBuf,
-    server: Child,
-}
-
-impl Origin {
-    fn start(env: &Env, cert: &std::path::Path, key: &std::path::Path) -> Self {
-        let dir = env.tmp.path();
-        let script = dir.join("hostile_origin.py");
-        std::fs::write(&script, include_str!("secrets/hostile_origin.py")).unwrap();
-        let log = dir.join("origin.log");
-        let mut server = Command::new("python3")
-            .arg(&script)
-            .arg(cert)
-            .arg(key)
-            .arg(&log)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let port = line.trim().parse().expect("the origin prints its port");
-        Self { port, log, server }
-    }
-
-    /// What it recorded of each request.
-    fn requests(&self) -> Vec<serde_json::Value> {
-        std::fs::read_to_string(&self.log)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    }
-}
-
-impl Drop for Origin {
-    fn drop(&mut self) {
-        let _ = self.server.kill();
-        let _ = self.server.wait();
-    }
-}
 
 /// A running agentd whose sandbox `sec` has a secret for [`HOST`] in
 /// `x-api-key`, the origin it is for, and the agent's script inside.
@@ -100,7 +51,12 @@ fn setup_logging(log: &str) -> Setup {
     .unwrap();
     env.config = Some(config);
     env.start_agentd();
-    let origin = Origin::start(&env, &certs.cert, &certs.key);
+    let origin = Origin::start(
+        env.tmp.path(),
+        "hostile_origin.py",
+        include_str!("secrets/hostile_origin.py"),
+        &certs,
+    );
     env.create_running("sec", &[]);
     env.ok(&[
         "egress",

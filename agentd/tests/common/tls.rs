@@ -2,7 +2,7 @@
 //! signed, made by openssl.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
 
 /// A certificate authority, and a server certificate it signed for
 /// `names` and 127.0.0.1, made by openssl in `dir`.
@@ -40,5 +40,56 @@ pub fn tls(dir: &Path, names: &[&str]) -> Tls {
         ca: dir.join("ca.pem"),
         cert: dir.join("site.pem"),
         key: dir.join("site.key"),
+    }
+}
+
+/// An HTTPS origin on the host: a Python script run as `python3 SCRIPT
+/// CERT KEY LOG` that prints its port and appends one JSON line per request
+/// to LOG.
+pub struct Origin {
+    pub port: u16,
+    log: PathBuf,
+    server: Child,
+}
+
+impl Origin {
+    /// Run `script` (its text) in `dir` with the certificate of `tls`.
+    pub fn start(dir: &Path, name: &str, script: &str, tls: &Tls) -> Self {
+        let path = dir.join(name);
+        std::fs::write(&path, script).unwrap();
+        let log = dir.join(format!("{name}.log"));
+        let mut server = Command::new("python3")
+            .arg(&path)
+            .arg(&tls.cert)
+            .arg(&tls.key)
+            .arg(&log)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        let port = line.trim().parse().expect("the origin prints its port");
+        Self { port, log, server }
+    }
+
+    /// What it recorded of each request.
+    pub fn requests(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&self.log)
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+impl Drop for Origin {
+    fn drop(&mut self) {
+        let _ = self.server.kill();
+        let _ = self.server.wait();
     }
 }
