@@ -16,37 +16,6 @@ fn sh(env: &Env, script: &str) -> String {
     env.ok(&["exec", "sec", "--", "sh", "-c", script])
 }
 
-/// Every small file under `dir` whose bytes contain `needle`.
-fn files_with(
-    dir: &std::path::Path,
-    needle: &[u8],
-    skip: &std::path::Path,
-) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return out;
-    };
-    for e in rd.flatten() {
-        let p = e.path();
-        if p == skip {
-            continue;
-        }
-        match e.file_type() {
-            Ok(t) if t.is_dir() => out.extend(files_with(&p, needle, skip)),
-            Ok(t) if t.is_file() => {
-                let small = std::fs::metadata(&p).is_ok_and(|m| m.len() < (4 << 20));
-                if small
-                    && std::fs::read(&p).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle))
-                {
-                    out.push(p);
-                }
-            }
-            _ => {}
-        }
-    }
-    out
-}
-
 #[test]
 fn a_secret_reaches_its_host_in_its_header_only_and_never_the_sandbox() {
     let mut env = Env::bus_only();
@@ -180,7 +149,7 @@ fn a_secret_reaches_its_host_in_its_header_only_and_never_the_sandbox() {
                              "header": "x-api-key", "bearer": false}])
     );
     let store = env.state_dir.join("secrets");
-    let leaks = files_with(&env.state_dir, value.as_bytes(), &store);
+    let leaks = common::files_with(&env.state_dir, value.as_bytes(), &store);
     assert!(leaks.is_empty(), "{leaks:?}");
     assert!(!env.log().contains(&value));
     let mode =

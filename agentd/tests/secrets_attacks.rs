@@ -151,7 +151,7 @@ impl Setup {
             "agentd logged it"
         );
         let store = self.env.state_dir.join("secrets");
-        let leaks = files_with(&self.env.state_dir, self.value.as_bytes(), &store);
+        let leaks = common::files_with(&self.env.state_dir, self.value.as_bytes(), &store);
         assert!(leaks.is_empty(), "{leaks:?}");
     }
 
@@ -406,32 +406,6 @@ fn a_smuggled_request_never_puts_the_value_in_a_body() {
         .filter(|r| r["body"].as_str().unwrap_or("").contains(&s.value))
         .collect();
     assert!(bodies.is_empty(), "the value in a body: {bodies:#?}");
-}
-
-/// Every small file under `dir` but `skip` whose bytes contain `needle`.
-fn files_with(
-    dir: &std::path::Path,
-    needle: &[u8],
-    skip: &std::path::Path,
-) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        match e.file_type() {
-            _ if p == skip => {}
-            Ok(t) if t.is_dir() => out.extend(files_with(&p, needle, skip)),
-            Ok(t) if t.is_file() => {
-                let small = std::fs::metadata(&p).is_ok_and(|m| m.len() < (4 << 20));
-                if small
-                    && std::fs::read(&p).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle))
-                {
-                    out.push(p);
-                }
-            }
-            _ => {}
-        }
-    }
-    out
 }
 
 /// agentd's open files and resident memory (KiB).

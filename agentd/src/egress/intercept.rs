@@ -562,6 +562,32 @@ where
     }
 }
 
+/// Copy exactly `left` bytes from `r` through `out`, with `buf`; an
+/// early end is an error saying `early`.
+async fn copy_exact<R, W>(
+    r: &mut BufReader<R>,
+    buf: &mut [u8],
+    mut left: u64,
+    out: &mut Masked<'_, W>,
+    early: &str,
+) -> std::io::Result<u64>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let total = left;
+    while left > 0 {
+        let want = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
+        let n = r.read(&mut buf[..want]).await?;
+        if n == 0 {
+            return Err(std::io::Error::other(early.to_owned()));
+        }
+        out.write(&buf[..n]).await?;
+        left -= n as u64;
+    }
+    Ok(total)
+}
+
 /// Copy one body of `framing` from `r` to `w`, masking `masks`; its bytes.
 async fn copy_body<R, W>(
     r: &mut BufReader<R>,
@@ -578,17 +604,8 @@ where
     let mut total = 0u64;
     match framing {
         Body::None => {}
-        Body::Length(mut left) => {
-            while left > 0 {
-                let want = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
-                let n = r.read(&mut buf[..want]).await?;
-                if n == 0 {
-                    return Err(std::io::Error::other("the body ended early"));
-                }
-                out.write(&buf[..n]).await?;
-                left -= n as u64;
-                total += n as u64;
-            }
+        Body::Length(left) => {
+            total += copy_exact(r, &mut buf, left, &mut out, "the body ended early").await?;
         }
         Body::UntilEnd => loop {
             let n = match r.read(&mut buf).await {
@@ -622,17 +639,7 @@ where
                 if size == 0 {
                     break;
                 }
-                let mut left = size;
-                while left > 0 {
-                    let want = usize::try_from(left.min(buf.len() as u64)).unwrap_or(buf.len());
-                    let n = r.read(&mut buf[..want]).await?;
-                    if n == 0 {
-                        return Err(std::io::Error::other("a chunk ended early"));
-                    }
-                    data.write(&buf[..n]).await?;
-                    left -= n as u64;
-                    total += n as u64;
-                }
+                total += copy_exact(r, &mut buf, size, &mut data, "a chunk ended early").await?;
                 let mut end = Vec::new();
                 (&mut *r).take(2).read_until(b'\n', &mut end).await?;
                 if end != b"\r\n" && end != b"\n" {

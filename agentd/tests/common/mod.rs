@@ -647,3 +647,25 @@ pub fn assert_helper_confined(pid: i32) {
         "the helper shares the host's network"
     );
 }
+
+/// Every file under `dir` (not `skip`, links not followed) smaller than
+/// 4 MiB whose bytes contain `needle`: where a secret must never be.
+pub fn files_with(dir: &Path, needle: &[u8], skip: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        match e.file_type() {
+            _ if p == skip => {}
+            Ok(t) if t.is_dir() => out.extend(files_with(&p, needle, skip)),
+            Ok(t) if t.is_file() => {
+                let small = fs::metadata(&p).is_ok_and(|m| m.len() < (4 << 20));
+                if small && fs::read(&p).is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle))
+                {
+                    out.push(p);
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
