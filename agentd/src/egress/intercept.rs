@@ -23,6 +23,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 
 use super::gateway::HEAD_MAX;
+use super::mask::{Masked, mask_forms};
 
 /// What the gateway calls with the host and port of a CONNECT: the secrets
 /// to swap in it, if any.
@@ -341,7 +342,7 @@ fn rewrite_request(req: &httparse::Request<'_, '_>, swaps: &[Swap]) -> Vec<u8> {
         let mut value = h.value.to_vec();
         for s in swaps {
             if h.name.eq_ignore_ascii_case(&s.header) {
-                value = replace_all(&value, s.placeholder.as_bytes(), s.value.as_bytes());
+                value = swapped(&value, s);
             }
         }
         out.extend_from_slice(&value);
@@ -351,7 +352,29 @@ fn rewrite_request(req: &httparse::Request<'_, '_>, swaps: &[Swap]) -> Vec<u8> {
     out
 }
 
-fn replace_all(hay: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+/// Header value `value` with the placeholder of `s` become its value: only
+/// when it is exactly the placeholder, or one word and the placeholder
+/// (`Bearer <placeholder>`). Anything else goes unchanged, so that no
+/// padding can move the value into what a host shows of a header.
+fn swapped(value: &[u8], s: &Swap) -> Vec<u8> {
+    let ph = s.placeholder.as_bytes();
+    let scheme = value
+        .strip_suffix(ph)
+        .and_then(|rest| rest.strip_suffix(b" "))
+        .filter(|w| w.iter().all(u8::is_ascii_alphanumeric));
+    match scheme {
+        Some(word) => [
+            word,
+            if word.is_empty() { b"" } else { b" " },
+            s.value.as_bytes(),
+        ]
+        .concat(),
+        None if value == ph => s.value.as_bytes().to_vec(),
+        None => value.to_vec(),
+    }
+}
+
+pub(super) fn replace_all(hay: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
     if from.is_empty() {
         return hay.to_vec();
     }
@@ -367,112 +390,6 @@ fn replace_all(hay: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
         }
     }
     out
-}
-
-/// Mask every occurrence of each of `masks` in `buf` with `*`s.
-fn mask(buf: &mut [u8], masks: &[Vec<u8>]) {
-    for m in masks {
-        if m.is_empty() || m.len() > buf.len() {
-            continue;
-        }
-        let mut i = 0;
-        while i + m.len() <= buf.len() {
-            if buf[i..i + m.len()] == m[..] {
-                buf[i..i + m.len()].fill(b'*');
-                i += m.len();
-            } else {
-                i += 1;
-            }
-        }
-    }
-}
-
-/// Bytes towards the sandbox, masked: a value split across two reads is
-/// still found, as the last bytes of each read wait for the next. With
-/// `chunked`, what goes on is framed as chunks of its own (the host's
-/// chunks are undone first, so that a value split across them is found).
-struct Masked<'a, W> {
-    w: &'a mut W,
-    masks: &'a [Vec<u8>],
-    held: Vec<u8>,
-    keep: usize,
-    chunked: bool,
-}
-
-impl<'a, W: AsyncWrite + Unpin> Masked<'a, W> {
-    fn new(w: &'a mut W, masks: &'a [Vec<u8>]) -> Self {
-        let keep = masks
-            .iter()
-            .map(Vec::len)
-            .max()
-            .unwrap_or(1)
-            .saturating_sub(1);
-        Self {
-            w,
-            masks,
-            held: Vec::new(),
-            keep,
-            chunked: false,
-        }
-    }
-
-    async fn write(&mut self, data: &[u8]) -> std::io::Result<()> {
-        self.held.extend_from_slice(data);
-        mask(&mut self.held, self.masks);
-        if self.held.len() > self.keep {
-            self.emit(self.held.len() - self.keep).await?;
-        }
-        Ok(())
-    }
-
-    /// Send the first `n` bytes held.
-    async fn emit(&mut self, n: usize) -> std::io::Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        if self.chunked {
-            self.w.write_all(format!("{n:x}\r\n").as_bytes()).await?;
-        }
-        self.w.write_all(&self.held[..n]).await?;
-        if self.chunked {
-            self.w.write_all(b"\r\n").await?;
-        }
-        self.held.drain(..n);
-        Ok(())
-    }
-
-    async fn flush(&mut self) -> std::io::Result<()> {
-        mask(&mut self.held, self.masks);
-        self.emit(self.held.len()).await?;
-        self.w.flush().await
-    }
-}
-
-/// What is masked of `value`: its bytes, and the forms a host may reflect
-/// them in (JSON-escaped, with `/` escaped as PHP does, percent-encoded).
-fn mask_forms(value: &[u8]) -> Vec<Vec<u8>> {
-    let (mut json, mut upper, mut lower) = (Vec::new(), Vec::new(), Vec::new());
-    for &b in value {
-        match b {
-            b'"' | b'\\' => json.extend_from_slice(&[b'\\', b]),
-            _ => json.push(b),
-        }
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            upper.push(b);
-            lower.push(b);
-        } else {
-            upper.extend_from_slice(format!("%{b:02X}").as_bytes());
-            lower.extend_from_slice(format!("%{b:02x}").as_bytes());
-        }
-    }
-    let slashes = replace_all(&json, b"/", b"\\/");
-    let mut forms = vec![value.to_vec()];
-    for f in [json, slashes, upper, lower] {
-        if !forms.contains(&f) {
-            forms.push(f);
-        }
-    }
-    forms
 }
 
 /// The host's responses to the sandbox, masked; (bytes written, why it
@@ -680,6 +597,31 @@ mod tests {
             header: "x-api-key".into(),
             placeholder: "keystone-placeholder-abc".into(),
             value: "sk-real-value-123".into(),
+        }
+    }
+
+    #[test]
+    fn only_a_bare_or_schemed_placeholder_is_swapped() {
+        let s = swap();
+        let ph = s.placeholder.clone();
+        assert_eq!(swapped(ph.as_bytes(), &s), s.value.as_bytes());
+        assert_eq!(
+            swapped(format!("Bearer {ph}").as_bytes(), &s),
+            format!("Bearer {}", s.value).as_bytes()
+        );
+        // Padding, which could move the value where a host shows it: left
+        // alone.
+        for padded in [
+            format!("AAAA{ph}"),
+            format!("{ph} x"),
+            format!("a b {ph}"),
+            format!("{ph}{ph}"),
+        ] {
+            assert_eq!(
+                swapped(padded.as_bytes(), &s),
+                padded.as_bytes(),
+                "{padded}"
+            );
         }
     }
 

@@ -17,6 +17,7 @@ pub mod ask;
 pub mod gateway;
 pub mod intercept;
 pub mod log;
+mod mask;
 pub mod policy;
 pub mod shared;
 mod splice;
