@@ -73,10 +73,10 @@ impl<'a, W: AsyncWrite + Unpin> Masked<'a, W> {
     pub(super) async fn write(&mut self, data: &[u8]) -> std::io::Result<()> {
         self.held.extend_from_slice(data);
         mask(&mut self.held, self.masks);
-        if self.held.len() > self.keep {
-            self.emit(self.held.len() - self.keep).await?;
-        }
-        Ok(())
+        // Only the end that could begin a value waits for the next bytes:
+        // the rest of a streamed event goes on now.
+        let wait = unfinished(&self.held, self.masks).min(self.keep);
+        self.emit(self.held.len() - wait).await
     }
 
     /// Send the first `n` bytes held.
@@ -136,4 +136,45 @@ pub(super) fn mask_forms(value: &[u8]) -> Vec<Vec<u8>> {
         }
     }
     forms
+}
+
+/// How many of the last bytes of `buf` are the start of one of `masks`
+/// (the longest such end, shorter than the mask itself).
+fn unfinished(buf: &[u8], masks: &[Vec<u8>]) -> usize {
+    masks
+        .iter()
+        .map(|m| {
+            let most = m.len().saturating_sub(1).min(buf.len());
+            (1..=most)
+                .rev()
+                .find(|&l| buf[buf.len() - l..] == m[..l])
+                .unwrap_or(0)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_streamed_event_is_not_held_back_unless_it_may_end_in_a_value() {
+        let masks = mask_forms(b"sk-real-value-0123456789");
+        let mut sink = Vec::new();
+        let mut m = Masked::new(&mut sink, &masks);
+        m.write(b"data: {\"text\":\"hello\"}\n\n").await.unwrap();
+        assert_eq!(
+            m.w.as_slice(),
+            b"data: {\"text\":\"hello\"}\n\n",
+            "sent at once"
+        );
+        // The start of a value waits, and is masked with the rest of it.
+        m.write(b"echo sk-real-").await.unwrap();
+        assert_eq!(m.w.len(), 29, "'echo ' goes, 'sk-real-' waits");
+        m.write(b"value-0123456789!").await.unwrap();
+        m.flush().await.unwrap();
+        let s = String::from_utf8(sink).unwrap();
+        assert!(s.ends_with(&format!("echo {}!", "*".repeat(24))), "{s}");
+    }
 }
