@@ -133,13 +133,7 @@ impl Site {
             .stderr(std::fs::File::create(&errors).unwrap())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        let Ok(port) = line.trim().parse() else {
+        let Some(port) = common::tls::read_port(&mut server) else {
             let _ = server.kill();
             let _ = server.wait();
             panic!(

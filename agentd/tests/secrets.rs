@@ -22,29 +22,13 @@ fn a_secret_reaches_its_host_in_its_header_only_and_never_the_sandbox() {
     let certs = tls(env.tmp.path(), &["api.secret.test", "other.secret.test"]);
     // agentd checks the origin's certificate as it would a real API's: the
     // test CA is its trusted store.
-    env.agentd_env = vec![("SSL_CERT_FILE".into(), Some(certs.ca.display().to_string()))];
-    let config = env.tmp.path().join("agentd.json");
-    std::fs::write(
-        &config,
-        serde_json::json!({"egress": {"hosts": {
-            "api.secret.test": "127.0.0.1",
-            "other.secret.test": "127.0.0.1",
-        }}})
-        .to_string(),
-    )
-    .unwrap();
-    env.config = Some(config);
-    env.start_agentd();
-    let origin = Origin::start(
-        env.tmp.path(),
-        "origin.py",
-        include_str!("secrets/origin.py"),
+    let origin = Origin::for_secrets(
+        &mut env,
         &certs,
+        &["api.secret.test", "other.secret.test"],
+        ("origin.py", include_str!("secrets/origin.py")),
     );
     let port = origin.port;
-    env.create_running("sec", &[]);
-    env.ok(&["egress", "sec", "allow", &format!("127.0.0.1/32:{port}")]);
-    env.ok(&["cp", certs.ca.to_str().unwrap(), "sec:/tmp/test-ca.pem"]);
 
     // Set from standard input: the value is in no process's command line
     // while agentctl holds it.

@@ -35,36 +35,16 @@ fn setup() -> Setup {
 fn setup_logging(log: &str) -> Setup {
     let mut env = Env::bus_only();
     let certs = tls(env.tmp.path(), &[HOST, "other.secret.test"]);
-    env.agentd_env = vec![
-        ("SSL_CERT_FILE".into(), Some(certs.ca.display().to_string())),
-        ("AGENTD_LOG".into(), Some(log.into())),
-    ];
-    let config = env.tmp.path().join("agentd.json");
-    std::fs::write(
-        &config,
-        serde_json::json!({"egress": {"hosts": {
-            HOST: "127.0.0.1",
-            "other.secret.test": "127.0.0.1",
-        }}})
-        .to_string(),
-    )
-    .unwrap();
-    env.config = Some(config);
-    env.start_agentd();
-    let origin = Origin::start(
-        env.tmp.path(),
-        "hostile_origin.py",
-        include_str!("secrets/hostile_origin.py"),
+    env.agentd_env = vec![("AGENTD_LOG".into(), Some(log.into()))];
+    let origin = Origin::for_secrets(
+        &mut env,
         &certs,
+        &[HOST, "other.secret.test"],
+        (
+            "hostile_origin.py",
+            include_str!("secrets/hostile_origin.py"),
+        ),
     );
-    env.create_running("sec", &[]);
-    env.ok(&[
-        "egress",
-        "sec",
-        "allow",
-        &format!("127.0.0.1/32:{}", origin.port),
-    ]);
-    env.ok(&["cp", certs.ca.to_str().unwrap(), "sec:/tmp/test-ca.pem"]);
     let agent = env.tmp.path().join("agent.py");
     std::fs::write(&agent, include_str!("secrets/agent.py")).unwrap();
     env.ok(&["cp", agent.to_str().unwrap(), "sec:/tmp/agent.py"]);

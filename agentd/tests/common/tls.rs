@@ -67,14 +67,45 @@ impl Origin {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(server.stdout.take().unwrap()),
-            &mut line,
+        let port = read_port(&mut server).expect("the origin prints its port");
+        Self { port, log, server }
+    }
+
+    /// agentd trusting `certs`' CA for the hosts it checks, with
+    /// `hosts` resolving to 127.0.0.1, started on `env` (its `agentd_env`
+    /// kept); this origin (`name`, `script`) serving them; and sandbox
+    /// `sec` running, allowed to reach the origin's port, with the test CA
+    /// at /tmp/test-ca.pem.
+    pub fn for_secrets(
+        env: &mut super::Env,
+        certs: &Tls,
+        hosts: &[&str],
+        (name, script): (&str, &str),
+    ) -> Self {
+        env.agentd_env
+            .push(("SSL_CERT_FILE".into(), Some(certs.ca.display().to_string())));
+        let names: serde_json::Map<String, serde_json::Value> = hosts
+            .iter()
+            .map(|h| ((*h).to_owned(), serde_json::json!("127.0.0.1")))
+            .collect();
+        let config = env.tmp.path().join("agentd.json");
+        std::fs::write(
+            &config,
+            serde_json::json!({"egress": {"hosts": names}}).to_string(),
         )
         .unwrap();
-        let port = line.trim().parse().expect("the origin prints its port");
-        Self { port, log, server }
+        env.config = Some(config);
+        env.start_agentd();
+        let origin = Self::start(env.tmp.path(), name, script, certs);
+        env.create_running("sec", &[]);
+        env.ok(&[
+            "egress",
+            "sec",
+            "allow",
+            &format!("127.0.0.1/32:{}", origin.port),
+        ]);
+        env.ok(&["cp", certs.ca.to_str().unwrap(), "sec:/tmp/test-ca.pem"]);
+        origin
     }
 
     /// What it recorded of each request.
@@ -92,4 +123,15 @@ impl Drop for Origin {
         let _ = self.server.kill();
         let _ = self.server.wait();
     }
+}
+
+/// The port a test server prints on its first line of output.
+pub fn read_port(server: &mut Child) -> Option<u16> {
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.stdout.take()?),
+        &mut line,
+    )
+    .ok()?;
+    line.trim().parse().ok()
 }
