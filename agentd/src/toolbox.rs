@@ -30,6 +30,7 @@ mod tests;
 mod unpack;
 
 use fetch::{curl, read_metadata, sha512_base64};
+pub use unpack::UnpackError;
 use unpack::{check_members, normalize, remove_tree, unpacked_size};
 
 /// An agent CLI of the toolbox.
@@ -325,12 +326,13 @@ pub enum InstallError {
         got: String,
     },
     /// Unpacking failed.
-    #[error("cannot unpack {package}: {why}")]
+    #[error("cannot unpack {package}: {source}")]
     Unpack {
         /// `name@version`.
         package: String,
-        /// tar's message.
-        why: String,
+        /// Why.
+        #[source]
+        source: UnpackError,
     },
     /// A file operation in the cache failed.
     #[error("cannot {what} {}: {source}", path.display())]
@@ -566,16 +568,12 @@ impl Toolbox {
                 got,
             });
         }
-        let size = unpacked_size(&tgz, MAX_UNPACKED).map_err(|why| InstallError::Unpack {
+        let unpack_err = |source| InstallError::Unpack {
             package: id.clone(),
-            why,
-        })?;
-        let entries = check_members(&tgz, MAX_ENTRIES, MAX_DEPTH, MAX_NAME).map_err(|why| {
-            InstallError::Unpack {
-                package: id.clone(),
-                why,
-            }
-        })?;
+            source,
+        };
+        let size = unpacked_size(&tgz, MAX_UNPACKED).map_err(unpack_err)?;
+        let entries = check_members(&tgz, MAX_ENTRIES, MAX_DEPTH, MAX_NAME).map_err(unpack_err)?;
         tracing::debug!(package = %id, bytes = size, entries, "unpacking");
         let unpacked = work.join("package");
         make_dir(&unpacked)?;
@@ -592,15 +590,16 @@ impl Toolbox {
             ])
             .stdin(Stdio::null())
             .output()
-            .map_err(|e| InstallError::Unpack {
-                package: id.clone(),
-                why: format!("cannot run tar: {e}"),
+            .map_err(|source| {
+                unpack_err(UnpackError::Spawn {
+                    tool: "tar",
+                    source,
+                })
             })?;
         if !out.status.success() {
-            return Err(InstallError::Unpack {
-                package: id,
-                why: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            });
+            return Err(unpack_err(UnpackError::Extract {
+                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            }));
         }
         normalize(&unpacked)?;
         let target = self.dir.join(&pkg.dir);

@@ -344,7 +344,7 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
         let error;
         (entry.sent, entry.received, error) =
             super::intercept::intercept(client, upstream, plan).await;
-        entry.error = error.unwrap_or_default();
+        entry.error = error.map(|e| e.to_string()).unwrap_or_default();
         return finish(entry);
     }
     match (ready.is_ok(), ask.body_left) {

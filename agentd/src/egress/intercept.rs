@@ -24,6 +24,36 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWrite
 
 use super::gateway::HEAD_MAX;
 use super::mask::{Masked, mask_forms};
+use super::strict::{Body, Refusal, check_target, framing};
+
+/// Why an intercepted connection ended early.
+#[derive(Debug, thiserror::Error)]
+pub enum InterceptError {
+    /// The TLS configurations could not be made.
+    #[error("TLS setup: {0}")]
+    Setup(#[source] rustls::Error),
+    /// The sandbox's TLS handshake failed.
+    #[error("the sandbox's TLS: {0}")]
+    SandboxTls(#[source] std::io::Error),
+    /// The host is not a name a certificate can be checked for.
+    #[error("'{0}' is not a TLS server name")]
+    ServerName(String),
+    /// The TLS handshake with the host failed (its certificate included).
+    #[error("TLS to {host}: {source}")]
+    HostTls {
+        /// The host.
+        host: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading or writing failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// A message broke the rules of [`super::strict`].
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+}
 
 /// What the gateway calls with the host and port of a CONNECT: the secrets
 /// to swap in it, if any.
@@ -82,7 +112,11 @@ pub fn system_roots() -> Arc<rustls::RootCertStore> {
 /// Relay `client` (after its CONNECT was answered) and `upstream` through
 /// TLS on both sides with the secrets of `plan`; (bytes from the client,
 /// bytes to the client, why it ended early).
-pub async fn intercept<C, U>(client: C, upstream: U, plan: Plan) -> (u64, u64, Option<String>)
+pub async fn intercept<C, U>(
+    client: C,
+    upstream: U,
+    plan: Plan,
+) -> (u64, u64, Option<InterceptError>)
 where
     C: AsyncRead + AsyncWrite + Unpin + Send,
     U: AsyncRead + AsyncWrite + Unpin + Send,
@@ -96,7 +130,7 @@ where
             c.alpn_protocols = vec![b"http/1.1".to_vec()];
             c
         }
-        Err(e) => return (0, 0, Some(format!("TLS setup: {e}"))),
+        Err(e) => return (0, 0, Some(InterceptError::Setup(e))),
     };
     let client_cfg = match rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
@@ -108,28 +142,27 @@ where
             c.alpn_protocols = vec![b"http/1.1".to_vec()];
             c
         }
-        Err(e) => return (0, 0, Some(format!("TLS setup: {e}"))),
+        Err(e) => return (0, 0, Some(InterceptError::Setup(e))),
     };
     let inside = match tokio_rustls::TlsAcceptor::from(Arc::new(server))
         .accept(client)
         .await
     {
         Ok(s) => s,
-        Err(e) => return (0, 0, Some(format!("the sandbox's TLS: {e}"))),
+        Err(e) => return (0, 0, Some(InterceptError::SandboxTls(e))),
     };
     let Ok(name) = ServerName::try_from(plan.host.clone()) else {
-        return (
-            0,
-            0,
-            Some(format!("'{}' is not a TLS server name", plan.host)),
-        );
+        return (0, 0, Some(InterceptError::ServerName(plan.host)));
     };
     let outside = match tokio_rustls::TlsConnector::from(Arc::new(client_cfg))
         .connect(name, upstream)
         .await
     {
         Ok(s) => s,
-        Err(e) => return (0, 0, Some(format!("TLS to {}: {e}", plan.host))),
+        Err(source) => {
+            let host = plan.host;
+            return (0, 0, Some(InterceptError::HostTls { host, source }));
+        }
     };
     let (cr, mut cw) = tokio::io::split(inside);
     let (ur, mut uw) = tokio::io::split(outside);
@@ -184,84 +217,6 @@ async fn read_head<R: AsyncBufReadExt + Unpin>(
     }
 }
 
-/// How a message's body is framed.
-enum Body {
-    None,
-    Length(u64),
-    Chunked,
-    /// Until the connection ends (a response without a length).
-    UntilEnd,
-}
-
-/// The framing of a message, strictly: one `Transfer-Encoding`, exactly
-/// `chunked`, or `Content-Length`s of digits that agree, never both (what
-/// is ambiguous could be framed otherwise by the host, and a request that
-/// the gateway swapped the value into read by the host as another's body).
-fn framing(headers: &[httparse::Header<'_>]) -> Result<Option<Body>, String> {
-    let mut length = None;
-    let mut chunked = 0;
-    for h in headers {
-        if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            // (Neither this header nor another is quoted in an error: the
-            // host's could reflect the value.)
-            if !h.value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
-                return Err("a Transfer-Encoding other than chunked is not supported".into());
-            }
-            chunked += 1;
-        }
-        if h.name.eq_ignore_ascii_case("content-length") {
-            let v = std::str::from_utf8(h.value).unwrap_or("").trim();
-            let n: u64 = v
-                .bytes()
-                .all(|b| b.is_ascii_digit())
-                .then(|| v.parse().ok())
-                .flatten()
-                .ok_or("the Content-Length is not a number")?;
-            if length.is_some_and(|l| l != n) {
-                return Err("two different Content-Lengths".into());
-            }
-            length = Some(n);
-        }
-    }
-    match (chunked, length) {
-        (0, l) => Ok(l.map(Body::Length)),
-        (1, None) => Ok(Some(Body::Chunked)),
-        (1, Some(_)) => Err("both a Content-Length and a Transfer-Encoding".into()),
-        _ => Err("two Transfer-Encodings".into()),
-    }
-}
-
-/// A request on the connection to `host` must be for `host`: one `Host`
-/// of that name (any port), an origin-form target (a shared front end
-/// would route the value to whichever site Host or an absolute target
-/// names).
-fn check_target(req: &httparse::Request<'_, '_>, host: &str) -> Result<(), String> {
-    let path = req.path.unwrap_or("");
-    if !path.starts_with('/') && path != "*" {
-        return Err("a request target that is not a path".into());
-    }
-    let mut hosts = req
-        .headers
-        .iter()
-        .filter(|h| h.name.eq_ignore_ascii_case("host"));
-    let named = match (hosts.next(), hosts.next()) {
-        (Some(h), None) => String::from_utf8_lossy(h.value).trim().to_owned(),
-        (None, _) => return Err("a request without Host".into()),
-        (Some(_), Some(_)) => return Err("a request with two Hosts".into()),
-    };
-    let name = match named.rsplit_once(':') {
-        Some((n, p)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => n,
-        _ => named.as_str(),
-    };
-    if !name.eq_ignore_ascii_case(host) {
-        return Err(format!(
-            "a request for '{}' on the connection to {host}",
-            crate::text::clamp_text(name)
-        ));
-    }
-    Ok(())
-}
-
 /// The sandbox's requests to the host, the placeholders swapped; (bytes
 /// read, why it ended early).
 async fn requests<R, W>(
@@ -270,7 +225,7 @@ async fn requests<R, W>(
     host: &str,
     swaps: &[Swap],
     methods: tokio::sync::mpsc::UnboundedSender<String>,
-) -> (u64, Option<String>)
+) -> (u64, Option<InterceptError>)
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -281,17 +236,17 @@ where
         match read_head(&mut r, &mut head).await {
             Ok(false) => return (total, None),
             Ok(true) => {}
-            Err(e) => return (total, Some(e.to_string())),
+            Err(e) => return (total, Some(e.into())),
         }
         total += head.len() as u64;
         let mut headers = [httparse::EMPTY_HEADER; 96];
         let mut req = httparse::Request::new(&mut headers);
         match req.parse(&head) {
             Ok(httparse::Status::Complete(_)) => {}
-            _ => return (total, Some("a request that is not HTTP/1.1".into())),
+            _ => return (total, Some(Refusal::NotRequest.into())),
         }
         if let Err(e) = check_target(&req, host) {
-            return (total, Some(e));
+            return (total, Some(e.into()));
         }
         let method = req.method.unwrap_or("GET").to_owned();
         let upgrade = req
@@ -300,23 +255,23 @@ where
             .any(|h| h.name.eq_ignore_ascii_case("upgrade"));
         let body = match framing(req.headers) {
             Ok(b) => b.unwrap_or(Body::None),
-            Err(e) => return (total, Some(e)),
+            Err(e) => return (total, Some(e.into())),
         };
         let out = rewrite_request(&req, swaps);
         let _ = methods.send(method);
         if let Err(e) = w.write_all(&out).await {
-            return (total, Some(e.to_string()));
+            return (total, Some(e.into()));
         }
         if upgrade {
             // Whatever the answer, what follows is not ours to parse.
             return match tokio::io::copy(&mut r, w).await {
                 Ok(n) => (total + n, None),
-                Err(e) => (total, Some(e.to_string())),
+                Err(e) => (total, Some(e.into())),
             };
         }
         match copy_body(&mut r, w, body, &[]).await {
             Ok(n) => total += n,
-            Err(e) => return (total, Some(e.to_string())),
+            Err(e) => return (total, Some(e.into())),
         }
     }
 }
@@ -399,7 +354,7 @@ async fn responses<R, W>(
     w: &mut W,
     masks: &[Vec<u8>],
     mut methods: tokio::sync::mpsc::UnboundedReceiver<String>,
-) -> (u64, Option<String>)
+) -> (u64, Option<InterceptError>)
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -416,14 +371,14 @@ where
             Ok(true) => {}
             Err(e) => {
                 let _ = out.flush().await;
-                return (total, Some(e.to_string()));
+                return (total, Some(e.into()));
             }
         }
         let mut headers = [httparse::EMPTY_HEADER; 96];
         let mut resp = httparse::Response::new(&mut headers);
         let code = match resp.parse(&head) {
             Ok(httparse::Status::Complete(_)) => resp.code.unwrap_or(0),
-            _ => return (total, Some("a response that is not HTTP/1.1".into())),
+            _ => return (total, Some(Refusal::NotResponse.into())),
         };
         total += head.len() as u64;
         let body = if (100..200).contains(&code) {
@@ -435,7 +390,7 @@ where
                 _ if method == "HEAD" || code == 204 || code == 304 => Body::None,
                 Ok(Some(b)) => b,
                 Ok(None) => Body::UntilEnd,
-                Err(e) => return (total, Some(e)),
+                Err(e) => return (total, Some(e.into())),
             }
         };
         // A compressed body hides the value from the masking: not passed
@@ -445,10 +400,7 @@ where
                 && !h.value.trim_ascii().eq_ignore_ascii_case(b"identity")
         });
         if coded.is_some() && !matches!(body, Body::None) {
-            return (
-                total,
-                Some("a compressed body (Content-Encoding) cannot be masked".into()),
-            );
+            return (total, Some(Refusal::Compressed.into()));
         }
         // The whole head, before anything of a body or another message.
         let wrote = match out.write(&head).await {
@@ -456,13 +408,13 @@ where
             Err(e) => Err(e),
         };
         if let Err(e) = wrote {
-            return (total, Some(e.to_string()));
+            return (total, Some(e.into()));
         }
         if code == 101 {
             let r = copy_body(&mut r, out.w, Body::UntilEnd, masks).await;
             return match r {
                 Ok(n) => (total + n, None),
-                Err(e) => (total, Some(e.to_string())),
+                Err(e) => (total, Some(e.into())),
             };
         }
         if (100..200).contains(&code) {
@@ -471,7 +423,7 @@ where
         let until_end = matches!(body, Body::UntilEnd);
         match copy_body(&mut r, out.w, body, masks).await {
             Ok(n) => total += n,
-            Err(e) => return (total, Some(e.to_string())),
+            Err(e) => return (total, Some(e.into())),
         }
         if until_end {
             return (total, None);
@@ -665,43 +617,6 @@ mod tests {
 #[cfg(test)]
 mod attacks {
     use super::*;
-
-    fn parse<T>(head: &[u8], f: impl FnOnce(&httparse::Request<'_, '_>) -> T) -> T {
-        let mut headers = [httparse::EMPTY_HEADER; 16];
-        let mut req = httparse::Request::new(&mut headers);
-        req.parse(head).unwrap();
-        f(&req)
-    }
-
-    #[test]
-    fn ambiguous_framing_and_other_hosts_are_refused() {
-        for bad in [
-            "Content-Length: 5\r\nTransfer-Encoding: chunked",
-            "Transfer-Encoding: xchunked",
-            "Transfer-Encoding: gzip, chunked",
-            "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked",
-            "Content-Length: +5",
-            "Content-Length: 5\r\nContent-Length: 6",
-        ] {
-            let head = format!("POST / HTTP/1.1\r\nHost: h.test\r\n{bad}\r\n\r\n");
-            parse(head.as_bytes(), |r| {
-                assert!(framing(r.headers).is_err(), "{bad}")
-            });
-        }
-        for (target, host, ok) in [
-            ("/", "Host: H.TEST:8443", true),
-            ("*", "Host: h.test", true),
-            ("/", "Host: evil.test", false),
-            ("/", "Host: h.test.evil.test", false),
-            ("https://evil.test/", "Host: h.test", false),
-            ("/", "X: y", false),
-            ("/", "Host: h.test\r\nHost: evil.test", false),
-        ] {
-            let head = format!("GET {target} HTTP/1.1\r\n{host}\r\n\r\n");
-            let got = parse(head.as_bytes(), |r| check_target(r, "h.test"));
-            assert_eq!(got.is_ok(), ok, "{target} {host}: {got:?}");
-        }
-    }
 
     #[tokio::test]
     async fn a_value_across_chunks_and_in_other_forms_is_masked() {

@@ -21,6 +21,7 @@ mod mask;
 pub mod policy;
 pub mod shared;
 mod splice;
+mod strict;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddrV4};

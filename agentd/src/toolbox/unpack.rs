@@ -10,9 +10,87 @@ use std::process::{Command, Stdio};
 
 use super::{InstallError, file_err};
 
+/// Why a package's tarball is refused before anything is unpacked.
+#[derive(Debug, thiserror::Error)]
+pub enum UnpackError {
+    /// gzip or tar could not be run.
+    #[error("cannot run {tool}: {source}")]
+    Spawn {
+        /// `gzip` or `tar`.
+        tool: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Its output could not be read.
+    #[error("cannot read {what}: {source}")]
+    Read {
+        /// Whose output.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It could not be waited for.
+    #[error("{tool}: {source}")]
+    Wait {
+        /// `gzip` or `tar`.
+        tool: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The tar stream is larger than allowed.
+    #[error("it unpacks to more than {} MiB", .max >> 20)]
+    TooLarge {
+        /// The limit (bytes).
+        max: u64,
+    },
+    /// It has more members than allowed.
+    #[error("it has more than {max} entries")]
+    TooManyEntries {
+        /// The limit.
+        max: u64,
+    },
+    /// A member's path is longer than allowed.
+    #[error("it has a path longer than {max} bytes")]
+    NameTooLong {
+        /// The limit (bytes).
+        max: usize,
+    },
+    /// A member's path is deeper than allowed.
+    #[error("it has a path deeper than {max} directories")]
+    TooDeep {
+        /// The limit (components).
+        max: usize,
+    },
+    /// gzip refused it.
+    #[error("not a gzip file: {stderr}")]
+    NotGzip {
+        /// gzip's message.
+        stderr: String,
+    },
+    /// tar could not unpack it.
+    #[error("{stderr}")]
+    Extract {
+        /// tar's message.
+        stderr: String,
+    },
+    /// tar refused it.
+    #[error("not a tarball: {stderr}")]
+    NotTar {
+        /// tar's message.
+        stderr: String,
+    },
+}
+
+fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).trim().to_owned()
+}
+
 /// The size of the tar stream in gzip file `tgz` (`gzip -dc`, counted as
 /// it comes), or why it is refused: more than `max` bytes, or not gzip.
-pub(super) fn unpacked_size(tgz: &Path, max: u64) -> Result<u64, String> {
+pub(super) fn unpacked_size(tgz: &Path, max: u64) -> Result<u64, UnpackError> {
     let mut child = Command::new("gzip")
         .arg("-dc")
         .arg(tgz)
@@ -20,7 +98,10 @@ pub(super) fn unpacked_size(tgz: &Path, max: u64) -> Result<u64, String> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run gzip: {e}"))?;
+        .map_err(|source| UnpackError::Spawn {
+            tool: "gzip",
+            source,
+        })?;
     let mut out = child.stdout.take().expect("piped");
     let mut buf = vec![0u8; 1 << 16];
     let mut total: u64 = 0;
@@ -31,24 +112,31 @@ pub(super) fn unpacked_size(tgz: &Path, max: u64) -> Result<u64, String> {
             Err(e) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("cannot read gzip's output: {e}"));
+                return Err(UnpackError::Read {
+                    what: "gzip's output",
+                    source: e,
+                });
             }
         };
         total += n as u64;
         if total > max {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!("it unpacks to more than {} MiB", max >> 20));
+            return Err(UnpackError::TooLarge { max });
         }
     }
-    let done = child.wait_with_output().map_err(|e| format!("gzip: {e}"))?;
+    let done = child
+        .wait_with_output()
+        .map_err(|source| UnpackError::Wait {
+            tool: "gzip",
+            source,
+        })?;
     if done.status.success() {
         Ok(total)
     } else {
-        Err(format!(
-            "not a gzip file: {}",
-            String::from_utf8_lossy(&done.stderr).trim()
-        ))
+        Err(UnpackError::NotGzip {
+            stderr: stderr_of(&done),
+        })
     }
 }
 
@@ -60,7 +148,7 @@ pub(super) fn check_members(
     max_entries: u64,
     max_depth: usize,
     max_name: usize,
-) -> Result<u64, String> {
+) -> Result<u64, UnpackError> {
     let mut child = Command::new("tar")
         // One line per member: a newline in a name is written `\n`.
         .args(["--quoting-style=escape", "-tzf"])
@@ -69,7 +157,10 @@ pub(super) fn check_members(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run tar: {e}"))?;
+        .map_err(|source| UnpackError::Spawn {
+            tool: "tar",
+            source,
+        })?;
     let mut out = child.stdout.take().expect("piped");
     let mut buf = vec![0u8; 1 << 16];
     let (mut entries, mut len, mut depth, mut at_start) = (0u64, 0usize, 0usize, true);
@@ -78,13 +169,18 @@ pub(super) fn check_members(
             Ok(0) => break None,
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => break Some(format!("cannot read tar's listing: {e}")),
+            Err(source) => {
+                break Some(UnpackError::Read {
+                    what: "tar's listing",
+                    source,
+                });
+            }
         };
         for &b in &buf[..n] {
             if b == b'\n' {
                 entries += 1;
                 if entries > max_entries {
-                    break 'read Some(format!("it has more than {max_entries} entries"));
+                    break 'read Some(UnpackError::TooManyEntries { max: max_entries });
                 }
                 (len, depth, at_start) = (0, 0, true);
                 continue;
@@ -97,10 +193,10 @@ pub(super) fn check_members(
                 at_start = false;
             }
             if len > max_name {
-                break 'read Some(format!("it has a path longer than {max_name} bytes"));
+                break 'read Some(UnpackError::NameTooLong { max: max_name });
             }
             if depth > max_depth {
-                break 'read Some(format!("it has a path deeper than {max_depth} directories"));
+                break 'read Some(UnpackError::TooDeep { max: max_depth });
             }
         }
     };
@@ -108,14 +204,18 @@ pub(super) fn check_members(
     if refused.is_some() {
         let _ = child.kill();
     }
-    let done = child.wait_with_output().map_err(|e| format!("tar: {e}"))?;
+    let done = child
+        .wait_with_output()
+        .map_err(|source| UnpackError::Wait {
+            tool: "tar",
+            source,
+        })?;
     match refused {
         Some(why) => Err(why),
         None if done.status.success() => Ok(entries),
-        None => Err(format!(
-            "not a tarball: {}",
-            String::from_utf8_lossy(&done.stderr).trim()
-        )),
+        None => Err(UnpackError::NotTar {
+            stderr: stderr_of(&done),
+        }),
     }
 }
 
