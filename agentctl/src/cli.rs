@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use keystone_agent_api::{BackendKind, Egress, Network, SyncMode};
+use keystone_agent_api::{Agent, BackendKind, Egress, Network, SyncMode};
 
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
 /// work on a clone of your repository.
@@ -223,6 +223,11 @@ pub enum Command {
         /// Backend: local (namespaces), vm (a QEMU microVM agentd boots) or microvm (a NixOS microvm.nix unit). Default: agentd's configured default.
         #[arg(long, value_parser = str::parse::<BackendKind>)]
         backend: Option<BackendKind>,
+        /// The agent a new session starts in its first pane, beside a shell
+        /// (`agentctl attach` without --agent): claude, codex or gemini.
+        /// Default: agentd's configured default (none: a shell only).
+        #[arg(long, value_name = "AGENT", value_parser = str::parse::<Agent>)]
+        default_agent: Option<Agent>,
         /// The git repository (its top-level directory).
         project_path: PathBuf,
     },
@@ -330,10 +335,13 @@ agentctl cp --links myproject:/workspace/site ./site   # keep links that stay in
         #[arg(long, short = 'n', value_name = "N", default_value_t = 20)]
         limit: u32,
     },
-    /// Change a sandbox's settings that apply at once.
+    /// Change a sandbox's settings: the sync mode at once, the default
+    /// agent for the next new session.
     #[command(
         after_help = "Examples:\n  agentctl set myproject --sync-mode auto-commit\n  \
-agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60"
+agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60\n  \
+agentctl set myproject --default-agent claude   # new sessions start Claude Code\n  \
+agentctl set myproject --default-agent none"
     )]
     Set {
         /// Sandbox name.
@@ -345,6 +353,10 @@ agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60"
         /// Quiet seconds before an auto-idle snapshot.
         #[arg(long, value_name = "S")]
         sync_idle_seconds: Option<u32>,
+        /// The agent a new session starts beside its shell: claude, codex,
+        /// gemini, or none.
+        #[arg(long, value_name = "AGENT", value_parser = agent_or_none)]
+        default_agent: Option<AgentOrNone>,
     },
     /// Worktrees: one per branch at /workspace/.worktrees/BRANCH, so several
     /// agents can work on one repository side by side.
@@ -474,4 +486,16 @@ agentctl exec -t myproject -b feature-x -- bash   # an interactive shell in a wo
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<String>,
     },
+}
+
+/// `agentctl set --default-agent`: an agent, or none.
+#[derive(Debug, Clone, Copy)]
+pub struct AgentOrNone(pub Option<Agent>);
+
+/// `none` or an agent's name.
+fn agent_or_none(s: &str) -> Result<AgentOrNone, String> {
+    match s {
+        "none" => Ok(AgentOrNone(None)),
+        _ => s.parse().map(|a| AgentOrNone(Some(a))),
+    }
 }

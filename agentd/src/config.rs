@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use keystone_agent_api::types::Ports;
-use keystone_agent_api::{BackendKind, Egress, Network, SandboxConfig, SyncMode};
+use keystone_agent_api::{Agent, BackendKind, Egress, Network, SandboxConfig, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::validate;
@@ -332,6 +332,9 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.persist`.
     #[serde(default)]
     pub persist: Option<bool>,
+    /// Override of `defaults.default_agent`.
+    #[serde(default)]
+    pub default_agent: Option<Agent>,
 }
 
 impl DeclaredSandbox {
@@ -353,6 +356,7 @@ impl DeclaredSandbox {
             sync_idle_seconds: self.sync_idle_seconds.unwrap_or(d.sync_idle_seconds),
             env_files: self.env_files.clone().unwrap_or(d.env_files),
             persist: self.persist.unwrap_or(d.persist),
+            default_agent: self.default_agent.or(d.default_agent),
         }
     }
 }

@@ -14,7 +14,6 @@
 //! binary that npm publishes as `node-linux-<arch>`. Nothing of the
 //! packages runs on the host: no install scripts, no `npm`.
 
-use std::fmt;
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -33,38 +32,7 @@ use fetch::{curl, read_metadata, sha512_base64};
 pub use unpack::UnpackError;
 use unpack::{check_members, normalize, remove_tree, unpacked_size};
 
-/// An agent CLI of the toolbox.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Agent {
-    /// Claude Code (`claude`).
-    Claude,
-    /// Codex (`codex`).
-    Codex,
-    /// Gemini CLI (`gemini`).
-    Gemini,
-}
-
-impl Agent {
-    /// Every agent, in the order they are shown.
-    pub const ALL: [Self; 3] = [Self::Claude, Self::Codex, Self::Gemini];
-
-    /// The command's name.
-    #[must_use]
-    pub fn command(self) -> &'static str {
-        match self {
-            Self::Claude => "claude",
-            Self::Codex => "codex",
-            Self::Gemini => "gemini",
-        }
-    }
-}
-
-impl fmt::Display for Agent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.command())
-    }
-}
+pub use keystone_agent_api::Agent;
 
 /// The pinned versions (npm versions of each agent's package, and of Node).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -430,8 +398,8 @@ impl Toolbox {
     /// Write the launchers into `bin` (agentd's `/run/keystone/bin`): one
     /// per configured agent, and none for the others.
     pub fn write_launchers(&self, bin: &Path) -> Result<(), InstallError> {
-        for agent in Agent::ALL {
-            let path = bin.join(agent.command());
+        for &agent in Agent::ALL {
+            let path = bin.join(agent.as_str());
             if !self.config.agents.contains(&agent) {
                 match fs::remove_file(&path) {
                     Ok(()) => {}

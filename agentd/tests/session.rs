@@ -372,6 +372,30 @@ fn attach_with_an_agent_runs_it_in_the_first_pane_and_attaching_again_rejoins_it
         err.contains("agent 'sh -c id' is not one of: claude, codex, gemini"),
         "{err}"
     );
+
+    // A sandbox that names a default agent: a new session starts it
+    // without --agent.
+    let err = env.fails(4, &["set", "agt", "--default-agent", "sh"]);
+    assert!(err.contains("claude, codex, gemini"), "{err}");
+    env.ok(&["set", "agt", "--default-agent", "claude"]);
+    let status = env.ok(&["status", "agt"]);
+    assert!(status.contains("start claude beside a shell"), "{status}");
+    t.line("clear");
+    t.line(&format!(
+        "{}; echo default-exit=$?",
+        ctl_line(&env, "attach agt feature")
+    ));
+    t.wait_screen("the default agent's first screen", LONG, |s| {
+        s.contains("STUB-AGENT-FIRST-SCREEN in /workspace/.worktrees/feature")
+    });
+    t.keys(&["C-o"]);
+    t.keys(&["d"]);
+    t.wait_screen("agentctl to exit", LONG, |s| s.contains("default-exit=0"));
+    // And `none` takes it away again.
+    env.ok(&["set", "agt", "--default-agent", "none"]);
+    let status = env.ok(&["status", "agt", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert_eq!(v["config"]["default_agent"], serde_json::Value::Null, "{v}");
 }
 
 #[test]

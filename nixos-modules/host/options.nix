@@ -153,6 +153,21 @@ let
         tmpfs. The workspace is kept either way. agentd: `persist`.
       '';
     };
+    defaultAgent = {
+      type = types.nullOr (
+        types.enum [
+          "claude"
+          "codex"
+          "gemini"
+        ]
+      );
+      example = "claude";
+      description = ''
+        The agent a new Zellij session starts in its first pane, beside a
+        shell (`agentctl attach` without `--agent`); `null`: a shell only.
+        agentd: `default_agent`.
+      '';
+    };
   };
 
   defaultOption =

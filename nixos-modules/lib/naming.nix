@@ -119,6 +119,7 @@ let
       syncIdleSeconds = 30;
       envFiles = [ ".env*" ];
       persist = true;
+      defaultAgent = null;
     };
     microvm = {
       shareProto = "virtiofs";
@@ -173,6 +174,7 @@ let
       syncIdleSeconds = null;
       envFiles = null;
       persist = null;
+      defaultAgent = null;
     };
   };
 
@@ -191,6 +193,7 @@ let
     syncIdleSeconds = "sync_idle_seconds";
     envFiles = "env_files";
     persist = "persist";
+    defaultAgent = "default_agent";
   };
 
   # Fill in the defaults of a (possibly partial) keystone.agent attrset. The
@@ -392,10 +395,11 @@ let
 
   # --- agentd's JSON configuration -------------------------------------------
 
+  # (A null default, as defaultAgent's, is left out: agentd's is none.)
   renderSettings = s: listToAttrs (map (key: {
     name = settingFields.${key};
     value = s.${key};
-  }) (attrNames settingFields));
+  }) (filter (key: s.${key} != null) (attrNames settingFields)));
 
   renderSandbox =
     s:

@@ -20,6 +20,7 @@ pub(super) async fn run(
             allow,
             sync_mode,
             backend,
+            default_agent,
             project_path,
         } => {
             let abs = std::path::absolute(&project_path).map_err(|e| {
@@ -39,6 +40,7 @@ pub(super) async fn run(
                 egress_allow: (!allow.is_empty()).then_some(allow),
                 sync_mode,
                 backend,
+                default_agent,
             };
             // Show the workspace being prepared while the call runs.
             let mut progress = manager
@@ -184,11 +186,13 @@ pub(super) async fn run(
             name,
             sync_mode,
             sync_idle_seconds,
+            default_agent,
         } => {
             let sb = lookup(conn, manager, &name).await?;
             let settings = ConfigureOptions {
                 sync_mode,
                 sync_idle_seconds,
+                default_agent: default_agent.map(|a| a.0),
             };
             if settings == ConfigureOptions::default() {
                 return Err(Failure::new(

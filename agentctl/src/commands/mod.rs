@@ -109,6 +109,9 @@ fn print_status(v: &serde_json::Value) {
     if !s("agents").is_empty() {
         crate::outln!("Agents:     {}", s("agents"));
     }
+    if let Some(a) = c["default_agent"].as_str() {
+        crate::outln!("Sessions:   start {a} beside a shell");
+    }
     crate::outln!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
     if let Some(at) = v["last_sync_at"].as_str() {
         crate::outln!("Last sync:  {at} ({})", s("last_sync_result"));

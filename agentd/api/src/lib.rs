@@ -18,6 +18,6 @@ pub use names::{
 };
 pub use proxy::{ManagerProxy, SandboxProxy, SecretsProxy};
 pub use types::{
-    BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network, RouteInfo, SandboxConfig,
-    SandboxState, SandboxSummary, SessionInfo, SyncMode, SyncReport, WorktreeInfo,
+    Agent, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network, RouteInfo,
+    SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SyncMode, SyncReport, WorktreeInfo,
 };

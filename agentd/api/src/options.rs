@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use zvariant::{OwnedValue, Value};
 
-use crate::types::{BackendKind, Egress, Network, SyncMode};
+use crate::types::{Agent, BackendKind, Egress, Network, SyncMode};
 
 /// An options dictionary as agentd receives it.
 pub type Dict = HashMap<String, OwnedValue>;
@@ -88,6 +88,14 @@ impl<'a> Reader<'a> {
             .ok()
     }
 
+    /// `key` as an agent, or `""` for none.
+    pub fn agent_or_none(&mut self, key: &str) -> Option<Option<Agent>> {
+        match self.string(key)?.as_str() {
+            "" => Some(None),
+            _ => self.parsed(key).map(Some),
+        }
+    }
+
     /// Done: `value`, or every problem, unknown keys (any not in `known`)
     /// among them.
     ///
@@ -144,6 +152,8 @@ pub struct CreateOptions {
     pub sync_mode: Option<SyncMode>,
     /// Backend.
     pub backend: Option<BackendKind>,
+    /// The agent a new session starts beside its shell.
+    pub default_agent: Option<Agent>,
 }
 
 impl CreateOptions {
@@ -159,6 +169,7 @@ impl CreateOptions {
         "egress_allow",
         "sync_mode",
         "backend",
+        "default_agent",
     ];
 
     /// Read `dict`.
@@ -178,6 +189,7 @@ impl CreateOptions {
             egress_allow: r.strings("egress_allow"),
             sync_mode: r.parsed("sync_mode"),
             backend: r.parsed("backend"),
+            default_agent: r.parsed("default_agent"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -196,6 +208,11 @@ impl CreateOptions {
         put(&mut d, "egress_allow", self.egress_allow.clone());
         put(&mut d, "sync_mode", self.sync_mode.map(|v| v.as_str()));
         put(&mut d, "backend", self.backend.map(|v| v.as_str()));
+        put(
+            &mut d,
+            "default_agent",
+            self.default_agent.map(|v| v.as_str()),
+        );
         d
     }
 }
@@ -392,11 +409,14 @@ pub struct ConfigureOptions {
     pub sync_mode: Option<SyncMode>,
     /// Quiet seconds before an `auto-idle` snapshot.
     pub sync_idle_seconds: Option<u32>,
+    /// The agent a new session starts beside its shell; `Some(None)` (`""`
+    /// on the bus) for none.
+    pub default_agent: Option<Option<Agent>>,
 }
 
 impl ConfigureOptions {
     /// The keys it knows.
-    pub const KEYS: &'static [&'static str] = &["sync_mode", "sync_idle_seconds"];
+    pub const KEYS: &'static [&'static str] = &["sync_mode", "sync_idle_seconds", "default_agent"];
 
     /// Read `dict`.
     ///
@@ -407,6 +427,7 @@ impl ConfigureOptions {
         let o = Self {
             sync_mode: r.parsed("sync_mode"),
             sync_idle_seconds: r.u32("sync_idle_seconds"),
+            default_agent: r.agent_or_none("default_agent"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -417,6 +438,11 @@ impl ConfigureOptions {
         let mut d = OutDict::new();
         put(&mut d, "sync_mode", self.sync_mode.map(|v| v.as_str()));
         put(&mut d, "sync_idle_seconds", self.sync_idle_seconds);
+        put(
+            &mut d,
+            "default_agent",
+            self.default_agent.map(|a| a.map_or("", Agent::as_str)),
+        );
         d
     }
 }
@@ -450,6 +476,7 @@ mod tests {
             egress_allow: Some(vec!["example.com".into()]),
             sync_mode: Some(SyncMode::AutoCommit),
             backend: Some(BackendKind::Vm),
+            default_agent: Some(Agent::Codex),
         };
         assert_eq!(
             CreateOptions::from_dict(&wire(&create.to_dict())),
@@ -483,14 +510,17 @@ mod tests {
             ExecOptions::from_dict(&both).is_err(),
             "rows is no exec option"
         );
-        let conf = ConfigureOptions {
-            sync_mode: Some(SyncMode::Manual),
-            sync_idle_seconds: Some(9),
-        };
-        assert_eq!(
-            ConfigureOptions::from_dict(&wire(&conf.to_dict())),
-            Ok(conf)
-        );
+        for default_agent in [None, Some(None), Some(Some(Agent::Gemini))] {
+            let conf = ConfigureOptions {
+                sync_mode: Some(SyncMode::Manual),
+                sync_idle_seconds: Some(9),
+                default_agent,
+            };
+            assert_eq!(
+                ConfigureOptions::from_dict(&wire(&conf.to_dict())),
+                Ok(conf)
+            );
+        }
     }
 
     #[test]

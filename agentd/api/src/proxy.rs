@@ -100,8 +100,8 @@ pub trait Sandbox {
     /// has uncommitted changes unless `force`.
     fn remove_worktree(&self, branch: &str, force: bool) -> Result<(), Error>;
 
-    /// Change settings that apply at once: `sync_mode` (s) and
-    /// `sync_idle_seconds` (u).
+    /// Change settings: `sync_mode` (s) and `sync_idle_seconds` (u) at
+    /// once, `default_agent` (s, "" for none) for the next new session.
     fn configure(&self, settings: HashMap<&str, Value<'_>>) -> Result<(), Error>;
 
     /// The last `limit` entries (0 = all) of the sandbox's history, oldest first.

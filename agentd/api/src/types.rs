@@ -161,6 +161,18 @@ string_enum! {
 }
 
 string_enum! {
+    /// An agent CLI of the toolbox.
+    Agent {
+        /// Claude Code (`claude`).
+        Claude => "claude",
+        /// Codex (`codex`).
+        Codex => "codex",
+        /// Gemini CLI (`gemini`).
+        Gemini => "gemini",
+    }
+}
+
+string_enum! {
     /// What runs a sandbox.
     BackendKind {
         /// Linux namespaces on this host (any Linux; not a security boundary
@@ -174,8 +186,10 @@ string_enum! {
     }
 }
 
-/// Resource and behaviour settings of a sandbox, with the documented defaults.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+/// Resource and behaviour settings of a sandbox, with the documented
+/// defaults. It crosses the bus as JSON text (the `Config` property), so a
+/// new setting never changes a signature.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct SandboxConfig {
     /// RAM in MiB (at least 256). Also bounds the sandbox's tmpfs file
@@ -208,6 +222,10 @@ pub struct SandboxConfig {
     pub env_files: Vec<String>,
     /// Keep the sandbox's home and workspace between starts.
     pub persist: bool,
+    /// The agent a new session starts in its first pane, beside a shell
+    /// (none: a shell only; then left out of the JSON).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_agent: Option<Agent>,
 }
 
 impl Default for SandboxConfig {
@@ -226,6 +244,7 @@ impl Default for SandboxConfig {
             sync_idle_seconds: 30,
             env_files: vec![".env*".to_owned()],
             persist: true,
+            default_agent: None,
         }
     }
 }

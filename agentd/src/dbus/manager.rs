@@ -41,7 +41,7 @@ fn parse_options(options: &HashMap<String, OwnedValue>) -> Result<CreateOptions,
 impl ManagerObject {
     /// Create a sandbox from the git repository at `project_path` (absolute).
     /// `options`: name (s), memory (u), vcpus (u), disk (u), pids (u),
-    /// network (s), egress (s), egress_allow (as), sync_mode (s), backend (s). Returns the new sandbox's object path and notices for
+    /// network (s), egress (s), egress_allow (as), sync_mode (s), backend (s), default_agent (s). Returns the new sandbox's object path and notices for
     /// the person (uncommitted changes not carried in, env files copied or
     /// skipped, submodules not cloned).
     #[zbus(out_args("path", "notices"))]

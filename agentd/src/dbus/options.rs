@@ -75,13 +75,15 @@ pub(super) fn attach_options(
     let agent = match o.agent.as_deref() {
         None => None,
         Some(a) => {
-            let found = crate::toolbox::Agent::ALL
-                .into_iter()
-                .find(|x| x.command() == a);
+            let found = a.parse::<crate::toolbox::Agent>().ok();
             if found.is_none() {
                 problems.push(format!(
                     "agent '{a}' is not one of: {}",
-                    crate::toolbox::Agent::ALL.map(|x| x.command()).join(", ")
+                    crate::toolbox::Agent::ALL
+                        .iter()
+                        .map(|x| x.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ));
             }
             found

@@ -202,8 +202,9 @@ impl SandboxObject {
             .map_err(to_dbus)
     }
 
-    /// Change settings that apply at once: `sync_mode` (s: manual,
-    /// auto-commit, auto-idle) and `sync_idle_seconds` (u).
+    /// Change settings: `sync_mode` (s: manual, auto-commit, auto-idle) and
+    /// `sync_idle_seconds` (u) at once, `default_agent` (s: claude, codex,
+    /// gemini, or "" for none) for the next new session.
     async fn configure(
         &self,
         settings: HashMap<String, OwnedValue>,
@@ -215,7 +216,7 @@ impl SandboxObject {
         let o = configure_options(&settings)?;
         let manager = Arc::clone(&self.manager);
         manager
-            .configure(caller, &self.name, o.sync_mode, o.sync_idle_seconds)
+            .configure(caller, &self.name, &o)
             .await
             .map(|_| ())
             .map_err(to_dbus)

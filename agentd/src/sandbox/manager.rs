@@ -66,7 +66,7 @@ pub struct ExecCall {
     pub record_as: Option<(String, String)>,
 }
 
-pub use keystone_agent_api::options::{CreateOptions, SyncOptions};
+pub use keystone_agent_api::options::{ConfigureOptions, CreateOptions, SyncOptions};
 
 /// Settings the manager takes from the daemon configuration.
 #[derive(Debug, Clone)]
@@ -287,26 +287,29 @@ impl Manager {
         self.store.transition(name, event, f)
     }
 
-    /// Change settings that apply at once (sync mode and idle time).
+    /// Change settings that apply at once (sync mode and idle time) or at
+    /// the next new session (the default agent).
     pub async fn configure(
         self: &Arc<Self>,
         caller: Caller,
         name: &str,
-        sync_mode: Option<SyncMode>,
-        sync_idle_seconds: Option<u32>,
+        o: &ConfigureOptions,
     ) -> Result<Sandbox> {
         self.get(caller, name)?;
-        if sync_idle_seconds == Some(0) {
+        if o.sync_idle_seconds == Some(0) {
             return Err(Error::Invalid(vec![
                 "sync_idle_seconds must be at least 1".to_owned(),
             ]));
         }
         let sb = self.update(name, |s| {
-            if let Some(m) = sync_mode {
+            if let Some(m) = o.sync_mode {
                 s.config.sync_mode = m;
             }
-            if let Some(i) = sync_idle_seconds {
+            if let Some(i) = o.sync_idle_seconds {
                 s.config.sync_idle_seconds = i;
+            }
+            if let Some(a) = o.default_agent {
+                s.config.default_agent = a;
             }
         })?;
         self.store.registry().save_config(&sb)?;

@@ -54,6 +54,7 @@ impl Manager {
             egress: opts.egress.unwrap_or(d.egress),
             egress_allow: opts.egress_allow.unwrap_or_else(|| d.egress_allow.clone()),
             sync_mode: opts.sync_mode.unwrap_or(d.sync_mode),
+            default_agent: opts.default_agent.or(d.default_agent),
             ..d.clone()
         };
         validate::check_config(&config, &mut problems);

@@ -277,6 +277,9 @@ impl Manager {
             }
         };
         let session = session_name(name, &branch);
+        // A new session's first pane: the agent asked for, else the
+        // sandbox's default one (an existing session is rejoined as it is).
+        let agent = agent.or(sb.config.default_agent);
         let req = ExecRequest {
             argv: vec![
                 "/bin/sh".into(),
@@ -284,7 +287,7 @@ impl Manager {
                 ATTACH_SCRIPT.into(),
                 "keystone-attach".into(),
                 session.clone(),
-                agent.map(|a| a.command().to_owned()).unwrap_or_default(),
+                agent.map(|a| a.as_str().to_owned()).unwrap_or_default(),
             ],
             env: BTreeMap::from([("TERM".to_owned(), tty.term())]),
             cwd,
