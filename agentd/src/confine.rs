@@ -22,7 +22,8 @@ use nix::sched::{CloneFlags, unshare};
 use nix::unistd::{Gid, Uid};
 use serde::{Deserialize, Serialize};
 
-use crate::fsutil::{move_mount_to, open_tree_clone};
+use crate::fsutil::{MountError, move_mount_to, open_tree_clone};
+use crate::subid::SubidError;
 
 /// Environment variable carrying the confinement (JSON).
 pub const CONFINE_ENV: &str = "KEYSTONE_CONFINE";
@@ -46,8 +47,84 @@ pub struct Confinement {
     pub also_map: Option<(u32, u32)>,
 }
 
+/// Why a helper could not be confined. Its text is what the helper prints
+/// after "cannot confine the helper: ".
+#[derive(Debug, thiserror::Error)]
+pub enum ConfineError {
+    /// [`CONFINE_ENV`] holds no [`Confinement`].
+    #[error("{source}")]
+    Spec {
+        /// Why it does not parse.
+        #[from]
+        source: serde_json::Error,
+    },
+    /// A system call failed.
+    #[error("{what}: {source}")]
+    Sys {
+        /// What the call was for.
+        what: &'static str,
+        /// What it said.
+        #[source]
+        source: nix::Error,
+    },
+    /// The helper's namespaces with subordinate ids could not be made.
+    #[error("{source}")]
+    Subid {
+        /// Why.
+        #[from]
+        source: SubidError,
+    },
+    /// A file of `/proc/self` that sets up the user namespace.
+    #[error("{file}: {source}")]
+    IdMap {
+        /// `setgroups`, `uid_map` or `gid_map`.
+        file: &'static str,
+        /// Why it could not be written.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A kept directory could not be cloned or attached.
+    #[error("{source}")]
+    Mount {
+        /// Why.
+        #[from]
+        source: MountError,
+    },
+    /// A kept directory's mount point could not be made.
+    #[error("mkdir {}: {source}", path.display())]
+    Mkdir {
+        /// The mount point.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Changing into the new root, or to `/` once in it, failed.
+    #[error("{source}")]
+    Chdir {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The capabilities could not be given up.
+    #[error("cannot drop capabilities: {source}")]
+    Caps {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn sys(what: &'static str) -> impl FnOnce(nix::Error) -> ConfineError {
+    move |source| ConfineError::Sys { what, source }
+}
+
+fn id_map(file: &'static str) -> impl FnOnce(std::io::Error) -> ConfineError {
+    move |source| ConfineError::IdMap { file, source }
+}
+
 /// Enter the confinement. Call in a fresh, single-threaded helper process.
-pub fn apply(c: &Confinement) -> Result<(), String> {
+pub fn apply(c: &Confinement) -> Result<(), ConfineError> {
     let root = Uid::effective().is_root();
     let (uid, gid) = (Uid::effective(), Gid::effective());
     // A helper of an unprivileged agentd that becomes a sandbox's
@@ -64,17 +141,17 @@ pub fn apply(c: &Confinement) -> Result<(), String> {
     // that the sandbox's files subvert must not reach the host's services.
     let private = CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWNET;
     if root {
-        unshare(private).map_err(|e| format!("unshare: {e}"))?;
+        unshare(private).map_err(sys("unshare"))?;
     } else if let Some(ids) = other {
-        crate::subid::enter(ids).map_err(|e| e.to_string())?;
-        unshare(private).map_err(|e| format!("unshare: {e}"))?;
+        crate::subid::enter(ids)?;
+        unshare(private).map_err(sys("unshare"))?;
     } else {
-        unshare(CloneFlags::CLONE_NEWUSER | private).map_err(|e| format!("unshare: {e}"))?;
-        std::fs::write("/proc/self/setgroups", "deny").map_err(|e| format!("setgroups: {e}"))?;
+        unshare(CloneFlags::CLONE_NEWUSER | private).map_err(sys("unshare"))?;
+        std::fs::write("/proc/self/setgroups", "deny").map_err(id_map("setgroups"))?;
         std::fs::write("/proc/self/uid_map", format!("{uid} {uid} 1\n"))
-            .map_err(|e| format!("uid_map: {e}"))?;
+            .map_err(id_map("uid_map"))?;
         std::fs::write("/proc/self/gid_map", format!("{gid} {gid} 1\n"))
-            .map_err(|e| format!("gid_map: {e}"))?;
+            .map_err(id_map("gid_map"))?;
     }
     mount(
         None::<&str>,
@@ -83,7 +160,7 @@ pub fn apply(c: &Confinement) -> Result<(), String> {
         MsFlags::MS_REC | MsFlags::MS_PRIVATE,
         None::<&str>,
     )
-    .map_err(|e| format!("make / private: {e}"))?;
+    .map_err(sys("make / private"))?;
     // Detached copies of the kept directories, taken while they are visible.
     let trees = c
         .keep
@@ -98,31 +175,63 @@ pub fn apply(c: &Confinement) -> Result<(), String> {
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
         Some("mode=0755"),
     )
-    .map_err(|e| format!("mount the new root: {e}"))?;
+    .map_err(sys("mount the new root"))?;
     for (path, tree) in &trees {
         let target = base.join(path.strip_prefix("/").unwrap_or(path));
-        std::fs::create_dir_all(&target).map_err(|e| format!("mkdir {}: {e}", target.display()))?;
+        std::fs::create_dir_all(&target).map_err(|source| ConfineError::Mkdir {
+            path: target.clone(),
+            source,
+        })?;
         move_mount_to(tree, &target)?;
     }
-    std::env::set_current_dir(base).map_err(|e| e.to_string())?;
-    nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
-    umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
-    std::env::set_current_dir("/").map_err(|e| e.to_string())?;
+    std::env::set_current_dir(base).map_err(|source| ConfineError::Chdir { source })?;
+    nix::unistd::pivot_root(".", ".").map_err(sys("pivot_root"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(sys("detach the old root"))?;
+    std::env::set_current_dir("/").map_err(|source| ConfineError::Chdir { source })?;
     if c.also_map.is_some() && !becomes {
         // The tree helper: it needs its capabilities over both ids' files.
         return Ok(());
     }
-    crate::caps::drop_bounding().map_err(|e| format!("cannot drop capabilities: {e}"))?;
+    crate::caps::drop_bounding().map_err(|source| ConfineError::Caps { source })?;
     if root || becomes {
         let groups: Vec<Gid> = c.groups.iter().map(|g| Gid::from_raw(*g)).collect();
-        nix::unistd::setgroups(&groups).map_err(|e| format!("setgroups: {e}"))?;
+        nix::unistd::setgroups(&groups).map_err(sys("setgroups"))?;
         let gid = Gid::from_raw(c.gid);
-        nix::unistd::setresgid(gid, gid, gid).map_err(|e| format!("setresgid: {e}"))?;
+        nix::unistd::setresgid(gid, gid, gid).map_err(sys("setresgid"))?;
         let uid = Uid::from_raw(c.uid);
-        nix::unistd::setresuid(uid, uid, uid).map_err(|e| format!("setresuid: {e}"))?;
+        nix::unistd::setresuid(uid, uid, uid).map_err(sys("setresuid"))?;
     }
     // Changing from agentd's user to a subordinate id inside the helper's
     // namespace (where uid 0 is not mapped) keeps every capability there,
     // and with them the way back to agentd's user: give them up.
-    crate::caps::clear_own().map_err(|e| format!("cannot drop capabilities: {e}"))
+    crate::caps::clear_own().map_err(|source| ConfineError::Caps { source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sentences_are_the_ones_helpers_have_always_printed() {
+        let (e, io) = (nix::Error::EPERM, || std::io::Error::from_raw_os_error(1));
+        let cases = [
+            (sys("unshare")(e), format!("unshare: {e}")),
+            (id_map("uid_map")(io()), format!("uid_map: {}", io())),
+            (
+                ConfineError::Mkdir {
+                    path: "/tmp/a".into(),
+                    source: io(),
+                },
+                format!("mkdir /tmp/a: {}", io()),
+            ),
+            (ConfineError::Chdir { source: io() }, io().to_string()),
+            (
+                ConfineError::Caps { source: io() },
+                format!("cannot drop capabilities: {}", io()),
+            ),
+        ];
+        for (error, want) in cases {
+            assert_eq!(error.to_string(), want);
+        }
+    }
 }

@@ -325,10 +325,47 @@ pub fn read_json_lines<T: serde::de::DeserializeOwned>(path: &Path) -> std::io::
         .collect())
 }
 
+/// Why a mount tree could not be cloned or attached.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    /// The path holds a NUL byte.
+    #[error("{source}")]
+    Nul {
+        /// Where it is.
+        #[from]
+        source: std::ffi::NulError,
+    },
+    /// `open_tree` failed.
+    #[error("cannot open {}: {source}", path.display())]
+    Open {
+        /// The tree to clone.
+        path: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `open_tree` returned a descriptor that is no `int`.
+    #[error("{source}")]
+    Fd {
+        /// The conversion's error.
+        #[from]
+        source: std::num::TryFromIntError,
+    },
+    /// `move_mount` failed.
+    #[error("cannot mount on {}: {source}", target.display())]
+    Move {
+        /// Where the tree was to be attached.
+        target: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// A detached copy of the mount tree at `path` (`open_tree(OPEN_TREE_CLONE)`).
-pub fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
+pub fn open_tree_clone(path: &Path) -> Result<OwnedFd, MountError> {
     const OPEN_TREE_CLONE: nix::libc::c_uint = 1;
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let c = CString::new(path.as_os_str().as_encoded_bytes())?;
     // SAFETY: open_tree with a valid NUL-terminated path; returns a new fd.
     let fd = unsafe {
         nix::libc::syscall(
@@ -339,22 +376,23 @@ pub fn open_tree_clone(path: &Path) -> Result<OwnedFd, String> {
         )
     };
     if fd < 0 {
-        return Err(format!(
-            "cannot open {}: {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        ));
+        // errno first: the copy of the path allocates.
+        let source = std::io::Error::last_os_error();
+        return Err(MountError::Open {
+            path: path.to_owned(),
+            source,
+        });
     }
-    let fd = i32::try_from(fd).map_err(|e| e.to_string())?;
+    let fd = i32::try_from(fd)?;
     // SAFETY: the kernel returned a fresh descriptor that we now own.
     Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
 }
 
 /// Attach the detached mount `tree` at `target` (`move_mount`).
-pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), String> {
+pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), MountError> {
     const MOVE_MOUNT_F_EMPTY_PATH: nix::libc::c_uint = 0x4;
     let empty = CString::default();
-    let c = CString::new(target.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let c = CString::new(target.as_os_str().as_encoded_bytes())?;
     // SAFETY: move_mount from a detached mount fd to a valid path.
     let r = unsafe {
         nix::libc::syscall(
@@ -367,11 +405,12 @@ pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), String> {
         )
     };
     if r < 0 {
-        return Err(format!(
-            "cannot mount on {}: {}",
-            target.display(),
-            std::io::Error::last_os_error()
-        ));
+        // errno first: the copy of the path allocates.
+        let source = std::io::Error::last_os_error();
+        return Err(MountError::Move {
+            target: target.to_owned(),
+            source,
+        });
     }
     Ok(())
 }

@@ -311,7 +311,7 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
     let (_, f) = modes.iter().find(|(n, _)| n == name)?;
     if let Some(spec) = std::env::var_os(confine::CONFINE_ENV) {
         let applied = serde_json::from_str::<confine::Confinement>(&spec.to_string_lossy())
-            .map_err(|e| e.to_string())
+            .map_err(confine::ConfineError::from)
             .and_then(|c| confine::apply(&c));
         if let Err(e) = applied {
             eprintln!("cannot confine the helper: {e}");

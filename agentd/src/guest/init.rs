@@ -22,6 +22,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{ForkResult, Gid, Pid, Uid};
 use serde::{Deserialize, Serialize};
 
+use super::init_error::{InitError, sys};
 use crate::fsutil::{move_mount_to, open_tree_clone};
 
 /// Everything the supervisor needs, sent by agentd as JSON on stdin.
@@ -135,7 +136,9 @@ pub fn main() -> i32 {
     };
     match supervise(&spec) {
         Ok(code) => code,
-        Err(message) => report(&InitReport::Failed { message }),
+        Err(e) => report(&InitReport::Failed {
+            message: e.to_string(),
+        }),
     }
 }
 
@@ -165,34 +168,44 @@ struct Handles {
     agents: Option<Source>,
 }
 
-fn supervise(spec: &InitSpec) -> Result<i32, String> {
+fn supervise(spec: &InitSpec) -> Result<i32, InitError> {
     // Our own session: a Ctrl-C meant for a foreground agentd must not reach
     // the sandbox.
     let _ = nix::unistd::setsid();
     for cg in &spec.cgroups {
-        fs::write(cg.join("cgroup.procs"), std::process::id().to_string())
-            .map_err(|e| format!("cannot join cgroup {}: {e}", cg.display()))?;
+        fs::write(cg.join("cgroup.procs"), std::process::id().to_string()).map_err(|source| {
+            InitError::JoinCgroup {
+                path: cg.clone(),
+                source,
+            }
+        })?;
     }
     let _ = fs::remove_file(&spec.control_socket);
-    let listener = UnixListener::bind(&spec.control_socket).map_err(|e| {
-        format!(
-            "cannot bind control socket {}: {e}",
-            spec.control_socket.display()
-        )
-    })?;
-    fs::set_permissions(&spec.control_socket, fs::Permissions::from_mode(0o600))
-        .map_err(|e| format!("cannot restrict {}: {e}", spec.control_socket.display()))?;
-    let source = |p: &Path| -> Result<Source, String> {
+    let listener =
+        UnixListener::bind(&spec.control_socket).map_err(|source| InitError::BindControl {
+            path: spec.control_socket.clone(),
+            source,
+        })?;
+    fs::set_permissions(&spec.control_socket, fs::Permissions::from_mode(0o600)).map_err(
+        |source| InitError::Restrict {
+            path: spec.control_socket.clone(),
+            source,
+        },
+    )?;
+    let source = |p: &Path| -> Result<Source, InitError> {
         // Refuse a symlink planted in place of the directory.
         let fd = open(
             p,
             OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
             Mode::empty(),
         )
-        .map_err(|e| format!("cannot open {}: {e}", p.display()))?;
+        .map_err(|source| InitError::Open {
+            path: p.to_owned(),
+            source,
+        })?;
         drop(fd);
         if Uid::effective().is_root() {
-            open_tree_clone(p).map(Source::Tree)
+            Ok(Source::Tree(open_tree_clone(p)?))
         } else {
             Ok(Source::Path(p.to_owned()))
         }
@@ -208,7 +221,7 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
     };
 
     // Close-on-exec: nothing the sandbox runs may inherit the handshake.
-    let cloexec = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {e}"));
+    let cloexec = || nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(sys("pipe"));
     let (go_r, go_w) = cloexec()?;
     let (st_r, st_w) = cloexec()?;
 
@@ -223,7 +236,7 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
         let code = match init(spec, &listener, &handles, &go_r, &st_w) {
             Ok(never) => match never {},
             Err(msg) => {
-                let _ = nix::unistd::write(&st_w, msg.as_bytes());
+                let _ = nix::unistd::write(&st_w, msg.to_string().as_bytes());
                 1
             }
         };
@@ -234,7 +247,7 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
     // outlives the call because the child runs in a copy of this memory.
     let child =
         unsafe { nix::sched::clone(child_cb, &mut stack, flags, Some(Signal::SIGCHLD as i32)) }
-            .map_err(|e| format!("cannot create the sandbox namespaces: {e}"))?;
+            .map_err(|source| InitError::Namespaces { source })?;
     drop(go_r);
     drop(st_w);
     // The init still has agentd's ids and waits for the go below.
@@ -245,7 +258,7 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
         let _ = waitpid(child, None);
         return Err(e);
     }
-    nix::unistd::write(&go_w, b"g").map_err(|e| format!("cannot release the init: {e}"))?;
+    nix::unistd::write(&go_w, b"g").map_err(|source| InitError::Release { source })?;
     drop(go_w);
 
     let mut status = Vec::new();
@@ -254,9 +267,9 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
         let _ = waitpid(child, None);
         let msg = String::from_utf8_lossy(&status).into_owned();
         return Err(if msg.is_empty() {
-            "the sandbox init died during setup".to_owned()
+            InitError::Died
         } else {
-            msg
+            InitError::Setup { message: msg }
         });
     }
     report(&InitReport::Started {
@@ -273,16 +286,16 @@ fn supervise(spec: &InitSpec) -> Result<i32, String> {
             Ok(WaitStatus::Exited(_, code)) => return Ok(code),
             Ok(WaitStatus::Signaled(_, sig, _)) => return Ok(128 + sig as i32),
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-            Err(e) => return Err(format!("waiting for the init: {e}")),
+            Err(source) => return Err(InitError::Wait { source }),
         }
     }
 }
 
-fn write_id_maps(child: Pid, spec: &InitSpec) -> Result<(), String> {
+fn write_id_maps(child: Pid, spec: &InitSpec) -> Result<(), InitError> {
     let proc = PathBuf::from(format!("/proc/{child}"));
-    let w = |file: &str, data: String| {
-        fs::write(proc.join(file), &data)
-            .map_err(|e| format!("cannot write {file} ({data:?}): {e}"))
+    let w = |file: &'static str, data: String| match fs::write(proc.join(file), &data) {
+        Ok(()) => Ok(()),
+        Err(source) => Err(InitError::IdMap { file, data, source }),
     };
     let (uid, gid) = (Uid::effective().as_raw(), Gid::effective().as_raw());
     if Uid::effective().is_root() {
@@ -298,8 +311,7 @@ fn write_id_maps(child: Pid, spec: &InitSpec) -> Result<(), String> {
             child,
             &[(0, spec.uid, 1), (1, uid, 1)],
             &[(0, spec.gid, 1), (1, gid, 1)],
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
     } else {
         // Without privilege only our own ids can be mapped, and only after
         // giving up setgroups.
@@ -317,29 +329,33 @@ fn init(
     handles: &Handles,
     go: &OwnedFd,
     status: &OwnedFd,
-) -> Result<std::convert::Infallible, String> {
+) -> Result<std::convert::Infallible, InitError> {
     let mut b = [0u8; 1];
-    if nix::unistd::read(go, &mut b).map_err(|e| format!("handshake: {e}"))? != 1 {
-        return Err("the supervisor gave up before the id maps were written".into());
+    if nix::unistd::read(go, &mut b).map_err(sys("handshake"))? != 1 {
+        return Err(InitError::GaveUp);
     }
     nix::unistd::setresgid(Gid::from_raw(0), Gid::from_raw(0), Gid::from_raw(0))
-        .map_err(|e| format!("setresgid: {e}"))?;
+        .map_err(sys("setresgid"))?;
     // Drop the supplementary groups inherited from agentd (allowed when the
     // maps were written by a privileged supervisor or by newgidmap;
     // otherwise they are the owner's own groups already).
     let dropped = nix::unistd::setgroups(&[]);
     let denied = fs::read_to_string("/proc/self/setgroups").is_ok_and(|s| s.trim() == "deny");
     if !denied {
-        dropped.map_err(|e| format!("cannot drop agentd's groups: {e}"))?;
+        dropped.map_err(|source| InitError::DropGroups { source })?;
     }
     nix::unistd::setresuid(Uid::from_raw(0), Uid::from_raw(0), Uid::from_raw(0))
-        .map_err(|e| format!("setresuid: {e}"))?;
-    nix::unistd::sethostname(&spec.name).map_err(|e| format!("sethostname: {e}"))?;
+        .map_err(sys("setresuid"))?;
+    nix::unistd::sethostname(&spec.name).map_err(sys("sethostname"))?;
     // Paths become detached mounts now, before /tmp (where they may live) is
     // covered by the new root's tmpfs.
-    let tree = |src: &Source| match src {
-        Source::Path(p) => open_tree_clone(p).map(Source::Tree),
-        Source::Tree(fd) => fd.try_clone().map(Source::Tree).map_err(|e| e.to_string()),
+    let tree = |src: &Source| -> Result<Source, InitError> {
+        Ok(Source::Tree(match src {
+            Source::Path(p) => open_tree_clone(p)?,
+            Source::Tree(fd) => fd
+                .try_clone()
+                .map_err(|source| InitError::CloneTree { source })?,
+        }))
     };
     let handles = Handles {
         workspace: tree(&handles.workspace)?,
@@ -354,7 +370,7 @@ fn init(
     let gateway = if spec.gateway {
         Some(
             std::net::TcpListener::bind(crate::egress::GATEWAY_ADDR)
-                .map_err(|e| format!("gateway socket {}: {e}", crate::egress::GATEWAY_ADDR))?,
+                .map_err(|source| InitError::Gateway { source })?,
         )
     } else {
         None
@@ -371,12 +387,10 @@ fn init(
     ] {
         signals.add(s);
     }
-    signals
-        .thread_block()
-        .map_err(|e| format!("sigprocmask: {e}"))?;
+    signals.thread_block().map_err(sys("sigprocmask"))?;
 
     // SAFETY: PID 1 is single-threaded here.
-    match unsafe { nix::unistd::fork() }.map_err(|e| format!("fork: {e}"))? {
+    match unsafe { nix::unistd::fork() }.map_err(sys("fork"))? {
         ForkResult::Child => {
             // The handshake pipes belong to the init: the supervisor waits
             // for their end.
@@ -387,7 +401,7 @@ fn init(
         }
         ForkResult::Parent { .. } => drop(gateway),
     }
-    nix::unistd::write(status, b"ok").map_err(|e| format!("report: {e}"))?;
+    nix::unistd::write(status, b"ok").map_err(sys("report"))?;
     let _ = nix::unistd::close(status.as_raw_fd());
     reap_forever(&signals, Duration::from_millis(spec.stop_grace_ms))
 }
@@ -399,13 +413,13 @@ fn init(
 /// (`mount -o remount,bind,rw /usr` fails), which is what runc and
 /// bubblewrap rely on too. Root inside stays root inside (uid 0 of the new
 /// namespace is uid 0 of the one below, which is the sandbox's host uid).
-fn lock_mounts() -> Result<(), String> {
+fn lock_mounts() -> Result<(), InitError> {
     use nix::sys::prctl;
     nix::sched::unshare(CloneFlags::CLONE_NEWUSER | CloneFlags::CLONE_NEWNS)
-        .map_err(|e| format!("cannot nest the namespaces that lock the mounts: {e}"))?;
+        .map_err(|source| InitError::Nest { source })?;
     // The uid change of the setup made this process non-dumpable, which
     // gives its /proc files to root; it must own them to write its maps.
-    prctl::set_dumpable(true).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    prctl::set_dumpable(true).map_err(sys("prctl(PR_SET_DUMPABLE)"))?;
     let maps = [
         ("setgroups", "deny"),
         ("uid_map", "0 0 1\n"),
@@ -414,11 +428,11 @@ fn lock_mounts() -> Result<(), String> {
     .into_iter()
     .try_for_each(|(file, data)| {
         fs::write(format!("/proc/self/{file}"), data)
-            .map_err(|e| format!("cannot write /proc/self/{file} of the locked namespace: {e}"))
+            .map_err(|source| InitError::LockedMap { file, source })
     });
     // Nothing of the sandbox may read or trace the init and the control
     // server (forked from it) through /proc.
-    prctl::set_dumpable(false).map_err(|e| format!("prctl(PR_SET_DUMPABLE): {e}"))?;
+    prctl::set_dumpable(false).map_err(sys("prctl(PR_SET_DUMPABLE)"))?;
     maps
 }
 
@@ -477,14 +491,17 @@ const GUEST_DIR: &str = "/run/keystone";
 const AGENTS_DIR: &str = crate::toolbox::INSIDE;
 
 /// Assemble the sandbox's root file system and pivot into it.
-fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
+fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), InitError> {
     let m = |src: Option<&str>,
              dst: &Path,
              fstype: Option<&str>,
              flags: MsFlags,
              data: Option<&str>| {
-        mount(src, dst, fstype, flags, data)
-            .map_err(|e| format!("mount {} on {}: {e}", src.unwrap_or("-"), dst.display()))
+        mount(src, dst, fstype, flags, data).map_err(|source| InitError::MountOn {
+            src: src.unwrap_or("-").to_owned(),
+            dst: dst.to_owned(),
+            source,
+        })
     };
     m(
         None,
@@ -505,9 +522,14 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
         Some(&tmpfs_options("/", "0755", mem)),
     )?;
     let at = |p: &str| root.join(p.trim_start_matches('/'));
-    let mkdir = |p: &Path| fs::create_dir_all(p).map_err(|e| format!("mkdir {}: {e}", p.display()));
+    let mkdir = |p: &Path| {
+        fs::create_dir_all(p).map_err(|source| InitError::Mkdir {
+            path: p.to_owned(),
+            source,
+        })
+    };
 
-    let expose = |host: &Path| -> Result<(), String> {
+    let expose = |host: &Path| -> Result<(), InitError> {
         let Ok(meta) = fs::symlink_metadata(host) else {
             return Ok(());
         };
@@ -516,9 +538,14 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
             mkdir(parent)?;
         }
         if meta.file_type().is_symlink() {
-            let link =
-                fs::read_link(host).map_err(|e| format!("readlink {}: {e}", host.display()))?;
-            symlink(&link, &target).map_err(|e| format!("symlink {}: {e}", target.display()))?;
+            let link = fs::read_link(host).map_err(|source| InitError::Readlink {
+                path: host.to_owned(),
+                source,
+            })?;
+            symlink(&link, &target).map_err(|source| InitError::Symlink {
+                path: target.clone(),
+                source,
+            })?;
         } else if meta.is_dir() {
             mkdir(&target)?;
             let src = host.to_string_lossy();
@@ -537,11 +564,11 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     for host in spec.ro_paths.iter().filter(|p| !p.starts_with("/run")) {
         expose(host)?;
     }
-    let bind_fd = |src: &Source, dst: &str| -> Result<(), String> {
+    let bind_fd = |src: &Source, dst: &str| -> Result<(), InitError> {
         let target = at(dst);
         mkdir(&target)?;
         match src {
-            Source::Tree(fd) => move_mount_to(fd, &target),
+            Source::Tree(fd) => Ok(move_mount_to(fd, &target)?),
             Source::Path(p) => m(
                 Some(&p.to_string_lossy()),
                 &target,
@@ -603,7 +630,10 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     )?;
     for node in ["null", "zero", "full", "random", "urandom", "tty"] {
         let target = dev.join(node);
-        fs::File::create(&target).map_err(|e| format!("create {}: {e}", target.display()))?;
+        fs::File::create(&target).map_err(|source| InitError::Create {
+            path: target.clone(),
+            source,
+        })?;
         m(
             Some(&format!("/dev/{node}")),
             &target,
@@ -637,7 +667,10 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
         ("stdout", "/proc/self/fd/1"),
         ("stderr", "/proc/self/fd/2"),
     ] {
-        symlink(target, dev.join(name)).map_err(|e| format!("symlink /dev/{name}: {e}"))?;
+        symlink(target, dev.join(name)).map_err(|source| InitError::Symlink {
+            path: Path::new("/dev").join(name),
+            source,
+        })?;
     }
     // The root and /dev themselves are read-only once built: the sandbox
     // may write its workspace, home and tmpfs mounts, but may not put a
@@ -646,17 +679,23 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), String> {
     // directory of the sandbox's would run its code in every command).
     make_readonly(&dev, false)?;
     make_readonly(root, false)?;
-    std::env::set_current_dir(root).map_err(|e| format!("chdir {}: {e}", root.display()))?;
-    nix::unistd::pivot_root(".", ".").map_err(|e| format!("pivot_root: {e}"))?;
-    umount2(".", MntFlags::MNT_DETACH).map_err(|e| format!("detach the old root: {e}"))?;
-    std::env::set_current_dir("/workspace").map_err(|e| format!("chdir /workspace: {e}"))?;
+    let chdir = |path: &Path| {
+        std::env::set_current_dir(path).map_err(|source| InitError::Chdir {
+            path: path.to_owned(),
+            source,
+        })
+    };
+    chdir(root)?;
+    nix::unistd::pivot_root(".", ".").map_err(sys("pivot_root"))?;
+    umount2(".", MntFlags::MNT_DETACH).map_err(sys("detach the old root"))?;
+    chdir(Path::new("/workspace"))?;
     Ok(())
 }
 
 /// Make the mount at `path` (and, with `recursive`, every mount below it)
 /// read-only without touching its other flags, which the kernel may have
 /// locked.
-fn make_readonly(path: &Path, recursive: bool) -> Result<(), String> {
+fn make_readonly(path: &Path, recursive: bool) -> Result<(), InitError> {
     #[repr(C)]
     struct MountAttr {
         attr_set: u64,
@@ -666,7 +705,7 @@ fn make_readonly(path: &Path, recursive: bool) -> Result<(), String> {
     }
     const MOUNT_ATTR_RDONLY: u64 = 0x1;
     const AT_RECURSIVE: nix::libc::c_uint = 0x8000;
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    let c = CString::new(path.as_os_str().as_encoded_bytes())?;
     let attr = MountAttr {
         attr_set: MOUNT_ATTR_RDONLY,
         attr_clr: 0,
@@ -688,8 +727,10 @@ fn make_readonly(path: &Path, recursive: bool) -> Result<(), String> {
         return Ok(());
     }
     // Kernels before 5.12: a plain remount, keeping the source's flags.
-    let st =
-        nix::sys::statvfs::statvfs(path).map_err(|e| format!("statvfs {}: {e}", path.display()))?;
+    let st = nix::sys::statvfs::statvfs(path).map_err(|source| InitError::Statvfs {
+        path: path.to_owned(),
+        source,
+    })?;
     let mut flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY;
     let f = st.flags();
     for (vfs, ms) in [
@@ -706,12 +747,16 @@ fn make_readonly(path: &Path, recursive: bool) -> Result<(), String> {
             flags |= ms;
         }
     }
-    mount(None::<&str>, path, None::<&str>, flags, None::<&str>)
-        .map_err(|e| format!("remount {} read-only: {e}", path.display()))
+    mount(None::<&str>, path, None::<&str>, flags, None::<&str>).map_err(|source| {
+        InitError::Remount {
+            path: path.to_owned(),
+            source,
+        }
+    })
 }
 
 /// Bring up `lo` in a fresh network namespace.
-fn loopback_up() -> Result<(), String> {
+fn loopback_up() -> Result<(), InitError> {
     use nix::sys::socket::{AddressFamily, SockFlag, SockType, socket};
     let sock = socket(
         AddressFamily::Inet,
@@ -719,7 +764,7 @@ fn loopback_up() -> Result<(), String> {
         SockFlag::SOCK_CLOEXEC,
         None,
     )
-    .map_err(|e| format!("socket: {e}"))?;
+    .map_err(sys("socket"))?;
     // SAFETY: ifreq is plain old data; zeroed is a valid value.
     let mut ifr: nix::libc::ifreq = unsafe { std::mem::zeroed() };
     for (i, b) in b"lo\0".iter().enumerate() {
@@ -729,17 +774,17 @@ fn loopback_up() -> Result<(), String> {
     // SAFETY: SIOCGIFFLAGS/SIOCSIFFLAGS with a valid ifreq for this socket.
     unsafe {
         if nix::libc::ioctl(fd, nix::libc::SIOCGIFFLAGS, &raw mut ifr) < 0 {
-            return Err(format!(
-                "SIOCGIFFLAGS lo: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(InitError::Loopback {
+                request: "SIOCGIFFLAGS",
+                source: std::io::Error::last_os_error(),
+            });
         }
         ifr.ifr_ifru.ifru_flags |= (nix::libc::IFF_UP | nix::libc::IFF_RUNNING) as i16;
         if nix::libc::ioctl(fd, nix::libc::SIOCSIFFLAGS, &raw const ifr) < 0 {
-            return Err(format!(
-                "SIOCSIFFLAGS lo: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(InitError::Loopback {
+                request: "SIOCSIFFLAGS",
+                source: std::io::Error::last_os_error(),
+            });
         }
     }
     Ok(())

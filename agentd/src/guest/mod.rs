@@ -9,6 +9,7 @@
 //! control server answers agentd on a unix socket ([`proto`]).
 
 pub mod init;
+mod init_error;
 pub mod proto;
 pub mod server;
 

@@ -137,6 +137,14 @@ fn send_error(conn: &UnixStream, message: impl Into<String>) -> std::io::Result<
     )
 }
 
+/// Why a request names no command to run.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    /// The argv is empty.
+    #[error("empty command")]
+    Empty,
+}
+
 /// The command with the sandbox's base environment, or why there is none.
 /// It runs without capabilities: root inside may not mount (over the
 /// read-only tools at `/run/keystone`, say), change its namespaces' settings
@@ -146,9 +154,9 @@ fn command(
     env: &BTreeMap<String, String>,
     cwd: &str,
     base: &Base,
-) -> Result<Command, String> {
+) -> Result<Command, CommandError> {
     let Some((program, args)) = argv.split_first() else {
-        return Err("empty command".into());
+        return Err(CommandError::Empty);
     };
     let mut cmd = Command::new(program);
     cmd.args(args)
@@ -225,7 +233,7 @@ fn exec_tty(
 ) -> std::io::Result<()> {
     let mut cmd = match command(argv, env, cwd, base) {
         Ok(c) => c,
-        Err(message) => return send_error(conn, message),
+        Err(e) => return send_error(conn, e.to_string()),
     };
     let (master, slave) = match crate::pty::open_pty(size) {
         Ok(p) => p,
@@ -264,7 +272,7 @@ fn exec(
     };
     let mut cmd = match command(argv, env, cwd, base) {
         Ok(c) => c,
-        Err(message) => return send_error(conn, message),
+        Err(e) => return send_error(conn, e.to_string()),
     };
     cmd.stdin(Stdio::from(stdin))
         .stdout(Stdio::from(stdout))

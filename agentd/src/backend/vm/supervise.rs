@@ -200,15 +200,46 @@ fn end(children: &mut [(String, Child)], grace: Duration) {
     }
 }
 
+/// Why the supervisor has no plan.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The file could not be read.
+    #[error("cannot read the plan {path}: {source}")]
+    Read {
+        /// The plan's path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file holds no plan.
+    #[error("cannot read the plan {path}: {source}")]
+    Parse {
+        /// The plan's path.
+        path: String,
+        /// Why it does not parse.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+fn read_plan(path: &str) -> Result<Plan, PlanError> {
+    let bytes = std::fs::read(path).map_err(|source| PlanError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    serde_json::from_slice(&bytes).map_err(|source| PlanError::Parse {
+        path: path.to_owned(),
+        source,
+    })
+}
+
 /// The supervisor's entry point.
 pub fn main(plan: &str) -> i32 {
-    let plan: Plan = match std::fs::read(plan)
-        .map_err(|e| e.to_string())
-        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
-    {
+    let plan = match read_plan(plan) {
         Ok(p) => p,
         Err(e) => {
-            say(&format!("cannot read the plan {plan}: {e}"));
+            say(&e.to_string());
             return 1;
         }
     };
