@@ -43,7 +43,7 @@ impl crate::helper::Helper for CheckProject {
     type Reply = PathBuf;
 
     fn serve(path: PathBuf, _: &mut crate::helper::Io<'_>) -> Result<PathBuf, HelperError> {
-        crate::git::workspace::check_project(&path).map_err(HelperError::Invalid)
+        Ok(crate::git::workspace::check_project(&path)?)
     }
 }
 

@@ -10,6 +10,108 @@ use git2::{Oid, Repository};
 use super::refs;
 use super::sync::WriteReport;
 
+/// Why `--into` failed. A branch that is not fast-forwarded (diverged,
+/// checked out elsewhere, a dirty work tree) is no failure: that goes in
+/// [`WriteReport::diverged`].
+#[derive(Debug, thiserror::Error)]
+pub enum IntoError {
+    /// The sync brought no ref to fast-forward to.
+    #[error("there is no synced branch {synced} to fast-forward '{branch}' to")]
+    NoSynced {
+        /// The synced ref.
+        synced: String,
+        /// The local branch.
+        branch: String,
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// libgit2 failed reading the repository (its message only).
+    #[error("{}", source.message())]
+    Git {
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// Checking out the branch's new files failed (and was undone, unless
+    /// `undo` says otherwise).
+    #[error(
+        "cannot update the files of '{branch}': {}{}",
+        refs::shown(source.message()),
+        undone(undo.as_deref(), "back the files it had changed")
+    )]
+    Checkout {
+        /// The local branch.
+        branch: String,
+        /// Why the checkout failed.
+        #[source]
+        source: git2::Error,
+        /// Why putting the files back failed too, if it did.
+        undo: Option<Box<IntoError>>,
+    },
+    /// The branch could not be moved (its files, if they were updated, were
+    /// put back, unless `undo` says otherwise).
+    #[error(
+        "cannot move '{branch}': {}{}",
+        refs::shown(source.message()),
+        undone(undo.as_deref(), "its files back")
+    )]
+    Move {
+        /// The local branch.
+        branch: String,
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+        /// Why putting the files back failed, if it did.
+        undo: Option<Box<IntoError>>,
+    },
+    /// Putting back the files a checkout touched failed.
+    #[error("{}", refs::shown(source.message()))]
+    PutBack {
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// The index the checkout created could not be removed.
+    #[error("removing the index: {source}")]
+    RemoveIndex {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The index lock could not be created to restore the index.
+    #[error("restoring the index: {}: {source}", lock.display())]
+    IndexLock {
+        /// `index.lock`.
+        lock: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The old index could not be written back.
+    #[error("restoring the index: {source}")]
+    RestoreIndex {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl From<git2::Error> for IntoError {
+    fn from(source: git2::Error) -> Self {
+        Self::Git { source }
+    }
+}
+
+/// The end of a message about a change that failed: whether putting
+/// `what` back worked.
+fn undone(undo: Option<&IntoError>, what: &str) -> String {
+    match undo {
+        None => "; nothing was changed".to_owned(),
+        Some(u) => format!("; putting {what} failed too ({u}): see `git status`"),
+    }
+}
+
 /// Move local `branch` to `synced` only if that is a fast-forward; update
 /// the files too when the branch is checked out in a clean work tree.
 pub(super) fn fast_forward(
@@ -17,10 +119,14 @@ pub(super) fn fast_forward(
     branch: &str,
     synced: &str,
     report: &mut WriteReport,
-) -> Result<(), String> {
+) -> Result<(), IntoError> {
     let target = repo
         .refname_to_id(synced)
-        .map_err(|_| format!("there is no synced branch {synced} to fast-forward '{branch}' to"))?;
+        .map_err(|source| IntoError::NoSynced {
+            synced: synced.to_owned(),
+            branch: branch.to_owned(),
+            source,
+        })?;
     let local = format!("refs/heads/{branch}");
     let short_synced = synced.trim_start_matches("refs/remotes/");
     let current = repo.refname_to_id(&local).ok();
@@ -32,9 +138,7 @@ pub(super) fn fast_forward(
         return Ok(());
     }
     if let Some(cur) = current {
-        let ff = repo
-            .graph_descendant_of(target, cur)
-            .map_err(|e| e.message().to_owned())?;
+        let ff = repo.graph_descendant_of(target, cur)?;
         if !ff {
             report.diverged = Some(format!(
                 "'{branch}' and {short_synced} have diverged; nothing was changed. To merge by hand:\n  \
@@ -46,10 +150,7 @@ pub(super) fn fast_forward(
     // The whole tree first: a tree git would refuse (a name twice, `.git`,
     // `..`, a missing object, ...) is never checked out, so no checkout can
     // stop half-way because of it.
-    let target_tree = repo
-        .find_commit(target)
-        .map(|c| c.tree_id())
-        .map_err(|e| e.message().to_owned())?;
+    let target_tree = repo.find_commit(target).map(|c| c.tree_id())?;
     if let Err(problem) = super::tree::check(repo, target_tree) {
         report.diverged = Some(format!(
             "'{branch}' was not fast-forwarded: the files of {short_synced} cannot be checked out \
@@ -59,12 +160,7 @@ pub(super) fn fast_forward(
     }
     // A branch checked out in one of the host's other work trees is left alone,
     // as git itself does.
-    for wt in repo
-        .worktrees()
-        .map_err(|e| e.message().to_owned())?
-        .iter()
-        .flatten()
-    {
+    for wt in repo.worktrees()?.iter().flatten() {
         let Ok(wt) = repo.find_worktree(wt) else {
             continue;
         };
@@ -95,10 +191,7 @@ pub(super) fn fast_forward(
     if head_is_branch && !repo.is_bare() {
         let mut opts = git2::StatusOptions::new();
         opts.include_untracked(false).include_ignored(false);
-        let dirty = repo
-            .statuses(Some(&mut opts))
-            .map_err(|e| e.message().to_owned())?
-            .len();
+        let dirty = repo.statuses(Some(&mut opts))?.len();
         if dirty > 0 {
             report.diverged = Some(format!(
                 "'{branch}' is checked out and its work tree has {dirty} uncommitted change(s); nothing was \
@@ -113,23 +206,22 @@ pub(super) fn fast_forward(
                 .treebuilder(None)
                 .and_then(|t| t.write())
                 .and_then(|t| repo.find_tree(t)),
-        }
-        .map_err(|e| e.message().to_owned())?;
-        let new = repo
-            .find_tree(target_tree)
-            .map_err(|e| e.message().to_owned())?;
-        let done = checkout(repo, &old, &new)
-            .map_err(|e| format!("cannot update the files of '{branch}': {}", e.describe()))?;
-        if let Err(e) = move_branch(repo, &local, target, short_synced) {
-            let undone = done.undo(repo).map_or_else(
-                |u| format!("; putting its files back failed too ({u}): see `git status`"),
-                |()| "; nothing was changed".to_owned(),
-            );
-            return Err(format!("cannot move '{branch}': {e}{undone}"));
+        }?;
+        let new = repo.find_tree(target_tree)?;
+        let done = checkout(repo, &old, &new).map_err(|f| f.into_error(branch))?;
+        if let Err(source) = move_branch(repo, &local, target, short_synced) {
+            return Err(IntoError::Move {
+                branch: branch.to_owned(),
+                source,
+                undo: done.undo(repo).err().map(Box::new),
+            });
         }
     } else {
-        move_branch(repo, &local, target, short_synced)
-            .map_err(|e| format!("cannot move '{branch}': {e}; nothing was changed"))?;
+        move_branch(repo, &local, target, short_synced).map_err(|source| IntoError::Move {
+            branch: branch.to_owned(),
+            source,
+            undo: None,
+        })?;
     }
     report.into = Some(format!(
         "'{branch}' fast-forwarded {} -> {}{}",
@@ -149,7 +241,7 @@ fn move_branch(
     local: &str,
     target: Oid,
     short_synced: &str,
-) -> Result<(), String> {
+) -> Result<(), git2::Error> {
     repo.reference(
         local,
         target,
@@ -157,7 +249,6 @@ fn move_branch(
         &format!("keystone-agent: fast-forward to {short_synced}"),
     )
     .map(|_| ())
-    .map_err(|e| refs::shown(e.message()))
 }
 
 /// A checkout that went through, and what it needs to be undone.
@@ -169,18 +260,17 @@ struct Done {
 
 /// A checkout that failed, and whether putting things back worked.
 struct Failed {
-    error: String,
-    undo: Result<(), String>,
+    error: git2::Error,
+    undo: Result<(), IntoError>,
 }
 
 impl Failed {
-    fn describe(&self) -> String {
-        match &self.undo {
-            Ok(()) => format!("{}; nothing was changed", self.error),
-            Err(u) => format!(
-                "{}; putting back the files it had changed failed too ({u}): see `git status`",
-                self.error
-            ),
+    /// The error for the person: updating the files of `branch` failed.
+    fn into_error(self, branch: &str) -> IntoError {
+        IntoError::Checkout {
+            branch: branch.to_owned(),
+            source: self.error,
+            undo: self.undo.err().map(Box::new),
         }
     }
 }
@@ -195,8 +285,8 @@ fn checkout(repo: &Repository, old: &git2::Tree<'_>, new: &git2::Tree<'_>) -> Re
     let mut touched = Vec::new();
     let diff = repo
         .diff_tree_to_tree(Some(old), Some(new), None)
-        .map_err(|e| Failed {
-            error: refs::shown(e.message()),
+        .map_err(|error| Failed {
+            error,
             undo: Ok(()),
         })?;
     for d in diff.deltas() {
@@ -218,8 +308,8 @@ fn checkout(repo: &Repository, old: &git2::Tree<'_>, new: &git2::Tree<'_>) -> Re
     };
     match result {
         Ok(()) => Ok(done),
-        Err(e) => Err(Failed {
-            error: refs::shown(e.message()),
+        Err(error) => Err(Failed {
+            error,
             undo: done.undo(repo),
         }),
     }
@@ -227,11 +317,9 @@ fn checkout(repo: &Repository, old: &git2::Tree<'_>, new: &git2::Tree<'_>) -> Re
 
 impl Done {
     /// Put back the files the checkout touched, and the index.
-    fn undo(&self, repo: &Repository) -> Result<(), String> {
+    fn undo(&self, repo: &Repository) -> Result<(), IntoError> {
         if !self.touched.is_empty() {
-            let old = repo
-                .find_tree(self.old_tree)
-                .map_err(|e| e.message().to_owned())?;
+            let old = repo.find_tree(self.old_tree)?;
             let mut co = git2::build::CheckoutBuilder::new();
             // Only the paths the checkout touched: the work tree was clean
             // there, and untracked files elsewhere stay as they are.
@@ -243,7 +331,7 @@ impl Done {
                 co.path(p.as_path());
             }
             repo.checkout_tree(old.as_object(), Some(&mut co))
-                .map_err(|e| refs::shown(e.message()))?;
+                .map_err(|source| IntoError::PutBack { source })?;
         }
         let path = repo.path().join("index");
         let now = std::fs::read(&path).ok();
@@ -251,7 +339,7 @@ impl Done {
             return Ok(());
         }
         match &self.index {
-            None => std::fs::remove_file(&path).map_err(|e| format!("removing the index: {e}")),
+            None => std::fs::remove_file(&path).map_err(|source| IntoError::RemoveIndex { source }),
             Some(bytes) => {
                 // Through index.lock, as git writes it.
                 let lock = repo.path().join("index.lock");
@@ -259,13 +347,16 @@ impl Done {
                     .write(true)
                     .create_new(true)
                     .open(&lock)
-                    .map_err(|e| format!("restoring the index: {}: {e}", lock.display()))?;
+                    .map_err(|source| IntoError::IndexLock {
+                        lock: lock.clone(),
+                        source,
+                    })?;
                 f.write_all(bytes)
                     .and_then(|()| f.sync_all())
                     .and_then(|()| std::fs::rename(&lock, &path))
-                    .map_err(|e| {
+                    .map_err(|source| {
                         let _ = std::fs::remove_file(&lock);
-                        format!("restoring the index: {e}")
+                        IntoError::RestoreIndex { source }
                     })
             }
         }
@@ -275,6 +366,82 @@ impl Done {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each sentence as `--into` wrote it before its errors had types.
+    #[test]
+    fn the_sentences_are_unchanged() {
+        let git =
+            |m: &str| git2::Error::new(git2::ErrorCode::Locked, git2::ErrorClass::Reference, m);
+        let io = || std::io::Error::other("disk on fire");
+        let put_back = || IntoError::PutBack {
+            source: git("busy\u{7}"),
+        };
+        let busy = refs::shown("busy\u{7}");
+        let cases = [
+            (
+                IntoError::NoSynced {
+                    synced: "refs/remotes/sandbox/s/main".into(),
+                    branch: "main".into(),
+                    source: git("not found"),
+                },
+                "there is no synced branch refs/remotes/sandbox/s/main to fast-forward 'main' to"
+                    .to_owned(),
+            ),
+            (git("odb").into(), "odb".to_owned()),
+            (
+                IntoError::Checkout {
+                    branch: "main".into(),
+                    source: git("busy\u{7}"),
+                    undo: None,
+                },
+                format!("cannot update the files of 'main': {busy}; nothing was changed"),
+            ),
+            (
+                IntoError::Checkout {
+                    branch: "main".into(),
+                    source: git("busy\u{7}"),
+                    undo: Some(Box::new(put_back())),
+                },
+                format!(
+                    "cannot update the files of 'main': {busy}; putting back the files it had \
+                     changed failed too ({busy}): see `git status`"
+                ),
+            ),
+            (
+                IntoError::Move {
+                    branch: "main".into(),
+                    source: git("busy\u{7}"),
+                    undo: None,
+                },
+                format!("cannot move 'main': {busy}; nothing was changed"),
+            ),
+            (
+                IntoError::Move {
+                    branch: "main".into(),
+                    source: git("busy\u{7}"),
+                    undo: Some(Box::new(IntoError::RemoveIndex { source: io() })),
+                },
+                format!(
+                    "cannot move 'main': {busy}; putting its files back failed too (removing the \
+                     index: disk on fire): see `git status`"
+                ),
+            ),
+            (
+                IntoError::IndexLock {
+                    lock: PathBuf::from("/r/.git/index.lock"),
+                    source: io(),
+                },
+                "restoring the index: /r/.git/index.lock: disk on fire".to_owned(),
+            ),
+            (
+                IntoError::RestoreIndex { source: io() },
+                "restoring the index: disk on fire".to_owned(),
+            ),
+        ];
+        for (e, said) in cases {
+            assert_eq!(e.to_string(), said, "{e:?}");
+        }
+    }
 
     fn commit(repo: &Repository, tree: Oid, parents: &[&git2::Commit<'_>]) -> Oid {
         let sig = git2::Signature::now("T", "t@example.com").unwrap();
@@ -341,12 +508,10 @@ mod tests {
         let failed = checkout(&repo, &old, &new)
             .err()
             .expect("the checkout fails");
-        assert!(failed.undo.is_ok(), "{}", failed.describe());
-        assert!(
-            failed.describe().ends_with("nothing was changed"),
-            "{}",
-            failed.describe()
-        );
+        let undone = failed.undo.is_ok();
+        let said = failed.into_error("master").to_string();
+        assert!(undone, "{said}");
+        assert!(said.ends_with("nothing was changed"), "{said}");
         assert_eq!(names(w), [".git", "a.txt", "gone.txt", "untracked.txt"]);
         assert_eq!(std::fs::read_to_string(w.join("a.txt")).unwrap(), "a\n");
         assert_eq!(

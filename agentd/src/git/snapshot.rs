@@ -38,6 +38,55 @@ pub struct Outcome {
     pub commit: Option<String>,
 }
 
+/// Why a snapshot could not be recorded. The text is what the person reads:
+/// the host gets it back as [`HelperError::Failed`].
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The worktree is not a repository libgit2 can open.
+    #[error("cannot open {}: {}", path.display(), source.message())]
+    Open {
+        /// The worktree directory.
+        path: PathBuf,
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// The worktree has no HEAD.
+    #[error("no HEAD to snapshot against: {}", source.message())]
+    NoHead {
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// The work tree could not be read into the in-memory index.
+    #[error("reading the work tree: {}", source.message())]
+    ReadWorkTree {
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// libgit2 failed reading or writing the repository (its message
+    /// only).
+    #[error("{}", source.message())]
+    Git {
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+}
+
+impl From<git2::Error> for SnapshotError {
+    fn from(source: git2::Error) -> Self {
+        Self::Git { source }
+    }
+}
+
+impl From<SnapshotError> for HelperError {
+    fn from(e: SnapshotError) -> Self {
+        Self::Failed(e.to_string())
+    }
+}
+
 /// The helper that records a snapshot as the sandbox's uid
 /// (`agentd __snapshot`).
 #[derive(Debug)]
@@ -51,24 +100,26 @@ impl Helper for Snapshot {
 
     fn serve(req: Request, _: &mut Io<'_>) -> Result<Outcome, HelperError> {
         super::workspace::ignore_global_config();
-        snapshot(&req).map_err(HelperError::Failed)
+        Ok(snapshot(&req)?)
     }
 }
 
 /// Record the worktree's state; see the module docs.
-pub fn snapshot(req: &Request) -> Result<Outcome, String> {
+pub fn snapshot(req: &Request) -> Result<Outcome, SnapshotError> {
     let dir = req.workspace.join(&req.worktree);
     let repo = Repository::open_ext(
         &dir,
         git2::RepositoryOpenFlags::NO_SEARCH,
         std::iter::empty::<&str>(),
     )
-    .map_err(|e| format!("cannot open {}: {}", dir.display(), e.message()))?;
-    repo.set_workdir(&dir, false)
-        .map_err(|e| e.message().to_owned())?;
+    .map_err(|source| SnapshotError::Open {
+        path: dir.clone(),
+        source,
+    })?;
+    repo.set_workdir(&dir, false)?;
     let head = repo
         .head()
-        .map_err(|e| format!("no HEAD to snapshot against: {}", e.message()))?;
+        .map_err(|source| SnapshotError::NoHead { source })?;
     let Some(branch) = head
         .shorthand()
         .filter(|_| head.is_branch())
@@ -79,9 +130,9 @@ pub fn snapshot(req: &Request) -> Result<Outcome, String> {
             commit: None,
         });
     };
-    let parent = head.peel_to_commit().map_err(|e| e.message().to_owned())?;
+    let parent = head.peel_to_commit()?;
     // The index as the agent left it, changed in memory only (never written).
-    let mut index = repo.index().map_err(|e| e.message().to_owned())?;
+    let mut index = repo.index()?;
     let max = req.max_file;
     let workdir = dir.clone();
     let mut skip_big = |path: &Path, _: &[u8]| -> i32 {
@@ -92,11 +143,9 @@ pub fn snapshot(req: &Request) -> Result<Outcome, String> {
     };
     index
         .add_all(["*"], IndexAddOption::DEFAULT, Some(&mut skip_big))
-        .map_err(|e| format!("reading the work tree: {}", e.message()))?;
-    index
-        .update_all(["*"], Some(&mut skip_big))
-        .map_err(|e| e.message().to_owned())?;
-    let tree_id = index.write_tree().map_err(|e| e.message().to_owned())?;
+        .map_err(|source| SnapshotError::ReadWorkTree { source })?;
+    index.update_all(["*"], Some(&mut skip_big))?;
+    let tree_id = index.write_tree()?;
     let wip_ref = format!("{WIP_NAMESPACE}/{branch}");
     let previous = repo
         .find_reference(&wip_ref)
@@ -113,22 +162,16 @@ pub fn snapshot(req: &Request) -> Result<Outcome, String> {
             commit: None,
         });
     }
-    let tree = repo
-        .find_tree(tree_id)
-        .map_err(|e| e.message().to_owned())?;
-    let sig = Signature::now("Keystone Agent", "keystone-agent@localhost")
-        .map_err(|e| e.message().to_owned())?;
+    let tree = repo.find_tree(tree_id)?;
+    let sig = Signature::now("Keystone Agent", "keystone-agent@localhost")?;
     let msg = format!(
         "WIP snapshot of '{branch}' in sandbox '{}' at {}\n\nUncommitted work recorded by agentd (auto-idle sync); \
          the agent's branch, index and files are unchanged.\n",
         req.sandbox,
         humantime::format_rfc3339_seconds(std::time::SystemTime::now())
     );
-    let oid = repo
-        .commit(None, &sig, &sig, &msg, &tree, &[&parent])
-        .map_err(|e| e.message().to_owned())?;
-    repo.reference(&wip_ref, oid, true, "keystone-agent snapshot")
-        .map_err(|e| e.message().to_owned())?;
+    let oid = repo.commit(None, &sig, &sig, &msg, &tree, &[&parent])?;
+    repo.reference(&wip_ref, oid, true, "keystone-agent snapshot")?;
     Ok(Outcome {
         branch,
         commit: Some(oid.to_string()),
@@ -138,6 +181,23 @@ pub fn snapshot(req: &Request) -> Result<Outcome, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_say_libgit2s_message_only() {
+        let git = || git2::Error::new(git2::ErrorCode::NotFound, git2::ErrorClass::Reference, "x");
+        let open = SnapshotError::Open {
+            path: PathBuf::from("/w"),
+            source: git(),
+        };
+        assert_eq!(open.to_string(), "cannot open /w: x");
+        let head = SnapshotError::NoHead { source: git() };
+        assert_eq!(head.to_string(), "no HEAD to snapshot against: x");
+        let read = SnapshotError::ReadWorkTree { source: git() };
+        assert_eq!(read.to_string(), "reading the work tree: x");
+        assert!(
+            matches!(HelperError::from(SnapshotError::from(git())), HelperError::Failed(m) if m == "x")
+        );
+    }
 
     #[test]
     fn snapshot_leaves_index_head_and_files_alone() {

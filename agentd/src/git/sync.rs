@@ -24,6 +24,8 @@
 //! nothing). A sandbox that plants symlinks gains nothing: the reader runs
 //! as the sandbox's own uid, confined to the workspace.
 
+mod error;
+
 use std::collections::{BTreeMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
@@ -31,8 +33,10 @@ use std::path::{Path, PathBuf};
 use git2::{Oid, Repository};
 use serde::{Deserialize, Serialize};
 
+pub use super::into::IntoError;
 use super::refs;
 use crate::helper::{Helper, HelperError, Io};
+pub use error::SyncError;
 
 /// Largest object (file, directory listing or commit) a synced branch may
 /// bring (bigger: branch skipped).
@@ -112,10 +116,6 @@ pub struct WriteReport {
     pub diverged: Option<String>,
 }
 
-fn oid(s: &str) -> Result<Oid, String> {
-    Oid::from_str(s).map_err(|e| format!("bad object id '{s}': {e}"))
-}
-
 /// The reading helper (`agentd __sync-read`), run as the source's owner:
 /// its report as one JSON line, then the pack (none for a dry run).
 #[derive(Debug)]
@@ -130,24 +130,24 @@ impl Helper for SyncRead {
 
     fn serve(req: ReadRequest, io: &mut Io<'_>) -> Result<(), HelperError> {
         super::workspace::ignore_global_config();
-        read(&req.git_dir, &req, &mut io.output).map_err(HelperError::Failed)
+        Ok(read(&req.git_dir, &req, &mut io.output)?)
     }
 }
 
 /// Work out the updates from the repository at `git_dir`, write the report
 /// line and (unless a dry run) the pack to `out`.
-pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(), String> {
+pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(), SyncError> {
     for (what, p) in [
         (".git", git_dir.to_owned()),
         ("the object store", git_dir.join("objects")),
     ] {
-        let meta = std::fs::symlink_metadata(&p)
-            .map_err(|e| format!("cannot read {what} at {}: {e}", p.display()))?;
+        let meta = std::fs::symlink_metadata(&p).map_err(|source| SyncError::CannotRead {
+            what,
+            path: p.clone(),
+            source,
+        })?;
         if !meta.is_dir() {
-            return Err(format!(
-                "{what} at {} is not a directory (a symlink?); nothing was synced",
-                p.display()
-            ));
+            return Err(SyncError::NotADirectory { what, path: p });
         }
     }
     let (mut branches, mut skipped) = refs::read_branches(git_dir, "refs/heads");
@@ -169,15 +169,16 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
     if let Some(only) = &req.branch {
         branches.retain(|b, _| b == only);
         if branches.is_empty() {
-            return Err(format!("there is no branch '{only}' to sync"));
+            return Err(SyncError::NoSuchBranch {
+                branch: only.clone(),
+            });
         }
     }
     // The object store only: no config, no hooks, no working tree.
-    let odb = git2::Odb::new().map_err(|e| e.message().to_owned())?;
-    odb.add_disk_alternate(&git_dir.join("objects").to_string_lossy())
-        .map_err(|e| e.message().to_owned())?;
-    let repo = Repository::from_odb(odb).map_err(|e| e.message().to_owned())?;
-    let odb = repo.odb().map_err(|e| e.message().to_owned())?;
+    let odb = git2::Odb::new()?;
+    odb.add_disk_alternate(&git_dir.join("objects").to_string_lossy())?;
+    let repo = Repository::from_odb(odb)?;
+    let odb = repo.odb()?;
     let haves: Vec<Oid> = req
         .haves
         .iter()
@@ -208,7 +209,7 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
                 send.push(*tip);
                 report.updates.push(u);
             }
-            Err(msg) => skipped.push(msg),
+            Err(why) => skipped.push(why.to_string()),
         }
     }
     if req.branch.is_none() {
@@ -231,32 +232,37 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
         skipped.push(format!("… and {more} more refs skipped"));
     }
     report.skipped = skipped;
-    let mut line = serde_json::to_vec(&report).map_err(|e| e.to_string())?;
+    let mut line = serde_json::to_vec(&report).map_err(|source| SyncError::Encode { source })?;
     line.push(b'\n');
-    out.write_all(&line).map_err(|e| e.to_string())?;
+    out.write_all(&line)
+        .map_err(|source| SyncError::Output { source })?;
     if req.dry_run || send.is_empty() {
-        return out.flush().map_err(|e| e.to_string());
+        return out.flush().map_err(|source| SyncError::Output { source });
     }
-    let mut walk = repo.revwalk().map_err(|e| e.message().to_owned())?;
+    let mut walk = repo.revwalk()?;
     for t in &send {
-        walk.push(*t).map_err(|e| e.message().to_owned())?;
+        walk.push(*t)?;
     }
     for h in &haves {
-        walk.hide(*h).map_err(|e| e.message().to_owned())?;
+        walk.hide(*h)?;
     }
-    let mut pb = repo.packbuilder().map_err(|e| e.message().to_owned())?;
-    pb.insert_walk(&mut walk)
-        .map_err(|e| e.message().to_owned())?;
+    let mut pb = repo.packbuilder()?;
+    pb.insert_walk(&mut walk)?;
     let mut failed = None;
-    pb.foreach(|chunk| match out.write_all(chunk) {
+    let sent = pb.foreach(|chunk| match out.write_all(chunk) {
         Ok(()) => true,
         Err(e) => {
-            failed = Some(e.to_string());
+            failed = Some(e);
             false
         }
-    })
-    .map_err(|e| failed.clone().unwrap_or_else(|| e.message().to_owned()))?;
-    out.flush().map_err(|e| e.to_string())
+    });
+    if let Err(e) = sent {
+        return Err(match failed {
+            Some(source) => SyncError::Output { source },
+            None => e.into(),
+        });
+    }
+    out.flush().map_err(|source| SyncError::Output { source })
 }
 
 /// Check one branch: its tip is a commit, every object its new commits
@@ -272,14 +278,21 @@ fn examine(
     haves: &[Oid],
     max_blob: u64,
     within_cap: &mut HashSet<Oid>,
-) -> Result<Update, String> {
+) -> Result<Update, SyncError> {
     let b = refs::shown(branch);
+    let skip = |source| SyncError::Branch {
+        branch: b.clone(),
+        source,
+    };
     let commit = repo
         .find_commit(tip)
-        .map_err(|_| format!("branch '{b}' points to {tip}, which is not a commit; skipped"))?;
-    let mut walk = repo.revwalk().map_err(|e| e.message().to_owned())?;
-    walk.push(tip)
-        .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+        .map_err(|source| SyncError::NotACommit {
+            branch: b.clone(),
+            tip,
+            source,
+        })?;
+    let mut walk = repo.revwalk()?;
+    walk.push(tip).map_err(skip)?;
     for h in haves {
         let _ = walk.hide(*h);
     }
@@ -294,8 +307,10 @@ fn examine(
         mine: HashSet::new(),
     };
     for c in walk {
-        let c =
-            c.map_err(|e| format!("branch '{b}': broken history ({}); skipped", e.message()))?;
+        let c = c.map_err(|source| SyncError::BrokenHistory {
+            branch: b.clone(),
+            source,
+        })?;
         commits += 1;
         oldest = Some(c);
         // Every object any new commit brings is within the cap, not only
@@ -311,12 +326,10 @@ fn examine(
         .and_then(|o| repo.find_commit(o).ok())
         .or_else(|| oldest.and_then(|o| repo.find_commit(o).ok()?.parent(0).ok()))
         .and_then(|c| c.tree().ok());
-    let tree = commit
-        .tree()
-        .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+    let tree = commit.tree().map_err(skip)?;
     let diff = repo
         .diff_tree_to_tree(base_tree.as_ref(), Some(&tree), None)
-        .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+        .map_err(skip)?;
     let mut files = Vec::new();
     let mut files_changed = 0u32;
     for d in diff.deltas() {
@@ -356,13 +369,14 @@ struct Cap<'a> {
 impl Cap<'_> {
     /// Check new commit `c`, and the directories and files in which its
     /// tree differs from its first parent's.
-    fn commit(&mut self, c: Oid) -> Result<(), String> {
+    fn commit(&mut self, c: Oid) -> Result<(), SyncError> {
         let b = self.branch;
+        let skip = |source| SyncError::Branch {
+            branch: b.to_owned(),
+            source,
+        };
         self.object(c, || format!("a commit ({})", &c.to_string()[..12]))?;
-        let commit = self
-            .repo
-            .find_commit(c)
-            .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+        let commit = self.repo.find_commit(c).map_err(skip)?;
         let base = commit
             .parent_ids()
             .next()
@@ -380,10 +394,7 @@ impl Cap<'_> {
                     format!("the directory listing of {}", refs::shown(&dir))
                 }
             })?;
-            let tree = self
-                .repo
-                .find_tree(id)
-                .map_err(|e| format!("branch '{b}': {}; skipped", e.message()))?;
+            let tree = self.repo.find_tree(id).map_err(skip)?;
             let base = base.and_then(|t| self.repo.find_tree(t).ok());
             for e in &tree {
                 let path = if dir.is_empty() {
@@ -413,22 +424,24 @@ impl Cap<'_> {
     }
 
     /// Refuse object `id` (`what`, for the notice) over the cap or missing.
-    fn object(&mut self, id: Oid, what: impl Fn() -> String) -> Result<(), String> {
+    fn object(&mut self, id: Oid, what: impl Fn() -> String) -> Result<(), SyncError> {
         let b = self.branch;
-        let (size, _) = self.odb.read_header(id).map_err(|e| {
-            format!(
-                "branch '{b}': {} ({id}) is missing or unreadable: {}; skipped",
-                what(),
-                e.message()
-            )
-        })?;
+        let (size, _) = self
+            .odb
+            .read_header(id)
+            .map_err(|source| SyncError::Unreadable {
+                branch: b.to_owned(),
+                what: what(),
+                id,
+                source,
+            })?;
         if size as u64 > self.max {
-            return Err(format!(
-                "branch '{b}' adds {} of {} MiB, over the {} MiB limit; skipped",
-                what(),
-                size >> 20,
-                self.max >> 20
-            ));
+            return Err(SyncError::TooBig {
+                branch: b.to_owned(),
+                what: what(),
+                size: size as u64,
+                max: self.max,
+            });
         }
         self.mine.insert(id);
         Ok(())
@@ -449,7 +462,7 @@ impl Helper for SyncWrite {
 
     fn serve(spec: WriteSpec, io: &mut Io<'_>) -> Result<WriteReport, HelperError> {
         super::workspace::ignore_global_config();
-        write(&spec, &mut io.input, &mut io.output).map_err(HelperError::Failed)
+        Ok(write(&spec, &mut io.input, &mut io.output)?)
     }
 }
 
@@ -458,14 +471,17 @@ pub fn write(
     spec: &WriteSpec,
     mut input: impl BufRead,
     out: &mut impl Write,
-) -> Result<WriteReport, String> {
+) -> Result<WriteReport, SyncError> {
     super::workspace::allow_foreign_owners();
     let repo = Repository::open_ext(
         &spec.repo,
         git2::RepositoryOpenFlags::NO_SEARCH,
         std::iter::empty::<&str>(),
     )
-    .map_err(|e| format!("cannot open {}: {}", spec.repo.display(), e.message()))?;
+    .map_err(|source| SyncError::Open {
+        path: spec.repo.clone(),
+        source,
+    })?;
     let (previous, _) = refs::read_branches(repo.path(), spec.prefix.trim_end_matches('/'));
     let mut haves: Vec<String> = previous.values().map(Oid::to_string).collect();
     let (heads, _) = refs::read_branches(repo.path(), "refs/heads");
@@ -498,27 +514,31 @@ pub fn write(
             .map(|(k, v)| (k.clone(), v.to_string()))
             .collect(),
     };
-    serde_json::to_writer(&mut *out, &h).map_err(|e| e.to_string())?;
+    serde_json::to_writer(&mut *out, &h).map_err(|source| SyncError::Encode { source })?;
     out.write_all(b"\n")
         .and_then(|()| out.flush())
-        .map_err(|e| e.to_string())?;
+        .map_err(|source| SyncError::Output { source })?;
 
     let mut line = String::new();
-    if input.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+    if input
+        .read_line(&mut line)
+        .map_err(|source| SyncError::Input { source })?
+        == 0
+    {
         return Ok(WriteReport::default()); // dry run: the reader's report went elsewhere
     }
     let read: ReadReport =
-        serde_json::from_str(&line).map_err(|e| format!("bad report from the reader: {e}"))?;
-    let odb = repo.odb().map_err(|e| e.message().to_owned())?;
+        serde_json::from_str(&line).map_err(|source| SyncError::BadReport { source })?;
+    let odb = repo.odb()?;
     if read
         .updates
         .iter()
         .any(|u| !u.new.is_empty() && !odb.exists(Oid::from_str(&u.new).unwrap_or(Oid::zero())))
     {
-        let mut w = odb.packwriter().map_err(|e| e.message().to_owned())?;
-        std::io::copy(&mut input, &mut w).map_err(|e| format!("receiving objects: {e}"))?;
+        let mut w = odb.packwriter()?;
+        std::io::copy(&mut input, &mut w).map_err(|source| SyncError::Receive { source })?;
         w.commit()
-            .map_err(|e| format!("indexing the received objects: {}", e.message()))?;
+            .map_err(|source| SyncError::IndexPack { source })?;
     }
     let mut report = WriteReport {
         read,
@@ -531,7 +551,7 @@ pub fn write(
     let mut failed = HashSet::new();
     for i in order {
         if let Err(why) = apply(&repo, spec, &report.read.updates[i]) {
-            report.read.skipped.push(why);
+            report.read.skipped.push(why.to_string());
             failed.insert(i);
         }
     }
@@ -558,50 +578,47 @@ pub fn write(
 }
 
 /// Move (or, when pruning, delete) the destination's ref for one update.
-fn apply(repo: &Repository, spec: &WriteSpec, u: &Update) -> Result<(), String> {
+fn apply(repo: &Repository, spec: &WriteSpec, u: &Update) -> Result<(), SyncError> {
     let b = refs::shown(&u.branch);
     if !refs::valid_branch(&u.branch) {
-        return Err(format!("branch name '{b}' is refused; skipped"));
+        return Err(SyncError::RefusedName { branch: b });
     }
     let name = format!("{}{}", spec.prefix, u.branch);
     let shown_ref = format!("{}{b}", spec.prefix);
     if u.new.is_empty() {
         if spec.prune {
             if let Ok(mut r) = repo.find_reference(&name) {
-                r.delete().map_err(|e| {
-                    format!(
-                        "branch '{b}': cannot delete {shown_ref}: {}; kept",
-                        refs::shown(e.message())
-                    )
+                r.delete().map_err(|source| SyncError::Delete {
+                    branch: b,
+                    reference: shown_ref,
+                    source,
                 })?;
             }
         }
         return Ok(());
     }
-    let new = oid(&u.new).map_err(|e| format!("branch '{b}': {e}; skipped"))?;
+    let new = Oid::from_str(&u.new).map_err(|source| SyncError::BadOid {
+        branch: b.clone(),
+        oid: u.new.clone(),
+        source,
+    })?;
     if repo.find_commit(new).is_err() {
-        return Err(format!("branch '{b}': its objects did not arrive; skipped"));
+        return Err(SyncError::NotArrived { branch: b });
     }
     repo.reference(&name, new, true, "keystone-agent sync")
         .map(|_| ())
-        .map_err(|e| {
-            format!(
-                "branch '{b}': cannot update {shown_ref}: {}; skipped",
-                refs::shown(e.message())
-            )
+        .map_err(|source| SyncError::Update {
+            branch: b,
+            reference: shown_ref,
+            source,
         })
 }
 
-fn ensure_remote(repo: &Repository, name: &str, url: &str, prefix: &str) -> Result<(), String> {
+fn ensure_remote(repo: &Repository, name: &str, url: &str, prefix: &str) -> Result<(), SyncError> {
     let refspec = format!("+refs/heads/*:{prefix}*");
     match repo.find_remote(name) {
         Ok(r) if r.url() == Some(url) => Ok(()),
-        Ok(_) => repo
-            .remote_set_url(name, url)
-            .map_err(|e| e.message().to_owned()),
-        Err(_) => repo
-            .remote_with_fetch(name, url, &refspec)
-            .map(|_| ())
-            .map_err(|e| e.message().to_owned()),
+        Ok(_) => Ok(repo.remote_set_url(name, url)?),
+        Err(_) => Ok(repo.remote_with_fetch(name, url, &refspec).map(|_| ())?),
     }
 }

@@ -41,48 +41,213 @@ pub fn ignore_global_config() {
     }
 }
 
+/// What is wrong with a project path ([`check_project`]). The text is what
+/// the person reads; a helper that checks the path it was given
+/// ([`crate::auth::CheckProject`]) answers [`HelperError::Invalid`].
+#[derive(Debug, thiserror::Error)]
+pub enum ProjectError {
+    /// Nothing is there.
+    #[error("project path {} does not exist", path.display())]
+    Missing {
+        /// The path as given.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The caller may not read it.
+    #[error("project path {} is not readable by you", path.display())]
+    Unreadable {
+        /// The path as given.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Looking at it failed otherwise.
+    #[error("project path {}: {source}", path.display())]
+    Io {
+        /// The path as given.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It is not a directory.
+    #[error("project path {} is not a directory", path.display())]
+    NotADirectory {
+        /// The path as given.
+        path: PathBuf,
+    },
+    /// It is not the top of a git repository.
+    #[error(
+        "project path {} is not a git repository (give the repository's top-level \
+         directory, or run `git init` there)",
+        path.display()
+    )]
+    NotARepository {
+        /// The path as given.
+        path: PathBuf,
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// libgit2 cannot open the repository.
+    #[error(
+        "project path {} cannot be opened as a git repository: {}",
+        path.display(),
+        source.message()
+    )]
+    CannotOpen {
+        /// The path as given.
+        path: PathBuf,
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// The caller may not read the repository's objects.
+    #[error(
+        "the git objects of {} are not readable by you ({}: {source})",
+        path.display(),
+        objects.display()
+    )]
+    ObjectsUnreadable {
+        /// The path as given.
+        path: PathBuf,
+        /// The object store.
+        objects: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl From<ProjectError> for HelperError {
+    fn from(e: ProjectError) -> Self {
+        Self::Invalid(e.to_string())
+    }
+}
+
+/// Why the [`Prepare`] or the [`Tree`] helper failed. The text is what the
+/// person reads: the host gets it back as [`HelperError::Failed`].
+#[derive(Debug, thiserror::Error)]
+pub enum WorkspaceHelperError {
+    /// The project, checked again as its owner, is not usable.
+    #[error(transparent)]
+    Project(#[from] ProjectError),
+    /// libgit2 failed on the project (its message only).
+    #[error("{}", source.message())]
+    Git {
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// The project's path cannot be given to libgit2 as a URL.
+    #[error("project path {} is not UTF-8", path.display())]
+    NotUtf8 {
+        /// The project.
+        path: PathBuf,
+    },
+    /// Cloning the project failed.
+    #[error("cloning {} failed: {}", path.display(), source.message())]
+    Clone {
+        /// The project.
+        path: PathBuf,
+        /// What libgit2 said.
+        #[source]
+        source: git2::Error,
+    },
+    /// A tree could not be given to its new owner.
+    #[error("cannot hand {} over: {source}", path.display())]
+    HandOver {
+        /// Root of the tree.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A tree could not be opened up to agentd's user.
+    #[error("cannot open {} up: {source}", path.display())]
+    OpenUp {
+        /// Root of the tree.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A directory could not be emptied.
+    #[error("cannot empty {}: {source}", path.display())]
+    Empty {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: nix::Error,
+    },
+    /// An emptied directory could not be given back to agentd's user.
+    #[error("cannot take {} back: {source}", path.display())]
+    TakeBack {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl From<git2::Error> for WorkspaceHelperError {
+    fn from(source: git2::Error) -> Self {
+        Self::Git { source }
+    }
+}
+
+impl From<WorkspaceHelperError> for HelperError {
+    fn from(e: WorkspaceHelperError) -> Self {
+        Self::Failed(e.to_string())
+    }
+}
+
 /// Check that `path` is a git repository the current process can read, and
 /// return its canonical path. Run as the caller (see [`crate::auth`]).
-pub fn check_project(path: &Path) -> Result<PathBuf, String> {
-    let shown = path.display();
-    let canon = fs::canonicalize(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => format!("project path {shown} does not exist"),
-        std::io::ErrorKind::PermissionDenied => {
-            format!("project path {shown} is not readable by you")
+pub fn check_project(path: &Path) -> Result<PathBuf, ProjectError> {
+    let canon = fs::canonicalize(path).map_err(|source| {
+        let path = path.to_owned();
+        match source.kind() {
+            std::io::ErrorKind::NotFound => ProjectError::Missing { path, source },
+            std::io::ErrorKind::PermissionDenied => ProjectError::Unreadable { path, source },
+            _ => ProjectError::Io { path, source },
         }
-        _ => format!("project path {shown}: {e}"),
     })?;
     if !canon.is_dir() {
-        return Err(format!("project path {shown} is not a directory"));
+        return Err(ProjectError::NotADirectory {
+            path: path.to_owned(),
+        });
     }
-    if let Err(e) = fs::read_dir(&canon) {
-        return Err(if e.kind() == std::io::ErrorKind::PermissionDenied {
-            format!("project path {shown} is not readable by you")
+    if let Err(source) = fs::read_dir(&canon) {
+        let path = path.to_owned();
+        return Err(if source.kind() == std::io::ErrorKind::PermissionDenied {
+            ProjectError::Unreadable { path, source }
         } else {
-            format!("project path {shown}: {e}")
+            ProjectError::Io { path, source }
         });
     }
     allow_foreign_owners();
-    let repo = git2::Repository::open(&canon).map_err(|e| {
-        if e.code() == git2::ErrorCode::NotFound {
-            format!(
-                "project path {shown} is not a git repository (give the repository's top-level \
-                 directory, or run `git init` there)"
-            )
+    let repo = git2::Repository::open(&canon).map_err(|source| {
+        let path = path.to_owned();
+        if source.code() == git2::ErrorCode::NotFound {
+            ProjectError::NotARepository { path, source }
         } else {
-            format!(
-                "project path {shown} cannot be opened as a git repository: {}",
-                e.message()
-            )
+            ProjectError::CannotOpen { path, source }
         }
     })?;
     let objects = repo.path().join("objects");
-    fs::read_dir(&objects).map_err(|e| {
-        format!(
-            "the git objects of {shown} are not readable by you ({}: {e})",
-            objects.display()
-        )
-    })?;
+    if let Err(source) = fs::read_dir(&objects) {
+        return Err(ProjectError::ObjectsUnreadable {
+            path: path.to_owned(),
+            objects,
+            source,
+        });
+    }
     Ok(canon)
 }
 
@@ -133,18 +298,20 @@ impl Helper for Prepare {
     type Reply = ();
 
     fn serve(spec: PrepareSpec, io: &mut Io<'_>) -> Result<(), HelperError> {
-        prepare(&spec, &mut |e| {
+        Ok(prepare(&spec, &mut |e| {
             let _ = io.line(e);
-        })
-        .map_err(HelperError::Failed)
+        })?)
     }
 }
 
 /// Clone the project into `spec.dest` and copy its env files, reporting
 /// progress and notices through `event`. Runs as the project's owner.
-pub fn prepare(spec: &PrepareSpec, event: &mut dyn FnMut(&PrepareEvent)) -> Result<(), String> {
+pub fn prepare(
+    spec: &PrepareSpec,
+    event: &mut dyn FnMut(&PrepareEvent),
+) -> Result<(), WorkspaceHelperError> {
     let project = check_project(&spec.project)?;
-    let host = git2::Repository::open(&project).map_err(|e| e.message().to_owned())?;
+    let host = git2::Repository::open(&project)?;
     let notice = |event: &mut dyn FnMut(&PrepareEvent), message: String| {
         event(&PrepareEvent::Notice { message })
     };
@@ -205,11 +372,13 @@ pub fn clone_project(
     project: &Path,
     dest: &Path,
     event: &mut dyn FnMut(&PrepareEvent),
-) -> Result<(), String> {
+) -> Result<(), WorkspaceHelperError> {
     allow_foreign_owners();
     let url = project
         .to_str()
-        .ok_or_else(|| format!("project path {} is not UTF-8", project.display()))?;
+        .ok_or_else(|| WorkspaceHelperError::NotUtf8 {
+            path: project.to_owned(),
+        })?;
     let mut last = std::time::Instant::now();
     let mut co = git2::build::CheckoutBuilder::new();
     // Without any .gitattributes, checkout filters change nothing (the new
@@ -234,7 +403,10 @@ pub fn clone_project(
         .remote_create(|repo, _name, url| repo.remote(HOST_REMOTE, url));
     let repo = builder
         .clone(url, dest)
-        .map_err(|e| format!("cloning {} failed: {}", project.display(), e.message()))?;
+        .map_err(|source| WorkspaceHelperError::Clone {
+            path: project.to_owned(),
+            source,
+        })?;
     // An empty project: start on the same (unborn) branch as the host.
     if repo.is_empty().unwrap_or(false) {
         if let Ok(host) = git2::Repository::open(project) {
@@ -425,11 +597,11 @@ impl Helper for Tree {
     type Reply = ();
 
     fn serve(op: TreeOp, _: &mut Io<'_>) -> Result<(), HelperError> {
-        tree_op(&op).map_err(HelperError::Failed)
+        Ok(tree_op(&op)?)
     }
 }
 
-fn tree_op(op: &TreeOp) -> Result<(), String> {
+fn tree_op(op: &TreeOp) -> Result<(), WorkspaceHelperError> {
     match op {
         TreeOp::HandOver {
             path,
@@ -437,11 +609,17 @@ fn tree_op(op: &TreeOp) -> Result<(), String> {
             gid,
             readable,
         } => {
-            crate::fsutil::chown_tree(path, *uid, *gid)
-                .map_err(|e| format!("cannot hand {} over: {e}", path.display()))?;
+            crate::fsutil::chown_tree(path, *uid, *gid).map_err(|source| {
+                WorkspaceHelperError::HandOver {
+                    path: path.clone(),
+                    source,
+                }
+            })?;
             if *readable {
-                crate::fsutil::share_tree(path)
-                    .map_err(|e| format!("cannot open {} up: {e}", path.display()))?;
+                crate::fsutil::share_tree(path).map_err(|source| WorkspaceHelperError::OpenUp {
+                    path: path.clone(),
+                    source,
+                })?;
             }
             Ok(())
         }
@@ -452,13 +630,19 @@ fn tree_op(op: &TreeOp) -> Result<(), String> {
                 | nix::fcntl::OFlag::O_CLOEXEC;
             nix::fcntl::open(path.as_path(), flags, nix::sys::stat::Mode::empty())
                 .and_then(|d| crate::fsutil::empty_dir(&d))
-                .map_err(|e| format!("cannot empty {}: {e}", path.display()))?;
+                .map_err(|source| WorkspaceHelperError::Empty {
+                    path: path.clone(),
+                    source,
+                })?;
             std::os::unix::fs::lchown(
                 path,
                 Some(nix::unistd::Uid::effective().as_raw()),
                 Some(nix::unistd::Gid::effective().as_raw()),
             )
-            .map_err(|e| format!("cannot take {} back: {e}", path.display()))
+            .map_err(|source| WorkspaceHelperError::TakeBack {
+                path: path.clone(),
+                source,
+            })
         }
     }
 }
@@ -471,10 +655,52 @@ mod tests {
     #[test]
     fn refuses_what_is_not_a_repository() {
         let dir = tempfile::tempdir().unwrap();
-        let err = check_project(dir.path()).unwrap_err();
+        let err = check_project(dir.path()).unwrap_err().to_string();
         assert!(err.contains("is not a git repository"), "{err}");
-        let err = check_project(&dir.path().join("missing")).unwrap_err();
+        let err = check_project(&dir.path().join("missing"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("does not exist"), "{err}");
+    }
+
+    /// The sentences are today's, and a project check answers Invalid on
+    /// its own but Failed inside the prepare helper.
+    #[test]
+    fn errors_say_what_they_said_with_the_kind_they_had() {
+        let git = || git2::Error::new(git2::ErrorCode::Ambiguous, git2::ErrorClass::Os, "odd");
+        let p = PathBuf::from("/p");
+        let open = ProjectError::CannotOpen {
+            path: p.clone(),
+            source: git(),
+        };
+        let said = "project path /p cannot be opened as a git repository: odd";
+        assert_eq!(open.to_string(), said);
+        assert!(matches!(HelperError::from(open), HelperError::Invalid(m) if m == said));
+        let missing = || ProjectError::Missing {
+            path: p.clone(),
+            source: std::io::ErrorKind::NotFound.into(),
+        };
+        let prepared = HelperError::from(WorkspaceHelperError::from(missing()));
+        assert!(matches!(prepared, HelperError::Failed(m) if m == missing().to_string()));
+        for (e, said) in [
+            (
+                WorkspaceHelperError::Clone {
+                    path: p.clone(),
+                    source: git(),
+                },
+                "cloning /p failed: odd",
+            ),
+            (
+                WorkspaceHelperError::Empty {
+                    path: p.clone(),
+                    source: nix::Error::EBUSY,
+                },
+                "cannot empty /p: EBUSY: Device or resource busy",
+            ),
+            (git().into(), "odd"),
+        ] {
+            assert_eq!(e.to_string(), said);
+        }
     }
 
     #[test]

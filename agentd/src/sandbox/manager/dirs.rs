@@ -49,7 +49,7 @@ impl Manager {
             return tokio::task::spawn_blocking(move || workspace::check_project(&path))
                 .await
                 .map_err(HelperError::failed)?
-                .map_err(HelperError::Invalid);
+                .map_err(HelperError::from);
         }
         helpers::call::<auth::CheckProject>(
             &*self.helpers,
