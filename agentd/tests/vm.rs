@@ -268,11 +268,13 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     }
     assert!(host_ports.is_empty(), "{host_ports:?}");
 
-    // The home is a disk of its own that outlives the VM.
+    // The home is a disk of its own that outlives the VM: what an agent's
+    // login leaves there stays.
     sh(
         &env,
         "vmtest",
-        "echo 'logged in' > ~/.agent-login && grep -q ' /home/agent ext4 ' /proc/mounts",
+        "mkdir -p ~/.claude && echo 'logged in' > ~/.claude/.credentials.json \
+         && grep -q ' /home/agent ext4 ' /proc/mounts",
     );
 
     env.ok(&["stop", "vmtest"]);
@@ -288,7 +290,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
 
     // The workspace and the home persist: a second start sees both files.
     env.ok(&["start", "vmtest"]);
-    let out = sh(&env, "vmtest", "cat vm.txt ~/.agent-login");
+    let out = sh(&env, "vmtest", "cat vm.txt ~/.claude/.credentials.json");
     assert_eq!(out, "made in a VM\nlogged in\n");
     // A forced stop kills the VM at once; destroy removes the rest.
     env.ok(&["stop", "--force", "vmtest"]);
@@ -366,7 +368,11 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
         .unwrap()
         .to_owned();
     assert!(limits.contains("workspace over 9p"), "{limits}");
-    sh(&env, "survivor", "echo via-9p > /workspace/shared.txt");
+    sh(
+        &env,
+        "survivor",
+        "echo via-9p > /workspace/shared.txt; mkdir -p ~/.codex && echo token > ~/.codex/auth.json",
+    );
     // No NIC: its only way out is the egress gateway, over vsock. The host's
     // loopback (QEMU's old 10.0.2.2) answers only through an address-range
     // entry.
@@ -463,6 +469,8 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     );
     let out = env.ok(&["exec", "survivor", "--", "cat", "/etc/hostname"]);
     assert_eq!(out, "survivor\n");
+    // The agent's login is still there in the adopted guest.
+    assert_eq!(sh(&env, "survivor", "cat ~/.codex/auth.json"), "token\n");
     // The restarted agentd serves the guest's gateway again.
     assert_eq!(through_gateway(&env), "host-loopback-service");
 
