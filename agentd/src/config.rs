@@ -335,6 +335,66 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.default_agent`.
     #[serde(default)]
     pub default_agent: Option<Agent>,
+    /// Secrets read from files at each start (NixOS
+    /// `sandboxes.<name>.secrets.<VAR>`, agenix or sops-nix), by variable.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub secrets: BTreeMap<String, DeclaredSecret>,
+}
+
+/// A secret of a declared sandbox: its value is read from `file` at each
+/// start of the sandbox (docs/agents.md).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeclaredSecret {
+    /// Absolute path of the file that holds the value (one line).
+    pub file: PathBuf,
+    /// The host whose requests get the value.
+    pub host: String,
+    /// The header that carries it; `authorization` with `bearer`.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// `Authorization: Bearer <value>`.
+    #[serde(default)]
+    pub bearer: bool,
+}
+
+impl DeclaredSecret {
+    /// The header, lowercase: `authorization` with `bearer`.
+    #[must_use]
+    pub fn header(&self) -> String {
+        match (&self.header, self.bearer) {
+            (Some(h), _) => h.to_ascii_lowercase(),
+            (None, true) => "authorization".to_owned(),
+            (None, false) => String::new(),
+        }
+    }
+
+    /// What is wrong with it as the secret of `var` (the value aside), in
+    /// the words of the NixOS module's `validate`.
+    #[must_use]
+    pub fn problems(&self, var: &str) -> Vec<String> {
+        let header = self.header();
+        let mut p: Vec<String> = crate::secrets::problems(
+            var,
+            &self.host.to_ascii_lowercase(),
+            if header.is_empty() { "x" } else { &header },
+            b"x",
+        );
+        if header.is_empty() {
+            p.push("set header (such as \"x-api-key\") or bearer = true".to_owned());
+        }
+        if self.bearer && header != "authorization" {
+            p.push("bearer goes with the authorization header only".to_owned());
+        }
+        let mut p: Vec<String> = p
+            .into_iter()
+            .map(|m| format!("secrets.{var}: {m}"))
+            .collect();
+        if !self.file.is_absolute() {
+            p.push(format!("secrets.{var}.file must be an absolute path"));
+        }
+        p
+    }
 }
 
 impl DeclaredSandbox {
@@ -530,6 +590,22 @@ impl DaemonConfig {
                 sp.push(format!("owner '{}' is not a user on this host", s.owner));
             }
             validate::check_config(&s.config(&self.defaults), &mut sp);
+            for (var, secret) in &s.secrets {
+                sp.extend(secret.problems(var));
+            }
+            if s.secrets.len() > crate::secrets::PER_SANDBOX_MAX {
+                sp.push(format!(
+                    "secrets: at most {} per sandbox",
+                    crate::secrets::PER_SANDBOX_MAX
+                ));
+            }
+            let backend = s.backend.or(self.default_backend);
+            if !s.secrets.is_empty() && backend == Some(BackendKind::Microvm) {
+                sp.push(
+                    "secrets work in local and vm sandboxes for now; set this sandbox's backend to \"vm\""
+                        .to_owned(),
+                );
+            }
             p.extend(sp.into_iter().map(|m| format!("sandboxes.{name}: {m}")));
         }
         p

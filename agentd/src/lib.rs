@@ -239,6 +239,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             default_backend: config.default_backend.unwrap_or(BackendKind::Local),
             defaults: config.defaults.clone(),
             egress: config.egress.clone(),
+            declared_secrets: config
+                .sandboxes
+                .iter()
+                .map(|(name, d)| (name.clone(), d.secrets.clone()))
+                .collect(),
         },
         vec![local, microvm, vm],
         Arc::new(sandbox::helpers::Processes::new(exe)),

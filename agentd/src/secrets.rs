@@ -40,6 +40,10 @@ pub struct Secret {
     pub placeholder: String,
     /// The value.
     pub value: String,
+    /// Read from a file that agentd's configuration names
+    /// ([`crate::config::DeclaredSecret`]), not set over the bus.
+    #[serde(default)]
+    pub declared: bool,
 }
 
 impl std::fmt::Debug for Secret {
@@ -49,6 +53,7 @@ impl std::fmt::Debug for Secret {
             .field("host", &self.host)
             .field("header", &self.header)
             .field("bearer", &self.bearer)
+            .field("declared", &self.declared)
             .finish_non_exhaustive()
     }
 }
@@ -65,6 +70,22 @@ pub enum SecretError {
         /// What was being done.
         what: &'static str,
         /// Where.
+        path: PathBuf,
+        /// Why not.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file of a secret that agentd's configuration declares could not
+    /// be read.
+    #[error(
+        "cannot read {}, the file of secret {var} in agentd's configuration: {source}; \
+         check that it exists and that agentd's user can read it (agenix, sops-nix: is the secret deployed?)",
+        path.display()
+    )]
+    DeclaredFile {
+        /// The variable.
+        var: String,
+        /// The file.
         path: PathBuf,
         /// Why not.
         #[source]
@@ -134,6 +155,38 @@ pub fn problems(var: &str, host: &str, header: &str, value: &[u8]) -> Vec<String
         );
     }
     p
+}
+
+/// The contents of `path`, a secret's file that agentd's configuration
+/// names (agenix and sops-nix place links to it, so links are followed: the
+/// administrator chose the path, no sandbox can write there). Only a
+/// regular file, of at most [`VALUE_MAX`] bytes and a line end.
+pub fn read_value_file(var: &str, path: &Path) -> Result<Vec<u8>, SecretError> {
+    use std::io::Read;
+    let err = |source| SecretError::DeclaredFile {
+        var: var.to_owned(),
+        path: path.to_owned(),
+        source,
+    };
+    // (Non-blocking: a FIFO put there would otherwise hold the start.)
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(err)?;
+    if !f.metadata().map_err(err)?.is_file() {
+        return Err(err(std::io::Error::other("not a regular file")));
+    }
+    let mut value = Vec::new();
+    f.take(VALUE_MAX as u64 + 3)
+        .read_to_end(&mut value)
+        .map_err(err)?;
+    if value.len() > VALUE_MAX + 2 {
+        return Err(err(std::io::Error::other(format!(
+            "larger than {VALUE_MAX} bytes"
+        ))));
+    }
+    Ok(value)
 }
 
 /// A fresh placeholder: what the variable holds inside the sandbox.
@@ -366,6 +419,7 @@ mod tests {
             bearer: false,
             placeholder: placeholder(),
             value: "sk-real".into(),
+            declared: false,
         };
         let first = store.set("demo", s.clone()).unwrap();
         // A new value keeps the placeholder the sandbox already has.
@@ -399,5 +453,43 @@ mod tests {
         assert!(!store.remove("demo", "ANTHROPIC_API_KEY").unwrap());
         store.remove_all("demo");
         assert!(!dir.path().join("secrets/demo.ca.key").exists());
+    }
+
+    #[test]
+    fn a_secret_file_is_read_through_links_but_never_a_fifo_or_a_large_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        fs::write(d.join("key"), "sk-file\n").unwrap();
+        // agenix and sops-nix give a link to the file.
+        std::os::unix::fs::symlink(d.join("key"), d.join("link")).unwrap();
+        assert_eq!(
+            read_value_file("KEY", &d.join("link")).unwrap(),
+            b"sk-file\n"
+        );
+        // A FIFO would hold the start until someone writes: refused at once.
+        nix::unistd::mkfifo(
+            &d.join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        let err = read_value_file("KEY", &d.join("fifo"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not a regular file"), "{err}");
+        fs::write(d.join("big"), vec![b'a'; VALUE_MAX + 3]).unwrap();
+        let err = read_value_file("KEY", &d.join("big"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("larger than"), "{err}");
+        let err = read_value_file("KEY", &d.join("missing"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(&format!(
+                "cannot read {}, the file of secret KEY in agentd's configuration: ",
+                d.join("missing").display()
+            )),
+            "{err}"
+        );
     }
 }

@@ -199,3 +199,94 @@ fn bad_secrets_are_refused_with_every_problem_and_change_nothing() {
     let err = env.fails(1, &["secret", "rm", "bad", "NOPE"]);
     assert!(err.contains("has no secret named NOPE"), "{err}");
 }
+
+#[test]
+fn a_declared_secret_is_read_from_its_file_at_each_start_and_changed_only_there() {
+    // agentd's configuration names the file (NixOS: an agenix or sops-nix
+    // path); the value never passes through agentctl.
+    let mut env = Env::bus_only();
+    let certs = tls(env.tmp.path(), &["api.secret.test"]);
+    env.agentd_env
+        .push(("SSL_CERT_FILE".into(), Some(certs.ca.display().to_string())));
+    let repo = env.repo("decl");
+    let user = nix::unistd::User::from_uid(nix::unistd::Uid::effective())
+        .unwrap()
+        .unwrap()
+        .name;
+    let key = env.tmp.path().join("anthropic.key");
+    let first = format!("sk-first-{}", uuid::Uuid::new_v4().simple());
+    std::fs::write(&key, format!("{first}\n")).unwrap();
+    let config = env.tmp.path().join("agentd.json");
+    let secret = serde_json::json!({"file": key, "host": "api.secret.test", "header": "x-api-key"});
+    std::fs::write(
+        &config,
+        serde_json::json!({
+            "egress": {"hosts": {"api.secret.test": "127.0.0.1"}},
+            "sandboxes": {"decl": {"project": repo, "owner": user, "backend": "local",
+                                   "secrets": {"ANTHROPIC_API_KEY": secret}}}
+        })
+        .to_string(),
+    )
+    .unwrap();
+    env.config = Some(config);
+    env.start_agentd();
+    let origin = Origin::start(
+        env.tmp.path(),
+        "origin.py",
+        include_str!("secrets/origin.py"),
+        &certs,
+    );
+    env.ok(&["start", "decl"]);
+    let allow = format!("127.0.0.1/32:{}", origin.port);
+    env.ok(&["egress", "decl", "allow", &allow]);
+    let call = format!(
+        "curl -sS --max-time 20 -H \"x-api-key: $ANTHROPIC_API_KEY\" \
+         https://api.secret.test:{}/v1/messages",
+        origin.port
+    );
+    let run = |script: &str| env.ok(&["exec", "decl", "--", "sh", "-c", script]);
+    let placeholder = run("printf %s \"$ANTHROPIC_API_KEY\"");
+    assert!(
+        placeholder.starts_with("keystone-placeholder-"),
+        "{placeholder}"
+    );
+    assert_eq!(run(&call), format!("echo {}", "*".repeat(first.len())));
+    assert_eq!(origin.requests()[0]["x-api-key"], first.as_str());
+
+    // Changed over the bus: refused, naming where it is changed.
+    let err = env.fails(4, &["secret", "rm", "decl", "ANTHROPIC_API_KEY"]);
+    assert!(
+        err.contains("keystone.agent.sandboxes.decl.secrets.ANTHROPIC_API_KEY"),
+        "{err}"
+    );
+
+    // A new value in the file (a rotated key) takes effect at the next
+    // start; the placeholder stays what running agents hold.
+    let second = format!("sk-second-{}", uuid::Uuid::new_v4().simple());
+    std::fs::write(&key, format!("{second}\n")).unwrap();
+    env.ok(&["stop", "decl"]);
+    env.ok(&["start", "decl"]);
+    assert_eq!(run("printf %s \"$ANTHROPIC_API_KEY\""), placeholder);
+    run(&call);
+    assert_eq!(origin.requests()[1]["x-api-key"], second.as_str());
+    let store = env.state_dir.join("secrets");
+    for v in [&first, &second] {
+        let leaks = common::files_with(&env.state_dir, v.as_bytes(), &store);
+        assert!(leaks.is_empty(), "{leaks:?}");
+        assert!(!env.log().contains(v.as_str()));
+    }
+
+    // A file that is gone fails the start, naming the variable's file, and
+    // leaves the sandbox in error with that reason.
+    std::fs::remove_file(&key).unwrap();
+    env.ok(&["stop", "decl"]);
+    let err = env.fails(3, &["start", "decl"]);
+    assert!(
+        err.contains(&format!(
+            "cannot read {}, the file of secret ANTHROPIC_API_KEY",
+            key.display()
+        )),
+        "{err}"
+    );
+    assert_eq!(env.state("decl"), "error");
+}

@@ -252,6 +252,58 @@ let
             discovers.
           '';
         };
+        secrets = lib.mkOption {
+          type = types.attrsOf (
+            types.submodule {
+              options = {
+                file = lib.mkOption {
+                  type = types.str;
+                  example = "/run/agenix/anthropic-key";
+                  description = ''
+                    Absolute path of the file that holds the value (one line),
+                    read by agentd at each start of the sandbox: an agenix or
+                    sops-nix secret readable by root. Never copied into the
+                    Nix store, the sandbox or agentd's configuration.
+                  '';
+                };
+                host = lib.mkOption {
+                  type = types.str;
+                  example = "api.anthropic.com";
+                  description = "The host whose HTTPS requests get the value.";
+                };
+                header = lib.mkOption {
+                  type = types.nullOr types.str;
+                  default = null;
+                  example = "x-api-key";
+                  description = "The header that carries the value; `null` with {option}`bearer` (`authorization`).";
+                };
+                bearer = lib.mkOption {
+                  type = types.bool;
+                  default = false;
+                  description = "Send `Authorization: Bearer <value>`.";
+                };
+              };
+            }
+          );
+          default = { };
+          example = lib.literalExpression ''
+            {
+              ANTHROPIC_API_KEY = {
+                file = config.age.secrets.anthropic.path;
+                host = "api.anthropic.com";
+                header = "x-api-key";
+              };
+            }
+          '';
+          description = ''
+            Secrets the sandbox's agent can use but not read (docs/agents.md),
+            by environment variable: inside, the variable holds a placeholder,
+            and agentd's egress gateway puts the value in the header of
+            requests to the host. A new value in the file takes effect at the
+            sandbox's next start. `local` and `vm` sandboxes only for now.
+            agentd: `sandboxes.<name>.secrets`.
+          '';
+        };
         guestConfig = lib.mkOption {
           type = types.deferredModule;
           default = { };

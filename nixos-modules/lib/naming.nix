@@ -175,6 +175,7 @@ let
       envFiles = null;
       persist = null;
       defaultAgent = null;
+      secrets = { };
     };
   };
 
@@ -408,6 +409,17 @@ let
       inherit (s) owner autostart ports;
     }
     // optionalAttrs (s.backend != null) { inherit (s) backend; }
+    // optionalAttrs ((s.secrets or { }) != { }) {
+      secrets = mapAttrs (
+        _: x:
+        {
+          file = toString x.file;
+          inherit (x) host;
+          bearer = x.bearer or false;
+        }
+        // optionalAttrs ((x.header or null) != null) { inherit (x) header; }
+      ) s.secrets;
+    }
     // listToAttrs (
       map (key: {
         name = settingFields.${key};
@@ -548,6 +560,27 @@ let
           ++ clashes name "tapId" "tap interface"
           ++ clashes name "address" "address"
           ++ clashes name "cid" "vsock CID"
+          ++ optional ((s.secrets or { }) != { } && sandboxBackend c name == "microvm")
+            "secrets work in local and vm sandboxes for now; set this sandbox's backend to \"vm\""
+          ++ concatLists (
+            map (
+              var:
+              let
+                x = s.secrets.${var};
+              in
+              optional (!hasPrefix "/" (toString (x.file or ""))) "secrets.${var}.file must be an absolute path"
+              ++ optional ((x.header or null) == null && !(x.bearer or false))
+                "secrets.${var}: set header (such as \"x-api-key\") or bearer = true"
+              ++ optional (
+                (x.bearer or false)
+                && !(elem (x.header or null) [
+                  null
+                  "authorization"
+                  "Authorization"
+                ])
+              ) "secrets.${var}: bearer goes with the authorization header only"
+            ) (attrNames (s.secrets or { }))
+          )
           ++ optional (sandboxBackend c name == "vm" && c.vm.image == null)
             "the vm backend needs keystone.agent.vm.image (the flake's nixosModules.default sets it to the guest-image package)"
           ++ concatLists (

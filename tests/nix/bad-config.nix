@@ -28,5 +28,16 @@
       disk = 8;
       envFiles = [ "config/.env" ];
     };
+    # Secrets on the default (microvm) backend, from a relative file, with
+    # no header.
+    keys = {
+      project = "/srv/src/keys";
+      memory = 1024;
+      owner = "root";
+      secrets.TOKEN = {
+        file = "run/token";
+        host = "api.example.com";
+      };
+    };
   };
 }

@@ -77,6 +77,9 @@ pub struct ManagerSettings {
     pub defaults: SandboxConfig,
     /// The egress gateway's preset, extras and static names.
     pub egress: crate::config::EgressConfig,
+    /// The secrets of declared sandboxes, read from their files at each
+    /// start: by sandbox, then variable.
+    pub declared_secrets: BTreeMap<String, BTreeMap<String, crate::config::DeclaredSecret>>,
 }
 
 /// The locks of one sandbox. Whoever needs more than one takes them in

@@ -183,6 +183,10 @@ impl Manager {
                 return Err(e);
             }
         }
+        if let Err(e) = self.read_declared_secrets(&sb) {
+            self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
+            return Err(e);
+        }
         let spec = self.spec(&sb);
         match backend.start(&spec).await {
             Ok(mut rt) => {

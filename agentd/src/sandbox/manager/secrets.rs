@@ -85,6 +85,7 @@ impl Manager {
         value: &[u8],
     ) -> Result<()> {
         let sb = self.get(caller, name)?;
+        self.refuse_declared(name, var)?;
         if !matches!(sb.backend, BackendKind::Local | BackendKind::Vm) {
             return Err(Error::Invalid(vec![format!(
                 "sandbox '{name}' runs on the {} backend: secrets work in local and vm sandboxes for now",
@@ -108,6 +109,7 @@ impl Manager {
             bearer,
             placeholder: crate::secrets::placeholder(),
             value: String::from_utf8_lossy(value).into_owned(),
+            declared: false,
         };
         store.set(name, secret).map_err(|e| secret_error(name, e))?;
         let ca = store.ca(name).map_err(|e| secret_error(name, e))?;
@@ -169,6 +171,7 @@ impl Manager {
     /// Remove the secret of `var` from sandbox `name`; whether it had one.
     pub fn remove_secret(&self, caller: Caller, name: &str, var: &str) -> Result<bool> {
         self.get(caller, name)?;
+        self.refuse_declared(name, var)?;
         let _changing = changing();
         let gone = self
             .secret_store()
@@ -178,6 +181,81 @@ impl Manager {
             tracing::info!(sandbox = %name, var, "secret removed");
         }
         Ok(gone)
+    }
+
+    /// A secret that agentd's configuration declares is changed there only.
+    fn refuse_declared(&self, name: &str, var: &str) -> Result<()> {
+        let declared = self.settings.declared_secrets.get(name);
+        if declared.is_some_and(|d| d.contains_key(var)) {
+            return Err(Error::Invalid(vec![format!(
+                "sandbox '{name}': {var} is declared in agentd's configuration \
+                 (NixOS: keystone.agent.sandboxes.{name}.secrets.{var}); change it there"
+            )]));
+        }
+        Ok(())
+    }
+
+    /// Read the secrets that agentd's configuration declares for `sb` from
+    /// their files into the store (a changed file takes effect at this
+    /// start; the placeholder stays), and drop declared ones that are no
+    /// longer declared. A file that cannot be read, or holds no usable
+    /// value, fails the start with the variable and the file named.
+    pub(super) fn read_declared_secrets(&self, sb: &Sandbox) -> Result<()> {
+        let name = sb.name.as_str();
+        let declared = self.settings.declared_secrets.get(name);
+        let store = self.secret_store();
+        let _changing = changing();
+        let err = |e| secret_error(name, e);
+        for s in store.load(name).map_err(err)? {
+            if s.declared && declared.is_none_or(|d| !d.contains_key(&s.var)) {
+                store.remove(name, &s.var).map_err(err)?;
+                tracing::info!(sandbox = %name, var = %s.var, "declared secret removed");
+            }
+        }
+        let Some(declared) = declared.filter(|d| !d.is_empty()) else {
+            return Ok(());
+        };
+        if !matches!(sb.backend, BackendKind::Local | BackendKind::Vm) {
+            return Err(Error::Invalid(vec![format!(
+                "sandbox '{name}' runs on the {} backend: secrets work in local and vm sandboxes for now",
+                sb.backend
+            )]));
+        }
+        for (var, d) in declared {
+            let raw = crate::secrets::read_value_file(var, &d.file).map_err(err)?;
+            let value = raw.strip_suffix(b"\n").unwrap_or(&raw);
+            let value = value.strip_suffix(b"\r").unwrap_or(value);
+            let host = d.host.to_ascii_lowercase();
+            let header = d.header();
+            let problems = crate::secrets::problems(var, &host, &header, value);
+            if !problems.is_empty() {
+                return Err(Error::Invalid(
+                    problems
+                        .into_iter()
+                        .map(|m| {
+                            format!(
+                                "sandbox '{name}': secret {var} from {}: {m}",
+                                d.file.display()
+                            )
+                        })
+                        .collect(),
+                ));
+            }
+            let secret = Secret {
+                var: var.clone(),
+                host,
+                header,
+                bearer: d.bearer,
+                placeholder: crate::secrets::placeholder(),
+                value: String::from_utf8_lossy(value).into_owned(),
+                declared: true,
+            };
+            store.set(name, secret).map_err(err)?;
+        }
+        let ca = store.ca(name).map_err(err)?;
+        self.write_ca_files(name, &sb.id, &ca.cert_pem)?;
+        tracing::info!(sandbox = %name, secrets = declared.len(), "declared secrets read");
+        Ok(())
     }
 
     /// Forget the secrets and CA of a destroyed sandbox.

@@ -236,6 +236,7 @@ fn fixture() -> Fixture {
             default_backend: BackendKind::Microvm,
             defaults: SandboxConfig::default(),
             egress: crate::config::EgressConfig::default(),
+            declared_secrets: std::collections::BTreeMap::new(),
         },
         vec![Arc::clone(&backend) as Arc<dyn Backend>],
         Arc::clone(&helpers) as Arc<dyn Helpers>,
