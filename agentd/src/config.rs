@@ -599,13 +599,6 @@ impl DaemonConfig {
                     crate::secrets::PER_SANDBOX_MAX
                 ));
             }
-            let backend = s.backend.or(self.default_backend);
-            if !s.secrets.is_empty() && backend == Some(BackendKind::Microvm) {
-                sp.push(
-                    "secrets work in local and vm sandboxes for now; set this sandbox's backend to \"vm\""
-                        .to_owned(),
-                );
-            }
             p.extend(sp.into_iter().map(|m| format!("sandboxes.{name}: {m}")));
         }
         p

@@ -27,10 +27,27 @@ fn setup() -> Option<(Env, FakeSystemd, SocketAddrV4)> {
     setup_with(|_| serde_json::json!({}))
 }
 
+/// [`setup`] with more of agentd's configuration (`extra`'s top-level
+/// fields) and its environment.
+fn setup_extra(
+    extra: serde_json::Value,
+    agentd_env: &[(&str, &str)],
+) -> Option<(Env, FakeSystemd, SocketAddrV4)> {
+    setup_full(|_| serde_json::json!({}), extra, agentd_env)
+}
+
 /// [`setup`] with `sandboxes` (given the test's environment) declared in
 /// agentd's configuration.
 fn setup_with(
     sandboxes: impl FnOnce(&Env) -> serde_json::Value,
+) -> Option<(Env, FakeSystemd, SocketAddrV4)> {
+    setup_full(sandboxes, serde_json::json!({}), &[])
+}
+
+fn setup_full(
+    sandboxes: impl FnOnce(&Env) -> serde_json::Value,
+    extra: serde_json::Value,
+    agentd_env: &[(&str, &str)],
 ) -> Option<(Env, FakeSystemd, SocketAddrV4)> {
     if !is_root() {
         eprintln!("skipped: the stand-in guest (sshd in a mount namespace) needs root");
@@ -41,7 +58,10 @@ fn setup_with(
     let gateway = SocketAddrV4::new(Ipv4Addr::LOCALHOST, free_port());
     let fake = FakeSystemd::start(&env.address, env.state_dir.clone(), port);
     let config = env.tmp.path().join("agentd.json");
-    let cfg = serde_json::json!({
+    for (k, v) in agentd_env {
+        env.agentd_env.push(((*k).into(), Some((*v).into())));
+    }
+    let mut cfg = serde_json::json!({
         "sandboxes": sandboxes(&env),
         "microvm": {
             "systemd_bus": env.address,
@@ -53,6 +73,9 @@ fn setup_with(
             "start_timeout_seconds": 30
         }
     });
+    for (k, v) in extra.as_object().unwrap() {
+        cfg[k] = v.clone();
+    }
     std::fs::write(&config, cfg.to_string()).unwrap();
     env.config = Some(config);
     env.start_agentd();
@@ -480,4 +503,83 @@ fn guests_share_the_gateway_and_each_connection_is_their_sandbox_s_by_its_source
             .ends_with("origin-body")
     );
     drop(fake);
+}
+
+#[test]
+fn a_microvm_guest_uses_a_secret_through_the_shared_gateway_without_reading_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = common::tls::tls(dir.path(), &["api.secret.test"]);
+    let ca = certs.ca.display().to_string();
+    let Some((env, _fake, gateway)) = setup_extra(
+        serde_json::json!({"egress": {"hosts": {"api.secret.test": "127.0.0.1"}}}),
+        &[("SSL_CERT_FILE", ca.as_str())],
+    ) else {
+        return;
+    };
+    let origin = common::tls::Origin::start(
+        dir.path(),
+        "origin.py",
+        include_str!("secrets/origin.py"),
+        &certs,
+    );
+    let repo = env.repo("mvs");
+    env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
+    // Set before the first start: the guest's share does not exist yet,
+    // and the start puts the CA there.
+    let value = format!("sk-microvm-{}", uuid::Uuid::new_v4().simple());
+    let out = env.ctl_with_stdin(
+        &[
+            "secret",
+            "set",
+            "mvs",
+            "ANTHROPIC_API_KEY",
+            "--host",
+            "api.secret.test",
+            "--header",
+            "x-api-key",
+        ],
+        value.as_bytes(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    env.ok(&["start", "mvs"]);
+    let allow = format!("127.0.0.1/32:{}", origin.port);
+    env.ok(&["egress", "mvs", "allow", &allow]);
+    let sh = |script: &str| env.ok(&["exec", "mvs", "--", "sh", "-c", script]);
+    let placeholder = sh("printf %s \"$ANTHROPIC_API_KEY\"");
+    assert!(
+        placeholder.starts_with("keystone-placeholder-"),
+        "{placeholder}"
+    );
+    assert_eq!(
+        sh("echo $NODE_EXTRA_CA_CERTS $CURL_CA_BUNDLE").trim(),
+        "/var/lib/keystone-agent/ssh/keystone-ca.pem /var/lib/keystone-agent/ssh/keystone-ca-bundle.pem"
+    );
+    // The guest's connection, from its own address, through the gateway
+    // the guests share: the host gets the value, the guest sees it masked.
+    let guest = address_of("mvs", SUBNET);
+    let answer = sh(&format!(
+        "curl -sS --max-time 20 --interface {guest} --proxy http://{gateway} \
+         -H \"x-api-key: $ANTHROPIC_API_KEY\" https://api.secret.test:{}/v1/messages",
+        origin.port
+    ));
+    let got = origin.requests();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["x-api-key"], value.as_str());
+    assert_eq!(answer, format!("echo {}", "*".repeat(value.len())));
+    // The share holds the certificate, never the CA's key or the value.
+    let share = env.state_dir.join("sandboxes/mvs/ssh");
+    let leaks = common::files_with(&share, value.as_bytes(), &env.state_dir.join("secrets"));
+    assert!(leaks.is_empty(), "{leaks:?}");
+    let cert = std::fs::read_to_string(share.join("keystone-ca.pem")).unwrap();
+    assert!(cert.starts_with("-----BEGIN CERTIFICATE-----"), "{cert}");
+    assert!(
+        !std::fs::read_to_string(share.join("keystone-ca-bundle.pem"))
+            .unwrap()
+            .contains("PRIVATE KEY")
+    );
+    env.ok(&["stop", "mvs"]);
 }

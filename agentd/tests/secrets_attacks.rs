@@ -62,8 +62,8 @@ fn setup_logging(log: &str) -> Setup {
 }
 
 fn set_secret(env: &Env, host: &str, header: &str, value: &str) {
-    let mut set = env
-        .ctl_cmd(&[
+    let out = env.ctl_with_stdin(
+        &[
             "secret",
             "set",
             "sec",
@@ -72,17 +72,9 @@ fn set_secret(env: &Env, host: &str, header: &str, value: &str) {
             host,
             "--header",
             header,
-        ])
-        .stdin(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    set.stdin
-        .take()
-        .unwrap()
-        .write_all(value.as_bytes())
-        .unwrap();
-    let out = set.wait_with_output().unwrap();
+        ],
+        value.as_bytes(),
+    );
     assert!(
         out.status.success(),
         "{}",

@@ -300,7 +300,7 @@ let
             by environment variable: inside, the variable holds a placeholder,
             and agentd's egress gateway puts the value in the header of
             requests to the host. A new value in the file takes effect at the
-            sandbox's next start. `local` and `vm` sandboxes only for now.
+            sandbox's next start.
             agentd: `sandboxes.<name>.secrets`.
           '';
         };

@@ -560,8 +560,6 @@ let
           ++ clashes name "tapId" "tap interface"
           ++ clashes name "address" "address"
           ++ clashes name "cid" "vsock CID"
-          ++ optional ((s.secrets or { }) != { } && sandboxBackend c name == "microvm")
-            "secrets work in local and vm sandboxes for now; set this sandbox's backend to \"vm\""
           ++ concatLists (
             map (
               var:

@@ -28,8 +28,7 @@
       disk = 8;
       envFiles = [ "config/.env" ];
     };
-    # Secrets on the default (microvm) backend, from a relative file, with
-    # no header.
+    # A secret from a relative file, with no header.
     keys = {
       project = "/srv/src/keys";
       memory = 1024;

@@ -285,6 +285,21 @@ impl Env {
         self.ctl_as(None, args)
     }
 
+    /// Run agentctl with `input` on its standard input (a secret's value,
+    /// which must never be an argument).
+    pub fn ctl_with_stdin(&self, args: &[&str], input: &[u8]) -> Output {
+        use std::io::Write as _;
+        let mut c = self
+            .ctl_cmd(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(input).unwrap();
+        c.wait_with_output().unwrap()
+    }
+
     /// Run agentctl, as `uid` when given (root only), else as the
     /// environment's user.
     pub fn ctl_as(&self, uid: Option<u32>, args: &[&str]) -> Output {

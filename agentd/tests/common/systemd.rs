@@ -5,7 +5,8 @@
 //! `StartUnit("microvm@NAME.service")` runs a stand-in guest: sshd on a
 //! loopback port with the host key and `authorized_keys` agentd provisioned
 //! for the sandbox, in a private mount namespace where the sandbox's
-//! workspace is at `/workspace`. It listens on 127.0.0.1, or, given a
+//! workspace is at `/workspace` and its `ssh/` share, read-only, at
+//! `/var/lib/keystone-agent/ssh` (as the guest module mounts them). It listens on 127.0.0.1, or, given a
 //! loopback subnet (`127.0.0.0/16`), on the guest's own address derived
 //! from it, as a real guest does on the bridge. `microvm@broken.service`
 //! fails to start; `microvm@stuck.service` refuses to stop.
@@ -166,7 +167,13 @@ impl Manager {
                 return;
             }
             let ws = dir.join("workspace");
-            let script = r#"mkdir -p /workspace /run/sshd && mount --bind "$1" /workspace && exec /usr/sbin/sshd -D -e -f /dev/null \
+            // (The guest module's read-only `keystone-ssh` share, at its
+            // place, over a tmpfs of this namespace: nothing is made in the
+            // host's /var/lib.)
+            let script = r#"mkdir -p /workspace /run/sshd && mount --bind "$1" /workspace \
+ && mount -t tmpfs -o mode=0755 guest-var-lib /var/lib && mkdir -p /var/lib/keystone-agent/ssh \
+ && mount --bind "$3/ssh" /var/lib/keystone-agent/ssh && mount -o remount,bind,ro /var/lib/keystone-agent/ssh \
+ && exec /usr/sbin/sshd -D -e -f /dev/null \
  -o ListenAddress="$4" -p "$2" -h "$3/ssh/ssh_host_ed25519_key" \
  -o AuthorizedKeysFile="$3/ssh/authorized_keys" -o StrictModes=no -o PidFile=none \
  -o UsePAM=no -o PermitRootLogin=prohibit-password"#;

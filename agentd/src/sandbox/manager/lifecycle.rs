@@ -204,6 +204,7 @@ impl Manager {
                     s.runtime = Some(rt);
                 })?;
                 self.monitor(name);
+                self.place_ca_files(&sb);
                 Ok(sb)
             }
             Err(e) => {

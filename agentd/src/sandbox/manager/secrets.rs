@@ -34,6 +34,36 @@ const SYSTEM_BUNDLES: &[&str] = &[
     "/etc/ssl/cert.pem",
 ];
 
+/// A `microvm` guest's CA certificate and bundle, in its `ssh/` share
+/// (the guest module mounts it at [`MICROVM_SHARE`]).
+const MICROVM_CA: &str = "keystone-ca.pem";
+const MICROVM_BUNDLE: &str = "keystone-ca-bundle.pem";
+/// Where a `microvm` guest sees its `ssh/` share (nixos-modules/guest).
+const MICROVM_SHARE: &str = "/var/lib/keystone-agent/ssh";
+
+/// Where sandbox `sb` reads its CA certificate and the bundle of the
+/// system's roots with it: the files are named by the sandbox's random id
+/// where every sandbox sees the directory (so a listing tells no one which
+/// sandboxes have secrets), and by their role in a guest's own share.
+fn ca_paths(sb: &Sandbox) -> (String, String) {
+    let id = &sb.id;
+    match sb.backend {
+        BackendKind::Local => (
+            format!("/run/keystone/ca/{id}.ca.pem"),
+            format!("/run/keystone/ca/{id}.pem"),
+        ),
+        // agentd's tools directory is shared with the guest there.
+        BackendKind::Vm => (
+            format!("/run/keystone/host/ca/{id}.ca.pem"),
+            format!("/run/keystone/host/ca/{id}.pem"),
+        ),
+        BackendKind::Microvm => (
+            format!("{MICROVM_SHARE}/{MICROVM_CA}"),
+            format!("{MICROVM_SHARE}/{MICROVM_BUNDLE}"),
+        ),
+    }
+}
+
 /// Held while the secret store and the CA files change (or a CA is made):
 /// each change reads, changes and writes whole files, and two at once
 /// would lose one or mix two CAs.
@@ -86,12 +116,6 @@ impl Manager {
     ) -> Result<()> {
         let sb = self.get(caller, name)?;
         self.refuse_declared(name, var)?;
-        if !matches!(sb.backend, BackendKind::Local | BackendKind::Vm) {
-            return Err(Error::Invalid(vec![format!(
-                "sandbox '{name}' runs on the {} backend: secrets work in local and vm sandboxes for now",
-                sb.backend
-            )]));
-        }
         let value = value.strip_suffix(b"\n").unwrap_or(value);
         let value = value.strip_suffix(b"\r").unwrap_or(value);
         let host = host.to_ascii_lowercase();
@@ -113,13 +137,19 @@ impl Manager {
         };
         store.set(name, secret).map_err(|e| secret_error(name, e))?;
         let ca = store.ca(name).map_err(|e| secret_error(name, e))?;
-        self.write_ca_files(name, &sb.id, &ca.cert_pem)?;
+        self.write_ca_files(&sb, &ca.cert_pem)?;
         tracing::info!(sandbox = %name, var, %host, "secret set");
         Ok(())
     }
 
-    fn write_ca_files(&self, name: &str, id: &str, cert_pem: &str) -> Result<()> {
+    /// Write sandbox `sb`'s CA certificate, and a bundle of the system's
+    /// roots with it, where the sandbox reads them ([`ca_paths`]): in
+    /// `<state>/guest/ca/` (local and vm sandboxes), and for a `microvm`
+    /// guest in its `ssh/` share too (once the share exists; every start
+    /// writes them again).
+    fn write_ca_files(&self, sb: &Sandbox, cert_pem: &str) -> Result<()> {
         use std::os::unix::fs::PermissionsExt;
+        let (name, id) = (sb.name.as_str(), sb.id.as_str());
         let dir = self.ca_dir();
         let io = |what: &'static str, path: &std::path::Path| {
             let path = path.to_owned();
@@ -138,11 +168,19 @@ impl Manager {
             .iter()
             .find_map(|p| std::fs::read_to_string(p).ok())
             .unwrap_or_default();
-        for (file, text) in [
-            (format!("{id}.ca.pem"), cert_pem.to_owned()),
-            (format!("{id}.pem"), format!("{system}\n{cert_pem}")),
-        ] {
-            let path = dir.join(file);
+        let bundle = format!("{system}\n{cert_pem}");
+        let mut files = vec![
+            (dir.join(format!("{id}.ca.pem")), cert_pem),
+            (dir.join(format!("{id}.pem")), bundle.as_str()),
+        ];
+        // (The share is read-only to the guest and agentd's own: its files
+        // are replaced by rename, never written through a link.)
+        let share = self.store.registry().sandbox_dir(name).join("ssh");
+        if sb.backend == BackendKind::Microvm && share.is_dir() {
+            files.push((share.join(MICROVM_CA), cert_pem));
+            files.push((share.join(MICROVM_BUNDLE), bundle.as_str()));
+        }
+        for (path, text) in files {
             crate::fsutil::atomic_write(&path, text.as_bytes())
                 .map_err(|e| io("write", &path)(std::io::Error::other(e)))?;
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
@@ -215,12 +253,6 @@ impl Manager {
         let Some(declared) = declared.filter(|d| !d.is_empty()) else {
             return Ok(());
         };
-        if !matches!(sb.backend, BackendKind::Local | BackendKind::Vm) {
-            return Err(Error::Invalid(vec![format!(
-                "sandbox '{name}' runs on the {} backend: secrets work in local and vm sandboxes for now",
-                sb.backend
-            )]));
-        }
         for (var, d) in declared {
             let raw = crate::secrets::read_value_file(var, &d.file).map_err(err)?;
             let value = raw.strip_suffix(b"\n").unwrap_or(&raw);
@@ -253,9 +285,26 @@ impl Manager {
             store.set(name, secret).map_err(err)?;
         }
         let ca = store.ca(name).map_err(err)?;
-        self.write_ca_files(name, &sb.id, &ca.cert_pem)?;
+        self.write_ca_files(sb, &ca.cert_pem)?;
         tracing::info!(sandbox = %name, secrets = declared.len(), "declared secrets read");
         Ok(())
+    }
+
+    /// After a start: the CA files of a sandbox with secrets, where its
+    /// guest reads them (a `microvm` guest's share is made by its start).
+    pub(super) fn place_ca_files(&self, sb: &Sandbox) {
+        let store = self.secret_store();
+        let _changing = changing();
+        if store.load(&sb.name).map_or(true, |l| l.is_empty()) {
+            return;
+        }
+        if let Err(e) = store
+            .ca(&sb.name)
+            .map_err(|e| secret_error(&sb.name, e))
+            .and_then(|ca| self.write_ca_files(sb, &ca.cert_pem))
+        {
+            tracing::warn!(sandbox = %sb.name, error = %e, "cannot place the CA files");
+        }
     }
 
     /// Forget the secrets and CA of a destroyed sandbox.
@@ -277,23 +326,16 @@ impl Manager {
         if list.is_empty() {
             return;
         }
-        let ca = match sb.backend {
-            BackendKind::Local => Some("/run/keystone/ca"),
-            // The tools directory is shared at /opt/keystone/host.
-            BackendKind::Vm => Some("/run/keystone/host/ca"),
-            _ => None,
-        };
         let mut add = |k: &str, v: String| {
             env.entry(k.to_owned()).or_insert(v);
         };
         for s in list {
             add(&s.var, s.placeholder);
         }
-        if let Some(dir) = ca {
-            add("NODE_EXTRA_CA_CERTS", format!("{dir}/{}.ca.pem", sb.id));
-            add("SSL_CERT_FILE", format!("{dir}/{}.pem", sb.id));
-            add("REQUESTS_CA_BUNDLE", format!("{dir}/{}.pem", sb.id));
-            add("CURL_CA_BUNDLE", format!("{dir}/{}.pem", sb.id));
+        let (ca, bundle) = ca_paths(sb);
+        add("NODE_EXTRA_CA_CERTS", ca);
+        for var in ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"] {
+            add(var, bundle.clone());
         }
     }
 
