@@ -79,3 +79,20 @@ pub fn clear_own() -> std::io::Result<()> {
     // zeroed capability structs, as version 3 expects.
     check(unsafe { libc::syscall(libc::SYS_capset, &raw const header, data.as_ptr()) })
 }
+
+/// Be killed (SIGKILL) when the process that started this one, `parent`,
+/// ends; an error when it already has (the signal would never come).
+/// Called again after every change of ids, which clears it.
+/// Async-signal-safe: only `prctl` and `getppid`.
+pub fn end_with_parent(parent: u32) -> std::io::Result<()> {
+    // SAFETY: PR_SET_PDEATHSIG takes a signal number and touches no memory.
+    if unsafe { nix::libc::prctl(nix::libc::PR_SET_PDEATHSIG, nix::libc::SIGKILL) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if u32::try_from(nix::unistd::getppid().as_raw()).ok() != Some(parent) {
+        return Err(std::io::Error::other(
+            "agentd ended before its helper started",
+        ));
+    }
+    Ok(())
+}

@@ -113,6 +113,13 @@ pub enum ConfineError {
         #[source]
         source: std::io::Error,
     },
+    /// The helper could not arrange to end with agentd.
+    #[error("cannot end with agentd: {source}")]
+    Parent {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 fn sys(what: &'static str) -> impl FnOnce(nix::Error) -> ConfineError {
@@ -199,7 +206,13 @@ pub fn apply(c: &Confinement) -> Result<(), ConfineError> {
         let gid = Gid::from_raw(c.gid);
         nix::unistd::setresgid(gid, gid, gid).map_err(sys("setresgid"))?;
         let uid = Uid::from_raw(c.uid);
+        let parent = nix::unistd::getppid();
         nix::unistd::setresuid(uid, uid, uid).map_err(sys("setresuid"))?;
+        // The change of ids cleared the parent-death signal of the spawn.
+        if let Ok(parent) = u32::try_from(parent.as_raw()) {
+            crate::caps::end_with_parent(parent)
+                .map_err(|source| ConfineError::Parent { source })?;
+        }
     }
     // Changing from agentd's user to a subordinate id inside the helper's
     // namespace (where uid 0 is not mapped) keeps every capability there,

@@ -531,3 +531,33 @@ fn destroy_cuts_short_a_sync_the_sandbox_holds_up() {
     assert!(env.list().is_empty());
     assert!(!env.state_dir.join("sandboxes/held").exists());
 }
+
+#[test]
+fn a_helper_the_sandbox_holds_up_ends_with_a_killed_agentd() {
+    let mut env = Env::new();
+    setup(&env, "orphan");
+    sh(
+        &env,
+        "orphan",
+        "echo x > x; git add x; git commit -qm x; h=$(git rev-parse HEAD); \
+         o=.git/objects/$(echo $h | cut -c1-2)/$(echo $h | cut -c3-); rm -f $o; mkfifo $o",
+    );
+    let sync = env
+        .ctl_cmd(&["sync", "orphan"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let reader = env.wait_for_helper("__sync-read");
+    let writer = env.wait_for_helper("__sync-write");
+    // A crash of agentd: the helpers it started, one blocked on the FIFO
+    // for as long as the sandbox likes, end with it instead of staying
+    // behind as orphans.
+    env.kill_agentd();
+    let alive = |pid: i32| agentd::procfs::state(pid).is_some_and(|s| s != 'Z');
+    common::wait_for(
+        "the helpers of the killed agentd to end",
+        std::time::Duration::from_secs(10),
+        || !alive(reader) && !alive(writer),
+    );
+    let _ = sync.wait_with_output();
+}

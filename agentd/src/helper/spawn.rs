@@ -106,6 +106,12 @@ fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, HelperErr
         if let Some(home) = std::env::var_os("HOME") {
             cmd.env("HOME", home);
         }
+        let parent = std::process::id();
+        // SAFETY: only async-signal-safe calls (prctl, getppid) between
+        // fork and exec.
+        unsafe {
+            cmd.as_std_mut().pre_exec(move || end_with_parent(parent));
+        }
         return Ok(cmd);
     }
     if !Uid::effective().is_root() {
@@ -117,18 +123,28 @@ fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, HelperErr
     if let Some(u) = &user {
         cmd.env("HOME", &u.dir).env("USER", &u.name);
     }
+    let parent = std::process::id();
     // Groups first, while still root; then gid, then uid.
-    // SAFETY: only async-signal-safe calls (setgroups, setresgid, setresuid)
-    // between fork and exec.
+    // SAFETY: only async-signal-safe calls (setgroups, setresgid, setresuid,
+    // prctl, getppid) between fork and exec.
     unsafe {
         cmd.as_std_mut().pre_exec(move || {
             nix::unistd::setgroups(&groups)?;
             nix::unistd::setresgid(gid, gid, gid)?;
             nix::unistd::setresuid(Uid::from_raw(uid), Uid::from_raw(uid), Uid::from_raw(uid))?;
-            Ok(())
+            // (After the change of ids, which clears it.)
+            end_with_parent(parent)
         });
     }
     Ok(cmd)
+}
+
+/// In a helper about to run: be killed when agentd (`parent`) ends, so
+/// that a helper the sandbox holds up (a FIFO where git expects an object)
+/// never outlives a killed agentd; and do not run at all when agentd
+/// already ended. Async-signal-safe.
+fn end_with_parent(parent: u32) -> std::io::Result<()> {
+    crate::caps::end_with_parent(parent)
 }
 
 /// `user`'s groups (with `gid`), or `gid` alone.
