@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use keystone_agent_api::{Agent, BackendKind, Egress, Network, SyncMode};
+use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, Network, SyncMode};
 
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
 /// work on a clone of your repository.
@@ -228,6 +228,12 @@ pub enum Command {
         /// Default: agentd's configured default (none: a shell only).
         #[arg(long, value_name = "AGENT", value_parser = str::parse::<Agent>)]
         default_agent: Option<Agent>,
+        /// Where the agents keep their logins: own (this sandbox's home) or
+        /// shared (one directory for all your sandboxes that say shared:
+        /// log in once; but one of them can change what the others read).
+        /// local sandboxes only. Default: own.
+        #[arg(long, value_name = "WHERE", value_parser = str::parse::<AgentHome>)]
+        agent_home: Option<AgentHome>,
         /// The git repository (its top-level directory).
         project_path: PathBuf,
     },

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use keystone_agent_api::types::Ports;
-use keystone_agent_api::{Agent, BackendKind, Egress, Network, SandboxConfig, SyncMode};
+use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, Network, SandboxConfig, SyncMode};
 use serde::{Deserialize, Serialize};
 
 use crate::validate;
@@ -335,6 +335,9 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.default_agent`.
     #[serde(default)]
     pub default_agent: Option<Agent>,
+    /// Override of `defaults.agent_home`.
+    #[serde(default)]
+    pub agent_home: Option<AgentHome>,
     /// Secrets read from files at each start (NixOS
     /// `sandboxes.<name>.secrets.<VAR>`, agenix or sops-nix), by variable.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -417,6 +420,7 @@ impl DeclaredSandbox {
             env_files: self.env_files.clone().unwrap_or(d.env_files),
             persist: self.persist.unwrap_or(d.persist),
             default_agent: self.default_agent.or(d.default_agent),
+            agent_home: self.agent_home.unwrap_or(d.agent_home),
         }
     }
 }
@@ -592,6 +596,15 @@ impl DaemonConfig {
             validate::check_config(&s.config(&self.defaults), &mut sp);
             for (var, secret) in &s.secrets {
                 sp.extend(secret.problems(var));
+            }
+            let backend = s
+                .backend
+                .or(self.default_backend)
+                .unwrap_or(BackendKind::Local);
+            if let Some(p) =
+                crate::validate::agent_home_problem(s.config(&self.defaults).agent_home, backend)
+            {
+                sp.push(p);
             }
             if s.secrets.len() > crate::secrets::PER_SANDBOX_MAX {
                 sp.push(format!(

@@ -351,6 +351,22 @@ pub enum MountError {
         #[from]
         source: std::num::TryFromIntError,
     },
+    /// The user namespace of an idmapped mount could not be made.
+    #[error("cannot make the user namespace of an idmapped mount: {source}")]
+    Userns {
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `mount_setattr(MOUNT_ATTR_IDMAP)` failed.
+    #[error("cannot map the ids of {}: {source}", path.display())]
+    Idmap {
+        /// The tree.
+        path: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
     /// `move_mount` failed.
     #[error("cannot mount on {}: {source}", target.display())]
     Move {
@@ -413,6 +429,99 @@ pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), MountError> {
         });
     }
     Ok(())
+}
+
+/// A detached copy of the mount tree at `path` through which its files
+/// owned by root show as owned by `uid` and `gid`, and files that `uid`
+/// makes are stored as root's (an idmapped mount; needs root). What others
+/// own shows as the overflow id and stays theirs. No set-id bit or device
+/// works through it (what is stored as root's came from a sandbox).
+pub fn idmapped_tree(path: &Path, uid: u32, gid: u32) -> Result<OwnedFd, MountError> {
+    const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    const MOUNT_ATTR_NODEV: u64 = 0x4;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    const AT_RECURSIVE: nix::libc::c_uint = 0x8000;
+    /// `struct mount_attr` of mount_setattr(2).
+    #[repr(C)]
+    struct MountAttr {
+        attr_set: u64,
+        attr_clr: u64,
+        propagation: u64,
+        userns_fd: u64,
+    }
+    let userns = user_namespace(uid, gid).map_err(|source| MountError::Userns { source })?;
+    let tree = open_tree_clone(path)?;
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: u64::try_from(userns.as_raw_fd())?,
+    };
+    // SAFETY: mount_setattr on a descriptor we own, with an empty path and
+    // a `struct mount_attr` of the size passed.
+    let r = unsafe {
+        nix::libc::syscall(
+            nix::libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            nix::libc::AT_EMPTY_PATH as nix::libc::c_uint | AT_RECURSIVE,
+            &raw const attr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r < 0 {
+        let source = std::io::Error::last_os_error();
+        return Err(MountError::Idmap {
+            path: path.to_owned(),
+            source,
+        });
+    }
+    Ok(tree)
+}
+
+/// A user namespace that maps root inside to `uid` and `gid` outside (as
+/// the idmap of a mount): made by a child that waits until its namespace
+/// is held open, then ends.
+fn user_namespace(uid: u32, gid: u32) -> std::io::Result<OwnedFd> {
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    // SAFETY: the child makes only async-signal-safe calls (unshare, read,
+    // _exit) before it ends.
+    match unsafe { nix::unistd::fork() }? {
+        nix::unistd::ForkResult::Child => {
+            let ok = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWUSER).is_ok();
+            drop(w);
+            let mut b = [0u8; 1];
+            let _ = nix::unistd::read(&r, &mut b);
+            // SAFETY: ends the child without running the parent's destructors.
+            unsafe { nix::libc::_exit(i32::from(!ok)) }
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            drop(r);
+            let held = (|| {
+                // (The child's namespace exists once it waits: retried
+                // until its maps can be written.)
+                let dir = PathBuf::from(format!("/proc/{child}"));
+                let mut tries = 0;
+                loop {
+                    let own = fs::read_link(dir.join("ns/user"))?;
+                    if own != fs::read_link("/proc/self/ns/user")? {
+                        break;
+                    }
+                    tries += 1;
+                    if tries > 1000 {
+                        return Err(std::io::Error::other("the child made no user namespace"));
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                fs::write(dir.join("uid_map"), format!("0 {uid} 1\n"))?;
+                fs::write(dir.join("gid_map"), format!("0 {gid} 1\n"))?;
+                Ok(File::open(dir.join("ns/user"))?.into())
+            })();
+            drop(w);
+            let _ = nix::sys::wait::waitpid(child, None);
+            held
+        }
+    }
 }
 
 #[cfg(test)]

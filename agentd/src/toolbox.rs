@@ -34,6 +34,25 @@ use unpack::{check_members, normalize, remove_tree, unpacked_size};
 
 pub use keystone_agent_api::Agent;
 
+/// Where a `local` sandbox with `agent_home = "shared"` sees its owner's
+/// shared agent home; each agent's directory below it is named by the
+/// variable that moves the agent's own (`CLAUDE_CONFIG_DIR`, `CODEX_HOME`,
+/// `GEMINI_CLI_HOME`), see [`shared_home_env`].
+pub const SHARED_HOME: &str = "/run/agent-home";
+
+/// The variables that point each agent at its directory in the shared
+/// agent home (Claude Code keeps `.claude.json` in its config directory
+/// then; Gemini CLI takes the variable as its home and keeps `.gemini/`
+/// below it).
+#[must_use]
+pub fn shared_home_env() -> [(&'static str, String); 3] {
+    [
+        ("CLAUDE_CONFIG_DIR", format!("{SHARED_HOME}/claude")),
+        ("CODEX_HOME", format!("{SHARED_HOME}/codex")),
+        ("GEMINI_CLI_HOME", format!("{SHARED_HOME}/gemini")),
+    ]
+}
+
 /// The pinned versions (npm versions of each agent's package, and of Node).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

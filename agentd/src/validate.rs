@@ -178,6 +178,23 @@ pub fn name_from_dir(dir: &str) -> Option<String> {
     problems.is_empty().then_some(name)
 }
 
+/// Why `agent_home` cannot be what it is on `backend`, if it cannot (in
+/// the words of the NixOS module's `validate`).
+#[must_use]
+pub fn agent_home_problem(
+    home: keystone_agent_api::AgentHome,
+    backend: keystone_agent_api::BackendKind,
+) -> Option<String> {
+    (home == keystone_agent_api::AgentHome::Shared
+        && backend != keystone_agent_api::BackendKind::Local)
+        .then(|| {
+            format!(
+                "agent_home \"shared\" works in local sandboxes for now, not on the {backend} backend; \
+                 use \"own\" (log in once per sandbox)"
+            )
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -325,3 +325,90 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+#[test]
+fn a_shared_agent_home_is_one_owner_s_across_sandboxes_and_outlives_them() {
+    let env = Env::new();
+    env.create_running("one", &["--agent-home", "shared"]);
+    env.create_running("two", &["--agent-home", "shared"]);
+    env.create_running("mine", &[]);
+    // A login in one sandbox (what `claude login`, `codex login` and
+    // `gemini` leave, where the variables point them)...
+    sh(
+        &env,
+        "one",
+        "echo token > $CLAUDE_CONFIG_DIR/.credentials.json && echo '{}' > $CLAUDE_CONFIG_DIR/.claude.json \
+         && echo token > $CODEX_HOME/auth.json && mkdir -p $GEMINI_CLI_HOME/.gemini \
+         && echo token > $GEMINI_CLI_HOME/.gemini/oauth_creds.json",
+    );
+    // ...is the other's at once, its own to change (files of the sandbox's
+    // root, whichever host uid each sandbox runs as).
+    let read = "cat $CLAUDE_CONFIG_DIR/.credentials.json $CLAUDE_CONFIG_DIR/.claude.json \
+                $CODEX_HOME/auth.json $GEMINI_CLI_HOME/.gemini/oauth_creds.json";
+    assert_eq!(sh(&env, "two", read), "token\n{}\ntoken\ntoken\n");
+    assert_eq!(
+        sh(
+            &env,
+            "two",
+            "stat -c %u $CODEX_HOME/auth.json; echo refreshed > $CODEX_HOME/auth.json"
+        ),
+        "0\n"
+    );
+    assert_eq!(sh(&env, "one", "cat $CODEX_HOME/auth.json"), "refreshed\n");
+    // What a sandbox stores there is root's on the host: no set-id bit of
+    // it works through the mount.
+    let mount = sh(&env, "one", "grep ' /run/agent-home ' /proc/mounts");
+    assert!(
+        mount.contains("nosuid") && mount.contains("nodev"),
+        "{mount}"
+    );
+    // A sandbox of its own home sees none of it.
+    let out = sh(
+        &env,
+        "mine",
+        "echo \"${CLAUDE_CONFIG_DIR:-unset}\"; ls /run/agent-home 2>&1 || true",
+    );
+    assert!(out.starts_with("unset\n"), "{out}");
+    assert!(!out.contains("claude"), "{out}");
+    // On the host: the owner's directory, agentd's alone.
+    let uid = nix::unistd::Uid::effective().as_raw();
+    let store = env.state_dir.join(format!("agent-homes/{uid}"));
+    let meta = std::fs::metadata(&store).unwrap();
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+        0o700
+    );
+    let creds = store.join("codex/auth.json");
+    assert_eq!(std::fs::read_to_string(&creds).unwrap(), "refreshed\n");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&creds).unwrap()),
+        uid
+    );
+    // The logins outlive the sandboxes: a new one finds them.
+    for name in ["one", "two"] {
+        env.ok(&["stop", name]);
+        env.ok(&["destroy", "--force", name]);
+    }
+    env.create_running("three", &["--agent-home", "shared"]);
+    assert_eq!(
+        sh(&env, "three", "cat $CODEX_HOME/auth.json"),
+        "refreshed\n"
+    );
+    // Only where it works: a vm sandbox is refused, naming the choice.
+    let repo = env.repo("vmhome");
+    let err = env.fails(
+        4,
+        &[
+            "create",
+            "--backend",
+            "vm",
+            "--agent-home",
+            "shared",
+            repo.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        err.contains("agent_home \"shared\" works in local sandboxes"),
+        "{err}"
+    );
+}

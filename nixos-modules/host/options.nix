@@ -153,6 +153,21 @@ let
         tmpfs. The workspace is kept either way. agentd: `persist`.
       '';
     };
+    agentHome = {
+      type = types.enum [
+        "own"
+        "shared"
+      ];
+      example = "shared";
+      description = ''
+        Where the agents keep their logins and settings: `own`, the sandbox's
+        home (no other sandbox sees them); `shared`, one directory of the
+        owner's that all the owner's sandboxes saying `shared` use (log in
+        once; but any of them can change what the others read: a hijacked
+        agent in one can tamper with the logins of all). `local` sandboxes
+        only for now. agentd: `agent_home`.
+      '';
+    };
     defaultAgent = {
       type = types.nullOr (
         types.enum [

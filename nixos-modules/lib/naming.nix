@@ -120,6 +120,7 @@ let
       envFiles = [ ".env*" ];
       persist = true;
       defaultAgent = null;
+      agentHome = "own";
     };
     microvm = {
       shareProto = "virtiofs";
@@ -175,6 +176,7 @@ let
       envFiles = null;
       persist = null;
       defaultAgent = null;
+      agentHome = null;
       secrets = { };
     };
   };
@@ -195,6 +197,7 @@ let
     envFiles = "env_files";
     persist = "persist";
     defaultAgent = "default_agent";
+    agentHome = "agent_home";
   };
 
   # Fill in the defaults of a (possibly partial) keystone.agent attrset. The
@@ -579,6 +582,9 @@ let
               ) "secrets.${var}: bearer goes with the authorization header only"
             ) (attrNames (s.secrets or { }))
           )
+          ++ optional (
+            (sandboxSettings c name).agentHome == "shared" && sandboxBackend c name != "local"
+          ) "agent_home \"shared\" works in local sandboxes for now, not on the ${sandboxBackend c name} backend; use \"own\" (log in once per sandbox)"
           ++ optional (sandboxBackend c name == "vm" && c.vm.image == null)
             "the vm backend needs keystone.agent.vm.image (the flake's nixosModules.default sets it to the guest-image package)"
           ++ concatLists (

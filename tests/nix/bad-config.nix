@@ -28,10 +28,12 @@
       disk = 8;
       envFiles = [ "config/.env" ];
     };
-    # A secret from a relative file, with no header.
+    # A secret from a relative file, with no header; a shared agent home on
+    # the (default) microvm backend.
     keys = {
       project = "/srv/src/keys";
       memory = 1024;
+      agentHome = "shared";
       owner = "root";
       secrets.TOKEN = {
         file = "run/token";

@@ -21,6 +21,7 @@ pub(super) async fn run(
             sync_mode,
             backend,
             default_agent,
+            agent_home,
             project_path,
         } => {
             let abs = std::path::absolute(&project_path).map_err(|e| {
@@ -41,6 +42,7 @@ pub(super) async fn run(
                 sync_mode,
                 backend,
                 default_agent,
+                agent_home,
             };
             // Show the workspace being prepared while the call runs.
             let mut progress = manager

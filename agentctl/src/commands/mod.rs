@@ -112,6 +112,9 @@ fn print_status(v: &serde_json::Value) {
     if let Some(a) = c["default_agent"].as_str() {
         crate::outln!("Sessions:   start {a} beside a shell");
     }
+    if c["agent_home"].as_str() == Some("shared") {
+        crate::outln!("Logins:     shared with your other sandboxes that share theirs");
+    }
     crate::outln!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
     if let Some(at) = v["last_sync_at"].as_str() {
         crate::outln!("Last sync:  {at} ({})", s("last_sync_result"));

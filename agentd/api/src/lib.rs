@@ -18,6 +18,7 @@ pub use names::{
 };
 pub use proxy::{ManagerProxy, SandboxProxy, SecretsProxy};
 pub use types::{
-    Agent, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network, RouteInfo,
-    SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SyncMode, SyncReport, WorktreeInfo,
+    Agent, AgentHome, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network,
+    RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SyncMode, SyncReport,
+    WorktreeInfo,
 };

@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use zvariant::{OwnedValue, Value};
 
-use crate::types::{Agent, BackendKind, Egress, Network, SyncMode};
+use crate::types::{Agent, AgentHome, BackendKind, Egress, Network, SyncMode};
 
 /// An options dictionary as agentd receives it.
 pub type Dict = HashMap<String, OwnedValue>;
@@ -154,6 +154,8 @@ pub struct CreateOptions {
     pub backend: Option<BackendKind>,
     /// The agent a new session starts beside its shell.
     pub default_agent: Option<Agent>,
+    /// Where the agents keep their logins.
+    pub agent_home: Option<AgentHome>,
 }
 
 impl CreateOptions {
@@ -170,6 +172,7 @@ impl CreateOptions {
         "sync_mode",
         "backend",
         "default_agent",
+        "agent_home",
     ];
 
     /// Read `dict`.
@@ -190,6 +193,7 @@ impl CreateOptions {
             sync_mode: r.parsed("sync_mode"),
             backend: r.parsed("backend"),
             default_agent: r.parsed("default_agent"),
+            agent_home: r.parsed("agent_home"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -213,6 +217,7 @@ impl CreateOptions {
             "default_agent",
             self.default_agent.map(|v| v.as_str()),
         );
+        put(&mut d, "agent_home", self.agent_home.map(|v| v.as_str()));
         d
     }
 }
@@ -477,6 +482,7 @@ mod tests {
             sync_mode: Some(SyncMode::AutoCommit),
             backend: Some(BackendKind::Vm),
             default_agent: Some(Agent::Codex),
+            agent_home: Some(AgentHome::Shared),
         };
         assert_eq!(
             CreateOptions::from_dict(&wire(&create.to_dict())),

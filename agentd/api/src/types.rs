@@ -173,6 +173,27 @@ string_enum! {
 }
 
 string_enum! {
+    /// Where a sandbox's agents keep their logins and settings.
+    AgentHome {
+        /// In the sandbox's own home (`~/.claude`, `~/.codex`, `~/.gemini`):
+        /// no other sandbox sees them.
+        Own => "own",
+        /// In one directory of the owner's, shared by every sandbox of the
+        /// owner that says `shared` (log in once): one of them can change
+        /// what the others read.
+        Shared => "shared",
+    }
+}
+
+impl AgentHome {
+    /// Whether it is [`AgentHome::Own`] (left out of the JSON then).
+    #[must_use]
+    pub fn is_own(&self) -> bool {
+        *self == Self::Own
+    }
+}
+
+string_enum! {
     /// What runs a sandbox.
     BackendKind {
         /// Linux namespaces on this host (any Linux; not a security boundary
@@ -226,6 +247,10 @@ pub struct SandboxConfig {
     /// (none: a shell only; then left out of the JSON).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub default_agent: Option<Agent>,
+    /// Where the agents keep their logins and settings (`local` sandboxes
+    /// only for `shared`).
+    #[serde(skip_serializing_if = "AgentHome::is_own")]
+    pub agent_home: AgentHome,
 }
 
 impl Default for SandboxConfig {
@@ -245,6 +270,7 @@ impl Default for SandboxConfig {
             env_files: vec![".env*".to_owned()],
             persist: true,
             default_agent: None,
+            agent_home: AgentHome::Own,
         }
     }
 }

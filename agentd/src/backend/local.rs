@@ -212,7 +212,7 @@ impl LocalBackend {
         for why in &groups.missing {
             tracing::warn!(sandbox = %spec.name, limit = %why, "limit not enforced");
         }
-        let tmpfs: Vec<String> = crate::guest::init::tmpfs_sizes(spec.config.memory)
+        let tmpfs: Vec<String> = crate::guest::tmpfs_sizes(spec.config.memory)
             .iter()
             .map(|(p, s)| format!("{p} {s} MiB"))
             .collect();
@@ -235,6 +235,7 @@ impl LocalBackend {
             stop_grace_ms: u64::try_from(self.settings.stop_grace.as_millis()).unwrap_or(u64::MAX),
             cgroups: groups.dirs,
             memory_mib: spec.config.memory,
+            agent_home: spec.agent_home.clone(),
         };
         let mut child = tokio::process::Command::new(&self.settings.exe)
             .arg(INIT_ARG)

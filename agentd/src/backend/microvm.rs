@@ -721,6 +721,7 @@ mod tests {
                 network,
                 ..Default::default()
             },
+            agent_home: None,
         }
     }
 

@@ -44,6 +44,9 @@ pub struct SandboxSpec {
     pub log_dir: PathBuf,
     /// Resource and behaviour settings.
     pub config: SandboxConfig,
+    /// The owner's shared agent home (`agent_home = "shared"`), shown at
+    /// [`crate::toolbox::SHARED_HOME`]; `local` sandboxes only.
+    pub agent_home: Option<PathBuf>,
 }
 
 impl SandboxSpec {
@@ -66,6 +69,7 @@ impl SandboxSpec {
             run_dir: dir.join("run"),
             log_dir: dir.join("logs"),
             config,
+            agent_home: None,
         }
     }
 }

@@ -23,7 +23,8 @@ use nix::unistd::{ForkResult, Gid, Pid, Uid};
 use serde::{Deserialize, Serialize};
 
 use super::init_error::{InitError, sys};
-use crate::fsutil::{move_mount_to, open_tree_clone};
+use super::tmpfs::tmpfs_options;
+use crate::fsutil::{idmapped_tree, move_mount_to, open_tree_clone};
 
 /// Everything the supervisor needs, sent by agentd as JSON on stdin.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -64,37 +65,12 @@ pub struct InitSpec {
     #[serde(default)]
     pub cgroups: Vec<PathBuf>,
     /// The sandbox's RAM in MiB: bounds its tmpfs file systems (see
-    /// [`tmpfs_sizes`]).
+    /// [`super::tmpfs_sizes`]).
     pub memory_mib: u32,
-}
-
-/// The tmpfs file systems of a local sandbox and their sizes in MiB for
-/// `memory_mib` of RAM: together less than the RAM, so that they cannot
-/// take more than the sandbox has even where no memory cgroup holds it
-/// (where one does, their pages count against it too).
-#[must_use]
-pub fn tmpfs_sizes(memory_mib: u32) -> [(&'static str, u32); 6] {
-    let share = |div: u32| (memory_mib / div).max(1);
-    [
-        ("/tmp", share(2)),
-        ("/dev/shm", share(4)),
-        ("/var/tmp", share(8)),
-        ("/run", share(16)),
-        ("/", share(32)),
-        ("/dev", 1),
-    ]
-}
-
-/// Mount options of tmpfs `path` of a sandbox with `memory_mib` of RAM:
-/// `mode` and a size; inodes are bounded as well (one per 4 KiB), as each
-/// costs kernel memory even when empty.
-fn tmpfs_options(path: &str, mode: &str, memory_mib: u32) -> String {
-    let size = tmpfs_sizes(memory_mib)
-        .iter()
-        .find(|(p, _)| *p == path)
-        .map_or(1, |(_, s)| *s);
-    let inodes = (u64::from(size) * 256).max(1024);
-    format!("mode={mode},size={size}m,nr_inodes={inodes}")
+    /// The owner's shared agent home, shown read-write at
+    /// [`crate::toolbox::SHARED_HOME`] (`agent_home = "shared"`).
+    #[serde(default)]
+    pub agent_home: Option<PathBuf>,
 }
 
 /// The first line the supervisor prints on stdout.
@@ -166,6 +142,7 @@ struct Handles {
     home: Source,
     guest: Option<Source>,
     agents: Option<Source>,
+    shared_home: Option<Source>,
 }
 
 fn supervise(spec: &InitSpec) -> Result<i32, InitError> {
@@ -217,6 +194,17 @@ fn supervise(spec: &InitSpec) -> Result<i32, InitError> {
         agents: match (&spec.guest_dir, &spec.agents_dir) {
             (Some(_), Some(a)) if a.is_dir() => Some(source(a)?),
             _ => None,
+        },
+        // Root's files on the host (agentd's user's without root), the
+        // sandbox's own through an idmapped mount: the same for every
+        // sandbox of the owner that shares it, whatever uid it runs as.
+        shared_home: match &spec.agent_home {
+            Some(h) if Uid::effective().is_root() => {
+                source(h)?;
+                Some(Source::Tree(idmapped_tree(h, spec.uid, spec.gid)?))
+            }
+            Some(h) => Some(source(h)?),
+            None => None,
         },
     };
 
@@ -362,6 +350,7 @@ fn init(
         home: tree(&handles.home)?,
         guest: handles.guest.as_ref().map(tree).transpose()?,
         agents: handles.agents.as_ref().map(tree).transpose()?,
+        shared_home: handles.shared_home.as_ref().map(tree).transpose()?,
     };
     build_root(spec, &handles)?;
     loopback_up()?;
@@ -607,6 +596,9 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), InitError> {
             bind_fd(agents, AGENTS_DIR)?;
         }
         make_readonly(&at(GUEST_DIR), true)?;
+    }
+    if let Some(shared) = &handles.shared_home {
+        bind_fd(shared, crate::toolbox::SHARED_HOME)?;
     }
 
     let proc = at("/proc");

@@ -12,6 +12,9 @@ pub mod init;
 mod init_error;
 pub mod proto;
 pub mod server;
+mod tmpfs;
+
+pub use tmpfs::tmpfs_sizes;
 
 /// argv[1] that makes the agentd binary act as a sandbox supervisor.
 pub const INIT_ARG: &str = "__sandbox-init";

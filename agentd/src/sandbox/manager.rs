@@ -272,7 +272,21 @@ impl Manager {
     fn spec(&self, sb: &Sandbox) -> SandboxSpec {
         let dir = self.store.registry().sandbox_dir(&sb.name);
         let (uid, gid) = auth::sandbox_ids(sb.owner, sb.uid);
-        SandboxSpec::at(&dir, &sb.name, uid, gid, sb.config.clone())
+        let mut spec = SandboxSpec::at(&dir, &sb.name, uid, gid, sb.config.clone());
+        if sb.config.agent_home == keystone_agent_api::AgentHome::Shared {
+            spec.agent_home = Some(self.shared_home_dir(sb.owner));
+        }
+        spec
+    }
+
+    /// `<state>/agent-homes/<owner uid>`: the agent home that the owner's
+    /// sandboxes with `agent_home = "shared"` share.
+    fn shared_home_dir(&self, owner: u32) -> std::path::PathBuf {
+        self.store
+            .registry()
+            .dir()
+            .join("agent-homes")
+            .join(owner.to_string())
     }
 
     /// Change sandbox `name` with `f` (see [`SandboxStore::update`]).

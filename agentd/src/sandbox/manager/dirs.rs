@@ -322,3 +322,57 @@ pub(super) fn subordinate(spec: &SandboxSpec) -> bool {
     let me = nix::unistd::Uid::effective();
     !me.is_root() && spec.uid != me.as_raw()
 }
+
+impl Manager {
+    /// Make sandbox `sb`'s shared agent home ready for its start: the
+    /// owner's directory (agentd's own, 0700) and each agent's directory in
+    /// it. Every sandbox that shares it can change what is inside, so
+    /// nothing below the owner's directory is ever followed or changed
+    /// here: a directory is only made where nothing is.
+    pub(super) fn prepare_shared_home(&self, spec: &crate::backend::SandboxSpec) -> Result<()> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        let Some(dir) = &spec.agent_home else {
+            return Ok(());
+        };
+        let me = nix::unistd::geteuid();
+        if !me.is_root() && spec.uid != me.as_raw() {
+            return Err(Error::Invalid(vec![format!(
+                "sandbox '{}': agent_home \"shared\" needs agentd as root, or sandboxes that run as \
+                 agentd's user (this one runs as uid {}, from subordinate ids); use \"own\"",
+                spec.name, spec.uid
+            )]));
+        }
+        let name = spec.name.clone();
+        let fail = |source: WorkspaceError| Error::Workspace {
+            name: name.clone(),
+            source,
+        };
+        let create = |d: &Path| match std::fs::DirBuilder::new().mode(0o700).create(d) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                Err(fail(WorkspaceError::Create {
+                    path: d.to_owned(),
+                    source: e,
+                }))
+            }
+            _ => Ok(()),
+        };
+        let parent = dir.parent().expect("agent-homes/<uid>");
+        for d in [parent, dir.as_path()] {
+            create(d)?;
+            // These two are agentd's alone (no sandbox sees the parent, and
+            // none can replace the shared directory itself).
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)).map_err(
+                |source| {
+                    fail(WorkspaceError::Permissions {
+                        path: d.to_owned(),
+                        source,
+                    })
+                },
+            )?;
+        }
+        for agent in ["claude", "codex", "gemini"] {
+            create(&dir.join(agent))?;
+        }
+        Ok(())
+    }
+}

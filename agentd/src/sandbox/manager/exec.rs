@@ -170,7 +170,7 @@ impl Manager {
             (None, false) => cwd,
         };
         let mut env = env;
-        self.add_secret_env(sb, &mut env);
+        self.add_sandbox_env(sb, &mut env);
         Ok(ExecRequest {
             argv,
             env,

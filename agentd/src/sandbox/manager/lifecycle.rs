@@ -55,10 +55,12 @@ impl Manager {
             egress_allow: opts.egress_allow.unwrap_or_else(|| d.egress_allow.clone()),
             sync_mode: opts.sync_mode.unwrap_or(d.sync_mode),
             default_agent: opts.default_agent.or(d.default_agent),
+            agent_home: opts.agent_home.unwrap_or(d.agent_home),
             ..d.clone()
         };
         validate::check_config(&config, &mut problems);
         let backend = opts.backend.unwrap_or(self.settings.default_backend);
+        problems.extend(validate::agent_home_problem(config.agent_home, backend));
         if let Err(Error::Invalid(p)) = self.backend(backend) {
             problems.extend(p);
         }
@@ -188,6 +190,10 @@ impl Manager {
             return Err(e);
         }
         let spec = self.spec(&sb);
+        if let Err(e) = self.prepare_shared_home(&spec) {
+            self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
+            return Err(e);
+        }
         match backend.start(&spec).await {
             Ok(mut rt) => {
                 if Self::has_disk_image(kind) {

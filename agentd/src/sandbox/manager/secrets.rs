@@ -316,10 +316,16 @@ impl Manager {
         }
     }
 
-    /// Add what a command in `sb` gets for its secrets to `env` (what the
-    /// caller set explicitly stays): each variable's placeholder, and the
+    /// Add what a command in `sb` gets from agentd to `env` (what the
+    /// caller set explicitly stays): the variables of its shared agent home
+    /// (`agent_home = "shared"`), each secret's placeholder, and the
     /// sandbox's CA for Node, OpenSSL and Python clients.
-    pub(super) fn add_secret_env(&self, sb: &Sandbox, env: &mut BTreeMap<String, String>) {
+    pub(super) fn add_sandbox_env(&self, sb: &Sandbox, env: &mut BTreeMap<String, String>) {
+        if sb.config.agent_home == keystone_agent_api::AgentHome::Shared {
+            for (k, v) in crate::toolbox::shared_home_env() {
+                env.entry(k.to_owned()).or_insert(v);
+            }
+        }
         let Ok(list) = self.secret_store().load(&sb.name) else {
             return;
         };

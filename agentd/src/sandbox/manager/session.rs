@@ -178,7 +178,7 @@ impl Manager {
         let spec = self.spec(&sb);
         let started = SystemTime::now();
         let mut req = req;
-        self.add_secret_env(&sb, &mut req.env);
+        self.add_sandbox_env(&sb, &mut req.env);
         let proc = backend
             .exec_tty(&spec, req, tty.size())
             .await
