@@ -7,7 +7,7 @@
 //! directory in the cache is always complete. Every local sandbox sees the
 //! cache read-only at `/run/keystone/agents`, and a launcher per agent in
 //! `/run/keystone/bin` (first on `PATH`) runs the pinned version; an agent
-//! that is not installed yet gets a launcher that says so.
+//! that is not installed yet gets a launcher that says so, until it is.
 //!
 //! Only each agent's native package is needed (Claude Code and Codex ship
 //! native binaries); Gemini CLI is a single bundled script run by the Node
@@ -34,22 +34,24 @@ use unpack::{check_members, normalize, remove_tree, unpacked_size};
 
 pub use keystone_agent_api::Agent;
 
-/// Where a `local` sandbox with `agent_home = "shared"` sees its owner's
-/// shared agent home; each agent's directory below it is named by the
-/// variable that moves the agent's own (`CLAUDE_CONFIG_DIR`, `CODEX_HOME`,
-/// `GEMINI_CLI_HOME`), see [`shared_home_env`].
+/// Where a sandbox with `agent_home = "shared"` sees its owner's shared
+/// agent home: a `local` sandbox at [`SHARED_HOME`], a `vm` guest at
+/// [`SHARED_HOME_VM`]. Each agent's directory below it is named by the
+/// variable that moves the agent's own (see [`shared_home_env`]).
 pub const SHARED_HOME: &str = "/run/agent-home";
+/// See [`SHARED_HOME`] (the guest's /run is systemd's).
+pub const SHARED_HOME_VM: &str = "/opt/keystone/agent-home";
 
 /// The variables that point each agent at its directory in the shared
-/// agent home (Claude Code keeps `.claude.json` in its config directory
-/// then; Gemini CLI takes the variable as its home and keeps `.gemini/`
-/// below it).
+/// agent home at `base` (Claude Code keeps `.claude.json` in its config
+/// directory then; Gemini CLI takes the variable as its home and keeps
+/// `.gemini/` below it).
 #[must_use]
-pub fn shared_home_env() -> [(&'static str, String); 3] {
+pub fn shared_home_env(base: &str) -> [(&'static str, String); 3] {
     [
-        ("CLAUDE_CONFIG_DIR", format!("{SHARED_HOME}/claude")),
-        ("CODEX_HOME", format!("{SHARED_HOME}/codex")),
-        ("GEMINI_CLI_HOME", format!("{SHARED_HOME}/gemini")),
+        ("CLAUDE_CONFIG_DIR", format!("{base}/claude")),
+        ("CODEX_HOME", format!("{base}/codex")),
+        ("GEMINI_CLI_HOME", format!("{base}/gemini")),
     ]
 }
 
@@ -248,29 +250,35 @@ pub const INSIDE: &str = "/run/keystone/agents";
 
 /// The launcher of `agent`: runs the pinned version from [`INSIDE`].
 #[must_use]
-pub fn launcher(agent: Agent, versions: &Versions, installed: bool) -> String {
+pub fn launcher(agent: Agent, versions: &Versions) -> String {
     let head = "#!/bin/sh\n# Written by agentd: the toolbox's pinned version.\n";
-    if !installed {
-        return format!(
-            "{head}echo \"{agent}: version {} is not installed yet: agentd is downloading it (agentctl status shows when it is ready)\" >&2\nexit 127\n",
-            version_of(agent, versions)
-        );
-    }
     let pkg = packages(agent, versions).remove(0);
     let at = format!("{INSIDE}/{}", pkg.dir);
-    match agent {
-        Agent::Claude => format!("{head}exec {at}/claude \"$@\"\n"),
+    // What must be there: checked at each run, so that a package installed
+    // while the sandbox runs is used at once.
+    let (needs, run) = match agent {
+        Agent::Claude => (format!("{at}/claude"), format!("exec {at}/claude \"$@\"")),
         Agent::Codex => {
             let t = codex_triple();
-            format!(
-                "{head}PATH=\"{at}/vendor/{t}/codex-path:$PATH\" exec {at}/vendor/{t}/bin/codex \"$@\"\n"
+            (
+                format!("{at}/vendor/{t}/bin/codex"),
+                format!(
+                    "PATH=\"{at}/vendor/{t}/codex-path:$PATH\" exec {at}/vendor/{t}/bin/codex \"$@\""
+                ),
             )
         }
-        Agent::Gemini => format!(
-            "{head}exec {INSIDE}/node-{}/bin/node {at}/bundle/gemini.js \"$@\"\n",
-            versions.node
-        ),
-    }
+        Agent::Gemini => {
+            let node = format!("{INSIDE}/node-{}/bin/node", versions.node);
+            (
+                format!("{node} ] && [ -e {at}/bundle/gemini.js"),
+                format!("exec {node} {at}/bundle/gemini.js \"$@\""),
+            )
+        }
+    };
+    format!(
+        "{head}[ -x {needs} ] || {{ echo \"{agent}: version {} is not installed yet: agentd is downloading it (agentctl status shows when it is ready)\" >&2; exit 127; }}\n{run}\n",
+        version_of(agent, versions)
+    )
 }
 
 fn version_of(agent: Agent, v: &Versions) -> &str {
@@ -392,6 +400,23 @@ impl Toolbox {
             .all(|p| self.has(p))
     }
 
+    /// What `agentctl status` shows of a sandbox started with `started`
+    /// (this toolbox's [`Toolbox::describe`] then): the same agents at the
+    /// same versions, with what was not installed yet at its start marked
+    /// as the cache is now (the sandbox sees the cache as it is: what was
+    /// installed since runs there); `started` itself when the versions
+    /// differ (an agentd of another configuration started it).
+    #[must_use]
+    pub fn describe_since(&self, started: &str) -> String {
+        let bare = |s: &str| s.replace(" (not installed yet)", "");
+        let now = self.describe();
+        if bare(&now) == bare(started) {
+            now
+        } else {
+            started.to_owned()
+        }
+    }
+
     /// The agents and their versions, as `agentctl status` shows them.
     #[must_use]
     pub fn describe(&self) -> String {
@@ -427,7 +452,7 @@ impl Toolbox {
                 }
                 continue;
             }
-            let text = launcher(agent, &self.config.versions, self.installed(agent));
+            let text = launcher(agent, &self.config.versions);
             if fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
                 atomic_write(&path, text.as_bytes()).map_err(|e| InstallError::File {
                     what: "write",

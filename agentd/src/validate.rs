@@ -186,10 +186,10 @@ pub fn agent_home_problem(
     backend: keystone_agent_api::BackendKind,
 ) -> Option<String> {
     (home == keystone_agent_api::AgentHome::Shared
-        && backend != keystone_agent_api::BackendKind::Local)
+        && backend == keystone_agent_api::BackendKind::Microvm)
         .then(|| {
             format!(
-                "agent_home \"shared\" works in local sandboxes for now, not on the {backend} backend; \
+                "agent_home \"shared\" works in local and vm sandboxes for now, not on the {backend} backend; \
                  use \"own\" (log in once per sandbox)"
             )
         })

@@ -168,6 +168,8 @@ fn a_package_from_the_registry_runs_in_the_sandbox_and_a_tampered_one_is_never_i
             ("/t/claude-9.9.9.tgz".into(), good.clone()),
             packument(&served, "6.6.6", &sha512_base64(&good)),
             ("/t/claude-6.6.6.tgz".into(), evil),
+            packument(&served, "9.9.8", &sha512_base64(&good)),
+            ("/t/claude-9.9.8.tgz".into(), good.clone()),
         ],
     );
     let cache = tmp.path().join("cache");
@@ -227,6 +229,35 @@ fn a_package_from_the_registry_runs_in_the_sandbox_and_a_tampered_one_is_never_i
     );
     assert_eq!(mode & 0o7777, 0o755);
     assert!(!cache.join("claude-6.6.6").exists());
+    drop(env);
+
+    // Installed while a sandbox runs (`agentd --install-agents` beside an
+    // agentd that does not download): the sandbox runs it at once, and its
+    // status says so, without a restart.
+    let mut cfg = fake_config(&served, &cache, "9.9.8");
+    cfg["toolbox"]["download"] = false.into();
+    let env = Env::with_config(&cfg);
+    env.create_running("later", &[]);
+    assert_eq!(
+        env.status("later")["agents"],
+        "claude 9.9.8 (not installed yet)"
+    );
+    let config = tmp.path().join("later.json");
+    std::fs::write(&config, cfg.to_string()).unwrap();
+    let out = Command::new(common::AGENTD)
+        .arg("--install-agents")
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(env.status("later")["agents"], "claude 9.9.8");
+    let out = env.ok(&["exec", "later", "--", "claude", "--version"]);
+    assert_eq!(out, "9.9.9 (stand-in Claude)\n");
 }
 
 /// Serve `files` (URL path → body) over HTTP/1.1 on `listener`: a
@@ -394,21 +425,21 @@ fn a_shared_agent_home_is_one_owner_s_across_sandboxes_and_outlives_them() {
         sh(&env, "three", "cat $CODEX_HOME/auth.json"),
         "refreshed\n"
     );
-    // Only where it works: a vm sandbox is refused, naming the choice.
+    // Only where it works: a microvm sandbox is refused, naming the choice.
     let repo = env.repo("vmhome");
     let err = env.fails(
         4,
         &[
             "create",
             "--backend",
-            "vm",
+            "microvm",
             "--agent-home",
             "shared",
             repo.to_str().unwrap(),
         ],
     );
     assert!(
-        err.contains("agent_home \"shared\" works in local sandboxes"),
+        err.contains("agent_home \"shared\" works in local and vm sandboxes"),
         "{err}"
     );
 }

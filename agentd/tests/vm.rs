@@ -47,8 +47,12 @@ fn env_with(image: &Path, extra: serde_json::Value) -> Env {
 }
 
 fn create_vm(env: &Env, name: &str, network: &str) {
+    create_vm_with(env, name, network, &[]);
+}
+
+fn create_vm_with(env: &Env, name: &str, network: &str, extra: &[&str]) {
     let repo = env.repo(name);
-    env.ok(&[
+    let mut args = vec![
         "create",
         "--backend",
         "vm",
@@ -58,8 +62,10 @@ fn create_vm(env: &Env, name: &str, network: &str) {
         "2",
         "--network",
         network,
-        repo.to_str().unwrap(),
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    args.push(repo.to_str().unwrap());
+    env.ok(&args);
 }
 
 /// Run `script` with `sh -c` in sandbox `name`; its output.
@@ -88,7 +94,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     let caddy = Caddy::start(dir.path());
     let proxy: serde_json::Value = serde_json::from_str(&caddy.agentd_config(false)).unwrap();
     let env = env_with(&image(), proxy);
-    create_vm(&env, "vmtest", "none");
+    create_vm_with(&env, "vmtest", "none", &["--agent-home", "shared"]);
     env.ok(&["start", "vmtest"]);
     let st = env.status("vmtest");
     assert_eq!(st["state"], "running", "{st}");
@@ -275,6 +281,26 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
         "vmtest",
         "mkdir -p ~/.claude && echo 'logged in' > ~/.claude/.credentials.json \
          && grep -q ' /home/agent ext4 ' /proc/mounts",
+    );
+
+    // The owner's shared agent home (agent_home = "shared"): the guest's
+    // agent writes it as its own, and it is root's on the host (QEMU, as the
+    // sandbox's uid, gets an idmapped copy of the directory).
+    let ids = sh(
+        &env,
+        "vmtest",
+        "echo token > $CODEX_HOME/auth.json && stat -c %u $CODEX_HOME/auth.json && id -u",
+    );
+    let mut ids = ids.lines();
+    assert_eq!(ids.next(), ids.next(), "the agent owns what it wrote");
+    let uid = nix::unistd::Uid::effective().as_raw();
+    let stored = env
+        .state_dir
+        .join(format!("agent-homes/{uid}/codex/auth.json"));
+    assert_eq!(std::fs::read_to_string(&stored).unwrap(), "token\n");
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&stored).unwrap()),
+        uid
     );
 
     env.ok(&["stop", "vmtest"]);

@@ -583,8 +583,8 @@ let
             ) (attrNames (s.secrets or { }))
           )
           ++ optional (
-            (sandboxSettings c name).agentHome == "shared" && sandboxBackend c name != "local"
-          ) "agent_home \"shared\" works in local sandboxes for now, not on the ${sandboxBackend c name} backend; use \"own\" (log in once per sandbox)"
+            (sandboxSettings c name).agentHome == "shared" && sandboxBackend c name == "microvm"
+          ) "agent_home \"shared\" works in local and vm sandboxes for now, not on the microvm backend; use \"own\" (log in once per sandbox)"
           ++ optional (sandboxBackend c name == "vm" && c.vm.image == null)
             "the vm backend needs keystone.agent.vm.image (the flake's nixosModules.default sets it to the guest-image package)"
           ++ concatLists (

@@ -562,6 +562,10 @@ impl Backend for LocalBackend {
         Box::pin(self.exec_tty_inner(spec, req, size))
     }
 
+    fn toolbox(&self) -> Option<&crate::toolbox::Toolbox> {
+        self.settings.toolbox.as_deref()
+    }
+
     fn listeners(&self, rt: &Runtime) -> Vec<super::Listener> {
         if !self.is_alive(rt) || rt.pid_ns == 0 {
             return Vec::new();

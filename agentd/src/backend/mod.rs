@@ -330,6 +330,11 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// The agent toolbox this backend shows its sandboxes, if any.
+    fn toolbox(&self) -> Option<&crate::toolbox::Toolbox> {
+        None
+    }
+
     /// The TCP listeners of the sandbox's processes.
     fn listeners(&self, rt: &Runtime) -> Vec<Listener>;
 

@@ -689,7 +689,7 @@ impl SandboxObject {
     ) -> fdo::Result<String> {
         self.visible(conn, header)
             .await
-            .map(|s| s.runtime.map(|r| r.agents).unwrap_or_default())
+            .map(|s| self.manager.agents_of(&s))
     }
 
     /// Resource limits in force while running, or why there are none.

@@ -279,6 +279,19 @@ impl Manager {
         spec
     }
 
+    /// The agents of running sandbox `sb` and their versions, as they are
+    /// now in the cache its backend shows it (empty when stopped).
+    #[must_use]
+    pub fn agents_of(&self, sb: &Sandbox) -> String {
+        let Some(rt) = &sb.runtime else {
+            return String::new();
+        };
+        match self.backends.get(&sb.backend).and_then(|b| b.toolbox()) {
+            Some(tb) if !rt.agents.is_empty() => tb.describe_since(&rt.agents),
+            _ => rt.agents.clone(),
+        }
+    }
+
     /// `<state>/agent-homes/<owner uid>`: the agent home that the owner's
     /// sandboxes with `agent_home = "shared"` share.
     fn shared_home_dir(&self, owner: u32) -> std::path::PathBuf {

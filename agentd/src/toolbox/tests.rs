@@ -20,7 +20,7 @@ fn packages_and_launchers_follow_the_versions() {
     assert!(codex[0].version.starts_with(&format!("{}-linux-", v.codex)));
     let gemini = packages(Agent::Gemini, &v);
     assert_eq!(gemini.len(), 2, "Gemini CLI and Node");
-    let l = launcher(Agent::Gemini, &v, true);
+    let l = launcher(Agent::Gemini, &v);
     assert!(
         l.contains(&format!("/run/keystone/agents/node-{}/bin/node", v.node))
             && l.contains(&format!(
@@ -29,9 +29,13 @@ fn packages_and_launchers_follow_the_versions() {
             )),
         "{l}"
     );
-    let l = launcher(Agent::Claude, &v, false);
+    let l = launcher(Agent::Claude, &v);
     assert!(
-        l.contains("not installed yet") && l.contains("exit 127"),
+        l.contains(&format!(
+            "[ -x /run/keystone/agents/claude-{}/claude ] ||",
+            v.claude
+        )) && l.contains("not installed yet")
+            && l.contains("exit 127"),
         "{l}"
     );
 }
@@ -151,7 +155,7 @@ mod attacks {
             claude: "1.0.0-rc.1+build.5".into(),
             ..Versions::default()
         };
-        let l = launcher(Agent::Claude, &v, true);
+        let l = launcher(Agent::Claude, &v);
         assert_eq!(
             l.lines().last().unwrap(),
             "exec /run/keystone/agents/claude-1.0.0-rc.1+build.5/claude \"$@\""

@@ -423,7 +423,11 @@ impl VmBackend {
         // QEMU gets the image and the keys as descriptors the supervisor
         // opened: it needs no access to the cache or the sandbox's keys.
         let home = self.home_disk(spec, &p, run_as.as_ref()).await?;
-        let arg = |path: PathBuf, copy: bool| FileArg { path, copy };
+        let arg = |path: PathBuf, copy: bool| FileArg {
+            path,
+            copy,
+            idmap: None,
+        };
         let mut files = vec![
             arg(kernel, false),
             arg(initrd, false),
@@ -450,6 +454,19 @@ impl VmBackend {
             fd_path(files.len() - 1)
         });
         let toolbox = toolbox.map(|tb| tb.describe());
+        // The shared agent home: root's files on the host, the sandbox's
+        // through the idmapped mount QEMU gets (agentd as root), or the
+        // directory itself when the sandbox runs as agentd's user.
+        let agent_home_fd = spec.agent_home.as_ref().map(|h| {
+            files.push(FileArg {
+                path: h.clone(),
+                copy: false,
+                idmap: nix::unistd::Uid::effective()
+                    .is_root()
+                    .then_some((spec.uid, spec.gid)),
+            });
+            fd_path(files.len() - 1)
+        });
         let machine = Machine {
             name: spec.name.clone(),
             kernel: fd_path(0).into(),
@@ -469,6 +486,7 @@ impl VmBackend {
             gid: spec.gid,
             tools: tools_fd.map(Into::into),
             agents: agents_fd.map(Into::into),
+            agent_home: agent_home_fd.map(Into::into),
         };
         let s = |p: &Path| p.display().to_string();
         let mut helpers = Vec::new();
@@ -713,6 +731,10 @@ impl Backend for VmBackend {
         spec: &'a SandboxSpec,
     ) -> BoxFut<'a, Result<Option<crate::egress::Socket>, BackendError>> {
         Box::pin(async move { gateway_socket(spec).map(|l| l.map(crate::egress::Socket::Unix)) })
+    }
+
+    fn toolbox(&self) -> Option<&crate::toolbox::Toolbox> {
+        self.settings.toolbox.as_deref()
     }
 
     fn listeners(&self, rt: &Runtime) -> Vec<Listener> {

@@ -90,6 +90,9 @@ pub struct Machine {
     pub tools: Option<PathBuf>,
     /// The agent toolbox's cache, shared read-only over 9p.
     pub agents: Option<PathBuf>,
+    /// The owner's shared agent home (`agent_home = "shared"`), shared
+    /// read-write over 9p.
+    pub agent_home: Option<PathBuf>,
 }
 
 /// The kernel command line of a guest (docs/guest-image.md).
@@ -111,6 +114,9 @@ pub fn kernel_cmdline(m: &Machine) -> String {
     }
     if m.agents.is_some() {
         c.push_str(" keystone.agents=1");
+    }
+    if m.agent_home.is_some() {
+        c.push_str(" keystone.agenthome=1");
     }
     if m.accel == Accel::Tcg {
         // Without them an emulated guest may hang calibrating its clock.
@@ -215,6 +221,16 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
                 format!("virtio-9p-device,fsdev={id},mount_tag=keystone-{id}"),
             ]);
         }
+    }
+    // The shared agent home, read-write: the guest mounts it at
+    // /opt/keystone/agent-home.
+    if let Some(dir) = &m.agent_home {
+        a.extend([
+            "-fsdev".into(),
+            format!("local,id=agenthome,path={},security_model=none", p(dir)),
+            "-device".into(),
+            "virtio-9p-device,fsdev=agenthome,mount_tag=keystone-agent-home".into(),
+        ]);
     }
     // No network device, whatever the mode: a guest's only way out is the
     // egress gateway over vsock (docs/network.md).
@@ -363,11 +379,35 @@ mod tests {
             gid: 100,
             tools: None,
             agents: None,
+            agent_home: None,
         }
     }
 
     fn has(args: &[String], pair: [&str; 2]) -> bool {
         args.windows(2).any(|w| w[0] == pair[0] && w[1] == pair[1])
+    }
+
+    #[test]
+    fn the_shared_agent_home_is_shared_read_write_and_announced() {
+        let mut m = machine(Share::NineP, Network::None, Accel::Tcg);
+        assert!(!kernel_cmdline(&m).contains("keystone.agenthome"));
+        m.agent_home = Some("/proc/self/fd/108".into());
+        assert!(kernel_cmdline(&m).contains(" keystone.agenthome=1"));
+        let a = qemu_args(&m);
+        assert!(has(
+            &a,
+            [
+                "-fsdev",
+                "local,id=agenthome,path=/proc/self/fd/108,security_model=none"
+            ]
+        ));
+        assert!(has(
+            &a,
+            [
+                "-device",
+                "virtio-9p-device,fsdev=agenthome,mount_tag=keystone-agent-home"
+            ]
+        ));
     }
 
     #[test]

@@ -55,6 +55,11 @@ pub struct FileArg {
     /// `/proc/self/fd/N`, which checks the file's own permissions, and a
     /// key readable only by root must stay so on disk.
     pub copy: bool,
+    /// A directory handed over as an idmapped copy of its mount, root's
+    /// files shown as this uid's and gid's (the shared agent home, to a
+    /// QEMU that runs as the sandbox's uid).
+    #[serde(default)]
+    pub idmap: Option<(u32, u32)>,
 }
 
 /// Credentials to drop to.
@@ -163,6 +168,9 @@ fn spawn(c: Child_<'_>) -> std::io::Result<Child> {
 }
 
 fn open_arg(f: &FileArg) -> std::io::Result<OwnedFd> {
+    if let Some((uid, gid)) = f.idmap {
+        return crate::fsutil::idmapped_tree(&f.path, uid, gid).map_err(std::io::Error::other);
+    }
     if !f.copy {
         return Ok(OwnedFd::from(std::fs::File::open(&f.path)?));
     }

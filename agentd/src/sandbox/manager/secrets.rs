@@ -322,7 +322,11 @@ impl Manager {
     /// sandbox's CA for Node, OpenSSL and Python clients.
     pub(super) fn add_sandbox_env(&self, sb: &Sandbox, env: &mut BTreeMap<String, String>) {
         if sb.config.agent_home == keystone_agent_api::AgentHome::Shared {
-            for (k, v) in crate::toolbox::shared_home_env() {
+            let base = match sb.backend {
+                BackendKind::Vm => crate::toolbox::SHARED_HOME_VM,
+                _ => crate::toolbox::SHARED_HOME,
+            };
+            for (k, v) in crate::toolbox::shared_home_env(base) {
                 env.entry(k.to_owned()).or_insert(v);
             }
         }
