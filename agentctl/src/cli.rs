@@ -231,7 +231,7 @@ pub enum Command {
         /// Where the agents keep their logins: own (this sandbox's home) or
         /// shared (one directory for all your sandboxes that say shared:
         /// log in once; but one of them can change what the others read).
-        /// local sandboxes only. Default: own.
+        /// local and vm sandboxes. Default: own.
         #[arg(long, value_name = "WHERE", value_parser = str::parse::<AgentHome>)]
         agent_home: Option<AgentHome>,
         /// The git repository (its top-level directory).

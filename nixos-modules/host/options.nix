@@ -164,8 +164,8 @@ let
         home (no other sandbox sees them); `shared`, one directory of the
         owner's that all the owner's sandboxes saying `shared` use (log in
         once; but any of them can change what the others read: a hijacked
-        agent in one can tamper with the logins of all). `local` sandboxes
-        only for now. agentd: `agent_home`.
+        agent in one can tamper with the logins of all). `local` and `vm`
+        sandboxes only for now. agentd: `agent_home`.
       '';
     };
     defaultAgent = {

@@ -41,6 +41,7 @@ echo "baseline: cargo build --bins, empty target directory" >&2
 t=$(now)
 CARGO_TARGET_DIR="$work/target-baseline" cargo build --quiet --bins
 build=$(since "$t")
+echo "baseline: ${build}s" >&2
 rm -rf "$work/target-baseline"
 
 export XDG_STATE_HOME="$state_home" XDG_CACHE_HOME="$work/cache" KEYSTONE_CACHE_DIR="$work/cache/keystone-agent"
@@ -52,18 +53,22 @@ tests/quickstart.sh >"$work/quickstart.log" 2>&1 || {
   exit 1
 }
 running=$(since "$t")
+echo "running sandbox after ${running}s" >&2
 export DBUS_SESSION_BUS_ADDRESS="unix:path=$state_home/keystone/agent/session-bus.sock"
 ctl=("$work/src/target/debug/agentctl" --bus session)
 name=sample-project
 agents= zellij=
 while [ -z "$agents" ] || [ -z "$zellij" ]; do
-  if [ -z "$agents" ] && "${ctl[@]}" status "$name" | grep -q '^Agents: .*claude [0-9]'; then
+  line=$("${ctl[@]}" status "$name" | grep '^Agents:' || true)
+  if [ -z "$agents" ] && [[ $line == *"claude "[0-9]* ]] && [[ $line != *"not installed"* ]]; then
     agents=$(since "$t")
+    echo "agents installed after ${agents}s" >&2
   fi
   # (No session of that branch exists: once Zellij is there, that is the
   # answer, instead of Zellij not being ready.)
   if [ -z "$zellij" ] && "${ctl[@]}" kill-session "$name" no-such-branch 2>&1 | grep -q 'has no session'; then
     zellij=$(since "$t")
+    echo "Zellij ready after ${zellij}s" >&2
   fi
   if [ "$(since "$t")" -gt 5400 ]; then
     echo "gave up after 90 minutes (agents: ${agents:-not yet}, Zellij: ${zellij:-not yet})" >&2

@@ -247,8 +247,8 @@ pub struct SandboxConfig {
     /// (none: a shell only; then left out of the JSON).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub default_agent: Option<Agent>,
-    /// Where the agents keep their logins and settings (`local` sandboxes
-    /// only for `shared`).
+    /// Where the agents keep their logins and settings (`shared`: `local`
+    /// and `vm` sandboxes only).
     #[serde(skip_serializing_if = "AgentHome::is_own")]
     pub agent_home: AgentHome,
 }
