@@ -437,46 +437,79 @@ pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), MountError> {
 /// own shows as the overflow id and stays theirs. No set-id bit or device
 /// works through it (what is stored as root's came from a sandbox).
 pub fn idmapped_tree(path: &Path, uid: u32, gid: u32) -> Result<OwnedFd, MountError> {
-    const MOUNT_ATTR_NOSUID: u64 = 0x2;
-    const MOUNT_ATTR_NODEV: u64 = 0x4;
-    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
-    const AT_RECURSIVE: nix::libc::c_uint = 0x8000;
-    /// `struct mount_attr` of mount_setattr(2).
-    #[repr(C)]
-    struct MountAttr {
-        attr_set: u64,
-        attr_clr: u64,
-        propagation: u64,
-        userns_fd: u64,
-    }
     let userns = user_namespace(uid, gid).map_err(|source| MountError::Userns { source })?;
     let tree = open_tree_clone(path)?;
-    let attr = MountAttr {
-        attr_set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: u64::try_from(userns.as_raw_fd())?,
-    };
-    // SAFETY: mount_setattr on a descriptor we own, with an empty path and
-    // a `struct mount_attr` of the size passed.
+    set_mount_attr(
+        tree.as_raw_fd(),
+        c"",
+        true,
+        MountAttr {
+            attr_set: MountAttr::IDMAP | MountAttr::NOSUID | MountAttr::NODEV,
+            userns_fd: u64::try_from(userns.as_raw_fd())?,
+            ..MountAttr::default()
+        },
+    )
+    .map_err(|source| MountError::Idmap {
+        path: path.to_owned(),
+        source,
+    })?;
+    Ok(tree)
+}
+
+/// `struct mount_attr` of mount_setattr(2), and its flags.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub struct MountAttr {
+    /// Flags to set.
+    pub attr_set: u64,
+    /// Flags to clear.
+    pub attr_clr: u64,
+    /// Propagation.
+    pub propagation: u64,
+    /// The user namespace of `IDMAP`.
+    pub userns_fd: u64,
+}
+
+impl MountAttr {
+    /// Read-only.
+    pub const RDONLY: u64 = 0x1;
+    /// No set-id bits.
+    pub const NOSUID: u64 = 0x2;
+    /// No devices.
+    pub const NODEV: u64 = 0x4;
+    /// Ids mapped through `userns_fd`.
+    pub const IDMAP: u64 = 0x0010_0000;
+}
+
+/// `mount_setattr(dirfd, path, ...)`: `attr` on the mount there (an empty
+/// `path`: on `dirfd` itself), and with `recursive` on every mount below.
+pub fn set_mount_attr(
+    dirfd: std::os::fd::RawFd,
+    path: &std::ffi::CStr,
+    recursive: bool,
+    attr: MountAttr,
+) -> std::io::Result<()> {
+    const AT_RECURSIVE: nix::libc::c_uint = 0x8000;
+    let mut flags = if recursive { AT_RECURSIVE } else { 0 };
+    if path.is_empty() {
+        flags |= nix::libc::AT_EMPTY_PATH as nix::libc::c_uint;
+    }
+    // SAFETY: mount_setattr with a NUL-terminated path and a `struct
+    // mount_attr` of the size passed.
     let r = unsafe {
         nix::libc::syscall(
             nix::libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            nix::libc::AT_EMPTY_PATH as nix::libc::c_uint | AT_RECURSIVE,
+            dirfd,
+            path.as_ptr(),
+            flags,
             &raw const attr,
             std::mem::size_of::<MountAttr>(),
         )
     };
     if r < 0 {
-        let source = std::io::Error::last_os_error();
-        return Err(MountError::Idmap {
-            path: path.to_owned(),
-            source,
-        });
+        return Err(std::io::Error::last_os_error());
     }
-    Ok(tree)
+    Ok(())
 }
 
 /// A user namespace that maps root inside to `uid` and `gid` outside (as

@@ -94,6 +94,16 @@ fn the_pinned_agent_clis_run_inside_a_local_sandbox() {
     assert!(human.contains("Agents:     claude "), "{human}");
 }
 
+/// `agentd --install-agents --config CONFIG`, run to its end.
+fn install_agents(config: &Path) -> std::process::Output {
+    Command::new(common::AGENTD)
+        .arg("--install-agents")
+        .arg("--config")
+        .arg(config)
+        .output()
+        .unwrap()
+}
+
 /// An npm tarball (`package/…`) holding a `claude` that prints `says`.
 fn fake_claude_tgz(dir: &Path, says: &str) -> Vec<u8> {
     let pkg = dir.join("package");
@@ -177,12 +187,7 @@ fn a_package_from_the_registry_runs_in_the_sandbox_and_a_tampered_one_is_never_i
     // The tampered one: refused, and nothing of it in the cache.
     let config = tmp.path().join("evil.json");
     std::fs::write(&config, fake_config(&served, &cache, "6.6.6").to_string()).unwrap();
-    let out = Command::new(common::AGENTD)
-        .arg("--install-agents")
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
+    let out = install_agents(&config);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
@@ -244,12 +249,7 @@ fn a_package_from_the_registry_runs_in_the_sandbox_and_a_tampered_one_is_never_i
     );
     let config = tmp.path().join("later.json");
     std::fs::write(&config, cfg.to_string()).unwrap();
-    let out = Command::new(common::AGENTD)
-        .arg("--install-agents")
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
+    let out = install_agents(&config);
     assert!(
         out.status.success(),
         "{}",

@@ -156,10 +156,7 @@ fn state_changes_are_announced() {
 fn declared_sandboxes_come_from_the_config_and_cannot_be_destroyed() {
     let mut env = Env::bus_only();
     let repo = env.repo("declared");
-    let user = nix::unistd::User::from_uid(nix::unistd::Uid::effective())
-        .unwrap()
-        .unwrap()
-        .name;
+    let user = common::user_name();
     let config = env.tmp.path().join("agentd.json");
     fs::write(
         &config,

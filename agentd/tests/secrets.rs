@@ -209,10 +209,7 @@ fn a_declared_secret_is_read_from_its_file_at_each_start_and_changed_only_there(
     env.agentd_env
         .push(("SSL_CERT_FILE".into(), Some(certs.ca.display().to_string())));
     let repo = env.repo("decl");
-    let user = nix::unistd::User::from_uid(nix::unistd::Uid::effective())
-        .unwrap()
-        .unwrap()
-        .name;
+    let user = common::user_name();
     let key = env.tmp.path().join("anthropic.key");
     let first = format!("sk-first-{}", uuid::Uuid::new_v4().simple());
     std::fs::write(&key, format!("{first}\n")).unwrap();

@@ -496,18 +496,22 @@ fn into_changes_nothing_when_the_tree_is_refused() {
     assert_eq!(host_state(&repo), before);
 }
 
+/// A new commit in sandbox `name` whose object becomes a FIFO: a sync's
+/// reader blocks opening it, for as long as the sandbox likes.
+fn plant_fifo_object(env: &Env, name: &str) {
+    sh(
+        env,
+        name,
+        "echo x > x; git add x; git commit -qm x; h=$(git rev-parse HEAD); \
+         o=.git/objects/$(echo $h | cut -c1-2)/$(echo $h | cut -c3-); rm -f $o; mkfifo $o",
+    );
+}
+
 #[test]
 fn destroy_cuts_short_a_sync_the_sandbox_holds_up() {
     let env = Env::new();
     setup(&env, "held");
-    // The new commit's object becomes a FIFO: the sync's reader blocks
-    // opening it, for as long as the sandbox likes.
-    sh(
-        &env,
-        "held",
-        "echo x > x; git add x; git commit -qm x; h=$(git rev-parse HEAD); \
-         o=.git/objects/$(echo $h | cut -c1-2)/$(echo $h | cut -c3-); rm -f $o; mkfifo $o",
-    );
+    plant_fifo_object(&env, "held");
     env.ok(&["stop", "held"]);
     let sync = env
         .ctl_cmd(&["sync", "held"])
@@ -536,12 +540,7 @@ fn destroy_cuts_short_a_sync_the_sandbox_holds_up() {
 fn a_helper_the_sandbox_holds_up_ends_with_a_killed_agentd() {
     let mut env = Env::new();
     setup(&env, "orphan");
-    sh(
-        &env,
-        "orphan",
-        "echo x > x; git add x; git commit -qm x; h=$(git rev-parse HEAD); \
-         o=.git/objects/$(echo $h | cut -c1-2)/$(echo $h | cut -c3-); rm -f $o; mkfifo $o",
-    );
+    plant_fifo_object(&env, "orphan");
     let sync = env
         .ctl_cmd(&["sync", "orphan"])
         .stderr(std::process::Stdio::piped())

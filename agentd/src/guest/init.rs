@@ -688,34 +688,13 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), InitError> {
 /// read-only without touching its other flags, which the kernel may have
 /// locked.
 fn make_readonly(path: &Path, recursive: bool) -> Result<(), InitError> {
-    #[repr(C)]
-    struct MountAttr {
-        attr_set: u64,
-        attr_clr: u64,
-        propagation: u64,
-        userns_fd: u64,
-    }
-    const MOUNT_ATTR_RDONLY: u64 = 0x1;
-    const AT_RECURSIVE: nix::libc::c_uint = 0x8000;
     let c = CString::new(path.as_os_str().as_encoded_bytes())?;
-    let attr = MountAttr {
-        attr_set: MOUNT_ATTR_RDONLY,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
+    let attr = crate::fsutil::MountAttr {
+        attr_set: crate::fsutil::MountAttr::RDONLY,
+        ..Default::default()
     };
-    // SAFETY: mount_setattr with a valid path and a correctly sized struct.
-    let r = unsafe {
-        nix::libc::syscall(
-            nix::libc::SYS_mount_setattr,
-            nix::libc::AT_FDCWD,
-            c.as_ptr(),
-            if recursive { AT_RECURSIVE } else { 0 },
-            &raw const attr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    };
-    if r == 0 {
+    let r = crate::fsutil::set_mount_attr(nix::libc::AT_FDCWD, &c, recursive, attr);
+    if r.is_ok() {
         return Ok(());
     }
     // Kernels before 5.12: a plain remount, keeping the source's flags.

@@ -33,6 +33,14 @@ pub fn is_root() -> bool {
     nix::unistd::Uid::effective().is_root()
 }
 
+/// The name of the user the tests run as (a declared sandbox's owner).
+pub fn user_name() -> String {
+    nix::unistd::User::from_uid(nix::unistd::Uid::effective())
+        .unwrap()
+        .unwrap()
+        .name
+}
+
 /// Wait for `cond` with a deadline.
 pub fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
