@@ -236,6 +236,15 @@ fn a_unit_that_fails_to_start_is_reported_with_its_result() {
         st["state_reason"].as_str().unwrap().contains("exit-code"),
         "{st}"
     );
+    // A unit that fails at once (agentd's first look finds it failed, and
+    // the changes that led there come after): the same, not a timeout.
+    let repo = env.repo("quickfail");
+    env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
+    let err = env.fails(3, &["start", "quickfail"]);
+    assert!(
+        err.contains("microvm@quickfail.service failed (result: exit-code)"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -343,30 +343,32 @@ impl MicrovmBackend {
     }
 
     /// Follow `unit`'s `ActiveState` (through `changes`, made before the
-    /// job was queued) until `done(state, seen)` holds, where `seen` lists
-    /// the states passed through so far; `None` after `limit`.
+    /// job was queued) until `done(state, changed)` holds, where `changed`
+    /// says whether the unit has changed since (a change's value is read
+    /// when it is seen: of quick changes, such as `activating` and then
+    /// `failed`, only the last may be); `None` after `limit`.
     async fn wait_state(
         &self,
         unit: &SystemdUnitProxy<'static>,
         mut changes: zbus::proxy::PropertyStream<'static, String>,
         name: &str,
         limit: Duration,
-        done: impl Fn(&str, &[String]) -> bool,
+        done: impl Fn(&str, bool) -> bool,
     ) -> Option<String> {
         let deadline = Instant::now() + limit;
-        let mut seen: Vec<String> = Vec::new();
+        let mut changed = false;
         let mut state = unit.active_state().await.unwrap_or_default();
         loop {
             self.states
                 .lock()
                 .unwrap()
                 .insert(name.to_owned(), state.clone());
-            if done(&state, &seen) {
+            if done(&state, changed) {
                 return Some(state);
             }
-            seen.push(state.clone());
             let left = deadline.checked_duration_since(Instant::now())?;
             let change = tokio::time::timeout(left, changes.next()).await.ok()??;
+            changed = true;
             state = change.get().await.unwrap_or_default();
         }
     }
@@ -436,11 +438,11 @@ impl MicrovmBackend {
                 unit: name.clone(),
                 error,
             })?;
-        // Done when active; failed or back to inactive only once the job
-        // has been seen at work (the state before it may be either).
-        let done = |s: &str, seen: &[String]| {
-            s == "active"
-                || (matches!(s, "failed" | "inactive") && seen.iter().any(|x| x == "activating"))
+        // Done when active; failed or back to inactive only once the unit
+        // has changed since the job was queued (the state before it may be
+        // either).
+        let done = |s: &str, changed: bool| {
+            s == "active" || (matches!(s, "failed" | "inactive") && changed)
         };
         match self
             .wait_state(&unit, changes, &name, limit, done)
@@ -526,7 +528,7 @@ impl MicrovmBackend {
                 unit: name.clone(),
                 error,
             })?;
-        let done = |s: &str, _: &[String]| matches!(s, "inactive" | "failed");
+        let done = |s: &str, _: bool| matches!(s, "inactive" | "failed");
         match self
             .wait_state(&unit, changes, &name, Duration::from_secs(120), done)
             .await

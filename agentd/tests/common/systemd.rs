@@ -8,7 +8,8 @@
 //! workspace is at `/workspace` and its `ssh/` share, read-only, at
 //! `/var/lib/keystone-agent/ssh` (as the guest module mounts them). It listens on 127.0.0.1, or, given a
 //! loopback subnet (`127.0.0.0/16`), on the guest's own address derived
-//! from it, as a real guest does on the bridge. `microvm@broken.service`
+//! from it, as a real guest does on the bridge. `microvm@quickfail.service`
+//! fails before StartUnit returns; `microvm@broken.service`
 //! fails to start; `microvm@stuck.service` refuses to stop.
 
 use std::collections::HashMap;
@@ -148,6 +149,14 @@ impl Manager {
             .ok_or_else(|| zbus::fdo::Error::InvalidArgs(format!("unknown unit {name}")))?
             .to_owned();
         set_state(conn, &name, "activating", "start", "success").await;
+        if sandbox == "quickfail" {
+            // Failed before StartUnit even returns: agentd reads `failed`
+            // first, with both changes still to come on its stream.
+            set_state(conn, &name, "failed", "failed", "exit-code").await;
+            return Ok(ObjectPath::try_from("/org/freedesktop/systemd1/job/1")
+                .unwrap()
+                .into());
+        }
         let conn = conn.clone();
         let dir = self.state_dir.join("sandboxes").join(&sandbox);
         let port = self.ssh_port;
