@@ -395,6 +395,10 @@ impl DeclaredSecret {
             .collect();
         if !self.file.is_absolute() {
             p.push(format!("secrets.{var}.file must be an absolute path"));
+        } else if self.file.starts_with("/nix/store") {
+            p.push(format!(
+                "secrets.{var}.file is in the Nix store, which everyone can read; use agenix or sops-nix"
+            ));
         }
         p
     }

@@ -392,3 +392,54 @@ fn another_user_hears_no_signal_of_a_sandbox_it_does_not_own() {
             .join("\n")
     );
 }
+
+#[test]
+fn a_declared_name_never_takes_over_another_users_sandbox() {
+    if !common::is_root() {
+        eprintln!("skipped: a second user's sandbox needs root");
+        return;
+    }
+    let mut env = Env::bus_only();
+    env.start_agentd();
+    // nobody makes `web` over the bus first...
+    let public = env.repo("web");
+    let out = env.ctl_as(Some(NOBODY), &["create", public.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // ...then the administrator declares `web` for root, with a secret.
+    let key = env.tmp.path().join("key");
+    fs::write(&key, "sk-admin\n").unwrap();
+    let config = env.tmp.path().join("agentd.json");
+    fs::write(
+        &config,
+        serde_json::json!({"sandboxes": {"web": {
+            "project": env.repo("declared"), "owner": common::user_name(), "backend": "local",
+            "secrets": {"KEY": {"file": key, "host": "api.example.com", "header": "x-api-key"}}
+        }}})
+        .to_string(),
+    )
+    .unwrap();
+    env.kill_agentd();
+    env.config = Some(config);
+    env.start_agentd();
+    // nobody's sandbox stays nobody's and undeclared; the declaration waits.
+    let st = env.status("web");
+    assert_eq!(st["owner"], NOBODY, "{st}");
+    assert_eq!(st["declared"], false, "{st}");
+    assert!(
+        env.log().contains("belongs to another user"),
+        "{}",
+        env.log()
+    );
+    // Its start gets nothing of the declared secrets.
+    let out = env.ctl_as(Some(NOBODY), &["start", "web"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!env.state_dir.join("secrets/web.json").exists());
+}

@@ -360,7 +360,8 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 #[test]
 fn a_shared_agent_home_is_one_owner_s_across_sandboxes_and_outlives_them() {
     let env = Env::new();
-    env.create_running("one", &["--agent-home", "shared"]);
+    // (The first to use it sets its size: 64 MiB.)
+    env.create_running("one", &["--agent-home", "shared", "--disk", "64"]);
     env.create_running("two", &["--agent-home", "shared"]);
     env.create_running("mine", &[]);
     // A login in one sandbox (what `claude login`, `codex login` and
@@ -409,6 +410,20 @@ fn a_shared_agent_home_is_one_owner_s_across_sandboxes_and_outlives_them() {
         std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
         0o700
     );
+    // Its own image (as root): a sandbox cannot fill the host through it.
+    if common::is_root() {
+        assert!(agentd::disk::is_mount_point(&store), "{}", store.display());
+        let out = env.ctl(&[
+            "exec",
+            "two",
+            "--",
+            "sh",
+            "-c",
+            "dd if=/dev/zero of=$CODEX_HOME/fill bs=1M count=100 2>&1; rm -f $CODEX_HOME/fill",
+        ]);
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.contains("No space left on device"), "{said}");
+    }
     let creds = store.join("codex/auth.json");
     assert_eq!(std::fs::read_to_string(&creds).unwrap(), "refreshed\n");
     assert_eq!(

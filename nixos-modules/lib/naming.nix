@@ -570,6 +570,8 @@ let
                 x = s.secrets.${var};
               in
               optional (!hasPrefix "/" (toString (x.file or ""))) "secrets.${var}.file must be an absolute path"
+              ++ optional (hasPrefix "/nix/store" (toString (x.file or "")))
+                "secrets.${var}.file is in the Nix store, which everyone can read; use agenix or sops-nix"
               ++ optional ((x.header or null) == null && !(x.bearer or false))
                 "secrets.${var}: set header (such as \"x-api-key\") or bearer = true"
               ++ optional (

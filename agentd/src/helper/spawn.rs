@@ -197,6 +197,14 @@ fn confined(
             crate::confine::CONFINE_ENV,
             serde_json::to_string(c).map_err(HelperError::failed)?,
         );
+    // Ends with agentd whatever the confinement does next (a change of ids
+    // there sets it again; making a user namespace keeps it).
+    let parent = std::process::id();
+    // SAFETY: only async-signal-safe calls (prctl, getppid) between fork
+    // and exec.
+    unsafe {
+        cmd.as_std_mut().pre_exec(move || end_with_parent(parent));
+    }
     Ok(cmd)
 }
 

@@ -324,9 +324,10 @@ pub(super) fn subordinate(spec: &SandboxSpec) -> bool {
 }
 
 impl Manager {
-    /// Make sandbox `sb`'s shared agent home ready for its start: the
-    /// owner's directory (agentd's own, 0700) and each agent's directory in
-    /// it. Every sandbox that shares it can change what is inside, so
+    /// Make sandbox `sb`'s shared agent home ready for its start (blocking):
+    /// the owner's directory (agentd's own, 0700; as root, the mount point
+    /// of its own ext4 image, `<uid>.img` beside it) and each agent's
+    /// directory in it. Every sandbox that shares it can change what is inside, so
     /// nothing below the owner's directory is ever followed or changed
     /// here: a directory is only made where nothing is.
     pub(super) fn prepare_shared_home(&self, spec: &crate::backend::SandboxSpec) -> Result<()> {
@@ -357,6 +358,19 @@ impl Manager {
             _ => Ok(()),
         };
         let parent = dir.parent().expect("agent-homes/<uid>");
+        create(parent)?;
+        // Its own ext4 image (as a sandbox's directory has), so that no
+        // sandbox can fill the host's file system through it: the first
+        // sandbox of the owner to use it sets its size (its `disk`).
+        if me.is_root() {
+            let disk = crate::disk::Disk {
+                image: dir.with_extension("img"),
+                dir: dir.clone(),
+            };
+            if let Err(e) = disk.ensure(spec.config.disk) {
+                tracing::warn!(sandbox = %spec.name, dir = %dir.display(), error = %e, "the shared agent home is not size-limited");
+            }
+        }
         for d in [parent, dir.as_path()] {
             create(d)?;
             // These two are agentd's alone (no sandbox sees the parent, and

@@ -185,12 +185,21 @@ impl Manager {
                 return Err(e);
             }
         }
-        if let Err(e) = self.read_declared_secrets(&sb) {
+        // (Files an administrator named, and a mount: off the async workers.)
+        let (this, declared) = (Arc::clone(self), sb.clone());
+        let read = tokio::task::spawn_blocking(move || this.read_declared_secrets(&declared))
+            .await
+            .unwrap_or_else(|e| Err(panicked(name, &e)));
+        if let Err(e) = read {
             self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
             return Err(e);
         }
         let spec = self.spec(&sb);
-        if let Err(e) = self.prepare_shared_home(&spec) {
+        let (this, shared) = (Arc::clone(self), spec.clone());
+        let prepared = tokio::task::spawn_blocking(move || this.prepare_shared_home(&shared))
+            .await
+            .unwrap_or_else(|e| Err(panicked(name, &e)));
+        if let Err(e) = prepared {
             self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
             return Err(e);
         }
@@ -353,5 +362,13 @@ impl Manager {
                 .then(|| Some((s.name.clone(), s.runtime.clone()?)))
                 .flatten()
         })
+    }
+}
+
+/// The error of a blocking task of sandbox `name`'s start that panicked.
+fn panicked(name: &str, e: &tokio::task::JoinError) -> Error {
+    Error::Workspace {
+        name: name.to_owned(),
+        source: crate::error::WorkspaceError::Helper(crate::helper::HelperError::failed(e)),
     }
 }

@@ -123,6 +123,18 @@ impl Manager {
                 .unwrap_or(BackendKind::Local);
             let cfg = d.config(&config.defaults);
             match map.get_mut(name) {
+                // A sandbox of that name made over the bus by someone else
+                // is not taken over (its workspace and home would become
+                // the declared owner's, with the declared secrets).
+                Some(sb) if !sb.declared && sb.owner != owner.uid.as_raw() => {
+                    tracing::error!(
+                        sandbox = %name,
+                        owner = sb.owner,
+                        declared_owner = %d.owner,
+                        "a sandbox of this name belongs to another user; the declared one is skipped \
+                         until it is destroyed or the declaration renamed"
+                    );
+                }
                 Some(sb) => {
                     sb.declared = true;
                     sb.owner = owner.uid.as_raw();

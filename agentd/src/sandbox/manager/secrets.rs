@@ -240,7 +240,11 @@ impl Manager {
     /// value, fails the start with the variable and the file named.
     pub(super) fn read_declared_secrets(&self, sb: &Sandbox) -> Result<()> {
         let name = sb.name.as_str();
-        let declared = self.settings.declared_secrets.get(name);
+        let declared = self
+            .settings
+            .declared_secrets
+            .get(name)
+            .filter(|_| sb.declared);
         let store = self.secret_store();
         let _changing = changing();
         let err = |e| secret_error(name, e);
