@@ -45,6 +45,9 @@ pub struct Confinement {
     /// or removes them (it keeps its capabilities over files of both).
     #[serde(default)]
     pub also_map: Option<(u32, u32)>,
+    /// agentd's pid: the helper ends with it (0: not checked again).
+    #[serde(default)]
+    pub parent: u32,
 }
 
 /// Why a helper could not be confined. Its text is what the helper prints
@@ -206,11 +209,11 @@ pub fn apply(c: &Confinement) -> Result<(), ConfineError> {
         let gid = Gid::from_raw(c.gid);
         nix::unistd::setresgid(gid, gid, gid).map_err(sys("setresgid"))?;
         let uid = Uid::from_raw(c.uid);
-        let parent = nix::unistd::getppid();
         nix::unistd::setresuid(uid, uid, uid).map_err(sys("setresuid"))?;
-        // The change of ids cleared the parent-death signal of the spawn.
-        if let Ok(parent) = u32::try_from(parent.as_raw()) {
-            crate::caps::end_with_parent(parent)
+        // The change of ids cleared the parent-death signal of the spawn
+        // (and agentd may have ended since: its pid, not our parent now).
+        if c.parent != 0 {
+            crate::caps::end_with_parent(c.parent)
                 .map_err(|source| ConfineError::Parent { source })?;
         }
     }

@@ -273,21 +273,44 @@ impl WriteError {
 /// Replace `path` with `bytes` so that a crash at any point leaves either the
 /// old or the new content: temp file, fsync, rename, fsync the directory.
 pub fn atomic_write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
+    atomic_write_mode(path, bytes, 0o600)
+}
+
+/// [`atomic_write`] of a file of `mode`, set on the new file before it
+/// takes `path`'s place (never through a path: nothing can swap it for a
+/// link in between). The temporary file is made anew, never opened where
+/// one already is.
+pub fn atomic_write_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), WriteError> {
+    use std::os::unix::fs::PermissionsExt;
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.tmp.{}", std::process::id()));
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(&tmp)
-        .map_err(WriteError::of("create", &tmp))?;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp.{}.{n}", std::process::id()));
+    let create = || {
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(nix::libc::O_NOFOLLOW)
+            .open(&tmp)
+    };
+    let mut f = match create() {
+        // A leftover of an earlier process of the same pid: removed (not
+        // followed), once.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let _ = fs::remove_file(&tmp);
+            create()
+        }
+        other => other,
+    }
+    .map_err(WriteError::of("create", &tmp))?;
     f.write_all(bytes).map_err(WriteError::of("write", &tmp))?;
+    f.set_permissions(fs::Permissions::from_mode(mode))
+        .map_err(WriteError::of("set the mode of", &tmp))?;
     f.sync_all().map_err(WriteError::of("fsync", &tmp))?;
     drop(f);
     fs::rename(&tmp, path).map_err(WriteError::of("rename onto", path))?;

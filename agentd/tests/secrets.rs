@@ -213,6 +213,14 @@ fn a_declared_secret_is_read_from_its_file_at_each_start_and_changed_only_there(
     let key = env.tmp.path().join("anthropic.key");
     let first = format!("sk-first-{}", uuid::Uuid::new_v4().simple());
     std::fs::write(&key, format!("{first}\n")).unwrap();
+    let origin = Origin::start(
+        env.tmp.path(),
+        "origin.py",
+        include_str!("secrets/origin.py"),
+        &certs,
+    );
+    // (Its settings are the configuration's, the origin's port admitted
+    // there: a declared sandbox's are set anew at each agentd start.)
     let config = env.tmp.path().join("agentd.json");
     let secret = serde_json::json!({"file": key, "host": "api.secret.test", "header": "x-api-key"});
     std::fs::write(
@@ -220,6 +228,7 @@ fn a_declared_secret_is_read_from_its_file_at_each_start_and_changed_only_there(
         serde_json::json!({
             "egress": {"hosts": {"api.secret.test": "127.0.0.1"}},
             "sandboxes": {"decl": {"project": repo, "owner": user, "backend": "local",
+                                   "egress_allow": [format!("127.0.0.1/32:{}", origin.port)],
                                    "secrets": {"ANTHROPIC_API_KEY": secret}}}
         })
         .to_string(),
@@ -227,15 +236,7 @@ fn a_declared_secret_is_read_from_its_file_at_each_start_and_changed_only_there(
     .unwrap();
     env.config = Some(config);
     env.start_agentd();
-    let origin = Origin::start(
-        env.tmp.path(),
-        "origin.py",
-        include_str!("secrets/origin.py"),
-        &certs,
-    );
     env.ok(&["start", "decl"]);
-    let allow = format!("127.0.0.1/32:{}", origin.port);
-    env.ok(&["egress", "decl", "allow", &allow]);
     let call = format!(
         "curl -sS --max-time 20 -H \"x-api-key: $ANTHROPIC_API_KEY\" \
          https://api.secret.test:{}/v1/messages",
@@ -266,8 +267,18 @@ fn a_declared_secret_is_read_from_its_file_at_each_start_and_changed_only_there(
     assert_eq!(run("printf %s \"$ANTHROPIC_API_KEY\""), placeholder);
     run(&call);
     assert_eq!(origin.requests()[1]["x-api-key"], second.as_str());
+    // Rotated while agentd was down: the running sandbox's requests carry
+    // the new value once agentd is back, without a restart of the sandbox.
+    let third = format!("sk-third-{}", uuid::Uuid::new_v4().simple());
+    env.kill_agentd();
+    std::fs::write(&key, format!("{third}\n")).unwrap();
+    env.start_agentd();
+    assert_eq!(env.state("decl"), "running");
+    let run = |script: &str| env.ok(&["exec", "decl", "--", "sh", "-c", script]);
+    run(&call);
+    assert_eq!(origin.requests()[2]["x-api-key"], third.as_str());
     let store = env.state_dir.join("secrets");
-    for v in [&first, &second] {
+    for v in [&first, &second, &third] {
         let leaks = common::files_with(&env.state_dir, v.as_bytes(), &store);
         assert!(leaks.is_empty(), "{leaks:?}");
         assert!(!env.log().contains(v.as_str()));

@@ -81,6 +81,7 @@ pub fn command(
                     groups: vec![gid],
                     keep: keep.clone(),
                     also_map: Some(*ids),
+                    parent: std::process::id(),
                 },
             )?
         }
@@ -180,6 +181,7 @@ fn command_confined(
             groups,
             keep: keep.to_vec(),
             also_map: None,
+            parent: std::process::id(),
         },
     )
 }

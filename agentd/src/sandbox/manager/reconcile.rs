@@ -88,11 +88,20 @@ impl Manager {
             }
         }
         for name in self.names() {
-            if self
-                .snapshot(&name)
-                .is_some_and(|s| s.state == SandboxState::Running)
-            {
+            let Some(sb) = self.snapshot(&name) else {
+                continue;
+            };
+            if sb.state == SandboxState::Running {
                 self.monitor(&name);
+                // A running sandbox keeps what the configuration now says
+                // of its secrets (a key rotated or revoked while agentd was
+                // down), not what its start read.
+                let this = Arc::clone(self);
+                let read =
+                    tokio::task::spawn_blocking(move || this.read_declared_secrets(&sb)).await;
+                if let Ok(Err(e)) = read {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot read the declared secrets again");
+                }
             }
             self.apply_sync_mode(&name);
         }

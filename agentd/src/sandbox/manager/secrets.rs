@@ -41,6 +41,15 @@ const MICROVM_BUNDLE: &str = "keystone-ca-bundle.pem";
 /// Where a `microvm` guest sees its `ssh/` share (nixos-modules/guest).
 const MICROVM_SHARE: &str = "/var/lib/keystone-agent/ssh";
 
+/// Whether `dir` is a directory (not a link) of agentd's that no one else
+/// may write in: only then are a guest's CA files written there.
+fn agentds_own_dir(dir: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(dir).is_ok_and(|m| {
+        m.is_dir() && m.uid() == nix::unistd::geteuid().as_raw() && m.mode() & 0o022 == 0
+    })
+}
+
 /// Where sandbox `sb` reads its CA certificate and the bundle of the
 /// system's roots with it: the files are named by the sandbox's random id
 /// where every sandbox sees the directory (so a listing tells no one which
@@ -176,15 +185,13 @@ impl Manager {
         // (The share is read-only to the guest and agentd's own: its files
         // are replaced by rename, never written through a link.)
         let share = self.store.registry().sandbox_dir(name).join("ssh");
-        if sb.backend == BackendKind::Microvm && share.is_dir() {
+        if sb.backend == BackendKind::Microvm && agentds_own_dir(&share) {
             files.push((share.join(MICROVM_CA), cert_pem));
             files.push((share.join(MICROVM_BUNDLE), bundle.as_str()));
         }
         for (path, text) in files {
-            crate::fsutil::atomic_write(&path, text.as_bytes())
+            crate::fsutil::atomic_write_mode(&path, text.as_bytes(), 0o644)
                 .map_err(|e| io("write", &path)(std::io::Error::other(e)))?;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))
-                .map_err(io("set the mode of", &path))?;
         }
         Ok(())
     }
