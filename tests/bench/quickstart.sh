@@ -66,7 +66,8 @@ while [ -z "$agents" ] || [ -z "$zellij" ]; do
   fi
   # (No session of that branch exists: once Zellij is there, that is the
   # answer, instead of Zellij not being ready.)
-  if [ -z "$zellij" ] && "${ctl[@]}" kill-session "$name" no-such-branch 2>&1 | grep -q 'has no session'; then
+  said=$("${ctl[@]}" kill-session "$name" no-such-branch 2>&1 || true)
+  if [ -z "$zellij" ] && [[ $said == *"has no session"* ]]; then
     zellij=$(since "$t")
     echo "Zellij ready after ${zellij}s" >&2
   fi
