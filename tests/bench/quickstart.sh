@@ -28,6 +28,8 @@ cleanup() {
   pkill -f "dbus-daemon.*$state_home" 2>/dev/null || true
   pkill -f "install-tools.sh zellij" 2>/dev/null || true
   sleep 1
+  # The sandbox's disk image (agentd as root) is mounted below it.
+  grep -o " $work/[^ ]*" /proc/mounts | sort -r | while read -r m; do umount -l "$m" || true; done
   rm -rf "$work" 2>/dev/null || true
 }
 trap cleanup EXIT
