@@ -1,0 +1,826 @@
+//! A Kubernetes API server for tests, in memory, on 127.0.0.1 over plain
+//! HTTP: the parts of the API that Keystone Agent's kubernetes backend
+//! uses, so that the real `kube::Client` code paths run end to end where no
+//! cluster can (docs/kubernetes.md, "The fake API server", says what it
+//! implements and how it differs from a real cluster).
+//!
+//! - Namespaced Pods, PersistentVolumeClaims and Secrets (`/api/v1`) and
+//!   NetworkPolicies (`/apis/networking.k8s.io/v1`): create, get, list
+//!   (with `labelSelector`), replace, patch (merge and server-side apply,
+//!   both as a JSON merge), delete.
+//! - Watches: `resourceVersion` (events after it are replayed from a
+//!   window of the last [`HISTORY`] changes; an older one gets a 410
+//!   `Expired` error event, as from a compacted etcd), bookmarks, and
+//!   `timeoutSeconds`.
+//! - Pods go `Pending` → `Running` (ready, with an IP) a moment after they
+//!   are made, and are deleted after a moment with a `deletionTimestamp`
+//!   first; each step is also an Event in the namespace's `events`.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+/// How many changes a watch can be resumed from.
+pub const HISTORY: usize = 1000;
+
+/// How long a Pod stays `Pending`, and terminating, before the next step.
+const POD_STEP: Duration = Duration::from_millis(100);
+
+/// The kinds it serves: (resource, API prefix, kind).
+const KINDS: &[(&str, &str, &str)] = &[
+    ("pods", "/api/v1", "Pod"),
+    ("persistentvolumeclaims", "/api/v1", "PersistentVolumeClaim"),
+    ("secrets", "/api/v1", "Secret"),
+    ("events", "/api/v1", "Event"),
+    (
+        "networkpolicies",
+        "/apis/networking.k8s.io/v1",
+        "NetworkPolicy",
+    ),
+];
+
+/// (resource, namespace, name).
+type Key = (String, String, String);
+
+/// One change, as a watch reports it.
+#[derive(Clone)]
+struct Change {
+    rv: u64,
+    resource: String,
+    namespace: String,
+    kind: &'static str,
+    object: Value,
+}
+
+struct Watcher {
+    resource: String,
+    namespace: String,
+    selector: Selector,
+    tx: mpsc::Sender<Bytes>,
+}
+
+#[derive(Default)]
+struct Store {
+    rv: u64,
+    uid: u64,
+    objects: BTreeMap<Key, Value>,
+    history: VecDeque<Change>,
+    watchers: Vec<Watcher>,
+}
+
+impl Store {
+    /// Record `object` under `key` (or its removal, for `DELETED`) at the
+    /// next resource version, and tell the watchers.
+    fn commit(&mut self, key: &Key, kind: &'static str, mut object: Value) -> Value {
+        self.rv += 1;
+        object["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        if kind == "DELETED" {
+            self.objects.remove(key);
+        } else {
+            self.objects.insert(key.clone(), object.clone());
+        }
+        let change = Change {
+            rv: self.rv,
+            resource: key.0.clone(),
+            namespace: key.1.clone(),
+            kind,
+            object: object.clone(),
+        };
+        let line = event_line(change.kind, &change.object);
+        self.watchers.retain(|w| {
+            if w.resource != change.resource
+                || w.namespace != change.namespace
+                || !w.selector.matches(&change.object)
+            {
+                return !w.tx.is_closed();
+            }
+            w.tx.try_send(line.clone()).is_ok()
+        });
+        self.history.push_back(change);
+        while self.history.len() > HISTORY {
+            self.history.pop_front();
+        }
+        object
+    }
+
+    /// The oldest resource version a watch can start after.
+    fn oldest(&self) -> u64 {
+        self.history.front().map_or(self.rv, |c| c.rv - 1)
+    }
+}
+
+/// A running fake API server; it stops when dropped.
+pub struct FakeKube {
+    addr: SocketAddr,
+    store: Arc<Mutex<Store>>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for FakeKube {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeKube")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for FakeKube {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+impl FakeKube {
+    /// Start one on a free port of 127.0.0.1 (in the current tokio runtime).
+    ///
+    /// # Panics
+    /// When no port can be bound.
+    pub async fn start() -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1");
+        let addr = listener.local_addr().expect("local address");
+        let store = Arc::new(Mutex::new(Store::default()));
+        let served = Arc::clone(&store);
+        let server = tokio::spawn(async move {
+            loop {
+                let Ok((conn, _)) = listener.accept().await else {
+                    continue;
+                };
+                let store = Arc::clone(&served);
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let store = Arc::clone(&store);
+                        async move { Ok::<_, Infallible>(handle(&store, req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(conn), service)
+                        .await;
+                });
+            }
+        });
+        Self {
+            addr,
+            store,
+            server,
+        }
+    }
+
+    /// Its URL (`http://127.0.0.1:PORT`).
+    #[must_use]
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Write a kubeconfig for it into `dir` (context `fake`, namespace
+    /// `namespace`); its path.
+    ///
+    /// # Panics
+    /// When the file cannot be written.
+    #[must_use]
+    pub fn kubeconfig(&self, dir: &Path, namespace: &str) -> PathBuf {
+        let path = dir.join("kubeconfig");
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             users:\n- name: fake\n  user:\n    token: fake-token\n\
+             contexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\n\
+             current-context: fake\n",
+            self.url()
+        );
+        std::fs::write(&path, text).expect("write the kubeconfig");
+        path
+    }
+
+    /// The object `name` of `resource` (`pods`, …) in `namespace`, if any.
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    #[must_use]
+    pub fn object(&self, resource: &str, namespace: &str, name: &str) -> Option<Value> {
+        let key = (resource.to_owned(), namespace.to_owned(), name.to_owned());
+        self.store.lock().unwrap().objects.get(&key).cloned()
+    }
+
+    /// How many objects of `resource` exist (in every namespace).
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    #[must_use]
+    pub fn count(&self, resource: &str) -> usize {
+        let store = self.store.lock().unwrap();
+        store.objects.keys().filter(|k| k.0 == resource).count()
+    }
+
+    /// Forget the history of changes up to now, as a compacted etcd does:
+    /// a watch from an older resource version gets 410 Gone.
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    pub fn compact(&self) {
+        self.store.lock().unwrap().history.clear();
+    }
+}
+
+/// A request's path: (API prefix, namespace, resource, name).
+fn route(path: &str) -> Option<(&'static str, String, &'static str, Option<String>)> {
+    for &(resource, prefix, _) in KINDS {
+        let Some(rest) = path.strip_prefix(prefix) else {
+            continue;
+        };
+        let parts: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
+        match parts.as_slice() {
+            ["namespaces", ns, r] if *r == resource => {
+                return Some((prefix, (*ns).to_owned(), resource, None));
+            }
+            ["namespaces", ns, r, name] if *r == resource => {
+                return Some((prefix, (*ns).to_owned(), resource, Some((*name).to_owned())));
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+fn kind_of(resource: &str) -> (&'static str, &'static str) {
+    let (_, prefix, kind) = KINDS
+        .iter()
+        .find(|(r, _, _)| *r == resource)
+        .expect("a served resource");
+    let api_version = prefix.strip_prefix("/apis/").unwrap_or("v1");
+    (kind, api_version)
+}
+
+async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_owned();
+    let query = parse_query(req.uri().query().unwrap_or(""));
+    let Some((_, namespace, resource, name)) = route(&path) else {
+        return status(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("the server could not find the requested resource ({path})"),
+        );
+    };
+    let method = req.method().clone();
+    let content_type = req
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+    };
+    let parsed = || serde_json::from_slice::<Value>(&body);
+    match (method, name) {
+        (Method::GET, None) if query.get("watch").is_some_and(|w| w == "true" || w == "1") => {
+            watch(store, &namespace, resource, &query)
+        }
+        (Method::GET, None) => list(store, &namespace, resource, &query),
+        (Method::GET, Some(name)) => {
+            let key = (resource.to_owned(), namespace, name.clone());
+            match store.lock().unwrap().objects.get(&key) {
+                Some(o) => object(StatusCode::OK, o),
+                None => not_found(resource, &name),
+            }
+        }
+        (Method::POST, None) => match parsed() {
+            Ok(o) => create(store, &namespace, resource, o),
+            Err(e) => status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+        },
+        (Method::PUT, Some(name)) => match parsed() {
+            Ok(o) => replace(store, &namespace, resource, &name, o),
+            Err(e) => status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+        },
+        (Method::PATCH, Some(name)) => match parsed() {
+            Ok(p) => patch(store, &namespace, resource, &name, &p, &content_type),
+            Err(e) => status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+        },
+        (Method::DELETE, Some(name)) => delete(store, &namespace, resource, &name),
+        _ => status(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            "not supported here",
+        ),
+    }
+}
+
+fn create(
+    store: &Arc<Mutex<Store>>,
+    namespace: &str,
+    resource: &str,
+    mut o: Value,
+) -> Response<Body> {
+    let Some(name) = o["metadata"]["name"].as_str().map(str::to_owned) else {
+        return status(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            "metadata.name: Required value",
+        );
+    };
+    let key = (resource.to_owned(), namespace.to_owned(), name.clone());
+    let mut s = store.lock().unwrap();
+    if s.objects.contains_key(&key) {
+        return status(
+            StatusCode::CONFLICT,
+            "AlreadyExists",
+            &format!("{resource} \"{name}\" already exists"),
+        );
+    }
+    s.uid += 1;
+    let (kind, api_version) = kind_of(resource);
+    o["kind"] = json!(kind);
+    o["apiVersion"] = json!(api_version);
+    o["metadata"]["namespace"] = json!(namespace);
+    o["metadata"]["uid"] = json!(format!("00000000-0000-4000-8000-{:012}", s.uid));
+    o["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
+    if resource == "pods" {
+        o["status"] = json!({"phase": "Pending"});
+    }
+    if resource == "persistentvolumeclaims" {
+        o["status"] = json!({"phase": "Bound"});
+    }
+    let made = s.commit(&key, "ADDED", o);
+    drop(s);
+    if resource == "pods" {
+        pod_event(
+            store,
+            namespace,
+            &name,
+            "Scheduled",
+            "Successfully assigned",
+        );
+        let store = Arc::clone(store);
+        let key = key.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(POD_STEP).await;
+            let mut s = store.lock().unwrap();
+            let Some(mut pod) = s.objects.get(&key).cloned() else {
+                return;
+            };
+            if pod["metadata"]["deletionTimestamp"].is_string() {
+                return;
+            }
+            pod["status"] = json!({
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            });
+            s.commit(&key, "MODIFIED", pod);
+            drop(s);
+            pod_event(&store, &key.1, &key.2, "Started", "Started container");
+        });
+    }
+    object(StatusCode::CREATED, &made)
+}
+
+/// Record an Event about Pod `name`.
+fn pod_event(store: &Arc<Mutex<Store>>, namespace: &str, name: &str, reason: &str, message: &str) {
+    let mut s = store.lock().unwrap();
+    s.uid += 1;
+    let event_name = format!("{name}.{}", s.uid);
+    let key = (
+        "events".to_owned(),
+        namespace.to_owned(),
+        event_name.clone(),
+    );
+    let event = json!({
+        "kind": "Event",
+        "apiVersion": "v1",
+        "metadata": {"name": event_name, "namespace": namespace},
+        "involvedObject": {"kind": "Pod", "name": name, "namespace": namespace},
+        "reason": reason,
+        "message": message,
+        "type": "Normal",
+    });
+    s.commit(&key, "ADDED", event);
+}
+
+fn replace(
+    store: &Arc<Mutex<Store>>,
+    namespace: &str,
+    resource: &str,
+    name: &str,
+    mut o: Value,
+) -> Response<Body> {
+    let key = (resource.to_owned(), namespace.to_owned(), name.to_owned());
+    let mut s = store.lock().unwrap();
+    let Some(old) = s.objects.get(&key) else {
+        return not_found(resource, name);
+    };
+    // Optimistic concurrency, as a real server checks it.
+    if let Some(rv) = o["metadata"]["resourceVersion"].as_str() {
+        if old["metadata"]["resourceVersion"].as_str() != Some(rv) {
+            return status(
+                StatusCode::CONFLICT,
+                "Conflict",
+                &format!(
+                    "the object has been modified; please apply your changes to the latest version ({resource} \"{name}\")"
+                ),
+            );
+        }
+    }
+    for kept in ["uid", "creationTimestamp", "namespace"] {
+        o["metadata"][kept] = old["metadata"][kept].clone();
+    }
+    o["kind"] = old["kind"].clone();
+    o["apiVersion"] = old["apiVersion"].clone();
+    let made = s.commit(&key, "MODIFIED", o);
+    object(StatusCode::OK, &made)
+}
+
+fn patch(
+    store: &Arc<Mutex<Store>>,
+    namespace: &str,
+    resource: &str,
+    name: &str,
+    p: &Value,
+    content_type: &str,
+) -> Response<Body> {
+    let key = (resource.to_owned(), namespace.to_owned(), name.to_owned());
+    let apply = content_type.starts_with("application/apply-patch");
+    let existing = store.lock().unwrap().objects.get(&key).cloned();
+    match existing {
+        // Server-side apply makes what is not there.
+        None if apply => create(store, namespace, resource, p.clone()),
+        None => not_found(resource, name),
+        Some(mut o) => {
+            merge(&mut o, p);
+            let mut s = store.lock().unwrap();
+            let made = s.commit(&key, "MODIFIED", o);
+            object(StatusCode::OK, &made)
+        }
+    }
+}
+
+/// RFC 7386 JSON merge patch of `patch` into `target`.
+fn merge(target: &mut Value, patch: &Value) {
+    let Value::Object(p) = patch else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    let t = target.as_object_mut().expect("an object");
+    for (k, v) in p {
+        if v.is_null() {
+            t.remove(k);
+        } else {
+            merge(t.entry(k.clone()).or_insert(Value::Null), v);
+        }
+    }
+}
+
+fn delete(
+    store: &Arc<Mutex<Store>>,
+    namespace: &str,
+    resource: &str,
+    name: &str,
+) -> Response<Body> {
+    let key = (resource.to_owned(), namespace.to_owned(), name.to_owned());
+    let mut s = store.lock().unwrap();
+    let Some(mut o) = s.objects.get(&key).cloned() else {
+        return not_found(resource, name);
+    };
+    if resource != "pods" {
+        let gone = s.commit(&key, "DELETED", o);
+        return object(StatusCode::OK, &gone);
+    }
+    // A Pod terminates first: deletionTimestamp now, gone a moment later.
+    if o["metadata"]["deletionTimestamp"].is_null() {
+        o["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:01Z");
+        o = s.commit(&key, "MODIFIED", o);
+        let store = Arc::clone(store);
+        tokio::spawn(async move {
+            tokio::time::sleep(POD_STEP).await;
+            let mut s = store.lock().unwrap();
+            if let Some(pod) = s.objects.get(&key).cloned() {
+                s.commit(&key, "DELETED", pod);
+            }
+        });
+    }
+    object(StatusCode::OK, &o)
+}
+
+fn list(
+    store: &Arc<Mutex<Store>>,
+    namespace: &str,
+    resource: &str,
+    query: &BTreeMap<String, String>,
+) -> Response<Body> {
+    let selector = match Selector::parse(query.get("labelSelector").map_or("", String::as_str)) {
+        Ok(s) => s,
+        Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e),
+    };
+    let s = store.lock().unwrap();
+    let items: Vec<&Value> = s
+        .objects
+        .iter()
+        .filter(|(k, o)| k.0 == resource && k.1 == namespace && selector.matches(o))
+        .map(|(_, o)| o)
+        .collect();
+    let (kind, api_version) = kind_of(resource);
+    object(
+        StatusCode::OK,
+        &json!({
+            "kind": format!("{kind}List"),
+            "apiVersion": api_version,
+            "metadata": {"resourceVersion": s.rv.to_string()},
+            "items": items,
+        }),
+    )
+}
+
+fn watch(
+    store: &Arc<Mutex<Store>>,
+    namespace: &str,
+    resource: &str,
+    query: &BTreeMap<String, String>,
+) -> Response<Body> {
+    let selector = match Selector::parse(query.get("labelSelector").map_or("", String::as_str)) {
+        Ok(s) => s,
+        Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e),
+    };
+    let (tx, rx) = mpsc::channel(HISTORY + 16);
+    let mut s = store.lock().unwrap();
+    let since = query
+        .get("resourceVersion")
+        .filter(|v| !v.is_empty() && *v != "0")
+        .map(|v| v.parse::<u64>());
+    match since {
+        Some(Err(_)) => {
+            return status(
+                StatusCode::BAD_REQUEST,
+                "BadRequest",
+                "resourceVersion: not a number",
+            );
+        }
+        // Too old: one ERROR event, as a real server sends it.
+        Some(Ok(rv)) if rv < s.oldest() => {
+            let gone = json!({
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                "message": format!("too old resource version: {rv} ({})", s.oldest() + 1),
+                "reason": "Expired", "code": 410,
+            });
+            let _ = tx.try_send(event_line("ERROR", &gone));
+            drop(tx);
+            return streaming(rx);
+        }
+        Some(Ok(rv)) => {
+            for c in s.history.iter().filter(|c| {
+                c.rv > rv
+                    && c.resource == resource
+                    && c.namespace == namespace
+                    && selector.matches(&c.object)
+            }) {
+                let _ = tx.try_send(event_line(c.kind, &c.object));
+            }
+        }
+        // From now: what exists, as ADDED.
+        None => {
+            for (k, o) in &s.objects {
+                if k.0 == resource && k.1 == namespace && selector.matches(o) {
+                    let _ = tx.try_send(event_line("ADDED", o));
+                }
+            }
+        }
+    }
+    s.watchers.push(Watcher {
+        resource: resource.to_owned(),
+        namespace: namespace.to_owned(),
+        selector,
+        tx: tx.clone(),
+    });
+    drop(s);
+    let bookmarks = query
+        .get("allowWatchBookmarks")
+        .is_some_and(|b| b == "true");
+    let timeout = query
+        .get("timeoutSeconds")
+        .and_then(|t| t.parse::<u64>().ok())
+        .map_or(Duration::from_secs(290), Duration::from_secs);
+    let (kind, api_version) = kind_of(resource);
+    let store = Arc::clone(store);
+    tokio::spawn(async move {
+        let end = tokio::time::Instant::now() + timeout;
+        loop {
+            let left = end.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() || tx.is_closed() {
+                break;
+            }
+            tokio::time::sleep(left.min(Duration::from_secs(1))).await;
+            if bookmarks {
+                let rv = store.lock().unwrap().rv;
+                let mark = json!({"kind": kind, "apiVersion": api_version,
+                                  "metadata": {"resourceVersion": rv.to_string()}});
+                if tx.send(event_line("BOOKMARK", &mark)).await.is_err() {
+                    break;
+                }
+            }
+        }
+        // Dropping the last sender ends the response.
+        store
+            .lock()
+            .unwrap()
+            .watchers
+            .retain(|w| !w.tx.same_channel(&tx));
+    });
+    streaming(rx)
+}
+
+fn event_line(kind: &str, object: &Value) -> Bytes {
+    let mut line = serde_json::to_vec(&json!({"type": kind, "object": object})).expect("JSON");
+    line.push(b'\n');
+    Bytes::from(line)
+}
+
+/// A label selector: `k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-separated.
+#[derive(Default)]
+struct Selector(Vec<Term>);
+
+/// One requirement of a [`Selector`].
+enum Term {
+    /// The label has this value.
+    Is(String, String),
+    /// The label is missing or has another value.
+    IsNot(String, String),
+    /// The label is there.
+    Has(String),
+    /// The label is not there.
+    HasNot(String),
+}
+
+impl Selector {
+    fn parse(text: &str) -> Result<Self, String> {
+        let mut terms = Vec::new();
+        for term in text.split(',').map(str::trim).filter(|t| !t.is_empty()) {
+            terms.push(if let Some((k, v)) = term.split_once("!=") {
+                Term::IsNot(k.to_owned(), v.to_owned())
+            } else if let Some((k, v)) = term.split_once("==").or_else(|| term.split_once('=')) {
+                Term::Is(k.to_owned(), v.to_owned())
+            } else if let Some(k) = term.strip_prefix('!') {
+                Term::HasNot(k.to_owned())
+            } else if term.contains(' ') {
+                return Err(format!("unable to parse requirement: {term}"));
+            } else {
+                Term::Has(term.to_owned())
+            });
+        }
+        Ok(Self(terms))
+    }
+
+    fn matches(&self, o: &Value) -> bool {
+        let labels = &o["metadata"]["labels"];
+        let label = |k: &str| labels[k].as_str();
+        self.0.iter().all(|t| match t {
+            Term::Is(k, v) => label(k) == Some(v.as_str()),
+            Term::IsNot(k, v) => label(k) != Some(v.as_str()),
+            Term::Has(k) => label(k).is_some(),
+            Term::HasNot(k) => label(k).is_none(),
+        })
+    }
+}
+
+fn parse_query(q: &str) -> BTreeMap<String, String> {
+    q.split('&')
+        .filter_map(|kv| kv.split_once('=').or(Some((kv, ""))))
+        .filter(|(k, _)| !k.is_empty())
+        .map(|(k, v)| (k.to_owned(), unescape(v)))
+        .collect()
+}
+
+fn unescape(v: &str) -> String {
+    let bytes = v.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 3 <= bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
+                if let Ok(b) = u8::from_str_radix(hex, 16) {
+                    out.push(b);
+                    i += 3;
+                    continue;
+                }
+                out.push(b'%');
+            }
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A response body: whole, or streamed from a channel (a watch).
+#[derive(Debug)]
+pub enum Body {
+    /// All of it.
+    Full(Option<Bytes>),
+    /// Lines as they come; ends when every sender is gone.
+    Stream(mpsc::Receiver<Bytes>),
+}
+
+impl http_body::Body for Body {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            Self::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Self::Stream(rx) => rx.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b)))),
+        }
+    }
+}
+
+fn streaming(rx: mpsc::Receiver<Bytes>) -> Response<Body> {
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(Body::Stream(rx))
+        .expect("a response")
+}
+
+fn object(code: StatusCode, v: &Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Body::Full(Some(Bytes::from(
+            serde_json::to_vec(v).expect("JSON"),
+        ))))
+        .expect("a response")
+}
+
+fn status(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
+    object(
+        code,
+        &json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code.as_u16(),
+        }),
+    )
+}
+
+fn not_found(resource: &str, name: &str) -> Response<Body> {
+    status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        &format!("{resource} \"{name}\" not found"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selectors_merges_and_queries_read_as_the_api_server_reads_them() {
+        let o = json!({"metadata": {"labels": {"app": "agentd", "sandbox": "a"}}});
+        for (sel, want) in [
+            ("app=agentd", true),
+            ("app==agentd,sandbox=a", true),
+            ("app!=agentd", false),
+            ("sandbox", true),
+            ("!owner", true),
+            ("!sandbox", false),
+            ("sandbox=b", false),
+            ("", true),
+        ] {
+            assert_eq!(Selector::parse(sel).unwrap().matches(&o), want, "{sel}");
+        }
+        assert!(Selector::parse("a b").is_err());
+        let mut t = json!({"a": {"b": 1, "c": 2}, "d": [1]});
+        merge(&mut t, &json!({"a": {"b": null, "e": 3}, "d": [2]}));
+        assert_eq!(t, json!({"a": {"c": 2, "e": 3}, "d": [2]}));
+        let q = parse_query("labelSelector=app%3Dagentd%2Csandbox&watch=true&x");
+        assert_eq!(q["labelSelector"], "app=agentd,sandbox");
+        assert_eq!(q["watch"], "true");
+        assert_eq!(q["x"], "");
+        assert_eq!(
+            route("/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies/p"),
+            Some((
+                "/apis/networking.k8s.io/v1",
+                "ns".to_owned(),
+                "networkpolicies",
+                Some("p".to_owned())
+            ))
+        );
+        assert_eq!(route("/api/v1/namespaces/ns/configmaps"), None);
+    }
+}

@@ -1,0 +1,258 @@
+//! The fake API server against the real `kube::Client`: what the
+//! kubernetes backend relies on behaves as a cluster's does.
+
+use std::time::Duration;
+
+use fake_kube::FakeKube;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use kube::api::{
+    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::{WatchStreamExt, wait::await_condition};
+use kube::{Client, Config, config::KubeConfigOptions, config::Kubeconfig};
+
+async fn client(fake: &FakeKube, dir: &std::path::Path) -> Client {
+    // Through a kubeconfig, as agentd's configuration names one.
+    let path = fake.kubeconfig(dir, "agent-sandboxes");
+    let kc = Kubeconfig::read_from(&path).unwrap();
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(config.default_namespace, "agent-sandboxes");
+    Client::try_from(config).unwrap()
+}
+
+fn pod(name: &str, sandbox: &str) -> Pod {
+    serde_json::from_value(serde_json::json!({
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "agentd",
+                                               "keystone.agent/sandbox": sandbox}},
+        "spec": {"containers": [{"name": "sandbox", "image": "debian"}]},
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn pods_are_made_run_are_listed_by_label_and_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeKube::start().await;
+    let client = client(&fake, dir.path()).await;
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+
+    let made = pods
+        .create(&PostParams::default(), &pod("sb-a", "a"))
+        .await
+        .unwrap();
+    assert_eq!(made.status.unwrap().phase.as_deref(), Some("Pending"));
+    // A second of the same name: 409 AlreadyExists, as kube reports it.
+    let err = pods
+        .create(&PostParams::default(), &pod("sb-a", "a"))
+        .await
+        .unwrap_err();
+    match err {
+        kube::Error::Api(s) => assert_eq!((s.code, s.reason.as_str()), (409, "AlreadyExists")),
+        other => panic!("{other:?}"),
+    }
+    // Pending → Running (ready), followed with a watch, not polling.
+    let running = tokio::time::timeout(
+        Duration::from_secs(10),
+        await_condition(pods.clone(), "sb-a", |p: Option<&Pod>| {
+            p.and_then(|p| p.status.as_ref()?.phase.as_deref()) == Some("Running")
+        }),
+    )
+    .await
+    .unwrap()
+    .unwrap()
+    .unwrap();
+    assert_eq!(running.status.unwrap().pod_ip.as_deref(), Some("127.0.0.1"));
+
+    pods.create(&PostParams::default(), &pod("sb-b", "b"))
+        .await
+        .unwrap();
+    let listed = pods
+        .list(&ListParams::default().labels("keystone.agent/sandbox=b"))
+        .await
+        .unwrap();
+    let names: Vec<_> = listed
+        .items
+        .iter()
+        .map(|p| p.metadata.name.clone().unwrap())
+        .collect();
+    assert_eq!(names, ["sb-b"]);
+    assert!(listed.metadata.resource_version.is_some());
+
+    // Delete: terminating first (deletionTimestamp), then gone.
+    pods.delete("sb-a", &DeleteParams::default()).await.unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        await_condition(pods.clone(), "sb-a", |p: Option<&Pod>| p.is_none()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let err = pods.get("sb-a").await.unwrap_err();
+    match err {
+        kube::Error::Api(s) => assert_eq!(s.code, 404),
+        other => panic!("{other:?}"),
+    }
+    // Each step of a Pod is also an Event.
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::default_namespaced(client);
+    let reasons: Vec<_> = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.involved_object.name.as_deref() == Some("sb-a"))
+        .filter_map(|e| e.reason)
+        .collect();
+    assert_eq!(reasons, ["Scheduled", "Started"]);
+}
+
+#[tokio::test]
+async fn a_watch_resumes_from_its_resource_version_gets_bookmarks_and_410_when_compacted() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeKube::start().await;
+    let client = client(&fake, dir.path()).await;
+    let pods: Api<Pod> = Api::default_namespaced(client.clone());
+    pods.create(&PostParams::default(), &pod("w1", "w"))
+        .await
+        .unwrap();
+    let rv = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    pods.create(&PostParams::default(), &pod("w2", "w"))
+        .await
+        .unwrap();
+
+    // From `rv`: only what came after it (w2), then a bookmark.
+    let mut stream = Box::pin(
+        pods.watch(&WatchParams::default().timeout(5), &rv)
+            .await
+            .unwrap(),
+    );
+    let mut added = Vec::new();
+    let mut bookmark = false;
+    while let Some(ev) = stream.next().await {
+        match ev.unwrap() {
+            WatchEvent::Added(p) => added.push(p.metadata.name.unwrap()),
+            WatchEvent::Bookmark(_) => {
+                bookmark = true;
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(added[0], "w2", "{added:?}");
+    assert!(!added.contains(&"w1".to_owned()), "{added:?}");
+    assert!(bookmark);
+
+    // A compacted history: the same watch gets 410 Expired...
+    fake.compact();
+    let mut stream = Box::pin(pods.watch(&WatchParams::default(), &rv).await.unwrap());
+    match stream.next().await.unwrap().unwrap() {
+        WatchEvent::Error(e) => assert_eq!((e.code, e.reason.as_str()), (410, "Expired")),
+        other => panic!("{other:?}"),
+    }
+    // ...and kube's watcher starts over with a list, seeing both Pods.
+    let mut seen = std::collections::BTreeSet::new();
+    let watch = watcher::watcher(pods, watcher::Config::default()).default_backoff();
+    let mut watch = Box::pin(watch);
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(ev) = watch.next().await {
+            if let Event::InitApply(p) | Event::Apply(p) = ev.unwrap() {
+                seen.insert(p.metadata.name.unwrap());
+            }
+            if seen.len() == 2 {
+                break;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["w1", "w2"]);
+}
+
+#[tokio::test]
+async fn claims_policies_and_secrets_are_made_applied_and_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeKube::start().await;
+    let client = client(&fake, dir.path()).await;
+    let ns = "agent-sandboxes";
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let policies: Api<NetworkPolicy> = Api::namespaced(client.clone(), ns);
+    let secrets: Api<Secret> = Api::namespaced(client, ns);
+    let claim: PersistentVolumeClaim = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "sb-a-workspace"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "standard",
+                 "resources": {"requests": {"storage": "10Gi"}}},
+    }))
+    .unwrap();
+    pvcs.create(&PostParams::default(), &claim).await.unwrap();
+    assert_eq!(fake.count("persistentvolumeclaims"), 1);
+    // Server-side apply makes what is missing and merges into what is not.
+    let deny: NetworkPolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "sb-a"},
+        "spec": {"podSelector": {"matchLabels": {"keystone.agent/sandbox": "a"}},
+                 "policyTypes": ["Ingress", "Egress"]},
+    }))
+    .unwrap();
+    let pp = PatchParams::apply("agentd");
+    policies
+        .patch("sb-a", &pp, &Patch::Apply(&deny))
+        .await
+        .unwrap();
+    let merged = policies
+        .patch(
+            "sb-a",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"metadata": {"labels": {"x": "y"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(merged.metadata.labels.unwrap()["x"], "y");
+    assert_eq!(
+        merged.spec.unwrap().policy_types.unwrap(),
+        ["Ingress", "Egress"]
+    );
+    let secret: Secret = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "sb-a-ssh"}, "stringData": {"k": "v"},
+    }))
+    .unwrap();
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
+    for (what, gone) in [
+        (
+            "persistentvolumeclaims",
+            pvcs.delete("sb-a-workspace", &DeleteParams::default())
+                .await
+                .is_ok(),
+        ),
+        (
+            "networkpolicies",
+            policies
+                .delete("sb-a", &DeleteParams::default())
+                .await
+                .is_ok(),
+        ),
+        (
+            "secrets",
+            secrets
+                .delete("sb-a-ssh", &DeleteParams::default())
+                .await
+                .is_ok(),
+        ),
+    ] {
+        assert!(gone, "{what}");
+        assert_eq!(fake.count(what), 0, "{what}");
+    }
+}
