@@ -15,6 +15,10 @@
 //! - Pods go `Pending` → `Running` (ready, with an IP) a moment after they
 //!   are made, and are deleted after a moment with a `deletionTimestamp`
 //!   first; each step is also an Event in the namespace's `events`.
+//! - `pods/{name}/exec` over WebSocket ([`exec`]): the command runs for
+//!   real, in the Pod's own directory.
+
+mod exec;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -73,6 +77,8 @@ struct Watcher {
 
 #[derive(Default)]
 struct Store {
+    /// Each Pod's directory is `<root>/<namespace>/<name>`.
+    root: PathBuf,
     rv: u64,
     uid: u64,
     objects: BTreeMap<Key, Value>,
@@ -126,6 +132,7 @@ pub struct FakeKube {
     addr: SocketAddr,
     store: Arc<Mutex<Store>>,
     server: tokio::task::JoinHandle<()>,
+    _root: tempfile::TempDir,
 }
 
 impl std::fmt::Debug for FakeKube {
@@ -152,7 +159,11 @@ impl FakeKube {
             .await
             .expect("bind 127.0.0.1");
         let addr = listener.local_addr().expect("local address");
-        let store = Arc::new(Mutex::new(Store::default()));
+        let root = tempfile::tempdir().expect("a directory for the Pods");
+        let store = Arc::new(Mutex::new(Store {
+            root: root.path().to_owned(),
+            ..Store::default()
+        }));
         let served = Arc::clone(&store);
         let server = tokio::spawn(async move {
             loop {
@@ -167,6 +178,7 @@ impl FakeKube {
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(hyper_util::rt::TokioIo::new(conn), service)
+                        .with_upgrades()
                         .await;
                 });
             }
@@ -175,6 +187,7 @@ impl FakeKube {
             addr,
             store,
             server,
+            _root: root,
         }
     }
 
@@ -262,8 +275,32 @@ fn kind_of(resource: &str) -> (&'static str, &'static str) {
     (kind, api_version)
 }
 
+/// `/api/v1/namespaces/{ns}/pods/{name}/exec`: (namespace, name).
+fn exec_route(path: &str) -> Option<(String, String)> {
+    let rest = path.strip_prefix("/api/v1/namespaces/")?;
+    let parts: Vec<&str> = rest.split('/').collect();
+    match parts.as_slice() {
+        [ns, "pods", name, "exec"] => Some(((*ns).to_owned(), (*name).to_owned())),
+        _ => None,
+    }
+}
+
 async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
+    if let Some((ns, name)) = exec_route(&path) {
+        let pod = {
+            let s = store.lock().unwrap();
+            s.objects
+                .get(&("pods".to_owned(), ns.clone(), name.clone()))
+                .map(|p| {
+                    (
+                        s.root.join(&ns).join(&name),
+                        p["status"]["phase"] == "Running",
+                    )
+                })
+        };
+        return exec::handle(req, pod);
+    }
     let query = parse_query(req.uri().query().unwrap_or(""));
     let Some((_, namespace, resource, name)) = route(&path) else {
         return status(
@@ -348,6 +385,14 @@ fn create(
     o["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
     if resource == "pods" {
         o["status"] = json!({"phase": "Pending"});
+        let dir = s.root.join(namespace).join(&name);
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            return status(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                &e.to_string(),
+            );
+        }
     }
     if resource == "persistentvolumeclaims" {
         o["status"] = json!({"phase": "Bound"});

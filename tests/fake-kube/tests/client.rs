@@ -256,3 +256,76 @@ async fn claims_policies_and_secrets_are_made_applied_and_removed() {
         assert_eq!(fake.count(what), 0, "{what}");
     }
 }
+
+#[tokio::test]
+async fn exec_runs_the_command_with_its_streams_and_exit_code() {
+    use kube::api::AttachParams;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeKube::start().await;
+    let client = client(&fake, dir.path()).await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    pods.create(&PostParams::default(), &pod("ex", "ex"))
+        .await
+        .unwrap();
+    // Not running yet: refused, as a real API server refuses it.
+    assert!(
+        pods.exec("ex", ["true"], &AttachParams::default())
+            .await
+            .is_err(),
+        "exec into a Pending pod"
+    );
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        await_condition(pods.clone(), "ex", |p: Option<&Pod>| {
+            p.and_then(|p| p.status.as_ref()?.phase.as_deref()) == Some("Running")
+        }),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+
+    let ap = AttachParams::default().stdin(true).stderr(true);
+    let mut run = pods
+        .exec(
+            "ex",
+            ["sh", "-c", "cat; echo to-stderr >&2; pwd; exit 3"],
+            &ap,
+        )
+        .await
+        .unwrap();
+    let mut stdin = run.stdin().unwrap();
+    stdin.write_all(b"from stdin\n").await.unwrap();
+    // (A shutdown, not a drop, is what ends kube's stdin: it sends v5's
+    // close of the stream.)
+    stdin.shutdown().await.unwrap();
+    let (mut out, mut err) = (String::new(), String::new());
+    let mut stdout = run.stdout().unwrap();
+    let mut stderr = run.stderr().unwrap();
+    let status = run.take_status().unwrap();
+    let (a, b) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(
+            stdout.read_to_string(&mut out),
+            stderr.read_to_string(&mut err)
+        )
+    })
+    .await
+    .expect("the command's output ends");
+    a.unwrap();
+    b.unwrap();
+    let status = tokio::time::timeout(Duration::from_secs(10), status)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("from stdin"));
+    assert!(
+        lines.next().unwrap().ends_with("/agent-sandboxes/ex"),
+        "{out}"
+    );
+    assert_eq!(err, "to-stderr\n");
+    assert_eq!(status.status.as_deref(), Some("Failure"));
+    assert_eq!(status.reason.as_deref(), Some("NonZeroExitCode"));
+    let code = status.details.unwrap().causes.unwrap()[0].message.clone();
+    assert_eq!(code.as_deref(), Some("3"));
+}
