@@ -560,15 +560,21 @@ fn delete(
     object(StatusCode::OK, &o)
 }
 
+/// The request's `labelSelector`, or its refusal.
+fn selector_of(query: &BTreeMap<String, String>) -> Result<Selector, Box<Response<Body>>> {
+    Selector::parse(query.get("labelSelector").map_or("", String::as_str))
+        .map_err(|e| Box::new(status(StatusCode::BAD_REQUEST, "BadRequest", &e)))
+}
+
 fn list(
     store: &Arc<Mutex<Store>>,
     namespace: &str,
     resource: &str,
     query: &BTreeMap<String, String>,
 ) -> Response<Body> {
-    let selector = match Selector::parse(query.get("labelSelector").map_or("", String::as_str)) {
+    let selector = match selector_of(query) {
         Ok(s) => s,
-        Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e),
+        Err(refused) => return *refused,
     };
     let s = store.lock().unwrap();
     let items: Vec<&Value> = s
@@ -595,9 +601,9 @@ fn watch(
     resource: &str,
     query: &BTreeMap<String, String>,
 ) -> Response<Body> {
-    let selector = match Selector::parse(query.get("labelSelector").map_or("", String::as_str)) {
+    let selector = match selector_of(query) {
         Ok(s) => s,
-        Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e),
+        Err(refused) => return *refused,
     };
     let (tx, rx) = mpsc::channel(HISTORY + 16);
     let mut s = store.lock().unwrap();

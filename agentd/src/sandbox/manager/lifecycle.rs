@@ -187,22 +187,12 @@ impl Manager {
         }
         // (Files an administrator named, and a mount: off the async workers.)
         let (this, declared) = (Arc::clone(self), sb.clone());
-        let read = tokio::task::spawn_blocking(move || this.read_declared_secrets(&declared))
-            .await
-            .unwrap_or_else(|e| Err(panicked(name, &e)));
-        if let Err(e) = read {
-            self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
-            return Err(e);
-        }
+        self.start_step(name, move || this.read_declared_secrets(&declared))
+            .await?;
         let spec = self.spec(&sb);
         let (this, shared) = (Arc::clone(self), spec.clone());
-        let prepared = tokio::task::spawn_blocking(move || this.prepare_shared_home(&shared))
-            .await
-            .unwrap_or_else(|e| Err(panicked(name, &e)));
-        if let Err(e) = prepared {
-            self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
-            return Err(e);
-        }
+        self.start_step(name, move || this.prepare_shared_home(&shared))
+            .await?;
         match backend.start(&spec).await {
             Ok(mut rt) => {
                 if Self::has_disk_image(kind) {
@@ -362,6 +352,25 @@ impl Manager {
                 .then(|| Some((s.name.clone(), s.runtime.clone()?)))
                 .flatten()
         })
+    }
+}
+
+impl Manager {
+    /// Run blocking step `f` of sandbox `name`'s start off the async
+    /// workers; its failure ends the start, in `error` with the reason.
+    async fn start_step(
+        &self,
+        name: &str,
+        f: impl FnOnce() -> Result<()> + Send + 'static,
+    ) -> Result<()> {
+        let done = tokio::task::spawn_blocking(f)
+            .await
+            .unwrap_or_else(|e| Err(panicked(name, &e)));
+        if let Err(e) = done {
+            self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
+            return Err(e);
+        }
+        Ok(())
     }
 }
 
