@@ -88,21 +88,28 @@ fn stderr_of(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).trim().to_owned()
 }
 
-/// The size of the tar stream in gzip file `tgz` (`gzip -dc`, counted as
-/// it comes), or why it is refused: more than `max` bytes, or not gzip.
-pub(super) fn unpacked_size(tgz: &Path, max: u64) -> Result<u64, UnpackError> {
-    let mut child = Command::new("gzip")
-        .arg("-dc")
+/// `tool ARGS tgz` started with its output to read (and its stderr kept).
+fn read_from(
+    tool: &'static str,
+    args: &[&str],
+    tgz: &Path,
+) -> Result<(std::process::Child, std::process::ChildStdout), UnpackError> {
+    let mut child = Command::new(tool)
+        .args(args)
         .arg(tgz)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|source| UnpackError::Spawn {
-            tool: "gzip",
-            source,
-        })?;
-    let mut out = child.stdout.take().expect("piped");
+        .map_err(|source| UnpackError::Spawn { tool, source })?;
+    let out = child.stdout.take().expect("piped");
+    Ok((child, out))
+}
+
+/// The size of the tar stream in gzip file `tgz` (`gzip -dc`, counted as
+/// it comes), or why it is refused: more than `max` bytes, or not gzip.
+pub(super) fn unpacked_size(tgz: &Path, max: u64) -> Result<u64, UnpackError> {
+    let (mut child, mut out) = read_from("gzip", &["-dc"], tgz)?;
     let mut buf = vec![0u8; 1 << 16];
     let mut total: u64 = 0;
     loop {
@@ -149,19 +156,8 @@ pub(super) fn check_members(
     max_depth: usize,
     max_name: usize,
 ) -> Result<u64, UnpackError> {
-    let mut child = Command::new("tar")
-        // One line per member: a newline in a name is written `\n`.
-        .args(["--quoting-style=escape", "-tzf"])
-        .arg(tgz)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|source| UnpackError::Spawn {
-            tool: "tar",
-            source,
-        })?;
-    let mut out = child.stdout.take().expect("piped");
+    // One line per member: a newline in a name is written `\n`.
+    let (mut child, mut out) = read_from("tar", &["--quoting-style=escape", "-tzf"], tgz)?;
     let mut buf = vec![0u8; 1 << 16];
     let (mut entries, mut len, mut depth, mut at_start) = (0u64, 0usize, 0usize, true);
     let refused = 'read: loop {

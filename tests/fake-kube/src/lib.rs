@@ -121,6 +121,19 @@ impl Store {
         object
     }
 
+    /// The objects of `resource` in `namespace` that `selector` matches.
+    fn matching<'a>(
+        &'a self,
+        resource: &'a str,
+        namespace: &'a str,
+        selector: &'a Selector,
+    ) -> impl Iterator<Item = &'a Value> + 'a {
+        self.objects
+            .iter()
+            .filter(move |(k, o)| k.0 == resource && k.1 == namespace && selector.matches(o))
+            .map(|(_, o)| o)
+    }
+
     /// The oldest resource version a watch can start after.
     fn oldest(&self) -> u64 {
         self.history.front().map_or(self.rv, |c| c.rv - 1)
@@ -577,12 +590,7 @@ fn list(
         Err(refused) => return *refused,
     };
     let s = store.lock().unwrap();
-    let items: Vec<&Value> = s
-        .objects
-        .iter()
-        .filter(|(k, o)| k.0 == resource && k.1 == namespace && selector.matches(o))
-        .map(|(_, o)| o)
-        .collect();
+    let items: Vec<&Value> = s.matching(resource, namespace, &selector).collect();
     let (kind, api_version) = kind_of(resource);
     object(
         StatusCode::OK,
@@ -642,10 +650,8 @@ fn watch(
         }
         // From now: what exists, as ADDED.
         None => {
-            for (k, o) in &s.objects {
-                if k.0 == resource && k.1 == namespace && selector.matches(o) {
-                    let _ = tx.try_send(event_line("ADDED", o));
-                }
+            for o in s.matching(resource, namespace, &selector) {
+                let _ = tx.try_send(event_line("ADDED", o));
             }
         }
     }
