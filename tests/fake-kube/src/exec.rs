@@ -2,11 +2,13 @@
 //! API server: the channel protocol `v5.channel.k8s.io` (or `v4`), each
 //! binary message's first byte its channel (0 stdin, 1 stdout, 2 stderr,
 //! 3 the exit `Status` as JSON, 4 resize, 255 close a stream in v5). The
-//! command runs for real, as a process of this host in the Pod's own
-//! directory.
+//! command runs for real, inside the Pod's container ([`Container`]);
+//! with `tty=true` on a pseudo-terminal of its own, which channel 4
+//! resizes, its output all on channel 1.
 
-use std::path::PathBuf;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::process::Stdio;
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
@@ -19,6 +21,7 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::Role;
 
+use super::container::Container;
 use super::{Body, status, unescape};
 
 /// The subprotocols it speaks, best first.
@@ -28,36 +31,43 @@ const PROTOCOLS: [&str; 2] = ["v5.channel.k8s.io", "v4.channel.k8s.io"];
 struct Ask {
     command: Vec<String>,
     stdin: bool,
+    tty: bool,
 }
 
 fn ask(query: &str) -> Ask {
     let mut a = Ask {
         command: Vec::new(),
         stdin: false,
+        tty: false,
     };
     for (k, v) in query.split('&').filter_map(|kv| kv.split_once('=')) {
+        let yes = v == "true" || v == "1";
         match k {
             "command" => a.command.push(unescape(v)),
-            "stdin" => a.stdin = v == "true" || v == "1",
+            "stdin" => a.stdin = yes,
+            "tty" => a.tty = yes,
             _ => {}
         }
     }
     a
 }
 
-/// Answer an exec request for the Pod whose directory is `dir` (`None`:
-/// the Pod does not exist; `Some(false)` in the pair: it does not run).
-pub(crate) fn handle(mut req: Request<Incoming>, pod: Option<(PathBuf, bool)>) -> Response<Body> {
-    let Some((dir, running)) = pod else {
+/// Answer an exec request for a Pod (`None`: it does not exist; `Some(None)`:
+/// its container does not run).
+pub(crate) fn handle(
+    mut req: Request<Incoming>,
+    pod: Option<Option<Arc<Container>>>,
+) -> Response<Body> {
+    let Some(container) = pod else {
         return status(StatusCode::NOT_FOUND, "NotFound", "pods not found");
     };
-    if !running {
+    let Some(container) = container else {
         return status(
             StatusCode::BAD_REQUEST,
             "BadRequest",
             "pod is not running: a container cannot be exec'd into yet",
         );
-    }
+    };
     let ask = ask(req.uri().query().unwrap_or(""));
     if ask.command.is_empty() {
         return status(
@@ -101,7 +111,7 @@ pub(crate) fn handle(mut req: Request<Incoming>, pod: Option<(PathBuf, bool)>) -
         };
         let io = hyper_util::rt::TokioIo::new(upgraded);
         let ws = WebSocketStream::from_raw_socket(io, Role::Server, None).await;
-        run(ws, ask, dir, v5).await;
+        run(ws, ask, &container, v5).await;
     });
     Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)
@@ -113,7 +123,39 @@ pub(crate) fn handle(mut req: Request<Incoming>, pod: Option<(PathBuf, bool)>) -
         .expect("a response")
 }
 
-async fn run<S>(mut ws: WebSocketStream<S>, ask: Ask, dir: PathBuf, v5: bool)
+/// The command's standard streams: pipes, or one terminal.
+enum Streams {
+    Pipes,
+    Tty { master: OwnedFd },
+}
+
+/// Open a terminal for a command: its master, and the slave for its three
+/// streams.
+fn terminal() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let pty = nix::pty::openpty(None, None).map_err(std::io::Error::from)?;
+    Ok((pty.master, pty.slave))
+}
+
+/// Set the size of the terminal whose master is `fd` from a resize
+/// message (`{"Width":…,"Height":…}`).
+fn resize(fd: &OwnedFd, msg: &[u8]) {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(msg) else {
+        return;
+    };
+    let ws = nix::pty::Winsize {
+        ws_row: u16::try_from(v["Height"].as_u64().unwrap_or(24)).unwrap_or(24),
+        ws_col: u16::try_from(v["Width"].as_u64().unwrap_or(80)).unwrap_or(80),
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one Winsize from the pointer, which lives
+    // through the call.
+    unsafe {
+        nix::libc::ioctl(fd.as_raw_fd(), nix::libc::TIOCSWINSZ, &raw const ws);
+    }
+}
+
+async fn run<S>(mut ws: WebSocketStream<S>, ask: Ask, container: &Container, v5: bool)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -123,18 +165,49 @@ where
         m.extend_from_slice(data);
         Message::Binary(Bytes::from(m))
     };
-    let child = tokio::process::Command::new(&ask.command[0])
-        .args(&ask.command[1..])
-        .current_dir(&dir)
-        .stdin(if ask.stdin {
+    let mut cmd = container.command(&ask.command);
+    cmd.kill_on_drop(true);
+    let streams = if ask.tty {
+        let (master, slave) = match terminal() {
+            Ok(t) => t,
+            Err(e) => {
+                let failure = json!({"metadata": {}, "status": "Failure",
+                    "message": format!("cannot open a terminal: {e}"), "reason": "InternalError"});
+                let _ = ws.send(frame(3, failure.to_string().as_bytes())).await;
+                return;
+            }
+        };
+        let dup = |fd: &OwnedFd| fd.try_clone().map(Stdio::from);
+        match (dup(&slave), dup(&slave)) {
+            (Ok(a), Ok(b)) => {
+                cmd.stdin(Stdio::from(slave)).stdout(a).stderr(b);
+            }
+            _ => return,
+        }
+        // SAFETY: between fork and exec only async-signal-safe calls:
+        // setsid(2) and ioctl(2) on fd 0.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::unistd::setsid().map_err(std::io::Error::from)?;
+                if nix::libc::ioctl(0, nix::libc::TIOCSCTTY, 0) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Streams::Tty { master }
+    } else {
+        cmd.stdin(if ask.stdin {
             Stdio::piped()
         } else {
             Stdio::null()
         })
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn();
+        .stderr(Stdio::piped());
+        Streams::Pipes
+    };
+    let child = cmd.spawn();
+    drop(cmd);
     let mut child = match child {
         Ok(c) => c,
         Err(e) => {
@@ -145,10 +218,34 @@ where
             return;
         }
     };
-    let mut stdin = child.stdin.take();
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let (mut out_done, mut err_done) = (false, false);
+    let (mut stdin, mut out, mut err): (
+        Option<Box<dyn tokio::io::AsyncWrite + Unpin + Send>>,
+        Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+        Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>,
+    );
+    let mut master_fd = None;
+    match streams {
+        Streams::Pipes => {
+            stdin = child
+                .stdin
+                .take()
+                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>);
+            out = Box::new(child.stdout.take().expect("piped"));
+            err = Some(Box::new(child.stderr.take().expect("piped")));
+        }
+        Streams::Tty { master } => {
+            let (Ok(r), Ok(w)) = (master.try_clone(), master.try_clone()) else {
+                return;
+            };
+            out = Box::new(tokio::fs::File::from_std(std::fs::File::from(r)));
+            stdin = ask
+                .stdin
+                .then(|| Box::new(tokio::fs::File::from_std(std::fs::File::from(w))) as _);
+            err = None;
+            master_fd = Some(master);
+        }
+    }
+    let (mut out_done, mut err_done) = (false, err.is_none());
     let (mut ob, mut eb) = (vec![0u8; 16 << 10], vec![0u8; 16 << 10]);
     while !(out_done && err_done) {
         tokio::select! {
@@ -156,9 +253,14 @@ where
                 Some(Ok(Message::Binary(data))) if !data.is_empty() => match data[0] {
                     0 => {
                         if let Some(s) = stdin.as_mut() {
-                            if s.write_all(&data[1..]).await.is_err() {
+                            if s.write_all(&data[1..]).await.is_err() || s.flush().await.is_err() {
                                 stdin = None;
                             }
+                        }
+                    }
+                    4 => {
+                        if let Some(m) = &master_fd {
+                            resize(m, &data[1..]);
                         }
                     }
                     // v5: the client closes a stream (stdin).
@@ -172,7 +274,7 @@ where
                 Ok(0) | Err(_) => out_done = true,
                 Ok(n) => if ws.send(frame(1, &ob[..n])).await.is_err() { return },
             },
-            n = err.read(&mut eb), if !err_done => match n {
+            n = async { err.as_mut().expect("not done").read(&mut eb).await }, if !err_done => match n {
                 Ok(0) | Err(_) => err_done = true,
                 Ok(n) => if ws.send(frame(2, &eb[..n])).await.is_err() { return },
             },

@@ -15,9 +15,17 @@
 //! - Pods go `Pending` → `Running` (ready, with an IP) a moment after they
 //!   are made, and are deleted after a moment with a `deletionTimestamp`
 //!   first; each step is also an Event in the namespace's `events`.
+//! - A running Pod has a container ([`container`]): namespaces of its own
+//!   with a root made of this host's `/usr` and `/etc` and the Pod's
+//!   volumes (`emptyDir`, `persistentVolumeClaim`, with `subPath`) where
+//!   its `volumeMounts` say; its network is its own (as if a NetworkPolicy
+//!   denied everything) unless started [`FakeKube::without_network_policies`].
+//!   An image whose name contains `does-not-exist` is never pulled: the Pod
+//!   stays `Pending` with `ErrImagePull` and a `Failed` Warning event.
 //! - `pods/{name}/exec` over WebSocket ([`exec`]): the command runs for
-//!   real, in the Pod's own directory.
+//!   real, inside the Pod's container, on a terminal with `tty=true`.
 
+mod container;
 mod exec;
 
 use std::collections::{BTreeMap, VecDeque};
@@ -84,6 +92,12 @@ struct Store {
     objects: BTreeMap<Key, Value>,
     history: VecDeque<Change>,
     watchers: Vec<Watcher>,
+    /// The running Pods' containers, by (namespace, name).
+    containers: BTreeMap<(String, String), Arc<container::Container>>,
+    /// The API server's address as Pods see it.
+    service: Option<SocketAddr>,
+    /// Whether Pods get a network of their own.
+    isolated: bool,
 }
 
 impl Store {
@@ -159,6 +173,9 @@ impl std::fmt::Debug for FakeKube {
 impl Drop for FakeKube {
     fn drop(&mut self) {
         self.server.abort();
+        if let Ok(mut s) = self.store.lock() {
+            s.containers.clear();
+        }
     }
 }
 
@@ -168,6 +185,19 @@ impl FakeKube {
     /// # Panics
     /// When no port can be bound.
     pub async fn start() -> Self {
+        Self::start_with(true).await
+    }
+
+    /// Start one whose Pods share this host's network, as on a cluster
+    /// whose network plugin does not enforce NetworkPolicies.
+    ///
+    /// # Panics
+    /// When no port can be bound.
+    pub async fn without_network_policies() -> Self {
+        Self::start_with(false).await
+    }
+
+    async fn start_with(isolated: bool) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind 127.0.0.1");
@@ -175,6 +205,8 @@ impl FakeKube {
         let root = tempfile::tempdir().expect("a directory for the Pods");
         let store = Arc::new(Mutex::new(Store {
             root: root.path().to_owned(),
+            service: Some(addr),
+            isolated,
             ..Store::default()
         }));
         let served = Arc::clone(&store);
@@ -305,12 +337,7 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
             let s = store.lock().unwrap();
             s.objects
                 .get(&("pods".to_owned(), ns.clone(), name.clone()))
-                .map(|p| {
-                    (
-                        s.root.join(&ns).join(&name),
-                        p["status"]["phase"] == "Running",
-                    )
-                })
+                .map(|_| s.containers.get(&(ns.clone(), name.clone())).cloned())
         };
         return exec::handle(req, pod);
     }
@@ -424,28 +451,100 @@ fn create(
         let key = key.clone();
         tokio::spawn(async move {
             tokio::time::sleep(POD_STEP).await;
-            let mut s = store.lock().unwrap();
-            let Some(mut pod) = s.objects.get(&key).cloned() else {
-                return;
-            };
-            if pod["metadata"]["deletionTimestamp"].is_string() {
-                return;
-            }
-            pod["status"] = json!({
-                "phase": "Running",
-                "podIP": "127.0.0.1",
-                "conditions": [{"type": "Ready", "status": "True"}],
-            });
-            s.commit(&key, "MODIFIED", pod);
-            drop(s);
-            pod_event(&store, &key.1, &key.2, "Started", "Started container");
+            run_pod(&store, &key).await;
         });
     }
     object(StatusCode::CREATED, &made)
 }
 
-/// Record an Event about Pod `name`.
+/// Take Pod `key` from `Pending` to `Running` with its container started,
+/// or leave it `Pending` with the reason it cannot start.
+async fn run_pod(store: &Arc<Mutex<Store>>, key: &Key) {
+    let (pod, root, service, isolated) = {
+        let s = store.lock().unwrap();
+        let Some(pod) = s.objects.get(key).cloned() else {
+            return;
+        };
+        (pod, s.root.clone(), s.service, s.isolated)
+    };
+    if pod["metadata"]["deletionTimestamp"].is_string() {
+        return;
+    }
+    let (ns, name) = (key.1.clone(), key.2.clone());
+    let image = pod["spec"]["containers"][0]["image"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    let waiting = |reason: &str, message: &str| {
+        json!({"phase": "Pending", "containerStatuses": [{"name": "sandbox", "ready": false,
+            "state": {"waiting": {"reason": reason, "message": message}}}]})
+    };
+    if image.contains("does-not-exist") {
+        let message = format!("Failed to pull image \"{image}\": not found");
+        let mut s = store.lock().unwrap();
+        let mut pod = pod;
+        pod["status"] = waiting("ErrImagePull", &message);
+        s.commit(key, "MODIFIED", pod);
+        drop(s);
+        pod_event_of(store, &ns, &name, "Warning", "Failed", &message);
+        return;
+    }
+    let started = {
+        let (root, ns, name, spec) = (root.clone(), ns.clone(), name.clone(), pod["spec"].clone());
+        let service = service.expect("the server's address");
+        tokio::task::spawn_blocking(move || {
+            let dir = root.join(&ns).join(&name);
+            container::Container::start(&root, &ns, &name, &dir, &spec, service, isolated)
+        })
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|r| r)
+    };
+    let mut s = store.lock().unwrap();
+    let Some(mut pod) = s.objects.get(key).cloned() else {
+        return;
+    };
+    if pod["metadata"]["deletionTimestamp"].is_string() {
+        return;
+    }
+    match started {
+        Ok(c) => {
+            s.containers.insert((ns.clone(), name.clone()), Arc::new(c));
+            pod["status"] = json!({
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "containerStatuses": [{"name": "sandbox", "ready": true,
+                    "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}],
+            });
+            s.commit(key, "MODIFIED", pod);
+            drop(s);
+            pod_event(store, &ns, &name, "Started", "Started container");
+        }
+        Err(e) => {
+            let message = e.to_string();
+            pod["status"] = waiting("CreateContainerError", &message);
+            s.commit(key, "MODIFIED", pod);
+            drop(s);
+            pod_event_of(store, &ns, &name, "Warning", "Failed", &message);
+        }
+    }
+}
+
+/// Record a `Normal` Event about Pod `name`.
 fn pod_event(store: &Arc<Mutex<Store>>, namespace: &str, name: &str, reason: &str, message: &str) {
+    pod_event_of(store, namespace, name, "Normal", reason, message);
+}
+
+/// Record an Event of `kind` (`Normal`, `Warning`) about Pod `name`.
+fn pod_event_of(
+    store: &Arc<Mutex<Store>>,
+    namespace: &str,
+    name: &str,
+    kind: &str,
+    reason: &str,
+    message: &str,
+) {
     let mut s = store.lock().unwrap();
     s.uid += 1;
     let event_name = format!("{name}.{}", s.uid);
@@ -461,7 +560,7 @@ fn pod_event(store: &Arc<Mutex<Store>>, namespace: &str, name: &str, reason: &st
         "involvedObject": {"kind": "Pod", "name": name, "namespace": namespace},
         "reason": reason,
         "message": message,
-        "type": "Normal",
+        "type": kind,
     });
     s.commit(&key, "ADDED", event);
 }
@@ -554,6 +653,10 @@ fn delete(
         return not_found(resource, name);
     };
     if resource != "pods" {
+        if resource == "persistentvolumeclaims" {
+            // The volume's reclaim policy is Delete.
+            let _ = std::fs::remove_dir_all(s.root.join(namespace).join("pvc").join(name));
+        }
         let gone = s.commit(&key, "DELETED", o);
         return object(StatusCode::OK, &gone);
     }
@@ -564,9 +667,16 @@ fn delete(
         let store = Arc::clone(store);
         tokio::spawn(async move {
             tokio::time::sleep(POD_STEP).await;
-            let mut s = store.lock().unwrap();
-            if let Some(pod) = s.objects.get(&key).cloned() {
-                s.commit(&key, "DELETED", pod);
+            let gone = {
+                let mut s = store.lock().unwrap();
+                if let Some(pod) = s.objects.get(&key).cloned() {
+                    s.commit(&key, "DELETED", pod);
+                }
+                s.containers.remove(&(key.1.clone(), key.2.clone()))
+            };
+            // Killing the container waits for it: not under the lock.
+            if let Some(c) = gone {
+                let _ = tokio::task::spawn_blocking(move || drop(c)).await;
             }
         });
     }

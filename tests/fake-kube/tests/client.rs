@@ -265,7 +265,14 @@ async fn exec_runs_the_command_with_its_streams_and_exit_code() {
     let fake = FakeKube::start().await;
     let client = client(&fake, dir.path()).await;
     let pods: Api<Pod> = Api::default_namespaced(client);
-    pods.create(&PostParams::default(), &pod("ex", "ex"))
+    let with_volume: Pod = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "ex"},
+        "spec": {"containers": [{"name": "sandbox", "image": "debian", "workingDir": "/workspace",
+                                 "volumeMounts": [{"name": "ws", "mountPath": "/workspace"}]}],
+                 "volumes": [{"name": "ws", "emptyDir": {}}]},
+    }))
+    .unwrap();
+    pods.create(&PostParams::default(), &with_volume)
         .await
         .unwrap();
     // Not running yet: refused, as a real API server refuses it.
@@ -289,7 +296,11 @@ async fn exec_runs_the_command_with_its_streams_and_exit_code() {
     let mut run = pods
         .exec(
             "ex",
-            ["sh", "-c", "cat; echo to-stderr >&2; pwd; exit 3"],
+            [
+                "sh",
+                "-c",
+                "cat; echo to-stderr >&2; pwd; hostname; echo $$ >/workspace/pid; exit 3",
+            ],
             &ap,
         )
         .await
@@ -317,15 +328,65 @@ async fn exec_runs_the_command_with_its_streams_and_exit_code() {
         .await
         .unwrap()
         .unwrap();
-    let mut lines = out.lines();
-    assert_eq!(lines.next(), Some("from stdin"));
-    assert!(
-        lines.next().unwrap().ends_with("/agent-sandboxes/ex"),
-        "{out}"
-    );
+    // In the container: its working directory, its hostname, its own PID
+    // namespace (the pause is PID 1), its volume.
+    assert_eq!(out, "from stdin\n/workspace\nex\n");
     assert_eq!(err, "to-stderr\n");
     assert_eq!(status.status.as_deref(), Some("Failure"));
     assert_eq!(status.reason.as_deref(), Some("NonZeroExitCode"));
     let code = status.details.unwrap().causes.unwrap()[0].message.clone();
     assert_eq!(code.as_deref(), Some("3"));
+    let (out, _) = run_in(&pods, "ex", ["cat", "/workspace/pid"]).await;
+    assert!(
+        out.trim().parse::<u32>().unwrap() < 100,
+        "a small pid: {out}"
+    );
+    assert!(!std::path::Path::new("/workspace/pid").exists());
+
+    // On a terminal: the size the client sets, output on one stream.
+    let mut run = pods
+        .exec(
+            "ex",
+            ["sh", "-c", "read line; stty size; echo \"got $line\"; tty"],
+            &AttachParams::interactive_tty(),
+        )
+        .await
+        .unwrap();
+    let mut size = run.terminal_size().unwrap();
+    futures::SinkExt::send(
+        &mut size,
+        kube::api::TerminalSize {
+            width: 100,
+            height: 30,
+        },
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut stdin = run.stdin().unwrap();
+    stdin.write_all(b"hello\r").await.unwrap();
+    let mut stdout = run.stdout().unwrap();
+    let mut out = String::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), stdout.read_to_string(&mut out)).await;
+    assert!(out.contains("30 100"), "{out:?}");
+    assert!(out.contains("got hello"), "{out:?}");
+    assert!(out.contains("/dev/pts/"), "{out:?}");
+}
+
+/// Run `argv` in Pod `name`; its stdout and stderr.
+async fn run_in<const N: usize>(pods: &Api<Pod>, name: &str, argv: [&str; N]) -> (String, String) {
+    use kube::api::AttachParams;
+    use tokio::io::AsyncReadExt;
+    let mut run = pods
+        .exec(name, argv, &AttachParams::default().stderr(true))
+        .await
+        .unwrap();
+    let (mut out, mut err) = (String::new(), String::new());
+    let mut stdout = run.stdout().unwrap();
+    let mut stderr = run.stderr().unwrap();
+    let _ = tokio::join!(
+        stdout.read_to_string(&mut out),
+        stderr.read_to_string(&mut err)
+    );
+    (out, err)
 }
