@@ -123,6 +123,11 @@ pub(crate) fn handle(
         .expect("a response")
 }
 
+/// A command's input.
+type Writer = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
+/// A command's output.
+type Reader = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+
 /// The command's standard streams: pipes, or one terminal.
 enum Streams {
     Pipes,
@@ -218,18 +223,13 @@ where
             return;
         }
     };
-    let (mut stdin, mut out, mut err): (
-        Option<Box<dyn tokio::io::AsyncWrite + Unpin + Send>>,
-        Box<dyn tokio::io::AsyncRead + Unpin + Send>,
-        Option<Box<dyn tokio::io::AsyncRead + Unpin + Send>>,
-    );
+    let mut stdin: Option<Writer>;
+    let mut out: Reader;
+    let mut err: Option<Reader>;
     let mut master_fd = None;
     match streams {
         Streams::Pipes => {
-            stdin = child
-                .stdin
-                .take()
-                .map(|s| Box::new(s) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>);
+            stdin = child.stdin.take().map(|s| Box::new(s) as Writer);
             out = Box::new(child.stdout.take().expect("piped"));
             err = Some(Box::new(child.stderr.take().expect("piped")));
         }
