@@ -33,6 +33,8 @@ pub struct DaemonConfig {
     pub microvm: MicrovmConfig,
     /// The QEMU backend (`vm`).
     pub vm: VmConfig,
+    /// The Kubernetes backend.
+    pub kubernetes: crate::backend::kubernetes::KubeConfig,
     /// The egress gateway.
     pub egress: EgressConfig,
     /// The agent CLIs every sandbox gets.

@@ -218,6 +218,19 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         tools_dir: guest_dir.clone(),
         toolbox: toolbox.clone(),
     }));
+    let kubernetes = Arc::new(backend::kubernetes::KubeBackend::new(
+        backend::kubernetes::KubeSettings {
+            config: config.kubernetes.clone(),
+            exe: exe.clone(),
+            state_dir: dir.clone(),
+        },
+    ));
+    if sandboxes
+        .iter()
+        .any(|s| s.backend == BackendKind::Kubernetes && s.runtime.is_some())
+    {
+        kubernetes.prime().await;
+    }
     // Decide between KVM and TCG now, not in the first start.
     tokio::spawn({
         let vm = Arc::clone(&vm);
@@ -245,7 +258,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
                 .map(|(name, d)| (name.clone(), d.secrets.clone()))
                 .collect(),
         },
-        vec![local, microvm, vm],
+        vec![local, microvm, vm, kubernetes],
         Arc::new(sandbox::helpers::Processes::new(exe)),
     );
     manager.reconcile(&config).await?;
@@ -290,7 +303,7 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
     let arg = argv.get(2).map_or("", String::as_str);
     // Long-running modes with protocols of their own, then the helpers.
     type Mode = (&'static str, fn(&str) -> i32);
-    let modes: [Mode; 10] = [
+    let modes: [Mode; 12] = [
         (backend::vm::supervise::VM_ARG, backend::vm::supervise::main),
         (backend::vm::vsock::VSOCK_ARG, backend::vm::vsock::main),
         (guest::INIT_ARG, |_| guest::init::main()),
@@ -311,6 +324,8 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
         (git::snapshot::Snapshot::ARG, |_| {
             main::<git::snapshot::Snapshot>()
         }),
+        (git::mirror::Pack::ARG, |_| main::<git::mirror::Pack>()),
+        (git::mirror::Unpack::ARG, |_| main::<git::mirror::Unpack>()),
     ];
     let name = argv.get(1)?;
     let (_, f) = modes.iter().find(|(n, _)| n == name)?;

@@ -186,7 +186,10 @@ pub fn agent_home_problem(
     backend: keystone_agent_api::BackendKind,
 ) -> Option<String> {
     (home == keystone_agent_api::AgentHome::Shared
-        && backend == keystone_agent_api::BackendKind::Microvm)
+        && matches!(
+            backend,
+            keystone_agent_api::BackendKind::Microvm | keystone_agent_api::BackendKind::Kubernetes
+        ))
         .then(|| {
             format!(
                 "agent_home \"shared\" works in local and vm sandboxes for now, not on the {backend} backend; \

@@ -204,6 +204,9 @@ string_enum! {
         /// A QEMU microVM that agentd boots itself from a guest image
         /// (KVM when it works, else TCG).
         Vm => "vm",
+        /// A Pod on a Kubernetes cluster (kube-rs), its workspace on a
+        /// PersistentVolumeClaim.
+        Kubernetes => "kubernetes",
     }
 }
 

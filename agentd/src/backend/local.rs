@@ -309,6 +309,7 @@ impl LocalBackend {
                 .as_ref()
                 .map(|t| t.describe())
                 .unwrap_or_default(),
+            pod: None,
         };
         // Running means answering on the control channel.
         let deadline = Instant::now() + self.settings.start_timeout;

@@ -511,6 +511,7 @@ impl MicrovmBackend {
             limits: format!("set by {name}"),
             unit: name,
             agents: String::new(),
+            pod: None,
         })
     }
 
@@ -724,6 +725,7 @@ mod tests {
                 ..Default::default()
             },
             agent_home: None,
+            owner: 0,
         }
     }
 

@@ -5,6 +5,7 @@
 //! needs later (pids, namespace ids) it returns as a [`Runtime`], which agentd
 //! stores in the registry.
 
+pub mod kubernetes;
 pub mod local;
 pub mod microvm;
 pub mod ssh;
@@ -47,6 +48,8 @@ pub struct SandboxSpec {
     /// The owner's shared agent home (`agent_home = "shared"`), shown at
     /// [`crate::toolbox::SHARED_HOME`]; `local` sandboxes only.
     pub agent_home: Option<PathBuf>,
+    /// The uid of the sandbox's owner.
+    pub owner: u32,
 }
 
 impl SandboxSpec {
@@ -70,6 +73,7 @@ impl SandboxSpec {
             log_dir: dir.join("logs"),
             config,
             agent_home: None,
+            owner: uid,
         }
     }
 }
@@ -126,6 +130,9 @@ pub struct Runtime {
     /// The agent CLIs and versions it was started with.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub agents: String,
+    /// The Pod that runs the sandbox (`kubernetes` backend).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod: Option<kubernetes::PodRef>,
 }
 
 /// A command to run in a sandbox.
@@ -213,6 +220,15 @@ pub enum BackendError {
     /// A failure of the `vm` backend.
     #[error(transparent)]
     Vm(Box<vm::VmError>),
+    /// A failure of the `kubernetes` backend.
+    #[error(transparent)]
+    Kube(Box<kubernetes::KubeError>),
+}
+
+impl From<kubernetes::KubeError> for BackendError {
+    fn from(e: kubernetes::KubeError) -> Self {
+        Self::Kube(Box::new(e))
+    }
 }
 
 impl From<local::LocalError> for BackendError {
@@ -242,6 +258,7 @@ impl BackendError {
             Self::Local(e) => e.is_timeout(),
             Self::Microvm(e) => e.is_timeout(),
             Self::Vm(e) => e.is_timeout(),
+            Self::Kube(e) => e.is_timeout(),
             _ => false,
         }
     }
@@ -361,6 +378,19 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 
     /// Resolves when the sandbox described by `rt` has ended.
     fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()>;
+
+    /// Bring the sandbox's git directory to its host workspace, where syncs
+    /// read it (backends whose workspace lives elsewhere; the others share
+    /// it with the sandbox and have nothing to do).
+    fn pull_git_dir<'a>(&'a self, _spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    /// Remove what the backend keeps for a destroyed sandbox outside its
+    /// host directory (a cluster's volume claim).
+    fn remove<'a>(&'a self, _spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async { Ok(()) })
+    }
 
     /// Kill every process this backend started for this agentd that does not
     /// belong to one of `keep` (sandbox names with a live runtime). Returns

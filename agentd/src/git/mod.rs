@@ -1,6 +1,7 @@
 //! Git: checking a project and preparing a sandbox's workspace from it.
 
 mod into;
+pub mod mirror;
 pub mod refs;
 pub mod snapshot;
 pub mod sync;

@@ -273,6 +273,7 @@ impl Manager {
         let dir = self.store.registry().sandbox_dir(&sb.name);
         let (uid, gid) = auth::sandbox_ids(sb.owner, sb.uid);
         let mut spec = SandboxSpec::at(&dir, &sb.name, uid, gid, sb.config.clone());
+        spec.owner = sb.owner;
         if sb.config.agent_home == keystone_agent_api::AgentHome::Shared {
             spec.agent_home = Some(self.shared_home_dir(sb.owner));
         }

@@ -73,7 +73,8 @@ fn quote(s: &str) -> String {
 
 /// The script that makes the container's root and becomes its pause.
 const ROOT: &str = "set -e
-mount -t tmpfs -o mode=755 rootfs .
+mount -t tmpfs -o mode=755 rootfs \"$ROOTFS\"
+cd \"$ROOTFS\"
 mkdir -p usr etc dev proc tmp run
 mount --rbind /usr usr
 mount --rbind /etc etc
@@ -108,7 +109,9 @@ impl Container {
         if isolated {
             script.push_str("ip link set lo up\n");
         }
-        script.push_str(&format!("hostname {}\n", quote(name)));
+        // The Pod's `hostname`, else its name.
+        let host = spec["hostname"].as_str().unwrap_or(name);
+        script.push_str(&format!("hostname {}\n", quote(host)));
         for m in c["volumeMounts"].as_array().into_iter().flatten() {
             let (Some(vol), Some(at)) = (m["name"].as_str(), m["mountPath"].as_str()) else {
                 continue;
@@ -146,7 +149,7 @@ impl Container {
         let mut holder = Command::new("unshare")
             .args(&flags)
             .args(["sh", "-c", &script])
-            .current_dir(&rootfs)
+            .env("ROOTFS", &rootfs)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -261,6 +261,29 @@ impl FakeKube {
         path
     }
 
+    /// Put a running Pod `name` with `labels` (and no container) into
+    /// `namespace`, as another client would have made it.
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    pub fn insert_pod(&self, namespace: &str, name: &str, labels: &[(&str, &str)]) {
+        let labels: serde_json::Map<String, Value> = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), json!(v)))
+            .collect();
+        let mut s = self.store.lock().unwrap();
+        s.uid += 1;
+        let pod = json!({
+            "kind": "Pod", "apiVersion": "v1",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels,
+                         "uid": format!("00000000-0000-4000-8000-{:012}", s.uid)},
+            "spec": {"containers": [{"name": "other", "image": "other"}]},
+            "status": {"phase": "Running"},
+        });
+        let key = ("pods".to_owned(), namespace.to_owned(), name.to_owned());
+        s.commit(&key, "ADDED", pod);
+    }
+
     /// The object `name` of `resource` (`pods`, …) in `namespace`, if any.
     ///
     /// # Panics
@@ -675,9 +698,12 @@ fn delete(
                 s.containers.remove(&(key.1.clone(), key.2.clone()))
             };
             // Killing the container waits for it: not under the lock.
-            if let Some(c) = gone {
-                let _ = tokio::task::spawn_blocking(move || drop(c)).await;
-            }
+            let dir = store.lock().unwrap().root.join(&key.1).join(&key.2);
+            let _ = tokio::task::spawn_blocking(move || {
+                drop(gone);
+                let _ = std::fs::remove_dir_all(dir);
+            })
+            .await;
         });
     }
     object(StatusCode::OK, &o)

@@ -567,6 +567,7 @@ impl VmBackend {
             ),
             unit: String::new(),
             agents: toolbox.unwrap_or_default(),
+            pod: None,
         };
         tracing::info!(sandbox = %spec.name, pid, accel = %accel.as_str(), share = %share.as_str(), "VM starting");
         match self.wait_answer(spec, &rt, &p).await {

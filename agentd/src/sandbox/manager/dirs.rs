@@ -11,9 +11,14 @@ impl Manager {
     }
 
     /// Whether `backend` keeps a sandbox's data in its host directory, so
-    /// that the disk image bounds it (microvm guests are NixOS's).
+    /// that the disk image bounds it (microvm guests are NixOS's; a
+    /// kubernetes sandbox's directory holds the copy of its git directory
+    /// that syncs read).
     pub(super) fn has_disk_image(backend: BackendKind) -> bool {
-        matches!(backend, BackendKind::Local | BackendKind::Vm)
+        matches!(
+            backend,
+            BackendKind::Local | BackendKind::Vm | BackendKind::Kubernetes
+        )
     }
 
     /// Make and mount sandbox `sb`'s disk image if it has none mounted; a

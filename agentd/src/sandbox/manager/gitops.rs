@@ -45,6 +45,21 @@ impl Manager {
             .snapshot(name)
             .ok_or_else(|| Error::NotFound(name.to_owned()))?;
         let spec = self.spec(&sb);
+        if opts.from_host && sb.backend == BackendKind::Kubernetes {
+            return Err(Error::Invalid(vec![format!(
+                "sync --from-host is not available for '{name}': the kubernetes backend brings \
+                 branches only to the host yet"
+            )]));
+        }
+        if !opts.from_host && sb.runtime.is_some() {
+            self.backend(sb.backend)?
+                .pull_git_dir(&spec)
+                .await
+                .map_err(|source| Error::Backend {
+                    name: name.to_owned(),
+                    source,
+                })?;
+        }
         let project = sb.project_path.clone();
         let project_git = tokio::task::spawn_blocking(move || {
             workspace::allow_foreign_owners();

@@ -275,6 +275,13 @@ impl Manager {
         self.close_gateway(name).await;
         let backend = Arc::clone(self.backend(sb.backend)?);
         if let Some(rt) = &sb.runtime {
+            // The git directory comes home first where it lives elsewhere,
+            // so that a sync after the stop still finds the last commits.
+            if !force {
+                if let Err(e) = backend.pull_git_dir(&self.spec(&sb)).await {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot copy the git directory before the stop");
+                }
+            }
             if let Err(e) = backend.stop(&self.spec(&sb), rt, force).await {
                 tracing::warn!(sandbox = %name, error = %e, "stop failed");
                 self.transition(name, Event::StopFailed, |s| s.state_reason = e.to_string())?;
@@ -321,6 +328,15 @@ impl Manager {
         let _sync = locks.sync.lock().await;
         let _worktrees = locks.worktrees.lock().await;
         if let Ok(backend) = self.backend(sb.backend) {
+            // What the backend keeps elsewhere goes first: if it cannot,
+            // nothing has changed yet and the error says why.
+            backend
+                .remove(&self.spec(&sb))
+                .await
+                .map_err(|source| Error::Backend {
+                    name: name.to_owned(),
+                    source,
+                })?;
             backend.kill_strays(&self.live_runtimes_except(name));
         }
         self.watchers.lock().unwrap().remove(name);

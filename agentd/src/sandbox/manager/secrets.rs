@@ -70,6 +70,14 @@ fn ca_paths(sb: &Sandbox) -> (String, String) {
             format!("{MICROVM_SHARE}/{MICROVM_CA}"),
             format!("{MICROVM_SHARE}/{MICROVM_BUNDLE}"),
         ),
+        // Where agentd copies its tools into the Pod.
+        BackendKind::Kubernetes => (
+            format!("{}/ca/keystone-ca.pem", crate::backend::kubernetes::TOOLS),
+            format!(
+                "{}/ca/keystone-ca-bundle.pem",
+                crate::backend::kubernetes::TOOLS
+            ),
+        ),
     }
 }
 

@@ -37,6 +37,7 @@ impl Backend for FakeBackend {
                 limits: String::new(),
                 unit: String::new(),
                 agents: String::new(),
+                pod: None,
             })
         })
     }

@@ -1,0 +1,68 @@
+//! The `kubernetes` section of agentd's configuration, and what the
+//! registry records of a sandbox's Pod.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// The `kubernetes` section of agentd's configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KubeConfig {
+    /// The kubeconfig file; default: `$KUBECONFIG`, `~/.kube/config`, or
+    /// the service account when agentd itself runs in a Pod.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Its context; default: the current one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<String>,
+    /// The namespace of the sandboxes' objects.
+    pub namespace: String,
+    /// The storage class of the sandboxes' claims; default: the cluster's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub storage_class: Option<String>,
+    /// The sandboxes' image (docs/kubernetes.md, "The image").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// The uid of the image's `agent` user, which the Pod runs as.
+    pub uid: u32,
+    /// Seconds a Pod may take to run and answer.
+    pub start_timeout_seconds: u32,
+    /// Seconds a Pod has to end after SIGTERM.
+    pub stop_grace_seconds: u32,
+    /// Start sandboxes even where the NetworkPolicy is not enforced (then
+    /// their Pods reach whatever the cluster's network reaches).
+    pub allow_unenforced_network_policy: bool,
+    /// The value of the `keystone.agent/agentd` label that marks this
+    /// agentd's objects; default: derived from the host's machine id and
+    /// the state directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
+}
+
+impl Default for KubeConfig {
+    fn default() -> Self {
+        Self {
+            kubeconfig: None,
+            context: None,
+            namespace: "agent-sandboxes".to_owned(),
+            storage_class: None,
+            image: None,
+            uid: 1000,
+            start_timeout_seconds: 300,
+            stop_grace_seconds: 10,
+            allow_unenforced_network_policy: false,
+            instance: None,
+        }
+    }
+}
+
+/// The Pod that runs a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodRef {
+    /// Its name.
+    pub name: String,
+    /// Its uid.
+    pub uid: String,
+}

@@ -1,0 +1,266 @@
+//! The objects agentd keeps on a cluster for one sandbox, all in the
+//! configured namespace and labelled with the sandbox, its owner and the
+//! agentd that made them:
+//!
+//! - a Pod `ks-<sandbox>`: one container `sandbox` of the configured image,
+//!   as the image's `agent` uid, non-root, without privilege escalation or
+//!   capabilities, with the runtime's seccomp profile, no service account
+//!   token and no service links; `/workspace` and (when `persist`) the home
+//!   on the sandbox's claim, `/tmp` and agentd's tools on volumes of its
+//!   own;
+//! - a PersistentVolumeClaim `ks-<sandbox>` of the sandbox's `disk`, from
+//!   the configured storage class (kept while the sandbox exists);
+//! - a NetworkPolicy `ks-<sandbox>` that selects the Pod and allows nothing
+//!   in or out.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use serde_json::json;
+
+use super::{KubeConfig, TOOLS};
+use crate::backend::SandboxSpec;
+
+/// Label naming the sandbox.
+pub const SANDBOX_LABEL: &str = "keystone.agent/sandbox";
+/// Label naming the agentd that manages the object.
+pub const AGENTD_LABEL: &str = "keystone.agent/agentd";
+/// Label naming the sandbox's owner (uid on agentd's host).
+pub const OWNER_LABEL: &str = "keystone.agent/owner";
+/// The field manager of agentd's server-side applies.
+pub const FIELD_MANAGER: &str = "keystone-agentd";
+/// The sandbox's container.
+pub const CONTAINER: &str = "sandbox";
+/// Where the workspace is inside.
+pub const WORKSPACE: &str = "/workspace";
+/// The sandbox user's home inside.
+pub const HOME: &str = "/home/agent";
+
+/// The name of sandbox `name`'s objects.
+#[must_use]
+pub fn object_name(name: &str) -> String {
+    format!("ks-{name}")
+}
+
+/// The labels of every object of sandbox `spec`.
+#[must_use]
+pub fn labels(spec: &SandboxSpec, instance: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (
+            "app.kubernetes.io/managed-by".to_owned(),
+            FIELD_MANAGER.to_owned(),
+        ),
+        (SANDBOX_LABEL.to_owned(), spec.name.clone()),
+        (AGENTD_LABEL.to_owned(), instance.to_owned()),
+        (OWNER_LABEL.to_owned(), spec.owner.to_string()),
+    ])
+}
+
+/// The label selector of the objects of the agentd `instance`.
+#[must_use]
+pub fn selector(instance: &str) -> String {
+    format!("{AGENTD_LABEL}={instance}")
+}
+
+fn typed<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+    serde_json::from_value(v).expect("a well-formed object")
+}
+
+/// The sandbox's Pod.
+#[must_use]
+pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> Pod {
+    let name = object_name(&spec.name);
+    let cpu = spec.config.vcpus.max(1).to_string();
+    let memory = format!("{}Mi", spec.config.memory.max(64));
+    let home = if spec.config.persist {
+        json!({"name": "data", "mountPath": HOME, "subPath": "home"})
+    } else {
+        json!({"name": "home", "mountPath": HOME})
+    };
+    typed(json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels(spec, instance)},
+        "spec": {
+            "hostname": spec.name,
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": false,
+            "enableServiceLinks": false,
+            "terminationGracePeriodSeconds": c.stop_grace_seconds,
+            "securityContext": {
+                "runAsUser": c.uid,
+                "runAsGroup": c.uid,
+                "fsGroup": c.uid,
+                "runAsNonRoot": true,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [{
+                "name": CONTAINER,
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                // PID 1 waits and ends on SIGTERM; every command is an exec.
+                "command": ["sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"],
+                "workingDir": WORKSPACE,
+                "env": [
+                    {"name": "HOME", "value": HOME},
+                    {"name": "USER", "value": "agent"},
+                    {"name": "KEYSTONE_SANDBOX", "value": spec.name},
+                ],
+                "resources": {
+                    "requests": {"cpu": cpu, "memory": memory},
+                    "limits": {"cpu": cpu, "memory": memory},
+                },
+                "securityContext": {
+                    "allowPrivilegeEscalation": false,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "volumeMounts": [
+                    {"name": "data", "mountPath": WORKSPACE, "subPath": "workspace"},
+                    home,
+                    {"name": "tmp", "mountPath": "/tmp"},
+                    {"name": "tools", "mountPath": TOOLS},
+                ],
+            }],
+            "volumes": [
+                {"name": "data", "persistentVolumeClaim": {"claimName": name}},
+                {"name": "home", "emptyDir": {}},
+                {"name": "tmp", "emptyDir": {}},
+                {"name": "tools", "emptyDir": {}},
+            ],
+        },
+    }))
+}
+
+/// The sandbox's volume claim.
+#[must_use]
+pub fn claim(spec: &SandboxSpec, c: &KubeConfig, instance: &str) -> PersistentVolumeClaim {
+    let mut claim = json!({
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": object_name(&spec.name), "labels": labels(spec, instance)},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": format!("{}Mi", spec.config.disk.max(64))}},
+        },
+    });
+    if let Some(class) = &c.storage_class {
+        claim["spec"]["storageClassName"] = json!(class);
+    }
+    typed(claim)
+}
+
+/// The sandbox's NetworkPolicy: the Pod's traffic denied both ways.
+#[must_use]
+pub fn deny_all(spec: &SandboxSpec, instance: &str) -> NetworkPolicy {
+    typed(json!({
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": object_name(&spec.name), "labels": labels(spec, instance)},
+        "spec": {
+            "podSelector": {"matchLabels": {
+                SANDBOX_LABEL: spec.name,
+                AGENTD_LABEL: instance,
+            }},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [],
+            "egress": [],
+        },
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(persist: bool) -> SandboxSpec {
+        let mut config = keystone_agent_api::SandboxConfig {
+            persist,
+            ..Default::default()
+        };
+        config.memory = 2048;
+        config.vcpus = 2;
+        config.disk = 4096;
+        let mut s = SandboxSpec::at(
+            std::path::Path::new("/state/demo"),
+            "demo",
+            70000,
+            70000,
+            config,
+        );
+        s.owner = 1000;
+        s
+    }
+
+    /// The shapes a real API server would take without complaint but that
+    /// decide what the sandbox can do: checked here, as the fake server
+    /// does not judge them.
+    #[test]
+    fn the_pod_runs_unprivileged_with_its_workspace_on_the_claim() {
+        let c = KubeConfig::default();
+        let p = serde_json::to_value(pod(&spec(false), &c, "abc", "img:1")).unwrap();
+        assert_eq!(p["metadata"]["name"], "ks-demo");
+        assert_eq!(p["metadata"]["labels"][SANDBOX_LABEL], "demo");
+        assert_eq!(p["metadata"]["labels"][AGENTD_LABEL], "abc");
+        assert_eq!(p["metadata"]["labels"][OWNER_LABEL], "1000");
+        let s = &p["spec"];
+        assert_eq!(s["automountServiceAccountToken"], false);
+        assert_eq!(s["enableServiceLinks"], false);
+        assert_eq!(s["securityContext"]["runAsNonRoot"], true);
+        assert_eq!(s["securityContext"]["runAsUser"], 1000);
+        assert_eq!(
+            s["securityContext"]["seccompProfile"]["type"],
+            "RuntimeDefault"
+        );
+        assert!(s["hostNetwork"].is_null() && s["hostPID"].is_null());
+        let ctr = &s["containers"][0];
+        assert_eq!(ctr["securityContext"]["allowPrivilegeEscalation"], false);
+        assert_eq!(ctr["securityContext"]["capabilities"]["drop"][0], "ALL");
+        assert!(ctr["securityContext"]["privileged"].is_null());
+        assert_eq!(ctr["resources"]["limits"]["memory"], "2048Mi");
+        assert_eq!(ctr["resources"]["limits"]["cpu"], "2");
+        let mounts = ctr["volumeMounts"].as_array().unwrap();
+        let at = |path: &str| mounts.iter().find(|m| m["mountPath"] == path).unwrap();
+        assert_eq!(at(WORKSPACE)["name"], "data");
+        assert_eq!(at(WORKSPACE)["subPath"], "workspace");
+        // Without persist, the home is the Pod's own; with it, the claim's.
+        assert_eq!(at(HOME)["name"], "home");
+        let p = serde_json::to_value(pod(&spec(true), &c, "abc", "img:1")).unwrap();
+        let mounts = p["spec"]["containers"][0]["volumeMounts"]
+            .as_array()
+            .unwrap();
+        let home = mounts.iter().find(|m| m["mountPath"] == HOME).unwrap();
+        assert_eq!(
+            (&home["name"], &home["subPath"]),
+            (&json!("data"), &json!("home"))
+        );
+        // No volume of the host's.
+        for v in p["spec"]["volumes"].as_array().unwrap() {
+            assert!(v["hostPath"].is_null(), "{v}");
+        }
+    }
+
+    #[test]
+    fn the_policy_denies_everything_to_the_sandbox_s_pod_only() {
+        let n = serde_json::to_value(deny_all(&spec(false), "abc")).unwrap();
+        assert_eq!(n["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
+        assert_eq!(n["spec"]["egress"], json!([]));
+        assert_eq!(n["spec"]["ingress"], json!([]));
+        assert_eq!(
+            n["spec"]["podSelector"]["matchLabels"],
+            json!({SANDBOX_LABEL: "demo", AGENTD_LABEL: "abc"})
+        );
+        let c = KubeConfig {
+            storage_class: Some("fast".to_owned()),
+            ..KubeConfig::default()
+        };
+        let pvc = serde_json::to_value(claim(&spec(false), &c, "abc")).unwrap();
+        assert_eq!(pvc["spec"]["storageClassName"], "fast");
+        assert_eq!(pvc["spec"]["resources"]["requests"]["storage"], "4096Mi");
+        let pvc = serde_json::to_value(claim(&spec(false), &KubeConfig::default(), "abc")).unwrap();
+        assert!(
+            pvc["spec"]["storageClassName"].is_null(),
+            "the cluster's default class"
+        );
+    }
+}

@@ -1,0 +1,782 @@
+//! The `kubernetes` backend: a sandbox is a Pod on a cluster, reached
+//! through the API server with kube-rs (docs/kubernetes.md).
+//!
+//! - **Objects**: a Pod, a PersistentVolumeClaim and a deny-all
+//!   NetworkPolicy per sandbox ([`manifest`]), applied server-side, all
+//!   labelled with this agentd's instance, found again by that label.
+//! - **State** follows one watch over those Pods ([`pods`]); a sandbox is
+//!   `running` once a command answers inside its Pod, and a Pod that cannot
+//!   run fails the start with its container's reason and the Pod's events.
+//! - **Commands** are `exec`s over WebSocket ([`stream`]); `cwd`, the
+//!   environment and the timeout are given to `env` and `timeout` in the
+//!   image.
+//! - **The workspace** is prepared on the host as for every backend and
+//!   streamed in once, as a tar archive read by a helper confined to it;
+//!   before each sync the Pod's git directory comes back the same way into
+//!   the host copy, where the usual confined readers check it
+//!   ([`crate::git::mirror`]). The host repository is never mounted.
+//! - **Network**: the NetworkPolicy lets nothing in or out. A cluster that
+//!   does not enforce NetworkPolicies is detected at start (a connection
+//!   from the Pod to the API server's service succeeds) and the start is
+//!   refused unless `allow_unenforced_network_policy` is set.
+
+mod config;
+mod error;
+pub mod manifest;
+pub mod pods;
+mod stream;
+mod workspace;
+
+pub use config::{KubeConfig, PodRef};
+pub use error::KubeError;
+
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Event, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
+use keystone_agent_api::BackendKind;
+use kube::api::{Api, AttachParams, DeleteParams, ListParams, Patch, PatchParams};
+use serde::Serialize;
+use tokio::io::AsyncWriteExt;
+
+use super::{BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess};
+
+/// Where agentd's tools are inside a Pod (a volume of its own).
+pub const TOOLS: &str = "/opt/keystone";
+
+/// How the backend is set up.
+#[derive(Debug, Clone)]
+pub struct KubeSettings {
+    /// The configuration section.
+    pub config: KubeConfig,
+    /// agentd's own binary (its helpers).
+    pub exe: PathBuf,
+    /// agentd's state directory (the default instance label).
+    pub state_dir: PathBuf,
+}
+
+/// The client and the watch, made at first use.
+struct Connected {
+    client: kube::Client,
+    pods: pods::Pods,
+}
+
+impl std::fmt::Debug for Connected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connected")
+            .field("pods", &self.pods)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Read `r` to its end, keeping the first 64 KiB.
+async fn kept(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 16 << 10];
+    while let Ok(n) = r.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        let room = (64usize << 10).saturating_sub(out.len());
+        out.extend_from_slice(&buf[..n.min(room)]);
+    }
+    out
+}
+
+/// Runs sandboxes as Pods.
+#[derive(Debug)]
+pub struct KubeBackend {
+    settings: KubeSettings,
+    instance: String,
+    connected: tokio::sync::OnceCell<Connected>,
+}
+
+/// The default instance label: a digest of the machine id and the state
+/// directory, so two agentds never take each other's objects.
+fn default_instance(state_dir: &std::path::Path) -> String {
+    use sha2::Digest;
+    let machine = std::fs::read_to_string("/etc/machine-id").unwrap_or_default();
+    let mut h = sha2::Sha256::new();
+    h.update(machine.trim().as_bytes());
+    h.update(b"\0");
+    h.update(state_dir.as_os_str().as_encoded_bytes());
+    let d = h.finalize();
+    d[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Shell-free argv of `req` for the image's `env` (and `timeout`).
+fn command_line(req: &ExecRequest) -> Result<Vec<String>, KubeError> {
+    let Some(program) = req.argv.first() else {
+        return Err(KubeError::Exec("no command".to_owned()));
+    };
+    if program.contains('=') {
+        return Err(KubeError::Program(program.clone()));
+    }
+    let mut argv = Vec::new();
+    if let Some(t) = req.timeout {
+        argv.extend([
+            "timeout".to_owned(),
+            "-k".to_owned(),
+            "5".to_owned(),
+            t.as_secs().max(1).to_string(),
+        ]);
+    }
+    argv.extend(["env".to_owned(), "-C".to_owned(), req.cwd.clone()]);
+    argv.extend(req.env.iter().map(|(k, v)| format!("{k}={v}")));
+    argv.extend(req.argv.iter().cloned());
+    Ok(argv)
+}
+
+impl KubeBackend {
+    /// A backend with `settings`; nothing is asked of the cluster before
+    /// the first sandbox needs it.
+    #[must_use]
+    pub fn new(settings: KubeSettings) -> Self {
+        let instance = settings
+            .config
+            .instance
+            .clone()
+            .unwrap_or_else(|| default_instance(&settings.state_dir));
+        Self {
+            settings,
+            instance,
+            connected: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    fn ns(&self) -> &str {
+        &self.settings.config.namespace
+    }
+
+    /// The client and the watch, made on first use.
+    async fn connected(&self) -> Result<&Connected, KubeError> {
+        self.connected
+            .get_or_try_init(|| async {
+                let c = &self.settings.config;
+                let what = c.kubeconfig.as_ref().map_or_else(
+                    || "the default kubeconfig".to_owned(),
+                    |p| p.display().to_string(),
+                );
+                let fail = |e: Box<dyn std::error::Error + Send + Sync>| KubeError::Config {
+                    what: what.clone(),
+                    source: e,
+                };
+                let options = kube::config::KubeConfigOptions {
+                    context: c.context.clone(),
+                    ..Default::default()
+                };
+                let config = match &c.kubeconfig {
+                    Some(path) => {
+                        let kc = kube::config::Kubeconfig::read_from(path)
+                            .map_err(|e| fail(e.into()))?;
+                        kube::Config::from_custom_kubeconfig(kc, &options)
+                            .await
+                            .map_err(|e| fail(e.into()))?
+                    }
+                    None if c.context.is_some() => kube::Config::from_kubeconfig(&options)
+                        .await
+                        .map_err(|e| fail(e.into()))?,
+                    None => kube::Config::infer().await.map_err(|e| fail(e.into()))?,
+                };
+                let client = kube::Client::try_from(config).map_err(|e| fail(e.into()))?;
+                let api: Api<Pod> = Api::namespaced(client.clone(), self.ns());
+                let pods = pods::Pods::watch(api, manifest::selector(&self.instance)).await;
+                Ok(Connected { client, pods })
+            })
+            .await
+    }
+
+    /// Connect and read the Pods before agentd reconciles its registry.
+    pub async fn prime(&self) {
+        if let Err(e) = self.connected().await {
+            tracing::warn!(error = %e, "kubernetes backend");
+        }
+    }
+
+    fn api<K>(&self, c: &Connected) -> Api<K>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+        <K as kube::Resource>::DynamicType: Default,
+    {
+        Api::namespaced(c.client.clone(), self.ns())
+    }
+
+    fn api_error(&self, what: &'static str, name: &str) -> impl FnOnce(kube::Error) -> KubeError {
+        let (name, namespace) = (name.to_owned(), self.ns().to_owned());
+        move |source| KubeError::Api {
+            what,
+            name,
+            namespace,
+            source: Box::new(source),
+        }
+    }
+
+    /// The last events of Pod `pod`, as one line.
+    async fn events(&self, c: &Connected, pod: &str) -> String {
+        let api: Api<Event> = self.api(c);
+        let Ok(list) = api.list(&ListParams::default().limit(500)).await else {
+            return "(cannot list events)".to_owned();
+        };
+        let mut lines: Vec<String> = list
+            .items
+            .into_iter()
+            .filter(|e| e.involved_object.name.as_deref() == Some(pod))
+            .map(|e| {
+                format!(
+                    "{} {}: {}",
+                    e.type_.unwrap_or_default(),
+                    e.reason.unwrap_or_default(),
+                    e.message.unwrap_or_default()
+                )
+            })
+            .collect();
+        let keep = lines.len().saturating_sub(5);
+        lines.drain(..keep);
+        if lines.is_empty() {
+            "none".to_owned()
+        } else {
+            lines.join("; ")
+        }
+    }
+
+    /// Apply `obj` server-side under agentd's field manager.
+    async fn apply<K>(
+        &self,
+        c: &Connected,
+        what: &'static str,
+        name: &str,
+        obj: &K,
+    ) -> Result<K, KubeError>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + Serialize
+            + std::fmt::Debug,
+        <K as kube::Resource>::DynamicType: Default,
+    {
+        let pp = PatchParams::apply(manifest::FIELD_MANAGER).force();
+        self.api::<K>(c)
+            .patch(name, &pp, &Patch::Apply(obj))
+            .await
+            .map_err(self.api_error(what, name))
+    }
+
+    /// Delete `name` of `K` (gone already counts as done).
+    async fn delete<K>(
+        &self,
+        c: &Connected,
+        what: &'static str,
+        name: &str,
+        grace: Option<u32>,
+    ) -> Result<(), KubeError>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+        <K as kube::Resource>::DynamicType: Default,
+    {
+        let dp = DeleteParams {
+            grace_period_seconds: grace,
+            ..DeleteParams::default()
+        };
+        match self.api::<K>(c).delete(name, &dp).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+            Err(e) => Err(self.api_error(what, name)(e)),
+        }
+    }
+
+    /// Wait until Pod `name` is gone (from the watch).
+    async fn gone(&self, c: &Connected, name: &str, limit: Duration) -> bool {
+        let mut rx = c.pods.subscribe();
+        tokio::time::timeout(limit, async {
+            while c.pods.get(name).is_some() {
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    /// Wait until Pod `name` (of uid `uid`) runs and its container is
+    /// ready, or says why it cannot.
+    async fn running(&self, c: &Connected, name: &str, uid: &str) -> Result<(), KubeError> {
+        let secs = u64::from(self.settings.config.start_timeout_seconds);
+        let mut rx = c.pods.subscribe();
+        let waited = tokio::time::timeout(Duration::from_secs(secs), async {
+            loop {
+                if let Some(p) = c.pods.get(name).filter(|p| p.uid == uid) {
+                    if p.alive() && p.ready {
+                        return Ok(());
+                    }
+                    let fatal = matches!(p.phase.as_str(), "Failed" | "Succeeded")
+                        || p.trouble.as_ref().is_some_and(|(r, _)| {
+                            matches!(
+                                r.as_str(),
+                                "ErrImagePull"
+                                    | "ImagePullBackOff"
+                                    | "InvalidImageName"
+                                    | "CreateContainerError"
+                                    | "CreateContainerConfigError"
+                                    | "CrashLoopBackOff"
+                                    | "Error"
+                                    | "Completed"
+                            )
+                        });
+                    if fatal {
+                        let (reason, message) = p
+                            .trouble
+                            .clone()
+                            .unwrap_or((p.phase.clone(), String::new()));
+                        return Err((reason, message));
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        })
+        .await;
+        match waited {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err((reason, message))) => {
+                let events = self.events(c, name).await;
+                Err(KubeError::PodFailed {
+                    pod: name.to_owned(),
+                    reason,
+                    message: format!("{message} (events: {events})"),
+                })
+            }
+            Err(_) => Err(KubeError::StartTimeout {
+                pod: name.to_owned(),
+                secs,
+                seen: c
+                    .pods
+                    .get(name)
+                    .map_or_else(|| "not seen".to_owned(), |p| p.phase),
+                events: self.events(c, name).await,
+            }),
+        }
+    }
+
+    /// Exec `argv` in Pod `pod`; `stdin` gives it input.
+    async fn attach(
+        &self,
+        c: &Connected,
+        pod: &str,
+        argv: Vec<String>,
+        stdin: bool,
+        tty: bool,
+    ) -> Result<kube::api::AttachedProcess, KubeError> {
+        let ap = AttachParams {
+            container: Some(manifest::CONTAINER.to_owned()),
+            stdin,
+            stdout: true,
+            stderr: !tty,
+            tty,
+            ..AttachParams::default()
+        };
+        self.api::<Pod>(c)
+            .exec(pod, argv, &ap)
+            .await
+            .map_err(self.api_error("cannot exec in the Pod", pod))
+    }
+
+    /// Run `argv` in Pod `pod` with `input` on its stdin; its exit code
+    /// and the start of its output.
+    async fn run(
+        &self,
+        c: &Connected,
+        pod: &str,
+        argv: &[&str],
+        input: Option<&mut (dyn tokio::io::AsyncRead + Unpin + Send)>,
+    ) -> Result<(i32, String), KubeError> {
+        let argv = argv.iter().map(|s| (*s).to_owned()).collect();
+        let mut p = self.attach(c, pod, argv, input.is_some(), false).await?;
+        let status = p
+            .take_status()
+            .ok_or_else(|| KubeError::Exec("no status channel".to_owned()))?;
+        let mut out = p
+            .stdout()
+            .ok_or_else(|| KubeError::Exec("no stdout".to_owned()))?;
+        let mut err = p
+            .stderr()
+            .ok_or_else(|| KubeError::Exec("no stderr".to_owned()))?;
+        let feeding = async {
+            if let (Some(input), Some(mut w)) = (input, p.stdin()) {
+                let _ = tokio::io::copy(input, &mut w).await;
+                let _ = w.shutdown().await;
+            }
+        };
+        let reading = async {
+            let (mut o, e) = tokio::join!(kept(&mut out), kept(&mut err));
+            o.extend_from_slice(&e);
+            o
+        };
+        let ((), text, status) = tokio::join!(feeding, reading, status);
+        let code = stream::exit_code(status)?;
+        Ok((code, String::from_utf8_lossy(&text).trim().to_owned()))
+    }
+
+    /// A command answers inside Pod `pod` (retried while the runtime gets
+    /// the container ready for execs).
+    async fn answers(&self, c: &Connected, pod: &str) -> Result<(), KubeError> {
+        let mut last = None;
+        for _ in 0..20 {
+            match self.run(c, pod, &["true"], None).await {
+                Ok((0, _)) => return Ok(()),
+                Ok((code, out)) => {
+                    last = Some(KubeError::Exec(format!("'true' exited {code}: {out}")))
+                }
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        Err(last.unwrap_or_else(|| KubeError::Exec("no answer".to_owned())))
+    }
+
+    /// Refuse a Pod whose deny-all policy the cluster does not enforce:
+    /// from inside, the API server's service must be out of reach.
+    async fn check_isolation(&self, c: &Connected, pod: &str) -> Result<(), KubeError> {
+        if self.settings.config.allow_unenforced_network_policy {
+            return Ok(());
+        }
+        let probe = "exec 3<>/dev/tcp/\"$KUBERNETES_SERVICE_HOST\"/\"$KUBERNETES_SERVICE_PORT\"";
+        let (code, _) = self
+            .run(c, pod, &["timeout", "5", "bash", "-c", probe], None)
+            .await?;
+        if code == 0 {
+            return Err(KubeError::Unenforced {
+                pod: pod.to_owned(),
+            });
+        }
+        Ok(())
+    }
+
+    async fn start_pod(&self, spec: &SandboxSpec) -> Result<Runtime, KubeError> {
+        let c = self.connected().await?;
+        let config = &self.settings.config;
+        let image = config.image.as_deref().ok_or(KubeError::NoImage)?;
+        let name = manifest::object_name(&spec.name);
+        self.apply(
+            c,
+            "cannot apply the NetworkPolicy",
+            &name,
+            &manifest::deny_all(spec, &self.instance),
+        )
+        .await?;
+        let claim = manifest::claim(spec, config, &self.instance);
+        let claims: Api<PersistentVolumeClaim> = self.api(c);
+        // A claim's spec cannot change once made: make it only when missing.
+        if claims
+            .get_opt(&name)
+            .await
+            .map_err(self.api_error("cannot read the claim", &name))?
+            .is_none()
+        {
+            self.apply(c, "cannot create the claim", &name, &claim)
+                .await?;
+        }
+        // A Pod left from before (agentd ended during a start) goes first.
+        if c.pods.get(&name).is_some() {
+            self.delete::<Pod>(c, "cannot delete the old Pod", &name, Some(0))
+                .await?;
+            self.gone(c, &name, Duration::from_secs(60)).await;
+        }
+        let made = self
+            .apply(
+                c,
+                "cannot create the Pod",
+                &name,
+                &manifest::pod(spec, config, &self.instance, image),
+            )
+            .await?;
+        let uid = made.metadata.uid.clone().unwrap_or_default();
+        let started = async {
+            self.running(c, &name, &uid).await?;
+            self.answers(c, &name).await?;
+            self.check_isolation(c, &name).await?;
+            self.seed(c, spec, &name).await
+        };
+        if let Err(e) = started.await {
+            let _ = self
+                .delete::<Pod>(c, "cannot delete the Pod", &name, Some(0))
+                .await;
+            return Err(e);
+        }
+        Ok(Runtime {
+            supervisor_pid: 0,
+            init_pid: 0,
+            init_start_time: 0,
+            pid_ns: 0,
+            limits: format!(
+                "Pod {name} in namespace {}: {} CPU, {} MiB memory, a {} MiB claim; no network (a deny-all NetworkPolicy)",
+                self.ns(),
+                spec.config.vcpus.max(1),
+                spec.config.memory.max(64),
+                spec.config.disk.max(64)
+            ),
+            unit: String::new(),
+            agents: String::new(),
+            pod: Some(PodRef { name, uid }),
+        })
+    }
+
+    async fn stop_pod(&self, spec: &SandboxSpec, force: bool) -> Result<(), KubeError> {
+        let c = self.connected().await?;
+        let name = manifest::object_name(&spec.name);
+        let grace = if force {
+            0
+        } else {
+            self.settings.config.stop_grace_seconds
+        };
+        self.delete::<Pod>(c, "cannot delete the Pod", &name, Some(grace))
+            .await?;
+        self.gone(c, &name, Duration::from_secs(u64::from(grace) + 60))
+            .await;
+        self.delete::<NetworkPolicy>(c, "cannot delete the NetworkPolicy", &name, None)
+            .await
+    }
+
+    async fn exec_pipes(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+        stdio: [OwnedFd; 3],
+    ) -> Result<i32, KubeError> {
+        let c = self.connected().await?;
+        let argv = command_line(&req)?;
+        let name = manifest::object_name(&spec.name);
+        let p = self.attach(c, &name, argv, true, false).await?;
+        let code = stream::pipes(p, stdio).await?;
+        if let Some(t) = req.timeout {
+            // `timeout` said so (124: TERM; 137: KILL after it).
+            if code == 124 || code == 137 {
+                return Err(KubeError::Exec(format!(
+                    "command '{}' did not finish within {}s and was killed",
+                    req.argv.join(" "),
+                    t.as_secs()
+                )));
+            }
+        }
+        Ok(code)
+    }
+
+    async fn exec_on_tty(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+        size: (u16, u16),
+    ) -> Result<TtyProcess, BackendError> {
+        let c = self.connected().await?;
+        let argv = command_line(&req)?;
+        let name = manifest::object_name(&spec.name);
+        let ws = nix::pty::Winsize {
+            ws_row: size.0,
+            ws_col: size.1,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        let pty =
+            nix::pty::openpty(Some(&ws), None).map_err(|e| BackendError::Descriptor(e.into()))?;
+        // The far side's terminal does the echo and line editing.
+        let mut t = nix::sys::termios::tcgetattr(&pty.slave).map_err(BackendError::Sys)?;
+        nix::sys::termios::cfmakeraw(&mut t);
+        nix::sys::termios::tcsetattr(&pty.slave, nix::sys::termios::SetArg::TCSANOW, &t)
+            .map_err(BackendError::Sys)?;
+        let p = self.attach(c, &name, argv, true, true).await?;
+        let slave = pty.slave;
+        let exit = Box::pin(async move { stream::tty(p, slave).await.map_err(BackendError::from) });
+        Ok(TtyProcess {
+            terminal: pty.master,
+            exit,
+        })
+    }
+
+    async fn remove_all(&self, spec: &SandboxSpec) -> Result<(), KubeError> {
+        let c = self.connected().await?;
+        let name = manifest::object_name(&spec.name);
+        self.delete::<Pod>(c, "cannot delete the Pod", &name, Some(0))
+            .await?;
+        self.delete::<NetworkPolicy>(c, "cannot delete the NetworkPolicy", &name, None)
+            .await?;
+        self.delete::<PersistentVolumeClaim>(c, "cannot delete the claim", &name, None)
+            .await
+    }
+}
+
+impl super::Backend for KubeBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Kubernetes
+    }
+
+    fn start<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<Runtime, BackendError>> {
+        Box::pin(async move { Ok(self.start_pod(spec).await?) })
+    }
+
+    fn stop<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        _rt: &'a Runtime,
+        force: bool,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move { Ok(self.stop_pod(spec, force).await?) })
+    }
+
+    fn exec<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+        stdio: [OwnedFd; 3],
+    ) -> BoxFut<'a, Result<i32, BackendError>> {
+        Box::pin(async move {
+            let timeout = req.timeout;
+            let command = req.argv.join(" ");
+            match self.exec_pipes(spec, req, stdio).await {
+                Err(KubeError::Exec(m))
+                    if timeout.is_some() && m.contains("did not finish within") =>
+                {
+                    Err(BackendError::CommandTimeout {
+                        command,
+                        secs: timeout.map_or(0, |t| t.as_secs()),
+                    })
+                }
+                other => Ok(other?),
+            }
+        })
+    }
+
+    fn exec_tty<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: ExecRequest,
+        size: (u16, u16),
+    ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
+        Box::pin(self.exec_on_tty(spec, req, size))
+    }
+
+    fn listeners(&self, _rt: &Runtime) -> Vec<Listener> {
+        Vec::new()
+    }
+
+    fn connect<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+        _addr: std::net::IpAddr,
+        _port: u16,
+    ) -> BoxFut<'a, Result<OwnedFd, BackendError>> {
+        Box::pin(async { Err(KubeError::NotYet("a dev-server link").into()) })
+    }
+
+    fn pull_git_dir<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move { Ok(self.pull(spec).await?) })
+    }
+
+    fn remove<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move { Ok(self.remove_all(spec).await?) })
+    }
+
+    fn is_alive(&self, rt: &Runtime) -> bool {
+        let (Some(pod), Some(c)) = (&rt.pod, self.connected.get()) else {
+            return false;
+        };
+        c.pods
+            .get(&pod.name)
+            .is_some_and(|p| p.uid == pod.uid && p.alive())
+    }
+
+    fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
+        Box::pin(async move {
+            let (Some(pod), Some(c)) = (&rt.pod, self.connected.get()) else {
+                return;
+            };
+            let mut rx = c.pods.subscribe();
+            while c
+                .pods
+                .get(&pod.name)
+                .is_some_and(|p| p.uid == pod.uid && p.alive())
+            {
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        })
+    }
+
+    fn kill_strays(&self, keep: &[(String, Runtime)]) -> Vec<String> {
+        let Some(c) = self.connected.get() else {
+            return Vec::new();
+        };
+        let keep: Vec<&str> = keep
+            .iter()
+            .filter_map(|(_, rt)| rt.pod.as_ref().map(|p| p.name.as_str()))
+            .collect();
+        let strays: Vec<String> = c
+            .pods
+            .names()
+            .into_iter()
+            .filter(|n| !keep.contains(&n.as_str()))
+            .collect();
+        for name in &strays {
+            let api: Api<Pod> = self.api(c);
+            let name = name.clone();
+            tokio::spawn(async move {
+                let dp = DeleteParams {
+                    grace_period_seconds: Some(0),
+                    ..DeleteParams::default()
+                };
+                if let Err(e) = api.delete(&name, &dp).await {
+                    tracing::warn!(pod = %name, error = %e, "cannot delete a stray Pod");
+                }
+            });
+        }
+        strays
+            .into_iter()
+            .map(|n| n.strip_prefix("ks-").unwrap_or(&n).to_owned())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_command_gets_its_directory_environment_and_timeout_without_a_shell() {
+        let req = ExecRequest {
+            argv: vec!["git".into(), "log".into(), "a b; rm -rf /".into()],
+            env: [("A".to_owned(), "1 2".to_owned())].into(),
+            cwd: "/workspace/x".into(),
+            timeout: Some(Duration::from_secs(30)),
+        };
+        assert_eq!(
+            command_line(&req).unwrap(),
+            [
+                "timeout",
+                "-k",
+                "5",
+                "30",
+                "env",
+                "-C",
+                "/workspace/x",
+                "A=1 2",
+                "git",
+                "log",
+                "a b; rm -rf /"
+            ]
+        );
+        let bad = ExecRequest {
+            argv: vec!["X=1".into()],
+            timeout: None,
+            ..req
+        };
+        assert!(matches!(command_line(&bad), Err(KubeError::Program(_))));
+    }
+}

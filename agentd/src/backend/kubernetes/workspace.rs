@@ -1,0 +1,108 @@
+//! The workspace between host and Pod: the host's prepared workspace
+//! streamed in at the first start, the Pod's git directory streamed back
+//! before each sync; on the host side both through helpers confined to the
+//! sandbox's workspace as its uid ([`crate::git::mirror`]).
+
+use super::{Connected, KubeBackend, KubeError, manifest, stream};
+use crate::backend::SandboxSpec;
+use crate::helper::{self, RunAs};
+
+impl KubeBackend {
+    /// Stream the host's prepared workspace into a Pod whose `/workspace`
+    /// has no git directory yet (its first start).
+    pub(super) async fn seed(
+        &self,
+        c: &Connected,
+        spec: &SandboxSpec,
+        pod: &str,
+    ) -> Result<(), KubeError> {
+        let (has, _) = self
+            .run(c, pod, &["test", "-e", "/workspace/.git"], None)
+            .await?;
+        if has == 0 {
+            return Ok(());
+        }
+        let run_as = RunAs::confined(spec.uid, &spec.workspace);
+        let req = crate::git::mirror::PackRequest {
+            workspace: spec.workspace.clone(),
+        };
+        let mut packing =
+            helper::start::<crate::git::mirror::Pack>(&self.settings.exe, &run_as, &req).await?;
+        packing.close_input();
+        let (code, out) = self
+            .run(
+                c,
+                pod,
+                &[
+                    "tar",
+                    "-x",
+                    "--no-same-owner",
+                    "-C",
+                    manifest::WORKSPACE,
+                    "-f",
+                    "-",
+                ],
+                Some(packing.output()),
+            )
+            .await?;
+        packing.finish().await?;
+        if code != 0 {
+            return Err(KubeError::Exec(format!(
+                "unpacking the workspace in the Pod failed ({code}): {out}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Bring the Pod's git directory into the host's copy of the
+    /// workspace, through the confined unpacker.
+    pub(super) async fn pull(&self, spec: &SandboxSpec) -> Result<(), KubeError> {
+        let c = self.connected().await?;
+        let name = manifest::object_name(&spec.name);
+        let mut p = self
+            .attach(
+                c,
+                &name,
+                vec![
+                    "tar".into(),
+                    "-c".into(),
+                    "-C".into(),
+                    manifest::WORKSPACE.into(),
+                    "-f".into(),
+                    "-".into(),
+                    ".git".into(),
+                ],
+                false,
+                false,
+            )
+            .await?;
+        let status = p
+            .take_status()
+            .ok_or_else(|| KubeError::Exec("no status channel".to_owned()))?;
+        let mut out = p
+            .stdout()
+            .ok_or_else(|| KubeError::Exec("no stdout".to_owned()))?;
+        let run_as = RunAs::confined(spec.uid, &spec.workspace);
+        let disk = u64::from(spec.config.disk.max(16)) << 20;
+        let req = crate::git::mirror::UnpackRequest {
+            workspace: spec.workspace.clone(),
+            limits: crate::git::mirror::Limits {
+                bytes: disk,
+                entries: 1_000_000,
+            },
+        };
+        let mut unpacking =
+            helper::start::<crate::git::mirror::Unpack>(&self.settings.exe, &run_as, &req).await?;
+        let copied = tokio::io::copy(&mut out, unpacking.input()).await;
+        unpacking.close_input();
+        let code = stream::exit_code(status.await)?;
+        unpacking.finish().await?;
+        copied.map_err(KubeError::Io)?;
+        if code != 0 {
+            return Err(KubeError::Exec(format!(
+                "reading the git directory in the Pod failed (exit {code})"
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,319 @@
+//! The `kubernetes` backend against the fake API server of
+//! `tests/fake-kube` (real kube-rs client, real WebSocket execs, each
+//! Pod's commands in a container of namespaces of its own): a sandbox's
+//! objects, its workspace streamed in and its commits streamed back, exec
+//! with stdin, exit codes and timeouts, a Pod that cannot run, a cluster
+//! that does not enforce NetworkPolicies, agentd's restart, and a hostile
+//! git directory. `tests/kubernetes-real.sh` runs the same file against a
+//! real cluster (`KEYSTONE_KUBECONFIG`).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Env, git, wait_for};
+use fake_kube::FakeKube;
+
+const NS: &str = "agent-sandboxes";
+
+/// A fake API server on a runtime of its own, for the whole test.
+struct Cluster {
+    fake: FakeKube,
+    _rt: tokio::runtime::Runtime,
+}
+
+impl Cluster {
+    fn start(enforced: bool) -> Self {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let fake = rt.block_on(async {
+            if enforced {
+                FakeKube::start().await
+            } else {
+                FakeKube::without_network_policies().await
+            }
+        });
+        Self { fake, _rt: rt }
+    }
+}
+
+/// agentd with its kubernetes backend on `cluster`, `extra` merged into
+/// the `kubernetes` section.
+fn agentd(cluster: &Cluster, extra: serde_json::Value) -> Env {
+    let mut env = Env::bus_only();
+    let kubeconfig = cluster.fake.kubeconfig(env.tmp.path(), NS);
+    let mut section = serde_json::json!({
+        "kubeconfig": kubeconfig,
+        "namespace": NS,
+        "image": "debian:bookworm",
+        "instance": "test",
+        "start_timeout_seconds": 30,
+        "stop_grace_seconds": 1,
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        section[k] = v.clone();
+    }
+    let config = serde_json::json!({"default_backend": "kubernetes", "kubernetes": section});
+    let path = env.tmp.path().join("agentd.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    env.config = Some(path);
+    env.start_agentd();
+    env
+}
+
+fn skip() -> bool {
+    if !common::is_root() {
+        eprintln!("skipped: the workspace helpers run as the sandbox's uid (root only)");
+        return true;
+    }
+    false
+}
+
+#[test]
+fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd(&cluster, serde_json::json!({}));
+    let repo = env.repo("demo");
+    env.ok(&[
+        "create",
+        "--memory",
+        "1024",
+        "--disk",
+        "512",
+        repo.to_str().unwrap(),
+    ]);
+    env.ok(&["start", "demo"]);
+    assert_eq!(env.state("demo"), "running");
+
+    // Its objects, labelled with agentd, the sandbox and its owner.
+    let pod = cluster.fake.object("pods", NS, "ks-demo").expect("the Pod");
+    let labels = &pod["metadata"]["labels"];
+    assert_eq!(labels["keystone.agent/sandbox"], "demo");
+    assert_eq!(labels["keystone.agent/agentd"], "test");
+    assert_eq!(labels["keystone.agent/owner"], "0");
+    assert_eq!(
+        pod["spec"]["containers"][0]["resources"]["limits"]["memory"],
+        "1024Mi"
+    );
+    let policy = cluster
+        .fake
+        .object("networkpolicies", NS, "ks-demo")
+        .expect("its policy");
+    assert_eq!(
+        policy["spec"]["policyTypes"],
+        serde_json::json!(["Ingress", "Egress"])
+    );
+    let claim = cluster
+        .fake
+        .object("persistentvolumeclaims", NS, "ks-demo")
+        .expect("its claim");
+    assert_eq!(claim["spec"]["resources"]["requests"]["storage"], "512Mi");
+
+    // The project arrived in the Pod's /workspace; commands run there with
+    // their environment, stdin and exit codes.
+    let out = env.ok(&[
+        "exec",
+        "demo",
+        "-e",
+        "X=42",
+        "--",
+        "sh",
+        "-c",
+        "echo $X $PWD $(hostname); git log --format=%s",
+    ]);
+    assert_eq!(out, "42 /workspace demo\nfirst\n");
+    let out = env.ctl_with_stdin(
+        &["exec", "demo", "--", "sh", "-c", "tr a-z A-Z; exit 3"],
+        b"hello\n",
+    );
+    assert_eq!(out.status.code(), Some(3));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "HELLO\n");
+    let err = env.fails(3, &["exec", "demo", "--timeout", "1", "--", "sleep", "30"]);
+    assert!(err.contains("did not finish within 1s"), "{err}");
+
+    // A commit in the Pod comes home with a sync.
+    env.ok(&[
+        "exec",
+        "demo",
+        "--",
+        "git",
+        "-c",
+        "user.name=Agent",
+        "-c",
+        "user.email=agent@sandbox",
+        "commit",
+        "--allow-empty",
+        "-q",
+        "-m",
+        "from the pod",
+    ]);
+    env.ok(&["sync", "demo"]);
+    assert_eq!(
+        git(
+            &repo,
+            &["log", "-1", "--format=%s", "refs/remotes/sandbox/demo/main"]
+        )
+        .trim(),
+        "from the pod"
+    );
+
+    // Stop: the Pod and its policy go, the claim (the workspace) stays,
+    // and the next start finds the workspace as it was.
+    env.ok(&["stop", "demo"]);
+    assert!(cluster.fake.object("pods", NS, "ks-demo").is_none());
+    assert!(
+        cluster
+            .fake
+            .object("networkpolicies", NS, "ks-demo")
+            .is_none()
+    );
+    assert!(
+        cluster
+            .fake
+            .object("persistentvolumeclaims", NS, "ks-demo")
+            .is_some()
+    );
+    env.ok(&["start", "demo"]);
+    let out = env.ok(&["exec", "demo", "--", "git", "log", "-1", "--format=%s"]);
+    assert_eq!(out, "from the pod\n");
+
+    // Destroy leaves nothing on the cluster.
+    env.ok(&["stop", "demo"]);
+    env.ok(&["destroy", "demo"]);
+    for what in [
+        "pods",
+        "persistentvolumeclaims",
+        "networkpolicies",
+        "secrets",
+    ] {
+        assert_eq!(cluster.fake.count(what), 0, "{what} left after destroy");
+    }
+}
+
+#[test]
+fn a_pod_that_cannot_run_fails_the_start_with_its_reason_and_events() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd(
+        &cluster,
+        serde_json::json!({"image": "registry.example/does-not-exist:1"}),
+    );
+    let repo = env.repo("broken");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    let err = env.fails(3, &["start", "broken"]);
+    assert!(err.contains("ErrImagePull"), "{err}");
+    assert!(err.contains("Failed to pull image"), "{err}");
+    assert_eq!(env.state("broken"), "error");
+    // The Pod that could not run is not left behind.
+    wait_for("the Pod to go", Duration::from_secs(10), || {
+        cluster.fake.object("pods", NS, "ks-broken").is_none()
+    });
+}
+
+#[test]
+fn a_cluster_that_does_not_enforce_network_policies_is_refused_unless_allowed() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(false);
+    let env = agentd(&cluster, serde_json::json!({}));
+    let repo = env.repo("open");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    let err = env.fails(3, &["start", "open"]);
+    assert!(err.contains("does not enforce NetworkPolicies"), "{err}");
+    assert!(err.contains("allow_unenforced_network_policy"), "{err}");
+    wait_for("the Pod to go", Duration::from_secs(10), || {
+        cluster.fake.object("pods", NS, "ks-open").is_none()
+    });
+    drop(env);
+    let env = agentd(
+        &cluster,
+        serde_json::json!({"allow_unenforced_network_policy": true}),
+    );
+    let repo = env.repo("open2");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "open2"]);
+    assert_eq!(env.ok(&["exec", "open2", "--", "true"]), "");
+}
+
+#[test]
+fn agentd_finds_its_pods_again_after_kill_9_and_removes_strays() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let mut env = agentd(&cluster, serde_json::json!({}));
+    let repo = env.repo("keep");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "keep"]);
+    let uid = cluster.fake.object("pods", NS, "ks-keep").unwrap()["metadata"]["uid"].clone();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(env.agentd_pid()),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    // While it is down, a Pod of this agentd's that no sandbox owns.
+    cluster.fake.insert_pod(
+        NS,
+        "ks-stray",
+        &[
+            ("keystone.agent/agentd", "test"),
+            ("keystone.agent/sandbox", "stray"),
+        ],
+    );
+    env.start_agentd();
+    assert_eq!(env.state("keep"), "running");
+    assert_eq!(
+        cluster.fake.object("pods", NS, "ks-keep").unwrap()["metadata"]["uid"],
+        uid,
+        "the same Pod, adopted"
+    );
+    assert_eq!(
+        env.ok(&["exec", "keep", "--", "git", "log", "--format=%s"]),
+        "first\n"
+    );
+    wait_for("the stray Pod to go", Duration::from_secs(10), || {
+        cluster.fake.object("pods", NS, "ks-stray").is_none()
+    });
+}
+
+#[test]
+fn a_hostile_git_directory_in_the_pod_is_refused_and_the_host_is_unchanged() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd(&cluster, serde_json::json!({}));
+    let repo = env.repo("evil");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "evil"]);
+    let before = git(&repo, &["for-each-ref"]);
+    // A link out of the git directory, which a careless copy would follow
+    // on the host.
+    env.ok(&[
+        "exec",
+        "evil",
+        "--",
+        "ln",
+        "-s",
+        "/etc",
+        "/workspace/.git/escape",
+    ]);
+    let err = env.fails(3, &["sync", "evil"]);
+    assert!(err.contains("symbolic link"), "{err}");
+    assert!(err.contains(".git/escape"), "{err}");
+    assert_eq!(git(&repo, &["for-each-ref"]), before);
+    let mirror = env.state_dir.join("sandboxes/evil/workspace/.git/escape");
+    assert!(
+        std::fs::symlink_metadata(&mirror).is_err(),
+        "nothing of it on the host"
+    );
+}
