@@ -223,6 +223,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             config: config.kubernetes.clone(),
             exe: exe.clone(),
             state_dir: dir.clone(),
+            tools_dir: guest_dir.clone(),
         },
     ));
     if sandboxes

@@ -317,3 +317,68 @@ fn a_hostile_git_directory_in_the_pod_is_refused_and_the_host_is_unchanged() {
         "nothing of it on the host"
     );
 }
+
+#[test]
+fn a_terminal_and_zellij_reach_into_the_pod() {
+    use common::term::{Terminal, is_cooked};
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd(&cluster, serde_json::json!({}));
+    assert!(
+        env.log().contains("sessions enabled"),
+        "no Zellij: run tests/install-zellij.sh"
+    );
+    let repo = env.repo("tty");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "tty"]);
+    let ctl = |args: &str| {
+        format!(
+            "{} --bus {} {args}",
+            common::agentctl().display(),
+            env.address
+        )
+    };
+    let long = Duration::from_secs(60);
+
+    // exec --tty: our size, resizes and keys reach the Pod's terminal; its
+    // exit code is agentctl's, and our terminal comes back as it was.
+    let t = Terminal::new(env.tmp.path(), 100, 30, &[]);
+    t.line(&format!(
+        "{}; echo code=$?",
+        ctl("exec --tty tty -- bash --norc --noprofile")
+    ));
+    t.line("echo inside-$(tty)-$(stty size | tr ' ' x)-$(hostname)");
+    t.wait_screen("the Pod's terminal", long, |s| {
+        s.contains("inside-/dev/pts/") && s.contains("-30x100-tty")
+    });
+    // A resize travels to the Pod a moment later (agentd looks at the
+    // terminal's size five times a second): ask until it has arrived.
+    t.resize(120, 40);
+    common::wait_for("the new size inside", long, || {
+        t.line("echo now-$(stty size | tr ' ' x)");
+        std::thread::sleep(Duration::from_millis(300));
+        t.screen().contains("now-40x120")
+    });
+    t.line("exit 7");
+    t.wait_screen("agentctl to exit", long, |s| s.contains("code=7"));
+    assert!(is_cooked(&t.stty("after-exit")), "terminal left raw");
+
+    // attach: Zellij in the Pod, a shell in /workspace; detaching keeps
+    // the session, which lists as the sandbox's.
+    t.line(&format!(
+        "clear; {}; echo attach-exit=$?",
+        ctl("attach tty")
+    ));
+    common::wait_for("a shell in Zellij in the Pod", long, || {
+        t.line("echo at-$(pwd)-$((6*7))");
+        std::thread::sleep(Duration::from_millis(500));
+        t.screen().contains("at-/workspace-42")
+    });
+    t.keys(&["C-o"]);
+    t.keys(&["d"]);
+    t.wait_screen("the detach", long, |s| s.contains("attach-exit=0"));
+    let sessions = env.ok(&["sessions", "tty", "--json"]);
+    assert!(sessions.contains("\"tty-main\""), "{sessions}");
+}

@@ -247,8 +247,20 @@ where
     }
     let (mut out_done, mut err_done) = (false, err.is_none());
     let (mut ob, mut eb) = (vec![0u8; 16 << 10], vec![0u8; 16 << 10]);
+    // On a terminal the exec ends with its process, as the kubelet's does,
+    // even where a daemon it started keeps the terminal open (Zellij's
+    // server): what the terminal still holds is sent for a moment.
+    let tty = master_fd.is_some();
+    let mut exited: Option<i32> = None;
+    let linger = tokio::time::sleep(std::time::Duration::from_secs(3600));
+    tokio::pin!(linger);
     while !(out_done && err_done) {
         tokio::select! {
+            status = child.wait(), if tty && exited.is_none() => {
+                exited = Some(status.ok().and_then(|s| s.code()).unwrap_or(-1));
+                linger.as_mut().reset(tokio::time::Instant::now() + std::time::Duration::from_millis(200));
+            }
+            () = &mut linger, if exited.is_some() => break,
             msg = ws.next() => match msg {
                 Some(Ok(Message::Binary(data))) if !data.is_empty() => match data[0] {
                     0 => {
@@ -281,7 +293,10 @@ where
         }
     }
     drop(stdin);
-    let code = child.wait().await.ok().and_then(|s| s.code()).unwrap_or(-1);
+    let code = match exited {
+        Some(code) => code,
+        None => child.wait().await.ok().and_then(|s| s.code()).unwrap_or(-1),
+    };
     let result = if code == 0 {
         json!({"metadata": {}, "status": "Success"})
     } else {

@@ -347,7 +347,11 @@ async fn exec_runs_the_command_with_its_streams_and_exit_code() {
     let mut run = pods
         .exec(
             "ex",
-            ["sh", "-c", "read line; stty size; echo \"got $line\"; tty"],
+            [
+                "sh",
+                "-c",
+                "read line; stty size; echo \"got $line\"; tty; exec bash --norc --noprofile",
+            ],
             &AttachParams::interactive_tty(),
         )
         .await
@@ -363,14 +367,36 @@ async fn exec_runs_the_command_with_its_streams_and_exit_code() {
     .await
     .unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
+    futures::SinkExt::send(
+        &mut size,
+        kube::api::TerminalSize {
+            width: 90,
+            height: 20,
+        },
+    )
+    .await
+    .unwrap();
     let mut stdin = run.stdin().unwrap();
     stdin.write_all(b"hello\r").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    futures::SinkExt::send(
+        &mut size,
+        kube::api::TerminalSize {
+            width: 120,
+            height: 40,
+        },
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stdin.write_all(b"stty size; exit\r").await.unwrap();
     let mut stdout = run.stdout().unwrap();
     let mut out = String::new();
     let _ = tokio::time::timeout(Duration::from_secs(10), stdout.read_to_string(&mut out)).await;
-    assert!(out.contains("30 100"), "{out:?}");
+    assert!(out.contains("20 90"), "{out:?}");
     assert!(out.contains("got hello"), "{out:?}");
     assert!(out.contains("/dev/pts/"), "{out:?}");
+    assert!(out.contains("40 120"), "a second size: {out:?}");
 }
 
 /// Run `argv` in Pod `name`; its stdout and stderr.

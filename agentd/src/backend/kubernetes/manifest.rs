@@ -105,6 +105,7 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
                 "env": [
                     {"name": "HOME", "value": HOME},
                     {"name": "USER", "value": "agent"},
+                    {"name": "SHELL", "value": "/bin/bash"},
                     {"name": "KEYSTONE_SANDBOX", "value": spec.name},
                 ],
                 "resources": {

@@ -43,8 +43,10 @@ use tokio::io::AsyncWriteExt;
 
 use super::{BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess};
 
-/// Where agentd's tools are inside a Pod (a volume of its own).
-pub const TOOLS: &str = "/opt/keystone";
+/// Where agentd's tools (Zellij and its configuration) are inside a Pod:
+/// a volume of the Pod's own, filled over exec at each start, where the
+/// other backends show the same directory.
+pub const TOOLS: &str = "/run/keystone";
 
 /// How the backend is set up.
 #[derive(Debug, Clone)]
@@ -55,6 +57,9 @@ pub struct KubeSettings {
     pub exe: PathBuf,
     /// agentd's state directory (the default instance label).
     pub state_dir: PathBuf,
+    /// The tools directory copied into each Pod at [`TOOLS`]
+    /// ([`crate::tools::install`]).
+    pub tools_dir: Option<PathBuf>,
 }
 
 /// The client and the watch, made at first use.
@@ -503,7 +508,8 @@ impl KubeBackend {
             self.running(c, &name, &uid).await?;
             self.answers(c, &name).await?;
             self.check_isolation(c, &name).await?;
-            self.seed(c, spec, &name).await
+            self.seed(c, spec, &name).await?;
+            self.bring_tools(c, &name).await
         };
         if let Err(e) = started.await {
             let _ = self
@@ -660,6 +666,14 @@ impl super::Backend for KubeBackend {
         size: (u16, u16),
     ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
         Box::pin(self.exec_on_tty(spec, req, size))
+    }
+
+    fn sessions(&self) -> Result<(), std::sync::Arc<crate::tools::ZellijError>> {
+        // Each Pod gets the Zellij of the tools directory at its start.
+        match &self.settings.tools_dir {
+            Some(d) if d.join("bin/zellij").is_file() => Ok(()),
+            _ => Err(std::sync::Arc::new(crate::tools::ZellijError::NotFound)),
+        }
     }
 
     fn listeners(&self, _rt: &Runtime) -> Vec<Listener> {

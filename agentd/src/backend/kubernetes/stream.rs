@@ -229,16 +229,19 @@ pub(super) async fn tty(mut attached: AttachedProcess, slave: OwnedFd) -> Result
             let now = winsize(&slave);
             if now != last {
                 if let (Some((rows, cols)), Some(tx)) = (now, size.as_mut()) {
-                    let sent = tx.try_send(TerminalSize {
-                        width: cols,
-                        height: rows,
+                    let ready = std::future::poll_fn(|cx| tx.poll_ready(cx)).await;
+                    let sent = ready.and_then(|()| {
+                        tx.start_send(TerminalSize {
+                            width: cols,
+                            height: rows,
+                        })
                     });
-                    match sent {
-                        Ok(()) => last = now,
-                        Err(e) if e.is_disconnected() => std::future::pending::<()>().await,
-                        Err(_) => {}
+                    if sent.is_err() {
+                        // The connection is gone: the other branches end.
+                        std::future::pending::<()>().await;
                     }
                 }
+                last = now;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }

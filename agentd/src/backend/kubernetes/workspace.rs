@@ -105,4 +105,48 @@ impl KubeBackend {
         }
         Ok(())
     }
+
+    /// Copy agentd's tools directory into the Pod's [`super::TOOLS`]
+    /// volume: a tar archive written by a thread of agentd's (the
+    /// directory is agentd's own) into the stdin of `tar` in the Pod.
+    pub(super) async fn bring_tools(&self, c: &Connected, pod: &str) -> Result<(), KubeError> {
+        let Some(dir) = self.settings.tools_dir.clone() else {
+            return Ok(());
+        };
+        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| KubeError::Io(e.into()))?;
+        let writing = tokio::task::spawn_blocking(move || {
+            let mut b = tar::Builder::new(std::fs::File::from(w));
+            b.follow_symlinks(false);
+            b.append_dir_all(".", &dir).and_then(|()| b.finish())
+        });
+        let mut input =
+            tokio::net::unix::pipe::Receiver::from_owned_fd(r).map_err(KubeError::Io)?;
+        let (code, out) = self
+            .run(
+                c,
+                pod,
+                &[
+                    "tar",
+                    "-x",
+                    "--no-same-owner",
+                    "-C",
+                    super::TOOLS,
+                    "-f",
+                    "-",
+                ],
+                Some(&mut input),
+            )
+            .await?;
+        drop(input);
+        let written = writing
+            .await
+            .map_err(|e| KubeError::Io(std::io::Error::other(e)))?;
+        if code != 0 {
+            return Err(KubeError::Exec(format!(
+                "copying agentd's tools into the Pod failed ({code}): {out}"
+            )));
+        }
+        written.map_err(KubeError::Io)
+    }
 }
