@@ -16,27 +16,204 @@ use fake_kube::FakeKube;
 
 const NS: &str = "agent-sandboxes";
 
-/// A fake API server on a runtime of its own, for the whole test.
+/// What the tests run against: the fake API server, or the real cluster
+/// of `KEYSTONE_KUBECONFIG` (`tests/kubernetes-real.sh`).
+enum Backing {
+    Fake(FakeKube),
+    Real(std::path::PathBuf),
+}
+
+/// A cluster for the whole test, with a runtime of its own.
 struct Cluster {
-    fake: FakeKube,
-    _rt: tokio::runtime::Runtime,
+    backing: Backing,
+    rt: tokio::runtime::Runtime,
+    /// This test's agentd instance label.
+    instance: String,
+}
+
+/// Whether the real cluster enforces NetworkPolicies
+/// (`KEYSTONE_KUBE_ENFORCED=1`); the fake does unless told not to.
+fn real_enforces() -> bool {
+    std::env::var("KEYSTONE_KUBE_ENFORCED").is_ok_and(|v| v == "1")
 }
 
 impl Cluster {
+    /// The fake (enforcing NetworkPolicies or not), or the real cluster.
     fn start(enforced: bool) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        let fake = rt.block_on(async {
-            if enforced {
-                FakeKube::start().await
-            } else {
-                FakeKube::without_network_policies().await
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let backing = match std::env::var_os("KEYSTONE_KUBECONFIG") {
+            Some(path) => Backing::Real(path.into()),
+            None => Backing::Fake(rt.block_on(async {
+                if enforced {
+                    FakeKube::start().await
+                } else {
+                    FakeKube::without_network_policies().await
+                }
+            })),
+        };
+        Self {
+            backing,
+            rt,
+            instance: format!("test-{}-{n}", std::process::id()),
+        }
+    }
+
+    fn is_real(&self) -> bool {
+        matches!(self.backing, Backing::Real(_))
+    }
+
+    /// Whether Pods here are cut off by their NetworkPolicy.
+    fn enforces(&self, asked: bool) -> bool {
+        if self.is_real() {
+            real_enforces()
+        } else {
+            asked
+        }
+    }
+
+    fn kubeconfig(&self, dir: &std::path::Path) -> std::path::PathBuf {
+        match &self.backing {
+            Backing::Fake(f) => f.kubeconfig(dir, NS),
+            Backing::Real(p) => p.clone(),
+        }
+    }
+
+    fn image(&self) -> String {
+        match &self.backing {
+            Backing::Fake(_) => "debian:bookworm".to_owned(),
+            Backing::Real(_) => std::env::var("KEYSTONE_KUBE_IMAGE")
+                .unwrap_or_else(|_| "localhost/keystone-sandbox:dev".to_owned()),
+        }
+    }
+
+    fn client(&self) -> kube::Client {
+        let Backing::Real(path) = &self.backing else {
+            unreachable!("the fake is asked directly")
+        };
+        self.rt.block_on(async {
+            let kc = kube::config::Kubeconfig::read_from(path).unwrap();
+            let c = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .unwrap();
+            kube::Client::try_from(c).unwrap()
+        })
+    }
+
+    /// Object `name` of `resource` in the namespace, as JSON.
+    fn object(&self, resource: &str, name: &str) -> Option<serde_json::Value> {
+        use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret};
+        use k8s_openapi::api::networking::v1::NetworkPolicy;
+        if let Backing::Fake(f) = &self.backing {
+            return f.object(resource, NS, name);
+        }
+        let client = self.client();
+        self.rt.block_on(async {
+            fn json<T: serde::Serialize>(o: Option<T>) -> Option<serde_json::Value> {
+                o.map(|o| serde_json::to_value(o).unwrap())
             }
+            match resource {
+                "pods" => json(
+                    kube::Api::<Pod>::namespaced(client, NS)
+                        .get_opt(name)
+                        .await
+                        .unwrap(),
+                ),
+                "persistentvolumeclaims" => json(
+                    kube::Api::<PersistentVolumeClaim>::namespaced(client, NS)
+                        .get_opt(name)
+                        .await
+                        .unwrap(),
+                ),
+                "networkpolicies" => json(
+                    kube::Api::<NetworkPolicy>::namespaced(client, NS)
+                        .get_opt(name)
+                        .await
+                        .unwrap(),
+                ),
+                "secrets" => json(
+                    kube::Api::<Secret>::namespaced(client, NS)
+                        .get_opt(name)
+                        .await
+                        .unwrap(),
+                ),
+                other => panic!("no {other} here"),
+            }
+        })
+    }
+
+    /// How many objects of `resource` this test's agentd has (claims may
+    /// take a moment to go on a real cluster: waited for there).
+    fn count(&self, resource: &str) -> usize {
+        use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod, Secret};
+        use k8s_openapi::api::networking::v1::NetworkPolicy;
+        if let Backing::Fake(f) = &self.backing {
+            return f.count(resource);
+        }
+        let client = self.client();
+        let lp = kube::api::ListParams::default()
+            .labels(&format!("keystone.agent/agentd={}", self.instance));
+        self.rt.block_on(async {
+            match resource {
+                "pods" => kube::Api::<Pod>::namespaced(client, NS)
+                    .list(&lp)
+                    .await
+                    .unwrap()
+                    .items
+                    .len(),
+                "persistentvolumeclaims" => {
+                    kube::Api::<PersistentVolumeClaim>::namespaced(client, NS)
+                        .list(&lp)
+                        .await
+                        .unwrap()
+                        .items
+                        .len()
+                }
+                "networkpolicies" => kube::Api::<NetworkPolicy>::namespaced(client, NS)
+                    .list(&lp)
+                    .await
+                    .unwrap()
+                    .items
+                    .len(),
+                "secrets" => kube::Api::<Secret>::namespaced(client, NS)
+                    .list(&lp)
+                    .await
+                    .unwrap()
+                    .items
+                    .len(),
+                other => panic!("no {other} here"),
+            }
+        })
+    }
+
+    /// A Pod of this test's agentd that no sandbox owns.
+    fn insert_stray(&self, name: &str) {
+        let labels = [
+            ("keystone.agent/agentd", self.instance.as_str()),
+            ("keystone.agent/sandbox", "stray"),
+        ];
+        if let Backing::Fake(f) = &self.backing {
+            return f.insert_pod(NS, name, &labels);
+        }
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "labels": {labels[0].0: labels[0].1, labels[1].0: labels[1].1}},
+            "spec": {"containers": [{"name": "other", "image": self.image(), "imagePullPolicy": "IfNotPresent",
+                                     "command": ["sleep", "3600"]}],
+                     "terminationGracePeriodSeconds": 0},
+        }))
+        .unwrap();
+        let client = self.client();
+        self.rt.block_on(async {
+            kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client, NS)
+                .create(&Default::default(), &pod)
+                .await
+                .unwrap();
         });
-        Self { fake, _rt: rt }
     }
 }
 
@@ -44,15 +221,20 @@ impl Cluster {
 /// the `kubernetes` section.
 fn agentd(cluster: &Cluster, extra: serde_json::Value) -> Env {
     let mut env = Env::bus_only();
-    let kubeconfig = cluster.fake.kubeconfig(env.tmp.path(), NS);
+    let kubeconfig = cluster.kubeconfig(env.tmp.path());
     let mut section = serde_json::json!({
         "kubeconfig": kubeconfig,
         "namespace": NS,
-        "image": "debian:bookworm",
-        "instance": "test",
-        "start_timeout_seconds": 30,
+        "image": cluster.image(),
+        "instance": cluster.instance,
+        "start_timeout_seconds": 120,
         "stop_grace_seconds": 1,
     });
+    if cluster.is_real() {
+        if let Ok(class) = std::env::var("KEYSTONE_KUBE_STORAGE_CLASS") {
+            section["storage_class"] = class.into();
+        }
+    }
     for (k, v) in extra.as_object().unwrap() {
         section[k] = v.clone();
     }
@@ -62,6 +244,16 @@ fn agentd(cluster: &Cluster, extra: serde_json::Value) -> Env {
     env.config = Some(path);
     env.start_agentd();
     env
+}
+
+/// [`agentd`] for a test that needs running Pods: where the cluster does
+/// not enforce NetworkPolicies, it is allowed to.
+fn agentd_running(cluster: &Cluster, extra: serde_json::Value) -> Env {
+    let mut extra = extra;
+    if !cluster.enforces(true) {
+        extra["allow_unenforced_network_policy"] = true.into();
+    }
+    agentd(cluster, extra)
 }
 
 fn skip() -> bool {
@@ -78,7 +270,7 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
         return;
     }
     let cluster = Cluster::start(true);
-    let env = agentd(&cluster, serde_json::json!({}));
+    let env = agentd_running(&cluster, serde_json::json!({}));
     let repo = env.repo("demo");
     env.ok(&[
         "create",
@@ -92,26 +284,24 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
     assert_eq!(env.state("demo"), "running");
 
     // Its objects, labelled with agentd, the sandbox and its owner.
-    let pod = cluster.fake.object("pods", NS, "ks-demo").expect("the Pod");
+    let pod = cluster.object("pods", "ks-demo").expect("the Pod");
     let labels = &pod["metadata"]["labels"];
     assert_eq!(labels["keystone.agent/sandbox"], "demo");
-    assert_eq!(labels["keystone.agent/agentd"], "test");
+    assert_eq!(labels["keystone.agent/agentd"], cluster.instance.as_str());
     assert_eq!(labels["keystone.agent/owner"], "0");
     assert_eq!(
         pod["spec"]["containers"][0]["resources"]["limits"]["memory"],
         "1024Mi"
     );
     let policy = cluster
-        .fake
-        .object("networkpolicies", NS, "ks-demo")
+        .object("networkpolicies", "ks-demo")
         .expect("its policy");
     assert_eq!(
         policy["spec"]["policyTypes"],
         serde_json::json!(["Ingress", "Egress"])
     );
     let claim = cluster
-        .fake
-        .object("persistentvolumeclaims", NS, "ks-demo")
+        .object("persistentvolumeclaims", "ks-demo")
         .expect("its claim");
     assert_eq!(claim["spec"]["resources"]["requests"]["storage"], "512Mi");
 
@@ -166,17 +356,11 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
     // Stop: the Pod and its policy go, the claim (the workspace) stays,
     // and the next start finds the workspace as it was.
     env.ok(&["stop", "demo"]);
-    assert!(cluster.fake.object("pods", NS, "ks-demo").is_none());
+    assert!(cluster.object("pods", "ks-demo").is_none());
+    assert!(cluster.object("networkpolicies", "ks-demo").is_none());
     assert!(
         cluster
-            .fake
-            .object("networkpolicies", NS, "ks-demo")
-            .is_none()
-    );
-    assert!(
-        cluster
-            .fake
-            .object("persistentvolumeclaims", NS, "ks-demo")
+            .object("persistentvolumeclaims", "ks-demo")
             .is_some()
     );
     env.ok(&["start", "demo"]);
@@ -192,7 +376,7 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
         "networkpolicies",
         "secrets",
     ] {
-        assert_eq!(cluster.fake.count(what), 0, "{what} left after destroy");
+        assert_eq!(cluster.count(what), 0, "{what} left after destroy");
     }
 }
 
@@ -209,12 +393,15 @@ fn a_pod_that_cannot_run_fails_the_start_with_its_reason_and_events() {
     let repo = env.repo("broken");
     env.ok(&["create", repo.to_str().unwrap()]);
     let err = env.fails(3, &["start", "broken"]);
-    assert!(err.contains("ErrImagePull"), "{err}");
-    assert!(err.contains("Failed to pull image"), "{err}");
+    assert!(
+        err.contains("ErrImagePull") || err.contains("ImagePullBackOff"),
+        "{err}"
+    );
+    assert!(err.contains("does-not-exist"), "the image is named: {err}");
     assert_eq!(env.state("broken"), "error");
     // The Pod that could not run is not left behind.
     wait_for("the Pod to go", Duration::from_secs(10), || {
-        cluster.fake.object("pods", NS, "ks-broken").is_none()
+        cluster.object("pods", "ks-broken").is_none()
     });
 }
 
@@ -224,6 +411,10 @@ fn a_cluster_that_does_not_enforce_network_policies_is_refused_unless_allowed() 
         return;
     }
     let cluster = Cluster::start(false);
+    if cluster.enforces(false) {
+        eprintln!("skipped: this cluster enforces NetworkPolicies");
+        return;
+    }
     let env = agentd(&cluster, serde_json::json!({}));
     let repo = env.repo("open");
     env.ok(&["create", repo.to_str().unwrap()]);
@@ -231,7 +422,7 @@ fn a_cluster_that_does_not_enforce_network_policies_is_refused_unless_allowed() 
     assert!(err.contains("does not enforce NetworkPolicies"), "{err}");
     assert!(err.contains("allow_unenforced_network_policy"), "{err}");
     wait_for("the Pod to go", Duration::from_secs(10), || {
-        cluster.fake.object("pods", NS, "ks-open").is_none()
+        cluster.object("pods", "ks-open").is_none()
     });
     drop(env);
     let env = agentd(
@@ -250,29 +441,22 @@ fn agentd_finds_its_pods_again_after_kill_9_and_removes_strays() {
         return;
     }
     let cluster = Cluster::start(true);
-    let mut env = agentd(&cluster, serde_json::json!({}));
+    let mut env = agentd_running(&cluster, serde_json::json!({}));
     let repo = env.repo("keep");
     env.ok(&["create", repo.to_str().unwrap()]);
     env.ok(&["start", "keep"]);
-    let uid = cluster.fake.object("pods", NS, "ks-keep").unwrap()["metadata"]["uid"].clone();
+    let uid = cluster.object("pods", "ks-keep").unwrap()["metadata"]["uid"].clone();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(env.agentd_pid()),
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
     // While it is down, a Pod of this agentd's that no sandbox owns.
-    cluster.fake.insert_pod(
-        NS,
-        "ks-stray",
-        &[
-            ("keystone.agent/agentd", "test"),
-            ("keystone.agent/sandbox", "stray"),
-        ],
-    );
+    cluster.insert_stray("ks-stray");
     env.start_agentd();
     assert_eq!(env.state("keep"), "running");
     assert_eq!(
-        cluster.fake.object("pods", NS, "ks-keep").unwrap()["metadata"]["uid"],
+        cluster.object("pods", "ks-keep").unwrap()["metadata"]["uid"],
         uid,
         "the same Pod, adopted"
     );
@@ -281,7 +465,7 @@ fn agentd_finds_its_pods_again_after_kill_9_and_removes_strays() {
         "first\n"
     );
     wait_for("the stray Pod to go", Duration::from_secs(10), || {
-        cluster.fake.object("pods", NS, "ks-stray").is_none()
+        cluster.object("pods", "ks-stray").is_none()
     });
 }
 
@@ -291,7 +475,7 @@ fn a_hostile_git_directory_in_the_pod_is_refused_and_the_host_is_unchanged() {
         return;
     }
     let cluster = Cluster::start(true);
-    let env = agentd(&cluster, serde_json::json!({}));
+    let env = agentd_running(&cluster, serde_json::json!({}));
     let repo = env.repo("evil");
     env.ok(&["create", repo.to_str().unwrap()]);
     env.ok(&["start", "evil"]);
@@ -325,7 +509,7 @@ fn a_terminal_and_zellij_reach_into_the_pod() {
         return;
     }
     let cluster = Cluster::start(true);
-    let env = agentd(&cluster, serde_json::json!({}));
+    let env = agentd_running(&cluster, serde_json::json!({}));
     assert!(
         env.log().contains("sessions enabled"),
         "no Zellij: run tests/install-zellij.sh"
