@@ -327,6 +327,18 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
     let err = env.fails(3, &["exec", "demo", "--timeout", "1", "--", "sleep", "30"]);
     assert!(err.contains("did not finish within 1s"), "{err}");
 
+    // Files in and out with cp (tar through exec, agentctl's checks).
+    let file = env.tmp.path().join("notes.txt");
+    std::fs::write(&file, "from the host\n").unwrap();
+    env.ok(&["cp", file.to_str().unwrap(), "demo:/workspace/notes.txt"]);
+    env.ok(&["exec", "demo", "--", "sh", "-c", "echo from the pod >> notes.txt"]);
+    let back = env.tmp.path().join("back.txt");
+    env.ok(&["cp", "demo:/workspace/notes.txt", back.to_str().unwrap()]);
+    assert_eq!(std::fs::read_to_string(&back).unwrap(), "from the host\nfrom the pod\n");
+    // Other worktrees are refused, saying what to do instead.
+    let err = env.fails(4, &["worktree", "add", "demo", "feature"]);
+    assert!(err.contains("only its main worktree"), "{err}");
+
     // A commit in the Pod comes home with a sync.
     env.ok(&[
         "exec",

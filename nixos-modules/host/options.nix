@@ -380,7 +380,7 @@ in
       default = d.backend;
       description = ''
         Backend of declared sandboxes and of sandboxes created without
-        `--backend`. `kubernetes` is reserved and refused for now.
+        `--backend`. `kubernetes` needs `kubernetes.image` (docs/kubernetes.md).
         agentd: `default_backend`.
       '';
     };
@@ -500,20 +500,55 @@ in
     };
 
     kubernetes = {
+      kubeconfig = lib.mkOption {
+        type = types.nullOr types.str;
+        default = d.kubernetes.kubeconfig;
+        example = "/run/agenix/agentd-kubeconfig";
+        description = ''
+          Kubeconfig file of the cluster that runs `kubernetes` sandboxes, read
+          by agentd (root) at its first use. `null`: `$KUBECONFIG`,
+          `~/.kube/config`, or the service account of a Pod agentd runs in.
+          A string, not a path, so that the credentials stay out of the Nix
+          store. agentd: `kubernetes.kubeconfig`.
+        '';
+      };
       context = lib.mkOption {
         type = types.str;
         default = d.kubernetes.context;
-        description = "kubectl context of the kubernetes backend (reserved; the backend does not exist yet).";
+        example = "prod-cluster";
+        description = "Context of that kubeconfig (`\"\"`: its current context). agentd: `kubernetes.context`.";
       };
       namespace = lib.mkOption {
         type = types.str;
         default = d.kubernetes.namespace;
-        description = "Namespace of the kubernetes backend's pods (reserved).";
+        description = "Namespace of the sandboxes' Pods, claims and NetworkPolicies (it must exist; docs/kubernetes.md gives the Role agentd needs there). agentd: `kubernetes.namespace`.";
       };
       storageClass = lib.mkOption {
         type = types.str;
         default = d.kubernetes.storageClass;
-        description = "Storage class of the kubernetes backend's volumes (reserved).";
+        example = "fast-ssd";
+        description = "Storage class of each sandbox's PersistentVolumeClaim (`\"\"`: the cluster's default class). agentd: `kubernetes.storage_class`.";
+      };
+      image = lib.mkOption {
+        type = types.nullOr types.str;
+        default = d.kubernetes.image;
+        example = "registry.example.org/keystone-sandbox:1";
+        description = ''
+          Image of the sandboxes' Pods: bash, git, GNU tar and coreutils, and a
+          user `agent` (uid 1000) with a home at /home/agent (docs/kubernetes.md,
+          "The image"). Required when a sandbox uses the kubernetes backend.
+          agentd: `kubernetes.image`.
+        '';
+      };
+      allowUnenforcedNetworkPolicy = lib.mkOption {
+        type = types.bool;
+        default = d.kubernetes.allowUnenforcedNetworkPolicy;
+        description = ''
+          Start kubernetes sandboxes even where the cluster's network plugin
+          does not enforce NetworkPolicies (agentd finds out at each start);
+          their Pods then reach whatever the cluster's network reaches.
+          agentd: `kubernetes.allow_unenforced_network_policy`.
+        '';
       };
     };
 

@@ -134,9 +134,12 @@ let
       share = "auto";
     };
     kubernetes = {
+      kubeconfig = null;
       context = "";
       namespace = "agent-sandboxes";
       storageClass = "standard";
+      image = null;
+      allowUnenforcedNetworkPolicy = false;
     };
     # The agent toolbox of local and vm sandboxes (docs/agents.md); versions
     # left out take agentd's pinned ones.
@@ -304,6 +307,11 @@ let
     in
     if s.backend == null then c.backend else s.backend;
 
+  # Whether sandboxes may run on the kubernetes backend: it is the default
+  # one, or a declared sandbox uses it.
+  usesKubernetes =
+    c: c.backend == "kubernetes" || any (n: sandboxBackend c n == "kubernetes") (attrNames c.sandboxes);
+
   # Names of the sandboxes that become microvm.nix guests.
   microvmSandboxes =
     cfg:
@@ -432,7 +440,7 @@ let
 
   # keystone.agent option values -> agentd's configuration (an attrset that
   # the module writes with pkgs.formats.json). Only fields of agentd's schema
-  # appear: kubernetes.*, microvm.* and group configure the host, not agentd;
+  # appear: microvm.* and group configure the host, not agentd;
   # of network.*, agentd gets the subnet (it derives each guest's address
   # from it, as the guests' static addresses are) and where its gateway
   # listens for them. `local` is left out: agentd's defaults (its read-only
@@ -458,6 +466,14 @@ let
         inherit (c.vm) accel share;
       }
       // optionalAttrs (c.vm.image != null) { image = toString c.vm.image; };
+      kubernetes = {
+        inherit (c.kubernetes) namespace;
+        storage_class = c.kubernetes.storageClass;
+        allow_unenforced_network_policy = c.kubernetes.allowUnenforcedNetworkPolicy;
+      }
+      // optionalAttrs (c.kubernetes.kubeconfig != null) { inherit (c.kubernetes) kubeconfig; }
+      // optionalAttrs (c.kubernetes.context != "") { inherit (c.kubernetes) context; }
+      // optionalAttrs (c.kubernetes.image != null) { inherit (c.kubernetes) image; };
       # The download only where a sandbox may need the toolbox: microvm
       # guests bring nixpkgs' agents (`agentctl create --backend local` on a
       # host without declared ones: `agentd --install-agents` once).
@@ -527,8 +543,8 @@ let
           );
 
       global =
-        optional (c.backend == "kubernetes")
-          "keystone.agent.backend: the kubernetes backend is not supported yet; use \"microvm\""
+        optional (usesKubernetes c && c.kubernetes.image == null)
+          "keystone.agent.kubernetes.image: a sandbox uses the kubernetes backend; set the image its Pods run (docs/kubernetes.md, \"The image\")"
         ++ optional (net == null) "keystone.agent.network.subnet: '${toString c.network.subnet}' must be ${subnetRule}"
         ++ optional (c.microvm.hypervisor == "cloud-hypervisor" && c.microvm.shareProto != "virtiofs")
           "keystone.agent.microvm.shareProto: cloud-hypervisor shares directories over virtiofs only; set it to \"virtiofs\""
@@ -585,8 +601,12 @@ let
             ) (attrNames (s.secrets or { }))
           )
           ++ optional (
-            (sandboxSettings c name).agentHome == "shared" && sandboxBackend c name == "microvm"
-          ) "agent_home \"shared\" works in local and vm sandboxes for now, not on the microvm backend; use \"own\" (log in once per sandbox)"
+            (sandboxSettings c name).agentHome == "shared"
+            && builtins.elem (sandboxBackend c name) [
+              "microvm"
+              "kubernetes"
+            ]
+          ) "agent_home \"shared\" works in local and vm sandboxes for now, not on the ${sandboxBackend c name} backend; use \"own\" (log in once per sandbox)"
           ++ optional (sandboxBackend c name == "vm" && c.vm.image == null)
             "the vm backend needs keystone.agent.vm.image (the flake's nixosModules.default sets it to the guest-image package)"
           ++ concatLists (

@@ -212,10 +212,10 @@ if [[ -x $agentd ]]; then
 fi
 
 kube=$(nix_json "(import $lib).validate { backend = \"kubernetes\"; }")
-if [[ $kube == '["keystone.agent.backend: the kubernetes backend is not supported yet; use \"microvm\""]' ]]; then
-  pass "validate: backend = \"kubernetes\" is refused"
+if [[ $kube == '["keystone.agent.kubernetes.image: a sandbox uses the kubernetes backend; set the image its Pods run (docs/kubernetes.md, \"The image\")"]' ]]; then
+  pass "validate: backend = \"kubernetes\" without an image is refused"
 else
-  fail "validate: backend = \"kubernetes\": $kube"
+  fail "validate: backend = \"kubernetes\" without an image: $kube"
 fi
 
 # The module's decisions about the host (nixos-modules/host/default.nix
@@ -230,6 +230,19 @@ expect() {
     echo "        got:  $got"
   fi
 }
+
+kube='{ backend = "kubernetes"; kubernetes = { image = "sandbox:1"; kubeconfig = "/run/secrets/kube"; context = "prod"; storageClass = ""; allowUnenforcedNetworkPolicy = true; }; }'
+expect "validate: backend = \"kubernetes\" with an image is accepted" "(import $lib).validate $kube" '[]'
+expect "renderConfig: the kubernetes section in agentd's words" "((import $lib).renderConfig $kube).kubernetes" \
+  '{"allow_unenforced_network_policy":true,"context":"prod","image":"sandbox:1","kubeconfig":"/run/secrets/kube","namespace":"agent-sandboxes","storage_class":""}'
+kube_cfg="$tmp/kube.json"
+nix_json "(import $lib).renderConfig $kube" >"$kube_cfg"
+if [[ -x $agentd ]] && out=$("$agentd" --check-config "$kube_cfg" 2>&1); then
+  pass "agentd --check-config accepts the rendered kubernetes section"
+else
+  fail "agentd --check-config refuses the rendered kubernetes section: $out"
+fi
+
 ws=/var/lib/keystone-agent/sandboxes
 expect "shareSources: the workspace and ssh/ of every microvm sandbox leave microvm.nix's tmpfiles rule" \
   "(import $lib).shareSources (import $good)" \

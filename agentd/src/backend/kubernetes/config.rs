@@ -18,9 +18,9 @@ pub struct KubeConfig {
     pub context: Option<String>,
     /// The namespace of the sandboxes' objects.
     pub namespace: String,
-    /// The storage class of the sandboxes' claims; default: the cluster's.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub storage_class: Option<String>,
+    /// The storage class of the sandboxes' claims (`""`: the cluster's
+    /// default class).
+    pub storage_class: String,
     /// The sandboxes' image (docs/kubernetes.md, "The image").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
@@ -46,7 +46,7 @@ impl Default for KubeConfig {
             kubeconfig: None,
             context: None,
             namespace: "agent-sandboxes".to_owned(),
-            storage_class: None,
+            storage_class: "standard".to_owned(),
             image: None,
             uid: 1000,
             start_timeout_seconds: 300,

@@ -145,8 +145,8 @@ pub fn claim(spec: &SandboxSpec, c: &KubeConfig, instance: &str) -> PersistentVo
             "resources": {"requests": {"storage": format!("{}Mi", spec.config.disk.max(64))}},
         },
     });
-    if let Some(class) = &c.storage_class {
-        claim["spec"]["storageClassName"] = json!(class);
+    if !c.storage_class.is_empty() {
+        claim["spec"]["storageClassName"] = json!(c.storage_class);
     }
     typed(claim)
 }
@@ -251,12 +251,8 @@ mod tests {
             n["spec"]["podSelector"]["matchLabels"],
             json!({SANDBOX_LABEL: "demo", AGENTD_LABEL: "abc"})
         );
-        let c = KubeConfig {
-            storage_class: Some("fast".to_owned()),
-            ..KubeConfig::default()
-        };
-        let pvc = serde_json::to_value(claim(&spec(false), &c, "abc")).unwrap();
-        assert_eq!(pvc["spec"]["storageClassName"], "fast");
+        let pvc = serde_json::to_value(claim(&spec(false), &KubeConfig::default(), "abc")).unwrap();
+        assert_eq!(pvc["spec"]["storageClassName"], "standard");
         assert_eq!(pvc["spec"]["resources"]["requests"]["storage"], "4096Mi");
         let pvc = serde_json::to_value(claim(&spec(false), &KubeConfig::default(), "abc")).unwrap();
         assert!(

@@ -332,6 +332,14 @@ impl Manager {
             return Err(Error::NotFound(name.to_owned()));
         }
         let req = req(spec.workspace.clone());
+        if sb.backend == BackendKind::Kubernetes && !matches!(req, worktree::Request::List { .. }) {
+            return Err(Error::Invalid(vec![format!(
+                "Sandbox '{name}' runs on the kubernetes backend, which has only its main \
+                 worktree yet; work on other branches there with git inside \
+                 (agentctl exec {name} -- git switch -c BRANCH) and bring them home with \
+                 agentctl sync {name}"
+            )]));
+        }
         let run_as = RunAs::confined(spec.uid, &spec.workspace);
         let done = tokio::select! {
             done = helpers::call::<worktree::Worktree>(&*self.helpers, run_as, &req, HELPER_TIMEOUT) => done,
