@@ -331,10 +331,20 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
     let file = env.tmp.path().join("notes.txt");
     std::fs::write(&file, "from the host\n").unwrap();
     env.ok(&["cp", file.to_str().unwrap(), "demo:/workspace/notes.txt"]);
-    env.ok(&["exec", "demo", "--", "sh", "-c", "echo from the pod >> notes.txt"]);
+    env.ok(&[
+        "exec",
+        "demo",
+        "--",
+        "sh",
+        "-c",
+        "echo from the pod >> notes.txt",
+    ]);
     let back = env.tmp.path().join("back.txt");
     env.ok(&["cp", "demo:/workspace/notes.txt", back.to_str().unwrap()]);
-    assert_eq!(std::fs::read_to_string(&back).unwrap(), "from the host\nfrom the pod\n");
+    assert_eq!(
+        std::fs::read_to_string(&back).unwrap(),
+        "from the host\nfrom the pod\n"
+    );
     // Other worktrees are refused, saying what to do instead.
     let err = env.fails(4, &["worktree", "add", "demo", "feature"]);
     assert!(err.contains("only its main worktree"), "{err}");
