@@ -220,6 +220,11 @@ impl Cluster {
 /// agentd with its kubernetes backend on `cluster`, `extra` merged into
 /// the `kubernetes` section.
 fn agentd(cluster: &Cluster, extra: serde_json::Value) -> Env {
+    agentd_with(cluster, extra, serde_json::json!({}))
+}
+
+/// [`agentd`] with `top`'s fields added to the configuration.
+fn agentd_with(cluster: &Cluster, extra: serde_json::Value, top: serde_json::Value) -> Env {
     let mut env = Env::bus_only();
     let kubeconfig = cluster.kubeconfig(env.tmp.path());
     let mut section = serde_json::json!({
@@ -238,7 +243,10 @@ fn agentd(cluster: &Cluster, extra: serde_json::Value) -> Env {
     for (k, v) in extra.as_object().unwrap() {
         section[k] = v.clone();
     }
-    let config = serde_json::json!({"default_backend": "kubernetes", "kubernetes": section});
+    let mut config = serde_json::json!({"default_backend": "kubernetes", "kubernetes": section});
+    for (k, v) in top.as_object().unwrap() {
+        config[k] = v.clone();
+    }
     let path = env.tmp.path().join("agentd.json");
     std::fs::write(&path, config.to_string()).unwrap();
     env.config = Some(path);
@@ -587,4 +595,51 @@ fn a_terminal_and_zellij_reach_into_the_pod() {
     t.wait_screen("the detach", long, |s| s.contains("attach-exit=0"));
     let sessions = env.ok(&["sessions", "tty", "--json"]);
     assert!(sessions.contains("\"tty-main\""), "{sessions}");
+}
+
+#[test]
+fn a_dev_server_in_the_pod_gets_its_link_through_port_forward() {
+    use common::caddy::Caddy;
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let tmp = tempfile::tempdir().unwrap();
+    let caddy = Caddy::start(tmp.path());
+    let proxy: serde_json::Value =
+        serde_json::from_str(&caddy.agentd_config_auth(false, "none")).unwrap();
+    let mut extra = serde_json::json!({});
+    if !cluster.enforces(true) {
+        extra["allow_unenforced_network_policy"] = true.into();
+    }
+    let env = agentd_with(&cluster, extra, proxy);
+    let repo = env.repo("web");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "web"]);
+    // A dev server on the Pod's own loopback, found by agentd inside the
+    // Pod and reached through the API server's port-forward.
+    env.ok(&[
+        "exec",
+        "web",
+        "--",
+        "sh",
+        "-c",
+        "echo from-the-pod > who.txt; python3 -m http.server 8123 --bind 127.0.0.1 >/dev/null 2>&1 &",
+    ]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, body) = caddy.get("web.sandbox.local", "/who.txt");
+        if status == 200 {
+            assert_eq!(body.trim(), "from-the-pod");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no link yet: {status} {body}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let ports: serde_json::Value =
+        serde_json::from_str(&env.ok(&["ports", "web", "--json"])).unwrap();
+    assert!(ports.to_string().contains("8123"), "{ports}");
 }

@@ -247,16 +247,10 @@ impl SshTarget {
     /// (blocking: one ssh round trip).
     #[must_use]
     pub fn listeners(&self) -> Vec<Listener> {
-        // The guest's socket table, then every process's working directory
-        // and socket descriptors, from one `find` (a shell loop forks per
-        // descriptor, which takes seconds in an emulated guest).
-        let script = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; echo --; \
-            find /proc/[0-9]*/cwd /proc/[0-9]*/fd -maxdepth 1 \\( -name cwd -o -lname 'socket:*' \\) \
-            -printf '%p %l\\n' 2>/dev/null";
         let Ok(out) = self
             .std_command()
             .arg(&self.host)
-            .arg(script)
+            .arg(LISTENERS_SCRIPT)
             .stdin(Stdio::null())
             .output()
         else {
@@ -431,6 +425,14 @@ fn own_dir(path: &Path, mode: u32) -> Result<bool, BackendError> {
     fchmod(&dir, Mode::from_bits_truncate(mode)).map_err(io("cannot set the mode of"))?;
     Ok(foreign)
 }
+
+/// What a guest (or a Pod) runs to tell its TCP listeners: its socket
+/// tables, then every process's working directory and socket descriptors,
+/// from one `find` (a shell loop forks per descriptor, which takes seconds
+/// in an emulated guest). [`parse_guest_listeners`] reads the output.
+pub const LISTENERS_SCRIPT: &str = "cat /proc/net/tcp /proc/net/tcp6 2>/dev/null; echo --; \
+    find /proc/[0-9]*/cwd /proc/[0-9]*/fd -maxdepth 1 \\( -name cwd -o -lname 'socket:*' \\) \
+    -printf '%p %l\\n' 2>/dev/null";
 
 /// Parse what the listener script prints: `/proc/net/tcp{,6}` lines, `--`,
 /// then `/proc/PID/cwd CWD` and `/proc/PID/fd/N socket:[INODE]` lines.

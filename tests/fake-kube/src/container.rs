@@ -206,6 +206,12 @@ impl Container {
         })
     }
 
+    /// Its network namespace, when it has one of its own.
+    pub(crate) fn netns(&self) -> Option<std::path::PathBuf> {
+        self.isolated
+            .then(|| std::path::PathBuf::from(format!("/proc/{}/ns/net", self.pause)))
+    }
+
     /// A command that runs `argv` inside the container.
     pub(crate) fn command(&self, argv: &[String]) -> tokio::process::Command {
         let mut c = tokio::process::Command::new("nsenter");

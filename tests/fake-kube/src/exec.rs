@@ -55,7 +55,7 @@ fn ask(query: &str) -> Ask {
 /// Answer an exec request for a Pod (`None`: it does not exist; `Some(None)`:
 /// its container does not run).
 pub(crate) fn handle(
-    mut req: Request<Incoming>,
+    req: Request<Incoming>,
     pod: Option<Option<Arc<Container>>>,
 ) -> Response<Body> {
     let Some(container) = pod else {
@@ -76,6 +76,22 @@ pub(crate) fn handle(
             "you must specify at least 1 command",
         );
     }
+    upgrade(req, move |ws, v5| async move {
+        run(ws, ask, &container, v5).await
+    })
+}
+
+/// The WebSocket of an upgraded request.
+pub(crate) type Socket = WebSocketStream<hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>>;
+
+/// Answer `req` with a WebSocket upgrade to a channel subprotocol
+/// (`v5.channel.k8s.io` or `v4`), then run `serve` on the socket (with
+/// whether it speaks v5); or refuse what is not such an upgrade.
+pub(crate) fn upgrade<F, Fut>(mut req: Request<Incoming>, serve: F) -> Response<Body>
+where
+    F: FnOnce(Socket, bool) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let offered = req
         .headers()
         .get("sec-websocket-protocol")
@@ -111,7 +127,7 @@ pub(crate) fn handle(
         };
         let io = hyper_util::rt::TokioIo::new(upgraded);
         let ws = WebSocketStream::from_raw_socket(io, Role::Server, None).await;
-        run(ws, ask, &container, v5).await;
+        serve(ws, v5).await;
     });
     Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)

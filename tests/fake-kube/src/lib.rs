@@ -27,6 +27,7 @@
 
 mod container;
 mod exec;
+mod portforward;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -344,25 +345,33 @@ fn kind_of(resource: &str) -> (&'static str, &'static str) {
 }
 
 /// `/api/v1/namespaces/{ns}/pods/{name}/exec`: (namespace, name).
-fn exec_route(path: &str) -> Option<(String, String)> {
+/// (namespace, name, subresource) of a `pods/{name}/exec` or
+/// `pods/{name}/portforward` request.
+fn stream_route(path: &str) -> Option<(String, String, &'static str)> {
     let rest = path.strip_prefix("/api/v1/namespaces/")?;
     let parts: Vec<&str> = rest.split('/').collect();
     match parts.as_slice() {
-        [ns, "pods", name, "exec"] => Some(((*ns).to_owned(), (*name).to_owned())),
+        [ns, "pods", name, "exec"] => Some(((*ns).to_owned(), (*name).to_owned(), "exec")),
+        [ns, "pods", name, "portforward"] => {
+            Some(((*ns).to_owned(), (*name).to_owned(), "portforward"))
+        }
         _ => None,
     }
 }
 
 async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
-    if let Some((ns, name)) = exec_route(&path) {
+    if let Some((ns, name, sub)) = stream_route(&path) {
         let pod = {
             let s = store.lock().unwrap();
             s.objects
                 .get(&("pods".to_owned(), ns.clone(), name.clone()))
                 .map(|_| s.containers.get(&(ns.clone(), name.clone())).cloned())
         };
-        return exec::handle(req, pod);
+        return match sub {
+            "exec" => exec::handle(req, pod),
+            _ => portforward::handle(req, pod),
+        };
     }
     let query = parse_query(req.uri().query().unwrap_or(""));
     let Some((_, namespace, resource, name)) = route(&path) else {

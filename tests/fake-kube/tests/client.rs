@@ -416,3 +416,53 @@ async fn run_in<const N: usize>(pods: &Api<Pod>, name: &str, argv: [&str; N]) ->
     );
     (out, err)
 }
+
+#[tokio::test]
+async fn port_forward_reaches_a_listener_in_the_pod_s_own_network() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeKube::start().await;
+    let client = client(&fake, dir.path()).await;
+    let pods: Api<Pod> = Api::default_namespaced(client);
+    pods.create(&PostParams::default(), &pod("pf", "pf"))
+        .await
+        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        await_condition(pods.clone(), "pf", |p: Option<&Pod>| {
+            p.and_then(|p| p.status.as_ref()?.phase.as_deref()) == Some("Running")
+        }),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    // A server on the Pod's loopback: it answers one line in capitals.
+    let server = "import socket\ns=socket.socket(); s.bind(('127.0.0.1', 18765)); s.listen()\n\
+                  open('/tmp/up','w').close()\nc,_=s.accept(); c.sendall(c.recv(100).upper()); c.close()";
+    let (out, err) = run_in(
+        &pods,
+        "pf",
+        [
+            "sh",
+            "-c",
+            &format!("setsid python3 -c \"{server}\" >/dev/null 2>&1 & while [ ! -e /tmp/up ]; do sleep 0.05; done"),
+        ],
+    )
+    .await;
+    assert_eq!((out.as_str(), err.as_str()), ("", ""));
+    // Not on this host's loopback: the Pod's network is its own.
+    assert!(std::net::TcpStream::connect(("127.0.0.1", 18765)).is_err());
+    let mut pf = pods.portforward("pf", &[18765]).await.unwrap();
+    let mut s = pf.take_stream(18765).unwrap();
+    s.write_all(b"ping\n").await.unwrap();
+    let mut back = String::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut back))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(back, "PING\n");
+    // A port where nothing listens: the error channel says so.
+    let mut pf = pods.portforward("pf", &[18766]).await.unwrap();
+    let err = pf.take_error(18766).unwrap().await.unwrap_or_default();
+    assert!(err.contains("18766"), "{err}");
+}

@@ -606,6 +606,30 @@ impl KubeBackend {
         })
     }
 
+    /// A connection to `port` on the Pod's loopback, through the API
+    /// server's port-forward, as one end of a socket pair whose other end
+    /// a task bridges to the forward (both end with the connection).
+    async fn forward(&self, spec: &SandboxSpec, port: u16) -> Result<OwnedFd, KubeError> {
+        let c = self.connected().await?;
+        let name = manifest::object_name(&spec.name);
+        let mut pf = self
+            .api::<Pod>(c)
+            .portforward(&name, &[port])
+            .await
+            .map_err(self.api_error("cannot forward a port of the Pod", &name))?;
+        let mut stream = pf
+            .take_stream(port)
+            .ok_or_else(|| KubeError::Exec("the port-forward has no stream".to_owned()))?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(KubeError::Io)?;
+        ours.set_nonblocking(true).map_err(KubeError::Io)?;
+        let mut ours = tokio::net::UnixStream::from_std(ours).map_err(KubeError::Io)?;
+        tokio::spawn(async move {
+            let _ = tokio::io::copy_bidirectional(&mut ours, &mut stream).await;
+            drop(pf);
+        });
+        Ok(OwnedFd::from(theirs))
+    }
+
     async fn remove_all(&self, spec: &SandboxSpec) -> Result<(), KubeError> {
         let c = self.connected().await?;
         let name = manifest::object_name(&spec.name);
@@ -676,17 +700,33 @@ impl super::Backend for KubeBackend {
         }
     }
 
-    fn listeners(&self, _rt: &Runtime) -> Vec<Listener> {
-        Vec::new()
+    fn listeners(&self, rt: &Runtime) -> Vec<Listener> {
+        // Called on a blocking thread: one exec of the listener script.
+        let (Some(pod), Some(c), Ok(handle)) = (
+            &rt.pod,
+            self.connected.get(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return Vec::new();
+        };
+        let script = ["sh", "-c", super::ssh::LISTENERS_SCRIPT];
+        let ran = handle.block_on(tokio::time::timeout(
+            Duration::from_secs(10),
+            self.run(c, &pod.name, &script, None),
+        ));
+        match ran {
+            Ok(Ok((_, out))) => super::ssh::parse_guest_listeners(&out),
+            _ => Vec::new(),
+        }
     }
 
     fn connect<'a>(
         &'a self,
-        _spec: &'a SandboxSpec,
+        spec: &'a SandboxSpec,
         _addr: std::net::IpAddr,
-        _port: u16,
+        port: u16,
     ) -> BoxFut<'a, Result<OwnedFd, BackendError>> {
-        Box::pin(async { Err(KubeError::NotYet("a dev-server link").into()) })
+        Box::pin(async move { Ok(self.forward(spec, port).await?) })
     }
 
     fn pull_git_dir<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {

@@ -195,7 +195,23 @@ pub(super) async fn pipes(
             }
         )
     };
-    let (_, code) = tokio::join!(outputs, status);
+    let mut outputs = std::pin::pin!(outputs);
+    let mut status = std::pin::pin!(status);
+    let code = tokio::select! {
+        code = &mut status => {
+            // The command ended: what it wrote still arrives, for a moment
+            // (a background process may hold its output open).
+            tracing::debug!("exec: status");
+            let _ = tokio::time::timeout(Duration::from_secs(2), &mut outputs).await;
+            code
+        }
+        // The streams end with the connection, whose status then follows.
+        ((), ()) = &mut outputs => {
+            tracing::debug!("exec: outputs ended");
+            status.await
+        }
+    };
+    tracing::debug!("exec: done");
     let _ = tokio::join!(out_done, err_done);
     if let Some(f) = feeding {
         f.abort();
