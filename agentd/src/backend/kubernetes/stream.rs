@@ -2,9 +2,11 @@
 //! the descriptors agentd's caller gave (any kind: pipe, socket, terminal,
 //! file) or to a terminal of agentd's own.
 //!
-//! A caller's descriptor is read and written by a blocking task that polls
-//! it together with a stop pipe, so every task ends with its request, also
-//! when the caller's stdin never closes: [`Stop`] ends them when dropped.
+//! A caller's descriptor is read and written by a thread of its own that
+//! polls it together with a stop pipe, so every thread ends with its
+//! request, also when the caller's stdin never closes: [`Stop`] ends them
+//! when dropped. (Threads, not the runtime's blocking pool: the pool may
+//! queue one pump behind another that waits for it, and the exec hangs.)
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::time::Duration;
@@ -59,11 +61,20 @@ fn wait_for(fd: &OwnedFd, flags: PollFlags, stop: &OwnedFd) -> bool {
     }
 }
 
-/// Read `fd` in a blocking task until its end, an error or `stop`.
+/// Run `f` on a thread of its own.
+fn pump(f: impl FnOnce() + Send + 'static) -> Result<(), KubeError> {
+    std::thread::Builder::new()
+        .name("kube-stdio".to_owned())
+        .spawn(f)
+        .map(drop)
+        .map_err(KubeError::Io)
+}
+
+/// Read `fd` on a thread until its end, an error or `stop`.
 pub(super) fn reader(fd: OwnedFd, stop: &Stop) -> Result<mpsc::Receiver<Vec<u8>>, KubeError> {
     let stop = stop.watch()?;
     let (tx, rx) = mpsc::channel(4);
-    tokio::task::spawn_blocking(move || {
+    pump(move || {
         let mut buf = vec![0u8; 32 << 10];
         while wait_for(&fd, PollFlags::POLLIN, &stop) {
             match nix::unistd::read(&fd, &mut buf) {
@@ -76,20 +87,22 @@ pub(super) fn reader(fd: OwnedFd, stop: &Stop) -> Result<mpsc::Receiver<Vec<u8>>
                 }
             }
         }
-    });
+    })?;
     Ok(rx)
 }
 
-/// Write what arrives on the returned sender to `fd` in a blocking task,
-/// until the sender is dropped, an error or `stop`. The task's handle
-/// resolves once all is written.
+/// Write what arrives on the returned sender to `fd` on a thread, until
+/// the sender is dropped, an error or `stop`. The receiver resolves once
+/// the thread has ended (all written, or given up).
 pub(super) fn writer(
     fd: OwnedFd,
     stop: &Stop,
-) -> Result<(mpsc::Sender<Vec<u8>>, tokio::task::JoinHandle<()>), KubeError> {
+) -> Result<(mpsc::Sender<Vec<u8>>, tokio::sync::oneshot::Receiver<()>), KubeError> {
     let stop = stop.watch()?;
     let (tx, mut rx) = mpsc::channel::<Vec<u8>>(4);
-    let done = tokio::task::spawn_blocking(move || {
+    let (ended, done) = tokio::sync::oneshot::channel();
+    pump(move || {
+        let _ended = ended;
         while let Some(chunk) = rx.blocking_recv() {
             let mut rest = &chunk[..];
             while !rest.is_empty() {
@@ -103,19 +116,24 @@ pub(super) fn writer(
                 }
             }
         }
-    });
+    })?;
     Ok((tx, done))
 }
 
-/// Copy `from` into `to` until the end of `from`.
+/// Copy `from` into `to` until the end of `from`; once `to` is gone (the
+/// caller stopped reading), the rest is read and dropped, so that the
+/// connection never waits on a stream no one reads.
 async fn drain(mut from: impl AsyncRead + Unpin, to: mpsc::Sender<Vec<u8>>) {
     let mut buf = vec![0u8; 32 << 10];
+    let mut to = Some(to);
     loop {
         match from.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => {
-                if to.send(buf[..n].to_vec()).await.is_err() {
-                    return;
+                if let Some(t) = &to {
+                    if t.send(buf[..n].to_vec()).await.is_err() {
+                        to = None;
+                    }
                 }
             }
         }

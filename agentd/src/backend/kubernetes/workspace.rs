@@ -115,11 +115,17 @@ impl KubeBackend {
         };
         let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
             .map_err(|e| KubeError::Io(e.into()))?;
-        let writing = tokio::task::spawn_blocking(move || {
-            let mut b = tar::Builder::new(std::fs::File::from(w));
-            b.follow_symlinks(false);
-            b.append_dir_all(".", &dir).and_then(|()| b.finish())
-        });
+        // A thread of its own, not the blocking pool, where it could wait
+        // behind a task that waits for it.
+        let (done, writing) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("kube-tools".to_owned())
+            .spawn(move || {
+                let mut b = tar::Builder::new(std::fs::File::from(w));
+                b.follow_symlinks(false);
+                let _ = done.send(b.append_dir_all(".", &dir).and_then(|()| b.finish()));
+            })
+            .map_err(KubeError::Io)?;
         let mut input =
             tokio::net::unix::pipe::Receiver::from_owned_fd(r).map_err(KubeError::Io)?;
         let (code, out) = self
@@ -141,7 +147,7 @@ impl KubeBackend {
         drop(input);
         let written = writing
             .await
-            .map_err(|e| KubeError::Io(std::io::Error::other(e)))?;
+            .unwrap_or_else(|_| Err(std::io::Error::other("the tools' archive writer ended")));
         if code != 0 {
             return Err(KubeError::Exec(format!(
                 "copying agentd's tools into the Pod failed ({code}): {out}"
