@@ -92,15 +92,6 @@ def main():
             if "sessions enabled" not in (d.tmp / "agentd.log").read_text():
                 sys.exit("agentd found no Zellij: run tests/install-zellij.sh first")
             repo = small_repo(d.tmp / "proj" / "bench")
-            pid = d.agentd.pid
-
-            def idle(seconds=10):
-                """agentd's CPU over `seconds`, in % of one core (100 Hz ticks)."""
-                t0, c0 = time.time(), cpu_ticks(pid)
-                time.sleep(seconds)
-                return (cpu_ticks(pid) - c0) / (time.time() - t0)
-
-            base_rss, base_cpu = rss_kib(pid), idle()
             where = "a real cluster" if args.kubeconfig else "the fake API server"
             print(f"kubernetes backend on {where}; baseline: the local backend, same run")
 
@@ -131,17 +122,35 @@ def main():
             row("kubernetes: agentctl sync k0", ks)
             row("baseline local: agentctl sync l0", ls)
 
-            more = [f"p{i}" for i in range(args.pods - args.runs)]
+            for n in [f"k{i}" for i in range(args.runs)] + [f"l{i}" for i in range(args.runs)]:
+                subprocess.run(d.ctl + ["stop", "--force", n], capture_output=True)
+                subprocess.run(d.ctl + ["destroy", n], capture_output=True)
+
+        # Many Pods: an agentd of its own without Zellij, so that each Pod
+        # does not get a copy of it (this part is about agentd, not Pods).
+        with Daemon(["--config", str(config), "--zellij", "/nonexistent"]) as d:
+            repo = small_repo(d.tmp / "proj" / "bench")
+            pid = d.agentd.pid
+
+            def idle(seconds=10):
+                """agentd's CPU over `seconds`, in % of one core (100 Hz ticks)."""
+                t0, c0 = time.time(), cpu_ticks(pid)
+                time.sleep(seconds)
+                return (cpu_ticks(pid) - c0) / (time.time() - t0)
+
+            base_rss, base_cpu = rss_kib(pid), idle()
+            names = [f"p{i}" for i in range(args.pods)]
             t0 = time.time()
-            start_times(d, "kubernetes", more, repo)
+            for n in names:
+                d.run("create", "--backend", "kubernetes", "--name", n, "--disk", "64", str(repo))
+                d.run("start", n)
             took = time.time() - t0
-            running = args.runs + len(more)
             rss, cpu = rss_kib(pid), idle()
-            print(f"agentd with {running} kubernetes sandboxes running, their Pods watched "
-                  f"(and {args.runs} local ones; {len(more)} started in {took:.0f} s):")
-            print(f"  {'RSS':<48} {rss / 1024:8.1f} MiB   baseline, no sandbox: {base_rss / 1024:.1f} MiB")
-            print(f"  {'idle CPU over 10 s':<48} {cpu:8.2f} %     baseline, no sandbox: {base_cpu:.2f} %")
-            for n in [f"k{i}" for i in range(args.runs)] + more + [f"l{i}" for i in range(args.runs)]:
+            print(f"agentd with {args.pods} kubernetes sandboxes running, their Pods watched "
+                  f"(started one after another in {took:.0f} s):")
+            print(f"  {'RSS':<48} {rss / 1024:8.1f} MiB   baseline, same agentd with none: {base_rss / 1024:.1f} MiB")
+            print(f"  {'idle CPU over 10 s':<48} {cpu:8.2f} %     baseline, same agentd with none: {base_cpu:.2f} %")
+            for n in names:
                 subprocess.run(d.ctl + ["stop", "--force", n], capture_output=True)
                 subprocess.run(d.ctl + ["destroy", n], capture_output=True)
     finally:

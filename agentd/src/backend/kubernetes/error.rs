@@ -65,6 +65,14 @@ pub enum KubeError {
         /// The Pod.
         pod: String,
     },
+    /// A command ran past its timeout (`timeout` in the Pod killed it).
+    #[error("command '{command}' did not finish within {secs}s and was killed")]
+    CommandTimeout {
+        /// The command line.
+        command: String,
+        /// Its timeout, in seconds.
+        secs: u64,
+    },
     /// An exec failed before the command's exit status came.
     #[error("exec in the sandbox's Pod: {0}")]
     Exec(String),
@@ -86,6 +94,9 @@ impl KubeError {
     /// Whether it is a timeout (D-Bus `Timeout`).
     #[must_use]
     pub fn is_timeout(&self) -> bool {
-        matches!(self, Self::StartTimeout { .. })
+        matches!(
+            self,
+            Self::StartTimeout { .. } | Self::CommandTimeout { .. }
+        )
     }
 }

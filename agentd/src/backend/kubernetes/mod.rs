@@ -112,6 +112,27 @@ fn default_instance(state_dir: &std::path::Path) -> String {
     d[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The exit status and the stdout of an attached process.
+fn status_and_stdout(
+    p: &mut kube::api::AttachedProcess,
+) -> Result<
+    (
+        impl std::future::Future<
+            Output = Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>,
+        > + use<>,
+        impl tokio::io::AsyncRead + Unpin + use<>,
+    ),
+    KubeError,
+> {
+    let status = p
+        .take_status()
+        .ok_or_else(|| KubeError::Exec("no status channel".to_owned()))?;
+    let out = p
+        .stdout()
+        .ok_or_else(|| KubeError::Exec("no stdout".to_owned()))?;
+    Ok((status, out))
+}
+
 /// Shell-free argv of `req` for the image's `env` (and `timeout`).
 fn command_line(req: &ExecRequest) -> Result<Vec<String>, KubeError> {
     let Some(program) = req.argv.first() else {
@@ -405,12 +426,7 @@ impl KubeBackend {
     ) -> Result<(i32, String), KubeError> {
         let argv = argv.iter().map(|s| (*s).to_owned()).collect();
         let mut p = self.attach(c, pod, argv, input.is_some(), false).await?;
-        let status = p
-            .take_status()
-            .ok_or_else(|| KubeError::Exec("no status channel".to_owned()))?;
-        let mut out = p
-            .stdout()
-            .ok_or_else(|| KubeError::Exec("no stdout".to_owned()))?;
+        let (status, mut out) = status_and_stdout(&mut p)?;
         let mut err = p
             .stderr()
             .ok_or_else(|| KubeError::Exec("no stderr".to_owned()))?;
@@ -565,11 +581,10 @@ impl KubeBackend {
         if let Some(t) = req.timeout {
             // `timeout` said so (124: TERM; 137: KILL after it).
             if code == 124 || code == 137 {
-                return Err(KubeError::Exec(format!(
-                    "command '{}' did not finish within {}s and was killed",
-                    req.argv.join(" "),
-                    t.as_secs()
-                )));
+                return Err(KubeError::CommandTimeout {
+                    command: req.argv.join(" "),
+                    secs: t.as_secs(),
+                });
             }
         }
         Ok(code)
@@ -667,16 +682,9 @@ impl super::Backend for KubeBackend {
         stdio: [OwnedFd; 3],
     ) -> BoxFut<'a, Result<i32, BackendError>> {
         Box::pin(async move {
-            let timeout = req.timeout;
-            let command = req.argv.join(" ");
             match self.exec_pipes(spec, req, stdio).await {
-                Err(KubeError::Exec(m))
-                    if timeout.is_some() && m.contains("did not finish within") =>
-                {
-                    Err(BackendError::CommandTimeout {
-                        command,
-                        secs: timeout.map_or(0, |t| t.as_secs()),
-                    })
+                Err(KubeError::CommandTimeout { command, secs }) => {
+                    Err(BackendError::CommandTimeout { command, secs })
                 }
                 other => Ok(other?),
             }

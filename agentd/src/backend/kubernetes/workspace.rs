@@ -29,26 +29,34 @@ impl KubeBackend {
         let mut packing =
             helper::start::<crate::git::mirror::Pack>(&self.settings.exe, &run_as, &req).await?;
         packing.close_input();
-        let (code, out) = self
-            .run(
+        let unpacked = self
+            .untar(
                 c,
                 pod,
-                &[
-                    "tar",
-                    "-x",
-                    "--no-same-owner",
-                    "-C",
-                    manifest::WORKSPACE,
-                    "-f",
-                    "-",
-                ],
-                Some(packing.output()),
+                manifest::WORKSPACE,
+                packing.output(),
+                "the workspace",
             )
-            .await?;
+            .await;
         packing.finish().await?;
+        unpacked
+    }
+
+    /// Unpack the tar archive `input` into `dir` in Pod `pod` (`what`
+    /// names it in the error).
+    async fn untar(
+        &self,
+        c: &Connected,
+        pod: &str,
+        dir: &str,
+        input: &mut (dyn tokio::io::AsyncRead + Unpin + Send),
+        what: &str,
+    ) -> Result<(), KubeError> {
+        let argv = ["tar", "-x", "--no-same-owner", "-C", dir, "-f", "-"];
+        let (code, out) = self.run(c, pod, &argv, Some(input)).await?;
         if code != 0 {
             return Err(KubeError::Exec(format!(
-                "unpacking the workspace in the Pod failed ({code}): {out}"
+                "copying {what} into the Pod failed (tar exited {code}): {out}"
             )));
         }
         Ok(())
@@ -76,12 +84,7 @@ impl KubeBackend {
                 false,
             )
             .await?;
-        let status = p
-            .take_status()
-            .ok_or_else(|| KubeError::Exec("no status channel".to_owned()))?;
-        let mut out = p
-            .stdout()
-            .ok_or_else(|| KubeError::Exec("no stdout".to_owned()))?;
+        let (status, mut out) = super::status_and_stdout(&mut p)?;
         let run_as = RunAs::confined(spec.uid, &spec.workspace);
         let disk = u64::from(spec.config.disk.max(16)) << 20;
         let req = crate::git::mirror::UnpackRequest {
@@ -128,31 +131,14 @@ impl KubeBackend {
             .map_err(KubeError::Io)?;
         let mut input =
             tokio::net::unix::pipe::Receiver::from_owned_fd(r).map_err(KubeError::Io)?;
-        let (code, out) = self
-            .run(
-                c,
-                pod,
-                &[
-                    "tar",
-                    "-x",
-                    "--no-same-owner",
-                    "-C",
-                    super::TOOLS,
-                    "-f",
-                    "-",
-                ],
-                Some(&mut input),
-            )
-            .await?;
+        let unpacked = self
+            .untar(c, pod, super::TOOLS, &mut input, "agentd's tools")
+            .await;
         drop(input);
         let written = writing
             .await
             .unwrap_or_else(|_| Err(std::io::Error::other("the tools' archive writer ended")));
-        if code != 0 {
-            return Err(KubeError::Exec(format!(
-                "copying agentd's tools into the Pod failed ({code}): {out}"
-            )));
-        }
+        unpacked?;
         written.map_err(KubeError::Io)
     }
 }
