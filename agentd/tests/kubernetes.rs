@@ -353,9 +353,29 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
         std::fs::read_to_string(&back).unwrap(),
         "from the host\nfrom the pod\n"
     );
-    // Other worktrees are refused, saying what to do instead.
-    let err = env.fails(4, &["worktree", "add", "demo", "feature"]);
-    assert!(err.contains("only its main worktree"), "{err}");
+    // Worktrees are made in the Pod, one per branch, and listed from there.
+    env.ok(&["worktree", "add", "demo", "feature"]);
+    let out = env.ok(&[
+        "exec",
+        "demo",
+        "-b",
+        "feature",
+        "--",
+        "sh",
+        "-c",
+        "pwd; git branch --show-current",
+    ]);
+    assert_eq!(out, "/workspace/.worktrees/feature\nfeature\n");
+    let list: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["worktree", "list", "demo", "--json"])).unwrap();
+    let branches: Vec<&str> = list.iter().map(|w| w["branch"].as_str().unwrap()).collect();
+    assert_eq!(branches, ["main", "feature"], "{list:?}");
+    assert_eq!(list[1]["path"], "/workspace/.worktrees/feature");
+    let err = env.fails(4, &["worktree", "add", "demo", "--from=-x", "other"]);
+    assert!(err.contains("not a branch or commit"), "{err}");
+    env.ok(&["worktree", "remove", "demo", "feature"]);
+    let list = env.ok(&["worktree", "list", "demo", "--json"]);
+    assert!(!list.contains("feature"), "{list}");
 
     // A commit in the Pod comes home with a sync.
     env.ok(&[

@@ -386,6 +386,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         Box::pin(async { Ok(()) })
     }
 
+    /// Carry out a worktree request where the workspace lives, for a
+    /// backend whose workspace is not the host directory (`None`: the
+    /// host's helpers do it there).
+    fn worktree<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+        _req: crate::git::worktree::Request,
+    ) -> Option<BoxFut<'a, Result<crate::git::worktree::Reply, BackendError>>> {
+        None
+    }
+
     /// Remove what the backend keeps for a destroyed sandbox outside its
     /// host directory (a cluster's volume claim).
     fn remove<'a>(&'a self, _spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {

@@ -26,6 +26,7 @@ pub mod manifest;
 pub mod pods;
 mod stream;
 mod workspace;
+mod worktree;
 
 pub use config::{KubeConfig, PodRef};
 pub use error::KubeError;
@@ -739,6 +740,14 @@ impl super::Backend for KubeBackend {
 
     fn pull_git_dir<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
         Box::pin(async move { Ok(self.pull(spec).await?) })
+    }
+
+    fn worktree<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        req: crate::git::worktree::Request,
+    ) -> Option<BoxFut<'a, Result<crate::git::worktree::Reply, BackendError>>> {
+        Some(Box::pin(async move { Ok(self.worktree(spec, req).await?) }))
     }
 
     fn remove<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {

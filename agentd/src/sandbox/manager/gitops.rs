@@ -295,6 +295,50 @@ impl Manager {
         })
     }
 
+    /// [`Manager::find_worktree_dir`], asking the backend where the
+    /// workspace is not the host directory (its worktrees are listed
+    /// there).
+    pub(super) async fn find_worktree_dir_anywhere(
+        &self,
+        sb: &Sandbox,
+        branch: &str,
+    ) -> Result<Option<String>> {
+        let spec = self.spec(sb);
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        let list = worktree::Request::List {
+            workspace: spec.workspace.clone(),
+        };
+        let Some(listing) = backend.worktree(&spec, list) else {
+            return self.find_worktree_dir(sb, branch);
+        };
+        if !refs::valid_branch(branch) {
+            return Err(Error::Invalid(vec![format!(
+                "'{}' is not a valid git branch name",
+                branch.escape_debug()
+            )]));
+        }
+        match listing.await.map_err(|source| Error::Backend {
+            name: sb.name.clone(),
+            source,
+        })? {
+            worktree::Reply::Listed { worktrees } => Ok(worktrees
+                .into_iter()
+                .find(|w| w.branch == branch)
+                .map(|w| w.path)),
+            other => Err(unexpected(&sb.name, &other)),
+        }
+    }
+
+    /// [`Manager::worktree_dir`] through [`Manager::find_worktree_dir_anywhere`].
+    pub(super) async fn worktree_dir_anywhere(&self, sb: &Sandbox, branch: &str) -> Result<String> {
+        self.find_worktree_dir_anywhere(sb, branch).await?.ok_or_else(|| {
+            Error::Invalid(vec![format!(
+                "sandbox '{}' has no worktree for '{branch}'; create it with `agentctl worktree add {} {branch}`",
+                sb.name, sb.name
+            )])
+        })
+    }
+
     /// The directory (inside the sandbox) of `branch`'s worktree, if it has one.
     pub(super) fn find_worktree_dir(&self, sb: &Sandbox, branch: &str) -> Result<Option<String>> {
         if !refs::valid_branch(branch) {
@@ -332,13 +376,26 @@ impl Manager {
             return Err(Error::NotFound(name.to_owned()));
         }
         let req = req(spec.workspace.clone());
-        if sb.backend == BackendKind::Kubernetes && !matches!(req, worktree::Request::List { .. }) {
-            return Err(Error::Invalid(vec![format!(
-                "Sandbox '{name}' runs on the kubernetes backend, which has only its main \
-                 worktree yet; work on other branches there with git inside \
-                 (agentctl exec {name} -- git switch -c BRANCH) and bring them home with \
-                 agentctl sync {name}"
-            )]));
+        // Where the workspace is not the host directory, the backend does it.
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        if let Some(remote) = backend.worktree(&spec, req.clone()) {
+            if let worktree::Request::Add { from: Some(f), .. } = &req {
+                if f.starts_with('-') {
+                    return Err(Error::Invalid(vec![format!(
+                        "--from '{f}' is not a branch or commit"
+                    )]));
+                }
+            }
+            return tokio::select! {
+                done = remote => done.map_err(|source| Error::Backend {
+                    name: name.to_owned(),
+                    source,
+                }),
+                () = locks.destroyed() => Err(Error::Workspace {
+                    name: name.to_owned(),
+                    source: HelperError::Cancelled { what: "worktree operation" }.into(),
+                }),
+            };
         }
         let run_as = RunAs::confined(spec.uid, &spec.workspace);
         let done = tokio::select! {

@@ -158,6 +158,7 @@ impl Manager {
             .record_as
             .clone()
             .unwrap_or_else(|| ("exec".to_owned(), shell_words(&call.argv)));
+        let call = self.resolve_worktree(&sb, call).await?;
         let mut req = self.exec_request(&sb, call)?;
         req.env
             .entry("TERM".to_owned())
@@ -268,7 +269,7 @@ impl Manager {
                 )])
             })?,
         };
-        let cwd = match self.find_worktree_dir(&sb, &branch)? {
+        let cwd = match self.find_worktree_dir_anywhere(&sb, &branch).await? {
             Some(dir) => dir,
             None => {
                 let wt = self.add_worktree(caller, name, &branch, None).await?;
