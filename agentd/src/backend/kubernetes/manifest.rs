@@ -254,7 +254,11 @@ mod tests {
         let pvc = serde_json::to_value(claim(&spec(false), &KubeConfig::default(), "abc")).unwrap();
         assert_eq!(pvc["spec"]["storageClassName"], "standard");
         assert_eq!(pvc["spec"]["resources"]["requests"]["storage"], "4096Mi");
-        let pvc = serde_json::to_value(claim(&spec(false), &KubeConfig::default(), "abc")).unwrap();
+        let c = KubeConfig {
+            storage_class: String::new(),
+            ..KubeConfig::default()
+        };
+        let pvc = serde_json::to_value(claim(&spec(false), &c, "abc")).unwrap();
         assert!(
             pvc["spec"]["storageClassName"].is_null(),
             "the cluster's default class"
