@@ -205,7 +205,10 @@ pub(crate) fn check_options(
 /// Map a domain error to its named D-Bus error.
 #[must_use]
 pub fn to_dbus(e: Error) -> api::Error {
-    let msg = e.to_string();
+    // A D-Bus string holds no NUL: the bus daemon drops the connection of
+    // a peer that sends one (and agentd exits), so none that a sandbox
+    // slipped into a message goes out as it is.
+    let msg = e.to_string().replace('\0', "\\0");
     match e {
         Error::NotFound(_) | Error::Missing(_) => api::Error::NotFound(msg),
         Error::AlreadyExists(_) => api::Error::AlreadyExists(msg),

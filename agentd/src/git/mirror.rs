@@ -111,8 +111,10 @@ pub enum MirrorError {
         #[source]
         source: std::io::Error,
     },
-    /// The archive could not be read or written out.
-    #[error("cannot copy the git directory at {}: {source}", path.display())]
+    /// The archive could not be read or written out. (Paths come from the
+    /// sandbox's archive: quoted with control characters escaped, as a
+    /// D-Bus string may not hold a NUL.)
+    #[error("cannot copy the git directory at {}: {source}", crate::text::shown(&path.to_string_lossy()))]
     Write {
         /// The entry or directory.
         path: PathBuf,
@@ -121,7 +123,7 @@ pub enum MirrorError {
         source: std::io::Error,
     },
     /// An entry the rules refuse.
-    #[error("the sandbox's git directory holds {what}: {}", path.display())]
+    #[error("the sandbox's git directory holds {what}: {}", crate::text::shown(&path.to_string_lossy()))]
     Refused {
         /// What kind of entry (`a symbolic link`, …).
         what: &'static str,
@@ -199,19 +201,90 @@ pub fn unpack(
     result
 }
 
+/// Most bytes of the archive one entry may take besides its content: its
+/// header, a GNU long name or link, PAX records, and whatever content of
+/// another kind of entry (a directory's) the tar crate skips. The tar crate
+/// reads long names and PAX records whole into memory.
+pub const HEADERS_MAX: u64 = 64 << 10;
+
+/// The archive as the tar crate reads it, cut off once `meter` says so.
+struct Metered<'a> {
+    input: &'a mut dyn Read,
+    meter: std::rc::Rc<std::cell::Cell<Meter>>,
+}
+
+/// Bytes read so far, and the most that may be read before the next entry.
+#[derive(Debug, Clone, Copy)]
+struct Meter {
+    read: u64,
+    limit: u64,
+}
+
+impl Meter {
+    fn over(self) -> bool {
+        self.read >= self.limit
+    }
+}
+
+impl Read for Metered<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let m = self.meter.get();
+        let room = m.limit.saturating_sub(m.read);
+        if room == 0 {
+            return Err(std::io::Error::other("too many bytes for one entry"));
+        }
+        let n = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+        let got = self.input.read(&mut buf[..n])?;
+        self.meter.set(Meter {
+            read: m.read + got as u64,
+            ..m
+        });
+        Ok(got)
+    }
+}
+
 fn unpack_into(input: &mut dyn Read, dir: &Path, limits: Limits) -> Result<Unpacked, MirrorError> {
-    let mut archive = tar::Archive::new(input);
+    let meter = std::rc::Rc::new(std::cell::Cell::new(Meter {
+        read: 0,
+        limit: HEADERS_MAX,
+    }));
+    let mut archive = tar::Archive::new(Metered {
+        input,
+        meter: std::rc::Rc::clone(&meter),
+    });
     let mut done = Unpacked::default();
     let mut entries_seen = 0u64;
+    let too_large = || MirrorError::TooLarge {
+        limit: HEADERS_MAX,
+        unit: "bytes of headers for one entry",
+    };
     let entries = archive.entries().map_err(|source| MirrorError::Write {
         path: dir.to_owned(),
         source,
     })?;
     for entry in entries {
-        let mut entry = entry.map_err(|source| MirrorError::Write {
-            path: dir.to_owned(),
-            source,
+        let mut entry = entry.map_err(|source| {
+            if meter.get().over() {
+                too_large()
+            } else {
+                MirrorError::Write {
+                    path: dir.to_owned(),
+                    source,
+                }
+            }
         })?;
+        // What this entry may read: its content if it is a file within the
+        // limits (checked below), and the next entry's headers.
+        let content = if entry.header().entry_type().is_file() {
+            entry.size().min(limits.bytes).div_ceil(512) * 512
+        } else {
+            0
+        };
+        let m = meter.get();
+        meter.set(Meter {
+            limit: m.read + content + HEADERS_MAX,
+            ..m
+        });
         let path = entry
             .path()
             .map_err(|source| MirrorError::Write {
@@ -376,5 +449,31 @@ mod tests {
         );
         let e = unpack(&mut many.as_slice(), ws.path(), small).unwrap_err();
         assert!(e.to_string().contains("larger than 10 entries"), "{e}");
+    }
+
+    #[test]
+    fn headers_are_bounded_apart_from_the_content() {
+        let ws = tempfile::tempdir().unwrap();
+        // A long name (read whole into memory by the tar crate) past the
+        // bound, however small the file.
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(1);
+        h.set_mode(0o644);
+        let long = format!(".git/{}", "a".repeat(usize::try_from(HEADERS_MAX).unwrap()));
+        b.append_data(&mut h, &long, &b"x"[..]).unwrap();
+        let bad = b.into_inner().unwrap();
+        let e = unpack(&mut bad.as_slice(), ws.path(), ROOMY).unwrap_err();
+        assert!(e.to_string().contains("bytes of headers"), "{e}");
+        // Content a directory entry announces is not read on and on.
+        let dir = archive(&[(".git/objects/", tar::EntryType::Directory, &[0u8; 1 << 17])]);
+        let e = unpack(&mut dir.as_slice(), ws.path(), ROOMY).unwrap_err();
+        assert!(e.to_string().contains("bytes of headers"), "{e}");
+        // Names of a few KiB are fine.
+        let mut b = tar::Builder::new(Vec::new());
+        let name = format!(".git/refs/heads/{}", "b".repeat(200));
+        b.append_data(&mut h, &name, &b"x"[..]).unwrap();
+        let ok = b.into_inner().unwrap();
+        unpack(&mut ok.as_slice(), ws.path(), ROOMY).unwrap();
     }
 }

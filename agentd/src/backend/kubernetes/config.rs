@@ -30,6 +30,10 @@ pub struct KubeConfig {
     pub start_timeout_seconds: u32,
     /// Seconds a Pod has to end after SIGTERM.
     pub stop_grace_seconds: u32,
+    /// Seconds the copy of a Pod's git directory to the host (before each
+    /// sync and each stop) may take; the Pod decides what its `tar` sends
+    /// and when it ends, so a copy past this is cut short.
+    pub transfer_timeout_seconds: u32,
     /// Start sandboxes even where the NetworkPolicy is not enforced (then
     /// their Pods reach whatever the cluster's network reaches).
     pub allow_unenforced_network_policy: bool,
@@ -51,6 +55,7 @@ impl Default for KubeConfig {
             uid: 1000,
             start_timeout_seconds: 300,
             stop_grace_seconds: 10,
+            transfer_timeout_seconds: 600,
             allow_unenforced_network_policy: false,
             instance: None,
         }

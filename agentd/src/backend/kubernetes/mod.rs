@@ -22,6 +22,7 @@
 
 mod config;
 mod error;
+mod exec;
 pub mod manifest;
 pub mod pods;
 mod stream;
@@ -38,11 +39,14 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::{Event, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use keystone_agent_api::BackendKind;
-use kube::api::{Api, AttachParams, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde::Serialize;
-use tokio::io::AsyncWriteExt;
 
 use super::{BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess};
+
+/// The grace period of a Pod deleted at once: one second, not zero, which
+/// would remove the object before the kubelet has killed the container.
+const KILL_GRACE: u32 = 1;
 
 /// Where agentd's tools (Zellij and its configuration) are inside a Pod:
 /// a volume of the Pod's own, filled over exec at each start, where the
@@ -77,21 +81,6 @@ impl std::fmt::Debug for Connected {
     }
 }
 
-/// Read `r` to its end, keeping the first 64 KiB.
-async fn kept(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> Vec<u8> {
-    use tokio::io::AsyncReadExt;
-    let mut out = Vec::new();
-    let mut buf = vec![0u8; 16 << 10];
-    while let Ok(n) = r.read(&mut buf).await {
-        if n == 0 {
-            break;
-        }
-        let room = (64usize << 10).saturating_sub(out.len());
-        out.extend_from_slice(&buf[..n.min(room)]);
-    }
-    out
-}
-
 /// Runs sandboxes as Pods.
 #[derive(Debug)]
 pub struct KubeBackend {
@@ -111,50 +100,6 @@ fn default_instance(state_dir: &std::path::Path) -> String {
     h.update(state_dir.as_os_str().as_encoded_bytes());
     let d = h.finalize();
     d[..8].iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The exit status and the stdout of an attached process.
-fn status_and_stdout(
-    p: &mut kube::api::AttachedProcess,
-) -> Result<
-    (
-        impl std::future::Future<
-            Output = Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>,
-        > + use<>,
-        impl tokio::io::AsyncRead + Unpin + use<>,
-    ),
-    KubeError,
-> {
-    let status = p
-        .take_status()
-        .ok_or_else(|| KubeError::Exec("no status channel".to_owned()))?;
-    let out = p
-        .stdout()
-        .ok_or_else(|| KubeError::Exec("no stdout".to_owned()))?;
-    Ok((status, out))
-}
-
-/// Shell-free argv of `req` for the image's `env` (and `timeout`).
-fn command_line(req: &ExecRequest) -> Result<Vec<String>, KubeError> {
-    let Some(program) = req.argv.first() else {
-        return Err(KubeError::Exec("no command".to_owned()));
-    };
-    if program.contains('=') {
-        return Err(KubeError::Program(program.clone()));
-    }
-    let mut argv = Vec::new();
-    if let Some(t) = req.timeout {
-        argv.extend([
-            "timeout".to_owned(),
-            "-k".to_owned(),
-            "5".to_owned(),
-            t.as_secs().max(1).to_string(),
-        ]);
-    }
-    argv.extend(["env".to_owned(), "-C".to_owned(), req.cwd.clone()]);
-    argv.extend(req.env.iter().map(|(k, v)| format!("{k}={v}")));
-    argv.extend(req.argv.iter().cloned());
-    Ok(argv)
 }
 
 impl KubeBackend {
@@ -244,7 +189,14 @@ impl KubeBackend {
     /// The last events of Pod `pod`, as one line.
     async fn events(&self, c: &Connected, pod: &str) -> String {
         let api: Api<Event> = self.api(c);
-        let Ok(list) = api.list(&ListParams::default().limit(500)).await else {
+        let Ok(list) = api
+            .list(
+                &ListParams::default()
+                    .fields(&format!("involvedObject.name={pod}"))
+                    .limit(500),
+            )
+            .await
+        else {
             return "(cannot list events)".to_owned();
         };
         let mut lines: Vec<String> = list
@@ -393,60 +345,6 @@ impl KubeBackend {
         }
     }
 
-    /// Exec `argv` in Pod `pod`; `stdin` gives it input.
-    async fn attach(
-        &self,
-        c: &Connected,
-        pod: &str,
-        argv: Vec<String>,
-        stdin: bool,
-        tty: bool,
-    ) -> Result<kube::api::AttachedProcess, KubeError> {
-        let ap = AttachParams {
-            container: Some(manifest::CONTAINER.to_owned()),
-            stdin,
-            stdout: true,
-            stderr: !tty,
-            tty,
-            ..AttachParams::default()
-        };
-        self.api::<Pod>(c)
-            .exec(pod, argv, &ap)
-            .await
-            .map_err(self.api_error("cannot exec in the Pod", pod))
-    }
-
-    /// Run `argv` in Pod `pod` with `input` on its stdin; its exit code
-    /// and the start of its output.
-    async fn run(
-        &self,
-        c: &Connected,
-        pod: &str,
-        argv: &[&str],
-        input: Option<&mut (dyn tokio::io::AsyncRead + Unpin + Send)>,
-    ) -> Result<(i32, String), KubeError> {
-        let argv = argv.iter().map(|s| (*s).to_owned()).collect();
-        let mut p = self.attach(c, pod, argv, input.is_some(), false).await?;
-        let (status, mut out) = status_and_stdout(&mut p)?;
-        let mut err = p
-            .stderr()
-            .ok_or_else(|| KubeError::Exec("no stderr".to_owned()))?;
-        let feeding = async {
-            if let (Some(input), Some(mut w)) = (input, p.stdin()) {
-                let _ = tokio::io::copy(input, &mut w).await;
-                let _ = w.shutdown().await;
-            }
-        };
-        let reading = async {
-            let (mut o, e) = tokio::join!(kept(&mut out), kept(&mut err));
-            o.extend_from_slice(&e);
-            o
-        };
-        let ((), text, status) = tokio::join!(feeding, reading, status);
-        let code = stream::exit_code(status)?;
-        Ok((code, String::from_utf8_lossy(&text).trim().to_owned()))
-    }
-
     /// A command answers inside Pod `pod` (retried while the runtime gets
     /// the container ready for execs).
     async fn answers(&self, c: &Connected, pod: &str) -> Result<(), KubeError> {
@@ -508,7 +406,7 @@ impl KubeBackend {
         }
         // A Pod left from before (agentd ended during a start) goes first.
         if c.pods.get(&name).is_some() {
-            self.delete::<Pod>(c, "cannot delete the old Pod", &name, Some(0))
+            self.delete::<Pod>(c, "cannot delete the old Pod", &name, Some(KILL_GRACE))
                 .await?;
             self.gone(c, &name, Duration::from_secs(60)).await;
         }
@@ -530,7 +428,7 @@ impl KubeBackend {
         };
         if let Err(e) = started.await {
             let _ = self
-                .delete::<Pod>(c, "cannot delete the Pod", &name, Some(0))
+                .delete::<Pod>(c, "cannot delete the Pod", &name, Some(KILL_GRACE))
                 .await;
             return Err(e);
         }
@@ -556,103 +454,43 @@ impl KubeBackend {
         let c = self.connected().await?;
         let name = manifest::object_name(&spec.name);
         let grace = if force {
-            0
+            KILL_GRACE
         } else {
-            self.settings.config.stop_grace_seconds
+            self.settings.config.stop_grace_seconds.max(KILL_GRACE)
         };
         self.delete::<Pod>(c, "cannot delete the Pod", &name, Some(grace))
             .await?;
-        self.gone(c, &name, Duration::from_secs(u64::from(grace) + 60))
-            .await;
-        self.delete::<NetworkPolicy>(c, "cannot delete the NetworkPolicy", &name, None)
-            .await
+        self.policy_after_pod(c, &name, grace).await
     }
 
-    async fn exec_pipes(
+    /// Delete the NetworkPolicy of Pod `name` once the Pod is gone, never
+    /// before: a container still running without its policy would have
+    /// the cluster's network.
+    async fn policy_after_pod(
         &self,
-        spec: &SandboxSpec,
-        req: ExecRequest,
-        stdio: [OwnedFd; 3],
-    ) -> Result<i32, KubeError> {
-        let c = self.connected().await?;
-        let argv = command_line(&req)?;
-        let name = manifest::object_name(&spec.name);
-        let p = self.attach(c, &name, argv, true, false).await?;
-        let code = stream::pipes(p, stdio).await?;
-        if let Some(t) = req.timeout {
-            // `timeout` said so (124: TERM; 137: KILL after it).
-            if code == 124 || code == 137 {
-                return Err(KubeError::CommandTimeout {
-                    command: req.argv.join(" "),
-                    secs: t.as_secs(),
-                });
-            }
+        c: &Connected,
+        name: &str,
+        grace: u32,
+    ) -> Result<(), KubeError> {
+        if !self
+            .gone(c, name, Duration::from_secs(u64::from(grace) + 60))
+            .await
+        {
+            return Err(KubeError::Exec(format!(
+                "Pod {name} is still there {}s after its deletion; its NetworkPolicy stays until it is gone",
+                u64::from(grace) + 60
+            )));
         }
-        Ok(code)
-    }
-
-    async fn exec_on_tty(
-        &self,
-        spec: &SandboxSpec,
-        req: ExecRequest,
-        size: (u16, u16),
-    ) -> Result<TtyProcess, BackendError> {
-        let c = self.connected().await?;
-        let argv = command_line(&req)?;
-        let name = manifest::object_name(&spec.name);
-        let ws = nix::pty::Winsize {
-            ws_row: size.0,
-            ws_col: size.1,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
-        let pty =
-            nix::pty::openpty(Some(&ws), None).map_err(|e| BackendError::Descriptor(e.into()))?;
-        // The far side's terminal does the echo and line editing.
-        let mut t = nix::sys::termios::tcgetattr(&pty.slave).map_err(BackendError::Sys)?;
-        nix::sys::termios::cfmakeraw(&mut t);
-        nix::sys::termios::tcsetattr(&pty.slave, nix::sys::termios::SetArg::TCSANOW, &t)
-            .map_err(BackendError::Sys)?;
-        let p = self.attach(c, &name, argv, true, true).await?;
-        let slave = pty.slave;
-        let exit = Box::pin(async move { stream::tty(p, slave).await.map_err(BackendError::from) });
-        Ok(TtyProcess {
-            terminal: pty.master,
-            exit,
-        })
-    }
-
-    /// A connection to `port` on the Pod's loopback, through the API
-    /// server's port-forward, as one end of a socket pair whose other end
-    /// a task bridges to the forward (both end with the connection).
-    async fn forward(&self, spec: &SandboxSpec, port: u16) -> Result<OwnedFd, KubeError> {
-        let c = self.connected().await?;
-        let name = manifest::object_name(&spec.name);
-        let mut pf = self
-            .api::<Pod>(c)
-            .portforward(&name, &[port])
+        self.delete::<NetworkPolicy>(c, "cannot delete the NetworkPolicy", name, None)
             .await
-            .map_err(self.api_error("cannot forward a port of the Pod", &name))?;
-        let mut stream = pf
-            .take_stream(port)
-            .ok_or_else(|| KubeError::Exec("the port-forward has no stream".to_owned()))?;
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(KubeError::Io)?;
-        ours.set_nonblocking(true).map_err(KubeError::Io)?;
-        let mut ours = tokio::net::UnixStream::from_std(ours).map_err(KubeError::Io)?;
-        tokio::spawn(async move {
-            let _ = tokio::io::copy_bidirectional(&mut ours, &mut stream).await;
-            drop(pf);
-        });
-        Ok(OwnedFd::from(theirs))
     }
 
     async fn remove_all(&self, spec: &SandboxSpec) -> Result<(), KubeError> {
         let c = self.connected().await?;
         let name = manifest::object_name(&spec.name);
-        self.delete::<Pod>(c, "cannot delete the Pod", &name, Some(0))
+        self.delete::<Pod>(c, "cannot delete the Pod", &name, Some(KILL_GRACE))
             .await?;
-        self.delete::<NetworkPolicy>(c, "cannot delete the NetworkPolicy", &name, None)
-            .await?;
+        self.policy_after_pod(c, &name, KILL_GRACE).await?;
         self.delete::<PersistentVolumeClaim>(c, "cannot delete the claim", &name, None)
             .await
     }
@@ -758,9 +596,12 @@ impl super::Backend for KubeBackend {
         let (Some(pod), Some(c)) = (&rt.pod, self.connected.get()) else {
             return false;
         };
-        c.pods
-            .get(&pod.name)
-            .is_some_and(|p| p.uid == pod.uid && p.alive())
+        // Not listed yet (the API server does not answer): unknown, which
+        // is not "gone"; `wait_exit` waits for the list.
+        !c.pods.listed()
+            || c.pods
+                .get(&pod.name)
+                .is_some_and(|p| p.uid == pod.uid && p.alive())
     }
 
     fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
@@ -769,10 +610,10 @@ impl super::Backend for KubeBackend {
                 return;
             };
             let mut rx = c.pods.subscribe();
-            while c
-                .pods
-                .get(&pod.name)
-                .is_some_and(|p| p.uid == pod.uid && p.alive())
+            while !c.pods.listed()
+                || c.pods
+                    .get(&pod.name)
+                    .is_some_and(|p| p.uid == pod.uid && p.alive())
             {
                 if rx.changed().await.is_err() {
                     std::future::pending::<()>().await;
@@ -800,7 +641,7 @@ impl super::Backend for KubeBackend {
             let name = name.clone();
             tokio::spawn(async move {
                 let dp = DeleteParams {
-                    grace_period_seconds: Some(0),
+                    grace_period_seconds: Some(KILL_GRACE),
                     ..DeleteParams::default()
                 };
                 if let Err(e) = api.delete(&name, &dp).await {
@@ -812,42 +653,5 @@ impl super::Backend for KubeBackend {
             .into_iter()
             .map(|n| n.strip_prefix("ks-").unwrap_or(&n).to_owned())
             .collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_command_gets_its_directory_environment_and_timeout_without_a_shell() {
-        let req = ExecRequest {
-            argv: vec!["git".into(), "log".into(), "a b; rm -rf /".into()],
-            env: [("A".to_owned(), "1 2".to_owned())].into(),
-            cwd: "/workspace/x".into(),
-            timeout: Some(Duration::from_secs(30)),
-        };
-        assert_eq!(
-            command_line(&req).unwrap(),
-            [
-                "timeout",
-                "-k",
-                "5",
-                "30",
-                "env",
-                "-C",
-                "/workspace/x",
-                "A=1 2",
-                "git",
-                "log",
-                "a b; rm -rf /"
-            ]
-        );
-        let bad = ExecRequest {
-            argv: vec!["X=1".into()],
-            timeout: None,
-            ..req
-        };
-        assert!(matches!(command_line(&bad), Err(KubeError::Program(_))));
     }
 }

@@ -65,6 +65,8 @@ impl PodView {
 #[derive(Debug)]
 pub struct Pods {
     map: Arc<Mutex<BTreeMap<String, PodView>>>,
+    /// A list has arrived (until then, the map knows nothing).
+    listed: Arc<std::sync::atomic::AtomicBool>,
     changed: watch::Receiver<u64>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -78,13 +80,16 @@ impl Drop for Pods {
 impl Pods {
     /// Start watching the Pods of `api` that `selector` matches; resolves
     /// once the first list has arrived (or the watch failed, then the map
-    /// stays empty and is filled when the watch recovers).
+    /// stays empty and is filled when the watch recovers: until a list
+    /// arrives, [`Pods::listed`] says that the map knows nothing).
     pub async fn watch(api: kube::Api<Pod>, selector: String) -> Self {
         let map = Arc::new(Mutex::new(BTreeMap::new()));
+        let listed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (tx, changed) = watch::channel(0u64);
         let (ready_tx, ready) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn({
             let map = Arc::clone(&map);
+            let listed = Arc::clone(&listed);
             async move {
                 let mut ready_tx = Some(ready_tx);
                 let mut fresh = BTreeMap::new();
@@ -113,6 +118,7 @@ impl Pods {
                         }
                         Ok(watcher::Event::InitDone) => {
                             *m = std::mem::take(&mut fresh);
+                            listed.store(true, std::sync::atomic::Ordering::SeqCst);
                             if let Some(r) = ready_tx.take() {
                                 let _ = r.send(());
                             }
@@ -133,7 +139,19 @@ impl Pods {
             }
         });
         let _ = tokio::time::timeout(std::time::Duration::from_secs(30), ready).await;
-        Self { map, changed, task }
+        Self {
+            map,
+            listed,
+            changed,
+            task,
+        }
+    }
+
+    /// Whether a list has arrived: before it, a Pod missing from the map
+    /// may well run.
+    #[must_use]
+    pub fn listed(&self) -> bool {
+        self.listed.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Pod `name` as last seen.

@@ -151,6 +151,27 @@ async fn feed(mut rx: mpsc::Receiver<Vec<u8>>, mut to: impl AsyncWrite + Unpin) 
     let _ = to.shutdown().await;
 }
 
+/// Wait for an exec's `outputs` (what reads its streams) and its `status`.
+/// Once the status has come, or the connection ended without one, the
+/// streams have all they will get; but where the connection's task ended on
+/// an error (a connection the server closed while stdin was still being
+/// sent) it leaves them without an end: the readers get a moment, no more.
+pub(super) async fn with_status<T: Default>(
+    outputs: impl Future<Output = T>,
+    status: impl Future<Output = Option<Status>>,
+) -> (T, Option<Status>) {
+    tokio::pin!(outputs, status);
+    tokio::select! {
+        out = &mut outputs => (out, status.await),
+        s = &mut status => (
+            tokio::time::timeout(Duration::from_secs(2), outputs)
+                .await
+                .unwrap_or_default(),
+            s,
+        ),
+    }
+}
+
 /// The exit code an exec's `Status` reports.
 pub(super) fn exit_code(status: Option<Status>) -> Result<i32, KubeError> {
     let Some(s) = status else {
@@ -280,10 +301,7 @@ pub(super) async fn tty(mut attached: AttachedProcess, slave: OwnedFd) -> Result
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     };
-    let finished = async {
-        let ((), code) = tokio::join!(drain(stdout, out_tx), status);
-        code
-    };
+    let finished = async { with_status(drain(stdout, out_tx), status).await.1 };
     let code = tokio::select! {
         code = finished => exit_code(code),
         // The caller closed its side: the command goes with the

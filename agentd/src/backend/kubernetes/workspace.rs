@@ -38,8 +38,14 @@ impl KubeBackend {
                 "the workspace",
             )
             .await;
+        if let Err(e) = unpacked {
+            // The packer may still be writing what nobody reads any more:
+            // it goes (dropped, killed) rather than being waited for.
+            drop(packing);
+            return Err(e);
+        }
         packing.finish().await?;
-        unpacked
+        Ok(())
     }
 
     /// Unpack the tar archive `input` into `dir` in Pod `pod` (`what`
@@ -63,8 +69,24 @@ impl KubeBackend {
     }
 
     /// Bring the Pod's git directory into the host's copy of the
-    /// workspace, through the confined unpacker.
+    /// workspace, through the confined unpacker, within the configured
+    /// time: what the Pod's `tar` sends, and whether it ends, is the
+    /// sandbox's.
     pub(super) async fn pull(&self, spec: &SandboxSpec) -> Result<(), KubeError> {
+        let secs = self.settings.config.transfer_timeout_seconds.max(1);
+        tokio::time::timeout(
+            std::time::Duration::from_secs(u64::from(secs)),
+            self.pull_within(spec),
+        )
+        .await
+        .map_err(|_| {
+            KubeError::Exec(format!(
+                "copying the git directory from the Pod did not finish within {secs}s"
+            ))
+        })?
+    }
+
+    async fn pull_within(&self, spec: &SandboxSpec) -> Result<(), KubeError> {
         let c = self.connected().await?;
         let name = manifest::object_name(&spec.name);
         let mut p = self
@@ -84,7 +106,7 @@ impl KubeBackend {
                 false,
             )
             .await?;
-        let (status, mut out) = super::status_and_stdout(&mut p)?;
+        let (status, mut out) = super::exec::status_and_stdout(&mut p)?;
         let run_as = RunAs::confined(spec.uid, &spec.workspace);
         let disk = u64::from(spec.config.disk.max(16)) << 20;
         let req = crate::git::mirror::UnpackRequest {
@@ -98,9 +120,14 @@ impl KubeBackend {
             helper::start::<crate::git::mirror::Unpack>(&self.settings.exe, &run_as, &req).await?;
         let copied = tokio::io::copy(&mut out, unpacking.input()).await;
         unpacking.close_input();
-        let code = stream::exit_code(status.await)?;
+        // The unpacker's verdict first: once it has refused the archive,
+        // neither the rest of it nor the command's exit status is waited
+        // for (a command blocked on output nobody reads never ends);
+        // dropping the exec ends it.
+        drop(out);
         unpacking.finish().await?;
         copied.map_err(KubeError::Io)?;
+        let code = stream::exit_code(status.await)?;
         if code != 0 {
             return Err(KubeError::Exec(format!(
                 "reading the git directory in the Pod failed (exit {code})"

@@ -186,6 +186,20 @@ impl Manager {
         if sb.config.sync_mode == SyncMode::Manual || sb.creating {
             return;
         }
+        if sb.backend == BackendKind::Kubernetes {
+            // The host's copy of a kubernetes sandbox's workspace changes
+            // only when a sync brings the git directory: watching it would
+            // take each sync for new work (snapshots of the stale files,
+            // and syncs without end).
+            drop(watchers);
+            let _ = self.update(name, |s| {
+                s.last_sync_result =
+                    "automatic sync is off: the kubernetes backend's workspace is \
+                                      in its Pod; bring work home with `agentctl sync`"
+                        .to_owned();
+            });
+            return;
+        }
         let spec = self.spec(&sb);
         let idle = Duration::from_secs(u64::from(sb.config.sync_idle_seconds.max(1)));
         // The watcher says what to do; this task does it, one event at a

@@ -1,0 +1,265 @@
+//! Commands in a Pod through the `exec` subresource: argv built for the
+//! image's `env` and `timeout`, plain runs with bounded output, the
+//! caller's streams or a terminal bridged ([`super::stream`]), and
+//! connections through the API server's port-forward.
+
+use std::os::fd::OwnedFd;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::AttachParams;
+use tokio::io::AsyncWriteExt;
+
+use super::{Connected, KubeBackend, KubeError, manifest, stream};
+use crate::backend::{BackendError, ExecRequest, SandboxSpec, TtyProcess};
+
+/// Read `r` to its end, keeping the first 64 KiB.
+pub(super) async fn kept(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 16 << 10];
+    while let Ok(n) = r.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        let room = (64usize << 10).saturating_sub(out.len());
+        out.extend_from_slice(&buf[..n.min(room)]);
+    }
+    out
+}
+
+/// The exit status and the stdout of an attached process.
+pub(super) fn status_and_stdout(
+    p: &mut kube::api::AttachedProcess,
+) -> Result<
+    (
+        impl std::future::Future<
+            Output = Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>,
+        > + use<>,
+        impl tokio::io::AsyncRead + Unpin + use<>,
+    ),
+    KubeError,
+> {
+    let status = p
+        .take_status()
+        .ok_or_else(|| KubeError::Exec("no status channel".to_owned()))?;
+    let out = p
+        .stdout()
+        .ok_or_else(|| KubeError::Exec("no stdout".to_owned()))?;
+    Ok((status, out))
+}
+
+/// Shell-free argv of `req` for the image's `env` (and `timeout`).
+pub(super) fn command_line(req: &ExecRequest) -> Result<Vec<String>, KubeError> {
+    let Some(program) = req.argv.first() else {
+        return Err(KubeError::Exec("no command".to_owned()));
+    };
+    if program.contains('=') {
+        return Err(KubeError::Program(program.clone()));
+    }
+    let mut argv = Vec::new();
+    if let Some(t) = req.timeout {
+        argv.extend([
+            "timeout".to_owned(),
+            "-k".to_owned(),
+            "5".to_owned(),
+            t.as_secs().max(1).to_string(),
+        ]);
+    }
+    argv.extend(["env".to_owned(), "-C".to_owned(), req.cwd.clone()]);
+    argv.extend(req.env.iter().map(|(k, v)| format!("{k}={v}")));
+    argv.extend(req.argv.iter().cloned());
+    Ok(argv)
+}
+
+impl KubeBackend {
+    /// Exec `argv` in Pod `pod`; `stdin` gives it input.
+    pub(super) async fn attach(
+        &self,
+        c: &Connected,
+        pod: &str,
+        argv: Vec<String>,
+        stdin: bool,
+        tty: bool,
+    ) -> Result<kube::api::AttachedProcess, KubeError> {
+        let ap = AttachParams {
+            container: Some(manifest::CONTAINER.to_owned()),
+            stdin,
+            stdout: true,
+            stderr: !tty,
+            tty,
+            ..AttachParams::default()
+        };
+        self.api::<Pod>(c)
+            .exec(pod, argv, &ap)
+            .await
+            .map_err(self.api_error("cannot exec in the Pod", pod))
+    }
+
+    /// Run `argv` in Pod `pod` with `input` on its stdin; its exit code
+    /// and the start of its output.
+    pub(super) async fn run(
+        &self,
+        c: &Connected,
+        pod: &str,
+        argv: &[&str],
+        input: Option<&mut (dyn tokio::io::AsyncRead + Unpin + Send)>,
+    ) -> Result<(i32, String), KubeError> {
+        let argv = argv.iter().map(|s| (*s).to_owned()).collect();
+        let mut p = self.attach(c, pod, argv, input.is_some(), false).await?;
+        let (status, mut out) = status_and_stdout(&mut p)?;
+        let mut err = p
+            .stderr()
+            .ok_or_else(|| KubeError::Exec("no stderr".to_owned()))?;
+        let feeding = async {
+            if let (Some(input), Some(mut w)) = (input, p.stdin()) {
+                let _ = tokio::io::copy(input, &mut w).await;
+                let _ = w.shutdown().await;
+            }
+        };
+        let reading = async {
+            let (mut o, e) = tokio::join!(kept(&mut out), kept(&mut err));
+            o.extend_from_slice(&e);
+            o
+        };
+        // A command that ends before it has read all its input ends this
+        // too: what it left unread is not fed on (into a stream nobody
+        // reads any more, which would block for ever).
+        let finished = stream::with_status(reading, status);
+        tokio::pin!(feeding, finished);
+        let (text, status) = tokio::select! {
+            done = &mut finished => done,
+            () = &mut feeding => finished.await,
+        };
+        let code = stream::exit_code(status)?;
+        Ok((code, String::from_utf8_lossy(&text).trim().to_owned()))
+    }
+
+    pub(super) async fn exec_pipes(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+        stdio: [OwnedFd; 3],
+    ) -> Result<i32, KubeError> {
+        let c = self.connected().await?;
+        let argv = command_line(&req)?;
+        let name = manifest::object_name(&spec.name);
+        let p = self.attach(c, &name, argv, true, false).await?;
+        let running = stream::pipes(p, stdio);
+        let code = match req.timeout {
+            // `timeout` in the Pod ends the command, not a process of the
+            // Pod's that holds its output open (nor the exec with it): the
+            // exec ends here too, once `timeout`'s KILL is overdue.
+            Some(t) => tokio::time::timeout(t + Duration::from_secs(6), running)
+                .await
+                .unwrap_or(Ok(124))?,
+            None => running.await?,
+        };
+        if let Some(t) = req.timeout {
+            // `timeout` said so (124: TERM; 137: KILL after it).
+            if code == 124 || code == 137 {
+                return Err(KubeError::CommandTimeout {
+                    command: req.argv.join(" "),
+                    secs: t.as_secs(),
+                });
+            }
+        }
+        Ok(code)
+    }
+
+    pub(super) async fn exec_on_tty(
+        &self,
+        spec: &SandboxSpec,
+        req: ExecRequest,
+        size: (u16, u16),
+    ) -> Result<TtyProcess, BackendError> {
+        let c = self.connected().await?;
+        let argv = command_line(&req)?;
+        let name = manifest::object_name(&spec.name);
+        let ws = nix::pty::Winsize {
+            ws_row: size.0,
+            ws_col: size.1,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        let pty =
+            nix::pty::openpty(Some(&ws), None).map_err(|e| BackendError::Descriptor(e.into()))?;
+        // The far side's terminal does the echo and line editing.
+        let mut t = nix::sys::termios::tcgetattr(&pty.slave).map_err(BackendError::Sys)?;
+        nix::sys::termios::cfmakeraw(&mut t);
+        nix::sys::termios::tcsetattr(&pty.slave, nix::sys::termios::SetArg::TCSANOW, &t)
+            .map_err(BackendError::Sys)?;
+        let p = self.attach(c, &name, argv, true, true).await?;
+        let slave = pty.slave;
+        let exit = Box::pin(async move { stream::tty(p, slave).await.map_err(BackendError::from) });
+        Ok(TtyProcess {
+            terminal: pty.master,
+            exit,
+        })
+    }
+
+    /// A connection to `port` on the Pod's loopback, through the API
+    /// server's port-forward, as one end of a socket pair whose other end
+    /// a task bridges to the forward (both end with the connection).
+    pub(super) async fn forward(
+        &self,
+        spec: &SandboxSpec,
+        port: u16,
+    ) -> Result<OwnedFd, KubeError> {
+        let c = self.connected().await?;
+        let name = manifest::object_name(&spec.name);
+        let mut pf = self
+            .api::<Pod>(c)
+            .portforward(&name, &[port])
+            .await
+            .map_err(self.api_error("cannot forward a port of the Pod", &name))?;
+        let mut stream = pf
+            .take_stream(port)
+            .ok_or_else(|| KubeError::Exec("the port-forward has no stream".to_owned()))?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(KubeError::Io)?;
+        ours.set_nonblocking(true).map_err(KubeError::Io)?;
+        let mut ours = tokio::net::UnixStream::from_std(ours).map_err(KubeError::Io)?;
+        tokio::spawn(async move {
+            let _ = tokio::io::copy_bidirectional(&mut ours, &mut stream).await;
+            drop(pf);
+        });
+        Ok(OwnedFd::from(theirs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_command_gets_its_directory_environment_and_timeout_without_a_shell() {
+        let req = ExecRequest {
+            argv: vec!["git".into(), "log".into(), "a b; rm -rf /".into()],
+            env: [("A".to_owned(), "1 2".to_owned())].into(),
+            cwd: "/workspace/x".into(),
+            timeout: Some(Duration::from_secs(30)),
+        };
+        assert_eq!(
+            command_line(&req).unwrap(),
+            [
+                "timeout",
+                "-k",
+                "5",
+                "30",
+                "env",
+                "-C",
+                "/workspace/x",
+                "A=1 2",
+                "git",
+                "log",
+                "a b; rm -rf /"
+            ]
+        );
+        let bad = ExecRequest {
+            argv: vec!["X=1".into()],
+            timeout: None,
+            ..req
+        };
+        assert!(matches!(command_line(&bad), Err(KubeError::Program(_))));
+    }
+}
