@@ -193,8 +193,13 @@ impl Cluster {
 
     /// A Pod of this test's agentd that no sandbox owns.
     fn insert_stray(&self, name: &str) {
+        self.insert_pod(name, &self.instance.clone());
+    }
+
+    /// A Pod labelled as agentd `instance`'s.
+    fn insert_pod(&self, name: &str, instance: &str) {
         let labels = [
-            ("keystone.agent/agentd", self.instance.as_str()),
+            ("keystone.agent/agentd", instance),
             ("keystone.agent/sandbox", "stray"),
         ];
         if let Backing::Fake(f) = &self.backing {
@@ -213,6 +218,44 @@ impl Cluster {
                 .create(&Default::default(), &pod)
                 .await
                 .unwrap();
+        });
+    }
+}
+
+/// On a real cluster, what this test's agentd left goes with the test
+/// (the fake goes whole): its Pods would hold the node's CPUs and memory
+/// for the next tests, and its claims, named after the sandbox only,
+/// would be taken up by the next run's.
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+        use k8s_openapi::api::networking::v1::NetworkPolicy;
+        if !self.is_real() {
+            return;
+        }
+        let client = self.client();
+        let lp = kube::api::ListParams::default()
+            .labels(&format!("keystone.agent/agentd={}", self.instance));
+        let now = kube::api::DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        };
+        self.rt.block_on(async {
+            let pods = kube::Api::<Pod>::namespaced(client.clone(), NS);
+            let claims = kube::Api::<PersistentVolumeClaim>::namespaced(client.clone(), NS);
+            let policies = kube::Api::<NetworkPolicy>::namespaced(client, NS);
+            let _ = pods.delete_collection(&now, &lp).await;
+            let _ = policies.delete_collection(&now, &lp).await;
+            let _ = claims.delete_collection(&now, &lp).await;
+            // Until the claims are gone (their Pods first).
+            for _ in 0..120 {
+                let left = claims.list(&lp).await.map_or(0, |l| l.items.len())
+                    + pods.list(&lp).await.map_or(0, |l| l.items.len());
+                if left == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
         });
     }
 }
@@ -282,6 +325,8 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
     let repo = env.repo("demo");
     env.ok(&[
         "create",
+        "--vcpus",
+        "1",
         "--memory",
         "1024",
         "--disk",
@@ -297,10 +342,9 @@ fn a_sandbox_is_a_pod_whose_commits_come_home_and_that_leaves_nothing_behind() {
     assert_eq!(labels["keystone.agent/sandbox"], "demo");
     assert_eq!(labels["keystone.agent/agentd"], cluster.instance.as_str());
     assert_eq!(labels["keystone.agent/owner"], "0");
-    assert_eq!(
-        pod["spec"]["containers"][0]["resources"]["limits"]["memory"],
-        "1024Mi"
-    );
+    // A real API server writes quantities in their canonical form.
+    let memory = &pod["spec"]["containers"][0]["resources"]["limits"]["memory"];
+    assert!(memory == "1024Mi" || memory == "1Gi", "{memory}");
     let policy = cluster
         .object("networkpolicies", "ks-demo")
         .expect("its policy");
@@ -441,7 +485,7 @@ fn a_pod_that_cannot_run_fails_the_start_with_its_reason_and_events() {
         serde_json::json!({"image": "registry.example/does-not-exist:1"}),
     );
     let repo = env.repo("broken");
-    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["create", "--vcpus", "1", repo.to_str().unwrap()]);
     let err = env.fails(3, &["start", "broken"]);
     assert!(
         err.contains("ErrImagePull") || err.contains("ImagePullBackOff"),
@@ -467,7 +511,7 @@ fn a_cluster_that_does_not_enforce_network_policies_is_refused_unless_allowed() 
     }
     let env = agentd(&cluster, serde_json::json!({}));
     let repo = env.repo("open");
-    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["create", "--vcpus", "1", repo.to_str().unwrap()]);
     let err = env.fails(3, &["start", "open"]);
     assert!(err.contains("does not enforce NetworkPolicies"), "{err}");
     assert!(err.contains("allow_unenforced_network_policy"), "{err}");
@@ -480,7 +524,7 @@ fn a_cluster_that_does_not_enforce_network_policies_is_refused_unless_allowed() 
         serde_json::json!({"allow_unenforced_network_policy": true}),
     );
     let repo = env.repo("open2");
-    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["create", "--vcpus", "1", repo.to_str().unwrap()]);
     env.ok(&["start", "open2"]);
     assert_eq!(env.ok(&["exec", "open2", "--", "true"]), "");
 }
@@ -493,7 +537,7 @@ fn agentd_finds_its_pods_again_after_kill_9_and_removes_strays() {
     let cluster = Cluster::start(true);
     let mut env = agentd_running(&cluster, serde_json::json!({}));
     let repo = env.repo("keep");
-    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["create", "--vcpus", "1", repo.to_str().unwrap()]);
     env.ok(&["start", "keep"]);
     let uid = cluster.object("pods", "ks-keep").unwrap()["metadata"]["uid"].clone();
     nix::sys::signal::kill(
@@ -527,7 +571,7 @@ fn a_hostile_git_directory_in_the_pod_is_refused_and_the_host_is_unchanged() {
     let cluster = Cluster::start(true);
     let env = agentd_running(&cluster, serde_json::json!({}));
     let repo = env.repo("evil");
-    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["create", "--vcpus", "1", repo.to_str().unwrap()]);
     env.ok(&["start", "evil"]);
     let before = git(&repo, &["for-each-ref"]);
     // A link out of the git directory, which a careless copy would follow
@@ -565,7 +609,7 @@ fn a_terminal_and_zellij_reach_into_the_pod() {
         "no Zellij: run tests/install-zellij.sh"
     );
     let repo = env.repo("tty");
-    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["create", "--vcpus", "1", repo.to_str().unwrap()]);
     env.ok(&["start", "tty"]);
     let ctl = |args: &str| {
         format!(
@@ -662,4 +706,40 @@ fn a_dev_server_in_the_pod_gets_its_link_through_port_forward() {
     let ports: serde_json::Value =
         serde_json::from_str(&env.ok(&["ports", "web", "--json"])).unwrap();
     assert!(ports.to_string().contains("8123"), "{ports}");
+}
+
+#[test]
+fn an_object_of_another_agentd_with_the_sandbox_s_name_is_never_taken_over() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd_running(&cluster, serde_json::json!({}));
+    cluster.insert_pod("ks-taken", "another-agentd");
+    let uid = cluster.object("pods", "ks-taken").unwrap()["metadata"]["uid"].clone();
+    let repo = env.repo("taken");
+    env.ok(&["create", "--vcpus", "1", repo.to_str().unwrap()]);
+    let err = env.fails(3, &["start", "taken"]);
+    assert!(err.contains("is not this agentd's"), "{err}");
+    assert!(err.contains("another-agentd"), "{err}");
+    let pod = cluster.object("pods", "ks-taken").expect("still there");
+    assert_eq!(pod["metadata"]["uid"], uid);
+    assert_eq!(
+        pod["metadata"]["labels"]["keystone.agent/agentd"],
+        "another-agentd"
+    );
+    assert!(
+        cluster
+            .object("persistentvolumeclaims", "ks-taken")
+            .is_none()
+    );
+    assert!(cluster.object("networkpolicies", "ks-taken").is_none());
+    if cluster.is_real() {
+        let client = cluster.client();
+        cluster.rt.block_on(async {
+            let _ = kube::Api::<k8s_openapi::api::core::v1::Pod>::namespaced(client, NS)
+                .delete("ks-taken", &Default::default())
+                .await;
+        });
+    }
 }

@@ -65,6 +65,20 @@ pub enum KubeError {
         /// The Pod.
         pod: String,
     },
+    /// An object of the sandbox's name belongs to someone else.
+    #[error(
+        "{kind} {name} in namespace {namespace} is not this agentd's (its keystone.agent/agentd label is '{owner}'): another agentd's sandbox of the same name, or not a sandbox at all; rename the sandbox, or give each agentd a namespace of its own"
+    )]
+    Foreign {
+        /// Its kind.
+        kind: &'static str,
+        /// Its name.
+        name: String,
+        /// Its namespace.
+        namespace: String,
+        /// Its `keystone.agent/agentd` label (empty: none).
+        owner: String,
+    },
     /// A command ran past its timeout (`timeout` in the Pod killed it).
     #[error("command '{command}' did not finish within {secs}s and was killed")]
     CommandTimeout {

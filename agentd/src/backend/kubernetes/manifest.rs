@@ -95,6 +95,26 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
                 "runAsNonRoot": true,
                 "seccompProfile": {"type": "RuntimeDefault"},
             },
+            // The claim's directories are made by the agent's uid before
+            // the container mounts them: a directory the kubelet makes
+            // for a subPath is root's (fsGroup changes only its group),
+            // and git refuses a work tree of another owner ("dubious
+            // ownership"), as tar refuses to restore its mode.
+            "initContainers": [{
+                "name": "dirs",
+                "image": image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["mkdir", "-p", "/data/workspace", "/data/home"],
+                "resources": {
+                    "requests": {"cpu": cpu, "memory": memory},
+                    "limits": {"cpu": cpu, "memory": memory},
+                },
+                "securityContext": {
+                    "allowPrivilegeEscalation": false,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+            }],
             "containers": [{
                 "name": CONTAINER,
                 "image": image,
@@ -224,6 +244,12 @@ mod tests {
         let at = |path: &str| mounts.iter().find(|m| m["mountPath"] == path).unwrap();
         assert_eq!(at(WORKSPACE)["name"], "data");
         assert_eq!(at(WORKSPACE)["subPath"], "workspace");
+        // The claim's directories are made by the Pod's uid, unprivileged,
+        // before the container mounts them.
+        let init = &s["initContainers"][0];
+        assert_eq!(init["volumeMounts"][0]["name"], "data");
+        assert_eq!(init["securityContext"]["allowPrivilegeEscalation"], false);
+        assert!(init["securityContext"]["runAsUser"].is_null(), "the Pod's");
         // Without persist, the home is the Pod's own; with it, the claim's.
         assert_eq!(at(HOME)["name"], "home");
         let p = serde_json::to_value(pod(&spec(true), &c, "abc", "img:1")).unwrap();

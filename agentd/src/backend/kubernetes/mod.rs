@@ -186,23 +186,36 @@ impl KubeBackend {
         }
     }
 
-    /// The last events of Pod `pod`, as one line.
-    async fn events(&self, c: &Connected, pod: &str) -> String {
+    /// The last events of Pod `pod` (this one, of uid `uid`: not those of
+    /// an earlier Pod or of the claim of the same name), as one line.
+    async fn events(&self, c: &Connected, pod: &str, uid: &str) -> String {
         let api: Api<Event> = self.api(c);
-        let Ok(list) = api
-            .list(
-                &ListParams::default()
-                    .fields(&format!("involvedObject.name={pod}"))
-                    .limit(500),
-            )
-            .await
-        else {
+        let lp = ListParams::default()
+            .fields(&format!(
+                "involvedObject.kind=Pod,involvedObject.name={pod}"
+            ))
+            .limit(500);
+        let Ok(list) = api.list(&lp).await else {
             return "(cannot list events)".to_owned();
         };
-        let mut lines: Vec<String> = list
+        let mut items: Vec<Event> = list
             .items
             .into_iter()
-            .filter(|e| e.involved_object.name.as_deref() == Some(pod))
+            .filter(|e| {
+                e.involved_object.name.as_deref() == Some(pod)
+                    && e.involved_object.kind.as_deref().is_none_or(|k| k == "Pod")
+                    && e.involved_object.uid.as_deref().is_none_or(|u| u == uid)
+            })
+            .collect();
+        // Oldest first (a list comes in the order of the events' names).
+        items.sort_by_key(|e| {
+            e.last_timestamp
+                .as_ref()
+                .map(|t| t.0)
+                .or_else(|| e.event_time.as_ref().map(|t| t.0))
+        });
+        let mut lines: Vec<String> = items
+            .into_iter()
             .map(|e| {
                 format!(
                     "{} {}: {}",
@@ -313,6 +326,7 @@ impl KubeBackend {
                         let (reason, message) = p
                             .trouble
                             .clone()
+                            .or_else(|| p.failed.clone())
                             .unwrap_or((p.phase.clone(), String::new()));
                         return Err((reason, message));
                     }
@@ -326,7 +340,7 @@ impl KubeBackend {
         match waited {
             Ok(Ok(())) => Ok(()),
             Ok(Err((reason, message))) => {
-                let events = self.events(c, name).await;
+                let events = self.events(c, name, uid).await;
                 Err(KubeError::PodFailed {
                     pod: name.to_owned(),
                     reason,
@@ -336,11 +350,14 @@ impl KubeBackend {
             Err(_) => Err(KubeError::StartTimeout {
                 pod: name.to_owned(),
                 secs,
-                seen: c
-                    .pods
-                    .get(name)
-                    .map_or_else(|| "not seen".to_owned(), |p| p.phase),
-                events: self.events(c, name).await,
+                seen: c.pods.get(name).map_or_else(
+                    || "not seen".to_owned(),
+                    |p| match p.unscheduled {
+                        Some(why) => format!("{}, not scheduled: {why}", p.phase),
+                        None => p.phase,
+                    },
+                ),
+                events: self.events(c, name, uid).await,
             }),
         }
     }
@@ -380,11 +397,68 @@ impl KubeBackend {
         Ok(())
     }
 
+    /// Refuse to start when an object of the sandbox's name in the
+    /// namespace is not this agentd's (another agentd's sandbox of the same
+    /// name, or anyone's object): applying over it would take it, or share
+    /// its workspace.
+    async fn refuse_foreign(&self, c: &Connected, name: &str) -> Result<(), KubeError> {
+        fn owner<K: kube::Resource>(o: Option<K>) -> Option<String> {
+            o.map(|o| {
+                o.meta()
+                    .labels
+                    .as_ref()
+                    .and_then(|l| l.get(manifest::AGENTD_LABEL).cloned())
+                    .unwrap_or_default()
+            })
+        }
+        let found = [
+            (
+                "Pod",
+                owner(
+                    self.api::<Pod>(c)
+                        .get_opt(name)
+                        .await
+                        .map_err(self.api_error("cannot read the Pod", name))?,
+                ),
+            ),
+            (
+                "PersistentVolumeClaim",
+                owner(
+                    self.api::<PersistentVolumeClaim>(c)
+                        .get_opt(name)
+                        .await
+                        .map_err(self.api_error("cannot read the claim", name))?,
+                ),
+            ),
+            (
+                "NetworkPolicy",
+                owner(
+                    self.api::<NetworkPolicy>(c)
+                        .get_opt(name)
+                        .await
+                        .map_err(self.api_error("cannot read the NetworkPolicy", name))?,
+                ),
+            ),
+        ];
+        for (kind, label) in found {
+            if let Some(label) = label.filter(|l| *l != self.instance) {
+                return Err(KubeError::Foreign {
+                    kind,
+                    name: name.to_owned(),
+                    namespace: self.ns().to_owned(),
+                    owner: label,
+                });
+            }
+        }
+        Ok(())
+    }
+
     async fn start_pod(&self, spec: &SandboxSpec) -> Result<Runtime, KubeError> {
         let c = self.connected().await?;
         let config = &self.settings.config;
         let image = config.image.as_deref().ok_or(KubeError::NoImage)?;
         let name = manifest::object_name(&spec.name);
+        self.refuse_foreign(c, &name).await?;
         self.apply(
             c,
             "cannot apply the NetworkPolicy",

@@ -24,13 +24,18 @@ pub struct PodView {
     pub ready: bool,
     /// Why its container waits or ended (`ErrImagePull`: message), if so.
     pub trouble: Option<(String, String)>,
+    /// Why the Pod itself failed (`Evicted`: message), if so.
+    pub failed: Option<(String, String)>,
+    /// Why it is not scheduled yet (its `PodScheduled` condition), if so.
+    pub unscheduled: Option<String>,
 }
 
 impl PodView {
     fn of(p: &Pod) -> Self {
         let status = p.status.clone().unwrap_or_default();
         let ctr = status.container_statuses.clone().unwrap_or_default();
-        let trouble = ctr.iter().find_map(|c| {
+        let init = status.init_container_statuses.clone().unwrap_or_default();
+        let trouble = init.iter().chain(&ctr).find_map(|c| {
             let state = c.state.as_ref()?;
             if let Some(w) = &state.waiting {
                 let reason = w.reason.clone().unwrap_or_default();
@@ -38,19 +43,38 @@ impl PodView {
                     return Some((reason, w.message.clone().unwrap_or_default()));
                 }
             }
-            state.terminated.as_ref().map(|t| {
-                (
-                    t.reason.clone().unwrap_or_else(|| "Terminated".to_owned()),
-                    t.message.clone().unwrap_or_default(),
-                )
-            })
+            // An init container that did its work is no trouble.
+            let t = state.terminated.as_ref()?;
+            if t.exit_code == 0 && init.iter().any(|i| i.name == c.name) {
+                return None;
+            }
+            let exited = format!("container {} exited {}", c.name, t.exit_code);
+            Some((
+                t.reason.clone().unwrap_or_else(|| "Terminated".to_owned()),
+                match t.message.as_deref() {
+                    Some(m) if !m.is_empty() => format!("{m} ({exited})"),
+                    _ => exited,
+                },
+            ))
         });
+        let unscheduled = status
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .map(|c| c.message.clone().unwrap_or_default());
+        let failed = status
+            .reason
+            .clone()
+            .map(|r| (r, status.message.clone().unwrap_or_default()));
         Self {
             uid: p.metadata.uid.clone().unwrap_or_default(),
             phase: status.phase.unwrap_or_default(),
             deleting: p.metadata.deletion_timestamp.is_some(),
             ready: ctr.iter().all(|c| c.ready) && !ctr.is_empty(),
             trouble,
+            failed,
+            unscheduled,
         }
     }
 

@@ -151,9 +151,7 @@ impl KubeBackend {
         std::thread::Builder::new()
             .name("kube-tools".to_owned())
             .spawn(move || {
-                let mut b = tar::Builder::new(std::fs::File::from(w));
-                b.follow_symlinks(false);
-                let _ = done.send(b.append_dir_all(".", &dir).and_then(|()| b.finish()));
+                let _ = done.send(tools_archive(std::fs::File::from(w), &dir));
             })
             .map_err(KubeError::Io)?;
         let mut input =
@@ -168,4 +166,21 @@ impl KubeBackend {
         unpacked?;
         written.map_err(KubeError::Io)
     }
+}
+
+/// Write a tar archive of `dir`'s entries (not of `dir` itself: "." would
+/// be the volume's root in the Pod, whose mode and time the Pod's uid may
+/// not set, an emptyDir being root's) to `out`.
+fn tools_archive(out: std::fs::File, dir: &std::path::Path) -> std::io::Result<()> {
+    let mut b = tar::Builder::new(out);
+    b.follow_symlinks(false);
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            b.append_dir_all(entry.file_name(), entry.path())?;
+        } else {
+            b.append_path_with_name(entry.path(), entry.file_name())?;
+        }
+    }
+    b.finish()
 }
