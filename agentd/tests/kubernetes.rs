@@ -678,7 +678,7 @@ fn a_dev_server_in_the_pod_gets_its_link_through_port_forward() {
     }
     let env = agentd_with(&cluster, extra, proxy);
     let repo = env.repo("web");
-    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["create", "--vcpus", "1", repo.to_str().unwrap()]);
     env.ok(&["start", "web"]);
     // A dev server on the Pod's own loopback, found by agentd inside the
     // Pod and reached through the API server's port-forward.
