@@ -78,6 +78,15 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
     } else {
         json!({"name": "home", "mountPath": HOME})
     };
+    // Both containers: the sandbox's resources, nothing privileged.
+    let resources = json!({
+        "requests": {"cpu": cpu, "memory": memory},
+        "limits": {"cpu": cpu, "memory": memory},
+    });
+    let unprivileged = json!({
+        "allowPrivilegeEscalation": false,
+        "capabilities": {"drop": ["ALL"]},
+    });
     typed(json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -105,14 +114,8 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
                 "image": image,
                 "imagePullPolicy": "IfNotPresent",
                 "command": ["mkdir", "-p", "/data/workspace", "/data/home"],
-                "resources": {
-                    "requests": {"cpu": cpu, "memory": memory},
-                    "limits": {"cpu": cpu, "memory": memory},
-                },
-                "securityContext": {
-                    "allowPrivilegeEscalation": false,
-                    "capabilities": {"drop": ["ALL"]},
-                },
+                "resources": resources,
+                "securityContext": unprivileged,
                 "volumeMounts": [{"name": "data", "mountPath": "/data"}],
             }],
             "containers": [{
@@ -128,14 +131,8 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
                     {"name": "SHELL", "value": "/bin/bash"},
                     {"name": "KEYSTONE_SANDBOX", "value": spec.name},
                 ],
-                "resources": {
-                    "requests": {"cpu": cpu, "memory": memory},
-                    "limits": {"cpu": cpu, "memory": memory},
-                },
-                "securityContext": {
-                    "allowPrivilegeEscalation": false,
-                    "capabilities": {"drop": ["ALL"]},
-                },
+                "resources": resources,
+                "securityContext": unprivileged,
                 "volumeMounts": [
                     {"name": "data", "mountPath": WORKSPACE, "subPath": "workspace"},
                     home,
