@@ -743,3 +743,52 @@ fn an_object_of_another_agentd_with_the_sandbox_s_name_is_never_taken_over() {
         });
     }
 }
+
+#[test]
+fn commits_in_the_pod_come_home_by_themselves() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd_running(&cluster, serde_json::json!({}));
+    let repo = env.repo("auto");
+    env.ok(&[
+        "create",
+        "--vcpus",
+        "1",
+        "--sync-mode",
+        "auto-commit",
+        repo.to_str().unwrap(),
+    ]);
+    env.ok(&["start", "auto"]);
+    env.ok(&[
+        "exec",
+        "auto",
+        "--",
+        "git",
+        "-c",
+        "user.name=Agent",
+        "-c",
+        "user.email=agent@sandbox",
+        "commit",
+        "--allow-empty",
+        "-q",
+        "-m",
+        "all by itself",
+    ]);
+    // The Pod's branches are followed: no `agentctl sync`.
+    wait_for("the commit on the host", Duration::from_secs(30), || {
+        common::host_ref(&repo, "refs/remotes/sandbox/auto/main").is_some_and(|_| {
+            git(
+                &repo,
+                &["log", "-1", "--format=%s", "refs/remotes/sandbox/auto/main"],
+            )
+            .trim()
+                == "all by itself"
+        })
+    });
+    // Nothing changes, nothing is synced.
+    let syncs = env.log().matches("synced").count();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(env.log().matches("synced").count(), syncs);
+}

@@ -397,6 +397,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// A stream that yields whenever the sandbox's branches change, for a
+    /// backend whose workspace is not the host directory (`None`: agentd
+    /// watches the host directory itself). It ends with the sandbox.
+    fn ref_changes<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+    ) -> Option<BoxFut<'a, Result<tokio::sync::mpsc::Receiver<()>, BackendError>>> {
+        None
+    }
+
     /// Remove what the backend keeps for a destroyed sandbox outside its
     /// host directory (a cluster's volume claim).
     fn remove<'a>(&'a self, _spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {

@@ -71,7 +71,15 @@ pub struct Handle {
     task: tokio::task::JoinHandle<()>,
     /// Write end of the watch thread's stop pipe: closing it ends the thread
     /// (and with it the inotify instance and all its watches).
-    _stop: OwnedFd,
+    _stop: Option<OwnedFd>,
+}
+
+impl Handle {
+    /// A watcher that is only `task` (the backend watches, elsewhere).
+    #[must_use]
+    pub fn of_task(task: tokio::task::JoinHandle<()>) -> Self {
+        Self { task, _stop: None }
+    }
 }
 
 impl Drop for Handle {
@@ -180,7 +188,7 @@ pub fn start(
     });
     Ok(Handle {
         task,
-        _stop: stop_tx,
+        _stop: Some(stop_tx),
     })
 }
 

@@ -662,6 +662,13 @@ impl super::Backend for KubeBackend {
         Some(Box::pin(async move { Ok(self.worktree(spec, req).await?) }))
     }
 
+    fn ref_changes<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+    ) -> Option<BoxFut<'a, Result<tokio::sync::mpsc::Receiver<()>, BackendError>>> {
+        Some(Box::pin(async move { Ok(self.watch_refs(spec).await?) }))
+    }
+
     fn remove<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
         Box::pin(async move { Ok(self.remove_all(spec).await?) })
     }

@@ -184,3 +184,48 @@ fn tools_archive(out: std::fs::File, dir: &std::path::Path) -> std::io::Result<(
     }
     b.finish()
 }
+
+/// Runs in the Pod for as long as it runs: a line each time the branches
+/// (their names and commits) change, looked at every second by git there;
+/// the first line is the state at the start, which a sync brings home too
+/// (commits may have come since the last one).
+const REF_WATCH: &str = r#"prev=
+while :; do
+  cur=$(git -C /workspace for-each-ref --format='%(objectname) %(refname)' refs/heads 2>/dev/null | cksum)
+  if [ "$cur" != "$prev" ]; then echo changed; prev=$cur; fi
+  sleep 1
+done"#;
+
+impl KubeBackend {
+    /// Yields whenever the branches in `spec`'s Pod change (see
+    /// [`REF_WATCH`]); ends with the exec, that is with the Pod. Of what
+    /// the Pod prints only newlines count, and nothing is kept.
+    pub(super) async fn watch_refs(
+        &self,
+        spec: &SandboxSpec,
+    ) -> Result<tokio::sync::mpsc::Receiver<()>, KubeError> {
+        use tokio::io::AsyncReadExt;
+        let c = self.connected().await?;
+        let pod = manifest::object_name(&spec.name);
+        let argv = vec!["sh".to_owned(), "-c".to_owned(), REF_WATCH.to_owned()];
+        let mut p = self.attach(c, &pod, argv, false, false).await?;
+        let (_status, out) = super::exec::status_and_stdout(&mut p)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            let _exec = p;
+            let mut out = out;
+            // Only newlines count; nothing is kept, whatever the Pod prints.
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = out.read(&mut buf).await {
+                if n == 0 {
+                    return;
+                }
+                // A change already waiting covers this one.
+                if buf[..n].contains(&b'\n') && tx.try_send(()).is_err() && tx.is_closed() {
+                    return;
+                }
+            }
+        });
+        Ok(rx)
+    }
+}

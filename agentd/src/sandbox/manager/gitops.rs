@@ -186,18 +186,52 @@ impl Manager {
         if sb.config.sync_mode == SyncMode::Manual || sb.creating {
             return;
         }
-        if sb.backend == BackendKind::Kubernetes {
-            // The host's copy of a kubernetes sandbox's workspace changes
-            // only when a sync brings the git directory: watching it would
-            // take each sync for new work (snapshots of the stale files,
-            // and syncs without end).
-            drop(watchers);
-            let _ = self.update(name, |s| {
-                s.last_sync_result =
-                    "automatic sync is off: the kubernetes backend's workspace is \
-                                      in its Pod; bring work home with `agentctl sync`"
-                        .to_owned();
+        let spec = self.spec(&sb);
+        let backend = self.backend(sb.backend).ok().map(Arc::clone);
+        if let Some(backend) = backend.filter(|b| b.ref_changes(&spec).is_some()) {
+            // The workspace is elsewhere (a Pod): the backend says when its
+            // branches change, and each change is synced. The host's copy
+            // is never watched, nor snapshotted: it changes only when a sync
+            // brings the git directory.
+            let this = Arc::downgrade(self);
+            let sandbox = name.to_owned();
+            // It lives with the sandbox (destroy drops it), and follows
+            // each run of the Pod: after a stop, the next start.
+            let task = tokio::spawn(async move {
+                loop {
+                    let running = this
+                        .upgrade()
+                        .and_then(|m| m.snapshot(&sandbox))
+                        .map(|s| s.state == SandboxState::Running);
+                    match running {
+                        None => return,
+                        Some(false) => {
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                            continue;
+                        }
+                        Some(true) => {}
+                    }
+                    let Some(changes) = backend.ref_changes(&spec) else {
+                        return;
+                    };
+                    let mut changes = match changes.await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!(sandbox = %sandbox, error = %e, "cannot follow the sandbox's branches yet");
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                            continue;
+                        }
+                    };
+                    while changes.recv().await.is_some() {
+                        let Some(manager) = this.upgrade() else {
+                            return;
+                        };
+                        manager.auto_sync(&sandbox).await;
+                    }
+                }
             });
+            tracing::info!(sandbox = %name, mode = %sb.config.sync_mode, "following the sandbox's branches");
+            watchers.insert(name.to_owned(), watch::Handle::of_task(task));
             return;
         }
         let spec = self.spec(&sb);
