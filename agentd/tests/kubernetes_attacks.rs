@@ -10,87 +10,22 @@
 //! `/usr` in a Pod, it binds its own program over `/usr/bin/tar` inside the
 //! Pod's mount namespace instead.
 
+#[path = "common/kube.rs"]
+mod cluster;
 mod common;
 
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
+use cluster::{Cluster, agentd, skip};
 use common::{Env, git};
-use fake_kube::FakeKube;
-
-const NS: &str = "agent-sandboxes";
-
-/// The fake cluster, with a runtime of its own.
-struct Cluster {
-    fake: FakeKube,
-    rt: tokio::runtime::Runtime,
-    instance: String,
-}
-
-impl Cluster {
-    fn start() -> Self {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let fake = rt.block_on(FakeKube::start());
-        Self {
-            fake,
-            rt,
-            instance: format!("attack-{}-{n}", std::process::id()),
-        }
-    }
-
-    fn object(&self, resource: &str, name: &str) -> Option<serde_json::Value> {
-        self.fake.object(resource, NS, name)
-    }
-}
-
-/// agentd with its kubernetes backend on `cluster`, `extra` merged into
-/// the `kubernetes` section.
-fn agentd(cluster: &Cluster, extra: serde_json::Value) -> Env {
-    let mut env = Env::bus_only();
-    let kubeconfig = cluster.fake.kubeconfig(env.tmp.path(), NS);
-    let mut section = serde_json::json!({
-        "kubeconfig": kubeconfig,
-        "namespace": NS,
-        "image": "debian:bookworm",
-        "instance": cluster.instance,
-        "start_timeout_seconds": 60,
-        "stop_grace_seconds": 1,
-    });
-    for (k, v) in extra.as_object().unwrap() {
-        section[k] = v.clone();
-    }
-    let config = serde_json::json!({"default_backend": "kubernetes", "kubernetes": section});
-    let path = env.tmp.path().join("agentd.json");
-    std::fs::write(&path, config.to_string()).unwrap();
-    env.config = Some(path);
-    env.start_agentd();
-    env
-}
-
-fn skip() -> bool {
-    if !common::is_root() {
-        eprintln!("skipped: the workspace helpers run as the sandbox's uid (root only)");
-        return true;
-    }
-    false
-}
 
 /// A running sandbox `name` of a fresh repository (`--disk 256`); the
 /// repository.
 fn sandbox(env: &Env, name: &str, extra: &[&str]) -> std::path::PathBuf {
-    let repo = env.repo(name);
-    let mut args = vec!["create", "--disk", "256"];
+    let mut args = vec!["--disk", "256"];
     args.extend_from_slice(extra);
-    args.push(repo.to_str().unwrap());
-    env.ok(&args);
-    env.ok(&["start", name]);
-    repo
+    cluster::sandbox(env, name, &args)
 }
 
 /// What agentd holds: (resident KiB, descriptors, threads).
@@ -179,7 +114,7 @@ fn a_refused_git_directory_with_gigabytes_left_cannot_hang_sync_or_stop() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({}));
     let repo = sandbox(&env, "sparse", &[]);
     let refs = git(&repo, &["for-each-ref"]);
@@ -250,7 +185,7 @@ fn a_tar_that_never_ends_cannot_hold_a_sync_or_a_stop() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({"transfer_timeout_seconds": 3}));
     let repo = sandbox(&env, "silent", &[]);
     let refs = git(&repo, &["for-each-ref"]);
@@ -407,7 +342,7 @@ fn a_long_name_of_half_a_gigabyte_is_refused_without_being_held_in_memory() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({}));
     let repo = sandbox(&env, "longname", &[]);
     let refs = git(&repo, &["for-each-ref"]);
@@ -442,7 +377,7 @@ fn a_directory_entry_with_gigabytes_of_content_is_refused_at_once() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({}));
     let repo = sandbox(&env, "dirsize", &[]);
     let refs = git(&repo, &["for-each-ref"]);
@@ -466,7 +401,7 @@ fn a_nul_byte_in_a_name_of_the_archive_does_not_take_agentd_off_the_bus() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({}));
     let repo = sandbox(&env, "nul", &[]);
     let refs = git(&repo, &["for-each-ref"]);
@@ -502,7 +437,7 @@ fn nul_bytes_in_git_files_do_not_reach_the_bus() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({}));
     let _repo = sandbox(&env, "nulref", &[]);
     for script in [
@@ -539,7 +474,7 @@ fn a_process_holding_the_output_does_not_outlast_the_timeout() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({}));
     sandbox(&env, "hold", &[]);
     let pid = env.agentd_pid();
@@ -595,7 +530,7 @@ fn auto_idle_does_not_snapshot_the_stale_host_copy_as_work() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({}));
     let repo = sandbox(&env, "idle", &["--sync-mode", "auto-idle"]);
     env.ok(&["set", "idle", "--sync-idle-seconds", "1"]);
@@ -639,7 +574,7 @@ fn a_seed_that_ends_early_fails_the_start_instead_of_hanging() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let env = agentd(&cluster, serde_json::json!({}));
     let repo = env.repo("seed");
     std::fs::write(repo.join("big.bin"), vec![7u8; 64 << 20]).unwrap();
@@ -727,7 +662,11 @@ impl Relay {
     fn start(cluster: &Cluster) -> Self {
         use std::sync::atomic::Ordering;
         let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let target = cluster.fake.url().trim_start_matches("http://").to_owned();
+        let target = cluster
+            .fake()
+            .url()
+            .trim_start_matches("http://")
+            .to_owned();
         let listener = cluster
             .rt
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
@@ -775,12 +714,12 @@ fn a_restart_while_the_api_server_is_away_neither_orphans_nor_kills_the_pod() {
     if skip() {
         return;
     }
-    let cluster = Cluster::start();
+    let cluster = Cluster::fake_only(true);
     let relay = Relay::start(&cluster);
     let mut env = agentd(&cluster, serde_json::json!({}));
     let kubeconfig = env.tmp.path().join("kubeconfig");
     let text = std::fs::read_to_string(&kubeconfig).unwrap().replace(
-        &cluster.fake.url(),
+        &cluster.fake().url(),
         &format!("http://127.0.0.1:{}", relay.port),
     );
     std::fs::write(&kubeconfig, text).unwrap();

@@ -400,8 +400,8 @@ impl KubeBackend {
     /// Refuse to start when an object of the sandbox's name in the
     /// namespace is not this agentd's (another agentd's sandbox of the same
     /// name, or anyone's object): applying over it would take it, or share
-    /// its workspace.
-    async fn refuse_foreign(&self, c: &Connected, name: &str) -> Result<(), KubeError> {
+    /// its workspace. Whether the sandbox's claim exists already.
+    async fn refuse_foreign(&self, c: &Connected, name: &str) -> Result<bool, KubeError> {
         fn owner<K: kube::Resource>(o: Option<K>) -> Option<String> {
             o.map(|o| {
                 o.meta()
@@ -440,6 +440,9 @@ impl KubeBackend {
                 ),
             ),
         ];
+        let claim_exists = found
+            .iter()
+            .any(|(kind, label)| *kind == "PersistentVolumeClaim" && label.is_some());
         for (kind, label) in found {
             if let Some(label) = label.filter(|l| *l != self.instance) {
                 return Err(KubeError::Foreign {
@@ -450,7 +453,7 @@ impl KubeBackend {
                 });
             }
         }
-        Ok(())
+        Ok(claim_exists)
     }
 
     async fn start_pod(&self, spec: &SandboxSpec) -> Result<Runtime, KubeError> {
@@ -458,7 +461,7 @@ impl KubeBackend {
         let config = &self.settings.config;
         let image = config.image.as_deref().ok_or(KubeError::NoImage)?;
         let name = manifest::object_name(&spec.name);
-        self.refuse_foreign(c, &name).await?;
+        let claim_exists = self.refuse_foreign(c, &name).await?;
         self.apply(
             c,
             "cannot apply the NetworkPolicy",
@@ -467,14 +470,8 @@ impl KubeBackend {
         )
         .await?;
         let claim = manifest::claim(spec, config, &self.instance);
-        let claims: Api<PersistentVolumeClaim> = self.api(c);
         // A claim's spec cannot change once made: make it only when missing.
-        if claims
-            .get_opt(&name)
-            .await
-            .map_err(self.api_error("cannot read the claim", &name))?
-            .is_none()
-        {
+        if !claim_exists {
             self.apply(c, "cannot create the claim", &name, &claim)
                 .await?;
         }

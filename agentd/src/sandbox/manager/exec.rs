@@ -94,8 +94,7 @@ impl Manager {
     pub(super) async fn exec_inner(&self, sb: &Sandbox, mut call: ExecCall) -> Result<ExecResult> {
         let stdio = call.stdio.take();
         let backend = Arc::clone(self.backend(sb.backend)?);
-        let call = self.resolve_worktree(sb, call).await?;
-        let req = self.exec_request(sb, call)?;
+        let req = self.exec_request(sb, call).await?;
         let spec = self.spec(sb);
         let result = match stdio {
             Some(fds) => backend
@@ -116,24 +115,7 @@ impl Manager {
 
     /// Check `call` against running sandbox `sb` and resolve its working
     /// directory.
-    /// `call` with its worktree turned into its directory where only the
-    /// backend can tell (the rest is [`Manager::exec_request`]'s).
-    pub(super) async fn resolve_worktree(
-        &self,
-        sb: &Sandbox,
-        mut call: ExecCall,
-    ) -> Result<ExecCall> {
-        let remote = self
-            .backend(sb.backend)
-            .is_ok_and(|b| b.kind() == BackendKind::Kubernetes);
-        if let (true, Some(branch), true) = (remote, &call.worktree, call.cwd.is_empty()) {
-            call.cwd = self.worktree_dir_anywhere(sb, branch).await?;
-            call.worktree = None;
-        }
-        Ok(call)
-    }
-
-    pub(super) fn exec_request(&self, sb: &Sandbox, call: ExecCall) -> Result<ExecRequest> {
+    pub(super) async fn exec_request(&self, sb: &Sandbox, call: ExecCall) -> Result<ExecRequest> {
         let name = sb.name.as_str();
         let ExecCall {
             argv,
@@ -183,7 +165,7 @@ impl Manager {
                     "give either a worktree or a working directory, not both".into(),
                 ]));
             }
-            (Some(branch), true) => self.worktree_dir(sb, &branch)?,
+            (Some(branch), true) => self.worktree_dir(sb, &branch).await?,
             (None, true) => worktree::SANDBOX_ROOT.to_owned(),
             (None, false) => cwd,
         };

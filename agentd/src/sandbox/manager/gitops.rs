@@ -333,16 +333,6 @@ impl Manager {
         }
     }
 
-    /// The directory (inside the sandbox) of `branch`'s worktree.
-    pub(super) fn worktree_dir(&self, sb: &Sandbox, branch: &str) -> Result<String> {
-        self.find_worktree_dir(sb, branch)?.ok_or_else(|| {
-            Error::Invalid(vec![format!(
-                "sandbox '{}' has no worktree for '{branch}'; create it with `agentctl worktree add {} {branch}`",
-                sb.name, sb.name
-            )])
-        })
-    }
-
     /// [`Manager::find_worktree_dir`], asking the backend where the
     /// workspace is not the host directory (its worktrees are listed
     /// there).
@@ -377,8 +367,8 @@ impl Manager {
         }
     }
 
-    /// [`Manager::worktree_dir`] through [`Manager::find_worktree_dir_anywhere`].
-    pub(super) async fn worktree_dir_anywhere(&self, sb: &Sandbox, branch: &str) -> Result<String> {
+    /// The directory (inside the sandbox) of `branch`'s worktree.
+    pub(super) async fn worktree_dir(&self, sb: &Sandbox, branch: &str) -> Result<String> {
         self.find_worktree_dir_anywhere(sb, branch).await?.ok_or_else(|| {
             Error::Invalid(vec![format!(
                 "sandbox '{}' has no worktree for '{branch}'; create it with `agentctl worktree add {} {branch}`",

@@ -158,8 +158,7 @@ impl Manager {
             .record_as
             .clone()
             .unwrap_or_else(|| ("exec".to_owned(), shell_words(&call.argv)));
-        let call = self.resolve_worktree(&sb, call).await?;
-        let mut req = self.exec_request(&sb, call)?;
+        let mut req = self.exec_request(&sb, call).await?;
         req.env
             .entry("TERM".to_owned())
             .or_insert_with(|| tty.term());
