@@ -29,6 +29,20 @@ pub fn open_pty((rows, cols): (u16, u16)) -> nix::Result<(OwnedFd, OwnedFd)> {
     Ok((OwnedFd::from(master), slave))
 }
 
+/// The size (rows, columns) of the terminal `fd`, if it has one.
+#[must_use]
+pub fn size(fd: &OwnedFd) -> Option<(u16, u16)> {
+    let mut ws = nix::libc::winsize {
+        ws_row: 0,
+        ws_col: 0,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCGWINSZ writes one winsize through the valid pointer.
+    let r = unsafe { nix::libc::ioctl(fd.as_raw_fd(), nix::libc::TIOCGWINSZ, &raw mut ws) };
+    (r == 0 && ws.ws_row > 0).then_some((ws.ws_row, ws.ws_col))
+}
+
 /// Make the calling process the leader of a new session with its stdin (a
 /// terminal's slave side) as the controlling terminal. Meant for
 /// `pre_exec`: it makes only async-signal-safe calls.

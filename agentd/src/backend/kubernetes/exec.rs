@@ -176,24 +176,17 @@ impl KubeBackend {
         let c = self.connected().await?;
         let argv = command_line(&req)?;
         let name = manifest::object_name(&spec.name);
-        let ws = nix::pty::Winsize {
-            ws_row: size.0,
-            ws_col: size.1,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
-        let pty =
-            nix::pty::openpty(Some(&ws), None).map_err(|e| BackendError::Descriptor(e.into()))?;
+        let (master, slave) =
+            crate::pty::open_pty(size).map_err(|e| BackendError::Descriptor(e.into()))?;
         // The far side's terminal does the echo and line editing.
-        let mut t = nix::sys::termios::tcgetattr(&pty.slave).map_err(BackendError::Sys)?;
+        let mut t = nix::sys::termios::tcgetattr(&slave).map_err(BackendError::Sys)?;
         nix::sys::termios::cfmakeraw(&mut t);
-        nix::sys::termios::tcsetattr(&pty.slave, nix::sys::termios::SetArg::TCSANOW, &t)
+        nix::sys::termios::tcsetattr(&slave, nix::sys::termios::SetArg::TCSANOW, &t)
             .map_err(BackendError::Sys)?;
         let p = self.attach(c, &name, argv, true, true).await?;
-        let slave = pty.slave;
         let exit = Box::pin(async move { stream::tty(p, slave).await.map_err(BackendError::from) });
         Ok(TtyProcess {
-            terminal: pty.master,
+            terminal: master,
             exit,
         })
     }

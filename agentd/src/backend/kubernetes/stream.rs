@@ -8,7 +8,7 @@
 //! when dropped. (Threads, not the runtime's blocking pool: the pool may
 //! queue one pump behind another that waits for it, and the exec hangs.)
 
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::time::Duration;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
@@ -281,7 +281,7 @@ pub(super) async fn tty(mut attached: AttachedProcess, slave: OwnedFd) -> Result
     let resizing = async {
         let mut last = None;
         loop {
-            let now = winsize(&slave);
+            let now = crate::pty::size(&slave);
             if now != last {
                 if let (Some((rows, cols)), Some(tx)) = (now, size.as_mut()) {
                     let ready = std::future::poll_fn(|cx| tx.poll_ready(cx)).await;
@@ -318,17 +318,3 @@ pub(super) async fn tty(mut attached: AttachedProcess, slave: OwnedFd) -> Result
 /// The exit code of a command whose terminal the caller closed (128 +
 /// SIGHUP, as a shell reports it).
 pub(super) const HANGUP: i32 = 129;
-
-/// The size (rows, columns) of the terminal `fd`.
-fn winsize(fd: &OwnedFd) -> Option<(u16, u16)> {
-    let mut ws = nix::pty::Winsize {
-        ws_row: 0,
-        ws_col: 0,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
-    // SAFETY: TIOCGWINSZ writes one Winsize through the pointer, which
-    // lives through the call.
-    let r = unsafe { nix::libc::ioctl(fd.as_raw_fd(), nix::libc::TIOCGWINSZ, &raw mut ws) };
-    (r == 0 && ws.ws_row > 0).then_some((ws.ws_row, ws.ws_col))
-}
