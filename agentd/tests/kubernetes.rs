@@ -244,6 +244,27 @@ fn agentd_finds_its_pods_again_after_kill_9_and_removes_strays() {
         env.ok(&["exec", "keep", "--", "git", "log", "--format=%s"]),
         "first\n"
     );
+    // Its gateway serves again, through a relay that replaced the one the
+    // killed agentd had started.
+    let ask = "curl -sS --max-time 20 http://example.test/ 2>&1";
+    let mut said = String::new();
+    wait_for(
+        "the gateway after the restart",
+        Duration::from_secs(30),
+        || {
+            said = env.ok(&["exec", "keep", "--", "sh", "-c", ask]);
+            said.contains("agentctl egress keep allow example.test")
+        },
+    );
+    let relays = env.ok(&[
+        "exec",
+        "keep",
+        "--",
+        "sh",
+        "-c",
+        "grep -l 'keystone-rela[y]' /proc/[0-9]*/cmdline 2>/dev/null | wc -l",
+    ]);
+    assert_eq!(relays.trim(), "1", "one relay in the Pod");
     wait_for("the stray Pod to go", Duration::from_secs(10), || {
         cluster.object("pods", "ks-stray").is_none()
     });
@@ -462,4 +483,189 @@ fn commits_in_the_pod_come_home_by_themselves() {
     let syncs = env.log().matches("synced").count();
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(env.log().matches("synced").count(), syncs);
+}
+
+/// The Pod's only way out is its egress gateway: the proxy variables point
+/// at the relay in the Pod, each connection comes out through a
+/// port-forward, and agentd decides it by the sandbox's policy and logs
+/// it, as for every backend.
+#[test]
+fn the_pod_reaches_out_only_through_its_gateway() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let service = common::origin(std::net::IpAddr::from([127, 0, 0, 1]), "host-service");
+    let mut extra = serde_json::json!({});
+    if !cluster.enforces(true) {
+        extra["allow_unenforced_network_policy"] = true.into();
+    }
+    let top = serde_json::json!({"egress": {"hosts": {"origin.test": "127.0.0.1"}}});
+    let env = agentd_with(&cluster, extra, top);
+    sandbox(&env, "net", &[]);
+    let sh = |script: &str| {
+        let out = env.ctl(&["exec", "net", "--timeout", "60", "--", "sh", "-c", script]);
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (_, vars) = sh("echo $HTTPS_PROXY $all_proxy");
+    assert_eq!(
+        vars.trim(),
+        "http://127.0.0.1:3128 socks5h://127.0.0.1:3128"
+    );
+    if sh("command -v curl").0 != 0 {
+        assert!(!cluster.is_real() || std::env::var_os("CI").is_none());
+        eprintln!("skipped the connections: no curl in the image");
+        return;
+    }
+    let curl = |opts: &str, url: &str| sh(&format!("curl -sS --max-time 20 {opts} '{url}' 2>&1"));
+    // Not on the allowlist: refused, with the command that opens it.
+    let url = format!("http://origin.test:{service}/");
+    let (_, out) = curl("", &url);
+    assert!(
+        out.contains(&format!("agentctl egress net allow origin.test:{service}")),
+        "{out}"
+    );
+    env.ok(&["egress", "net", "allow", "origin.test"]);
+    env.ok(&["egress", "net", "allow", &format!("127.0.0.1/32:{service}")]);
+    // Plain HTTP, CONNECT and SOCKS5, each through its own port-forward.
+    for opts in ["", "--proxytunnel", "--proxy socks5h://127.0.0.1:3128"] {
+        assert_eq!(
+            curl(opts, &url),
+            (0, "host-service".to_owned()),
+            "curl {opts}"
+        );
+    }
+    // Many at once, all served.
+    let (code, out) = sh(&format!(
+        "for i in $(seq 24); do curl -sS --max-time 30 '{url}' > /tmp/out.$i 2>&1 & done; wait; cat /tmp/out.*"
+    ));
+    assert_eq!(
+        (code, out.matches("host-service").count()),
+        (0, 24),
+        "{out}"
+    );
+    // Each one logged in the sandbox's egress log.
+    let log: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["egress", "net", "log", "--json", "-n", "100"])).unwrap();
+    let allowed = log
+        .iter()
+        .filter(|e| e["open"] != true && e["decision"] == "allow" && e["host"] == "origin.test")
+        .count();
+    assert_eq!(allowed, 27, "{log:?}");
+    // The relay's ports are no dev server of the sandbox's.
+    let ports = env.ok(&["ports", "net", "--json"]);
+    assert!(
+        !ports.contains("3128") && !ports.contains("3129"),
+        "{ports}"
+    );
+    // Without a network, nothing: no variables, no relay.
+    env.ok(&["stop", "net"]);
+    sandbox(&env, "nonet", &["--network", "none"]);
+    let out = env.ok(&[
+        "exec",
+        "nonet",
+        "--",
+        "sh",
+        "-c",
+        "echo \"[$HTTPS_PROXY]\"; curl -sS --max-time 10 --proxy http://127.0.0.1:3128 http://origin.test/ 2>&1; echo \"exit $?\"",
+    ]);
+    assert!(out.starts_with("[]\n") && !out.contains("exit 0"), "{out}");
+}
+
+/// A secret works for a Pod as for every sandbox: its placeholder inside,
+/// its value put in by the gateway, the sandbox's CA copied into the Pod
+/// (at once when the secret is set while it runs, and at each start).
+#[test]
+fn a_secret_reaches_its_host_from_the_pod_and_never_the_pod() {
+    use common::tls::{Origin, tls};
+    use std::io::Write;
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let mut env = common::Env::bus_only();
+    let certs = tls(env.tmp.path(), &["api.secret.test"]);
+    env.agentd_env
+        .push(("SSL_CERT_FILE".into(), Some(certs.ca.display().to_string())));
+    let origin = Origin::start(
+        env.tmp.path(),
+        "origin.py",
+        include_str!("secrets/origin.py"),
+        &certs,
+    );
+    let mut extra = serde_json::json!({});
+    if !cluster.enforces(true) {
+        extra["allow_unenforced_network_policy"] = true.into();
+    }
+    let top = serde_json::json!({"egress": {"hosts": {"api.secret.test": "127.0.0.1"}}});
+    let env = cluster::agentd_in(env, &cluster, extra, top);
+    sandbox(&env, "sec", &[]);
+    if env
+        .ctl(&["exec", "sec", "--", "sh", "-c", "command -v curl"])
+        .status
+        .code()
+        != Some(0)
+    {
+        eprintln!("skipped: no curl in the image");
+        return;
+    }
+    env.ok(&[
+        "egress",
+        "sec",
+        "allow",
+        &format!("127.0.0.1/32:{}", origin.port),
+    ]);
+    let value = format!("sk-test-{}", uuid::Uuid::new_v4().simple());
+    let mut set = env
+        .ctl_cmd(&[
+            "secret",
+            "set",
+            "sec",
+            "API_KEY",
+            "--host",
+            "api.secret.test",
+            "--header",
+            "x-api-key",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    set.stdin
+        .take()
+        .unwrap()
+        .write_all(value.as_bytes())
+        .unwrap();
+    assert!(set.wait().unwrap().success());
+    let ask = format!(
+        "curl -sS --max-time 20 -H \"x-api-key: $API_KEY\" https://api.secret.test:{}/v1/messages",
+        origin.port
+    );
+    let masked = format!("echo {}", "*".repeat(value.len()));
+    // The CA reaches the running Pod in the background.
+    let mut answer = String::new();
+    wait_for("the CA in the Pod", Duration::from_secs(30), || {
+        let out = env.ctl(&["exec", "sec", "--", "sh", "-c", &ask]);
+        answer = String::from_utf8_lossy(&out.stdout).into_owned();
+        out.status.success()
+    });
+    assert_eq!(answer, masked);
+    let got = origin.requests();
+    assert_eq!(got.last().unwrap()["x-api-key"], value.as_str(), "{got:?}");
+    let placeholder = env.ok(&["exec", "sec", "--", "sh", "-c", "printf %s \"$API_KEY\""]);
+    assert!(
+        placeholder.starts_with("keystone-placeholder-"),
+        "{placeholder}"
+    );
+    // After a restart, from the start on.
+    env.ok(&["stop", "sec"]);
+    env.ok(&["start", "sec"]);
+    assert_eq!(env.ok(&["exec", "sec", "--", "sh", "-c", &ask]), masked);
+    assert_eq!(
+        origin.requests().last().unwrap()["x-api-key"],
+        value.as_str()
+    );
 }

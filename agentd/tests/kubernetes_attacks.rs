@@ -763,3 +763,99 @@ fn a_restart_while_the_api_server_is_away_neither_orphans_nor_kills_the_pod() {
         "first\n"
     );
 }
+
+/// The Pod floods the way out: hundreds of connections to the relay that
+/// say nothing, and newlines written straight into the relay's output
+/// (agentd's exec), each of which asks agentd for a port-forward. agentd
+/// opens a bounded number at once, holds a bounded number of descriptors,
+/// gives them all back once the flood ends, and the gateway still serves.
+#[test]
+fn a_flood_through_the_relay_is_bounded_and_leaves_agentd_as_it_was() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::fake_only(true);
+    let env = agentd(&cluster, serde_json::json!({}));
+    sandbox(&env, "flood", &[]);
+    let pid = env.agentd_pid();
+    common::wait_for("the gateway", Duration::from_secs(10), || {
+        env.ok(&["egress", "flood", "show", "--json"])
+            .contains("\"serving\": true")
+    });
+    let asked = |env: &Env| {
+        let out = env.ctl(&[
+            "exec",
+            "flood",
+            "--",
+            "sh",
+            "-c",
+            "curl -sS --max-time 20 http://example.test/ 2>&1",
+        ]);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(asked(&env).contains("agentctl egress flood allow example.test"));
+    let before = usage(pid);
+    env.ok(&[
+        "exec",
+        "flood",
+        "--",
+        "sh",
+        "-c",
+        r#"python3 -c '
+import os, socket, time
+held = []
+for i in range(600):
+    s = socket.socket()
+    s.setblocking(False)
+    try:
+        s.connect(("127.0.0.1", 3128))
+    except BlockingIOError:
+        pass
+    held.append(s)
+relay = [p for p in os.listdir("/proc") if p.isdigit()
+         and b"keystone-relay" in open("/proc/%s/cmdline" % p, "rb").read()]
+out = os.open("/proc/%s/fd/1" % relay[0], os.O_WRONLY | os.O_NONBLOCK)
+end = time.time() + 4
+while time.time() < end:
+    try:
+        os.write(out, b"\n" * 4096)
+    except BlockingIOError:
+        time.sleep(0.01)
+' >/dev/null 2>&1 &"#,
+    ]);
+    let mut peak = before;
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until {
+        let now = usage(pid);
+        peak = (peak.0.max(now.0), peak.1.max(now.1), peak.2.max(now.2));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Each connection costs agentd a socket pair and a connection to the
+    // API server; the gateway serves CONNECTIONS_MAX, a few more wait.
+    let bound = before.1 + 3 * (agentd::egress::gateway::CONNECTIONS_MAX + 48) + 16;
+    eprintln!("before {before:?}, peak {peak:?}, descriptor bound {bound}");
+    assert!(
+        peak.1 <= bound,
+        "agentd held {} descriptors (before: {})",
+        peak.1,
+        before.1
+    );
+    assert!(
+        peak.0 < before.0 + 100 * 1024,
+        "agentd grew from {} to {} KiB",
+        before.0,
+        peak.0
+    );
+    // Once it ends, so does everything agentd held for it.
+    let mut now = usage(pid);
+    common::wait_for(
+        "agentd's descriptors after the flood",
+        Duration::from_secs(40),
+        || {
+            now = usage(pid);
+            now.1 <= before.1 + 8
+        },
+    );
+    eprintln!("after {now:?}");
+    assert!(asked(&env).contains("agentctl egress flood allow example.test"));
+}

@@ -52,7 +52,18 @@ pub struct SandboxSpec {
     pub owner: u32,
 }
 
+/// The directory, in a sandbox's directory, of the CA files of its
+/// secrets when its backend copies them in (`kubernetes`); a `kubernetes`
+/// Pod has them under the same name in its tools directory.
+pub const CA_DIR: &str = "ca";
+
 impl SandboxSpec {
+    /// The sandbox's directory (the registry's).
+    #[must_use]
+    pub fn dir(&self) -> &std::path::Path {
+        self.workspace.parent().unwrap_or(&self.workspace)
+    }
+
     /// The spec of sandbox `name` whose directory is `dir` (as the registry
     /// lays it out: `workspace`, `home`, `run`, `logs`).
     #[must_use]
@@ -362,6 +373,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         addr: std::net::IpAddr,
         port: u16,
     ) -> BoxFut<'a, Result<OwnedFd, BackendError>>;
+
+    /// The sandbox's CA files ([`CA_DIR`] in its directory) changed while
+    /// it runs: a backend whose sandboxes do not see that directory copies
+    /// them in again.
+    fn ca_changed<'a>(&'a self, _spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async { Ok(()) })
+    }
 
     /// The listening socket of the sandbox's egress gateway (see
     /// [`crate::egress`]), which agentd accepts on; `None` when this

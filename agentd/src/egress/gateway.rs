@@ -74,6 +74,8 @@ pub enum Listener {
     Unix(tokio::net::UnixListener),
     /// Connections accepted by a [`super::shared::Shared`] listener.
     Routed(tokio::sync::mpsc::Receiver<TcpStream>),
+    /// Connections a backend hands over.
+    Handed(tokio::sync::mpsc::Receiver<tokio::net::UnixStream>),
 }
 
 /// A client connection of either kind.
@@ -97,6 +99,11 @@ impl Listener {
                     Client::Tcp(s)
                 }
                 // The route is gone, and this task is being ended with it.
+                None => std::future::pending().await,
+            },
+            Self::Handed(rx) => match rx.recv().await {
+                Some(s) => Client::Unix(s),
+                // The backend has stopped handing; the task ends with it.
                 None => std::future::pending().await,
             },
         })

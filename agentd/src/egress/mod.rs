@@ -11,7 +11,9 @@
 //!
 //! `microvm` guests on the NixOS bridge share one listener at the host's
 //! bridge address ([`shared`]): each connection belongs to the sandbox
-//! whose address it comes from.
+//! whose address it comes from. A `kubernetes` Pod's connections come out
+//! one by one through port-forwards to a relay in the Pod, and are handed
+//! to its gateway ([`Socket::Handed`]).
 
 pub mod ask;
 pub mod gateway;
@@ -60,6 +62,9 @@ pub enum Socket {
     Tcp(std::net::TcpListener),
     /// Where a `vm` guest's vsock connections to the gateway arrive.
     Unix(std::os::unix::net::UnixListener),
+    /// Connections handed over one by one (a `kubernetes` Pod's, each
+    /// brought out through a port-forward).
+    Handed(tokio::sync::mpsc::Receiver<tokio::net::UnixStream>),
     /// The connections from `source` to the listener at `listen` that
     /// sandboxes share (a `microvm` guest's address, the host's bridge
     /// address).
@@ -105,6 +110,7 @@ impl Gateways {
                 l.set_nonblocking(true)?;
                 gateway::Listener::Unix(tokio::net::UnixListener::from_std(l)?)
             }
+            Socket::Handed(rx) => gateway::Listener::Handed(rx),
             Socket::Shared { listen, source } => {
                 let shared = self.shared_at(listen)?;
                 // A gateway this sandbox had keeps its route until replaced.

@@ -289,7 +289,16 @@ pub fn agentd(cluster: &Cluster, extra: serde_json::Value) -> Env {
 
 /// [`agentd`] with `top`'s fields added to the configuration.
 pub fn agentd_with(cluster: &Cluster, extra: serde_json::Value, top: serde_json::Value) -> Env {
-    let mut env = Env::bus_only();
+    agentd_in(Env::bus_only(), cluster, extra, top)
+}
+
+/// [`agentd_with`] in `env` (its agentd not started yet).
+pub fn agentd_in(
+    mut env: Env,
+    cluster: &Cluster,
+    extra: serde_json::Value,
+    top: serde_json::Value,
+) -> Env {
     let kubeconfig = cluster.kubeconfig(env.tmp.path());
     let mut section = serde_json::json!({
         "kubeconfig": kubeconfig,

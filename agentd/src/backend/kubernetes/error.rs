@@ -99,6 +99,15 @@ pub enum KubeError {
     /// Copying the workspace in or the git directory out failed.
     #[error(transparent)]
     Copy(#[from] crate::helper::HelperError),
+    /// The egress gateway's relay did not start in the Pod.
+    #[error("the egress relay in the Pod did not start: {0}")]
+    Relay(String),
+    /// agentd's relay binary is missing.
+    #[error(
+        "{} not found; it is installed beside agentd and copied into each Pod for the egress gateway (reinstall Keystone Agent, or give the sandbox network 'none')",
+        .0.display()
+    )]
+    NoRelay(std::path::PathBuf),
     /// What the kubernetes backend does not do yet.
     #[error("{0} is not available on the kubernetes backend yet")]
     NotYet(&'static str),

@@ -7,7 +7,7 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::AttachParams;
+use kube::api::{Api, AttachParams};
 use tokio::io::AsyncWriteExt;
 
 use super::{Connected, KubeBackend, KubeError, manifest, stream};
@@ -73,7 +73,7 @@ pub(super) fn command_line(req: &ExecRequest) -> Result<Vec<String>, KubeError> 
 }
 
 impl KubeBackend {
-    /// Exec `argv` in Pod `pod`; `stdin` gives it input.
+    /// Exec `argv` in Pod `pod` (see [`attach`]).
     pub(super) async fn attach(
         &self,
         c: &Connected,
@@ -82,18 +82,7 @@ impl KubeBackend {
         stdin: bool,
         tty: bool,
     ) -> Result<kube::api::AttachedProcess, KubeError> {
-        let ap = AttachParams {
-            container: Some(manifest::CONTAINER.to_owned()),
-            stdin,
-            stdout: true,
-            stderr: !tty,
-            tty,
-            ..AttachParams::default()
-        };
-        self.api::<Pod>(c)
-            .exec(pod, argv, &ap)
-            .await
-            .map_err(self.api_error("cannot exec in the Pod", pod))
+        attach(&self.api::<Pod>(c), self.ns(), pod, argv, stdin, tty).await
     }
 
     /// Run `argv` in Pod `pod` with `input` on its stdin; its exit code
@@ -191,33 +180,82 @@ impl KubeBackend {
         })
     }
 
-    /// A connection to `port` on the Pod's loopback, through the API
-    /// server's port-forward, as one end of a socket pair whose other end
-    /// a task bridges to the forward (both end with the connection).
+    /// A connection to `port` on the Pod's loopback (see [`forward`]).
     pub(super) async fn forward(
         &self,
         spec: &SandboxSpec,
         port: u16,
     ) -> Result<OwnedFd, KubeError> {
         let c = self.connected().await?;
-        let name = manifest::object_name(&spec.name);
-        let mut pf = self
-            .api::<Pod>(c)
-            .portforward(&name, &[port])
-            .await
-            .map_err(self.api_error("cannot forward a port of the Pod", &name))?;
-        let mut stream = pf
-            .take_stream(port)
-            .ok_or_else(|| KubeError::Exec("the port-forward has no stream".to_owned()))?;
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(KubeError::Io)?;
-        ours.set_nonblocking(true).map_err(KubeError::Io)?;
-        let mut ours = tokio::net::UnixStream::from_std(ours).map_err(KubeError::Io)?;
-        tokio::spawn(async move {
-            let _ = tokio::io::copy_bidirectional(&mut ours, &mut stream).await;
-            drop(pf);
-        });
-        Ok(OwnedFd::from(theirs))
+        let pod = manifest::object_name(&spec.name);
+        forward(&self.api::<Pod>(c), self.ns(), &pod, port).await
     }
+}
+
+/// Exec `argv` in Pod `pod` (in `namespace`, that of `api`); `stdin` gives
+/// it input, `tty` a terminal (and no stderr of its own).
+pub(super) async fn attach(
+    api: &Api<Pod>,
+    namespace: &str,
+    pod: &str,
+    argv: Vec<String>,
+    stdin: bool,
+    tty: bool,
+) -> Result<kube::api::AttachedProcess, KubeError> {
+    let ap = AttachParams {
+        container: Some(manifest::CONTAINER.to_owned()),
+        stdin,
+        stdout: true,
+        stderr: !tty,
+        tty,
+        ..AttachParams::default()
+    };
+    api.exec(pod, argv, &ap)
+        .await
+        .map_err(api_error("cannot exec in the Pod", namespace, pod))
+}
+
+/// An error of the API server about `pod`.
+pub(super) fn api_error(
+    what: &'static str,
+    namespace: &str,
+    pod: &str,
+) -> impl FnOnce(kube::Error) -> KubeError {
+    let (name, namespace) = (pod.to_owned(), namespace.to_owned());
+    move |source| KubeError::Api {
+        what,
+        name,
+        namespace,
+        source: Box::new(source),
+    }
+}
+
+/// A connection to `port` on Pod `pod`'s loopback (in `namespace`, that of
+/// `api`), through the API server's port-forward, as one end of a socket
+/// pair whose other end a task bridges to the forward (both end with the
+/// connection).
+pub(super) async fn forward(
+    api: &Api<Pod>,
+    namespace: &str,
+    pod: &str,
+    port: u16,
+) -> Result<OwnedFd, KubeError> {
+    let mut pf = api.portforward(pod, &[port]).await.map_err(api_error(
+        "cannot forward a port of the Pod",
+        namespace,
+        pod,
+    ))?;
+    let mut stream = pf
+        .take_stream(port)
+        .ok_or_else(|| KubeError::Exec("the port-forward has no stream".to_owned()))?;
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(KubeError::Io)?;
+    ours.set_nonblocking(true).map_err(KubeError::Io)?;
+    let mut ours = tokio::net::UnixStream::from_std(ours).map_err(KubeError::Io)?;
+    tokio::spawn(async move {
+        let _ = tokio::io::copy_bidirectional(&mut ours, &mut stream).await;
+        drop(pf);
+    });
+    Ok(OwnedFd::from(theirs))
 }
 
 #[cfg(test)]

@@ -87,6 +87,20 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
         "allowPrivilegeEscalation": false,
         "capabilities": {"drop": ["ALL"]},
     });
+    let mut env = vec![
+        json!({"name": "HOME", "value": HOME}),
+        json!({"name": "USER", "value": "agent"}),
+        json!({"name": "SHELL", "value": "/bin/bash"}),
+        json!({"name": "KEYSTONE_SANDBOX", "value": spec.name}),
+    ];
+    // Every exec inherits them: the gateway's relay listens there.
+    if spec.config.network != keystone_agent_api::Network::None {
+        env.extend(
+            crate::egress::proxy_env()
+                .into_iter()
+                .map(|(k, v)| json!({"name": k, "value": v})),
+        );
+    }
     typed(json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -125,12 +139,7 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
                 // PID 1 waits and ends on SIGTERM; every command is an exec.
                 "command": ["sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"],
                 "workingDir": WORKSPACE,
-                "env": [
-                    {"name": "HOME", "value": HOME},
-                    {"name": "USER", "value": "agent"},
-                    {"name": "SHELL", "value": "/bin/bash"},
-                    {"name": "KEYSTONE_SANDBOX", "value": spec.name},
-                ],
+                "env": env,
                 "resources": resources,
                 "securityContext": unprivileged,
                 "volumeMounts": [
@@ -262,6 +271,21 @@ mod tests {
         for v in p["spec"]["volumes"].as_array().unwrap() {
             assert!(v["hostPath"].is_null(), "{v}");
         }
+        // Every command finds the gateway's relay, unless there is no
+        // network at all.
+        let proxy = |s: &SandboxSpec| {
+            let p = serde_json::to_value(pod(s, &c, "abc", "img:1")).unwrap();
+            p["spec"]["containers"][0]["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|e| e["name"] == "HTTPS_PROXY")
+                .map(|e| e["value"].clone())
+        };
+        assert_eq!(proxy(&spec(false)), Some(json!("http://127.0.0.1:3128")));
+        let mut none = spec(false);
+        none.config.network = keystone_agent_api::Network::None;
+        assert_eq!(proxy(&none), None);
     }
 
     #[test]

@@ -21,6 +21,7 @@
 //!   refused unless `allow_unenforced_network_policy` is set.
 
 mod config;
+mod egress;
 mod error;
 mod exec;
 pub mod manifest;
@@ -87,6 +88,8 @@ pub struct KubeBackend {
     settings: KubeSettings,
     instance: String,
     connected: tokio::sync::OnceCell<Connected>,
+    /// Relays started with their Pods, until their gateway takes them.
+    relays: std::sync::Mutex<std::collections::HashMap<String, egress::Relay>>,
 }
 
 /// The default instance label: a digest of the machine id and the state
@@ -116,7 +119,13 @@ impl KubeBackend {
             settings,
             instance,
             connected: tokio::sync::OnceCell::new(),
+            relays: std::sync::Mutex::default(),
         }
+    }
+
+    /// The relay copied into each Pod with a network: beside agentd.
+    fn relay_binary(&self) -> PathBuf {
+        self.settings.exe.with_file_name("keystone-relay")
     }
 
     fn ns(&self) -> &str {
@@ -177,13 +186,7 @@ impl KubeBackend {
     }
 
     fn api_error(&self, what: &'static str, name: &str) -> impl FnOnce(kube::Error) -> KubeError {
-        let (name, namespace) = (name.to_owned(), self.ns().to_owned());
-        move |source| KubeError::Api {
-            what,
-            name,
-            namespace,
-            source: Box::new(source),
-        }
+        exec::api_error(what, self.ns(), name)
     }
 
     /// The last events of Pod `pod` (this one, of uid `uid`: not those of
@@ -460,6 +463,11 @@ impl KubeBackend {
         let c = self.connected().await?;
         let config = &self.settings.config;
         let image = config.image.as_deref().ok_or(KubeError::NoImage)?;
+        if spec.config.network != keystone_agent_api::Network::None
+            && !self.relay_binary().is_file()
+        {
+            return Err(KubeError::NoRelay(self.relay_binary()));
+        }
         let name = manifest::object_name(&spec.name);
         let claim_exists = self.refuse_foreign(c, &name).await?;
         self.apply(
@@ -495,7 +503,8 @@ impl KubeBackend {
             self.answers(c, &name).await?;
             self.check_isolation(c, &name).await?;
             self.seed(c, spec, &name).await?;
-            self.bring_tools(c, &name).await
+            self.bring_tools(c, spec, &name, true).await?;
+            self.start_relay(spec).await
         };
         if let Err(e) = started.await {
             let _ = self
@@ -522,6 +531,7 @@ impl KubeBackend {
     }
 
     async fn stop_pod(&self, spec: &SandboxSpec, force: bool) -> Result<(), KubeError> {
+        self.drop_relay(spec);
         let c = self.connected().await?;
         let name = manifest::object_name(&spec.name);
         let grace = if force {
@@ -557,6 +567,7 @@ impl KubeBackend {
     }
 
     async fn remove_all(&self, spec: &SandboxSpec) -> Result<(), KubeError> {
+        self.drop_relay(spec);
         let c = self.connected().await?;
         let name = manifest::object_name(&spec.name);
         self.delete::<Pod>(c, "cannot delete the Pod", &name, Some(KILL_GRACE))
@@ -633,9 +644,28 @@ impl super::Backend for KubeBackend {
             self.run(c, &pod.name, &script, None),
         ));
         match ran {
-            Ok(Ok((_, out))) => super::ssh::parse_guest_listeners(&out),
+            // The relay's ports are the gateway's, not a dev server's.
+            Ok(Ok((_, out))) => super::ssh::parse_guest_listeners(&out)
+                .into_iter()
+                .filter(|l| !egress::is_relay_port(l.port))
+                .collect(),
             _ => Vec::new(),
         }
+    }
+
+    fn ca_changed<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            let c = self.connected().await?;
+            let pod = manifest::object_name(&spec.name);
+            Ok(self.bring_tools(c, spec, &pod, false).await?)
+        })
+    }
+
+    fn gateway<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+    ) -> BoxFut<'a, Result<Option<crate::egress::Socket>, BackendError>> {
+        Box::pin(async move { Ok(self.gateway_socket(spec).await?) })
     }
 
     fn connect<'a>(

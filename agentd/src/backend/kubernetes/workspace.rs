@@ -3,6 +3,8 @@
 //! before each sync; on the host side both through helpers confined to the
 //! sandbox's workspace as its uid ([`crate::git::mirror`]).
 
+use std::path::PathBuf;
+
 use super::{Connected, KubeBackend, KubeError, manifest, stream};
 use crate::backend::SandboxSpec;
 use crate::helper::{self, RunAs};
@@ -136,13 +138,33 @@ impl KubeBackend {
         Ok(())
     }
 
-    /// Copy agentd's tools directory into the Pod's [`super::TOOLS`]
-    /// volume: a tar archive written by a thread of agentd's (the
-    /// directory is agentd's own) into the stdin of `tar` in the Pod.
-    pub(super) async fn bring_tools(&self, c: &Connected, pod: &str) -> Result<(), KubeError> {
-        let Some(dir) = self.settings.tools_dir.clone() else {
+    /// Copy what the Pod gets of agentd's into its [`super::TOOLS`]
+    /// volume ([`tools_archive`]): a tar archive written by a thread of
+    /// agentd's (the files are agentd's own) into the stdin of `tar` in
+    /// the Pod. `all` is false when only the CA files changed.
+    pub(super) async fn bring_tools(
+        &self,
+        c: &Connected,
+        spec: &SandboxSpec,
+        pod: &str,
+        all: bool,
+    ) -> Result<(), KubeError> {
+        let mut parts = Vec::new();
+        if all {
+            if let Some(dir) = &self.settings.tools_dir {
+                parts.push(Part::Entries(dir.clone()));
+            }
+            if spec.config.network != keystone_agent_api::Network::None {
+                parts.push(Part::File(self.relay_binary(), super::egress::RELAY));
+            }
+        }
+        let ca = spec.dir().join(crate::backend::CA_DIR);
+        if ca.is_dir() {
+            parts.push(Part::Dir(ca, crate::backend::CA_DIR));
+        }
+        if parts.is_empty() {
             return Ok(());
-        };
+        }
         let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
             .map_err(|e| KubeError::Io(e.into()))?;
         // A thread of its own, not the blocking pool, where it could wait
@@ -151,7 +173,7 @@ impl KubeBackend {
         std::thread::Builder::new()
             .name("kube-tools".to_owned())
             .spawn(move || {
-                let _ = done.send(tools_archive(std::fs::File::from(w), &dir));
+                let _ = done.send(tools_archive(std::fs::File::from(w), &parts));
             })
             .map_err(KubeError::Io)?;
         let mut input =
@@ -168,18 +190,40 @@ impl KubeBackend {
     }
 }
 
-/// Write a tar archive of `dir`'s entries (not of `dir` itself: "." would
-/// be the volume's root in the Pod, whose mode and time the Pod's uid may
-/// not set, an emptyDir being root's) to `out`.
-fn tools_archive(out: std::fs::File, dir: &std::path::Path) -> std::io::Result<()> {
+/// Something copied into a Pod's tools directory.
+enum Part {
+    /// The entries of agentd's tools directory, but for its `ca/` (the
+    /// CA files of every local sandbox, named by their ids).
+    Entries(PathBuf),
+    /// A file at a path inside.
+    File(PathBuf, &'static str),
+    /// A directory at a path inside.
+    Dir(PathBuf, &'static str),
+}
+
+/// Write a tar archive of `parts` to `out`. Never of a directory itself
+/// at the top: "." would be the volume's root in the Pod, whose mode and
+/// time the Pod's uid may not set, an emptyDir being root's.
+fn tools_archive(out: std::fs::File, parts: &[Part]) -> std::io::Result<()> {
     let mut b = tar::Builder::new(out);
     b.follow_symlinks(false);
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        if entry.file_type()?.is_dir() {
-            b.append_dir_all(entry.file_name(), entry.path())?;
-        } else {
-            b.append_path_with_name(entry.path(), entry.file_name())?;
+    for part in parts {
+        match part {
+            Part::Entries(dir) => {
+                for entry in std::fs::read_dir(dir)? {
+                    let entry = entry?;
+                    if entry.file_name() == crate::backend::CA_DIR {
+                        continue;
+                    }
+                    if entry.file_type()?.is_dir() {
+                        b.append_dir_all(entry.file_name(), entry.path())?;
+                    } else {
+                        b.append_path_with_name(entry.path(), entry.file_name())?;
+                    }
+                }
+            }
+            Part::File(path, name) => b.append_path_with_name(path, name)?,
+            Part::Dir(path, name) => b.append_dir_all(name, path)?,
         }
     }
     b.finish()

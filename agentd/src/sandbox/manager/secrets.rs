@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use keystone_agent_api::BackendKind;
+use keystone_agent_api::{BackendKind, SandboxState};
 
 use super::{Manager, Sandbox};
 use crate::auth::Caller;
@@ -34,10 +34,12 @@ const SYSTEM_BUNDLES: &[&str] = &[
     "/etc/ssl/cert.pem",
 ];
 
-/// A `microvm` guest's CA certificate and bundle, in its `ssh/` share
-/// (the guest module mounts it at [`MICROVM_SHARE`]).
-const MICROVM_CA: &str = "keystone-ca.pem";
-const MICROVM_BUNDLE: &str = "keystone-ca-bundle.pem";
+/// A guest's CA certificate and bundle, where they are its own: a
+/// `microvm` guest's `ssh/` share (the guest module mounts it at
+/// [`MICROVM_SHARE`]), a `kubernetes` Pod's `ca/` (copied in from the
+/// sandbox's `ca/` directory, [`crate::backend::CA_DIR`]).
+const GUEST_CA: &str = "keystone-ca.pem";
+const GUEST_BUNDLE: &str = "keystone-ca-bundle.pem";
 /// Where a `microvm` guest sees its `ssh/` share (nixos-modules/guest).
 const MICROVM_SHARE: &str = "/var/lib/keystone-agent/ssh";
 
@@ -67,17 +69,18 @@ fn ca_paths(sb: &Sandbox) -> (String, String) {
             format!("/run/keystone/host/ca/{id}.pem"),
         ),
         BackendKind::Microvm => (
-            format!("{MICROVM_SHARE}/{MICROVM_CA}"),
-            format!("{MICROVM_SHARE}/{MICROVM_BUNDLE}"),
+            format!("{MICROVM_SHARE}/{GUEST_CA}"),
+            format!("{MICROVM_SHARE}/{GUEST_BUNDLE}"),
         ),
         // Where agentd copies its tools into the Pod.
-        BackendKind::Kubernetes => (
-            format!("{}/ca/keystone-ca.pem", crate::backend::kubernetes::TOOLS),
-            format!(
-                "{}/ca/keystone-ca-bundle.pem",
-                crate::backend::kubernetes::TOOLS
-            ),
-        ),
+        BackendKind::Kubernetes => {
+            let dir = format!(
+                "{}/{}",
+                crate::backend::kubernetes::TOOLS,
+                crate::backend::CA_DIR
+            );
+            (format!("{dir}/{GUEST_CA}"), format!("{dir}/{GUEST_BUNDLE}"))
+        }
     }
 }
 
@@ -194,14 +197,51 @@ impl Manager {
         // are replaced by rename, never written through a link.)
         let share = self.store.registry().sandbox_dir(name).join("ssh");
         if sb.backend == BackendKind::Microvm && agentds_own_dir(&share) {
-            files.push((share.join(MICROVM_CA), cert_pem));
-            files.push((share.join(MICROVM_BUNDLE), bundle.as_str()));
+            files.push((share.join(GUEST_CA), cert_pem));
+            files.push((share.join(GUEST_BUNDLE), bundle.as_str()));
+        }
+        // A Pod sees no directory of the host's: its backend copies this
+        // one in at each start, and again below while it runs.
+        // (Copied in again only when they change: the copy in the Pod is
+        // rewritten in place, under the feet of a client reading it.)
+        let own = self
+            .store
+            .registry()
+            .sandbox_dir(name)
+            .join(crate::backend::CA_DIR);
+        let mut copy_in = false;
+        if sb.backend == BackendKind::Kubernetes {
+            std::fs::create_dir_all(&own).map_err(io("create", &own))?;
+            copy_in = std::fs::read_to_string(own.join(GUEST_BUNDLE)).ok() != Some(bundle.clone());
+            files.push((own.join(GUEST_CA), cert_pem));
+            files.push((own.join(GUEST_BUNDLE), bundle.as_str()));
         }
         for (path, text) in files {
             crate::fsutil::atomic_write_mode(&path, text.as_bytes(), 0o644)
                 .map_err(|e| io("write", &path)(std::io::Error::other(e)))?;
         }
+        if copy_in && sb.state == SandboxState::Running {
+            self.copy_ca_in(sb);
+        }
         Ok(())
+    }
+
+    /// Copy running sandbox `sb`'s CA files into it (they are new), in the
+    /// background: until they are there, TLS to its secrets' hosts fails
+    /// as for a host it has no secret for.
+    fn copy_ca_in(&self, sb: &Sandbox) {
+        let (Ok(backend), Ok(rt)) = (
+            self.backend(sb.backend).cloned(),
+            tokio::runtime::Handle::try_current(),
+        ) else {
+            return;
+        };
+        let spec = self.spec(sb);
+        rt.spawn(async move {
+            if let Err(e) = backend.ca_changed(&spec).await {
+                tracing::warn!(sandbox = %spec.name, error = %e, "cannot copy the CA files into the sandbox");
+            }
+        });
     }
 
     /// The secrets of sandbox `name`, without their values.
