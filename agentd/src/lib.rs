@@ -224,6 +224,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             exe: exe.clone(),
             state_dir: dir.clone(),
             tools_dir: guest_dir.clone(),
+            toolbox: toolbox.clone().filter(|_| config.kubernetes.toolbox),
         },
     ));
     if sandboxes

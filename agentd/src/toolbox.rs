@@ -478,17 +478,25 @@ impl Toolbox {
         }
     }
 
-    /// Every package the configured agents need that the cache lacks.
+    /// Every package the configured agents need, once each.
     #[must_use]
-    pub fn missing(&self) -> Vec<Package> {
+    pub fn wanted(&self) -> Vec<Package> {
         let mut out: Vec<Package> = Vec::new();
         for &a in &self.config.agents {
             for p in packages(a, &self.config.versions) {
-                if !self.has(&p) && !out.contains(&p) {
+                if !out.contains(&p) {
                     out.push(p);
                 }
             }
         }
+        out
+    }
+
+    /// Every package the configured agents need that the cache lacks.
+    #[must_use]
+    pub fn missing(&self) -> Vec<Package> {
+        let mut out = self.wanted();
+        out.retain(|p| !self.has(p));
         out
     }
 

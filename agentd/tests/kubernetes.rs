@@ -669,3 +669,77 @@ fn a_secret_reaches_its_host_from_the_pod_and_never_the_pod() {
         value.as_str()
     );
 }
+
+/// The agent toolbox reaches a Pod as the tools do, over exec and without
+/// a registry: each package once onto the claim, under its version, not
+/// copied again at the next start, replaced when the version changes.
+#[test]
+fn the_agent_toolbox_is_copied_onto_the_claim_once_per_version() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    // A toolbox cache of one tiny package per version.
+    let cache = tempfile::tempdir().unwrap();
+    for version in ["1.0.0", "2.0.0"] {
+        let dir = cache.path().join(format!("claude-{version}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bin = dir.join("claude");
+        std::fs::write(&bin, format!("#!/bin/sh\necho \"claude {version} $*\"\n")).unwrap();
+        std::fs::set_permissions(&bin, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+    }
+    let toolbox = |version: &str| {
+        serde_json::json!({"toolbox": {
+            "agents": ["claude"],
+            "versions": {"claude": version},
+            "download": false,
+            "cache_dir": cache.path(),
+        }})
+    };
+    let mut extra = serde_json::json!({"toolbox": true});
+    if !cluster.enforces(true) {
+        extra["allow_unenforced_network_policy"] = true.into();
+    }
+    let mut env = agentd_with(&cluster, extra.clone(), toolbox("1.0.0"));
+    sandbox(&env, "tb", &[]);
+    // On PATH, through the launcher agentd writes.
+    assert_eq!(
+        env.ok(&["exec", "tb", "--", "claude", "--version"]),
+        "claude 1.0.0 --version\n"
+    );
+    assert_eq!(env.status("tb")["agents"], "claude 1.0.0");
+    // Once per version: a second start finds it on the claim.
+    env.ok(&[
+        "exec",
+        "tb",
+        "--",
+        "touch",
+        "/run/keystone/agents/claude-1.0.0/kept",
+    ]);
+    env.ok(&["stop", "tb"]);
+    env.ok(&["start", "tb"]);
+    env.ok(&[
+        "exec",
+        "tb",
+        "--",
+        "test",
+        "-e",
+        "/run/keystone/agents/claude-1.0.0/kept",
+    ]);
+    // A new version replaces the old one.
+    env.ok(&["stop", "tb"]);
+    env.term_agentd();
+    let path = env.config.clone().unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["toolbox"] = toolbox("2.0.0")["toolbox"].clone();
+    std::fs::write(&path, config.to_string()).unwrap();
+    env.start_agentd();
+    env.ok(&["start", "tb"]);
+    assert_eq!(env.ok(&["exec", "tb", "--", "claude"]), "claude 2.0.0 \n");
+    assert_eq!(
+        env.ok(&["exec", "tb", "--", "ls", "-A", "/run/keystone/agents"]),
+        "claude-2.0.0\n"
+    );
+}

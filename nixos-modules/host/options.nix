@@ -550,6 +550,16 @@ in
           agentd: `kubernetes.allow_unenforced_network_policy`.
         '';
       };
+      toolbox = lib.mkOption {
+        type = types.bool;
+        default = d.kubernetes.toolbox;
+        description = ''
+          Copy the agent toolbox (`toolbox.agents`) onto each kubernetes
+          sandbox's claim at its first start and when the versions change
+          (about 1.1 GB for all three agents); `false`: the Pods get no agents
+          of agentd's. agentd: `kubernetes.toolbox`.
+        '';
+      };
     };
 
     proxy = {

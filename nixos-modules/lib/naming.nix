@@ -140,6 +140,7 @@ let
       storageClass = "standard";
       image = null;
       allowUnenforcedNetworkPolicy = false;
+      toolbox = true;
     };
     # The agent toolbox of local and vm sandboxes (docs/agents.md); versions
     # left out take agentd's pinned ones.
@@ -470,6 +471,7 @@ let
         inherit (c.kubernetes) namespace;
         storage_class = c.kubernetes.storageClass;
         allow_unenforced_network_policy = c.kubernetes.allowUnenforcedNetworkPolicy;
+        inherit (c.kubernetes) toolbox;
       }
       // optionalAttrs (c.kubernetes.kubeconfig != null) { inherit (c.kubernetes) kubeconfig; }
       // optionalAttrs (c.kubernetes.context != "") { inherit (c.kubernetes) context; }

@@ -8,7 +8,10 @@ run (same agentd, same project) as the baseline:
    session, p50/p95.
 4. sync of a small commit: a commit made inside, then `agentctl sync`,
    p50/p95 of the sync.
-5. agentd's RSS and idle CPU with N kubernetes sandboxes running (their
+5. a request through the egress gateway (curl in the sandbox to an HTTP
+   origin on the host: a new connection, the request, the answer), timed
+   by curl inside, p50/p95.
+6. agentd's RSS and idle CPU with N kubernetes sandboxes running (their
    Pods watched), beside the same agentd with none.
 
 Against the fake API server of tests/fake-kube (started here), or a real
@@ -63,6 +66,36 @@ def sync_times(d, name, runs):
     return out
 
 
+def origin():
+    """A tiny HTTP origin on the host's loopback; its port."""
+    import http.server
+    import threading
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv.server_address[1]
+
+
+def gateway_times(d, name, port, runs):
+    """Per-request times (ms) of `runs` curls through the gateway, by curl."""
+    d.run("egress", name, "allow", "origin.bench")
+    d.run("egress", name, "allow", f"127.0.0.1/32:{port}")
+    script = (f"for i in $(seq {runs}); do curl -s -o /dev/null -w '%{{time_total}}\\n' "
+              f"http://origin.bench:{port}/; done")
+    out = d.run("exec", name, "--", "sh", "-c", script)
+    return [float(x) * 1000 for x in out.split()]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=10)
@@ -80,11 +113,13 @@ def main():
     else:
         fake, kubeconfig = fake_api(tmp)
     config = tmp / "agentd.json"
+    port = origin()
     config.write_text(json.dumps({
         "toolbox": {"download": False},
+        "egress": {"hosts": {"origin.bench": "127.0.0.1"}},
         "kubernetes": {"kubeconfig": kubeconfig, "image": args.image,
                        "storage_class": args.storage_class, "instance": "bench",
-                       "stop_grace_seconds": 1,
+                       "stop_grace_seconds": 1, "toolbox": False,
                        "allow_unenforced_network_policy": args.allow_unenforced},
     }))
     try:
@@ -121,6 +156,13 @@ def main():
             print(f"sync of one small commit ({args.runs} runs):")
             row("kubernetes: agentctl sync k0", ks)
             row("baseline local: agentctl sync l0", ls)
+
+            n = args.runs * 3
+            kg = gateway_times(d, "k0", port, n)
+            lg = gateway_times(d, "l0", port, n)
+            print(f"a request through the egress gateway, new connection each ({n} runs, timed by curl):")
+            row("kubernetes: relay + port-forward + gateway", kg)
+            row("baseline local: gateway in the sandbox's namespace", lg)
 
             for n in [f"k{i}" for i in range(args.runs)] + [f"l{i}" for i in range(args.runs)]:
                 subprocess.run(d.ctl + ["stop", "--force", n], capture_output=True)

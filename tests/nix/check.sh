@@ -234,7 +234,7 @@ expect() {
 kube='{ backend = "kubernetes"; kubernetes = { image = "sandbox:1"; kubeconfig = "/run/secrets/kube"; context = "prod"; storageClass = ""; allowUnenforcedNetworkPolicy = true; }; }'
 expect "validate: backend = \"kubernetes\" with an image is accepted" "(import $lib).validate $kube" '[]'
 expect "renderConfig: the kubernetes section in agentd's words" "((import $lib).renderConfig $kube).kubernetes" \
-  '{"allow_unenforced_network_policy":true,"context":"prod","image":"sandbox:1","kubeconfig":"/run/secrets/kube","namespace":"agent-sandboxes","storage_class":""}'
+  '{"allow_unenforced_network_policy":true,"context":"prod","image":"sandbox:1","kubeconfig":"/run/secrets/kube","namespace":"agent-sandboxes","storage_class":"","toolbox":true}'
 kube_cfg="$tmp/kube.json"
 nix_json "(import $lib).renderConfig $kube" >"$kube_cfg"
 if [[ -x $agentd ]] && out=$("$agentd" --check-config "$kube_cfg" 2>&1); then

@@ -37,6 +37,10 @@ pub struct KubeConfig {
     /// Start sandboxes even where the NetworkPolicy is not enforced (then
     /// their Pods reach whatever the cluster's network reaches).
     pub allow_unenforced_network_policy: bool,
+    /// Copy the agent toolbox onto each sandbox's claim (about 1.1 GB for
+    /// all three agents, at the first start and when their versions
+    /// change); `false`: the Pods have no agents of agentd's.
+    pub toolbox: bool,
     /// The value of the `keystone.agent/agentd` label that marks this
     /// agentd's objects; default: derived from the host's machine id and
     /// the state directory.
@@ -57,6 +61,7 @@ impl Default for KubeConfig {
             stop_grace_seconds: 10,
             transfer_timeout_seconds: 600,
             allow_unenforced_network_policy: false,
+            toolbox: true,
             instance: None,
         }
     }

@@ -67,9 +67,14 @@ fn typed<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
     serde_json::from_value(v).expect("a well-formed object")
 }
 
-/// The sandbox's Pod.
+/// `PATH` in a Pod: agentd's tools (the agents' launchers, Zellij) first,
+/// then the usual directories of an image.
+const PATH: &str = "/run/keystone/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The sandbox's Pod; with `agents`, the claim's `agents/` holds the
+/// agent toolbox at [`crate::toolbox::INSIDE`].
 #[must_use]
-pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> Pod {
+pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str, agents: bool) -> Pod {
     let name = object_name(&spec.name);
     let cpu = spec.config.vcpus.max(1).to_string();
     let memory = format!("{}Mi", spec.config.memory.max(64));
@@ -87,10 +92,22 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
         "allowPrivilegeEscalation": false,
         "capabilities": {"drop": ["ALL"]},
     });
+    let mut mounts = vec![
+        json!({"name": "data", "mountPath": WORKSPACE, "subPath": "workspace"}),
+        home,
+        json!({"name": "tmp", "mountPath": "/tmp"}),
+        json!({"name": "tools", "mountPath": TOOLS}),
+    ];
+    if agents {
+        mounts.push(
+            json!({"name": "data", "mountPath": crate::toolbox::INSIDE, "subPath": "agents"}),
+        );
+    }
     let mut env = vec![
         json!({"name": "HOME", "value": HOME}),
         json!({"name": "USER", "value": "agent"}),
         json!({"name": "SHELL", "value": "/bin/bash"}),
+        json!({"name": "PATH", "value": PATH}),
         json!({"name": "KEYSTONE_SANDBOX", "value": spec.name}),
     ];
     // Every exec inherits them: the gateway's relay listens there.
@@ -127,7 +144,7 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
                 "name": "dirs",
                 "image": image,
                 "imagePullPolicy": "IfNotPresent",
-                "command": ["mkdir", "-p", "/data/workspace", "/data/home"],
+                "command": ["mkdir", "-p", "/data/workspace", "/data/home", "/data/agents"],
                 "resources": resources,
                 "securityContext": unprivileged,
                 "volumeMounts": [{"name": "data", "mountPath": "/data"}],
@@ -142,12 +159,7 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str) -> P
                 "env": env,
                 "resources": resources,
                 "securityContext": unprivileged,
-                "volumeMounts": [
-                    {"name": "data", "mountPath": WORKSPACE, "subPath": "workspace"},
-                    home,
-                    {"name": "tmp", "mountPath": "/tmp"},
-                    {"name": "tools", "mountPath": TOOLS},
-                ],
+                "volumeMounts": mounts,
             }],
             "volumes": [
                 {"name": "data", "persistentVolumeClaim": {"claimName": name}},
@@ -225,7 +237,7 @@ mod tests {
     #[test]
     fn the_pod_runs_unprivileged_with_its_workspace_on_the_claim() {
         let c = KubeConfig::default();
-        let p = serde_json::to_value(pod(&spec(false), &c, "abc", "img:1")).unwrap();
+        let p = serde_json::to_value(pod(&spec(false), &c, "abc", "img:1", false)).unwrap();
         assert_eq!(p["metadata"]["name"], "ks-demo");
         assert_eq!(p["metadata"]["labels"][SANDBOX_LABEL], "demo");
         assert_eq!(p["metadata"]["labels"][AGENTD_LABEL], "abc");
@@ -258,7 +270,12 @@ mod tests {
         assert!(init["securityContext"]["runAsUser"].is_null(), "the Pod's");
         // Without persist, the home is the Pod's own; with it, the claim's.
         assert_eq!(at(HOME)["name"], "home");
-        let p = serde_json::to_value(pod(&spec(true), &c, "abc", "img:1")).unwrap();
+        assert!(
+            mounts
+                .iter()
+                .all(|m| m["mountPath"] != crate::toolbox::INSIDE)
+        );
+        let p = serde_json::to_value(pod(&spec(true), &c, "abc", "img:1", true)).unwrap();
         let mounts = p["spec"]["containers"][0]["volumeMounts"]
             .as_array()
             .unwrap();
@@ -267,6 +284,15 @@ mod tests {
             (&home["name"], &home["subPath"]),
             (&json!("data"), &json!("home"))
         );
+        // With the toolbox, on the claim where the launchers look.
+        let agents = mounts
+            .iter()
+            .find(|m| m["mountPath"] == crate::toolbox::INSIDE)
+            .unwrap();
+        assert_eq!(
+            (&agents["name"], &agents["subPath"]),
+            (&json!("data"), &json!("agents"))
+        );
         // No volume of the host's.
         for v in p["spec"]["volumes"].as_array().unwrap() {
             assert!(v["hostPath"].is_null(), "{v}");
@@ -274,7 +300,7 @@ mod tests {
         // Every command finds the gateway's relay, unless there is no
         // network at all.
         let proxy = |s: &SandboxSpec| {
-            let p = serde_json::to_value(pod(s, &c, "abc", "img:1")).unwrap();
+            let p = serde_json::to_value(pod(s, &c, "abc", "img:1", false)).unwrap();
             p["spec"]["containers"][0]["env"]
                 .as_array()
                 .unwrap()

@@ -27,6 +27,7 @@ mod exec;
 pub mod manifest;
 pub mod pods;
 mod stream;
+mod toolbox;
 mod workspace;
 mod worktree;
 
@@ -66,6 +67,8 @@ pub struct KubeSettings {
     /// The tools directory copied into each Pod at [`TOOLS`]
     /// ([`crate::tools::install`]).
     pub tools_dir: Option<PathBuf>,
+    /// The agent toolbox copied onto each claim, if any.
+    pub toolbox: Option<std::sync::Arc<crate::toolbox::Toolbox>>,
 }
 
 /// The client and the watch, made at first use.
@@ -494,7 +497,13 @@ impl KubeBackend {
                 c,
                 "cannot create the Pod",
                 &name,
-                &manifest::pod(spec, config, &self.instance, image),
+                &manifest::pod(
+                    spec,
+                    config,
+                    &self.instance,
+                    image,
+                    self.settings.toolbox.is_some(),
+                ),
             )
             .await?;
         let uid = made.metadata.uid.clone().unwrap_or_default();
@@ -504,14 +513,19 @@ impl KubeBackend {
             self.check_isolation(c, &name).await?;
             self.seed(c, spec, &name).await?;
             self.bring_tools(c, spec, &name, true).await?;
-            self.start_relay(spec).await
+            let agents = self.bring_agents(c, &name).await;
+            self.start_relay(spec).await?;
+            Ok(agents)
         };
-        if let Err(e) = started.await {
-            let _ = self
-                .delete::<Pod>(c, "cannot delete the Pod", &name, Some(KILL_GRACE))
-                .await;
-            return Err(e);
-        }
+        let agents = match started.await {
+            Ok(a) => a,
+            Err(e) => {
+                let _ = self
+                    .delete::<Pod>(c, "cannot delete the Pod", &name, Some(KILL_GRACE))
+                    .await;
+                return Err(e);
+            }
+        };
         Ok(Runtime {
             supervisor_pid: 0,
             init_pid: 0,
@@ -525,7 +539,7 @@ impl KubeBackend {
                 spec.config.disk.max(64)
             ),
             unit: String::new(),
-            agents: String::new(),
+            agents,
             pod: Some(PodRef { name, uid }),
         })
     }

@@ -31,14 +31,9 @@ impl KubeBackend {
         let mut packing =
             helper::start::<crate::git::mirror::Pack>(&self.settings.exe, &run_as, &req).await?;
         packing.close_input();
+        let argv = untar(manifest::WORKSPACE);
         let unpacked = self
-            .untar(
-                c,
-                pod,
-                manifest::WORKSPACE,
-                packing.output(),
-                "the workspace",
-            )
+            .feed(c, pod, &argv, packing.output(), "the workspace")
             .await;
         if let Err(e) = unpacked {
             // The packer may still be writing what nobody reads any more:
@@ -50,21 +45,21 @@ impl KubeBackend {
         Ok(())
     }
 
-    /// Unpack the tar archive `input` into `dir` in Pod `pod` (`what`
-    /// names it in the error).
-    async fn untar(
+    /// Run `argv` in Pod `pod` with `input` on its stdin, as a copy in of
+    /// `what` (named in the error when it fails).
+    async fn feed(
         &self,
         c: &Connected,
         pod: &str,
-        dir: &str,
+        argv: &[&str],
         input: &mut (dyn tokio::io::AsyncRead + Unpin + Send),
         what: &str,
     ) -> Result<(), KubeError> {
-        let argv = ["tar", "-x", "--no-same-owner", "-C", dir, "-f", "-"];
-        let (code, out) = self.run(c, pod, &argv, Some(input)).await?;
+        let (code, out) = self.run(c, pod, argv, Some(input)).await?;
         if code != 0 {
             return Err(KubeError::Exec(format!(
-                "copying {what} into the Pod failed (tar exited {code}): {out}"
+                "copying {what} into the Pod failed ({} exited {code}): {out}",
+                argv[0]
             )));
         }
         Ok(())
@@ -155,56 +150,77 @@ impl KubeBackend {
                 parts.push(Part::Entries(dir.clone()));
             }
             if spec.config.network != keystone_agent_api::Network::None {
-                parts.push(Part::File(self.relay_binary(), super::egress::RELAY));
+                parts.push(Part::File(
+                    self.relay_binary(),
+                    super::egress::RELAY.to_owned(),
+                ));
             }
         }
         let ca = spec.dir().join(crate::backend::CA_DIR);
         if ca.is_dir() {
-            parts.push(Part::Dir(ca, crate::backend::CA_DIR));
+            parts.push(Part::Dir(ca, crate::backend::CA_DIR.to_owned()));
         }
         if parts.is_empty() {
             return Ok(());
         }
+        self.send_archive(c, pod, &untar(super::TOOLS), parts, "agentd's tools")
+            .await
+    }
+
+    /// Run `argv` in Pod `pod` with a tar archive of `parts` on its stdin
+    /// ([`archive`]), written by a thread of agentd's (the files are
+    /// agentd's own); `what` names them in errors.
+    pub(super) async fn send_archive(
+        &self,
+        c: &Connected,
+        pod: &str,
+        argv: &[&str],
+        parts: Vec<Part>,
+        what: &str,
+    ) -> Result<(), KubeError> {
         let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
             .map_err(|e| KubeError::Io(e.into()))?;
         // A thread of its own, not the blocking pool, where it could wait
         // behind a task that waits for it.
         let (done, writing) = tokio::sync::oneshot::channel();
         std::thread::Builder::new()
-            .name("kube-tools".to_owned())
+            .name("kube-archive".to_owned())
             .spawn(move || {
-                let _ = done.send(tools_archive(std::fs::File::from(w), &parts));
+                let _ = done.send(archive(std::fs::File::from(w), &parts));
             })
             .map_err(KubeError::Io)?;
         let mut input =
             tokio::net::unix::pipe::Receiver::from_owned_fd(r).map_err(KubeError::Io)?;
-        let unpacked = self
-            .untar(c, pod, super::TOOLS, &mut input, "agentd's tools")
-            .await;
+        let fed = self.feed(c, pod, argv, &mut input, what).await;
         drop(input);
         let written = writing
             .await
-            .unwrap_or_else(|_| Err(std::io::Error::other("the tools' archive writer ended")));
-        unpacked?;
+            .unwrap_or_else(|_| Err(std::io::Error::other("the archive's writer ended")));
+        fed?;
         written.map_err(KubeError::Io)
     }
 }
 
-/// Something copied into a Pod's tools directory.
-enum Part {
+/// The argv of `tar` in a Pod unpacking its stdin into `dir`.
+fn untar(dir: &str) -> [&str; 7] {
+    ["tar", "-x", "--no-same-owner", "-C", dir, "-f", "-"]
+}
+
+/// Something copied into a Pod.
+pub(super) enum Part {
     /// The entries of agentd's tools directory, but for its `ca/` (the
     /// CA files of every local sandbox, named by their ids).
     Entries(PathBuf),
     /// A file at a path inside.
-    File(PathBuf, &'static str),
+    File(PathBuf, String),
     /// A directory at a path inside.
-    Dir(PathBuf, &'static str),
+    Dir(PathBuf, String),
 }
 
 /// Write a tar archive of `parts` to `out`. Never of a directory itself
 /// at the top: "." would be the volume's root in the Pod, whose mode and
 /// time the Pod's uid may not set, an emptyDir being root's.
-fn tools_archive(out: std::fs::File, parts: &[Part]) -> std::io::Result<()> {
+fn archive(out: std::fs::File, parts: &[Part]) -> std::io::Result<()> {
     let mut b = tar::Builder::new(out);
     b.follow_symlinks(false);
     for part in parts {
@@ -212,7 +228,9 @@ fn tools_archive(out: std::fs::File, parts: &[Part]) -> std::io::Result<()> {
             Part::Entries(dir) => {
                 for entry in std::fs::read_dir(dir)? {
                     let entry = entry?;
-                    if entry.file_name() == crate::backend::CA_DIR {
+                    // (The toolbox has its own copy, onto the claim.)
+                    let name = entry.file_name();
+                    if name == crate::backend::CA_DIR || name == "agents" {
                         continue;
                     }
                     if entry.file_type()?.is_dir() {
