@@ -305,7 +305,7 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
     let arg = argv.get(2).map_or("", String::as_str);
     // Long-running modes with protocols of their own, then the helpers.
     type Mode = (&'static str, fn(&str) -> i32);
-    let modes: [Mode; 12] = [
+    let modes: [Mode; 13] = [
         (backend::vm::supervise::VM_ARG, backend::vm::supervise::main),
         (backend::vm::vsock::VSOCK_ARG, backend::vm::vsock::main),
         (guest::INIT_ARG, |_| guest::init::main()),
@@ -328,6 +328,9 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
         }),
         (git::mirror::Pack::ARG, |_| main::<git::mirror::Pack>()),
         (git::mirror::Unpack::ARG, |_| main::<git::mirror::Unpack>()),
+        (git::mirror::Objects::ARG, |_| {
+            main::<git::mirror::Objects>()
+        }),
     ];
     let name = argv.get(1)?;
     let (_, f) = modes.iter().find(|(n, _)| n == name)?;

@@ -743,3 +743,73 @@ fn the_agent_toolbox_is_copied_onto_the_claim_once_per_version() {
         "claude-2.0.0\n"
     );
 }
+
+/// `sync --from-host` brings the host's branches into the Pod as
+/// `host/<branch>`, with their commits, and nothing else of the Pod's
+/// changes; a stopped sandbox is refused (its branches are in its Pod).
+#[test]
+fn the_host_s_branches_reach_the_pod_with_sync_from_host() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd_running(&cluster, serde_json::json!({}));
+    let repo = sandbox(&env, "fh", &[]);
+    let sh = |script: &str| env.ok(&["exec", "fh", "--", "sh", "-c", script]);
+    sh(
+        "echo wip > wip.txt; git -c user.name=A -c user.email=a@example.com commit -q --allow-empty -m pod-work",
+    );
+    let before = sh("git rev-parse HEAD; git status --porcelain; git branch --list");
+    std::fs::write(repo.join("new.txt"), "n\n").unwrap();
+    git(&repo, &["add", "new.txt"]);
+    git(
+        &repo,
+        &[
+            "-c",
+            "user.name=H",
+            "-c",
+            "user.email=h@example.com",
+            "commit",
+            "-qm",
+            "host work",
+        ],
+    );
+    git(&repo, &["branch", "release"]);
+    let out = env.ok(&["sync", "fh", "--from-host"]);
+    assert!(out.contains("into sandbox 'fh'"), "{out}");
+    for branch in ["main", "release"] {
+        assert_eq!(
+            sh(&format!("git rev-parse host/{branch}")),
+            git(&repo, &["rev-parse", branch])
+        );
+    }
+    assert_eq!(sh("git show -s --format=%s host/main"), "host work\n");
+    assert_eq!(sh("git cat-file -p host/main:new.txt"), "n\n");
+    // The Pod's own branches and files are as they were.
+    assert_eq!(
+        sh("git rev-parse HEAD; git status --porcelain; git branch --list"),
+        before
+    );
+    // A branch gone from the host goes from the Pod's host/ too.
+    git(&repo, &["branch", "-D", "release"]);
+    env.ok(&["sync", "fh", "--from-host"]);
+    let left = sh("git for-each-ref --format='%(refname)' refs/remotes/host/");
+    assert!(
+        left.contains("host/main") && !left.contains("host/release"),
+        "{left}"
+    );
+    // The Pod's work still comes home afterwards.
+    env.ok(&["sync", "fh"]);
+    assert_eq!(
+        git(&repo, &["show", "-s", "--format=%s", "sandbox/fh/main"]),
+        "pod-work\n"
+    );
+    env.ok(&["stop", "fh"]);
+    let refused = env.ctl(&["sync", "fh", "--from-host"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("start it first"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+}

@@ -404,6 +404,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         Box::pin(async { Ok(()) })
     }
 
+    /// After a sync from the host into the host workspace of such a
+    /// backend ([`Backend::pull_git_dir`] brought it first): set `updates`
+    /// (full ref name, new commit or `""` to delete it) in the sandbox, with
+    /// the objects they need.
+    fn push_refs<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+        _updates: Vec<(String, String)>,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async { Ok(()) })
+    }
+
     /// Carry out a worktree request where the workspace lives, for a
     /// backend whose workspace is not the host directory (`None`: the
     /// host's helpers do it there).

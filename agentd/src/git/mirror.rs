@@ -4,7 +4,9 @@
 //! directory comes back as a tar archive ([`Unpack`]) before each sync, so
 //! that the same confined readers check it as they check a local
 //! workspace. Both run as the sandbox's uid, confined to its workspace
-//! directory (`agentd __mirror-pack`, `agentd __mirror-unpack`).
+//! directory (`agentd __mirror-pack`, `agentd __mirror-unpack`), as does
+//! [`Objects`] (`agentd __mirror-objects`), the pack of a sync from the
+//! host's new commits sent into the sandbox.
 //!
 //! What comes back is the sandbox's, so it is hostile: only directories and
 //! regular files under `.git/`, relative paths without `..`, at most
@@ -53,6 +55,70 @@ impl Helper for Pack {
                 source: e,
             })?;
         Ok(())
+    }
+}
+
+/// What to send into a remote sandbox after a sync from the host: the
+/// objects of `tips` that the host copy's branches (the sandbox's, as last
+/// copied) do not reach.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ObjectsRequest {
+    /// The workspace on the host (its git directory is the sandbox's).
+    pub workspace: PathBuf,
+    /// The commits to send.
+    pub tips: Vec<String>,
+}
+
+/// Streams a pack of [`ObjectsRequest`]'s objects on stdout, built by
+/// libgit2 (which runs nothing the repository's configuration names).
+#[derive(Debug)]
+pub struct Objects;
+
+impl Helper for Objects {
+    const ARG: &'static str = "__mirror-objects";
+    const WHAT: &'static str = "pack of the host's commits";
+    const RAW_OUTPUT: bool = true;
+    type Request = ObjectsRequest;
+    type Reply = ();
+
+    fn serve(req: ObjectsRequest, io: &mut Io<'_>) -> Result<(), HelperError> {
+        super::workspace::allow_foreign_owners();
+        let git = |e: git2::Error| {
+            HelperError::Failed(format!("{}: {}", req.workspace.display(), e.message()))
+        };
+        let repo = git2::Repository::open_ext(
+            &req.workspace,
+            git2::RepositoryOpenFlags::NO_SEARCH,
+            std::iter::empty::<&str>(),
+        )
+        .map_err(git)?;
+        let mut walk = repo.revwalk().map_err(git)?;
+        for tip in &req.tips {
+            walk.push(git2::Oid::from_str(tip).map_err(git)?)
+                .map_err(git)?;
+        }
+        let (heads, _) = super::refs::read_branches(repo.path(), "refs/heads");
+        for oid in heads.values() {
+            // (A branch whose commit the copy lacks hides nothing.)
+            let _ = walk.hide(*oid);
+        }
+        let mut pack = repo.packbuilder().map_err(git)?;
+        pack.insert_walk(&mut walk).map_err(git)?;
+        let mut failed = None;
+        pack.foreach(|chunk| match io.output.write_all(chunk) {
+            Ok(()) => true,
+            Err(e) => {
+                failed = Some(e);
+                false
+            }
+        })
+        .map_err(git)?;
+        if let Some(e) = failed {
+            return Err(HelperError::Failed(format!("cannot write the pack: {e}")));
+        }
+        io.output
+            .flush()
+            .map_err(|e| HelperError::Failed(format!("cannot write the pack: {e}")))
     }
 }
 

@@ -81,6 +81,9 @@ pub struct ReadRequest {
 /// `new` empty for a removed one.
 pub use keystone_agent_api::BranchSync as Update;
 
+/// Where a sync from the host puts the host's branches in a workspace.
+pub const HOST_PREFIX: &str = "refs/remotes/host/";
+
 /// The reader's report (its first line on stdout; a pack follows).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ReadReport {
@@ -486,7 +489,7 @@ pub fn write(
     let mut haves: Vec<String> = previous.values().map(Oid::to_string).collect();
     let (heads, _) = refs::read_branches(repo.path(), "refs/heads");
     haves.extend(heads.values().map(Oid::to_string));
-    if spec.prefix != "refs/remotes/host/" {
+    if spec.prefix != HOST_PREFIX {
         let (host, _) = refs::read_branches(repo.path(), "refs/remotes/host");
         haves.extend(host.values().map(Oid::to_string));
     }

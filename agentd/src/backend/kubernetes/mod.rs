@@ -695,6 +695,14 @@ impl super::Backend for KubeBackend {
         Box::pin(async move { Ok(self.pull(spec).await?) })
     }
 
+    fn push_refs<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        updates: Vec<(String, String)>,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move { Ok(self.push(spec, updates).await?) })
+    }
+
     fn worktree<'a>(
         &'a self,
         spec: &'a SandboxSpec,

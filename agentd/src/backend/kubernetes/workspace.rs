@@ -45,6 +45,84 @@ impl KubeBackend {
         Ok(())
     }
 
+    /// Set `updates` (full ref name, new commit or `""` to delete it) in
+    /// the Pod's repository after a sync from the host into the host copy:
+    /// a pack of the commits its branches lack, made by a helper confined
+    /// to the host copy, for `git index-pack` there, then `git update-ref`.
+    pub(super) async fn push(
+        &self,
+        spec: &SandboxSpec,
+        updates: Vec<(String, String)>,
+    ) -> Result<(), KubeError> {
+        self.within_transfer_timeout(
+            "copying the host's branches into the Pod",
+            self.push_within(spec, updates),
+        )
+        .await
+    }
+
+    async fn push_within(
+        &self,
+        spec: &SandboxSpec,
+        updates: Vec<(String, String)>,
+    ) -> Result<(), KubeError> {
+        if updates.is_empty() {
+            return Ok(());
+        }
+        let mut script = String::new();
+        let mut tips = Vec::new();
+        for (name, new) in &updates {
+            let valid_name =
+                git2::Reference::is_valid_name(name) && !name.contains(char::is_whitespace);
+            let valid_oid =
+                new.is_empty() || (new.len() >= 40 && new.bytes().all(|b| b.is_ascii_hexdigit()));
+            if !valid_name || !valid_oid {
+                return Err(KubeError::Exec(format!(
+                    "not sending ref {} ({}) into the Pod",
+                    crate::text::shown(name),
+                    crate::text::shown(new)
+                )));
+            }
+            if new.is_empty() {
+                script.push_str(&format!("delete {name}\n"));
+            } else {
+                script.push_str(&format!("update {name} {new}\n"));
+                tips.push(new.clone());
+            }
+        }
+        let c = self.connected().await?;
+        let pod = manifest::object_name(&spec.name);
+        if !tips.is_empty() {
+            let run_as = RunAs::confined(spec.uid, &spec.workspace);
+            let req = crate::git::mirror::ObjectsRequest {
+                workspace: spec.workspace.clone(),
+                tips,
+            };
+            let mut packing =
+                helper::start::<crate::git::mirror::Objects>(&self.settings.exe, &run_as, &req)
+                    .await?;
+            packing.close_input();
+            let argv = ["git", "-C", manifest::WORKSPACE, "index-pack", "--stdin"];
+            let fed = self
+                .feed(c, &pod, &argv, packing.output(), "the host's commits")
+                .await;
+            if let Err(e) = fed {
+                drop(packing);
+                return Err(e);
+            }
+            packing.finish().await?;
+        }
+        let argv = ["git", "-C", manifest::WORKSPACE, "update-ref", "--stdin"];
+        self.feed(
+            c,
+            &pod,
+            &argv,
+            &mut script.as_bytes(),
+            "the host's branches",
+        )
+        .await
+    }
+
     /// Run `argv` in Pod `pod` with `input` on its stdin, as a copy in of
     /// `what` (named in the error when it fails).
     async fn feed(
@@ -70,17 +148,24 @@ impl KubeBackend {
     /// time: what the Pod's `tar` sends, and whether it ends, is the
     /// sandbox's.
     pub(super) async fn pull(&self, spec: &SandboxSpec) -> Result<(), KubeError> {
-        let secs = self.settings.config.transfer_timeout_seconds.max(1);
-        tokio::time::timeout(
-            std::time::Duration::from_secs(u64::from(secs)),
+        self.within_transfer_timeout(
+            "copying the git directory from the Pod",
             self.pull_within(spec),
         )
         .await
-        .map_err(|_| {
-            KubeError::Exec(format!(
-                "copying the git directory from the Pod did not finish within {secs}s"
-            ))
-        })?
+    }
+
+    /// `copy` cut short past `transfer_timeout_seconds` (what the Pod
+    /// does, and whether it ends, is the sandbox's).
+    async fn within_transfer_timeout(
+        &self,
+        what: &str,
+        copy: impl std::future::Future<Output = Result<(), KubeError>>,
+    ) -> Result<(), KubeError> {
+        let secs = self.settings.config.transfer_timeout_seconds.max(1);
+        tokio::time::timeout(std::time::Duration::from_secs(u64::from(secs)), copy)
+            .await
+            .map_err(|_| KubeError::Exec(format!("{what} did not finish within {secs}s")))?
     }
 
     async fn pull_within(&self, spec: &SandboxSpec) -> Result<(), KubeError> {

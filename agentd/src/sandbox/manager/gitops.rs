@@ -45,13 +45,17 @@ impl Manager {
             .snapshot(name)
             .ok_or_else(|| Error::NotFound(name.to_owned()))?;
         let spec = self.spec(&sb);
-        if opts.from_host && sb.backend == BackendKind::Kubernetes {
-            return Err(Error::Invalid(vec![format!(
-                "sync --from-host is not available for '{name}': the kubernetes backend brings \
-                 branches only to the host yet"
-            )]));
+        // A Pod's branches are in the Pod: a copy made while it is stopped
+        // would be overwritten by the next one that comes back.
+        if opts.from_host && sb.backend == BackendKind::Kubernetes && sb.runtime.is_none() {
+            return Err(Error::InvalidState {
+                name: name.to_owned(),
+                verb: "sync from the host into",
+                state: sb.state,
+                hint: "its branches live in its Pod: start it first (agentctl start)",
+            });
         }
-        if !opts.from_host && sb.runtime.is_some() {
+        if sb.runtime.is_some() {
             self.backend(sb.backend)?
                 .pull_git_dir(&spec)
                 .await
@@ -95,7 +99,7 @@ impl Manager {
                 },
                 spec: WriteSpec {
                     repo: spec.workspace.clone(),
-                    prefix: "refs/remotes/host/".to_owned(),
+                    prefix: crate::git::sync::HOST_PREFIX.to_owned(),
                     remote: None,
                     prune: opts.branch.is_none(),
                     into: None,
@@ -143,6 +147,24 @@ impl Manager {
                 });
             }
         };
+        if opts.from_host && !opts.dry_run && sb.runtime.is_some() {
+            let updates = report
+                .read
+                .updates
+                .iter()
+                .map(|u| {
+                    let name = format!("{}{}", crate::git::sync::HOST_PREFIX, u.branch);
+                    (name, u.new.clone())
+                })
+                .collect();
+            self.backend(sb.backend)?
+                .push_refs(&spec, updates)
+                .await
+                .map_err(|source| Error::Backend {
+                    name: name.to_owned(),
+                    source,
+                })?;
+        }
         let branches = u32::try_from(report.read.updates.len()).unwrap_or(u32::MAX);
         let commits: u32 = report.read.updates.iter().map(|u| u.commits).sum();
         if !opts.dry_run {
