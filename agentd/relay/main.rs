@@ -61,6 +61,8 @@ fn main() -> ExitCode {
     std::thread::spawn(move || {
         for conn in clients.incoming() {
             let Ok(conn) = conn else { continue };
+            // Heads and answers are small writes: no waiting for ACKs.
+            let _ = conn.set_nodelay(true);
             {
                 let mut q = queue.lock().unwrap();
                 q.retain(|(_, since)| since.elapsed() < WAIT);
@@ -77,6 +79,7 @@ fn main() -> ExitCode {
     });
     for conn in back.incoming() {
         let Ok(conn) = conn else { continue };
+        let _ = conn.set_nodelay(true);
         let client = {
             let mut q = waiting.lock().unwrap();
             q.retain(|(c, since)| since.elapsed() < WAIT && !hung_up(c));

@@ -252,7 +252,8 @@ fn agentd_finds_its_pods_again_after_kill_9_and_removes_strays() {
         "the gateway after the restart",
         Duration::from_secs(30),
         || {
-            said = env.ok(&["exec", "keep", "--", "sh", "-c", ask]);
+            let out = env.ctl(&["exec", "keep", "--", "sh", "-c", ask]);
+            said = String::from_utf8_lossy(&out.stdout).into_owned();
             said.contains("agentctl egress keep allow example.test")
         },
     );
@@ -479,7 +480,9 @@ fn commits_in_the_pod_come_home_by_themselves() {
                 == "all by itself"
         })
     });
-    // Nothing changes, nothing is synced.
+    // Nothing changes, nothing is synced (once the sync that wrote the
+    // ref has logged its end).
+    std::thread::sleep(Duration::from_secs(1));
     let syncs = env.log().matches("synced").count();
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(env.log().matches("synced").count(), syncs);

@@ -17,7 +17,7 @@ mod common;
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use cluster::{Cluster, agentd, skip};
+use cluster::{Cluster, agentd, skip, tail, usage};
 use common::{Env, git};
 
 /// A running sandbox `name` of a fresh repository (`--disk 256`); the
@@ -26,20 +26,6 @@ fn sandbox(env: &Env, name: &str, extra: &[&str]) -> std::path::PathBuf {
     let mut args = vec!["--disk", "256"];
     args.extend_from_slice(extra);
     cluster::sandbox(env, name, &args)
-}
-
-/// What agentd holds: (resident KiB, descriptors, threads).
-fn usage(pid: i32) -> (u64, usize, usize) {
-    let rss = common::proc_status(pid, "VmRSS")
-        .trim_end_matches(" kB")
-        .trim()
-        .parse()
-        .unwrap_or(0);
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0);
-    let threads = common::proc_status(pid, "Threads").parse().unwrap_or(0);
-    (rss, fds, threads)
 }
 
 /// Run agentctl `args`; its output, or `None` if it had not ended by
@@ -77,11 +63,6 @@ fn ctl_ends(env: &Env, what: &str, args: &[&str], limit: Duration) -> Output {
         tail(&env.log(), 40)
     );
     out.unwrap()
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 fn stderr(o: &Output) -> String {

@@ -359,3 +359,25 @@ pub fn sandbox(env: &Env, name: &str, extra: &[&str]) -> std::path::PathBuf {
     env.ok(&["start", name]);
     repo
 }
+
+/// What agentd (`pid`) holds: (resident KiB, descriptors, threads).
+pub fn usage(pid: i32) -> (u64, usize, usize) {
+    let rss = crate::common::proc_status(pid, "VmRSS")
+        .trim_end_matches(" kB")
+        .trim()
+        .parse()
+        .unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    let threads = crate::common::proc_status(pid, "Threads")
+        .parse()
+        .unwrap_or(0);
+    (rss, fds, threads)
+}
+
+/// The last `lines` lines of `text`.
+pub fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}

@@ -216,6 +216,7 @@ impl FakeKube {
                 let Ok((conn, _)) = listener.accept().await else {
                     continue;
                 };
+                let _ = conn.set_nodelay(true);
                 let store = Arc::clone(&served);
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| {

@@ -71,6 +71,7 @@ async fn connect(port: u16, netns: Option<PathBuf>) -> std::io::Result<tokio::ne
                     .map_err(std::io::Error::from)?;
             }
             let s = std::net::TcpStream::connect(("127.0.0.1", port))?;
+            s.set_nodelay(true)?;
             s.set_nonblocking(true)?;
             Ok(s)
         })();

@@ -12,7 +12,8 @@
 //! as one more client ([`crate::egress::Socket::Handed`]).
 //!
 //! Nothing the Pod says is trusted: only newlines count, at most
-//! [`OPENING_MAX`] port-forwards are being opened at once (the gateway's
+//! [`OPENING_MAX`] port-forwards are being opened at once and
+//! [`OPEN_RATE`] a second (the gateway's
 //! own bound, [`crate::egress::gateway::CONNECTIONS_MAX`], holds for the
 //! ones it serves), and whatever comes through a port-forward is one more
 //! client of this sandbox, decided by its policy. Which sandbox a
@@ -46,6 +47,12 @@ const OPENING_MAX: usize = 32;
 /// Newlines kept to answer: as many clients as the relay keeps waiting.
 const OWED_MAX: usize = 256;
 
+/// Port-forwards opened per second for one sandbox, and the burst: each is
+/// a WebSocket upgrade at the API server (and the kubelet) with agentd's
+/// credentials, which every sandbox shares.
+const OPEN_RATE: f64 = 50.0;
+const OPEN_BURST: f64 = 50.0;
+
 /// How long the relay may take to say it is ready.
 const READY: Duration = Duration::from_secs(20);
 
@@ -76,6 +83,7 @@ impl std::fmt::Debug for Relay {
 /// Where a sandbox's relay runs.
 #[derive(Clone)]
 struct Target {
+    client: kube::Client,
     api: Api<Pod>,
     namespace: String,
     pod: String,
@@ -117,10 +125,13 @@ impl Target {
             false
         };
         match tokio::time::timeout(READY, ready).await {
-            Ok(true) => Ok(Relay {
-                _exec: p,
-                out: Box::new(out),
-            }),
+            Ok(true) => {
+                exec::discard(err);
+                Ok(Relay {
+                    _exec: p,
+                    out: Box::new(out),
+                })
+            }
             Ok(false) => {
                 let said = tokio::time::timeout(Duration::from_secs(2), exec::kept(&mut err))
                     .await
@@ -158,6 +169,7 @@ impl KubeBackend {
     async fn target(&self, spec: &SandboxSpec) -> Result<Target, KubeError> {
         let c = self.connected().await?;
         Ok(Target {
+            client: c.client.clone(),
             api: self.api::<Pod>(c),
             namespace: self.ns().to_owned(),
             pod: manifest::object_name(&spec.name),
@@ -192,7 +204,10 @@ async fn connect(
     tx: mpsc::Sender<tokio::net::UnixStream>,
     _permit: tokio::sync::OwnedSemaphorePermit,
 ) {
-    let opened = exec::forward(&target.api, &target.namespace, &target.pod, BACK_PORT).await;
+    let opened =
+        super::portforward::forward(&target.client, &target.namespace, &target.pod, BACK_PORT)
+            .await;
+
     let stream = opened.and_then(|fd| {
         let s = std::os::unix::net::UnixStream::from(fd);
         s.set_nonblocking(true)
@@ -232,7 +247,13 @@ async fn tunnel(
                 // Newlines not answered yet (no more than the relay keeps
                 // clients waiting).
                 let mut owed = 0usize;
+                let mut tokens = OPEN_BURST;
+                let mut since = tokio::time::Instant::now();
                 loop {
+                    let now = tokio::time::Instant::now();
+                    tokens = (tokens + (now - since).as_secs_f64() * OPEN_RATE).min(OPEN_BURST);
+                    since = now;
+                    let refill = Duration::from_secs_f64((1.0 - tokens).max(0.0) / OPEN_RATE);
                     tokio::select! {
                         () = tx.closed() => return,
                         n = r.out.read(&mut buf) => match n {
@@ -242,10 +263,12 @@ async fn tunnel(
                             }
                             _ => break,
                         },
-                        Ok(permit) = std::sync::Arc::clone(&opening).acquire_owned(), if owed > 0 => {
+                        Ok(permit) = std::sync::Arc::clone(&opening).acquire_owned(), if owed > 0 && tokens >= 1.0 => {
                             owed -= 1;
+                            tokens -= 1.0;
                             tokio::spawn(connect(target.clone(), tx.clone(), permit));
                         }
+                        () = tokio::time::sleep(refill), if owed > 0 && tokens < 1.0 => {}
                     }
                 }
                 tracing::info!(sandbox = %sandbox, "egress: the relay in the Pod ended");

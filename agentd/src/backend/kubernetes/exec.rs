@@ -1,7 +1,6 @@
 //! Commands in a Pod through the `exec` subresource: argv built for the
 //! image's `env` and `timeout`, plain runs with bounded output, the
-//! caller's streams or a terminal bridged ([`super::stream`]), and
-//! connections through the API server's port-forward.
+//! caller's streams or a terminal bridged ([`super::stream`]).
 
 use std::os::fd::OwnedFd;
 use std::time::Duration;
@@ -26,6 +25,16 @@ pub(super) async fn kept(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> Vec<u8>
         out.extend_from_slice(&buf[..n.min(room)]);
     }
     out
+}
+
+/// Read and drop what `r` (an exec's stderr) brings, in a task of its own:
+/// left unread, it would stop the exec's messages, its stdout with them.
+pub(super) fn discard(mut r: impl tokio::io::AsyncRead + Unpin + Send + 'static) {
+    use tokio::io::AsyncReadExt;
+    tokio::spawn(async move {
+        let mut sink = [0u8; 1024];
+        while matches!(r.read(&mut sink).await, Ok(n) if n > 0) {}
+    });
 }
 
 /// The exit status and the stdout of an attached process.
@@ -180,7 +189,8 @@ impl KubeBackend {
         })
     }
 
-    /// A connection to `port` on the Pod's loopback (see [`forward`]).
+    /// A connection to `port` on the Pod's loopback (see
+    /// [`super::portforward`]).
     pub(super) async fn forward(
         &self,
         spec: &SandboxSpec,
@@ -188,7 +198,7 @@ impl KubeBackend {
     ) -> Result<OwnedFd, KubeError> {
         let c = self.connected().await?;
         let pod = manifest::object_name(&spec.name);
-        forward(&self.api::<Pod>(c), self.ns(), &pod, port).await
+        super::portforward::forward(&c.client, self.ns(), &pod, port).await
     }
 }
 
@@ -228,34 +238,6 @@ pub(super) fn api_error(
         namespace,
         source: Box::new(source),
     }
-}
-
-/// A connection to `port` on Pod `pod`'s loopback (in `namespace`, that of
-/// `api`), through the API server's port-forward, as one end of a socket
-/// pair whose other end a task bridges to the forward (both end with the
-/// connection).
-pub(super) async fn forward(
-    api: &Api<Pod>,
-    namespace: &str,
-    pod: &str,
-    port: u16,
-) -> Result<OwnedFd, KubeError> {
-    let mut pf = api.portforward(pod, &[port]).await.map_err(api_error(
-        "cannot forward a port of the Pod",
-        namespace,
-        pod,
-    ))?;
-    let mut stream = pf
-        .take_stream(port)
-        .ok_or_else(|| KubeError::Exec("the port-forward has no stream".to_owned()))?;
-    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(KubeError::Io)?;
-    ours.set_nonblocking(true).map_err(KubeError::Io)?;
-    let mut ours = tokio::net::UnixStream::from_std(ours).map_err(KubeError::Io)?;
-    tokio::spawn(async move {
-        let _ = tokio::io::copy_bidirectional(&mut ours, &mut stream).await;
-        drop(pf);
-    });
-    Ok(OwnedFd::from(theirs))
 }
 
 #[cfg(test)]

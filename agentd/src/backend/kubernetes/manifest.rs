@@ -67,9 +67,11 @@ fn typed<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
     serde_json::from_value(v).expect("a well-formed object")
 }
 
-/// `PATH` in a Pod: agentd's tools (the agents' launchers, Zellij) first,
-/// then the usual directories of an image.
-const PATH: &str = "/run/keystone/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// `PATH` in a Pod: the usual directories of an image, then agentd's tools
+/// (the agents' launchers, Zellij). Last: unlike a local sandbox's, the
+/// Pod's tools directory is the agent's to write, and the commands agentd
+/// runs by name there (`env`, `tar`, `git`, `sh`) must stay the image's.
+const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/run/keystone/bin";
 
 /// The sandbox's Pod; with `agents`, the claim's `agents/` holds the
 /// agent toolbox at [`crate::toolbox::INSIDE`].

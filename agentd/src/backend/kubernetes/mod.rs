@@ -20,12 +20,14 @@
 //!   from the Pod to the API server's service succeeds) and the start is
 //!   refused unless `allow_unenforced_network_policy` is set.
 
+mod client;
 mod config;
 mod egress;
 mod error;
 mod exec;
 pub mod manifest;
 pub mod pods;
+mod portforward;
 mod stream;
 mod toolbox;
 mod workspace;
@@ -165,7 +167,7 @@ impl KubeBackend {
                         .map_err(|e| fail(e.into()))?,
                     None => kube::Config::infer().await.map_err(|e| fail(e.into()))?,
                 };
-                let client = kube::Client::try_from(config).map_err(|e| fail(e.into()))?;
+                let client = client::client(config).map_err(|e| fail(e.into()))?;
                 let api: Api<Pod> = Api::namespaced(client.clone(), self.ns());
                 let pods = pods::Pods::watch(api, manifest::selector(&self.instance)).await;
                 Ok(Connected { client, pods })
@@ -671,7 +673,12 @@ impl super::Backend for KubeBackend {
         Box::pin(async move {
             let c = self.connected().await?;
             let pod = manifest::object_name(&spec.name);
-            Ok(self.bring_tools(c, spec, &pod, false).await?)
+            // (The Pod's commands run by now: how long its `tar` takes is
+            // the sandbox's.)
+            let copy = self.bring_tools(c, spec, &pod, false);
+            Ok(self
+                .within_transfer_timeout("copying the CA files into the Pod", copy)
+                .await?)
         })
     }
 

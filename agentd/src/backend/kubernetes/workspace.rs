@@ -157,7 +157,7 @@ impl KubeBackend {
 
     /// `copy` cut short past `transfer_timeout_seconds` (what the Pod
     /// does, and whether it ends, is the sandbox's).
-    async fn within_transfer_timeout(
+    pub(super) async fn within_transfer_timeout(
         &self,
         what: &str,
         copy: impl std::future::Future<Output = Result<(), KubeError>>,
@@ -357,6 +357,9 @@ impl KubeBackend {
         let argv = vec!["sh".to_owned(), "-c".to_owned(), REF_WATCH.to_owned()];
         let mut p = self.attach(c, &pod, argv, false, false).await?;
         let (_status, out) = super::exec::status_and_stdout(&mut p)?;
+        if let Some(err) = p.stderr() {
+            super::exec::discard(err);
+        }
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         tokio::spawn(async move {
             let _exec = p;

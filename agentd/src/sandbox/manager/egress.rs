@@ -140,6 +140,7 @@ impl Manager {
         let spec = self.spec(&sb);
         let this = Arc::clone(self);
         let name = name.to_owned();
+        let runtime = sb.runtime.clone();
         tokio::spawn(async move {
             let socket = match backend.gateway(&spec).await {
                 Ok(Some(s)) => s,
@@ -149,6 +150,12 @@ impl Manager {
                     return;
                 }
             };
+            // A stop (or another start) while the backend made it: this
+            // run's gateway is not to be served any more.
+            let now = this.snapshot(&name);
+            if now.is_none_or(|s| s.state != SandboxState::Running || s.runtime != runtime) {
+                return;
+            }
             let weak = Arc::downgrade(&this);
             let policy_name = name.clone();
             let log_name = name.clone();
