@@ -585,7 +585,6 @@ fn the_pod_reaches_out_only_through_its_gateway() {
 #[test]
 fn a_secret_reaches_its_host_from_the_pod_and_never_the_pod() {
     use common::tls::{Origin, tls};
-    use std::io::Write;
     if skip() {
         return;
     }
@@ -623,26 +622,13 @@ fn a_secret_reaches_its_host_from_the_pod_and_never_the_pod() {
         &format!("127.0.0.1/32:{}", origin.port),
     ]);
     let value = format!("sk-test-{}", uuid::Uuid::new_v4().simple());
-    let mut set = env
-        .ctl_cmd(&[
-            "secret",
-            "set",
-            "sec",
-            "API_KEY",
-            "--host",
-            "api.secret.test",
-            "--header",
-            "x-api-key",
-        ])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    set.stdin
-        .take()
-        .unwrap()
-        .write_all(value.as_bytes())
-        .unwrap();
-    assert!(set.wait().unwrap().success());
+    env.set_secret(
+        "sec",
+        "API_KEY",
+        "api.secret.test",
+        "x-api-key",
+        value.as_bytes(),
+    );
     let ask = format!(
         "curl -sS --max-time 20 -H \"x-api-key: $API_KEY\" https://api.secret.test:{}/v1/messages",
         origin.port
@@ -765,18 +751,7 @@ fn the_host_s_branches_reach_the_pod_with_sync_from_host() {
     let before = sh("git rev-parse HEAD; git status --porcelain; git branch --list");
     std::fs::write(repo.join("new.txt"), "n\n").unwrap();
     git(&repo, &["add", "new.txt"]);
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=H",
-            "-c",
-            "user.email=h@example.com",
-            "commit",
-            "-qm",
-            "host work",
-        ],
-    );
+    common::commit(&repo, "host work");
     git(&repo, &["branch", "release"]);
     let out = env.ok(&["sync", "fh", "--from-host"]);
     assert!(out.contains("into sandbox 'fh'"), "{out}");

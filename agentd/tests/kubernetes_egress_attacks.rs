@@ -334,26 +334,13 @@ fn programs_planted_in_the_tools_directory_are_never_run_by_agentd() {
     );
     let pid = env.agentd_pid();
     let before = usage(pid);
-    let mut set = env
-        .ctl_cmd(&[
-            "secret",
-            "set",
-            "plant",
-            "API_KEY",
-            "--host",
-            "api.test",
-            "--header",
-            "x-api-key",
-        ])
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    set.stdin
-        .take()
-        .unwrap()
-        .write_all(b"sk-test-value")
-        .unwrap();
-    assert!(set.wait().unwrap().success());
+    env.set_secret(
+        "plant",
+        "API_KEY",
+        "api.test",
+        "x-api-key",
+        b"sk-test-value",
+    );
     // The CA arrives through the image's tar.
     common::wait_for("the CA files in the Pod", Duration::from_secs(20), || {
         env.ctl(&[

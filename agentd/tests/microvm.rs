@@ -536,23 +536,12 @@ fn a_microvm_guest_uses_a_secret_through_the_shared_gateway_without_reading_it()
     // Set before the first start: the guest's share does not exist yet,
     // and the start puts the CA there.
     let value = format!("sk-microvm-{}", uuid::Uuid::new_v4().simple());
-    let out = env.ctl_with_stdin(
-        &[
-            "secret",
-            "set",
-            "mvs",
-            "ANTHROPIC_API_KEY",
-            "--host",
-            "api.secret.test",
-            "--header",
-            "x-api-key",
-        ],
+    env.set_secret(
+        "mvs",
+        "ANTHROPIC_API_KEY",
+        "api.secret.test",
+        "x-api-key",
         value.as_bytes(),
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
     );
     env.ok(&["start", "mvs"]);
     let allow = format!("127.0.0.1/32:{}", origin.port);

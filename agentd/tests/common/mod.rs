@@ -308,6 +308,22 @@ impl Env {
         c.wait_with_output().unwrap()
     }
 
+    /// Give sandbox `name` secret `var` for `host`, put in its `header`,
+    /// the value on agentctl's standard input; must succeed.
+    pub fn set_secret(&self, name: &str, var: &str, host: &str, header: &str, value: &[u8]) {
+        let out = self.ctl_with_stdin(
+            &[
+                "secret", "set", name, var, "--host", host, "--header", header,
+            ],
+            value,
+        );
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// Run agentctl, as `uid` when given (root only), else as the
     /// environment's user.
     pub fn ctl_as(&self, uid: Option<u32>, args: &[&str]) -> Output {
