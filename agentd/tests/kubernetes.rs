@@ -791,3 +791,54 @@ fn the_host_s_branches_reach_the_pod_with_sync_from_host() {
         String::from_utf8_lossy(&refused.stderr)
     );
 }
+
+/// `auto-idle`: once the Pod's work has been still for the idle time, it
+/// is recorded in the Pod as a snapshot and comes home as `wip/<branch>`;
+/// the agent's branch, index and files are as they were.
+#[test]
+fn uncommitted_work_in_the_pod_comes_home_as_a_snapshot_once_idle() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd_running(&cluster, serde_json::json!({}));
+    let repo = sandbox(&env, "idle", &[]);
+    env.ok(&[
+        "set",
+        "idle",
+        "--sync-mode",
+        "auto-idle",
+        "--sync-idle-seconds",
+        "2",
+    ]);
+    let sh = |script: &str| env.ok(&["exec", "idle", "--", "sh", "-c", script]);
+    sh("echo draft > notes.txt");
+    let state = "git status --porcelain; git rev-parse HEAD; git diff --cached --stat";
+    let before = sh(state);
+    let wip = "refs/remotes/sandbox/idle/wip/main";
+    wait_for("the snapshot on the host", Duration::from_secs(30), || {
+        common::host_ref(&repo, wip).is_some()
+    });
+    assert_eq!(
+        git(&repo, &["show", &format!("{wip}:notes.txt")]),
+        "draft\n"
+    );
+    assert_eq!(
+        git(&repo, &["log", "-1", "--format=%an %P", wip])
+            .split(' ')
+            .next(),
+        Some("Keystone")
+    );
+    assert_eq!(
+        git(&repo, &["rev-parse", &format!("{wip}^")]),
+        sh("git rev-parse HEAD"),
+        "its parent is the agent's HEAD"
+    );
+    assert_eq!(sh(state), before);
+    // More work, still again: a new snapshot.
+    sh("echo second > notes.txt");
+    wait_for("the second snapshot", Duration::from_secs(30), || {
+        common::host_ref(&repo, wip).is_some()
+            && git(&repo, &["show", &format!("{wip}:notes.txt")]) == "second\n"
+    });
+}

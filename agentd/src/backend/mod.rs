@@ -437,6 +437,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Record the uncommitted work of each worktree as a snapshot
+    /// (`refs/keystone/wip/<branch>`), where the workspace lives, for a
+    /// backend whose workspace is not the host directory (`auto-idle`,
+    /// once the sandbox is idle; the others are snapshotted on the host).
+    fn snapshot_work<'a>(&'a self, _spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async { Ok(()) })
+    }
+
     /// Remove what the backend keeps for a destroyed sandbox outside its
     /// host directory (a cluster's volume claim).
     fn remove<'a>(&'a self, _spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {

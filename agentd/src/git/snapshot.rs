@@ -12,6 +12,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::helper::{Helper, HelperError, Io};
 
+/// The author and committer of snapshots (name, e-mail).
+pub const AUTHOR: (&str, &str) = ("Keystone Agent", "keystone-agent@localhost");
+
 /// Namespace of snapshot refs in the workspace.
 pub const WIP_NAMESPACE: &str = "refs/keystone/wip";
 
@@ -163,7 +166,7 @@ pub fn snapshot(req: &Request) -> Result<Outcome, SnapshotError> {
         });
     }
     let tree = repo.find_tree(tree_id)?;
-    let sig = Signature::now("Keystone Agent", "keystone-agent@localhost")?;
+    let sig = Signature::now(AUTHOR.0, AUTHOR.1)?;
     let msg = format!(
         "WIP snapshot of '{branch}' in sandbox '{}' at {}\n\nUncommitted work recorded by agentd (auto-idle sync); \
          the agent's branch, index and files are unchanged.\n",

@@ -67,6 +67,19 @@ impl Default for KubeConfig {
     }
 }
 
+/// The default instance label: a digest of the machine id and the state
+/// directory, so two agentds never take each other's objects.
+pub(super) fn default_instance(state_dir: &std::path::Path) -> String {
+    use sha2::Digest;
+    let machine = std::fs::read_to_string("/etc/machine-id").unwrap_or_default();
+    let mut h = sha2::Sha256::new();
+    h.update(machine.trim().as_bytes());
+    h.update(b"\0");
+    h.update(state_dir.as_os_str().as_encoded_bytes());
+    let d = h.finalize();
+    d[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// The Pod that runs a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -149,6 +149,11 @@ impl Target {
 }
 
 impl KubeBackend {
+    /// The relay copied into each Pod with a network: beside agentd.
+    pub(super) fn relay_binary(&self) -> std::path::PathBuf {
+        self.settings.exe.with_file_name("keystone-relay")
+    }
+
     /// Start `spec`'s relay, before anything of the sandbox runs, so that
     /// its first command finds the gateway; [`Self::gateway_socket`]
     /// takes it over.

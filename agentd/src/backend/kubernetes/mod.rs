@@ -20,6 +20,7 @@
 //!   from the Pod to the API server's service succeeds) and the start is
 //!   refused unless `allow_unenforced_network_policy` is set.
 
+mod autosync;
 mod client;
 mod config;
 mod egress;
@@ -97,19 +98,6 @@ pub struct KubeBackend {
     relays: std::sync::Mutex<std::collections::HashMap<String, egress::Relay>>,
 }
 
-/// The default instance label: a digest of the machine id and the state
-/// directory, so two agentds never take each other's objects.
-fn default_instance(state_dir: &std::path::Path) -> String {
-    use sha2::Digest;
-    let machine = std::fs::read_to_string("/etc/machine-id").unwrap_or_default();
-    let mut h = sha2::Sha256::new();
-    h.update(machine.trim().as_bytes());
-    h.update(b"\0");
-    h.update(state_dir.as_os_str().as_encoded_bytes());
-    let d = h.finalize();
-    d[..8].iter().map(|b| format!("{b:02x}")).collect()
-}
-
 impl KubeBackend {
     /// A backend with `settings`; nothing is asked of the cluster before
     /// the first sandbox needs it.
@@ -119,18 +107,13 @@ impl KubeBackend {
             .config
             .instance
             .clone()
-            .unwrap_or_else(|| default_instance(&settings.state_dir));
+            .unwrap_or_else(|| config::default_instance(&settings.state_dir));
         Self {
             settings,
             instance,
             connected: tokio::sync::OnceCell::new(),
             relays: std::sync::Mutex::default(),
         }
-    }
-
-    /// The relay copied into each Pod with a network: beside agentd.
-    fn relay_binary(&self) -> PathBuf {
-        self.settings.exe.with_file_name("keystone-relay")
     }
 
     fn ns(&self) -> &str {
@@ -723,6 +706,10 @@ impl super::Backend for KubeBackend {
         spec: &'a SandboxSpec,
     ) -> Option<BoxFut<'a, Result<tokio::sync::mpsc::Receiver<()>, BackendError>>> {
         Some(Box::pin(async move { Ok(self.watch_refs(spec).await?) }))
+    }
+
+    fn snapshot_work<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move { Ok(self.snapshot_in_pod(spec).await?) })
     }
 
     fn remove<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {

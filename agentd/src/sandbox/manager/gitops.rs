@@ -212,9 +212,11 @@ impl Manager {
         let backend = self.backend(sb.backend).ok().map(Arc::clone);
         if let Some(backend) = backend.filter(|b| b.ref_changes(&spec).is_some()) {
             // The workspace is elsewhere (a Pod): the backend says when its
-            // branches change, and each change is synced. The host's copy
-            // is never watched, nor snapshotted: it changes only when a sync
-            // brings the git directory.
+            // branches (and with auto-idle its work) change, and syncs
+            // follow. The host's copy is never watched, nor snapshotted: it
+            // changes only when a sync brings the git directory.
+            let idle = Duration::from_secs(u64::from(sb.config.sync_idle_seconds.max(1)));
+            let mode = sb.config.sync_mode;
             let this = Arc::downgrade(self);
             let sandbox = name.to_owned();
             // It lives with the sandbox (destroy drops it), and follows
@@ -244,11 +246,34 @@ impl Manager {
                             continue;
                         }
                     };
-                    while changes.recv().await.is_some() {
-                        let Some(manager) = this.upgrade() else {
-                            return;
-                        };
-                        manager.auto_sync(&sandbox).await;
+                    if mode != SyncMode::AutoIdle {
+                        while changes.recv().await.is_some() {
+                            let Some(manager) = this.upgrade() else {
+                                return;
+                            };
+                            manager.auto_sync(&sandbox).await;
+                        }
+                        continue;
+                    }
+                    // Changes come; once none has come for the idle time,
+                    // the work is snapshotted where it is, and synced.
+                    let mut changed = false;
+                    loop {
+                        match tokio::time::timeout(idle, changes.recv()).await {
+                            Ok(Some(())) => changed = true,
+                            Ok(None) => break,
+                            Err(_) if changed => {
+                                changed = false;
+                                let Some(manager) = this.upgrade() else {
+                                    return;
+                                };
+                                if let Err(e) = backend.snapshot_work(&spec).await {
+                                    tracing::warn!(sandbox = %sandbox, error = %e, "cannot snapshot the sandbox's work");
+                                }
+                                manager.auto_sync(&sandbox).await;
+                            }
+                            Err(_) => {}
+                        }
                     }
                 }
             });
