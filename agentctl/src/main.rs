@@ -69,17 +69,48 @@ impl From<api::Error> for Failure {
 /// Result of a command.
 pub type Result<T> = std::result::Result<T, Failure>;
 
+/// How long connecting to the bus may take, the D-Bus handshake included:
+/// a socket that accepts and never answers must not hold agentctl.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 async fn connect(bus: Option<&str>) -> Result<zbus::Connection> {
     let session_default = !nix::unistd::Uid::effective().is_root()
         && std::env::var_os("DBUS_SESSION_BUS_ADDRESS").is_some();
     let which = bus.unwrap_or(if session_default { "session" } else { "system" });
-    let conn = match which {
-        "system" => zbus::Connection::system().await,
-        "session" => zbus::Connection::session().await,
-        addr => match zbus::connection::Builder::address(addr) {
-            Ok(b) => b.build().await,
-            Err(e) => Err(e),
-        },
+    let connecting = async {
+        match which {
+            "system" => zbus::Connection::system().await,
+            "session" => zbus::Connection::session().await,
+            addr => match zbus::connection::Builder::address(addr) {
+                Ok(b) => b.build().await,
+                Err(e) => Err(e),
+            },
+        }
+    };
+    let Ok(conn) = tokio::time::timeout(CONNECT_TIMEOUT, connecting).await else {
+        let (bus, check) = match which {
+            "system" => (
+                "the system bus".to_owned(),
+                "busctl --system status".to_owned(),
+            ),
+            "session" => (
+                "the session bus".to_owned(),
+                "busctl --user status".to_owned(),
+            ),
+            addr => (
+                format!("the bus at {addr}"),
+                format!("busctl --address={addr} status"),
+            ),
+        };
+        return Err(Failure::new(
+            ExitCode::Requirements,
+            format!(
+                "Connecting to {bus} did not complete the D-Bus handshake within {}s: is it a \
+                 D-Bus socket, and is its bus daemon healthy? Check with `{check}`, or pick \
+                 another bus with --bus system|session|ADDRESS.",
+                CONNECT_TIMEOUT.as_secs()
+            ),
+        ));
     };
     conn.map_err(|e| {
         Failure::new(

@@ -332,3 +332,41 @@ fn bad_options_are_refused_with_every_problem_and_change_nothing() {
     );
     assert_eq!(env.status("opts")["config"]["sync_mode"], "manual");
 }
+
+/// A socket that accepts and then says nothing (no D-Bus handshake) does
+/// not hold agentctl: it gives up within its connection timeout, exits 4
+/// and names the bus and what to check.
+#[test]
+fn agentctl_gives_up_on_a_bus_that_never_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("silent.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for conn in listener.incoming().flatten() {
+            held.push(conn);
+        }
+    });
+    let bus = format!("unix:path={}", path.display());
+    let started = std::time::Instant::now();
+    let mut child = Command::new(common::agentctl())
+        .args(["--bus", &bus, "list"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // (Bounded here too: a hang fails the test instead of holding it.)
+    let deadline = started + Duration::from_secs(30);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("agentctl still waits on a silent bus after 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("gave up after {:?}", started.elapsed());
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(err.contains(&bus) && err.contains("handshake"), "{err}");
+}
