@@ -376,10 +376,7 @@ fn a_dev_server_in_the_pod_gets_its_link_through_port_forward() {
     let caddy = Caddy::start(tmp.path());
     let proxy: serde_json::Value =
         serde_json::from_str(&caddy.agentd_config_auth(false, "none")).unwrap();
-    let mut extra = serde_json::json!({});
-    if !cluster.enforces(true) {
-        extra["allow_unenforced_network_policy"] = true.into();
-    }
+    let extra = cluster::may_run(&cluster, serde_json::json!({}));
     let env = agentd_with(&cluster, extra, proxy);
     sandbox(&env, "web", &[]);
     // A dev server on the Pod's own loopback, found by agentd inside the
@@ -499,10 +496,7 @@ fn the_pod_reaches_out_only_through_its_gateway() {
     }
     let cluster = Cluster::start(true);
     let service = common::origin(std::net::IpAddr::from([127, 0, 0, 1]), "host-service");
-    let mut extra = serde_json::json!({});
-    if !cluster.enforces(true) {
-        extra["allow_unenforced_network_policy"] = true.into();
-    }
+    let extra = cluster::may_run(&cluster, serde_json::json!({}));
     let top = serde_json::json!({"egress": {"hosts": {"origin.test": "127.0.0.1"}}});
     let env = agentd_with(&cluster, extra, top);
     sandbox(&env, "net", &[]);
@@ -599,10 +593,7 @@ fn a_secret_reaches_its_host_from_the_pod_and_never_the_pod() {
         include_str!("secrets/origin.py"),
         &certs,
     );
-    let mut extra = serde_json::json!({});
-    if !cluster.enforces(true) {
-        extra["allow_unenforced_network_policy"] = true.into();
-    }
+    let extra = cluster::may_run(&cluster, serde_json::json!({}));
     let top = serde_json::json!({"egress": {"hosts": {"api.secret.test": "127.0.0.1"}}});
     let env = cluster::agentd_in(env, &cluster, extra, top);
     sandbox(&env, "sec", &[]);
@@ -686,11 +677,8 @@ fn the_agent_toolbox_is_copied_onto_the_claim_once_per_version() {
             "cache_dir": cache.path(),
         }})
     };
-    let mut extra = serde_json::json!({"toolbox": true});
-    if !cluster.enforces(true) {
-        extra["allow_unenforced_network_policy"] = true.into();
-    }
-    let mut env = agentd_with(&cluster, extra.clone(), toolbox("1.0.0"));
+    let extra = cluster::may_run(&cluster, serde_json::json!({"toolbox": true}));
+    let mut env = agentd_with(&cluster, extra, toolbox("1.0.0"));
     sandbox(&env, "tb", &[]);
     // On PATH, through the launcher agentd writes.
     assert_eq!(

@@ -330,14 +330,18 @@ pub fn agentd_in(
     env
 }
 
-/// [`agentd`] for a test that needs running Pods: where the cluster does
-/// not enforce NetworkPolicies, it is allowed to.
+/// [`agentd`] for a test that needs running Pods (see [`may_run`]).
 pub fn agentd_running(cluster: &Cluster, extra: serde_json::Value) -> Env {
-    let mut extra = extra;
+    agentd(cluster, may_run(cluster, extra))
+}
+
+/// The `kubernetes` section `extra` for a test that needs running Pods:
+/// where the cluster does not enforce NetworkPolicies, they are allowed to.
+pub fn may_run(cluster: &Cluster, mut extra: serde_json::Value) -> serde_json::Value {
     if !cluster.enforces(true) {
         extra["allow_unenforced_network_policy"] = true.into();
     }
-    agentd(cluster, extra)
+    extra
 }
 
 pub fn skip() -> bool {

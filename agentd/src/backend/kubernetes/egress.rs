@@ -84,7 +84,6 @@ impl std::fmt::Debug for Relay {
 #[derive(Clone)]
 struct Target {
     client: kube::Client,
-    api: Api<Pod>,
     namespace: String,
     pod: String,
 }
@@ -105,7 +104,8 @@ impl Target {
         ]
         .map(str::to_owned)
         .to_vec();
-        let mut p = exec::attach(&self.api, &self.namespace, &self.pod, argv, false, false).await?;
+        let api = Api::<Pod>::namespaced(self.client.clone(), &self.namespace);
+        let mut p = exec::attach(&api, &self.namespace, &self.pod, argv, false, false).await?;
         let (_status, mut out) = exec::status_and_stdout(&mut p)?;
         let mut err = p
             .stderr()
@@ -175,7 +175,6 @@ impl KubeBackend {
         let c = self.connected().await?;
         Ok(Target {
             client: c.client.clone(),
-            api: self.api::<Pod>(c),
             namespace: self.ns().to_owned(),
             pod: manifest::object_name(&spec.name),
         })
@@ -229,6 +228,31 @@ async fn connect(
     }
 }
 
+/// Port-forwards to open, as a token bucket: [`OPEN_RATE`] a second,
+/// [`OPEN_BURST`] at most at once.
+struct Rate {
+    tokens: f64,
+    at: tokio::time::Instant,
+}
+
+impl Rate {
+    fn new() -> Self {
+        Self {
+            tokens: OPEN_BURST,
+            at: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Refill for the time gone by; how long until the next token when
+    /// there is none.
+    fn refill(&mut self) -> Option<Duration> {
+        let now = tokio::time::Instant::now();
+        self.tokens = (self.tokens + (now - self.at).as_secs_f64() * OPEN_RATE).min(OPEN_BURST);
+        self.at = now;
+        (self.tokens < 1.0).then(|| Duration::from_secs_f64((1.0 - self.tokens) / OPEN_RATE))
+    }
+}
+
 /// Answer `relay`'s newlines with connections for the gateway behind
 /// `tx`, starting the relay again if it ends, until the gateway is gone.
 async fn tunnel(
@@ -245,36 +269,11 @@ async fn tunnel(
             Some(r) => Ok(r),
             None => target.relay().await,
         };
-        let since = tokio::time::Instant::now();
+        let started = tokio::time::Instant::now();
         match current {
             Ok(mut r) => {
-                let mut buf = [0u8; 4096];
-                // Newlines not answered yet (no more than the relay keeps
-                // clients waiting).
-                let mut owed = 0usize;
-                let mut tokens = OPEN_BURST;
-                let mut since = tokio::time::Instant::now();
-                loop {
-                    let now = tokio::time::Instant::now();
-                    tokens = (tokens + (now - since).as_secs_f64() * OPEN_RATE).min(OPEN_BURST);
-                    since = now;
-                    let refill = Duration::from_secs_f64((1.0 - tokens).max(0.0) / OPEN_RATE);
-                    tokio::select! {
-                        () = tx.closed() => return,
-                        n = r.out.read(&mut buf) => match n {
-                            Ok(n) if n > 0 => {
-                                let asked = buf[..n].iter().filter(|b| **b == b'\n').count();
-                                owed = (owed + asked).min(OWED_MAX);
-                            }
-                            _ => break,
-                        },
-                        Ok(permit) = std::sync::Arc::clone(&opening).acquire_owned(), if owed > 0 && tokens >= 1.0 => {
-                            owed -= 1;
-                            tokens -= 1.0;
-                            tokio::spawn(connect(target.clone(), tx.clone(), permit));
-                        }
-                        () = tokio::time::sleep(refill), if owed > 0 && tokens < 1.0 => {}
-                    }
+                if answer(&mut r, &target, &tx, &opening).await.is_none() {
+                    return;
                 }
                 tracing::info!(sandbox = %sandbox, "egress: the relay in the Pod ended");
             }
@@ -282,7 +281,7 @@ async fn tunnel(
                 tracing::warn!(sandbox = %sandbox, error = %e, "egress: cannot start the relay in the Pod");
             }
         }
-        if since.elapsed() > RESTART_MAX {
+        if started.elapsed() > RESTART_MAX {
             pause = Duration::from_secs(1);
         }
         tokio::select! {
@@ -290,5 +289,39 @@ async fn tunnel(
             () = tokio::time::sleep(pause) => {}
         }
         pause = (pause * 2).min(RESTART_MAX);
+    }
+}
+
+/// Answer relay `r`'s newlines until it ends (`Some`) or the gateway is
+/// gone (`None`).
+async fn answer(
+    r: &mut Relay,
+    target: &Target,
+    tx: &mpsc::Sender<tokio::net::UnixStream>,
+    opening: &std::sync::Arc<tokio::sync::Semaphore>,
+) -> Option<()> {
+    let mut buf = [0u8; 4096];
+    // Newlines not answered yet (no more than the relay keeps clients
+    // waiting).
+    let mut owed = 0usize;
+    let mut rate = Rate::new();
+    loop {
+        let empty = rate.refill();
+        tokio::select! {
+            () = tx.closed() => return None,
+            n = r.out.read(&mut buf) => match n {
+                Ok(n) if n > 0 => {
+                    let asked = buf[..n].iter().filter(|b| **b == b'\n').count();
+                    owed = (owed + asked).min(OWED_MAX);
+                }
+                _ => return Some(()),
+            },
+            Ok(permit) = std::sync::Arc::clone(opening).acquire_owned(), if owed > 0 && empty.is_none() => {
+                owed -= 1;
+                rate.tokens -= 1.0;
+                tokio::spawn(connect(target.clone(), tx.clone(), permit));
+            }
+            () = tokio::time::sleep(empty.unwrap_or_default()), if owed > 0 && empty.is_some() => {}
+        }
     }
 }

@@ -108,9 +108,6 @@ pub enum KubeError {
         .0.display()
     )]
     NoRelay(std::path::PathBuf),
-    /// What the kubernetes backend does not do yet.
-    #[error("{0} is not available on the kubernetes backend yet")]
-    NotYet(&'static str),
 }
 
 impl KubeError {

@@ -209,80 +209,26 @@ impl Manager {
             return;
         }
         let spec = self.spec(&sb);
+        let idle = Duration::from_secs(u64::from(sb.config.sync_idle_seconds.max(1)));
         let backend = self.backend(sb.backend).ok().map(Arc::clone);
         if let Some(backend) = backend.filter(|b| b.ref_changes(&spec).is_some()) {
             // The workspace is elsewhere (a Pod): the backend says when its
             // branches (and with auto-idle its work) change, and syncs
             // follow. The host's copy is never watched, nor snapshotted: it
             // changes only when a sync brings the git directory.
-            let idle = Duration::from_secs(u64::from(sb.config.sync_idle_seconds.max(1)));
-            let mode = sb.config.sync_mode;
-            let this = Arc::downgrade(self);
-            let sandbox = name.to_owned();
             // It lives with the sandbox (destroy drops it), and follows
             // each run of the Pod: after a stop, the next start.
-            let task = tokio::spawn(async move {
-                loop {
-                    let running = this
-                        .upgrade()
-                        .and_then(|m| m.snapshot(&sandbox))
-                        .map(|s| s.state == SandboxState::Running);
-                    match running {
-                        None => return,
-                        Some(false) => {
-                            tokio::time::sleep(Duration::from_secs(2)).await;
-                            continue;
-                        }
-                        Some(true) => {}
-                    }
-                    let Some(changes) = backend.ref_changes(&spec) else {
-                        return;
-                    };
-                    let mut changes = match changes.await {
-                        Ok(c) => c,
-                        Err(e) => {
-                            tracing::warn!(sandbox = %sandbox, error = %e, "cannot follow the sandbox's branches yet");
-                            tokio::time::sleep(Duration::from_secs(2)).await;
-                            continue;
-                        }
-                    };
-                    if mode != SyncMode::AutoIdle {
-                        while changes.recv().await.is_some() {
-                            let Some(manager) = this.upgrade() else {
-                                return;
-                            };
-                            manager.auto_sync(&sandbox).await;
-                        }
-                        continue;
-                    }
-                    // Changes come; once none has come for the idle time,
-                    // the work is snapshotted where it is, and synced.
-                    let mut changed = false;
-                    loop {
-                        match tokio::time::timeout(idle, changes.recv()).await {
-                            Ok(Some(())) => changed = true,
-                            Ok(None) => break,
-                            Err(_) if changed => {
-                                changed = false;
-                                let Some(manager) = this.upgrade() else {
-                                    return;
-                                };
-                                if let Err(e) = backend.snapshot_work(&spec).await {
-                                    tracing::warn!(sandbox = %sandbox, error = %e, "cannot snapshot the sandbox's work");
-                                }
-                                manager.auto_sync(&sandbox).await;
-                            }
-                            Err(_) => {}
-                        }
-                    }
-                }
-            });
+            let task = tokio::spawn(follow_elsewhere(
+                Arc::downgrade(self),
+                backend,
+                spec,
+                sb.config.sync_mode,
+                idle,
+            ));
             tracing::info!(sandbox = %name, mode = %sb.config.sync_mode, "following the sandbox's branches");
             watchers.insert(name.to_owned(), watch::Handle::of_task(task));
             return;
         }
-        let spec = self.spec(&sb);
-        let idle = Duration::from_secs(u64::from(sb.config.sync_idle_seconds.max(1)));
         // The watcher says what to do; this task does it, one event at a
         // time, and ends with the watcher (its sender).
         let (events, mut todo) = tokio::sync::mpsc::unbounded_channel();
@@ -582,5 +528,72 @@ fn unexpected(name: &str, reply: &worktree::Reply) -> Error {
             "unexpected answer from the worktree helper: {reply:?}"
         ))
         .into(),
+    }
+}
+
+/// Follow sandbox `spec`'s work where it is (a Pod), as `mode` asks: each
+/// change its `backend` reports is a sync (`auto-commit`), or once no
+/// change has come for `idle`, the work is snapshotted where it is and
+/// synced (`auto-idle`). Across stops and starts, until the sandbox is
+/// gone.
+async fn follow_elsewhere(
+    this: std::sync::Weak<Manager>,
+    backend: Arc<dyn crate::backend::Backend>,
+    spec: crate::backend::SandboxSpec,
+    mode: SyncMode,
+    idle: Duration,
+) {
+    let sandbox = spec.name.clone();
+    loop {
+        let running = this
+            .upgrade()
+            .and_then(|m| m.snapshot(&sandbox))
+            .map(|s| s.state == SandboxState::Running);
+        match running {
+            None => return,
+            Some(false) => {
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                continue;
+            }
+            Some(true) => {}
+        }
+        let Some(changes) = backend.ref_changes(&spec) else {
+            return;
+        };
+        let mut changes = match changes.await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(sandbox = %sandbox, error = %e, "cannot follow the sandbox's branches yet");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                continue;
+            }
+        };
+        if mode != SyncMode::AutoIdle {
+            while changes.recv().await.is_some() {
+                let Some(manager) = this.upgrade() else {
+                    return;
+                };
+                manager.auto_sync(&sandbox).await;
+            }
+            continue;
+        }
+        let mut changed = false;
+        loop {
+            match tokio::time::timeout(idle, changes.recv()).await {
+                Ok(Some(())) => changed = true,
+                Ok(None) => break,
+                Err(_) if changed => {
+                    changed = false;
+                    let Some(manager) = this.upgrade() else {
+                        return;
+                    };
+                    if let Err(e) = backend.snapshot_work(&spec).await {
+                        tracing::warn!(sandbox = %sandbox, error = %e, "cannot snapshot the sandbox's work");
+                    }
+                    manager.auto_sync(&sandbox).await;
+                }
+                Err(_) => {}
+            }
+        }
     }
 }

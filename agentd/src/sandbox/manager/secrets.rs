@@ -204,15 +204,18 @@ impl Manager {
         // one in at each start, and again below while it runs.
         // (Copied in again only when they change: the copy in the Pod is
         // rewritten in place, under the feet of a client reading it.)
-        let own = self
-            .store
-            .registry()
-            .sandbox_dir(name)
-            .join(crate::backend::CA_DIR);
         let mut copy_in = false;
         if sb.backend == BackendKind::Kubernetes {
+            let own = self
+                .store
+                .registry()
+                .sandbox_dir(name)
+                .join(crate::backend::CA_DIR);
             std::fs::create_dir_all(&own).map_err(io("create", &own))?;
-            copy_in = std::fs::read_to_string(own.join(GUEST_BUNDLE)).ok() != Some(bundle.clone());
+            copy_in = std::fs::read_to_string(own.join(GUEST_BUNDLE))
+                .ok()
+                .as_deref()
+                != Some(bundle.as_str());
             files.push((own.join(GUEST_CA), cert_pem));
             files.push((own.join(GUEST_BUNDLE), bundle.as_str()));
         }
