@@ -19,10 +19,25 @@ use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, Network, SyncMod
 )]
 pub struct Cli {
     /// Which bus agentd is on: `system`, `session`, or a D-Bus address such
-    /// as `unix:path=/run/agentd.sock`. Default: the session bus when
-    /// `DBUS_SESSION_BUS_ADDRESS` is set and you are not root, else the system bus.
+    /// as `unix:path=/run/agentd.sock`. Default for root: the system bus.
+    /// For anyone else: your session bus (`DBUS_SESSION_BUS_ADDRESS`, else
+    /// `$XDG_RUNTIME_DIR/bus`) when agentd runs there or can be started
+    /// there, else the system bus when agentd runs there.
     #[arg(long, global = true, env = "AGENTCTL_BUS", value_name = "BUS")]
     pub bus: Option<String>,
+
+    /// Seconds agentd has to answer: a command that only asks (list,
+    /// status, …) must be done by then; during one that works or runs
+    /// something (create, start, exec, attach, sync, …) agentd must answer
+    /// a ping every 5 s within it. Past it agentctl exits 4.
+    #[arg(
+        long,
+        global = true,
+        env = "AGENTCTL_CALL_TIMEOUT",
+        value_name = "SECONDS",
+        default_value_t = 30
+    )]
+    pub call_timeout: u64,
 
     /// What to do.
     #[command(subcommand)]
@@ -462,6 +477,38 @@ https://main.myproject.sandbox.local/      main    5173")]
         /// Branch of the worktree.
         branch: String,
     },
+    /// Check what agentd and each backend need on this machine (the bus,
+    /// Zellij, Caddy, user namespaces, cgroup controllers, QEMU, the guest
+    /// image, the agent toolbox) and print the command that fixes each
+    /// missing piece. Exits 0 when everything the local backend needs is
+    /// there, else 4.
+    #[command(after_help = "Examples:\n  agentctl doctor\n  agentctl doctor --json")]
+    Doctor {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// agentd's configuration file, as its service uses it (default:
+        /// the one agentd reads on its own).
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+    },
+    /// Print the completion script of agentctl for a shell (what `make
+    /// install` installs; for an install by `cargo install`).
+    #[command(
+        after_help = "Examples:\n  agentctl completions bash > ~/.local/share/bash-completion/completions/agentctl\n  \
+agentctl completions zsh > ~/.zfunc/_agentctl\n  \
+agentctl completions fish > ~/.config/fish/completions/agentctl.fish"
+    )]
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Write agentctl's man pages (agentctl.1, agentctl-VERB.1) into DIR.
+    #[command(hide = true)]
+    Manpages {
+        /// Directory to write into (it must exist).
+        dir: PathBuf,
+    },
     /// Run a command inside a running sandbox; its output streams as it runs,
     /// your stdin reaches it, and agentctl exits with its exit code.
     #[command(
@@ -503,5 +550,58 @@ fn agent_or_none(s: &str) -> Result<AgentOrNone, String> {
     match s {
         "none" => Ok(AgentOrNone(None)),
         _ => s.parse().map(|a| AgentOrNone(Some(a))),
+    }
+}
+
+impl Command {
+    /// The verb, for messages.
+    #[must_use]
+    pub fn verb(&self) -> &'static str {
+        match self {
+            Self::Create { .. } => "create",
+            Self::Start { .. } => "start",
+            Self::Stop { .. } => "stop",
+            Self::Destroy { .. } => "destroy",
+            Self::List { .. } => "list",
+            Self::Status { .. } => "status",
+            Self::Sync { .. } => "sync",
+            Self::Cp { .. } => "cp",
+            Self::History { .. } => "history",
+            Self::Worktree(_) => "worktree",
+            Self::Set { .. } => "set",
+            Self::Egress { .. } => "egress",
+            Self::Secret { .. } => "secret",
+            Self::Attach { .. } => "attach",
+            Self::Sessions { .. } => "sessions",
+            Self::Ports { .. } => "ports",
+            Self::Open { .. } => "open",
+            Self::KillSession { .. } => "kill-session",
+            Self::Doctor { .. } => "doctor",
+            Self::Completions { .. } => "completions",
+            Self::Manpages { .. } => "manpages",
+            Self::Exec { .. } => "exec",
+        }
+    }
+
+    /// Whether the command takes as long as the work it asks for (or waits
+    /// for the user), rather than only asking agentd something.
+    #[must_use]
+    pub fn waits(&self) -> bool {
+        match self {
+            Self::Create { .. }
+            | Self::Start { .. }
+            | Self::Stop { .. }
+            | Self::Destroy { .. }
+            | Self::Sync { .. }
+            | Self::Cp { .. }
+            | Self::Secret { .. }
+            | Self::Attach { .. }
+            | Self::Exec { .. } => true,
+            Self::Worktree(w) => !matches!(w, WorktreeCommand::List { .. }),
+            Self::Egress { command, .. } => {
+                matches!(command, EgressCommand::Log { follow: true, .. })
+            }
+            _ => false,
+        }
     }
 }

@@ -1,7 +1,9 @@
 //! `agentctl`: the command-line client of Keystone Agent.
 
+mod bus;
 mod cli;
 mod commands;
+mod doctor;
 mod output;
 mod tty;
 mod unpack;
@@ -29,15 +31,10 @@ impl Failure {
 impl From<api::Error> for Failure {
     fn from(e: api::Error) -> Self {
         if let api::Error::ZBus(zbus::Error::MethodError(name, desc, _)) = &e {
-            let hint = "Is agentd running? Start it with `agentd --session` (your own sandboxes) \
-                        or enable the NixOS service (keystone.agent.enable = true).";
             match name.as_str() {
                 "org.freedesktop.DBus.Error.ServiceUnknown"
                 | "org.freedesktop.DBus.Error.NameHasNoOwner" => {
-                    return Self::new(
-                        ExitCode::Requirements,
-                        format!("agentd is not running on this bus. {hint}"),
-                    );
+                    return Self::new(ExitCode::Requirements, bus::not_running_hint());
                 }
                 "org.freedesktop.DBus.Error.AccessDenied" => {
                     return Self::new(
@@ -69,60 +66,6 @@ impl From<api::Error> for Failure {
 /// Result of a command.
 pub type Result<T> = std::result::Result<T, Failure>;
 
-/// How long connecting to the bus may take, the D-Bus handshake included:
-/// a socket that accepts and never answers must not hold agentctl.
-const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-async fn connect(bus: Option<&str>) -> Result<zbus::Connection> {
-    let session_default = !nix::unistd::Uid::effective().is_root()
-        && std::env::var_os("DBUS_SESSION_BUS_ADDRESS").is_some();
-    let which = bus.unwrap_or(if session_default { "session" } else { "system" });
-    let connecting = async {
-        match which {
-            "system" => zbus::Connection::system().await,
-            "session" => zbus::Connection::session().await,
-            addr => match zbus::connection::Builder::address(addr) {
-                Ok(b) => b.build().await,
-                Err(e) => Err(e),
-            },
-        }
-    };
-    let Ok(conn) = tokio::time::timeout(CONNECT_TIMEOUT, connecting).await else {
-        let (bus, check) = match which {
-            "system" => (
-                "the system bus".to_owned(),
-                "busctl --system status".to_owned(),
-            ),
-            "session" => (
-                "the session bus".to_owned(),
-                "busctl --user status".to_owned(),
-            ),
-            addr => (
-                format!("the bus at {addr}"),
-                format!("busctl --address={addr} status"),
-            ),
-        };
-        return Err(Failure::new(
-            ExitCode::Requirements,
-            format!(
-                "Connecting to {bus} did not complete the D-Bus handshake within {}s: is it a \
-                 D-Bus socket, and is its bus daemon healthy? Check with `{check}`, or pick \
-                 another bus with --bus system|session|ADDRESS.",
-                CONNECT_TIMEOUT.as_secs()
-            ),
-        ));
-    };
-    conn.map_err(|e| {
-        Failure::new(
-            ExitCode::Requirements,
-            format!(
-                "Cannot connect to the {which} bus: {e}. Is agentd running? Start it with \
-                 `agentd --session`, or pick the bus with --bus system|session|ADDRESS."
-            ),
-        )
-    })
-}
-
 fn main() -> std::process::ExitCode {
     // Usage errors exit 4 ("requirements not met"), not clap's 2, which
     // means "invalid state" here.
@@ -147,9 +90,40 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(ExitCode::Failed as u8);
         }
     };
+    let limit = std::time::Duration::from_secs(cli.call_timeout.max(1));
     let result = runtime.block_on(async {
-        let conn = connect(cli.bus.as_deref()).await?;
-        commands::run(&conn, cli.command).await
+        match cli.command {
+            cli::Command::Completions { shell } => {
+                let mut cmd = <cli::Cli as clap::CommandFactory>::command();
+                let mut script = Vec::new();
+                clap_complete::generate(shell, &mut cmd, "agentctl", &mut script);
+                return std::io::Write::write_all(&mut std::io::stdout(), &script)
+                    .map(|()| 0)
+                    .map_err(|e| Failure::new(ExitCode::Failed, format!("cannot print: {e}")));
+            }
+            cli::Command::Manpages { dir } => {
+                let cmd = <cli::Cli as clap::CommandFactory>::command();
+                return clap_mangen::generate_to(cmd, &dir)
+                    .map(|()| 0)
+                    .map_err(|e| {
+                        Failure::new(
+                            ExitCode::Failed,
+                            format!("cannot write the man pages into {}: {e}", dir.display()),
+                        )
+                    });
+            }
+            cli::Command::Doctor { json, config } => {
+                return doctor::run(cli.bus.as_deref(), config.as_deref(), json, limit).await;
+            }
+            _ => {}
+        }
+        let conn = bus::connect(cli.bus.as_deref()).await?;
+        let what = cli.command.verb();
+        if cli.command.waits() {
+            bus::watched(&conn, what, limit, commands::run(&conn, cli.command)).await
+        } else {
+            bus::quick(what, limit, commands::run(&conn, cli.command)).await
+        }
     });
     // Do not wait for a stdin reader that is blocked on a terminal.
     runtime.shutdown_background();

@@ -277,6 +277,23 @@ impl Cgroups {
         Self::probe(state_dir, &parse_mountinfo(&mountinfo), &own, true)
     }
 
+    /// What [`Cgroups::detect`] would find, changing nothing: for each
+    /// controller, its name and whether agentd could use it.
+    #[must_use]
+    pub fn inspect(state_dir: &Path) -> Vec<(&'static str, Result<(), Unavailable>)> {
+        let mountinfo = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let own = fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        let found = Self::probe(state_dir, &parse_mountinfo(&mountinfo), &own, false);
+        [
+            (Controller::Memory, found.memory),
+            (Controller::Pids, found.pids),
+            (Controller::Cpu, found.cpu),
+        ]
+        .into_iter()
+        .map(|(c, p)| (c.name(), p.map(|_| ())))
+        .collect()
+    }
+
     fn probe(state_dir: &Path, mounts: &[CgroupMount], own: &str, prepare_v2: bool) -> Self {
         let tag: String = Sha256::digest(state_dir.as_os_str().as_encoded_bytes())
             .iter()

@@ -12,6 +12,7 @@ pub mod config;
 pub mod confine;
 pub mod dbus;
 pub mod disk;
+pub mod doctor;
 pub mod egress;
 pub mod error;
 pub mod fsutil;
@@ -58,6 +59,24 @@ pub struct Options {
     pub state_dir: Option<PathBuf>,
     /// Zellij binary override.
     pub zellij: Option<PathBuf>,
+}
+
+/// The configuration file agentd reads when it is given none:
+/// `/etc/keystone-agent/agentd.json` for the system bus, else
+/// `$XDG_CONFIG_HOME/keystone/agentd.json` (`~/.config/…`); only when it
+/// exists (without one, agentd runs on its defaults).
+#[must_use]
+pub fn default_config(system: bool) -> Option<PathBuf> {
+    let path = if system {
+        PathBuf::from("/etc/keystone-agent/agentd.json")
+    } else {
+        std::env::var_os("XDG_CONFIG_HOME")
+            .map(PathBuf::from)
+            .filter(|d| d.is_absolute())
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".config")))?
+            .join("keystone/agentd.json")
+    };
+    path.exists().then_some(path)
 }
 
 /// The state directory: `--state-dir`, else the config's `state_dir`, else

@@ -23,7 +23,10 @@ struct Args {
     /// Serve on the bus daemon at this D-Bus address (tests, containers).
     #[arg(long, value_name = "ADDR")]
     address: Option<String>,
-    /// Configuration file (JSON, as the NixOS module renders it).
+    /// Configuration file (JSON, as the NixOS module renders it). Default:
+    /// /etc/keystone-agent/agentd.json on the system bus,
+    /// $XDG_CONFIG_HOME/keystone/agentd.json on the session bus, when it
+    /// exists.
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// Zellij 0.45.x binary for the sessions of local sandboxes (default:
@@ -40,6 +43,13 @@ struct Args {
     /// versions of --config's `toolbox`) into its cache and exit.
     #[arg(long)]
     install_agents: bool,
+    /// Print, as JSON, what this machine has of what each backend needs,
+    /// and exit (`agentctl doctor` shows it).
+    #[arg(long, hide = true)]
+    doctor: bool,
+    /// Write agentd's man page (agentd.8) into DIR and exit.
+    #[arg(long, hide = true, value_name = "DIR")]
+    manpages: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -60,7 +70,38 @@ fn main() -> ExitCode {
             nix::libc::CLOSE_RANGE_CLOEXEC,
         );
     }
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if let Some(dir) = &args.manpages {
+        let page = clap_mangen::Man::new(<Args as clap::CommandFactory>::command()).section("8");
+        return match page.generate_to(dir) {
+            Ok(_) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!(
+                    "agentd: cannot write the man page into {}: {e}",
+                    dir.display()
+                );
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let bus = match (args.system, args.session, args.address.clone()) {
+        (true, _, _) => Bus::System,
+        (_, true, _) => Bus::Session,
+        (_, _, Some(a)) => Bus::Address(a),
+        _ if nix::unistd::Uid::effective().is_root() => Bus::System,
+        _ => Bus::Session,
+    };
+    if args.config.is_none() {
+        args.config = agentd::default_config(matches!(bus, Bus::System));
+    }
+    if args.doctor {
+        let checks = agentd::doctor::run(args.config.as_deref(), matches!(bus, Bus::System));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&checks).unwrap_or_default()
+        );
+        return ExitCode::SUCCESS;
+    }
     if let Some(path) = &args.check_config {
         return match agentd::check_config(path) {
             Ok(summary) => {
@@ -93,13 +134,6 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    let bus = match (args.system, args.session, args.address) {
-        (true, _, _) => Bus::System,
-        (_, true, _) => Bus::Session,
-        (_, _, Some(a)) => Bus::Address(a),
-        _ if nix::unistd::Uid::effective().is_root() => Bus::System,
-        _ => Bus::Session,
-    };
     let opts = agentd::Options {
         bus,
         config: args.config,

@@ -16,7 +16,7 @@ use crate::fsutil::{WriteError, atomic_write};
 pub const ZELLIJ_VERSION: &str = "0.45";
 
 /// Zellij release that `tests/install-zellij.sh` builds.
-const ZELLIJ_PINNED: &str = "0.45.1";
+pub const ZELLIJ_PINNED: &str = "0.45.1";
 
 const CONFIG_KDL: &str = include_str!("../share/zellij/config.kdl");
 const LAYOUT_KDL: &str = include_str!("../share/zellij/layout.kdl");

@@ -259,16 +259,7 @@ impl VmBackend {
     }
 
     fn vhost_vsock(&self) -> Result<PathBuf, BackendError> {
-        let cache = crate::tools::cache_dir();
-        let mut names: Vec<PathBuf> = self.settings.vhost_vsock.iter().cloned().collect();
-        if names.is_empty() {
-            names.push("vhost-device-vsock".into());
-            names.extend(cache.map(|c| {
-                c.join(format!(
-                    "vhost-device-vsock-{VHOST_VSOCK_VERSION}/bin/vhost-device-vsock"
-                ))
-            }));
-        }
+        let names = vhost_vsock_candidates(self.settings.vhost_vsock.as_deref());
         qemu::find_program(&names).ok_or_else(|| {
             VmError::NoVhostVsock {
                 looked: names
@@ -683,6 +674,22 @@ fn device_uid(spec: &SandboxSpec) -> u32 {
 
 /// The version of vhost-device-vsock that tests/install-tools.sh installs.
 pub const VHOST_VSOCK_VERSION: &str = "0.3.0";
+
+/// Where agentd looks for vhost-device-vsock, in order: the configured
+/// binary alone, else `PATH`, then the cache of `tests/install-tools.sh`.
+#[must_use]
+pub fn vhost_vsock_candidates(configured: Option<&Path>) -> Vec<PathBuf> {
+    if let Some(c) = configured {
+        return vec![c.to_owned()];
+    }
+    let mut names: Vec<PathBuf> = vec!["vhost-device-vsock".into()];
+    names.extend(crate::tools::cache_dir().map(|c| {
+        c.join(format!(
+            "vhost-device-vsock-{VHOST_VSOCK_VERSION}/bin/vhost-device-vsock"
+        ))
+    }));
+    names
+}
 
 impl Backend for VmBackend {
     fn kind(&self) -> BackendKind {
