@@ -17,6 +17,9 @@ MANDIR ?= $(DATADIR)/man
 SYSTEMDSYSTEMUNITDIR ?= $(PREFIX)/lib/systemd/system
 SYSTEMDUSERUNITDIR ?= $(PREFIX)/lib/systemd/user
 DBUSDIR ?= $(DATADIR)/dbus-1
+# The system bus reads policies from /usr/share/dbus-1/system.d and
+# /etc/dbus-1/system.d only: /etc/dbus-1/system.d for a /usr/local install.
+DBUSPOLICYDIR ?= $(DBUSDIR)/system.d
 BASHCOMPLETIONDIR ?= $(DATADIR)/bash-completion/completions
 ZSHCOMPLETIONDIR ?= $(DATADIR)/zsh/site-functions
 FISHCOMPLETIONDIR ?= $(DATADIR)/fish/vendor_completions.d
@@ -63,7 +66,7 @@ define manifest
 	0755 $(out)/agentd $(BINDIR)/agentd \
 	0755 $(out)/keystone-relay $(BINDIR)/keystone-relay \
 	0755 $(out)/agentctl $(BINDIR)/agentctl \
-	0644 agentd/dbus/org.keystone.Agent1.conf $(DBUSDIR)/system.d/org.keystone.Agent1.conf \
+	0644 agentd/dbus/org.keystone.Agent1.conf $(DBUSPOLICYDIR)/org.keystone.Agent1.conf \
 	0644 $(gen)/dbus/session/org.keystone.Agent1.service $(DBUSDIR)/services/org.keystone.Agent1.service \
 	0644 $(gen)/dbus/system/org.keystone.Agent1.service $(DBUSDIR)/system-services/org.keystone.Agent1.service \
 	0644 $(gen)/systemd/agentd.service $(SYSTEMDSYSTEMUNITDIR)/agentd.service \
@@ -95,29 +98,29 @@ $(gen)/bindir: FORCE
 	@mkdir -p $(@D)
 	@echo '$(BINDIR)' | cmp -s - $@ 2>/dev/null || echo '$(BINDIR)' > $@
 
-$(gen)/%: packaging/%.in $(gen)/bindir
+$(gen)/%: packaging/%.in $(gen)/bindir Makefile
 	@mkdir -p $(@D)
 	@echo "  GEN     $@"
 	@sed -e 's|@bindir@|$(BINDIR)|g' $< > $@.tmp && mv $@.tmp $@
 
-$(gen)/completions/agentctl.bash: $(out)/agentctl
+$(gen)/completions/agentctl.bash: $(out)/agentctl Makefile
 	@mkdir -p $(@D)
 	@echo "  GEN     $@"
 	@$< completions bash > $@.tmp && mv $@.tmp $@
 
-$(gen)/completions/_agentctl: $(out)/agentctl
+$(gen)/completions/_agentctl: $(out)/agentctl Makefile
 	@mkdir -p $(@D)
 	@echo "  GEN     $@"
 	@$< completions zsh > $@.tmp && mv $@.tmp $@
 
-$(gen)/completions/agentctl.fish: $(out)/agentctl
+$(gen)/completions/agentctl.fish: $(out)/agentctl Makefile
 	@mkdir -p $(@D)
 	@echo "  GEN     $@"
 	@$< completions fish > $@.tmp && mv $@.tmp $@
 
 # agentctl.1 and agentctl-<subcommand>.1; agentd.8. Pages of subcommands
 # that are gone are removed first.
-$(gen)/man/stamp: $(out)/agentctl $(out)/agentd
+$(gen)/man/stamp: $(out)/agentctl $(out)/agentd Makefile
 	@mkdir -p $(gen)/man/man1 $(gen)/man/man8
 	@echo "  GEN     $(gen)/man"
 	@rm -f $(gen)/man/man1/*.1 $(gen)/man/man8/*.8
