@@ -80,7 +80,7 @@ define manifest
   done; }
 endef
 
-.PHONY: all build generated install uninstall installed-files clean FORCE
+.PHONY: all generated install uninstall installed-files clean FORCE
 
 all:
 	$(cargo_build)
@@ -100,37 +100,38 @@ $(gen)/bindir: FORCE
 
 $(gen)/%: packaging/%.in $(gen)/bindir Makefile
 	@mkdir -p $(@D)
-	@echo "  GEN     $@"
+	@echo "  GEN     $@" >&2
 	@sed -e 's|@bindir@|$(BINDIR)|g' $< > $@.tmp && mv $@.tmp $@
 
 $(gen)/completions/agentctl.bash: $(out)/agentctl Makefile
 	@mkdir -p $(@D)
-	@echo "  GEN     $@"
+	@echo "  GEN     $@" >&2
 	@$< completions bash > $@.tmp && mv $@.tmp $@
 
 $(gen)/completions/_agentctl: $(out)/agentctl Makefile
 	@mkdir -p $(@D)
-	@echo "  GEN     $@"
+	@echo "  GEN     $@" >&2
 	@$< completions zsh > $@.tmp && mv $@.tmp $@
 
 $(gen)/completions/agentctl.fish: $(out)/agentctl Makefile
 	@mkdir -p $(@D)
-	@echo "  GEN     $@"
+	@echo "  GEN     $@" >&2
 	@$< completions fish > $@.tmp && mv $@.tmp $@
 
 # agentctl.1 and agentctl-<subcommand>.1; agentd.8. Pages of subcommands
 # that are gone are removed first.
 $(gen)/man/stamp: $(out)/agentctl $(out)/agentd Makefile
 	@mkdir -p $(gen)/man/man1 $(gen)/man/man8
-	@echo "  GEN     $(gen)/man"
+	@echo "  GEN     $(gen)/man" >&2
 	@rm -f $(gen)/man/man1/*.1 $(gen)/man/man8/*.8
 	@$(out)/agentctl manpages $(gen)/man/man1
 	@$(out)/agentd --manpages $(gen)/man/man8
 	@touch $@
 
+# Progress lines (GEN, INSTALL, RM) go to stderr, as cargo's do.
 install: generated
 	@set -e; $(manifest) | while read -r mode src dst; do \
-	  echo "  INSTALL $(DESTDIR)$$dst"; \
+	  echo "  INSTALL $(DESTDIR)$$dst" >&2; \
 	  $(INSTALL) -d -m 0755 "$(DESTDIR)$${dst%/*}"; \
 	  $(INSTALL) -m "$$mode" "$$src" "$(DESTDIR)$$dst"; \
 	done
@@ -139,7 +140,7 @@ install: generated
 uninstall: $(gen)/man/stamp
 	@set -e; $(manifest) | while read -r mode src dst; do \
 	  if [ -e "$(DESTDIR)$$dst" ] || [ -L "$(DESTDIR)$$dst" ]; then \
-	    echo "  RM      $(DESTDIR)$$dst"; rm -f "$(DESTDIR)$$dst"; \
+	    echo "  RM      $(DESTDIR)$$dst" >&2; rm -f "$(DESTDIR)$$dst"; \
 	  fi; \
 	done
 
@@ -149,8 +150,9 @@ installed-files: $(gen)/man/stamp
 
 # What make generated; `cargo clean` removes the build itself.
 clean:
-	rm -f $(units) $(completions) $(gen)/bindir $(gen)/man/stamp
-	rm -f $(gen)/man/man1/*.1 $(gen)/man/man8/*.8
+	@echo "  CLEAN   $(gen)" >&2
+	@rm -f $(units) $(completions) $(gen)/bindir $(gen)/man/stamp
+	@rm -f $(gen)/man/man1/*.1 $(gen)/man/man8/*.8
 	@rmdir $(gen)/man/man1 $(gen)/man/man8 $(gen)/man $(gen)/completions \
 	  $(gen)/systemd/user $(gen)/systemd $(gen)/dbus/session $(gen)/dbus/system \
 	  $(gen)/dbus $(gen) $(TARGET_DIR)/packaging 2>/dev/null || true

@@ -127,6 +127,18 @@ fn ok(cmd: &mut Command, limit: Duration) -> String {
 /// `make TARGET` in the repository with `vars`, for this run's debug
 /// binaries; must succeed. Its stdout.
 fn make(target: &str, vars: &[(&str, &Path)]) -> String {
+    // Built by this test run (or make would build them, and another time).
+    for bin in [
+        Path::new(AGENTD),
+        &agentctl(),
+        &target_dir().join("debug/keystone-relay"),
+    ] {
+        assert!(
+            bin.exists(),
+            "{} is missing: cargo build --workspace",
+            bin.display()
+        );
+    }
     let _one = MAKE
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -272,10 +284,11 @@ fn install_writes_exactly_the_layout_and_uninstall_removes_it() {
         assert!(installed.remove(f), "{f} is gone after install");
     }
     let want = expected_layout();
-    assert_eq!(
-        installed.iter().collect::<Vec<_>>(),
-        want.iter().collect::<Vec<_>>(),
-        "installed files (left) differ from the layout (right)"
+    let missing: Vec<_> = want.difference(&installed).collect();
+    let extra: Vec<_> = installed.difference(&want).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "make install: missing {missing:?}, not expected {extra:?}"
     );
     // The Makefile's own list says the same.
     let listed: BTreeSet<String> = make("installed-files", vars)
@@ -413,7 +426,12 @@ fn install_writes_exactly_the_layout_and_uninstall_removes_it() {
     eprintln!("make uninstall: {:?}", t.elapsed());
     let left = files_under(&dest);
     let unrelated: BTreeSet<String> = unrelated.into_iter().map(String::from).collect();
-    assert_eq!(left, unrelated, "files left after uninstall");
+    let stayed: Vec<_> = left.difference(&unrelated).collect();
+    let lost: Vec<_> = unrelated.difference(&left).collect();
+    assert!(
+        stayed.is_empty() && lost.is_empty(),
+        "make uninstall: left {stayed:?}, removed files that were not its own {lost:?}"
+    );
     for f in &unrelated {
         assert_eq!(read(&dest.join(f)), "not ours\n");
     }
