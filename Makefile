@@ -128,11 +128,12 @@ $(gen)/man/stamp: $(out)/agentctl $(out)/agentd Makefile
 	@$(out)/agentd --manpages $(gen)/man/man8
 	@touch $@
 
-# Progress lines (GEN, INSTALL, RM) go to stderr, as cargo's do.
+# Progress lines (GEN, INSTALL, RM) go to stderr, as cargo's do. Existing
+# directories keep their modes (install -d would change them).
 install: generated
 	@set -e; $(manifest) | while read -r mode src dst; do \
 	  echo "  INSTALL $(DESTDIR)$$dst" >&2; \
-	  $(INSTALL) -d -m 0755 "$(DESTDIR)$${dst%/*}"; \
+	  [ -d "$(DESTDIR)$${dst%/*}" ] || $(INSTALL) -d -m 0755 "$(DESTDIR)$${dst%/*}"; \
 	  $(INSTALL) -m "$$mode" "$$src" "$(DESTDIR)$$dst"; \
 	done
 

@@ -272,6 +272,8 @@ fn install_writes_exactly_the_layout_and_uninstall_removes_it() {
         let p = dest.join(f);
         fs::create_dir_all(p.parent().unwrap()).unwrap();
         fs::write(&p, "not ours\n").unwrap();
+        // A directory of another mode, which install must leave so.
+        fs::set_permissions(p.parent().unwrap(), fs::Permissions::from_mode(0o2775)).unwrap();
     }
     let vars: &[(&str, &Path)] = &[("PREFIX", Path::new("/usr")), ("DESTDIR", &dest)];
 
@@ -315,6 +317,18 @@ fn install_writes_exactly_the_layout_and_uninstall_removes_it() {
             0o644
         };
         assert_eq!(mode, want, "mode of {f}: {mode:o}");
+    }
+    let dir_mode = |d: &str| fs::metadata(dest.join(d)).unwrap().permissions().mode() & 0o7777;
+    for f in unrelated {
+        let d = Path::new(f).parent().unwrap().to_str().unwrap();
+        assert_eq!(dir_mode(d), 0o2775, "mode of the existing {d}");
+    }
+    for d in [
+        "usr/share/zsh",
+        "usr/share/zsh/site-functions",
+        "usr/share/man/man8",
+    ] {
+        assert_eq!(dir_mode(d), 0o755, "mode of {d}, made by install");
     }
     // The binaries are the ones built.
     let built = target_dir().join("debug");
