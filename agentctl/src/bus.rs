@@ -150,33 +150,35 @@ async fn open(which: &Which) -> Result<Connection> {
     })
 }
 
-/// Whether agentd is on this bus or the bus can start it.
-async fn agentd_there(conn: &Connection) -> bool {
+/// Whether agentd runs on this bus, and whether the bus can start it.
+async fn agentd_there(conn: &Connection) -> (bool, bool) {
     let asking = async {
         let dbus = DBusProxy::new(conn).await.ok()?;
         let name = zbus::names::BusName::try_from(AGENTD).ok()?;
         if dbus.name_has_owner(name).await.ok()? {
-            return Some(true);
+            return Some((true, true));
         }
-        Some(
-            dbus.list_activatable_names()
-                .await
-                .ok()?
-                .iter()
-                .any(|n| n.as_str() == AGENTD),
-        )
+        let activatable = dbus
+            .list_activatable_names()
+            .await
+            .ok()?
+            .iter()
+            .any(|n| n.as_str() == AGENTD);
+        Some((false, activatable))
     };
     tokio::time::timeout(CONNECT_TIMEOUT, asking)
         .await
         .ok()
         .flatten()
-        .unwrap_or(false)
+        .unwrap_or((false, false))
 }
 
-/// Connect to `--bus` when given. Without it: root uses the system bus;
-/// anyone else the session bus when agentd is there (or can be started
-/// there), else the system bus when agentd is there, else the session bus
-/// (whose "not running" error then says how to start it).
+/// Connect to `--bus` when given. Without it, in this order: the session
+/// bus when agentd runs there; the system bus when agentd runs there; the
+/// session bus when it can start agentd (not for root, whose agentd is the
+/// system's); the system bus when it can; else the session bus when there
+/// is one (not for root), else the system bus, whose "not running" error
+/// then says how to start agentd.
 pub async fn connect(bus: Option<&str>) -> Result<Connection> {
     let (which, conn) = match bus {
         Some("system") => (Which::System, open(&Which::System).await?),
@@ -190,27 +192,50 @@ pub async fn connect(bus: Option<&str>) -> Result<Connection> {
             let c = open(&w).await?;
             (w, c)
         }
-        None if nix::unistd::Uid::effective().is_root() => {
-            (Which::System, open(&Which::System).await?)
-        }
-        None => match session_address() {
-            None => (Which::System, open(&Which::System).await?),
-            Some(addr) => {
-                let session = Which::Session(addr);
-                let conn = open(&session).await?;
-                if agentd_there(&conn).await {
-                    (session, conn)
-                } else {
-                    match open(&Which::System).await {
-                        Ok(system) if agentd_there(&system).await => (Which::System, system),
-                        _ => (session, conn),
-                    }
-                }
-            }
-        },
+        None => discover().await?,
     };
     let _ = CURRENT.set(which);
     Ok(conn)
+}
+
+async fn discover() -> Result<(Which, Connection)> {
+    let root = nix::unistd::Uid::effective().is_root();
+    // A session bus that cannot be reached counts as none here: the system
+    // bus may still have agentd.
+    let mut session = None;
+    if let Some(a) = session_address() {
+        let w = Which::Session(a);
+        if let Ok(c) = open(&w).await {
+            let (running, activatable) = agentd_there(&c).await;
+            if running {
+                return Ok((w, c));
+            }
+            session = Some((w, c, activatable));
+        }
+    }
+    let system = open(&Which::System).await;
+    let (system_running, system_activatable) = match &system {
+        Ok(c) => agentd_there(c).await,
+        Err(_) => (false, false),
+    };
+    if system_running {
+        return Ok((Which::System, system?));
+    }
+    if let Some((w, c, true)) = session.take_if(|(_, _, a)| *a && !root) {
+        return Ok((w, c));
+    }
+    if system_activatable {
+        return Ok((Which::System, system?));
+    }
+    match (session, system) {
+        (Some((w, c, _)), _) if !root => Ok((w, c)),
+        (_, Ok(c)) => Ok((Which::System, c)),
+        (None, Err(mut e)) if !root && session_address().is_none() => {
+            e.message = format!("{} {}", e.message, no_session_bus().message);
+            Err(e)
+        }
+        (_, Err(e)) => Err(e),
+    }
 }
 
 /// The hint for "agentd is not on this bus".

@@ -19,10 +19,10 @@ use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, Network, SyncMod
 )]
 pub struct Cli {
     /// Which bus agentd is on: `system`, `session`, or a D-Bus address such
-    /// as `unix:path=/run/agentd.sock`. Default for root: the system bus.
-    /// For anyone else: your session bus (`DBUS_SESSION_BUS_ADDRESS`, else
-    /// `$XDG_RUNTIME_DIR/bus`) when agentd runs there or can be started
-    /// there, else the system bus when agentd runs there.
+    /// as `unix:path=/run/agentd.sock`. Default: your session bus
+    /// (`DBUS_SESSION_BUS_ADDRESS`, else `$XDG_RUNTIME_DIR/bus`) when agentd
+    /// runs there, else the system bus when agentd runs there, else the bus
+    /// that can start it (the session bus first, except for root).
     #[arg(long, global = true, env = "AGENTCTL_BUS", value_name = "BUS")]
     pub bus: Option<String>,
 

@@ -125,6 +125,32 @@ fn agentctl_finds_the_session_bus_on_its_own() {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "[]");
 
+    // A session bus without agentd, which cannot start it either: the
+    // system bus, where agentd runs, wins.
+    let empty = env.tmp.path().join("empty-runtime");
+    std::fs::create_dir(&empty).unwrap();
+    let (mut empty_bus, empty_socket) =
+        common::spawn_bus(env.tmp.path(), "empty", "session", common::OPEN_POLICY);
+    std::os::unix::fs::symlink(&empty_socket, empty.join("bus")).unwrap();
+    let out = Command::new(common::agentctl())
+        .args(["list", "--json"])
+        .env_remove("DBUS_SESSION_BUS_ADDRESS")
+        .env_remove("AGENTCTL_BUS")
+        .env("XDG_RUNTIME_DIR", &empty)
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &env.address)
+        .stdin(Stdio::null())
+        .uid(nobody)
+        .gid(nobody)
+        .output()
+        .unwrap();
+    let _ = empty_bus.kill();
+    let _ = empty_bus.wait();
+    assert!(
+        out.status.success(),
+        "agentd on the system bus must be found: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     let none = env.tmp.path().join("no-runtime");
     let out = ctl(&none, &["--bus", "session", "list"]);
     let err = String::from_utf8_lossy(&out.stderr);

@@ -80,17 +80,7 @@ impl Env {
             .unwrap();
         // Other uids (the permission tests) must reach the bus socket.
         fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
-        let (dbus, sock) = spawn_bus(
-            tmp.path(),
-            "bus",
-            "session",
-            r#"<policy context="default">
-    <allow user="*"/>
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-    <allow own="*"/>
-  </policy>"#,
-        );
+        let (dbus, sock) = spawn_bus(tmp.path(), "bus", "session", OPEN_POLICY);
         let address = format!("unix:path={}", sock.display());
         let state_dir = tmp.path().join("state");
         Self {
@@ -514,6 +504,14 @@ impl Drop for Env {
         }
     }
 }
+
+/// A test bus's rules: anyone may connect, call anything and own any name.
+pub const OPEN_POLICY: &str = r#"<policy context="default">
+    <allow user="*"/>
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow eavesdrop="true"/>
+    <allow own="*"/>
+  </policy>"#;
 
 /// Start a dbus-daemon of `kind` (`session` or `system`) listening on
 /// `<dir>/<name>.sock`, with `body` (policies, includes) as its rules.
