@@ -782,6 +782,7 @@ fn the_first_agentctl_call_starts_the_installed_agentd_by_activation() {
         started.iter().any(|(p, _)| *p != pid),
         "the running sandbox's processes: {started:?}"
     );
+    eprintln!("agentd and what it started: {started:?}");
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(pid),
         nix::sys::signal::Signal::SIGTERM,
