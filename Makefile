@@ -16,6 +16,7 @@ DATADIR ?= $(PREFIX)/share
 MANDIR ?= $(DATADIR)/man
 SYSTEMDSYSTEMUNITDIR ?= $(PREFIX)/lib/systemd/system
 SYSTEMDUSERUNITDIR ?= $(PREFIX)/lib/systemd/user
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
 DBUSDIR ?= $(DATADIR)/dbus-1
 # The system bus reads policies from /usr/share/dbus-1/system.d and
 # /etc/dbus-1/system.d only: /etc/dbus-1/system.d for a /usr/local install.
@@ -71,6 +72,7 @@ define manifest
 	0644 $(gen)/dbus/system/org.keystone.Agent1.service $(DBUSDIR)/system-services/org.keystone.Agent1.service \
 	0644 $(gen)/systemd/agentd.service $(SYSTEMDSYSTEMUNITDIR)/agentd.service \
 	0644 $(gen)/systemd/user/agentd.service $(SYSTEMDUSERUNITDIR)/agentd.service \
+	0644 packaging/sysusers.d/keystone-agent.conf $(SYSUSERSDIR)/keystone-agent.conf \
 	0644 $(gen)/completions/agentctl.bash $(BASHCOMPLETIONDIR)/agentctl \
 	0644 $(gen)/completions/_agentctl $(ZSHCOMPLETIONDIR)/_agentctl \
 	0644 $(gen)/completions/agentctl.fish $(FISHCOMPLETIONDIR)/agentctl.fish; \

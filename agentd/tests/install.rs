@@ -230,6 +230,7 @@ fn expected_layout() -> BTreeSet<String> {
         "usr/share/dbus-1/system-services/org.keystone.Agent1.service",
         "usr/lib/systemd/system/agentd.service",
         "usr/lib/systemd/user/agentd.service",
+        "usr/lib/sysusers.d/keystone-agent.conf",
         "usr/share/bash-completion/completions/agentctl",
         "usr/share/zsh/site-functions/_agentctl",
         "usr/share/fish/vendor_completions.d/agentctl.fish",
@@ -415,7 +416,7 @@ fn install_writes_exactly_the_layout_and_uninstall_removes_it() {
         "Name=org.keystone.Agent1",
         "Exec=/usr/bin/agentd --system",
         "User=root",
-        "SystemdService=agentd.service",
+        "SystemdService=dbus-org.keystone.Agent1.service",
     ] {
         assert!(
             system.contains(&line),

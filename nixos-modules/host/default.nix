@@ -276,6 +276,12 @@ in
         ExecStart = "${lib.getExe' cfg.package "agentd"} --system --config ${configPath}";
         Restart = "on-failure";
         RestartSec = "2s";
+        # SIGTERM to agentd alone: it stops its local sandboxes one after the
+        # other; what is left once it has exited gets SIGKILL.
+        KillMode = "mixed";
+        # Each local sandbox takes up to its grace period plus about 17 s:
+        # systemd's default of 90 s could cut several short.
+        TimeoutStopSec = "5min";
 
         # /var/lib/keystone-agent: registry, sandboxes/<name>/{workspace,ssh}.
         # 0711: other users may not list it; agentd sets each sandbox's own
