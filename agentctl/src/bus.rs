@@ -175,10 +175,10 @@ async fn agentd_there(conn: &Connection) -> (bool, bool) {
 
 /// Connect to `--bus` when given. Without it, in this order: the session
 /// bus when agentd runs there; the system bus when agentd runs there; the
-/// session bus when it can start agentd (not for root, whose agentd is the
-/// system's); the system bus when it can; else the session bus when there
-/// is one (not for root), else the system bus, whose "not running" error
-/// then says how to start agentd.
+/// session bus when it can start agentd (for root only after the system
+/// bus, whose agentd is root's first); the system bus when it can; else the
+/// session bus when there is one (not for root), else the system bus, whose
+/// "not running" error then says how to start agentd.
 pub async fn connect(bus: Option<&str>) -> Result<Connection> {
     let (which, conn) = match bus {
         Some("system") => (Which::System, open(&Which::System).await?),
@@ -203,14 +203,18 @@ async fn discover() -> Result<(Which, Connection)> {
     // A session bus that cannot be reached counts as none here: the system
     // bus may still have agentd.
     let mut session = None;
+    let mut session_failed = None;
     if let Some(a) = session_address() {
         let w = Which::Session(a);
-        if let Ok(c) = open(&w).await {
-            let (running, activatable) = agentd_there(&c).await;
-            if running {
-                return Ok((w, c));
+        match open(&w).await {
+            Ok(c) => {
+                let (running, activatable) = agentd_there(&c).await;
+                if running {
+                    return Ok((w, c));
+                }
+                session = Some((w, c, activatable));
             }
-            session = Some((w, c, activatable));
+            Err(e) => session_failed = Some(e),
         }
     }
     let system = open(&Which::System).await;
@@ -227,10 +231,17 @@ async fn discover() -> Result<(Which, Connection)> {
     if system_activatable {
         return Ok((Which::System, system?));
     }
+    if let Some((w, c, true)) = session.take_if(|(_, _, a)| *a) {
+        return Ok((w, c));
+    }
     match (session, system) {
         (Some((w, c, _)), _) if !root => Ok((w, c)),
         (_, Ok(c)) => Ok((Which::System, c)),
-        (None, Err(mut e)) if !root && session_address().is_none() => {
+        // Neither bus answers: the user's own bus is the one to name.
+        (None, Err(_)) if session_failed.is_some() => {
+            Err(session_failed.unwrap_or_else(no_session_bus))
+        }
+        (None, Err(mut e)) if !root => {
             e.message = format!("{} {}", e.message, no_session_bus().message);
             Err(e)
         }

@@ -22,7 +22,7 @@ pub struct Cli {
     /// as `unix:path=/run/agentd.sock`. Default: your session bus
     /// (`DBUS_SESSION_BUS_ADDRESS`, else `$XDG_RUNTIME_DIR/bus`) when agentd
     /// runs there, else the system bus when agentd runs there, else the bus
-    /// that can start it (the session bus first, except for root).
+    /// that can start it (the session bus first, for root the system bus).
     #[arg(long, global = true, env = "AGENTCTL_BUS", value_name = "BUS")]
     pub bus: Option<String>,
 

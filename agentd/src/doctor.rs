@@ -322,7 +322,12 @@ fn vm(config: &DaemonConfig) -> Vec<Check> {
         .write(true)
         .open("/dev/kvm");
     checks.push(match kvm {
-        Ok(_) => Check::new("vm", "KVM", Status::Ok, "/dev/kvm is usable"),
+        Ok(_) => Check::new(
+            "vm",
+            "KVM",
+            Status::Ok,
+            "/dev/kvm opens (with accel auto, a test boot at the first vm start decides; TCG otherwise)",
+        ),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Check::new(
             "vm",
             "KVM",
