@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# Quick start on a plain Linux machine: build agentd and agentctl, start
-# agentd on your session bus (starting a private session bus if you have
-# none), create a sandbox from PROJECT (default: a sample repository made
-# here) and start it.
+# Quick start on a plain Linux machine: install Keystone Agent into a prefix
+# under your home (`make install PREFIX=~/.local`, no root), let your
+# session bus start agentd when agentctl first calls it, and create and start
+# a sandbox from PROJECT (default: a sample repository made here).
 #
-#   tests/quickstart.sh [PROJECT]          # the local backend (namespaces)
+#   tests/quickstart.sh [PROJECT]           # the local backend (namespaces)
 #   sudo tests/quickstart.sh --vm [PROJECT] # a QEMU microVM (docs/guest-image.md)
+#
+# With a systemd user manager (a desktop, or an SSH login on most
+# distributions) agentd runs as your `agentd.service`: enabled, so it comes
+# back at your next login; `systemctl --user stop agentd` stops it and its
+# sandboxes. Without one (a container), the quick start runs a session bus of
+# its own with the installed activation file, and writes a script that stops
+# agentd, its sandboxes and that bus.
 #
 # --vm builds the Debian guest image and vhost-device-vsock once (about 3
 # minutes, cached) and needs qemu-system-x86 and debootstrap; it runs as
@@ -20,28 +27,38 @@ if [ "${1:-}" = --vm ]; then
 fi
 
 missing=()
-for tool in cargo git dbus-daemon; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+for tool in cargo git dbus-daemon busctl make; do command -v "$tool" >/dev/null || missing+=("$tool"); done
 if ((${#missing[@]})); then
   echo "quickstart: missing: ${missing[*]}" >&2
-  echo "  Debian/Ubuntu: sudo apt-get install -y dbus git   (and Rust from https://rustup.rs)" >&2
-  echo "  NixOS:         nix-shell -p cargo git dbus" >&2
+  echo "  Debian/Ubuntu: sudo apt-get install -y dbus systemd git make   (and Rust from https://rustup.rs)" >&2
+  echo "  NixOS:         nix-shell -p cargo git dbus systemd gnumake" >&2
   exit 4
 fi
 
-echo "==> building agentd and agentctl"
-cargo build --quiet --bins
-bin="$PWD/target/debug"
+prefix="${KEYSTONE_PREFIX:-$HOME/.local}"
+data="${XDG_DATA_HOME:-$HOME/.local/share}"
+# Where your service manager and your session bus look for units and
+# activation files of your own.
+install_vars=(PREFIX="$prefix" SYSTEMDUSERUNITDIR="$data/systemd/user" DBUSDIR="$data/dbus-1")
 state="${XDG_STATE_HOME:-$HOME/.local/state}/keystone/agent"
-mkdir -p "$state"
+config_dir="${XDG_CONFIG_HOME:-$HOME/.config}/keystone"
+mkdir -p "$state" "$config_dir"
+
+echo "==> building agentd and agentctl (release; about 15 minutes on 2 cores the first time)"
+make --no-print-directory all >/dev/null
+echo "==> installing into $prefix"
+make --no-print-directory install "${install_vars[@]}" 2>"$state/install.log" ||
+  { cat "$state/install.log" >&2; exit 3; }
+bin="$prefix/bin"
+ctl="$bin/agentctl"
+
 # Sessions (agentctl attach) run the pinned Zellij inside the sandbox: built
 # once into a cache (about 20 minutes the first time), reused after that.
 # The first time it builds in the background: the sandbox does not wait
 # for it, agentd picks it up when it is there, and `agentctl attach` says
 # how long is left meanwhile.
 zellij_building=
-if zellij="$(tests/install-zellij.sh --cached 2>/dev/null)"; then
-  export KEYSTONE_ZELLIJ="$zellij"
-else
+if ! tests/install-zellij.sh --cached >/dev/null 2>&1; then
   zellij_log="$state/zellij-build.log"
   if ! pgrep -f 'install-tools.sh zellij' >/dev/null; then
     KEYSTONE_BUILD_LOG="$zellij_log" nohup tests/install-zellij.sh >"$zellij_log" 2>&1 &
@@ -49,7 +66,8 @@ else
   zellij_building=1
   echo "==> Zellij for sessions is building in the background (about 20 minutes, once; log: $zellij_log)"
 fi
-vm_config=
+
+settings=()
 create_args=()
 if [ -n "$vm" ]; then
   command -v qemu-system-x86_64 >/dev/null || {
@@ -64,58 +82,127 @@ if [ -n "$vm" ]; then
     echo "==> guest image (Debian packages; about 90 s the first time)"
     image="$(guest-image/debian/build.sh | tail -n1)"
   fi
-  vm_config="\"default_backend\": \"vm\", \"vm\": {\"image\": \"$image\", \"vhost_vsock\": \"$vsock\"}"
+  settings+=("\"vm\": {\"image\": \"$image\", \"vhost_vsock\": \"$vsock\"}")
   create_args=(--backend vm --memory 2048 --vcpus 2)
 fi
 
-if [ -z "${DBUS_SESSION_BUS_ADDRESS:-}" ]; then
-  sock="$state/session-bus.sock"
-  if [ ! -S "$sock" ] || ! busctl --address="unix:path=$sock" status >/dev/null 2>&1; then
-    rm -f "$sock"
-    dbus-daemon --session --fork --address="unix:path=$sock" >/dev/null
-    echo "==> started a session bus at unix:path=$sock"
-  fi
-  export DBUS_SESSION_BUS_ADDRESS="unix:path=$sock"
-fi
-ctl=("$bin/agentctl" --bus session)
-
-# Dev-server links when Caddy is installed: Caddy with only its admin API on
-# localhost:2019; agentd adds a server on 127.0.0.1:8080 for names under
-# sandbox.localhost, which browsers resolve to this machine by themselves.
-agentd_args=(--session)
-config="$state/agentd.json"
-# A running agentd read its config when it started: remember what that was.
-had_vm=
-grep -q '"vm"' "$config" 2>/dev/null && had_vm=1
+# Dev-server links when Caddy is installed: agentd adds a server on
+# 127.0.0.1:8080 for names under sandbox.localhost (which browsers resolve to
+# this machine by themselves) through Caddy's admin API on localhost:2019.
+caddy_unit=
+caddy_pid="$state/caddy.pid"
 if command -v caddy >/dev/null; then
-  proxy='"proxy": {"enable": true, "domain": "sandbox.localhost", "listen": ["127.0.0.1:8080"]}'
-  echo "{$proxy${vm_config:+, $vm_config}}" >"$config"
-  agentd_args+=(--config "$config")
-  if ! (exec 3<>/dev/tcp/127.0.0.1/2019) 2>/dev/null; then
-    echo '{"admin": {"listen": "127.0.0.1:2019"}}' >"$state/caddy.json"
-    echo "==> starting Caddy (admin API on 127.0.0.1:2019, log: $state/caddy.log)"
-    nohup caddy run --config "$state/caddy.json" >>"$state/caddy.log" 2>&1 &
-  fi
+  settings+=('"proxy": {"enable": true, "domain": "sandbox.localhost", "listen": ["127.0.0.1:8080"]}')
 else
   echo "==> no caddy: dev-server links are off (Debian/Ubuntu: sudo apt-get install -y caddy)"
-  if [ -n "$vm_config" ]; then
-    echo "{$vm_config}" >"$config"
-    agentd_args+=(--config "$config")
-  fi
 fi
 if [ "$(id -u)" != 0 ] && ! command -v newuidmap >/dev/null; then
   echo "==> no newuidmap: sandboxes run as you, not as uids of their own (Debian/Ubuntu: sudo apt-get install -y uidmap)"
 fi
 
-if [ -n "$vm" ] && [ -z "$had_vm" ] && "${ctl[@]}" list >/dev/null 2>&1; then
-  echo "quickstart: an agentd without the vm settings is running; stop it (pkill -f 'agentd --session') and run this again" >&2
-  exit 4
+# agentd's configuration, where it reads it without --config. A running
+# agentd read it when it started: it is restarted below when it changed.
+config="$config_dir/agentd.json"
+changed=
+if ((${#settings[@]})); then
+  new="{$(IFS=,; echo "${settings[*]}")}"
+  if [ "$(cat "$config" 2>/dev/null)" != "$new" ]; then
+    echo "$new" >"$config"
+    changed=1
+  fi
 fi
-if ! "${ctl[@]}" list >/dev/null 2>&1; then
-  echo "==> starting agentd --session (log: $state/agentd.log)"
-  nohup "$bin/agentd" "${agentd_args[@]}" >>"$state/agentd.log" 2>&1 &
-  for _ in $(seq 100); do "${ctl[@]}" list >/dev/null 2>&1 && break; sleep 0.1; done
+
+systemd_user=
+if systemctl --user show-environment >/dev/null 2>&1; then
+  systemd_user=1
 fi
+
+if [ -n "$systemd_user" ]; then
+  systemctl --user daemon-reload
+  # Enabled: it starts at your login. Without enabling, the first agentctl
+  # call would start it all the same (D-Bus activation).
+  systemctl --user enable --quiet agentd.service
+  if [ -n "$changed" ]; then
+    systemctl --user try-restart agentd.service
+  fi
+  if command -v caddy >/dev/null && ! (exec 3<>/dev/tcp/127.0.0.1/2019) 2>/dev/null; then
+    echo '{"admin": {"listen": "127.0.0.1:2019"}}' >"$state/caddy.json"
+    echo "==> starting Caddy as keystone-caddy.service (admin API on 127.0.0.1:2019)"
+    systemctl --user reset-failed keystone-caddy.service 2>/dev/null || true
+    systemd-run --user --quiet --unit=keystone-caddy caddy run --config "$state/caddy.json"
+    caddy_unit=1
+  fi
+  stop="systemctl --user stop agentd${caddy_unit:+ keystone-caddy}"
+else
+  # No user manager: a session bus of our own, with the installed
+  # activation file in its service directory.
+  sock="$state/session-bus.sock"
+  address="unix:path=$sock"
+  cat >"$state/session-bus.conf" <<CONF
+<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>session</type>
+  <listen>$address</listen>
+  <auth>EXTERNAL</auth>
+  <servicedir>$data/dbus-1/services</servicedir>
+  <policy context="default">
+    <allow send_destination="*" eavesdrop="true"/>
+    <allow eavesdrop="true"/>
+    <allow own="*"/>
+  </policy>
+</busconfig>
+CONF
+  # The one command that stops everything the quick start started here
+  # (`stop agentd`: agentd alone).
+  cat >"$state/stop" <<STOP
+#!/bin/sh
+# Stop agentd (it stops its running sandboxes first), then what the quick
+# start started beside it: Caddy and the session bus.
+address='$address'
+pid_of() {
+  busctl --address="\$address" call org.freedesktop.DBus /org/freedesktop/DBus \\
+    org.freedesktop.DBus GetConnectionUnixProcessID s "\$1" 2>/dev/null | cut -d' ' -f2
+}
+end() {
+  [ -n "\$1" ] && kill -TERM "\$1" 2>/dev/null || return 0
+  while kill -0 "\$1" 2>/dev/null; do sleep 0.2; done
+}
+end "\$(pid_of org.keystone.Agent1)"
+[ "\${1:-}" = agentd ] && exit 0
+[ -f '$caddy_pid' ] && end "\$(cat '$caddy_pid')"
+rm -f '$caddy_pid'
+end "\$(pid_of org.freedesktop.DBus)"
+echo "stopped agentd, its sandboxes and the session bus; the quick start starts them again"
+STOP
+  chmod 0755 "$state/stop"
+  # A bus left from before, without agentd's activation file, makes way.
+  if busctl --address="$address" status >/dev/null 2>&1 &&
+    ! busctl --address="$address" call org.freedesktop.DBus /org/freedesktop/DBus \
+      org.freedesktop.DBus ListActivatableNames | grep -q org.keystone.Agent1; then
+    echo "==> replacing the session bus at $address (it cannot start agentd)"
+    "$state/stop" >/dev/null
+  fi
+  if ! busctl --address="$address" status >/dev/null 2>&1; then
+    rm -f "$sock"
+    dbus-daemon --config-file="$state/session-bus.conf" --fork
+    echo "==> started a session bus at $address (no systemd user manager here)"
+  elif [ -n "$changed" ]; then
+    echo "==> stopping agentd: it starts again with its new configuration"
+    "$state/stop" agentd
+  fi
+  export DBUS_SESSION_BUS_ADDRESS="$address"
+  if command -v caddy >/dev/null && ! (exec 3<>/dev/tcp/127.0.0.1/2019) 2>/dev/null; then
+    echo '{"admin": {"listen": "127.0.0.1:2019"}}' >"$state/caddy.json"
+    echo "==> starting Caddy (admin API on 127.0.0.1:2019, log: $state/caddy.log)"
+    nohup caddy run --config "$state/caddy.json" >>"$state/caddy.log" 2>&1 &
+    echo $! >"$caddy_pid"
+  fi
+  stop="$state/stop"
+fi
+
+# The first call starts agentd (D-Bus activation) when it is not running.
+"$ctl" list >/dev/null
 
 project="${1:-}"
 if [ -z "$project" ]; then
@@ -132,31 +219,37 @@ project="$(cd "$project" && pwd)"
 name="$(basename "$project" | tr 'A-Z_. ' 'a-z---' | sed 's/^[^a-z]*//; s/-*$//' | cut -c1-31)"
 [ -z "$vm" ] || name="$(echo "$name" | cut -c1-28)-vm"
 
-if ! "${ctl[@]}" status "$name" >/dev/null 2>&1; then
-  "${ctl[@]}" create "${create_args[@]}" --name "$name" "$project"
+if ! "$ctl" status "$name" >/dev/null 2>&1; then
+  "$ctl" create "${create_args[@]}" --name "$name" "$project"
 fi
-if [ "$("${ctl[@]}" status "$name" --json | sed -n 's/.*"state": "\(.*\)".*/\1/p')" != running ]; then
-  "${ctl[@]}" start "$name"
+if [ "$("$ctl" status "$name" --json | sed -n 's/.*"state": "\(.*\)".*/\1/p')" != running ]; then
+  "$ctl" start "$name"
 fi
 echo "==> inside the sandbox:"
-"${ctl[@]}" exec "$name" -- sh -c 'echo "host: $(hostname)  cwd: $(pwd)"; git log --oneline -3'
+"$ctl" exec "$name" -- sh -c 'echo "host: $(hostname)  cwd: $(pwd)"; git log --oneline -3'
 server='python3 -m http.server 8000'
 [ -z "$vm" ] || server='busybox httpd -f -p 8000'
+path_hint=
+case ":$PATH:" in *":$bin:"*) ;; *) path_hint="  export PATH=\"$bin:\$PATH\"      # agentctl, agentd (add it to your shell's profile)"$'\n' ;; esac
+bus_hint=
+[ -n "$systemd_user" ] || bus_hint="  export DBUS_SESSION_BUS_ADDRESS=$DBUS_SESSION_BUS_ADDRESS   # the quick start's session bus"$'\n'
 cat <<MSG
 
 Sandbox '$name' is running. Try:
-  export AGENTCTL_BUS=session DBUS_SESSION_BUS_ADDRESS=$DBUS_SESSION_BUS_ADDRESS
-  $bin/agentctl list
-  $bin/agentctl exec $name -- git status
-  $bin/agentctl attach $name              # a Zellij session in /workspace; detach with Ctrl+o d
-  $bin/agentctl exec $name -- sh -c '$server >/dev/null 2>&1 &'
-  $bin/agentctl open $name                # http://$name.sandbox.localhost:8080/?keystone_token=… (needs caddy; the token makes the link yours)
-  $bin/agentctl stop $name && $bin/agentctl destroy $name
-agentd keeps running in the background (log: $state/agentd.log); stop it with: pkill -f 'agentd --session'
+$path_hint$bus_hint  agentctl list
+  agentctl exec $name -- git status
+  agentctl attach $name              # a Zellij session in /workspace; detach with Ctrl+o d
+  agentctl exec $name -- sh -c '$server >/dev/null 2>&1 &'
+  agentctl open $name                # http://$name.sandbox.localhost:8080/?keystone_token=… (needs caddy; the token makes the link yours)
+  agentctl doctor    # what each backend needs, and what is missing here
+  agentctl stop $name && agentctl destroy $name
+Stop everything (agentd stops its sandboxes first):
+  $stop
+Remove the installed files (in $PWD): make uninstall ${install_vars[*]}
 MSG
 echo "Agents: agentd downloads Claude Code, Codex and Gemini CLI in the background (once);"
-echo "  $bin/agentctl status $name   shows their versions, and 'not installed yet' until then."
+echo "  agentctl status $name   shows their versions, and 'not installed yet' until then."
 if [ -n "$zellij_building" ]; then
   echo "Zellij is still building (log: $zellij_log): until it is done, use"
-  echo "  $bin/agentctl exec -t $name -- bash   for a shell; agentctl attach says how long is left."
+  echo "  agentctl exec -t $name -- bash   for a shell; agentctl attach says how long is left."
 fi

@@ -10,11 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 missing=()
-for tool in cargo git dbus-daemon busctl tmux caddy; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+for tool in cargo git dbus-daemon busctl tmux caddy make; do command -v "$tool" >/dev/null || missing+=("$tool"); done
 if ((${#missing[@]})); then
   echo "tests: missing: ${missing[*]}" >&2
-  echo "  Debian/Ubuntu: sudo apt-get install -y dbus systemd git tmux caddy   (and Rust from https://rustup.rs)" >&2
-  echo "  NixOS:         nix-shell -p cargo git dbus systemd tmux caddy" >&2
+  echo "  Debian/Ubuntu: sudo apt-get install -y dbus systemd git tmux caddy make man-db bash-completion   (and Rust from https://rustup.rs)" >&2
+  echo "  NixOS:         nix-shell -p cargo git dbus systemd tmux caddy gnumake man-db bash-completion" >&2
   exit 4
 fi
 
