@@ -8,8 +8,10 @@ use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, Network, SyncMod
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
 /// work on a clone of your repository.
 ///
-/// agentctl talks to agentd over D-Bus. Start agentd first: `agentd --session`
-/// for your own sandboxes, or the NixOS service (`keystone.agent.enable`).
+/// agentctl talks to agentd over D-Bus. Installed with `make install`, your
+/// session bus starts agentd on the first call (your user's agentd.service);
+/// the system service is `systemctl enable --now agentd`, on NixOS
+/// `keystone.agent.enable`. `agentctl doctor` says what is missing.
 #[derive(Debug, Parser)]
 #[command(name = "agentctl", version, propagate_version = true)]
 #[command(

@@ -20,7 +20,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{AGENTD, agentctl, git, wait_for};
+use common::{AGENTD, agentctl, wait_for};
 
 /// make writes the generated files of one profile into one directory:
 /// one make at a time.
@@ -746,23 +746,7 @@ fn the_first_agentctl_call_starts_the_installed_agentd_by_activation() {
     );
 
     // Its state went where the bus's environment says.
-    let repo = inst.tmp.path().join("demo");
-    fs::create_dir(&repo).unwrap();
-    git(&repo, &["init", "-q", "-b", "main"]);
-    fs::write(repo.join("README.md"), "# demo\n").unwrap();
-    git(&repo, &["add", "."]);
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=Test",
-            "-c",
-            "user.email=test@example.com",
-            "commit",
-            "-qm",
-            "first",
-        ],
-    );
+    let repo = common::repo_in(inst.tmp.path(), "demo");
     bus.ctl(&["create", repo.to_str().unwrap()]);
     bus.ctl(&["start", "demo"]);
     let list: serde_json::Value = serde_json::from_str(&bus.ctl(&["list", "--json"])).unwrap();
@@ -808,17 +792,23 @@ fn the_first_agentctl_call_starts_the_installed_agentd_by_activation() {
     assert_eq!(registry["sandboxes"][0]["state"], "stopped", "{registry}");
 }
 
-#[test]
-fn installed_bash_completion_loads() {
-    if !have_tool("make", "make") || !have_tool("bash", "bash") {
-        return;
-    }
+/// `make install PREFIX=/usr DESTDIR=<temp>/root`: the temp dir and DESTDIR.
+fn install_into_tempdir() -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
     let dest = tmp.path().join("root");
     make(
         "install",
         &[("PREFIX", Path::new("/usr")), ("DESTDIR", &dest)],
     );
+    (tmp, dest)
+}
+
+#[test]
+fn installed_bash_completion_loads() {
+    if !have_tool("make", "make") || !have_tool("bash", "bash") {
+        return;
+    }
+    let (tmp, dest) = install_into_tempdir();
     let share = dest.join("usr/share");
     let file = share.join("bash-completion/completions/agentctl");
     let home = tmp.path().join("home");
@@ -903,12 +893,7 @@ fn installed_man_pages_render() {
     if !have_tool("make", "make") || !have_tool("man", "man-db") {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let dest = tmp.path().join("root");
-    make(
-        "install",
-        &[("PREFIX", Path::new("/usr")), ("DESTDIR", &dest)],
-    );
+    let (_tmp, dest) = install_into_tempdir();
     let man = dest.join("usr/share/man");
     for (page, needles) in [
         ("man1/agentctl.1", &["agentctl", "--bus", "create"][..]),

@@ -375,23 +375,7 @@ impl Env {
 
     /// A git repository with one commit, in the temp dir.
     pub fn repo(&self, name: &str) -> PathBuf {
-        let dir = self.tmp.path().join(name);
-        fs::create_dir_all(&dir).unwrap();
-        git(&dir, &["init", "-q", "-b", "main"]);
-        fs::write(dir.join("README.md"), format!("# {name}\n")).unwrap();
-        git(&dir, &["add", "."]);
-        git(
-            &dir,
-            &[
-                "-c",
-                "user.name=Test",
-                "-c",
-                "user.email=test@example.com",
-                "commit",
-                "-qm",
-                "first",
-            ],
-        );
+        let dir = repo_in(self.tmp.path(), name);
         fs::set_permissions(self.tmp.path(), fs::Permissions::from_mode(0o755)).unwrap();
         dir
     }
@@ -546,6 +530,28 @@ pub fn spawn_bus(dir: &Path, name: &str, kind: &str, body: &str) -> (Child, Path
         std::os::unix::net::UnixStream::connect(&sock).is_ok()
     });
     (child, sock)
+}
+
+/// A git repository `parent/name` with one commit (a README).
+pub fn repo_in(parent: &Path, name: &str) -> PathBuf {
+    let dir = parent.join(name);
+    fs::create_dir_all(&dir).unwrap();
+    git(&dir, &["init", "-q", "-b", "main"]);
+    fs::write(dir.join("README.md"), format!("# {name}\n")).unwrap();
+    git(&dir, &["add", "."]);
+    git(
+        &dir,
+        &[
+            "-c",
+            "user.name=Test",
+            "-c",
+            "user.email=test@example.com",
+            "commit",
+            "-qm",
+            "first",
+        ],
+    );
+    dir
 }
 
 pub fn git(dir: &Path, args: &[&str]) -> String {
