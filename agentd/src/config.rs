@@ -524,9 +524,11 @@ impl DaemonConfig {
         let mut d = Vec::new();
         validate::check_config(&self.defaults, &mut d);
         p.extend(d.into_iter().map(|m| format!("defaults: {m}")));
-        if !self.proxy.caddy_admin.starts_with("http://") {
+        if !self.proxy.caddy_admin.starts_with("http://")
+            && crate::proxy::caddy::unix_socket(&self.proxy.caddy_admin).is_none()
+        {
             p.push(format!(
-                "proxy.caddy_admin '{}' must be an http:// address",
+                "proxy.caddy_admin '{}' must be an http:// address or unix//ABSOLUTE/PATH",
                 self.proxy.caddy_admin
             ));
         }
@@ -642,6 +644,24 @@ mod tests {
         let again: DaemonConfig =
             serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
         assert_eq!(again, c);
+    }
+
+    #[test]
+    fn caddy_admin_is_http_or_an_absolute_unix_socket() {
+        let admin = |a: &str| {
+            let c: DaemonConfig =
+                serde_json::from_value(serde_json::json!({"proxy": {"caddy_admin": a}})).unwrap();
+            c.validate()
+        };
+        assert!(admin("http://127.0.0.1:2019").is_empty());
+        assert!(admin("unix//run/caddy/admin.sock").is_empty());
+        for bad in ["unix/run/admin.sock", "127.0.0.1:2019", "https://x"] {
+            let p = admin(bad);
+            assert!(
+                p.iter().any(|m| m.contains("unix//ABSOLUTE/PATH")),
+                "{bad}: {p:?}"
+            );
+        }
     }
 
     #[test]

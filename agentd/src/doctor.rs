@@ -270,12 +270,15 @@ fn caddy(config: &DaemonConfig) -> Check {
         .trim_start_matches("http://")
         .trim_end_matches('/')
         .to_owned();
-    let reachable = std::net::ToSocketAddrs::to_socket_addrs(&admin)
-        .ok()
-        .and_then(|mut a| a.next())
-        .is_some_and(|a| {
-            std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_secs(2)).is_ok()
-        });
+    let reachable = match crate::proxy::caddy::unix_socket(&config.proxy.caddy_admin) {
+        Some(socket) => std::os::unix::net::UnixStream::connect(socket).is_ok(),
+        None => std::net::ToSocketAddrs::to_socket_addrs(&admin)
+            .ok()
+            .and_then(|mut a| a.next())
+            .is_some_and(|a| {
+                std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_secs(2)).is_ok()
+            }),
+    };
     if reachable {
         Check::new(
             "links",

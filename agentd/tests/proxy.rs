@@ -22,8 +22,13 @@ fn setup_with(name: &str, https: bool) -> (Env, Caddy) {
 }
 
 fn setup_auth(name: &str, https: bool, auth: &str) -> (Env, Caddy) {
-    let mut env = Env::bus_only();
+    let env = Env::bus_only();
     let caddy = Caddy::start(env.tmp.path());
+    with_caddy(env, caddy, name, https, auth)
+}
+
+/// agentd configured for `caddy`, and a running sandbox `name`.
+fn with_caddy(mut env: Env, caddy: Caddy, name: &str, https: bool, auth: &str) -> (Env, Caddy) {
     let config = env.tmp.path().join("agentd.json");
     std::fs::write(&config, caddy.agentd_config_auth(https, auth)).unwrap();
     env.config = Some(config);
@@ -72,6 +77,25 @@ fn ours(ids: &[String]) -> Vec<&String> {
     ids.iter()
         .filter(|i| i.starts_with("keystone-agent.") && *i != "keystone-agent.fallback")
         .collect()
+}
+
+/// Caddy's admin API on a unix socket in a directory only its owner may
+/// enter (`caddy_admin: "unix//PATH"`; on a loopback port every local user
+/// could rewrite Caddy's configuration): agentd puts its routes in through
+/// it, and the link answers.
+#[test]
+fn links_work_through_caddys_admin_socket() {
+    let env = Env::bus_only();
+    let caddy = Caddy::start_unix(env.tmp.path());
+    let (env, caddy) = with_caddy(env, caddy, "sock", false, "none");
+    dev_server(&env, "sock", "main", free_port(), "through-the-socket");
+    let (_, body) = until(&caddy, "sock.sandbox.local", "/who.txt", |s, _| s == 200);
+    assert_eq!(body.trim(), "through-the-socket");
+    assert!(
+        !ours(&caddy.route_ids()).is_empty(),
+        "{:?}",
+        caddy.route_ids()
+    );
 }
 
 #[test]

@@ -92,22 +92,79 @@ pub enum CaddyError {
 #[derive(Debug, Clone)]
 pub struct Caddy {
     base: String,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Transport,
+}
+
+/// How the admin API is reached: TCP (`http://HOST:PORT`) or a unix
+/// socket (`unix//PATH`, Caddy's own notation), which only those who may
+/// open the socket reach, unlike a port on loopback that every local user
+/// can.
+#[derive(Debug, Clone)]
+enum Transport {
+    Tcp(Client<HttpConnector, Full<Bytes>>),
+    Unix(Client<UnixConnector, Full<Bytes>>),
+}
+
+/// Connects every request to one unix socket, whatever its URI says.
+#[derive(Debug, Clone)]
+struct UnixConnector(std::sync::Arc<std::path::Path>);
+
+impl tower::Service<hyper::Uri> for UnixConnector {
+    type Response = hyper_util::rt::TokioIo<tokio::net::UnixStream>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = std::io::Result<Self::Response>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: hyper::Uri) -> Self::Future {
+        let path = std::sync::Arc::clone(&self.0);
+        Box::pin(async move {
+            let stream = tokio::time::timeout(
+                Duration::from_secs(2),
+                tokio::net::UnixStream::connect(&*path),
+            )
+            .await
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))??;
+            Ok(hyper_util::rt::TokioIo::new(stream))
+        })
+    }
+}
+
+/// The socket of a `unix//PATH` admin address.
+#[must_use]
+pub fn unix_socket(admin: &str) -> Option<&std::path::Path> {
+    admin
+        .strip_prefix("unix/")
+        .map(std::path::Path::new)
+        .filter(|p| p.is_absolute())
 }
 
 /// Largest answer read from the admin API.
 const REPLY_MAX: usize = 8 << 20;
 
 impl Caddy {
-    /// A client of the admin API at `base` (e.g. `http://127.0.0.1:2019`).
+    /// A client of the admin API at `base`: `http://127.0.0.1:2019`, or
+    /// `unix//run/caddy/admin.sock`.
     #[must_use]
     pub fn new(base: &str) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        let client = if let Some(path) = unix_socket(base) {
+            Transport::Unix(Client::builder(TokioExecutor::new()).build(UnixConnector(path.into())))
+        } else {
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            connector.set_connect_timeout(Some(Duration::from_secs(2)));
+            Transport::Tcp(Client::builder(TokioExecutor::new()).build(connector))
+        };
         Self {
             base: base.trim_end_matches('/').to_owned(),
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client,
         }
     }
 
@@ -117,22 +174,27 @@ impl Caddy {
         path: &str,
         body: Option<&Value>,
     ) -> Result<(StatusCode, Bytes), CaddyError> {
-        let uri = format!("{}{path}", self.base);
         let body = body.map(|b| b.to_string()).unwrap_or_default();
         let req = Request::builder()
             .method(method.clone())
-            .uri(&uri)
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body)))?;
+            .header("content-type", "application/json");
+        // Over its unix socket, Caddy's admin API takes only an empty Host.
+        let req = match &self.client {
+            Transport::Tcp(_) => req.uri(format!("{}{path}", self.base)),
+            Transport::Unix(_) => req
+                .uri(format!("http://localhost{path}"))
+                .header("host", ""),
+        }
+        .body(Full::new(Bytes::from(body)))?;
         let send = async {
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|error| CaddyError::Unreachable {
-                    base: self.base.clone(),
-                    error,
-                })?;
+            let resp = match &self.client {
+                Transport::Tcp(c) => c.request(req).await,
+                Transport::Unix(c) => c.request(req).await,
+            }
+            .map_err(|error| CaddyError::Unreachable {
+                base: self.base.clone(),
+                error,
+            })?;
             let status = resp.status();
             // Whatever listens on the admin address answers within a size.
             let bytes = http_body_util::Limited::new(resp.into_body(), REPLY_MAX)

@@ -21,6 +21,9 @@ pub fn free_port() -> u16 {
 pub struct Caddy {
     dir: PathBuf,
     pub admin: u16,
+    /// The admin API's unix socket, when it listens on one instead of
+    /// `admin`.
+    pub admin_socket: Option<PathBuf>,
     pub http: u16,
     child: Option<Child>,
 }
@@ -33,11 +36,42 @@ impl Caddy {
         let mut c = Self {
             dir,
             admin: free_port(),
+            admin_socket: None,
             http: free_port(),
             child: None,
         };
         c.restart();
         c
+    }
+
+    /// Start Caddy with its admin API on a unix socket in a directory only
+    /// its owner may enter.
+    pub fn start_unix(dir: &Path) -> Self {
+        let dir = dir.join("caddy");
+        let private = dir.join("admin");
+        std::fs::create_dir_all(&private).unwrap();
+        std::fs::set_permissions(
+            &private,
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .unwrap();
+        let mut c = Self {
+            dir,
+            admin: 0,
+            admin_socket: Some(private.join("admin.sock")),
+            http: free_port(),
+            child: None,
+        };
+        c.restart();
+        c
+    }
+
+    /// The admin address as agentd's `proxy.caddy_admin` names it.
+    pub fn admin_address(&self) -> String {
+        match &self.admin_socket {
+            Some(s) => format!("unix/{}", s.display()),
+            None => format!("http://127.0.0.1:{}", self.admin),
+        }
     }
 
     /// (Re)start the Caddy process with its initial configuration, as a
@@ -49,8 +83,11 @@ impl Caddy {
             &config,
             // No root certificate in the machine's trust store.
             format!(
-                r#"{{"admin":{{"listen":"127.0.0.1:{}"}},"apps":{{"pki":{{"certificate_authorities":{{"local":{{"install_trust":false}}}}}}}}}}"#,
-                self.admin
+                r#"{{"admin":{{"listen":"{}"}},"apps":{{"pki":{{"certificate_authorities":{{"local":{{"install_trust":false}}}}}}}}}}"#,
+                match &self.admin_socket {
+                    Some(s) => format!("unix/{}", s.display()),
+                    None => format!("127.0.0.1:{}", self.admin),
+                }
             ),
         )
         .unwrap();
@@ -67,9 +104,15 @@ impl Caddy {
             .expect("caddy must be installed (apt-get install caddy)");
         self.child = Some(child);
         let admin = self.admin;
-        wait_for("Caddy's admin API", Duration::from_secs(20), || {
-            TcpStream::connect(("127.0.0.1", admin)).is_ok()
-        });
+        let socket = self.admin_socket.clone();
+        wait_for(
+            "Caddy's admin API",
+            Duration::from_secs(20),
+            || match &socket {
+                Some(s) => std::os::unix::net::UnixStream::connect(s).is_ok(),
+                None => TcpStream::connect(("127.0.0.1", admin)).is_ok(),
+            },
+        );
     }
 
     fn stop(&mut self) {
@@ -89,8 +132,8 @@ impl Caddy {
     /// agentd's config for this Caddy with `proxy.auth` set to `auth`.
     pub fn agentd_config_auth(&self, https: bool, auth: &str) -> String {
         format!(
-            r#"{{"proxy":{{"enable":true,"domain":"sandbox.local","caddy_admin":"http://127.0.0.1:{}","listen":["127.0.0.1:{}"],"https":{https},"ca_file":"{}","auth":"{auth}"}}}}"#,
-            self.admin,
+            r#"{{"proxy":{{"enable":true,"domain":"sandbox.local","caddy_admin":"{}","listen":["127.0.0.1:{}"],"https":{https},"ca_file":"{}","auth":"{auth}"}}}}"#,
+            self.admin_address(),
             self.http,
             self.root_cert().display()
         )
@@ -103,12 +146,26 @@ impl Caddy {
 
     /// `@id`s of the routes of agentd's server.
     pub fn route_ids(&self) -> Vec<String> {
-        let (status, body) = http(
-            self.admin,
-            &format!("127.0.0.1:{}", self.admin),
-            "GET",
-            "/config/apps/http/servers/keystone-agent/routes",
-        );
+        let path = "/config/apps/http/servers/keystone-agent/routes";
+        let (status, body) = match &self.admin_socket {
+            Some(s) => {
+                let Ok(stream) = std::os::unix::net::UnixStream::connect(s) else {
+                    return Vec::new();
+                };
+                stream
+                    .set_read_timeout(Some(Duration::from_secs(10)))
+                    .unwrap();
+                // Over its socket, Caddy's admin API takes only an empty Host.
+                let (status, _, body) = exchange(stream, "", "GET", path, "");
+                (status, body)
+            }
+            None => http(
+                self.admin,
+                &format!("127.0.0.1:{}", self.admin),
+                "GET",
+                path,
+            ),
+        };
         if status != 200 {
             return Vec::new();
         }
@@ -159,10 +216,21 @@ pub fn request(
     path: &str,
     headers: &str,
 ) -> (u16, String, String) {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+    let Ok(s) = TcpStream::connect(("127.0.0.1", port)) else {
         return (0, String::new(), String::new());
     };
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    exchange(s, host, method, path, headers)
+}
+
+/// Send one request over `s` and read the answer to its end.
+fn exchange(
+    mut s: impl Read + Write,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+) -> (u16, String, String) {
     let req =
         format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n");
     if s.write_all(req.as_bytes()).is_err() {
