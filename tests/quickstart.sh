@@ -42,13 +42,21 @@ data="${XDG_DATA_HOME:-$HOME/.local/share}"
 install_vars=(PREFIX="$prefix" SYSTEMDUSERUNITDIR="$data/systemd/user" DBUSDIR="$data/dbus-1")
 state="${XDG_STATE_HOME:-$HOME/.local/state}/keystone/agent"
 config_dir="${XDG_CONFIG_HOME:-$HOME/.config}/keystone"
+# agentd's state directory: others may pass through it (0711) to what agentd
+# shows them, never list it. The quick start's own files (logs, Caddy's admin
+# socket, the session bus, the stop script) are in a directory only you may
+# enter.
+qs="$state/quickstart"
 mkdir -p "$state" "$config_dir"
+chmod 0711 "$state"
+mkdir -p -m 0700 "$qs"
+chmod 0700 "$qs"
 
 echo "==> building agentd and agentctl (release; about 15 minutes on 2 cores the first time)"
 make --no-print-directory all >/dev/null
 echo "==> installing into $prefix"
-make --no-print-directory install "${install_vars[@]}" 2>"$state/install.log" ||
-  { cat "$state/install.log" >&2; exit 3; }
+make --no-print-directory install "${install_vars[@]}" 2>"$qs/install.log" ||
+  { cat "$qs/install.log" >&2; exit 3; }
 bin="$prefix/bin"
 ctl="$bin/agentctl"
 
@@ -59,7 +67,7 @@ ctl="$bin/agentctl"
 # how long is left meanwhile.
 zellij_building=
 if ! tests/install-zellij.sh --cached >/dev/null 2>&1; then
-  zellij_log="$state/zellij-build.log"
+  zellij_log="$qs/zellij-build.log"
   if ! pgrep -f 'install-tools.sh zellij' >/dev/null; then
     KEYSTONE_BUILD_LOG="$zellij_log" nohup tests/install-zellij.sh >"$zellij_log" 2>&1 &
   fi
@@ -88,11 +96,19 @@ fi
 
 # Dev-server links when Caddy is installed: agentd adds a server on
 # 127.0.0.1:8080 for names under sandbox.localhost (which browsers resolve to
-# this machine by themselves) through Caddy's admin API on localhost:2019.
-caddy_unit=
-caddy_pid="$state/caddy.pid"
+# this machine by themselves) to a Caddy of your own, through its admin API
+# on a unix socket only you may open (on a loopback port, every local user
+# could rewrite Caddy's configuration).
+caddy=
+caddy_admin="$qs/caddy-admin.sock"
+caddy_pid="$qs/caddy.pid"
 if command -v caddy >/dev/null; then
-  settings+=('"proxy": {"enable": true, "domain": "sandbox.localhost", "listen": ["127.0.0.1:8080"]}')
+  caddy=1
+  # Caddy logs only warnings: agentd asks it for its routes every 2 s.
+  cat >"$qs/caddy.json" <<JSON
+{"admin": {"listen": "unix/$caddy_admin"}, "logging": {"logs": {"default": {"level": "WARN"}}}}
+JSON
+  settings+=("\"proxy\": {\"enable\": true, \"domain\": \"sandbox.localhost\", \"listen\": [\"127.0.0.1:8080\"], \"caddy_admin\": \"unix/$caddy_admin\"}")
 else
   echo "==> no caddy: dev-server links are off (Debian/Ubuntu: sudo apt-get install -y caddy)"
 fi
@@ -125,27 +141,26 @@ if [ -n "$systemd_user" ]; then
   if [ -n "$changed" ]; then
     systemctl --user try-restart agentd.service
   fi
-  if command -v caddy >/dev/null && ! (exec 3<>/dev/tcp/127.0.0.1/2019) 2>/dev/null; then
-    echo '{"admin": {"listen": "127.0.0.1:2019"}}' >"$state/caddy.json"
-    echo "==> starting Caddy as keystone-caddy.service (admin API on 127.0.0.1:2019)"
+  if [ -n "$caddy" ] && ! systemctl --user --quiet is-active keystone-caddy.service; then
+    echo "==> starting Caddy as keystone-caddy.service (admin API on $caddy_admin)"
     systemctl --user reset-failed keystone-caddy.service 2>/dev/null || true
-    systemd-run --user --quiet --unit=keystone-caddy caddy run --config "$state/caddy.json"
-    caddy_unit=1
+    systemd-run --user --quiet --unit=keystone-caddy caddy run --config "$qs/caddy.json"
   fi
-  stop="systemctl --user stop agentd${caddy_unit:+ keystone-caddy}"
+  stop="systemctl --user stop agentd${caddy:+ keystone-caddy}"
 else
   # No user manager: a session bus of our own, with the installed
   # activation file in its service directory.
-  sock="$state/session-bus.sock"
+  sock="$qs/session-bus.sock"
   address="unix:path=$sock"
-  cat >"$state/session-bus.conf" <<CONF
+  xml() { sed 's/&/\&amp;/g; s/</\&lt;/g; s/>/\&gt;/g' <<<"$1"; }
+  cat >"$qs/session-bus.conf" <<CONF
 <!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
 <busconfig>
   <type>session</type>
-  <listen>$address</listen>
+  <listen>$(xml "$address")</listen>
   <auth>EXTERNAL</auth>
-  <servicedir>$data/dbus-1/services</servicedir>
+  <servicedir>$(xml "$data/dbus-1/services")</servicedir>
   <policy context="default">
     <allow send_destination="*" eavesdrop="true"/>
     <allow eavesdrop="true"/>
@@ -155,50 +170,62 @@ else
 CONF
   # The one command that stops everything the quick start started here
   # (`stop agentd`: agentd alone).
-  cat >"$state/stop" <<STOP
-#!/bin/sh
-# Stop agentd (it stops its running sandboxes first), then what the quick
-# start started beside it: Caddy and the session bus.
-address='$address'
+  {
+    echo '#!/usr/bin/env bash'
+    echo '# Stop agentd (it stops its running sandboxes first), then what the quick'
+    echo '# start started beside it: Caddy and the session bus.'
+    printf 'address=%q\ncaddy_pid=%q\ncaddy_config=%q\n' "$address" "$caddy_pid" "$qs/caddy.json"
+    cat <<'STOP'
 pid_of() {
-  busctl --address="\$address" call org.freedesktop.DBus /org/freedesktop/DBus \\
-    org.freedesktop.DBus GetConnectionUnixProcessID s "\$1" 2>/dev/null | cut -d' ' -f2
+  busctl --address="$address" call org.freedesktop.DBus /org/freedesktop/DBus \
+    org.freedesktop.DBus GetConnectionUnixProcessID s "$1" 2>/dev/null | cut -d' ' -f2
 }
+# SIGTERM, then wait at most $2 seconds for the process to end.
 end() {
-  [ -n "\$1" ] && kill -TERM "\$1" 2>/dev/null || return 0
-  while kill -0 "\$1" 2>/dev/null; do sleep 0.2; done
+  [ -n "$1" ] && kill -TERM "$1" 2>/dev/null || return 0
+  for _ in $(seq $(($2 * 5))); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.2; done
+  echo "stop: process $1 did not end within $2 s" >&2
 }
-end "\$(pid_of org.keystone.Agent1)"
-[ "\${1:-}" = agentd ] && exit 0
-[ -f '$caddy_pid' ] && end "\$(cat '$caddy_pid')"
-rm -f '$caddy_pid'
-end "\$(pid_of org.freedesktop.DBus)"
-echo "stopped agentd, its sandboxes and the session bus; the quick start starts them again"
+# agentd stops its sandboxes one after the other (5 minutes at most, as its
+# unit allows).
+end "$(pid_of org.keystone.Agent1)" 300
+[ "${1:-}" = agentd ] && exit 0
+# The Caddy the quick start started, if that pid is still that Caddy.
+if pid=$(cat "$caddy_pid" 2>/dev/null) &&
+  tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "caddy run --config $caddy_config"; then
+  end "$pid" 10
+fi
+rm -f "$caddy_pid"
+end "$(pid_of org.freedesktop.DBus)" 10
+echo "stopped agentd, its sandboxes, Caddy and the session bus; the quick start starts them again"
 STOP
-  chmod 0755 "$state/stop"
+  } >"$qs/stop"
+  chmod 0700 "$qs/stop"
   # A bus left from before, without agentd's activation file, makes way.
   if busctl --address="$address" status >/dev/null 2>&1 &&
     ! busctl --address="$address" call org.freedesktop.DBus /org/freedesktop/DBus \
       org.freedesktop.DBus ListActivatableNames | grep -q org.keystone.Agent1; then
     echo "==> replacing the session bus at $address (it cannot start agentd)"
-    "$state/stop" >/dev/null
+    "$qs/stop" >/dev/null
   fi
   if ! busctl --address="$address" status >/dev/null 2>&1; then
     rm -f "$sock"
-    dbus-daemon --config-file="$state/session-bus.conf" --fork
+    dbus-daemon --config-file="$qs/session-bus.conf" --fork
     echo "==> started a session bus at $address (no systemd user manager here)"
   elif [ -n "$changed" ]; then
     echo "==> stopping agentd: it starts again with its new configuration"
-    "$state/stop" agentd
+    "$qs/stop" agentd
   fi
   export DBUS_SESSION_BUS_ADDRESS="$address"
-  if command -v caddy >/dev/null && ! (exec 3<>/dev/tcp/127.0.0.1/2019) 2>/dev/null; then
-    echo '{"admin": {"listen": "127.0.0.1:2019"}}' >"$state/caddy.json"
-    echo "==> starting Caddy (admin API on 127.0.0.1:2019, log: $state/caddy.log)"
-    nohup caddy run --config "$state/caddy.json" >>"$state/caddy.log" 2>&1 &
+  # Caddy runs when its pid is still the Caddy started here.
+  if [ -n "$caddy" ] && ! { pid=$(cat "$caddy_pid" 2>/dev/null) &&
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "caddy run --config $qs/caddy.json"; }; then
+    rm -f "$caddy_admin"
+    echo "==> starting Caddy (admin API on $caddy_admin, log: $qs/caddy.log)"
+    nohup caddy run --config "$qs/caddy.json" >>"$qs/caddy.log" 2>&1 &
     echo $! >"$caddy_pid"
   fi
-  stop="$state/stop"
+  stop="$qs/stop"
 fi
 
 # The first call starts agentd (D-Bus activation) when it is not running.
@@ -206,7 +233,7 @@ fi
 
 project="${1:-}"
 if [ -z "$project" ]; then
-  project="$state/sample-project"
+  project="$qs/sample-project"
   if [ ! -d "$project/.git" ]; then
     mkdir -p "$project"
     git -C "$project" init -q -b main
