@@ -45,6 +45,12 @@ endif
 # The generated files (units, D-Bus services, completions, man pages).
 gen := $(TARGET_DIR)/packaging/$(PROFILE)
 
+# Paths with blanks would split in the install list below: refused.
+$(foreach v,PREFIX BINDIR DATADIR MANDIR SYSTEMDSYSTEMUNITDIR SYSTEMDUSERUNITDIR \
+  SYSUSERSDIR DBUSDIR DBUSPOLICYDIR BASHCOMPLETIONDIR ZSHCOMPLETIONDIR \
+  FISHCOMPLETIONDIR DESTDIR TARGET_DIR,$(if $(word 2,$($(v))),$(error \
+  $(v)='$($(v))' has a blank in it; choose a path without one)))
+
 bins := $(out)/agentd $(out)/keystone-relay $(out)/agentctl
 # The same selection of packages and features as a plain `cargo build` in
 # the workspace (so for PROFILE=debug it rebuilds nothing after one), only

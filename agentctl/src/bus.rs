@@ -73,6 +73,19 @@ impl Which {
 /// The bus this agentctl talks on, for messages made far from it.
 static CURRENT: OnceLock<Which> = OnceLock::new();
 
+/// `--call-timeout`, for the quick steps inside long commands.
+static LIMIT: OnceLock<Duration> = OnceLock::new();
+
+/// Remember `--call-timeout`.
+pub fn set_limit(limit: Duration) {
+    let _ = LIMIT.set(limit);
+}
+
+/// `--call-timeout` (30 s unless set).
+pub fn limit() -> Duration {
+    LIMIT.get().copied().unwrap_or(Duration::from_secs(30))
+}
+
 /// The bus chosen, if one is.
 pub fn current() -> Option<&'static Which> {
     CURRENT.get()
@@ -274,15 +287,25 @@ fn which() -> Which {
     current().cloned().unwrap_or(Which::System)
 }
 
-/// Ask agentd's current owner of its name for a ping; an error is not a
-/// hang (the call under way reports it), so only silence counts.
-async fn ping(conn: &Connection) -> zbus::Result<()> {
-    let dbus = DBusProxy::new(conn).await?;
-    let owner = dbus
-        .get_name_owner(zbus::names::BusName::try_from(AGENTD)?)
-        .await?;
+/// Ping agentd's connection: `owner`, the unique name that owned
+/// agentd's name when first asked, so that an agentd which has released its
+/// name (it does so first on SIGTERM) is still the one pinged.
+async fn ping(
+    conn: &Connection,
+    owner: &mut Option<zbus::names::OwnedUniqueName>,
+) -> zbus::Result<()> {
+    let to = match owner {
+        Some(o) => o.clone(),
+        None => {
+            let dbus = DBusProxy::new(conn).await?;
+            let o = dbus
+                .get_name_owner(zbus::names::BusName::try_from(AGENTD)?)
+                .await?;
+            owner.insert(o).clone()
+        }
+    };
     conn.call_method(
-        Some(owner.as_str()),
+        Some(to.as_str()),
         "/org/keystone/Agent1",
         Some("org.freedesktop.DBus.Peer"),
         "Ping",
@@ -321,11 +344,18 @@ pub async fn watched<T>(
     limit: Duration,
     work: impl Future<Output = Result<T>>,
 ) -> Result<T> {
+    // Only an answer counts: a ping that times out, or pings that fail
+    // for longer than `limit` (agentd gone, the call not ended by the
+    // bus), end the wait.
     let watchdog = async {
+        let mut owner = None;
+        let mut answered = tokio::time::Instant::now();
         loop {
             tokio::time::sleep(PING_EVERY).await;
-            if tokio::time::timeout(limit, ping(conn)).await.is_err() {
-                return;
+            match tokio::time::timeout(limit, ping(conn, &mut owner)).await {
+                Ok(Ok(())) => answered = tokio::time::Instant::now(),
+                Ok(Err(_)) if answered.elapsed() <= limit => {}
+                _ => return,
             }
         }
     };

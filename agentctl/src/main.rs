@@ -91,6 +91,7 @@ fn main() -> std::process::ExitCode {
         }
     };
     let limit = std::time::Duration::from_secs(cli.call_timeout.max(1));
+    bus::set_limit(limit);
     let result = runtime.block_on(async {
         match cli.command {
             cli::Command::Completions { shell } => {

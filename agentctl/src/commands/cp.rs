@@ -379,17 +379,7 @@ pub async fn run_cp(
     dest: &str,
     opts: unpack::Options,
 ) -> Result<i32> {
-    let lookup = |name: String| async move {
-        let path = manager.get_sandbox(&name).await?;
-        let sb = SandboxProxy::builder(conn)
-            .path(path)
-            .map_err(api::Error::ZBus)?
-            .cache_properties(zbus::proxy::CacheProperties::No)
-            .build()
-            .await
-            .map_err(api::Error::ZBus)?;
-        Ok::<_, Failure>(sb)
-    };
+    let lookup = |name: String| async move { super::lookup(conn, manager, &name).await };
     match (Endpoint::parse(src), Endpoint::parse(dest)) {
         (Endpoint::Local(l), Endpoint::Sandbox { name, path }) => {
             let sb = lookup(name.clone()).await?;

@@ -61,7 +61,10 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 | crate::cli::SecretCommand::List { name, .. }
                 | crate::cli::SecretCommand::Remove { name, .. } => name.clone(),
             };
-            let path = manager.get_sandbox(&name).await?;
+            let path = crate::bus::quick("GetSandbox", crate::bus::limit(), async {
+                Ok(manager.get_sandbox(&name).await?)
+            })
+            .await?;
             secrets::run(conn, path, command).await
         }
         Command::Doctor { .. } | Command::Completions { .. } | Command::Manpages { .. } => {
@@ -154,11 +157,17 @@ async fn sandbox<'a>(
         .map_err(api::Error::ZBus)?)
 }
 
+/// The sandbox `name`: a quick question, bounded by `--call-timeout` even
+/// inside a long command (an agentd that answers pings but not this is
+/// stuck).
 async fn lookup<'a>(
     conn: &Connection,
     manager: &ManagerProxy<'_>,
     name: &str,
 ) -> Result<SandboxProxy<'a>> {
-    let path = manager.get_sandbox(name).await?;
-    sandbox(conn, &path).await
+    crate::bus::quick("GetSandbox", crate::bus::limit(), async {
+        let path = manager.get_sandbox(name).await?;
+        sandbox(conn, &path).await
+    })
+    .await
 }
