@@ -525,7 +525,7 @@ impl DaemonConfig {
         validate::check_config(&self.defaults, &mut d);
         p.extend(d.into_iter().map(|m| format!("defaults: {m}")));
         if !self.proxy.caddy_admin.starts_with("http://")
-            && crate::proxy::caddy::unix_socket(&self.proxy.caddy_admin).is_none()
+            && caddy_admin_socket(&self.proxy.caddy_admin).is_none()
         {
             p.push(format!(
                 "proxy.caddy_admin '{}' must be an http:// address or unix//ABSOLUTE/PATH",
@@ -624,6 +624,16 @@ impl DaemonConfig {
         }
         p
     }
+}
+
+/// The socket of a `unix//PATH` Caddy admin address (Caddy's notation),
+/// None for any other.
+#[must_use]
+pub fn caddy_admin_socket(admin: &str) -> Option<&Path> {
+    admin
+        .strip_prefix("unix/")
+        .map(Path::new)
+        .filter(|p| p.is_absolute())
 }
 
 #[cfg(test)]

@@ -270,7 +270,7 @@ fn caddy(config: &DaemonConfig) -> Check {
         .trim_start_matches("http://")
         .trim_end_matches('/')
         .to_owned();
-    let reachable = match crate::proxy::caddy::unix_socket(&config.proxy.caddy_admin) {
+    let reachable = match crate::config::caddy_admin_socket(&config.proxy.caddy_admin) {
         Some(socket) => std::os::unix::net::UnixStream::connect(socket).is_ok(),
         None => std::net::ToSocketAddrs::to_socket_addrs(&admin)
             .ok()

@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::os::unix::process::CommandExt;
 use std::time::{Duration, Instant};
 
 use common::caddy::{Caddy, free_port};
@@ -96,6 +97,52 @@ fn links_work_through_caddys_admin_socket() {
         "{:?}",
         caddy.route_ids()
     );
+}
+
+/// agentd's forwarders listen on loopback, where every local user can
+/// connect: a connection from anyone but Caddy (another uid) is closed
+/// before it reaches the dev server, which answers through Caddy as before.
+#[test]
+fn a_forwarder_joins_only_caddys_connections() {
+    if !common::is_root() {
+        eprintln!("skipped: needs root to connect as another uid");
+        return;
+    }
+    let (env, caddy) = setup("fwd");
+    dev_server(&env, "fwd", "main", free_port(), "private-dev-server");
+    let (_, body) = until(&caddy, "fwd.sandbox.local", "/who.txt", |s, _| s == 200);
+    assert_eq!(body.trim(), "private-dev-server");
+    let routes = caddy.config("/config/apps/http/servers/keystone-agent/routes");
+    let dials: Vec<String> = routes
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["@id"] != "keystone-agent.fallback")
+        .flat_map(|r| r["handle"].as_array().cloned().unwrap_or_default())
+        .flat_map(|h| h["upstreams"].as_array().cloned().unwrap_or_default())
+        .filter_map(|u| u["dial"].as_str().map(str::to_owned))
+        .collect();
+    assert!(!dials.is_empty(), "no upstreams in {routes:#}");
+    for dial in &dials {
+        let (host, port) = dial.rsplit_once(':').unwrap();
+        let script = format!(
+            "exec 3<>/dev/tcp/{host}/{port} || exit 7; \
+             printf 'GET /who.txt HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n' >&3; timeout 5 cat <&3"
+        );
+        let out = std::process::Command::new("bash")
+            .args(["-c", &script])
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        let got = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !got.contains("private-dev-server"),
+            "uid 65534 reached the dev server through {dial} without the link: {got}"
+        );
+    }
+    let (_, body) = until(&caddy, "fwd.sandbox.local", "/who.txt", |s, _| s == 200);
+    assert_eq!(body.trim(), "private-dev-server");
 }
 
 #[test]

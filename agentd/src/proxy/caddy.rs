@@ -137,15 +137,6 @@ impl tower::Service<hyper::Uri> for UnixConnector {
     }
 }
 
-/// The socket of a `unix//PATH` admin address.
-#[must_use]
-pub fn unix_socket(admin: &str) -> Option<&std::path::Path> {
-    admin
-        .strip_prefix("unix/")
-        .map(std::path::Path::new)
-        .filter(|p| p.is_absolute())
-}
-
 /// Largest answer read from the admin API.
 const REPLY_MAX: usize = 8 << 20;
 
@@ -154,7 +145,7 @@ impl Caddy {
     /// `unix//run/caddy/admin.sock`.
     #[must_use]
     pub fn new(base: &str) -> Self {
-        let client = if let Some(path) = unix_socket(base) {
+        let client = if let Some(path) = crate::config::caddy_admin_socket(base) {
             Transport::Unix(Client::builder(TokioExecutor::new()).build(UnixConnector(path.into())))
         } else {
             let mut connector = HttpConnector::new();

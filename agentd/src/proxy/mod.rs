@@ -23,6 +23,7 @@
 pub mod caddy;
 pub mod names;
 mod pages;
+pub mod peer;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -132,6 +133,9 @@ pub struct Proxy {
     recheck: tokio::sync::mpsc::UnboundedSender<String>,
     /// Secret of this agentd run that links' tokens are derived from.
     key: String,
+    /// Caddy's uid (`u32::MAX` while unknown): the only one whose
+    /// connections the forwarders take.
+    caddy_uid: std::sync::atomic::AtomicU32,
 }
 
 impl Proxy {
@@ -158,6 +162,7 @@ impl Proxy {
             routes: tokio::sync::Mutex::new(BTreeMap::new()),
             redirected: Mutex::new(HashMap::new()),
             stale: std::sync::atomic::AtomicBool::new(true),
+            caddy_uid: std::sync::atomic::AtomicU32::new(u32::MAX),
             key: format!(
                 "{}{}",
                 uuid::Uuid::new_v4().simple(),
@@ -260,6 +265,9 @@ impl Proxy {
     async fn watch_caddy(self: Arc<Self>) {
         let mut reported = false;
         loop {
+            let uid = peer::caddy_uid(&self.cfg.caddy_admin).unwrap_or(u32::MAX);
+            self.caddy_uid
+                .store(uid, std::sync::atomic::Ordering::SeqCst);
             let present = self.caddy.exists(caddy::FALLBACK_ID).await;
             match present {
                 Ok(true) if !self.stale.load(std::sync::atomic::Ordering::SeqCst) => {}
@@ -451,6 +459,9 @@ impl Proxy {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             };
+            if !self.comes_from_caddy(&outside) {
+                continue;
+            }
             let _ = outside.set_nodelay(true);
             let this = Arc::clone(&self);
             let name = name.clone();
@@ -479,6 +490,28 @@ impl Proxy {
                 }
             });
         }
+    }
+
+    /// Whether `conn`, accepted by a forwarder, comes from Caddy: its
+    /// socket's owner is Caddy's uid. Anyone else on the machine would
+    /// reach the dev server without the link's token.
+    fn comes_from_caddy(&self, conn: &tokio::net::TcpStream) -> bool {
+        let caddy = self.caddy_uid.load(std::sync::atomic::Ordering::SeqCst);
+        let (Ok(local), Ok(remote)) = (conn.local_addr(), conn.peer_addr()) else {
+            return false;
+        };
+        // The connecting socket: its local address is our peer.
+        let uid = peer::connection_uid(remote, local);
+        if caddy != u32::MAX && uid == Some(caddy) {
+            return true;
+        }
+        tracing::debug!(
+            from = %remote,
+            uid = ?uid,
+            caddy_uid = caddy,
+            "a connection to a dev-server forwarder not from Caddy, closed"
+        );
+        false
     }
 
     /// The routes sandbox `name` should have now.

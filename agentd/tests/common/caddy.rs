@@ -144,13 +144,13 @@ impl Caddy {
         self.dir.join("data/caddy/pki/authorities/local/root.crt")
     }
 
-    /// `@id`s of the routes of agentd's server.
-    pub fn route_ids(&self) -> Vec<String> {
-        let path = "/config/apps/http/servers/keystone-agent/routes";
+    /// The value at `path` of Caddy's configuration (Null when it cannot be
+    /// read).
+    pub fn config(&self, path: &str) -> serde_json::Value {
         let (status, body) = match &self.admin_socket {
             Some(s) => {
                 let Ok(stream) = std::os::unix::net::UnixStream::connect(s) else {
-                    return Vec::new();
+                    return serde_json::Value::Null;
                 };
                 stream
                     .set_read_timeout(Some(Duration::from_secs(10)))
@@ -167,10 +167,15 @@ impl Caddy {
             ),
         };
         if status != 200 {
-            return Vec::new();
+            return serde_json::Value::Null;
         }
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
-        v.as_array()
+        serde_json::from_str(&body).unwrap_or_default()
+    }
+
+    /// `@id`s of the routes of agentd's server.
+    pub fn route_ids(&self) -> Vec<String> {
+        self.config("/config/apps/http/servers/keystone-agent/routes")
+            .as_array()
             .into_iter()
             .flatten()
             .filter_map(|r| r["@id"].as_str().map(str::to_owned))
