@@ -570,30 +570,16 @@ impl Bus {
             r#"{"toolbox": {"download": false}}"#,
         )
         .unwrap();
-        let sock = dir.join("bus.sock");
-        let conf = dir.join("bus.conf");
-        fs::write(
-            &conf,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <listen>unix:path={}</listen>
-  <auth>EXTERNAL</auth>
-  <servicedir>{}</servicedir>
-  <policy context="default">
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-    <allow own="*"/>
-  </policy>
-</busconfig>
-"#,
-                sock.display(),
-                inst.path("share/dbus-1/services").display()
+        let (conf, sock) = common::bus_config(
+            dir,
+            "bus",
+            "session",
+            &format!(
+                "<servicedir>{}</servicedir>\n  {}",
+                inst.path("share/dbus-1/services").display(),
+                common::OPEN_POLICY
             ),
-        )
-        .unwrap();
+        );
         let daemon = Command::new("dbus-daemon")
             .arg(format!("--config-file={}", conf.display()))
             .arg("--nofork")

@@ -497,9 +497,10 @@ pub const OPEN_POLICY: &str = r#"<policy context="default">
     <allow own="*"/>
   </policy>"#;
 
-/// Start a dbus-daemon of `kind` (`session` or `system`) listening on
-/// `<dir>/<name>.sock`, with `body` (policies, includes) as its rules.
-pub fn spawn_bus(dir: &Path, name: &str, kind: &str, body: &str) -> (Child, PathBuf) {
+/// Write the configuration of a dbus-daemon of `kind` (`session` or
+/// `system`) listening on `<dir>/<name>.sock`, with `body` (policies,
+/// includes, service directories) as its rules: (the file, the socket).
+pub fn bus_config(dir: &Path, name: &str, kind: &str, body: &str) -> (PathBuf, PathBuf) {
     let sock = dir.join(format!("{name}.sock"));
     let conf = dir.join(format!("{name}.conf"));
     fs::write(
@@ -518,6 +519,13 @@ pub fn spawn_bus(dir: &Path, name: &str, kind: &str, body: &str) -> (Child, Path
         ),
     )
     .unwrap();
+    (conf, sock)
+}
+
+/// Start a dbus-daemon of `kind` (`session` or `system`) listening on
+/// `<dir>/<name>.sock`, with `body` (policies, includes) as its rules.
+pub fn spawn_bus(dir: &Path, name: &str, kind: &str, body: &str) -> (Child, PathBuf) {
+    let (conf, sock) = bus_config(dir, name, kind, body);
     let child = Command::new("dbus-daemon")
         .arg(format!("--config-file={}", conf.display()))
         .arg("--nofork")
