@@ -95,6 +95,17 @@ fn main() -> ExitCode {
         args.config = agentd::default_config(matches!(bus, Bus::System));
     }
     if args.doctor {
+        if matches!(bus, Bus::System) {
+            // What the system service sees: systemd's PATH and its
+            // CacheDirectory, not the caller's (`sudo agentctl doctor` must
+            // not run programs from the caller's PATH or cache as root).
+            // SAFETY: no other thread runs yet (no runtime has started).
+            unsafe {
+                std::env::set_var("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin");
+                std::env::set_var("KEYSTONE_CACHE_DIR", "/var/cache/keystone-agent");
+                std::env::remove_var("KEYSTONE_ZELLIJ");
+            }
+        }
         let checks = agentd::doctor::run(args.config.as_deref(), matches!(bus, Bus::System));
         println!(
             "{}",

@@ -258,3 +258,57 @@ fn doctor_reports_a_missing_zellij_with_its_fix() {
     assert_eq!(z["status"], "ok", "{z:#}");
     assert_eq!(z["detail"], zellij.as_str());
 }
+
+/// For the system service (`--system`), doctor looks where that service
+/// looks (systemd's PATH, /var/cache/keystone-agent), never at the caller's
+/// PATH, cache or KEYSTONE_ZELLIJ: `sudo agentctl doctor` runs no program
+/// the caller planted.
+#[test]
+fn doctor_for_the_system_service_runs_nothing_of_the_callers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let planted = tmp.path().join("bin/zellij");
+    std::fs::create_dir_all(planted.parent().unwrap()).unwrap();
+    let ran = tmp.path().join("ran");
+    std::fs::write(
+        &planted,
+        format!("#!/bin/sh\ntouch {}\necho 'zellij 0.45.1'\n", ran.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &planted,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let cache = tmp.path().join("cache");
+    std::fs::create_dir_all(cache.join("zellij-0.45.1/bin")).unwrap();
+    std::fs::copy(&planted, cache.join("zellij-0.45.1/bin/zellij")).unwrap();
+    let out = Command::new(common::AGENTD)
+        .args(["--doctor", "--system"])
+        .env(
+            "PATH",
+            format!("{}:/usr/bin:/bin", planted.parent().unwrap().display()),
+        )
+        .env("KEYSTONE_ZELLIJ", &planted)
+        .env("KEYSTONE_CACHE_DIR", &cache)
+        .env("HOME", tmp.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let checks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let z = check(&checks, "Zellij");
+    assert!(
+        !z["detail"]
+            .as_str()
+            .unwrap()
+            .contains(tmp.path().to_str().unwrap()),
+        "{z:#}"
+    );
+    assert!(
+        !ran.exists(),
+        "doctor --system ran the caller's zellij: {z:#}"
+    );
+}
