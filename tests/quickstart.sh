@@ -52,7 +52,7 @@ chmod 0711 "$state"
 mkdir -p -m 0700 "$qs"
 chmod 0700 "$qs"
 
-echo "==> building agentd and agentctl (release; about 15 minutes on 2 cores the first time)"
+echo "==> building agentd and agentctl (release; about 5 minutes on 2 cores the first time)"
 make --no-print-directory all >/dev/null
 echo "==> installing into $prefix"
 make --no-print-directory install "${install_vars[@]}" 2>"$qs/install.log" ||
