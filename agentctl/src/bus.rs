@@ -163,27 +163,32 @@ async fn open(which: &Which) -> Result<Connection> {
     })
 }
 
+/// agentd's connection on this bus when it runs there, and whether the
+/// bus can start it (not asked when it runs).
+pub async fn agentd_state(
+    conn: &Connection,
+) -> zbus::Result<(Option<zbus::names::OwnedUniqueName>, bool)> {
+    let dbus = DBusProxy::new(conn).await?;
+    if let Ok(owner) = dbus
+        .get_name_owner(zbus::names::BusName::try_from(AGENTD)?)
+        .await
+    {
+        return Ok((Some(owner), true));
+    }
+    let activatable = dbus
+        .list_activatable_names()
+        .await?
+        .iter()
+        .any(|n| n.as_str() == AGENTD);
+    Ok((None, activatable))
+}
+
 /// Whether agentd runs on this bus, and whether the bus can start it.
 async fn agentd_there(conn: &Connection) -> (bool, bool) {
-    let asking = async {
-        let dbus = DBusProxy::new(conn).await.ok()?;
-        let name = zbus::names::BusName::try_from(AGENTD).ok()?;
-        if dbus.name_has_owner(name).await.ok()? {
-            return Some((true, true));
-        }
-        let activatable = dbus
-            .list_activatable_names()
-            .await
-            .ok()?
-            .iter()
-            .any(|n| n.as_str() == AGENTD);
-        Some((false, activatable))
-    };
-    tokio::time::timeout(CONNECT_TIMEOUT, asking)
-        .await
-        .ok()
-        .flatten()
-        .unwrap_or((false, false))
+    match tokio::time::timeout(CONNECT_TIMEOUT, agentd_state(conn)).await {
+        Ok(Ok((owner, activatable))) => (owner.is_some(), activatable),
+        _ => (false, false),
+    }
 }
 
 /// Connect to `--bus` when given. Without it, in this order: the session

@@ -78,21 +78,17 @@ async fn bus_checks(bus: Option<&str>, limit: Duration) -> (Vec<Check>, bool) {
         START_USER
     };
     let asking = async {
-        let dbus = DBusProxy::new(&conn).await?;
-        let name = zbus::names::BusName::try_from("org.keystone.Agent1")?;
-        let pid = match dbus.get_name_owner(name.clone()).await {
-            Ok(owner) => Some(
-                dbus.get_connection_unix_process_id(owner.into())
+        let (owner, activatable) = bus::agentd_state(&conn).await?;
+        let pid = match owner {
+            Some(owner) => Some(
+                DBusProxy::new(&conn)
+                    .await?
+                    .get_connection_unix_process_id(owner.into())
                     .await
                     .unwrap_or(0),
             ),
-            Err(_) => None,
+            None => None,
         };
-        let activatable = dbus
-            .list_activatable_names()
-            .await?
-            .iter()
-            .any(|n| n.as_str() == "org.keystone.Agent1");
         zbus::Result::Ok((pid, activatable))
     };
     let agentd = match tokio::time::timeout(limit, asking).await {
