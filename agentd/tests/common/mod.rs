@@ -182,19 +182,26 @@ impl Env {
     /// Start agentd and wait until it answers.
     pub fn start_agentd(&mut self) {
         let child = self.spawn_agentd();
+        let pid = child.id();
         self.agentd = Some(child);
         let addr = self.address.clone();
+        // Owned by this agentd: after a kill -9 the bus may still name the
+        // killed one for a moment.
         wait_for("agentd to own its name", Duration::from_secs(20), || {
             Command::new("busctl")
                 .args([
                     &format!("--address={addr}"),
-                    "status",
+                    "call",
+                    "org.freedesktop.DBus",
+                    "/org/freedesktop/DBus",
+                    "org.freedesktop.DBus",
+                    "GetConnectionUnixProcessID",
+                    "s",
                     "org.keystone.Agent1",
                 ])
-                .stdout(Stdio::null())
                 .stderr(Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == format!("u {pid}"))
         });
     }
 
