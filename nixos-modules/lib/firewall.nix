@@ -12,12 +12,14 @@
 #   guest's MAC address; IPv4 only from its guest's address; ARP only from
 #   that address and MAC, about the host's address. Everything else (IPv6,
 #   VLAN tags, other protocols, any frame from a tap of no sandbox) is
-#   dropped, and nothing goes from one tap to another.
+#   dropped, and nothing goes from one tap to another. A port of the bridge
+#   that is no declared tap gets nothing in (the chain's policy is drop).
 # - inet: what the host does with IP from the bridge. It accepts new TCP
 #   connections to the gateway (A.B.0.1:3128) and the replies of connections
 #   it opened itself (agentd's ssh to the guests), and refuses everything
 #   else; the gateway's port takes connections from the bridge only. Nothing
-#   is routed from the bridge or into it.
+#   is routed from the bridge or into it. Of the host's own sockets only
+#   root's (agentd's) may send into the bridge.
 #
 # Every chain hooks in at priority -300, before NAT and the usual filter
 # chains. A drop or reject in any base chain is final for the packet,
@@ -35,10 +37,14 @@ let
   bridgeLines =
     { gateway, taps }:
     [
-      "# Frames the sandboxes' taps send into the bridge ${naming.bridgeName}: each tap's"
-      "# own chain below, and nothing from a tap of no sandbox."
+      "# Frames that enter the bridge ${naming.bridgeName}: only through a declared"
+      "# sandbox's tap, each tap's own chain below deciding what it may send. A"
+      "# port of no sandbox (a tap that qemu-bridge-helper or anyone else"
+      "# attached, whatever its name) gets nothing in, not even into the"
+      "# bridge's address table. Other bridges of the host are not ours."
       "chain prerouting {"
-      "  type filter hook prerouting priority -300; policy accept;"
+      "  type filter hook prerouting priority -300; policy drop;"
+      "  meta ibrname != \"${naming.bridgeName}\" accept"
     ]
     ++ (
       if taps == [ ] then
@@ -49,7 +55,6 @@ let
         ++ [ "  }" ]
     )
     ++ [
-      "  iifname \"ks*\" drop"
       "}"
       ""
       "# Nothing goes from one tap to another (the ports are isolated as well)."
@@ -101,6 +106,16 @@ let
       "  type filter hook forward priority -300; policy accept;"
       "  iifname \"${bridge}\" reject with icmpx admin-prohibited"
       "  oifname \"${bridge}\" drop"
+      "}"
+      ""
+      "# Into the bridge, only root's sockets: agentd (root) reaches the guests'"
+      "# sshd and dev servers; no other local user reaches a guest past the"
+      "# links' tokens. Packets of no socket (the kernel's resets and ICMP"
+      "# errors) pass."
+      "chain output {"
+      "  type filter hook output priority -300; policy accept;"
+      "  oifname \"${bridge}\" meta skuid != 0 meta l4proto tcp reject with tcp reset"
+      "  oifname \"${bridge}\" meta skuid != 0 drop"
       "}"
     ];
 
