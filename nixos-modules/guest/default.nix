@@ -15,7 +15,8 @@
 #   vsock and on the sandbox's address, and the firewall accepts only the
 #   host's address;
 # - with a network, the proxy variables (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY,
-#   NO_PROXY, both cases) in every login's environment, pointing at agentd's
+#   NO_PROXY, both cases) in every login's environment and nix-daemon's
+#   (networking.proxy), pointing at agentd's
 #   egress gateway on the host's bridge address: the host's rules let the
 #   guest reach nothing else, and it has no DNS server (the gateway resolves
 #   names);
@@ -98,7 +99,10 @@ let
         no_proxy = "localhost,127.0.0.1,::1";
       };
     in
-    lower // lib.mapAttrs' (name: value: lib.nameValuePair (lib.toUpper name) value) lower;
+    {
+      inherit lower;
+      upper = lib.mapAttrs' (name: value: lib.nameValuePair (lib.toUpper name) value) lower;
+    };
 in
 {
   options.keystone.sandbox = {
@@ -198,6 +202,15 @@ in
     agents = lib.mapAttrs (_: what: {
       enable = lib.mkEnableOption what;
     }) agentCLIs;
+
+    defaultAgent = lib.mkOption {
+      type = types.nullOr (types.enum (builtins.attrNames pure.agentCLIs));
+      default = null;
+      description = ''
+        The agent a new session starts (agentd's `default_agent` of the
+        sandbox); the guest must have its CLI ({option}`keystone.sandbox.agents`).
+      '';
+    };
   };
 
   config = {
@@ -211,6 +224,15 @@ in
         # sessions are made for 0.45.
         assertion = lib.versions.majorMinor cfg.zellij.version == "0.45";
         message = "keystone.sandbox.zellij: sessions need Zellij 0.45.x, but the package is ${cfg.zellij.version}";
+      }
+      {
+        # A session would start an agent the guest does not have.
+        assertion = cfg.defaultAgent == null || cfg.agents.${pure.agentCLIs.${cfg.defaultAgent}}.enable;
+        message =
+          let
+            cli = pure.agentCLIs.${cfg.defaultAgent};
+          in
+          "keystone.agent.sandboxes.${cfg.name}: defaultAgent \"${cfg.defaultAgent}\" is not in this sandbox's guest; set keystone.sandbox.agents.${cli}.enable = true in its guestConfig (or keystone.agent.guestConfig), or choose another defaultAgent";
       }
     ];
 
@@ -277,10 +299,19 @@ in
       # module turns that on when a sandbox asks for it). A later -cpu wins:
       # repeat microvm.nix's model so the flags do not depend on its default,
       # and take the extensions away when nesting is not wanted.
-      qemu.extraArgs = lib.optionals (cfg.hypervisor == "qemu" && pkgs.stdenv.hostPlatform.isx86_64) [
-        "-cpu"
-        (if cfg.nestedVirt then "host,+x2apic,-sgx" else "host,+x2apic,-sgx,-vmx,-svm")
-      ];
+      qemu.extraArgs =
+        lib.optionals (cfg.hypervisor == "qemu" && pkgs.stdenv.hostPlatform.isx86_64) [
+          "-cpu"
+          (if cfg.nestedVirt then "host,+x2apic,-sgx" else "host,+x2apic,-sgx,-vmx,-svm")
+        ]
+        # microvm.nix asks QEMU for mem-merge=on: the guest's RAM would be
+        # offered to KSM, whose merged pages let one sandbox learn by timing
+        # what another holds in memory. A later -machine wins (QEMU merges
+        # the options; the memory backend takes the machine's setting).
+        ++ lib.optionals (cfg.hypervisor == "qemu") [
+          "-machine"
+          "mem-merge=off"
+        ];
     };
 
     # A fresh ext4 volume's root belongs to root: give the home to the agent.
@@ -324,9 +355,18 @@ in
         IPv6AcceptRA = false;
       };
     };
-    # PAM puts these into every session: agentd's commands and terminals
-    # over ssh, a person's own ssh, the console.
-    environment.sessionVariables = lib.mkIf (cfg.interface != null) proxyVariables;
+    # The lower-case variables through networking.proxy: nixpkgs puts them
+    # into every session (PAM: agentd's commands and terminals over ssh, a
+    # person's own ssh, the console) and into nix-daemon's environment, so
+    # that `nix build` inside fetches through the gateway too. The upper-case
+    # ones, which networking.proxy does not set, as session variables.
+    networking.proxy = lib.mkIf (cfg.interface != null) {
+      httpProxy = proxyVariables.lower.http_proxy;
+      httpsProxy = proxyVariables.lower.https_proxy;
+      allProxy = proxyVariables.lower.all_proxy;
+      noProxy = proxyVariables.lower.no_proxy;
+    };
+    environment.sessionVariables = lib.mkIf (cfg.interface != null) proxyVariables.upper;
     # sshd binds the sandbox's address even before networkd has put it on the
     # interface.
     boot.kernel.sysctl."net.ipv4.ip_nonlocal_bind" = 1;

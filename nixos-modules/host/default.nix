@@ -128,6 +128,7 @@ let
             vcpus
             nestedVirt
             persist
+            defaultAgent
             ;
           inherit (cfg.microvm) hypervisor shareProto homeSize;
           vsockCid = names.cid;
@@ -187,22 +188,20 @@ let
   );
 
   # The policy shipped with agentd names the group keystone-agent; another
-  # group needs its own allow rule (policies of all files add up).
-  groupPolicy = pkgs.writeTextDir "share/dbus-1/system.d/org.keystone.Agent1.local.conf" ''
-    <?xml version="1.0"?>
-    <!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
-     "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-    <busconfig>
-      <policy group="${cfg.group}">
-        <allow send_destination="org.keystone.Agent1"/>
-      </policy>
-    </busconfig>
-  '';
+  # group gets the same rules, the introspection denies included (policies
+  # of all files add up; ../lib/naming.nix, groupPolicyText).
+  groupPolicy = pkgs.writeTextDir "share/dbus-1/system.d/org.keystone.Agent1.local.conf" (
+    pure.groupPolicyText cfg.group
+  );
+
+  # microvm.nix's state directory of the guests (home.img, sockets).
+  microvmStateDir = config.microvm.stateDir;
 in
 {
   imports = [ ./options.nix ];
 
-  config = lib.mkIf cfg.enable {
+  config = lib.mkIf cfg.enable (lib.mkMerge [
+  {
     assertions =
       map (message: {
         assertion = false;
@@ -218,6 +217,12 @@ in
           # networking.nftables.ruleset, in one transaction.
           assertion = !(nftablesFirewall && lib.hasInfix "flush ruleset" config.networking.nftables.ruleset);
           message = "keystone.agent: networking.nftables.ruleset contains `flush ruleset`, which would remove the tables that keep the sandboxes on ${bridge} from reaching anything but agentd's egress gateway; drop it (networking.nftables.flushRuleset = true flushes before the tables are loaded)";
+        }
+        {
+          # qemu-bridge-helper (setcap, every user may run it) attaches a tap
+          # of the caller's to any bridge /etc/qemu/bridge.conf allows.
+          assertion = lib.hasInfix "deny ${bridge}" (config.environment.etc."qemu/bridge.conf".text or "");
+          message = "keystone.agent: /etc/qemu/bridge.conf (environment.etc.\"qemu/bridge.conf\".text) must contain `deny ${bridge}`, or any local user can attach a tap to the sandboxes' bridge with qemu-bridge-helper; add that line to your definition";
         }
       ];
 
@@ -282,6 +287,10 @@ in
         # Each local sandbox takes up to its grace period plus about 17 s:
         # systemd's default of 90 s could cut several short.
         TimeoutStopSec = "5min";
+        # Open files: agentd budgets its descriptors (tunnels, forwarders,
+        # sessions, a reserve for D-Bus and exec) below this limit, so that
+        # one sandbox cannot use up what every other needs.
+        LimitNOFILE = 65536;
 
         # /var/lib/keystone-agent: registry, sandboxes/<name>/{workspace,ssh}.
         # 0711: other users may not list it; agentd sets each sandbox's own
@@ -379,6 +388,45 @@ in
     # over and a key directory that members of kvm can write and the guest's
     # sshd refuses (agentd copes with both, but nobody else should get them).
     systemd.tmpfiles.settings."10-microvm" = lib.genAttrs (pure.shareSources cfg) (_: lib.mkForce { });
+
+    # The guests' own files in microvm.nix's state directory: the agent's
+    # home (home.img, its logins) and QEMU's sockets. microvm.nix makes the
+    # directory with mkdir as root (0755) and the image with touch under
+    # microvm@<name> (umask 022): every local user could read the home.
+    # The directory is microvm:kvm 0700 (QEMU runs as microvm; virtiofsd
+    # and agentd as root), an image made before is made 0600, and
+    # microvm@<name> makes new files 0600.
+    systemd.tmpfiles.settings."11-keystone-agent" = builtins.listToAttrs (
+      lib.concatMap (name: [
+        (lib.nameValuePair "${microvmStateDir}/${name}" {
+          d = {
+            user = "microvm";
+            group = "kvm";
+            mode = "0700";
+          };
+        })
+        (lib.nameValuePair "${microvmStateDir}/${name}/home.img" {
+          z = {
+            user = "microvm";
+            group = "kvm";
+            mode = "0600";
+          };
+        })
+      ]) vmNames
+    );
+
+    # Kernel same-page merging, which microvm.nix turns on, lets one
+    # sandbox learn by timing which pages another holds. Off, unless the
+    # host turns it on itself; keystone guests are not offered to it either
+    # way (QEMU's mem-merge=off, nixos-modules/guest).
+    hardware.ksm.enable = lib.mkOverride 900 false;
+
+    # qemu-bridge-helper must not attach anyone's tap to the sandboxes'
+    # bridge (a deny wins over any allow in the file). At microvm.nix's
+    # priority, so that its `allow all` for other bridges stays unless the
+    # host writes the file itself; the assertion above checks that the
+    # line is there whatever the host writes.
+    environment.etc."qemu/bridge.conf".text = lib.mkDefault "deny ${bridge}";
 
     # vhost-vsock: agentd reaches every guest over vsock (QEMU's vhost-vsock).
     boot.kernelModules = [ "vhost_vsock" ];
@@ -494,7 +542,7 @@ in
 
     # --- Dev-server links ------------------------------------------------------------
     # agentd owns a server of its own in Caddy (`keystone-agent`, on :443),
-    # made through the admin API on localhost:2019: its routes
+    # made through the admin API on ${pure.caddyAdmin}: its routes
     # (`<branch>.<sandbox>.<domain>`, `<sandbox>.<domain>`) lead to agentd's
     # forwarders on loopback, and a catch-all leads to agentd's pages (503 for
     # a stopped sandbox, 404 for unknown names). A reload of the Caddyfile
@@ -508,6 +556,16 @@ in
     # ${caddyRootCert}.
     services.caddy = lib.mkIf cfg.proxy.enable {
       enable = true;
+      # The admin API on a unix socket in a directory only Caddy (and root:
+      # agentd) can open; on localhost:2019 any local user, and any web page
+      # in the owner's browser, could reconfigure Caddy. agentd.json's
+      # proxy.caddy_admin names the same socket; `caddy reload` finds it in
+      # the configuration.
+      globalConfig = "admin ${pure.caddyAdmin}";
+    };
+    systemd.services.caddy.serviceConfig = lib.mkIf cfg.proxy.enable {
+      RuntimeDirectory = pure.caddyRuntimeDirName;
+      RuntimeDirectoryMode = "0700";
     };
 
     # Browsers on this machine resolve `*.<domain>` through dnsmasq, which
@@ -533,5 +591,14 @@ in
     systemd.services.systemd-resolved.restartTriggers =
       lib.mkIf (cfg.proxy.enable && config.services.resolved.enable)
         [ (pure.resolvedDropIn cfg.proxy.domain) ];
-  };
+  }
+  {
+    # microvm@<name> of each keystone guest makes new files 0600 (home.img
+    # above). A drop-in: microvm.nix defines the instances as drop-ins of
+    # its microvm@ template.
+    systemd.services = lib.genAttrs (map (name: "microvm@${name}") vmNames) (_: {
+      serviceConfig.UMask = "0077";
+    });
+  }
+  ]);
 }

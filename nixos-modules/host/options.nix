@@ -206,12 +206,15 @@ let
     {
       options = {
         project = lib.mkOption {
-          # A path literal is taken as its name (toString), never copied into
-          # the store: agentd needs the live repository.
-          type = types.coercedTo types.path toString types.str;
+          # A string. A path literal is accepted by the type only so that the
+          # module's assertion can refuse it by name: in a flake it is a
+          # copy in the Nix store, not the live repository agentd needs.
+          type = types.either types.str types.path;
           example = "/home/alice/src/myproject";
           description = ''
-            Absolute path of the host git repository. It is never mounted into
+            Absolute path of the host git repository, as a string (a Nix
+            path literal is refused: a flake would copy it into the store). It
+            is never mounted into
             the sandbox: agentd clones it into
             `/var/lib/keystone-agent/sandboxes/${name}/workspace` at the
             sandbox's first start and brings the agent's commits back as
@@ -477,8 +480,10 @@ in
         default = d.microvm.shareProto;
         description = ''
           How the workspace, the SSH keys and the host's /nix/store reach the
-          guest. virtiofs (virtiofsd runs as root on the host) is faster; with
-          9p QEMU itself, as user `microvm`, opens the shared directories.
+          guest: virtiofs (virtiofsd runs as root on the host). `9p` is
+          refused: QEMU itself, as user `microvm`, would open the shared
+          directories, and cannot read the guest's SSH host key (root's,
+          mode 0600).
         '';
       };
       hypervisor = lib.mkOption {

@@ -99,6 +99,33 @@ let
   # GATEWAY_ADDR port, which local and vm sandboxes use inside).
   gatewayPort = 3128;
 
+  # Caddy's admin API: a unix socket in Caddy's runtime directory (mode
+  # 0700, user caddy), so that only Caddy and root (agentd) can open it. On
+  # TCP, any local user and any web page in the owner's browser could
+  # reconfigure Caddy. caddyAdmin is the address in Caddy's notation, as
+  # Caddy's `admin` option and agentd's proxy.caddy_admin take it.
+  caddyRuntimeDirName = "caddy";
+  caddyRuntimeDir = "/run/${caddyRuntimeDirName}";
+  caddyAdminSocket = "${caddyRuntimeDir}/admin.sock";
+  caddyAdmin = "unix/${caddyAdminSocket}";
+
+  # The agent a defaultAgent names -> the guest module's agent CLI
+  # (keystone.sandbox.agents.<cli>) that provides it in a microvm guest.
+  agentCLIs = {
+    claude = "claude-code";
+    codex = "codex";
+    gemini = "gemini-cli";
+  };
+
+  # The D-Bus policy for an access group other than keystone-agent: the
+  # shipped policy (agentd/dbus/org.keystone.Agent1.conf) with its group
+  # rules, the introspection denies included, given to that group.
+  shippedPolicy = builtins.readFile ../../agentd/dbus/org.keystone.Agent1.conf;
+  groupPolicyText =
+    group:
+    builtins.replaceStrings [ "<policy group=\"keystone-agent\">" ] [ "<policy group=\"${group}\">" ]
+      shippedPolicy;
+
   # Option defaults of keystone.agent; nixos-modules/host/options.nix takes
   # its defaults from here so that renderConfig on a partial fixture and the
   # module agree.
@@ -401,6 +428,11 @@ let
     }:
     resolved && priority >= 1000 && !useNetworkd;
 
+  # Whether vm sandboxes are to be expected: the default backend is vm, or a
+  # declared sandbox is one. Only then does agentd get vm.image (and a host
+  # build the guest image).
+  vmUsed = c: c.backend == "vm" || any (n: sandboxBackend c n == "vm") (attrNames c.sandboxes);
+
   # Whether local or vm sandboxes are to be expected: the default backend is
   # not microvm, or a declared sandbox is not.
   toolboxUsed =
@@ -458,6 +490,8 @@ let
       defaults = renderSettings c.defaults;
       proxy = {
         inherit (c.proxy) enable domain;
+        # The module puts Caddy's admin API on this socket (host/default.nix).
+        caddy_admin = caddyAdmin;
       };
       microvm = {
         inherit (c.network) subnet;
@@ -466,7 +500,7 @@ let
       vm = {
         inherit (c.vm) accel share;
       }
-      // optionalAttrs (c.vm.image != null) { image = toString c.vm.image; };
+      // optionalAttrs (c.vm.image != null && vmUsed c) { image = toString c.vm.image; };
       kubernetes = {
         inherit (c.kubernetes) namespace;
         storage_class = c.kubernetes.storageClass;
@@ -548,8 +582,8 @@ let
         optional (usesKubernetes c && c.kubernetes.image == null)
           "keystone.agent.kubernetes.image: a sandbox uses the kubernetes backend; set the image its Pods run (docs/kubernetes.md, \"The image\")"
         ++ optional (net == null) "keystone.agent.network.subnet: '${toString c.network.subnet}' must be ${subnetRule}"
-        ++ optional (c.microvm.hypervisor == "cloud-hypervisor" && c.microvm.shareProto != "virtiofs")
-          "keystone.agent.microvm.shareProto: cloud-hypervisor shares directories over virtiofs only; set it to \"virtiofs\""
+        ++ optional (c.microvm.shareProto == "9p")
+          "keystone.agent.microvm.shareProto: \"9p\" cannot work: QEMU opens 9p shares as user microvm, and the guest's SSH host key that agentd writes is root's, mode 0600; use \"virtiofs\""
         ++ optional (!validDomain c.proxy.domain)
           "keystone.agent.proxy.domain: '${toString c.proxy.domain}' is not a lowercase DNS name"
         ++ map (m: "keystone.agent.defaults: ${m}") (settingsProblems c.defaults);
@@ -572,9 +606,18 @@ let
         let
           s = c.sandboxes.${name};
           project = toString (s.project or "");
+          settings = sandboxSettings c name;
+          backend = sandboxBackend c name;
         in
         map (m: "keystone.agent.sandboxes.${name}: ${m}") (
           optional (!validName name) "name '${name}' is not valid: use ${nameRule}"
+          # A path literal is the live repository only by accident: in a
+          # flake it is a copy in the store (read-only, never the work agentd
+          # is to bring back).
+          ++ optional (builtins.isPath (s.project or ""))
+            "project ${project} is a Nix path literal; write the repository's path as a string (\"/home/alice/src/app\"), or a flake would copy it into the Nix store"
+          ++ optional (!builtins.isPath (s.project or "") && hasPrefix "/nix/store/" project)
+            "project ${project} is in the Nix store (a read-only copy); give the live repository's path"
           ++ optional (!hasPrefix "/" project) "project ${project} must be an absolute path"
           ++ optional ((s.owner or "") == "") "owner must be a user name"
           ++ settingsProblems (sandboxSettings c name)
@@ -609,6 +652,16 @@ let
               "kubernetes"
             ]
           ) "agent_home \"shared\" works in local and vm sandboxes for now, not on the ${sandboxBackend c name} backend; use \"own\" (log in once per sandbox)"
+          # microvm guests are checked by the guest module (it knows its
+          # agents); local and vm sandboxes get the toolbox's.
+          ++ optional (
+            settings.defaultAgent != null
+            && elem backend [
+              "local"
+              "vm"
+            ]
+            && !elem settings.defaultAgent c.toolbox.agents
+          ) "defaultAgent \"${settings.defaultAgent}\" is not in keystone.agent.toolbox.agents, so the sandbox has no such agent; add it there or choose another"
           ++ optional (sandboxBackend c name == "vm" && c.vm.image == null)
             "the vm backend needs keystone.agent.vm.image (the flake's nixosModules.default sets it to the guest-image package)"
           ++ concatLists (
@@ -626,6 +679,13 @@ in
     defaultSubnet
     bridgeName
     gatewayPort
+    caddyRuntimeDirName
+    caddyRuntimeDir
+    caddyAdminSocket
+    caddyAdmin
+    agentCLIs
+    groupPolicyText
+    vmUsed
     hostAddress
     gatewayListen
     tapSandboxes

@@ -30,6 +30,9 @@
 {
   listFile ? ./foreign-options.json,
   fixture ? import ../fixtures/nix-config.nix,
+  # Values of the host's config other than keystone.agent that a check
+  # wants to set (merged over the stub's, below).
+  hostOverrides ? { },
 }:
 let
   inherit (builtins)
@@ -437,6 +440,50 @@ let
 
   valuesAt = path: tree: foldl' (a: b: a // b) { } (concatMap (m: definitionsAt path m.config) tree);
 
+  # --- What the modules set, as values ------------------------------------------------
+  # The definitions of a module tree merged into one value: mkIf by its
+  # condition, the priority wrappers taken off, mkMerge elements and
+  # attrsets merged key by key (lists concatenated, strings joined as
+  # lines). Priorities are not compared: this tells what the modules
+  # define, for tests/nix/check.sh to look at, not what NixOS makes of it
+  # with other modules' definitions. Lazy: only what a check reads is
+  # forced. A key defined under a false mkIf holds `nothing`.
+  nothing = {
+    _type = "nothing";
+  };
+  isNothing = v: isAttrs v && (v._type or null) == "nothing";
+  isPlainSet = v: isAttrs v && !(isDerivation v) && (v._type or null) == null;
+  resolve =
+    v:
+    let
+      t = if isAttrs v then v._type or null else null;
+    in
+    if t == "if" then
+      (if v.condition then resolve v.content else nothing)
+    else if t == "override" || t == "order" then
+      resolve v.content
+    else if t == "merge" then
+      foldl' mergeDefs nothing (map resolve v.contents)
+    else if isPlainSet v then
+      mapAttrs (_: resolve) v
+    else
+      v;
+  mergeDefs =
+    a: b:
+    if isNothing a then
+      b
+    else if isNothing b then
+      a
+    else if isPlainSet a && isPlainSet b then
+      a // b // mapAttrs (n: _: mergeDefs a.${n} b.${n}) (builtins.intersectAttrs a b)
+    else if isList a && isList b then
+      a ++ b
+    else if isString a && isString b then
+      a + "\n" + b
+    else
+      b;
+  resolveTree = tree: foldl' mergeDefs nothing (map (m: resolve m.config) tree);
+
   # --- The walk ---------------------------------------------------------------------
 
   isDerivation = v: (v.type or null) == "derivation";
@@ -497,8 +544,15 @@ let
   # fixture over the declared defaults; the rest are the values a NixOS
   # system has unless it sets them (users-groups.nix declares root and
   # nobody; no nftables firewall).
-  hostConfig = tree: {
+  hostConfig = tree: lib.recursiveUpdate (hostStub tree) hostOverrides;
+  hostStub = tree: {
     keystone.agent = defaultsOf (declarations tree).keystone.agent fixture;
+    # microvm.nix's host module: its default state directory, and its
+    # /etc/qemu/bridge.conf (`allow all` with lib.mkDefault) merged with
+    # the module's definition of the same priority.
+    microvm.stateDir = "/var/lib/microvms";
+    environment.etc."qemu/bridge.conf".text =
+      "allow all\n" + ((resolveTree tree).environment.etc."qemu/bridge.conf".text or "");
     users.users = {
       root = {
         uid = 0;
@@ -537,6 +591,14 @@ let
     (evalRoot "flake.nix nixosModules.default" flakeOutputs.nixosModules.default hostConfig)
     (evalRoot "nixos-modules/host" ../../nixos-modules/host hostConfig)
   ];
+
+  # nixos-modules/host's definitions as one value (see resolve).
+  hostTree =
+    let
+      tree = moduleTree (moduleArgs (hostConfig tree)) "nixos-modules/host" ../../nixos-modules/host;
+    in
+    tree;
+  hostValues = resolveTree hostTree;
   hostRecords = concatLists hostRoots;
 
   # --- Guests ----------------------------------------------------------------------------
@@ -554,6 +616,21 @@ let
   guestRecords = concatMap (
     vmModule: evalRoot "microvm.vms.<name>.config" vmModule (guestConfig vmModule)
   ) guestModules;
+
+  # nixos-modules/guest's definitions as one value, with keystone.sandbox
+  # set to `values` over the declared defaults (see resolve).
+  guestWith =
+    values:
+    let
+      tree = moduleTree (moduleArgs {
+        keystone.sandbox = defaultsOf (declarations tree).keystone.sandbox values;
+        networking.nftables.enable = false;
+      }) "nixos-modules/guest" ../../nixos-modules/guest;
+    in
+    resolveTree tree;
+
+  # The messages of the assertions that fail in a resolved config.
+  failing = values: map (a: a.message) (filter (a: !a.assertion) (values.assertions or [ ]));
 
   # --- Result -------------------------------------------------------------------------------
 
@@ -599,4 +676,12 @@ in
   unlocated = map (e: e.option) (filter (e: (e.line or 0) == null) listed);
   # How many definitions of microvm.vms.<name>.config were walked as guests.
   guests = length guestModules;
+
+  # For tests/nix/check.sh's checks of single settings: the host module's
+  # definitions with the fixture, the guest module's with given
+  # keystone.sandbox values, and the failing assertions of either.
+  host = hostValues;
+  hostFailing = failing hostValues;
+  inherit guestWith;
+  guestFailing = values: failing (guestWith values);
 }
