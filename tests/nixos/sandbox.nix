@@ -310,6 +310,37 @@ pkgs.testers.runNixOSTest {
         # Refused by the rules (7), not accepted and closed by agentd (52).
         host.succeed("curl -s --max-time 5 --proxy http://10.231.0.1:3128 http://origin/; test $? = 7")
 
+    with subtest("a second local user: no tap on the bridge, no connection into it, no home image"):
+        host.succeed("useradd -m mallory")
+        # qemu-bridge-helper (setcap, runnable by everyone) refuses the bridge.
+        out = host.fail("su - mallory -c '/run/wrappers/bin/qemu-bridge-helper --br=keystone-br0 --fd=3 3>/dev/null' 2>&1")
+        assert "denied" in out, out
+        # A tap attached as root, posing as the sandbox, gets nothing in.
+        host.succeed(
+            "ip tuntap add tap0 mode tap && ip link set tap0 master keystone-br0 up"
+            " && nft list chain bridge keystone-agent prerouting | grep -q 'policy drop'"
+        )
+        host.succeed("ip link del tap0")
+        # The guest's dev server: root (agentd) reaches it, mallory does not.
+        demo_ip = host.succeed(inside("ip -4 -o addr show | awk '/10\\.231\\./ {print $4}' | cut -d/ -f1")).strip()
+        host.succeed(f"curl -sf --max-time 10 http://{demo_ip}:8000/ >/dev/null")
+        host.fail(f"su - mallory -c 'curl -sf --max-time 10 http://{demo_ip}:8000/'")
+        # The home image and its directory are closed to other users.
+        out = host.succeed("stat -c '%a %U' /var/lib/microvms/demo")
+        assert out.split() == ["700", "microvm"], out
+        host.fail("su - mallory -c 'ls /var/lib/microvms/demo'")
+        # Caddy's admin API: a unix socket in a 0700 directory, nothing on 2019.
+        host.fail("su - mallory -c 'curl -s --max-time 5 --unix-socket /run/caddy/admin.sock http://localhost/config/'")
+        host.fail("curl -s --max-time 5 http://127.0.0.1:2019/config/")
+        out = host.succeed("stat -c '%a %U' /run/caddy")
+        assert out.split() == ["700", "caddy"], out
+        # KSM is off, and QEMU does not offer the guest's memory to it.
+        assert host.succeed("cat /sys/kernel/mm/ksm/run").strip() == "0"
+        host.succeed("grep -q 'mem-merge=off' /var/lib/microvms/demo/current/bin/microvm-run")
+        # nix-daemon in the guest fetches through the gateway.
+        out = host.succeed(inside("systemctl show nix-daemon -p Environment"))
+        assert "https_proxy=http://10.231.0.1:3128" in out, out
+
     with subtest("agentctl stop stops the microVM"):
         host.succeed(alice("agentctl --bus system stop demo"))
         host.wait_until_fails("systemctl is-active microvm@demo.service", timeout=120)
