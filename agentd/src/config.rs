@@ -51,7 +51,11 @@ pub struct ProxyConfig {
     pub enable: bool,
     /// Domain under which sandboxes get names.
     pub domain: String,
-    /// Caddy's admin API.
+    /// Caddy's admin API: `unix//PATH` (default
+    /// `unix//run/caddy/admin.sock`: a socket only Caddy's user, and root,
+    /// may open) or `http://HOST:PORT`, on which agentd turns Caddy's
+    /// Origin check on, since any page in a browser can send requests to a
+    /// port on loopback.
     pub caddy_admin: String,
     /// Name of the Caddy server agentd owns (created when missing).
     pub server: String,
@@ -93,7 +97,7 @@ impl Default for ProxyConfig {
         Self {
             enable: false,
             domain: "sandbox.local".to_owned(),
-            caddy_admin: "http://127.0.0.1:2019".to_owned(),
+            caddy_admin: "unix//run/caddy/admin.sock".to_owned(),
             server: "keystone-agent".to_owned(),
             listen: vec!["127.0.0.1:443".to_owned()],
             https: None,

@@ -287,6 +287,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         let proxy = proxy::Proxy::start(
             config.proxy.clone(),
             Arc::clone(&manager) as Arc<dyn proxy::Sandboxes>,
+            dir.join("links"),
         )
         .await?;
         manager.set_proxy(proxy);

@@ -99,8 +99,9 @@ fn links_work_through_caddys_admin_socket() {
     );
 }
 
-/// agentd's forwarders listen on loopback, where every local user can
-/// connect: a connection from anyone but Caddy (another uid) is closed
+/// agentd's forwarders listen on unix sockets, never on a port a page in a
+/// browser could reach, in a directory nobody may list; a connection from
+/// anyone but Caddy (another uid that learnt a socket's name) is closed
 /// before it reaches the dev server, which answers through Caddy as before.
 #[test]
 fn a_forwarder_joins_only_caddys_connections() {
@@ -123,13 +124,26 @@ fn a_forwarder_joins_only_caddys_connections() {
         .filter_map(|u| u["dial"].as_str().map(str::to_owned))
         .collect();
     assert!(!dials.is_empty(), "no upstreams in {routes:#}");
+    // As on an installed host (a state directory of mode 0711), others may
+    // pass through to a socket whose name they know.
+    for dir in [env.tmp.path(), env.state_dir.as_path()] {
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o711)).unwrap();
+    }
+    let links = env.state_dir.join("links");
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&links).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o711, "{}", links.display());
     for dial in &dials {
-        let (host, port) = dial.rsplit_once(':').unwrap();
+        let socket = dial
+            .strip_prefix("unix/")
+            .unwrap_or_else(|| panic!("a forwarder on {dial}, not on a unix socket"));
+        assert!(socket.starts_with(links.to_str().unwrap()), "{socket}");
         let script = format!(
-            "exec 3<>/dev/tcp/{host}/{port} || exit 7; \
-             printf 'GET /who.txt HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n' >&3; timeout 5 cat <&3"
+            "import socket\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(5)\n\
+             s.connect({socket:?})\ns.sendall(b'GET /who.txt HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n')\n\
+             data = b''\nwhile True:\n    try: d = s.recv(4096)\n    except ConnectionResetError: break\n    if not d: break\n    data += d\nprint(data)\n"
         );
-        let out = std::process::Command::new("bash")
+        let out = std::process::Command::new("python3")
             .args(["-c", &script])
             .uid(65534)
             .gid(65534)
@@ -137,12 +151,97 @@ fn a_forwarder_joins_only_caddys_connections() {
             .unwrap();
         let got = String::from_utf8_lossy(&out.stdout);
         assert!(
+            out.status.success(),
+            "uid 65534 could not even connect to {socket}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
             !got.contains("private-dev-server"),
             "uid 65534 reached the dev server through {dial} without the link: {got}"
         );
     }
+    // Nor can it list the sockets' names.
+    let ls = std::process::Command::new("ls")
+        .arg(&links)
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert!(!ls.status.success(), "uid 65534 listed {}", links.display());
     let (_, body) = until(&caddy, "fwd.sandbox.local", "/who.txt", |s, _| s == 200);
     assert_eq!(body.trim(), "private-dev-server");
+}
+
+/// Caddy's admin API on a loopback port, where any page the owner's
+/// browser opens can send a "simple" `POST` without asking first: agentd
+/// turns Caddy's Origin check on, so such a request (with a link's Origin,
+/// or none) changes nothing; and a route on the links' names that agentd
+/// did not make (put in by whoever can still reach the admin API) goes.
+#[test]
+fn caddy_on_tcp_checks_origins_and_loses_foreign_routes_on_the_links_names() {
+    let (env, caddy) = setup("tcp");
+    dev_server(&env, "tcp", "main", free_port(), "tcp-dev-server");
+    wait_for("Caddy's origin check", DEADLINE, || {
+        caddy.config("/config/admin")["enforce_origin"] == true
+    });
+    let host = format!("127.0.0.1:{}", caddy.admin);
+    let evil = r#"{"listen":["127.0.0.1:1"],"routes":[{"handle":[{"handler":"static_response","body":"x"}]}]}"#;
+    for origin in ["Origin: http://main.tcp.sandbox.local\r\n", ""] {
+        for (method, path, body) in [
+            ("POST", "/config/apps/http/servers/evil", evil),
+            ("POST", "/stop", ""),
+            ("DELETE", "/config/apps/http/servers/keystone-agent", ""),
+        ] {
+            let (s, _, answer) = common::caddy::send(
+                caddy.admin,
+                &host,
+                method,
+                path,
+                &format!("{origin}Content-Type: text/plain; x=/json\r\n"),
+                body,
+            );
+            assert_eq!(s, 403, "{method} {path} with {origin:?}: {answer}");
+        }
+    }
+    assert!(caddy.config("/config/apps/http/servers/evil").is_null());
+    let (_, body) = until(&caddy, "tcp.sandbox.local", "/who.txt", |s, _| s == 200);
+    assert_eq!(body.trim(), "tcp-dev-server");
+
+    // Someone who may use the admin API puts routes on the links' names.
+    let admin_origin = format!("Origin: http://{host}\r\nContent-Type: application/json\r\n");
+    let squat = r#"{"match":[{"host":["tcp.sandbox.local"]}],"handle":[{"handler":"static_response","body":"squatted"}],"terminal":true}"#;
+    let (s, _, answer) = common::caddy::send(
+        caddy.admin,
+        &host,
+        "PUT",
+        "/config/apps/http/servers/keystone-agent/routes/0",
+        &admin_origin,
+        squat,
+    );
+    assert_eq!(s, 200, "{answer}");
+    let other = format!(
+        r#"{{"listen":["127.0.0.1:{}"],"routes":[{{"match":[{{"host":["*.sandbox.local"]}}],"handle":[{{"handler":"static_response","body":"squatted"}}]}},{{"match":[{{"host":["example.org"]}}],"handle":[{{"handler":"static_response","body":"theirs"}}]}}]}}"#,
+        free_port()
+    );
+    let (s, _, answer) = common::caddy::send(
+        caddy.admin,
+        &host,
+        "PUT",
+        "/config/apps/http/servers/other",
+        &admin_origin,
+        &other,
+    );
+    assert_eq!(s, 200, "{answer}");
+    wait_for("the foreign routes to go", DEADLINE, || {
+        let servers = caddy.config("/config/apps/http/servers");
+        let text = servers.to_string();
+        !servers.is_null() && !text.contains("squatted")
+    });
+    // What is not on the links' names stays.
+    let other = caddy.config("/config/apps/http/servers/other/routes");
+    assert_eq!(other.as_array().map(Vec::len), Some(1), "{other:#}");
+    let (_, body) = until(&caddy, "tcp.sandbox.local", "/who.txt", |s, _| s == 200);
+    assert_eq!(body.trim(), "tcp-dev-server");
 }
 
 #[test]

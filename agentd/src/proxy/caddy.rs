@@ -170,8 +170,12 @@ impl Caddy {
             .method(method.clone())
             .header("content-type", "application/json");
         // Over its unix socket, Caddy's admin API takes only an empty Host.
+        // Over TCP it is asked to check the Origin of every request
+        // ([`Caddy::enforce_origin`]): agentd's is the admin address itself.
         let req = match &self.client {
-            Transport::Tcp(_) => req.uri(format!("{}{path}", self.base)),
+            Transport::Tcp(_) => req
+                .uri(format!("{}{path}", self.base))
+                .header("origin", &self.base),
             Transport::Unix(_) => req
                 .uri(format!("http://localhost{path}"))
                 .header("host", ""),
@@ -258,6 +262,44 @@ impl Caddy {
                 body: text.trim().to_owned(),
             })
         }
+    }
+
+    /// Over TCP, make sure Caddy's admin API refuses requests whose
+    /// `Origin` is not the admin address itself: a page in a browser sends
+    /// its own origin with every request that could change something, and
+    /// can send a "simple" `POST` to any port on loopback without asking
+    /// first. Origins under `domain` (the links') are dropped from the
+    /// allowed ones. Returns whether Caddy's setting had to change; nothing
+    /// to do over a unix socket, which no page can reach.
+    pub async fn enforce_origin(&self, domain: &str) -> Result<bool, CaddyError> {
+        let Transport::Tcp(_) = self.client else {
+            return Ok(false);
+        };
+        let host = self
+            .base
+            .strip_prefix("http://")
+            .unwrap_or(&self.base)
+            .to_owned();
+        let admin = self.get("/config/admin").await?;
+        let wanted = origin_setting(&admin, &host, domain);
+        if wanted == admin {
+            return Ok(false);
+        }
+        // Caddy restarts its admin endpoint with the new setting.
+        self.ok(Method::POST, "/config/admin", Some(&wanted))
+            .await?;
+        Ok(true)
+    }
+
+    /// Every server of Caddy's HTTP app (`Null` when there is none).
+    pub async fn servers(&self) -> Result<Value, CaddyError> {
+        self.get("/config/apps/http/servers").await
+    }
+
+    /// Delete the config value at `path` (`/config/…`).
+    pub async fn delete(&self, path: &str) -> Result<(), CaddyError> {
+        self.ok(Method::DELETE, path, None).await?;
+        Ok(())
     }
 
     /// The routes of `server` (empty when it has none or does not exist).
@@ -392,6 +434,37 @@ impl Caddy {
     }
 }
 
+/// Caddy's `admin` object `admin` with origin enforcement on: `host` (the
+/// admin address agentd uses) allowed, origins under `domain` not.
+fn origin_setting(admin: &Value, host: &str, domain: &str) -> Value {
+    let mut wanted = match admin {
+        Value::Object(_) => admin.clone(),
+        _ => json!({}),
+    };
+    if wanted.get("listen").is_none_or(Value::is_null) {
+        wanted["listen"] = json!(host);
+    }
+    wanted["enforce_origin"] = json!(true);
+    let under_domain = |o: &str| {
+        let name = o.split("://").last().unwrap_or(o);
+        let name = name.rsplit_once(':').map_or(name, |(n, _)| n);
+        let name = name.trim_end_matches('.').to_ascii_lowercase();
+        name == domain || name.ends_with(&format!(".{domain}"))
+    };
+    let mut origins: Vec<Value> = wanted["origins"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|o| o.as_str().is_some_and(|o| !under_domain(o)))
+        .cloned()
+        .collect();
+    if !origins.iter().any(|o| o == host) {
+        origins.push(json!(host));
+    }
+    wanted["origins"] = json!(origins);
+    wanted
+}
+
 /// The query parameter that carries a link's token.
 pub const TOKEN_PARAM: &str = "keystone_token";
 
@@ -405,7 +478,27 @@ pub struct Gate<'a> {
     pub token: &'a str,
     /// agentd's pages, which answer a request without it.
     pub pages: &'a str,
+    /// The sandbox's name.
+    pub sandbox: &'a str,
+    /// The links' domain.
+    pub domain: &'a str,
 }
+
+/// A regular expression for the origins of sandbox `sandbox`'s links
+/// (`SANDBOX.DOMAIN` and `LABEL.SANDBOX.DOMAIN`, any scheme and port).
+#[must_use]
+pub fn own_origins(sandbox: &str, domain: &str) -> String {
+    let esc = |s: &str| s.replace('.', "\\.");
+    format!(
+        "^https?://([a-z0-9-]+\\.)?{}\\.{}(:[0-9]+)?$",
+        esc(sandbox),
+        esc(domain)
+    )
+}
+
+/// The fetch-metadata values of a request a page of another site (or of
+/// another sandbox, which is the same site) sends.
+const FOREIGN_SITES: [&str; 2] = ["same-site", "cross-site"];
 
 /// A route sending `hosts` to `dial` (`host:port`), tagged `id`. With a
 /// `gate`, only requests that carry its token get there: `?keystone_token=`
@@ -420,7 +513,12 @@ pub fn route(id: &str, hosts: &[String], dial: &str, gate: Option<Gate<'_>>) -> 
     });
     let handle = match gate {
         None => proxy,
-        Some(Gate { token, pages }) => json!({
+        Some(Gate {
+            token,
+            pages,
+            sandbox,
+            domain,
+        }) => json!({
             "handler": "subroute",
             "routes": [
                 {
@@ -439,7 +537,31 @@ pub fn route(id: &str, hosts: &[String], dial: &str, gate: Option<Gate<'_>>) -> 
                     "terminal": true,
                 },
                 {
-                    "match": [{ "header": { "Cookie": [format!("*{TOKEN_COOKIE}={token}*")] } }],
+                    // The cookie lets a request through only when it does
+                    // not come from a page of another sandbox (all links
+                    // are one site, so the browser sends the cookie along
+                    // with such a page's requests): no Origin and no
+                    // same-site or cross-site fetch metadata; or an Origin
+                    // of this sandbox's links; or a top-level navigation.
+                    "match": [
+                        {
+                            "header": { "Cookie": [format!("*{TOKEN_COOKIE}={token}*")], "Origin": null },
+                            "not": [{ "header": { "Sec-Fetch-Site": FOREIGN_SITES } }],
+                        },
+                        {
+                            "header": { "Cookie": [format!("*{TOKEN_COOKIE}={token}*")] },
+                            "header_regexp": { "Origin": { "pattern": own_origins(sandbox, domain) } },
+                        },
+                        {
+                            "header": {
+                                "Cookie": [format!("*{TOKEN_COOKIE}={token}*")],
+                                "Origin": null,
+                                "Sec-Fetch-Mode": ["navigate"],
+                                "Sec-Fetch-Dest": ["document"],
+                            },
+                            "method": ["GET", "HEAD"],
+                        },
+                    ],
                     "handle": [proxy],
                     "terminal": true,
                 },

@@ -13,20 +13,23 @@
 //! through the API), agentd puts its server and routes back.
 //!
 //! Caddy never reaches into a sandbox itself. Each route points at a
-//! forwarder of agentd's on a loopback port; for every connection the
-//! forwarder asks the sandbox (its control server) for a TCP connection to
-//! the dev server inside and copies bytes both ways. That works the same
-//! whatever the sandbox's network (its own namespace, `none`, a VM), needs
-//! no root, no addresses and no firewall rules, and listens on nothing but
-//! loopback.
+//! forwarder of agentd's on a unix socket ([`forward`]); for every
+//! connection from Caddy the forwarder asks the sandbox (its control
+//! server) for a TCP connection to the dev server inside and copies bytes
+//! both ways. That works the same whatever the sandbox's network (its own
+//! namespace, `none`, a VM), needs no root, no addresses and no firewall
+//! rules, and opens no port a browser's page could reach.
 
 pub mod caddy;
+mod forward;
+mod guard;
 pub mod names;
 mod pages;
 pub mod peer;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,9 +51,6 @@ pub enum ProxyError {
     /// A forwarder's loopback listener could not be opened.
     #[error("cannot open a forwarder: {0}")]
     Forwarder(#[source] std::io::Error),
-    /// A forwarder's listener has no address.
-    #[error(transparent)]
-    ForwarderAddress(std::io::Error),
 }
 
 /// Why a connection to a dev server inside a sandbox could not be made.
@@ -70,6 +70,12 @@ pub enum ConnectError {
 /// How often agentd checks that Caddy still has its server.
 const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 
+/// Most routes (each a forwarder and a Caddy route) one sandbox's
+/// listeners make; the ports past them are logged as not linked. A
+/// worktree's own link and declared ports come first, then the lowest
+/// ports.
+pub const ROUTES_MAX: usize = 32;
+
 /// A route agentd keeps: one port of one worktree.
 #[derive(Debug)]
 struct Route {
@@ -81,8 +87,8 @@ struct Route {
     branch: String,
     /// Where the dev server listens inside.
     target: (IpAddr, u16),
-    /// agentd's forwarder for it (loopback).
-    forward: SocketAddr,
+    /// agentd's forwarder for it (a unix socket).
+    forward: forward::Socket,
     /// The forwarder's accept loop.
     task: tokio::task::JoinHandle<()>,
 }
@@ -136,15 +142,25 @@ pub struct Proxy {
     /// Caddy's uid (`u32::MAX` while unknown): the only one whose
     /// connections the forwarders take.
     caddy_uid: std::sync::atomic::AtomicU32,
+    /// Where the forwarders' sockets are.
+    links_dir: PathBuf,
 }
 
 impl Proxy {
     /// Start the proxy: agentd's page server, the Caddy watchdog and the
     /// reaction to sandboxes stopping.
+    /// The forwarders' sockets go into `links_dir` (made 0711, emptied).
     pub async fn start(
         cfg: ProxyConfig,
         sandboxes: Arc<dyn Sandboxes>,
+        links_dir: PathBuf,
     ) -> anyhow::Result<Arc<Self>> {
+        forward::prepare_dir(&links_dir).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot prepare {} for the dev-server forwarders: {e}",
+                links_dir.display()
+            )
+        })?;
         let pages_listener = TcpListener::bind(&cfg.pages_listen).await.map_err(|e| {
             anyhow::anyhow!(
                 "cannot listen on {} for agentd's pages: {e}",
@@ -163,6 +179,7 @@ impl Proxy {
             redirected: Mutex::new(HashMap::new()),
             stale: std::sync::atomic::AtomicBool::new(true),
             caddy_uid: std::sync::atomic::AtomicU32::new(u32::MAX),
+            links_dir,
             key: format!(
                 "{}{}",
                 uuid::Uuid::new_v4().simple(),
@@ -231,8 +248,10 @@ impl Proxy {
         let gate = token.as_deref().map(|token| caddy::Gate {
             token,
             pages: &pages,
+            sandbox: name,
+            domain: &self.cfg.domain,
         });
-        caddy::route(&r.id, &r.hosts, &r.forward.to_string(), gate)
+        caddy::route(&r.id, &r.hosts, &forward::dial(&r.forward.path), gate)
     }
 
     /// The link to `host` of sandbox `name`, with its token when links
@@ -261,20 +280,16 @@ impl Proxy {
         format!("{scheme}://{host}{port}/{token}")
     }
 
-    /// Check Caddy now and then; rebuild agentd's server when it is gone.
+    /// Check Caddy now and then ([`guard`]); rebuild agentd's server when
+    /// it is gone.
     async fn watch_caddy(self: Arc<Self>) {
         let mut reported = false;
         loop {
             let uid = peer::caddy_uid(&self.cfg.caddy_admin).unwrap_or(u32::MAX);
             self.caddy_uid
                 .store(uid, std::sync::atomic::Ordering::SeqCst);
-            let present = self.caddy.exists(caddy::FALLBACK_ID).await;
-            match present {
-                Ok(true) if !self.stale.load(std::sync::atomic::Ordering::SeqCst) => {}
-                Ok(_) => match self.apply_all().await {
-                    Ok(()) => reported = false,
-                    Err(e) => tracing::warn!("cannot set up Caddy: {e}"),
-                },
+            match self.check_caddy().await {
+                Ok(()) => reported = false,
                 Err(e) => {
                     self.stale.store(true, std::sync::atomic::Ordering::SeqCst);
                     if !reported {
@@ -433,85 +448,21 @@ impl Proxy {
 
     /// A forwarder and a route record for `w` in sandbox `name`.
     async fn new_route(self: &Arc<Self>, name: &str, w: Wanted) -> Result<Route, ProxyError> {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .await
-            .map_err(ProxyError::Forwarder)?;
-        let forward = listener
-            .local_addr()
-            .map_err(ProxyError::ForwarderAddress)?;
-        let task = tokio::spawn(Arc::clone(self).forward(listener, name.to_owned(), w.target));
+        let (listener, socket) = forward::bind(&self.links_dir).map_err(ProxyError::Forwarder)?;
+        let task = tokio::spawn(forward::serve(
+            Arc::clone(self),
+            listener,
+            name.to_owned(),
+            w.target,
+        ));
         Ok(Route {
             id: format!("{}{name}.{}", caddy::ID_PREFIX, w.target.1),
             hosts: w.hosts,
             branch: w.branch,
             target: w.target,
-            forward,
+            forward: socket,
             task,
         })
-    }
-
-    /// Accept on `listener` and join each connection to `target` inside
-    /// sandbox `name`.
-    async fn forward(self: Arc<Self>, listener: TcpListener, name: String, target: (IpAddr, u16)) {
-        loop {
-            let Ok((outside, _)) = listener.accept().await else {
-                // Out of descriptors, most likely: do not spin.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            };
-            if !self.comes_from_caddy(&outside) {
-                continue;
-            }
-            let _ = outside.set_nodelay(true);
-            let this = Arc::clone(&self);
-            let name = name.clone();
-            tokio::spawn(async move {
-                match this
-                    .sandboxes
-                    .connect_inside(&name, target.0, target.1)
-                    .await
-                {
-                    Ok(fd) => {
-                        let std = std::net::TcpStream::from(fd);
-                        if std.set_nonblocking(true).is_err() {
-                            return;
-                        }
-                        let Ok(inside) = tokio::net::TcpStream::from_std(std) else {
-                            return;
-                        };
-                        join(outside, inside).await;
-                    }
-                    Err(e) => {
-                        // The dev server went away: look again.
-                        tracing::info!(sandbox = %name, port = target.1, error = %e, "dev server gone");
-                        drop(outside);
-                        let _ = this.recheck.send(name);
-                    }
-                }
-            });
-        }
-    }
-
-    /// Whether `conn`, accepted by a forwarder, comes from Caddy: its
-    /// socket's owner is Caddy's uid. Anyone else on the machine would
-    /// reach the dev server without the link's token.
-    fn comes_from_caddy(&self, conn: &tokio::net::TcpStream) -> bool {
-        let caddy = self.caddy_uid.load(std::sync::atomic::Ordering::SeqCst);
-        let (Ok(local), Ok(remote)) = (conn.local_addr(), conn.peer_addr()) else {
-            return false;
-        };
-        // The connecting socket: its local address is our peer.
-        let uid = peer::connection_uid(remote, local);
-        if caddy != u32::MAX && uid == Some(caddy) {
-            return true;
-        }
-        tracing::debug!(
-            from = %remote,
-            uid = ?uid,
-            caddy_uid = caddy,
-            "a connection to a dev-server forwarder not from Caddy, closed"
-        );
-        false
     }
 
     /// The routes sandbox `name` should have now.
@@ -527,7 +478,17 @@ impl Proxy {
             return Vec::new();
         }
         let worktrees = self.sandboxes.worktree_paths(name).await;
-        plan(name, &self.cfg.domain, &listeners, &worktrees, &sb.ports)
+        let all = plan(name, &self.cfg.domain, &listeners, &worktrees, &sb.ports);
+        let (linked, unlinked) = within_cap(all);
+        if !unlinked.is_empty() {
+            tracing::warn!(
+                sandbox = %name,
+                linked = linked.len(),
+                not_linked = ?unlinked,
+                "the sandbox listens on more ports than get links ({ROUTES_MAX} at most); these are not linked"
+            );
+        }
+        linked
     }
 
     /// Whether agentd has a route for `host` now.
@@ -554,53 +515,6 @@ impl Proxy {
     }
 }
 
-/// Copy bytes both ways between `a` and `b` until both directions end.
-///
-/// Every read re-arms `TCP_QUICKACK`: a dev server that writes a response
-/// in two pieces (headers, then body) under Nagle's algorithm would
-/// otherwise wait for our delayed ACK of the first piece, 40 ms a request.
-async fn join(a: tokio::net::TcpStream, b: tokio::net::TcpStream) {
-    async fn pump(
-        mut from: tokio::net::tcp::OwnedReadHalf,
-        mut to: tokio::net::tcp::OwnedWriteHalf,
-    ) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            quickack(from.as_ref());
-            match from.read(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if to.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = to.shutdown().await;
-    }
-    let (ar, aw) = a.into_split();
-    let (br, bw) = b.into_split();
-    tokio::join!(pump(ar, bw), pump(br, aw));
-}
-
-/// Ask the kernel to acknowledge what arrives on `s` at once.
-fn quickack(s: &tokio::net::TcpStream) {
-    use std::os::fd::AsRawFd;
-    let one: nix::libc::c_int = 1;
-    // SAFETY: setsockopt reads one c_int from the valid pointer; the socket
-    // is open for the lifetime of `s`.
-    unsafe {
-        nix::libc::setsockopt(
-            s.as_raw_fd(),
-            nix::libc::IPPROTO_TCP,
-            nix::libc::TCP_QUICKACK,
-            std::ptr::from_ref(&one).cast(),
-            std::mem::size_of_val(&one) as nix::libc::socklen_t,
-        );
-    }
-}
-
 /// A route to be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Wanted {
@@ -616,6 +530,23 @@ fn dial_addr(addr: IpAddr) -> IpAddr {
         IpAddr::V6(a) if a.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
         a => a,
     }
+}
+
+/// At most [`ROUTES_MAX`] of `all` (a sandbox's routes, in [`plan`]'s
+/// order): those with names of their own (a worktree's link, a declared
+/// port) first, then the rest in order; and the ports left out.
+fn within_cap(all: Vec<Wanted>) -> (Vec<Wanted>, Vec<u16>) {
+    if all.len() <= ROUTES_MAX {
+        return (all, Vec::new());
+    }
+    let mut ranked: Vec<(usize, Wanted)> = all.into_iter().enumerate().collect();
+    // Stable: plan's order within each rank.
+    ranked.sort_by_key(|(_, w)| w.hosts.len() <= 1);
+    let unlinked = ranked.split_off(ROUTES_MAX);
+    ranked.sort_by_key(|(i, _)| *i);
+    let mut ports: Vec<u16> = unlinked.into_iter().map(|(_, w)| w.target.1).collect();
+    ports.sort_unstable();
+    (ranked.into_iter().map(|(_, w)| w).collect(), ports)
 }
 
 /// The routes of sandbox `sandbox` for its `listeners`, given its worktrees
@@ -765,6 +696,33 @@ mod tests {
         );
         assert_eq!(got[0].target.0, IpAddr::V4(Ipv4Addr::LOCALHOST));
         assert_eq!(got[3].branch, "feature/x");
+    }
+
+    #[test]
+    fn one_sandbox_makes_at_most_routes_max_routes() {
+        let declared = BTreeMap::from([("api".to_owned(), 60000)]);
+        let mut listeners: Vec<Listener> = (0..1400).map(|i| l(20000 + i, "/workspace")).collect();
+        listeners.push(l(60000, "/workspace"));
+        listeners.push(l(61000, "/workspace/.worktrees/feature/x"));
+        let all = plan("p", "d", &listeners, &worktrees(), &declared);
+        assert_eq!(all.len(), 1402);
+        let (linked, unlinked) = within_cap(all);
+        assert_eq!(linked.len(), ROUTES_MAX);
+        assert_eq!(unlinked.len(), 1402 - ROUTES_MAX);
+        let ports: Vec<u16> = linked.iter().map(|w| w.target.1).collect();
+        // The declared port (the main worktree's link) and the other
+        // worktree's link, then the lowest ports.
+        assert!(
+            ports.contains(&60000) && ports.contains(&61000),
+            "{ports:?}"
+        );
+        let cap = u16::try_from(ROUTES_MAX).unwrap();
+        assert_eq!(ports[0], 20000);
+        assert_eq!(ports[ROUTES_MAX - 3], 20000 + cap - 3);
+        assert_eq!(unlinked[0], 20000 + cap - 2);
+        // Under the cap, everything.
+        let few = plan("p", "d", &listeners[..5], &worktrees(), &declared);
+        assert_eq!(within_cap(few.clone()), (few, Vec::new()));
     }
 
     #[test]

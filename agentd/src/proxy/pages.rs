@@ -94,6 +94,16 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
     // query, or as the cookie it turns into) nothing here says whether the
     // sandbox exists, runs or serves anything.
     let token = proxy.token(sandbox);
+    if proxy.gated() && !from_its_own_pages(req, sandbox, &domain) {
+        // The route's matchers sent it here (docs/network.md, "Links and
+        // the browser"): say nothing more.
+        return page(
+            StatusCode::FORBIDDEN,
+            "Request from another site refused",
+            "<p>A link answers requests from its own pages and navigations, not requests \
+             that pages of other sites or other sandboxes make.</p>",
+        );
+    }
     if proxy.gated() && !token.as_deref().is_some_and(|t| carries_token(req, t)) {
         return page(
             StatusCode::FORBIDDEN,
@@ -210,6 +220,56 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
     )
 }
 
+/// Whether `req` may use a link of sandbox `sandbox`'s token: the same
+/// rule as the cookie's matchers in Caddy's route ([`super::caddy::route`]).
+/// A page of another sandbox is the same site to the browser, which sends
+/// the link's cookie with its requests; such a request says where it comes
+/// from in `Origin` (any that may change something) or `Sec-Fetch-Site`.
+fn from_its_own_pages(req: &Request<Incoming>, sandbox: &str, domain: &str) -> bool {
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap_or("\u{fffd}").to_ascii_lowercase())
+    };
+    let origin = header("origin");
+    if let Some(origin) = &origin {
+        return own_origin(origin, sandbox, domain);
+    }
+    let foreign_site =
+        header("sec-fetch-site").is_some_and(|s| s == "same-site" || s == "cross-site");
+    let navigation = header("sec-fetch-mode").as_deref() == Some("navigate")
+        && header("sec-fetch-dest").as_deref() == Some("document")
+        && matches!(*req.method(), hyper::Method::GET | hyper::Method::HEAD);
+    !foreign_site || navigation
+}
+
+/// Whether `origin` is one of sandbox `sandbox`'s links (as
+/// [`super::caddy::own_origins`] matches it).
+fn own_origin(origin: &str, sandbox: &str, domain: &str) -> bool {
+    let Some(rest) = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"))
+    else {
+        return false;
+    };
+    let host = rest
+        .rsplit_once(':')
+        .filter(|(_, p)| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(rest, |(h, _)| h);
+    let Some(below) = host.strip_suffix(&format!(".{domain}")) else {
+        return false;
+    };
+    below == sandbox
+        || below
+            .strip_suffix(&format!(".{sandbox}"))
+            .is_some_and(|label| {
+                !label.is_empty()
+                    && label
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            })
+}
+
 /// Whether `req` carries `token`, in the query or in the link's cookie.
 fn carries_token(req: &Request<Incoming>, token: &str) -> bool {
     use super::caddy::{TOKEN_COOKIE, TOKEN_PARAM};
@@ -249,4 +309,27 @@ fn esc(s: &str) -> String {
         .replace('>', "&gt;")
         .replace('"', "&quot;")
         .replace('\'', "&#39;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_sandboxs_own_links_are_its_origins() {
+        let own = |o| own_origin(o, "a", "sandbox.local");
+        assert!(own("https://a.sandbox.local"));
+        assert!(own("https://main.a.sandbox.local"));
+        assert!(own("http://3000-main.a.sandbox.local:8080"));
+        assert!(!own("https://main.b.sandbox.local"));
+        assert!(!own("https://b.sandbox.local"));
+        assert!(!own("https://x.y.a.sandbox.local"));
+        assert!(!own("https://main.a.sandbox.local.evil.test"));
+        assert!(!own("https://evila.sandbox.local"));
+        assert!(!own("null"));
+        assert!(!own("ftp://a.sandbox.local"));
+        // The same rule as Caddy's matcher.
+        let re = super::super::caddy::own_origins("a", "sandbox.local");
+        assert_eq!(re, r"^https?://([a-z0-9-]+\.)?a\.sandbox\.local(:[0-9]+)?$");
+    }
 }

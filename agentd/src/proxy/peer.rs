@@ -1,10 +1,8 @@
-//! Who is at the other end of a forwarder's connection. agentd's forwarders
-//! listen on loopback, where every local user can connect; only Caddy's
-//! connections are joined to a sandbox's dev server (Caddy's routes carry
-//! the links' token check, a bare connection would skip it). Caddy is known
-//! by its uid: the owner of its admin socket, or of the socket listening on
-//! its admin port. A connection's uid is its socket's owner, from
-//! `/proc/net/tcp` (the kernel's `uid` column).
+//! Caddy's uid: the only one whose connections agentd's dev-server
+//! forwarders join to a sandbox (Caddy's routes carry the links' token
+//! check, a bare connection would skip it). Caddy is known by the owner of
+//! its admin socket, or of the socket listening on its admin port (from
+//! `/proc/net/tcp`, the kernel's `uid` column).
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -34,17 +32,6 @@ fn find_uid(table: &str, pick: impl Fn(&str, &str, &str) -> bool) -> Option<u32>
 
 fn table() -> String {
     std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
-}
-
-/// The uid owning the TCP socket at `local` connected to `remote` (both
-/// IPv4), in agentd's network namespace.
-#[must_use]
-pub fn connection_uid(local: SocketAddr, remote: SocketAddr) -> Option<u32> {
-    let (SocketAddr::V4(local), SocketAddr::V4(remote)) = (local, remote) else {
-        return None;
-    };
-    let (l, r) = (proc_form(local), proc_form(remote));
-    find_uid(&table(), |a, b, _| a == l && b == r)
 }
 
 /// The uid owning the socket that listens on `addr` (or on every address
@@ -105,14 +92,9 @@ mod tests {
     }
 
     #[test]
-    fn a_live_connection_shows_this_process_uid() {
+    fn a_live_listener_shows_this_process_uid() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         let me = nix::unistd::Uid::effective().as_raw();
-        assert_eq!(
-            connection_uid(client.local_addr().unwrap(), client.peer_addr().unwrap()),
-            Some(me)
-        );
         let SocketAddr::V4(l) = listener.local_addr().unwrap() else {
             unreachable!()
         };

@@ -156,15 +156,22 @@ impl Caddy {
                     .set_read_timeout(Some(Duration::from_secs(10)))
                     .unwrap();
                 // Over its socket, Caddy's admin API takes only an empty Host.
-                let (status, _, body) = exchange(stream, "", "GET", path, "");
+                let (status, _, body) = exchange(stream, "", "GET", path, "", "");
                 (status, body)
             }
-            None => http(
-                self.admin,
-                &format!("127.0.0.1:{}", self.admin),
-                "GET",
-                path,
-            ),
+            None => {
+                // As agentd does: Caddy may check the Origin (agentd turns
+                // that on), and the admin address itself is allowed.
+                let host = format!("127.0.0.1:{}", self.admin);
+                let (status, _, body) = request(
+                    self.admin,
+                    &host,
+                    "GET",
+                    path,
+                    &format!("Origin: http://{host}\r\n"),
+                );
+                (status, body)
+            }
         };
         if status != 200 {
             return serde_json::Value::Null;
@@ -221,11 +228,30 @@ pub fn request(
     path: &str,
     headers: &str,
 ) -> (u16, String, String) {
+    send(port, host, method, path, headers, "")
+}
+
+/// One HTTP/1.1 request with `headers` and `body` (its Content-Length
+/// added); (status, the response's head, body). Status 0 when the
+/// connection failed.
+pub fn send(
+    port: u16,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> (u16, String, String) {
     let Ok(s) = TcpStream::connect(("127.0.0.1", port)) else {
         return (0, String::new(), String::new());
     };
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    exchange(s, host, method, path, headers)
+    let headers = if body.is_empty() {
+        headers.to_owned()
+    } else {
+        format!("{headers}Content-Length: {}\r\n", body.len())
+    };
+    exchange(s, host, method, path, &headers, body)
 }
 
 /// Send one request over `s` and read the answer to its end.
@@ -235,9 +261,11 @@ fn exchange(
     method: &str,
     path: &str,
     headers: &str,
+    body: &str,
 ) -> (u16, String, String) {
-    let req =
-        format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{headers}Connection: close\r\n\r\n{body}"
+    );
     if s.write_all(req.as_bytes()).is_err() {
         return (0, String::new(), String::new());
     }

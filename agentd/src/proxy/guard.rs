@@ -1,0 +1,115 @@
+//! agentd's look at Caddy every few seconds: its admin API checks the
+//! Origin of requests when it listens on TCP, no route that agentd did not
+//! make takes requests for the names it serves, and agentd's server is
+//! there (rebuilt after a restart or reload of Caddy).
+
+use serde_json::Value;
+
+use super::Proxy;
+use super::caddy::{self, CaddyError};
+
+impl Proxy {
+    /// One look at Caddy; see the module's documentation.
+    pub(super) async fn check_caddy(&self) -> Result<(), CaddyError> {
+        if self.caddy.enforce_origin(&self.cfg.domain).await? {
+            tracing::warn!(
+                admin = %self.cfg.caddy_admin,
+                "Caddy's admin API on TCP did not check where requests come from, so a web page could \
+                 reconfigure it: agentd turned its origin check on. Every local user can still reach \
+                 it; put it on a unix socket (Caddy: `admin unix//run/caddy/admin.sock`, agentd: \
+                 proxy.caddy_admin = \"unix//run/caddy/admin.sock\")"
+            );
+        }
+        let servers = self.caddy.servers().await?;
+        for path in foreign_routes(&servers, &self.cfg.server, &self.cfg.domain) {
+            tracing::warn!(%path, "removing a route in Caddy that agentd did not make from the names it serves");
+            self.caddy.delete(&path).await?;
+        }
+        let present = servers[&self.cfg.server]["routes"]
+            .as_array()
+            .is_some_and(|rs| rs.iter().any(|r| r["@id"] == caddy::FALLBACK_ID));
+        if !present || self.stale.load(std::sync::atomic::Ordering::SeqCst) {
+            self.apply_all().await?;
+        }
+        Ok(())
+    }
+}
+
+/// The config paths of routes in Caddy's `servers` that agentd did not
+/// make and that take requests for names it serves: every route without
+/// agentd's `@id` in its own server `own`, and every route of another
+/// server whose host matcher names `domain` or a name below it. Within a
+/// server the last comes first, so deleting them in order keeps the
+/// others' indices.
+#[must_use]
+pub fn foreign_routes(servers: &Value, own: &str, domain: &str) -> Vec<String> {
+    let Some(servers) = servers.as_object() else {
+        return Vec::new();
+    };
+    let domain = domain.to_ascii_lowercase();
+    let ours = |host: &str| {
+        let host = host.trim_end_matches('.').to_ascii_lowercase();
+        host == domain || host.ends_with(&format!(".{domain}"))
+    };
+    let mut out = Vec::new();
+    for (name, server) in servers {
+        let Some(routes) = server["routes"].as_array() else {
+            continue;
+        };
+        for (i, route) in routes.iter().enumerate().rev() {
+            let foreign = if name == own {
+                !route["@id"]
+                    .as_str()
+                    .is_some_and(|id| id.starts_with(caddy::ID_PREFIX))
+            } else {
+                route["match"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|set| set["host"].as_array())
+                    .flatten()
+                    .filter_map(Value::as_str)
+                    .any(ours)
+            };
+            if foreign {
+                out.push(format!("/config/apps/http/servers/{name}/routes/{i}"));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn routes_agentd_did_not_make_on_its_names_are_foreign() {
+        let servers = json!({
+            "keystone-agent": { "routes": [
+                { "@id": "keystone-agent.a.3000", "match": [{ "host": ["a.sandbox.local"] }] },
+                { "match": [{ "path": ["/x"] }], "handle": [] },
+                { "@id": "other.thing" },
+                { "@id": "keystone-agent.fallback" },
+            ]},
+            "x": { "routes": [
+                { "match": [{ "host": ["example.org"] }] },
+                { "match": [{ "path": ["/"] }, { "host": ["*.B.Sandbox.Local"] }] },
+                { "match": [{ "host": ["sandbox.local."] }] },
+                { "match": [{ "host": ["notsandbox.local"] }] },
+            ]},
+            "empty": {},
+        });
+        assert_eq!(
+            foreign_routes(&servers, "keystone-agent", "sandbox.local"),
+            vec![
+                "/config/apps/http/servers/keystone-agent/routes/2",
+                "/config/apps/http/servers/keystone-agent/routes/1",
+                "/config/apps/http/servers/x/routes/2",
+                "/config/apps/http/servers/x/routes/1",
+            ]
+        );
+        assert!(foreign_routes(&Value::Null, "keystone-agent", "sandbox.local").is_empty());
+    }
+}
