@@ -581,3 +581,128 @@ fn a_microvm_guest_uses_a_secret_through_the_shared_gateway_without_reading_it()
     );
     env.ok(&["stop", "mvs"]);
 }
+
+/// The `ssh` processes agentd `pid` runs now (zombies, already dead and
+/// waiting to be reaped, left out).
+fn ssh_children(pid: i32) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            // pid (comm) state ppid …
+            let Some((comm, rest)) = stat.split_once(") ") else {
+                return false;
+            };
+            let mut f = rest.split(' ');
+            let (state, ppid) = (f.next(), f.next().and_then(|s| s.parse::<i32>().ok()));
+            comm.ends_with("(ssh") && state != Some("Z") && ppid == Some(pid)
+        })
+        .collect()
+}
+
+/// agentd's resident memory, in KiB.
+fn rss_kib(pid: i32) -> u64 {
+    common::proc_status(pid, "VmRSS")
+        .trim_end_matches(" kB")
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn a_guest_root_that_answers_the_port_lookup_for_ever_costs_agentd_bounded_memory_and_time() {
+    let caddy_dir = tempfile::tempdir().unwrap();
+    let caddy = common::caddy::Caddy::start(caddy_dir.path());
+    let proxy: serde_json::Value = serde_json::from_str(&caddy.agentd_config(false)).unwrap();
+    let Some((env, _fake, _)) = setup_extra(proxy, &[]) else {
+        return;
+    };
+    let repo = env.repo("evil");
+    env.ok(&["create", "--backend", "microvm", repo.to_str().unwrap()]);
+    env.ok(&["start", "evil"]);
+    let pid = env.agentd_pid();
+
+    // Root in the guest puts its own `find` where the port lookup runs
+    // one: first one that answers for ever (about 10 MB/s, a guest's pace
+    // under emulation), then one that never answers.
+    let ws = env.state_dir.join("sandboxes/evil/workspace");
+    std::fs::write(
+        ws.join(".flood"),
+        "#!/bin/sh\nwhile head -c 1048576 /dev/zero; do sleep 0.1; done\n",
+    )
+    .unwrap();
+    std::fs::write(ws.join(".sleep"), "#!/bin/sh\nexec sleep 60\n").unwrap();
+    for f in [".flood", ".sleep"] {
+        std::fs::set_permissions(
+            ws.join(f),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+    }
+    let finds = |script: &str| {
+        env.ok(&[
+            "exec",
+            "evil",
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "umount /usr/bin/find 2>/dev/null; mount --bind /workspace/{script} /usr/bin/find"
+            ),
+        ]);
+    };
+    let limit = agentd::backend::ssh::LISTENERS_TIMEOUT + Duration::from_secs(15);
+    // One lookup, on a thread of its own: without bounds it never returns.
+    let lookup = || {
+        let mut cmd = env.ctl_cmd(&["--call-timeout", "120", "ports", "evil", "--json"]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let started = std::time::Instant::now();
+        std::thread::spawn(move || {
+            let _ = tx.send(cmd.output());
+        });
+        let out = rx.recv_timeout(limit);
+        (out, started.elapsed())
+    };
+
+    finds(".flood");
+    let before = rss_kib(pid);
+    let (out, took) = lookup();
+    let after = rss_kib(pid);
+    eprintln!(
+        "endless answer: agentd's RSS {before} KiB before, {after} KiB after; the lookup took {took:?}"
+    );
+    let out = out
+        .expect("the port lookup of a flooding guest never ended")
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        after < before + 64 * 1024,
+        "agentd grew from {before} KiB to {after} KiB"
+    );
+    wait_for("agentd's ssh to be gone", Duration::from_secs(10), || {
+        ssh_children(pid).is_empty()
+    });
+
+    finds(".sleep");
+    let (out, took) = lookup();
+    eprintln!("silent guest: the lookup took {took:?}");
+    let out = out
+        .expect("the port lookup of a silent guest never ended")
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(took >= agentd::backend::ssh::LISTENERS_TIMEOUT - Duration::from_secs(1));
+    wait_for("agentd's ssh to be gone", Duration::from_secs(10), || {
+        ssh_children(pid).is_empty()
+    });
+    // agentd still serves the sandbox.
+    env.ok(&["exec", "evil", "--", "umount", "/usr/bin/find"]);
+    assert_eq!(env.ok(&["exec", "evil", "--", "pwd"]), "/workspace\n");
+}

@@ -462,16 +462,36 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 /// size streams through `ExecStdio` instead.
 pub const EXEC_OUTPUT_CAP: usize = 4 << 20;
 
-/// Run a command with no input and collect its output (D-Bus `Exec`).
-///
-/// The readers belong to this call: when it returns (or is dropped, the
-/// caller having left), they end and their pipes close, so a background
-/// process that keeps writing gets `EPIPE` instead of a reader in agentd.
+/// Run a command with no input and collect its output (D-Bus `Exec`), as
+/// [`capture_with`] does.
 pub async fn capture(
     backend: &dyn Backend,
     spec: &SandboxSpec,
     req: ExecRequest,
 ) -> Result<ExecResult, BackendError> {
+    capture_with(|stdio| backend.exec(spec, req, stdio)).await
+}
+
+/// Collect what a command in a sandbox answers, bounded: `run` starts it
+/// with `/dev/null` as stdin and pipes as stdout and stderr, and resolves
+/// to its exit code. Every answer a sandbox gives agentd (a D-Bus `Exec`,
+/// the listener script in a guest) is read through here, so none can grow
+/// agentd's memory past [`EXEC_OUTPUT_CAP`] per stream or hold its reader
+/// past the command's end: how long the command itself may run is `run`'s
+/// limit (the request's timeout, after which its child is killed).
+///
+/// The readers belong to this call: when it returns (or is dropped, the
+/// caller having left), they end and their pipes close, so a background
+/// process that keeps writing gets `EPIPE` instead of a reader in agentd.
+///
+/// # Errors
+/// When the pipes cannot be made, or `run`'s error.
+pub async fn capture_with<F>(
+    run: impl FnOnce([OwnedFd; 3]) -> F,
+) -> Result<ExecResult, BackendError>
+where
+    F: Future<Output = Result<i32, BackendError>>,
+{
     let fail = |e: nix::Error| BackendError::Descriptor(e.into());
     let (out_r, out_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(fail)?;
     let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(fail)?;
@@ -481,7 +501,7 @@ pub async fn capture(
         tokio::spawn(read_capped(out_r)),
         tokio::spawn(read_capped(err_r)),
     ]);
-    let code = backend.exec(spec, req, [devnull, out_w, err_w]).await?;
+    let code = run([devnull, out_w, err_w]).await?;
     // A background process may hold the pipes open: give the output two
     // seconds to end after the command itself has, then stop reading.
     let grace = tokio::time::Instant::now() + std::time::Duration::from_secs(2);

@@ -14,8 +14,15 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::time::Duration;
+
+use keystone_agent_api::ExecResult;
 
 use super::{BackendError, ExecRequest, Listener, TtyProcess};
+
+/// How long a guest may take to list its listeners (the `find` takes a
+/// second or two in an emulated guest).
+pub const LISTENERS_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Why ssh did not reach a guest, or why its keys could not be made.
 #[derive(Debug, thiserror::Error)]
@@ -131,21 +138,39 @@ impl SshTarget {
 
     /// `ssh … true`: `Ok` once the guest answers, else what ssh said.
     pub async fn answers(&self) -> Result<(), SshError> {
-        let out = self
-            .command()
-            .arg(&self.host)
-            .arg("true")
-            .stdout(Stdio::null())
-            .kill_on_drop(true)
-            .output();
-        match tokio::time::timeout(std::time::Duration::from_secs(20), out).await {
-            Err(_) => Err(SshError::Hung { secs: 20 }),
-            Ok(Err(e)) => Err(SshError::Missing(e)),
-            Ok(Ok(o)) if o.status.success() => Ok(()),
-            Ok(Ok(o)) => Err(SshError::Said(
-                String::from_utf8_lossy(&o.stderr).trim().to_owned(),
+        const LIMIT: Duration = Duration::from_secs(20);
+        match self.capture(&["true"], LIMIT).await {
+            Ok(o) if o.exit_code == 0 => Ok(()),
+            Ok(o) => Err(SshError::Said(
+                crate::text::clamp_text(String::from_utf8_lossy(&o.stderr).trim()).into_owned(),
             )),
+            Err(BackendError::CommandTimeout { .. }) => Err(SshError::Hung {
+                secs: LIMIT.as_secs(),
+            }),
+            Err(BackendError::Spawn { error, .. }) => Err(SshError::Missing(error)),
+            Err(other) => Err(SshError::Said(other.to_string())),
         }
+    }
+
+    /// Run `argv` in the guest (in `/`) and collect its answer through
+    /// [`super::capture_with`]: at most [`super::EXEC_OUTPUT_CAP`] bytes of
+    /// each stream, and ssh killed after `timeout`, however the guest
+    /// answers.
+    ///
+    /// # Errors
+    /// When ssh cannot be run, or ran past `timeout`.
+    pub async fn capture(
+        &self,
+        argv: &[&str],
+        timeout: Duration,
+    ) -> Result<ExecResult, BackendError> {
+        let req = ExecRequest {
+            argv: argv.iter().map(|a| (*a).to_owned()).collect(),
+            env: std::collections::BTreeMap::new(),
+            cwd: "/".to_owned(),
+            timeout: Some(timeout),
+        };
+        super::capture_with(|stdio| self.exec(req, stdio)).await
     }
 
     /// Run a command in the guest with `stdio` as its standard streams.
@@ -244,19 +269,21 @@ impl SshTarget {
     }
 
     /// The guest's TCP listeners with their processes' working directories
-    /// (blocking: one ssh round trip).
+    /// (blocking: one ssh round trip of at most [`LISTENERS_TIMEOUT`], on a
+    /// blocking thread of agentd's runtime).
     #[must_use]
     pub fn listeners(&self) -> Vec<Listener> {
-        let Ok(out) = self
-            .std_command()
-            .arg(&self.host)
-            .arg(LISTENERS_SCRIPT)
-            .stdin(Stdio::null())
-            .output()
-        else {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
             return Vec::new();
         };
-        parse_guest_listeners(&String::from_utf8_lossy(&out.stdout))
+        let script = ["sh", "-c", LISTENERS_SCRIPT];
+        match handle.block_on(self.capture(&script, LISTENERS_TIMEOUT)) {
+            Ok(out) => parse_guest_listeners(&String::from_utf8_lossy(&out.stdout)),
+            Err(e) => {
+                tracing::debug!(guest = %self.alias, error = %e, "the guest did not list its listeners");
+                Vec::new()
+            }
+        }
     }
 
     /// Close the shared master connection, if there is one.
