@@ -14,8 +14,11 @@
 //!   compression), so that answers come uncompressed, and a compressed
 //!   body ends the connection unseen.
 //!
-//! Only HTTP/1.1 is offered (ALPN). An `Upgrade` (WebSocket) continues as
-//! raw bytes, masked the same way towards the sandbox.
+//! Only HTTP/1.1 is offered (ALPN). A request that asks for an `Upgrade`
+//! (WebSocket) and is answered `101 Switching Protocols` continues as raw
+//! bytes, masked the same way towards the sandbox; answered otherwise, the
+//! connection stays HTTP and every request on it is checked as before. A
+//! 101 to a request that asked for no upgrade ends the connection.
 
 use std::sync::Arc;
 
@@ -166,19 +169,19 @@ where
     };
     let (cr, mut cw) = tokio::io::split(inside);
     let (ur, mut uw) = tokio::io::split(outside);
-    let (methods_tx, methods_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (sent_tx, sent_rx) = tokio::sync::mpsc::unbounded_channel();
     let swaps = plan.swaps;
     let masks: Vec<Vec<u8>> = swaps
         .iter()
         .flat_map(|s| mask_forms(s.value.as_bytes()))
         .collect();
     let up = async {
-        let r = requests(BufReader::new(cr), &mut uw, &plan.host, &swaps, methods_tx).await;
+        let r = requests(BufReader::new(cr), &mut uw, &plan.host, &swaps, sent_tx).await;
         let _ = uw.shutdown().await;
         r
     };
     let down = async {
-        let r = responses(BufReader::new(ur), &mut cw, &masks, methods_rx).await;
+        let r = responses(BufReader::new(ur), &mut cw, &masks, sent_rx).await;
         let _ = cw.shutdown().await;
         r
     };
@@ -217,6 +220,14 @@ async fn read_head<R: AsyncBufReadExt + Unpin>(
     }
 }
 
+/// What the responses' side needs of a request sent to the host: its
+/// method, and for one that asked for an upgrade, where to tell whether
+/// the host switched protocols (answered 101).
+struct Sent {
+    method: String,
+    upgrade: Option<tokio::sync::oneshot::Sender<bool>>,
+}
+
 /// The sandbox's requests to the host, the placeholders swapped; (bytes
 /// read, why it ended early).
 async fn requests<R, W>(
@@ -224,7 +235,7 @@ async fn requests<R, W>(
     w: &mut W,
     host: &str,
     swaps: &[Swap],
-    methods: tokio::sync::mpsc::UnboundedSender<String>,
+    sent: tokio::sync::mpsc::UnboundedSender<Sent>,
 ) -> (u64, Option<InterceptError>)
 where
     R: AsyncRead + Unpin,
@@ -258,20 +269,37 @@ where
             Err(e) => return (total, Some(e.into())),
         };
         let out = rewrite_request(&req, swaps);
-        let _ = methods.send(method);
+        let (switched_tx, switched) = if upgrade {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
+        let _ = sent.send(Sent {
+            method,
+            upgrade: switched_tx,
+        });
         if let Err(e) = w.write_all(&out).await {
             return (total, Some(e.into()));
-        }
-        if upgrade {
-            // Whatever the answer, what follows is not ours to parse.
-            return match tokio::io::copy(&mut r, w).await {
-                Ok(n) => (total + n, None),
-                Err(e) => (total, Some(e.into())),
-            };
         }
         match copy_body(&mut r, w, body, &[]).await {
             Ok(n) => total += n,
             Err(e) => return (total, Some(e.into())),
+        }
+        // Only once the host has switched protocols is what follows not
+        // ours to parse; until its answer, nothing more is read.
+        if let Some(switched) = switched {
+            match switched.await {
+                Ok(true) => {
+                    return match tokio::io::copy(&mut r, w).await {
+                        Ok(n) => (total + n, None),
+                        Err(e) => (total, Some(e.into())),
+                    };
+                }
+                Ok(false) => {}
+                // The responses' side ended: so does this one.
+                Err(_) => return (total, None),
+            }
         }
     }
 }
@@ -353,7 +381,7 @@ async fn responses<R, W>(
     mut r: BufReader<R>,
     w: &mut W,
     masks: &[Vec<u8>],
-    mut methods: tokio::sync::mpsc::UnboundedReceiver<String>,
+    mut sent: tokio::sync::mpsc::UnboundedReceiver<Sent>,
 ) -> (u64, Option<InterceptError>)
 where
     R: AsyncRead + Unpin,
@@ -381,11 +409,28 @@ where
             _ => return (total, Some(Refusal::NotResponse.into())),
         };
         total += head.len() as u64;
+        // The request a final answer (or a 101) is for.
+        let mut request = if code == 101 || code >= 200 {
+            sent.recv().await
+        } else {
+            None
+        };
+        let switched = request.as_mut().and_then(|s| s.upgrade.take());
+        let switched = match (code, switched) {
+            (101, Some(tx)) => Some(tx),
+            (101, None) => return (total, Some(Refusal::UnaskedSwitch.into())),
+            (_, Some(tx)) => {
+                // Not switched: the requests' side goes on with HTTP.
+                let _ = tx.send(false);
+                None
+            }
+            (_, None) => None,
+        };
         let body = if (100..200).contains(&code) {
             // Interim, or the end of HTTP (101): no body of its own.
             Body::None
         } else {
-            let method = methods.recv().await.unwrap_or_default();
+            let method = request.map(|s| s.method).unwrap_or_default();
             match framing(resp.headers) {
                 _ if method == "HEAD" || code == 204 || code == 304 => Body::None,
                 Ok(Some(b)) => b,
@@ -410,7 +455,8 @@ where
         if let Err(e) = wrote {
             return (total, Some(e.into()));
         }
-        if code == 101 {
+        if let Some(tx) = switched {
+            let _ = tx.send(true);
             let r = copy_body(&mut r, out.w, Body::UntilEnd, masks).await;
             return match r {
                 Ok(n) => (total + n, None),
@@ -617,6 +663,129 @@ mod tests {
 #[cfg(test)]
 mod attacks {
     use super::*;
+
+    /// One intercepted connection for `h.test` without its TLS: the
+    /// sandbox sends `sends`, the host answers `answers` and closes; (what
+    /// the host got, what the sandbox got, why the requests' side ended,
+    /// why the responses' side ended).
+    async fn exchange(
+        sends: &[u8],
+        answers: &[u8],
+    ) -> (
+        String,
+        String,
+        Option<InterceptError>,
+        Option<InterceptError>,
+    ) {
+        let (mut sandbox, gw_in) = tokio::io::duplex(1 << 16);
+        let (gw_out, mut host) = tokio::io::duplex(1 << 16);
+        let (cr, mut cw) = tokio::io::split(gw_in);
+        let (ur, mut uw) = tokio::io::split(gw_out);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let swaps = [Swap {
+            header: "x-api-key".into(),
+            placeholder: "ph".into(),
+            value: "sk-real-value-123".into(),
+        }];
+        let masks = mask_forms(b"sk-real-value-123");
+        let up = async {
+            let r = requests(BufReader::new(cr), &mut uw, "h.test", &swaps, tx).await;
+            let _ = uw.shutdown().await;
+            r
+        };
+        let down = async {
+            let r = responses(BufReader::new(ur), &mut cw, &masks, rx).await;
+            let _ = cw.shutdown().await;
+            r
+        };
+        let origin = async {
+            host.write_all(answers).await.unwrap();
+            host.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            let _ = host.read_to_end(&mut got).await;
+            drop(host);
+            got
+        };
+        let client = async {
+            sandbox.write_all(sends).await.unwrap();
+            sandbox.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            let _ = sandbox.read_to_end(&mut got).await;
+            got
+        };
+        let all = async { tokio::join!(up, down, origin, client) };
+        let ((_, up), (_, down), got, back) =
+            tokio::time::timeout(std::time::Duration::from_secs(5), all)
+                .await
+                .expect("the connection ends");
+        (
+            String::from_utf8_lossy(&got).into_owned(),
+            String::from_utf8_lossy(&back).into_owned(),
+            up,
+            down,
+        )
+    }
+
+    const UPGRADE: &str = "GET /ws HTTP/1.1\r\nHost: h.test\r\nx-api-key: ph\r\n\
+                           Upgrade: websocket\r\nConnection: Upgrade\r\n\r\n";
+
+    #[tokio::test]
+    async fn an_upgrade_answered_200_leaves_every_later_request_checked() {
+        // The host does not switch; the sandbox's next request, meant to
+        // pass unchecked as raw bytes, names another host.
+        let evil = "GET /x HTTP/1.1\r\nHost: evil.test\r\nx-api-key: ph\r\n\r\n";
+        let (got, back, up, _) = exchange(
+            format!("{UPGRADE}{evil}").as_bytes(),
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        )
+        .await;
+        assert!(!got.contains("evil.test"), "it reached the host: {got}");
+        assert_eq!(got.matches("HTTP/1.1").count(), 1, "{got}");
+        assert!(back.starts_with("HTTP/1.1 200 OK"), "{back}");
+        assert!(
+            matches!(up, Some(InterceptError::Refused(Refusal::OtherHost { .. }))),
+            "{up:?}"
+        );
+        // A later request for the host itself still gets the value.
+        let next = "GET /y HTTP/1.1\r\nHost: h.test\r\nx-api-key: ph\r\n\r\n";
+        let (got, _, up, _) = exchange(
+            format!("{UPGRADE}{next}").as_bytes(),
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        )
+        .await;
+        assert!(up.is_none(), "{up:?}");
+        assert_eq!(
+            got.matches("x-api-key: sk-real-value-123").count(),
+            2,
+            "{got}"
+        );
+    }
+
+    #[tokio::test]
+    async fn only_a_101_to_an_upgrade_switches_to_raw_bytes() {
+        // Switched: what follows goes as it is, both ways, masked back.
+        let frames = "\u{81}\u{2}hi GET / HTTP/1.1\r\nHost: anything\r\n\r\n";
+        let (got, back, up, down) = exchange(
+            format!("{UPGRADE}{frames}").as_bytes(),
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n\x81\x11sk-real-value-123",
+        )
+        .await;
+        assert!(up.is_none() && down.is_none(), "{up:?} {down:?}");
+        assert!(got.ends_with(frames), "{got}");
+        assert!(back.ends_with(&"*".repeat(17)), "{back}");
+        // A 101 the request did not ask for ends the connection.
+        let plain = "GET / HTTP/1.1\r\nHost: h.test\r\n\r\n";
+        let (_, back, _, down) = exchange(
+            plain.as_bytes(),
+            b"HTTP/1.1 101 Switching Protocols\r\n\r\nraw",
+        )
+        .await;
+        assert!(
+            matches!(down, Some(InterceptError::Refused(Refusal::UnaskedSwitch))),
+            "{down:?}"
+        );
+        assert!(!back.contains("raw"), "{back}");
+    }
 
     #[tokio::test]
     async fn a_value_across_chunks_and_in_other_forms_is_masked() {

@@ -45,6 +45,9 @@ pub enum Refusal {
         /// The secret's host.
         host: String,
     },
+    /// A `101 Switching Protocols` to a request that asked for no upgrade.
+    #[error("a switch of protocols that the request did not ask for")]
+    UnaskedSwitch,
     /// A compressed response body, which masking cannot see into.
     #[error("a compressed body (Content-Encoding) cannot be masked")]
     Compressed,
