@@ -39,6 +39,8 @@ pub struct DaemonConfig {
     pub egress: EgressConfig,
     /// The agent CLIs every sandbox gets.
     pub toolbox: crate::toolbox::ToolboxConfig,
+    /// What agentd may hold for each sandbox ([`crate::budget`]).
+    pub limits: crate::budget::LimitsConfig,
     /// Sandboxes declared by the administrator (NixOS `sandboxes.<name>`).
     pub sandboxes: BTreeMap<String, DeclaredSandbox>,
 }
@@ -501,6 +503,7 @@ impl DaemonConfig {
             }
         }
         p.extend(self.toolbox.problems());
+        p.extend(self.limits.problems());
         if let Some(preset) = &self.egress.preset {
             validate::check_egress_entries("egress.preset", preset, &mut p);
         }

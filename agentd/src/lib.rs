@@ -6,6 +6,7 @@
 pub mod auth;
 pub mod backend;
 pub mod beneath;
+pub mod budget;
 pub mod caps;
 pub mod cgroup;
 pub mod config;
@@ -182,6 +183,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         Some(p) => DaemonConfig::load(p)?,
         None => DaemonConfig::default(),
     };
+    budget::init(&config.limits);
     let dir = state_dir(&opts, &config);
     let (registry, sandboxes) = Registry::open(&dir)?;
     let dir = std::fs::canonicalize(&dir)

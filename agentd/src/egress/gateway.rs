@@ -3,7 +3,10 @@
 //! first byte. Each connection is decided by [`super::policy`], dialled by
 //! agentd on the host, logged when it ends, and bounded: a request head of
 //! at most [`HEAD_MAX`] bytes read within [`HEAD_TIMEOUT`], at most
-//! [`CONNECTIONS_MAX`] at once per sandbox.
+//! [`CONNECTIONS_MAX`] at once per sandbox, each connection's descriptors
+//! taken from the sandbox's share of agentd's ([`crate::budget`]): a
+//! connection beyond it is answered `503` (SOCKS: general failure). A
+//! tunnel ends when it has been quiet too long ([`super::splice`]).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -15,7 +18,7 @@ use tokio::task::JoinSet;
 
 use super::log::Entry;
 use super::policy::{Decision, Policy};
-use super::splice::{Socket, relay};
+use super::splice::{Activity, Socket, Watched, relay};
 
 /// Largest request head (request line and headers, or a SOCKS5 greeting).
 pub const HEAD_MAX: usize = 16 * 1024;
@@ -27,6 +30,17 @@ const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most connections of one sandbox at once; more wait to be accepted.
 pub const CONNECTIONS_MAX: usize = 256;
+/// Descriptors of a tunnel (CONNECT, SOCKS): the client's socket, the
+/// destination's, and a pipe each way ([`super::splice`]).
+pub const TUNNEL_DESCRIPTORS: usize = 6;
+/// Descriptors of a plain HTTP request: the client's and the
+/// destination's sockets.
+pub const REQUEST_DESCRIPTORS: usize = 2;
+/// Connections beyond a sandbox's share answered at once: more are closed
+/// without an answer. Their descriptors come out of agentd's reserve.
+const REFUSING_MAX: usize = 8;
+/// Time a connection beyond the share has to send its request head.
+const REFUSING_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What the gateway of one sandbox needs from agentd.
 pub struct Context {
@@ -113,8 +127,12 @@ impl Listener {
 /// Accept connections on `listener` until the task is aborted; aborting it
 /// ends every connection it started.
 pub async fn serve(mut listener: Listener, ctx: Arc<Context>) {
+    let budget = crate::budget::descriptors();
     let mut conns = JoinSet::new();
     let dns = Arc::new(tokio::sync::Semaphore::new(DNS_PER_SANDBOX));
+    let refusing = Arc::new(tokio::sync::Semaphore::new(REFUSING_MAX));
+    let mut errors = crate::budget::AcceptErrors::default();
+    let what = format!("egress gateway of sandbox '{}'", ctx.name);
     loop {
         while conns.len() >= CONNECTIONS_MAX {
             let _ = conns.join_next().await;
@@ -122,18 +140,36 @@ pub async fn serve(mut listener: Listener, ctx: Arc<Context>) {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(client) => {
+                    errors.accepted(&what);
                     let ctx = Arc::clone(&ctx);
-                    let dns = Arc::clone(&dns);
-                    conns.spawn(async move {
-                        match client {
-                            Client::Tcp(s) => handle(s, &ctx, &dns).await,
-                            Client::Unix(s) => handle(s, &ctx, &dns).await,
+                    match budget.take(&ctx.name, 1) {
+                        Ok(lease) => {
+                            let dns = Arc::clone(&dns);
+                            conns.spawn(async move {
+                                match client {
+                                    Client::Tcp(s) => handle(s, lease, &ctx, &dns).await,
+                                    Client::Unix(s) => handle(s, lease, &ctx, &dns).await,
+                                }
+                            });
                         }
-                    });
+                        // Answered by a few tasks of their own; past them,
+                        // closed at once.
+                        Err(refused) => {
+                            if let Ok(permit) = Arc::clone(&refusing).try_acquire_owned() {
+                                conns.spawn(async move {
+                                    let _permit = permit;
+                                    match client {
+                                        Client::Tcp(s) => refuse_spent(s, &refused).await,
+                                        Client::Unix(s) => refuse_spent(s, &refused).await,
+                                    }
+                                });
+                            }
+                        }
+                    }
                 }
                 Err(e) => {
-                    tracing::warn!(sandbox = %ctx.name, error = %e, "egress gateway: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    let pause = errors.failed(&what, &e);
+                    tokio::time::sleep(pause).await;
                 }
             },
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
@@ -232,7 +268,43 @@ enum GatewayError {
     },
 }
 
-async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::Semaphore>) {
+/// Answer a connection that came when the sandbox's share of descriptors
+/// (or agentd's cap) was spent: `503` with why, or a SOCKS general
+/// failure. (Logged by the budget, once for each time the share is spent.)
+async fn refuse_spent(mut client: impl Socket, refused: &crate::budget::Refused) {
+    let answer = async {
+        let mut first = [0u8; 1];
+        if client.read(&mut first).await.ok()? != 1 {
+            return None;
+        }
+        let socks = first[0] == 5;
+        if socks {
+            socks_head(&mut client).await.ok()?;
+        } else {
+            http_head(&mut client, first[0]).await.ok()?;
+        }
+        answer_spent(&mut client, socks, refused).await;
+        Some(())
+    };
+    let _ = tokio::time::timeout(REFUSING_TIMEOUT, answer).await;
+}
+
+/// Tell the client that its sandbox's descriptors are spent.
+async fn answer_spent(client: &mut impl Socket, socks: bool, refused: &crate::budget::Refused) {
+    if socks {
+        let _ = client.write_all(&socks_reply(1)).await;
+    } else {
+        let body = format!("{refused}\n");
+        let _ = respond(client, "503 Service Unavailable", &body).await;
+    }
+}
+
+async fn handle(
+    mut client: impl Socket,
+    mut lease: crate::budget::Lease<'static>,
+    ctx: &Context,
+    dns: &Arc<tokio::sync::Semaphore>,
+) {
     let started = Instant::now();
     let at = SystemTime::now();
     let mut first = [0u8; 1];
@@ -309,6 +381,18 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
         return;
     }
     entry.decision = "allow".to_owned();
+    // The rest of its descriptors, before any is opened.
+    let more = if ask.body_left.is_some() {
+        REQUEST_DESCRIPTORS
+    } else {
+        TUNNEL_DESCRIPTORS
+    } - lease.count();
+    if let Err(refused) = lease.grow(more) {
+        entry.error = refused.to_string();
+        answer_spent(&mut client, socks, &refused).await;
+        finish(entry);
+        return;
+    }
     let (mut upstream, addr) = match dial(&addrs, ask.port).await {
         Ok(v) => v,
         Err(e) => {
@@ -348,10 +432,22 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
     if let Some(plan) = plan.then(|| (ctx.intercept)(&ask.host, ask.port)).flatten() {
         let reason = format!("; the sandbox's secrets for {} swapped in", ask.host);
         entry.reason.push_str(&reason);
-        let error;
-        (entry.sent, entry.received, error) =
-            super::intercept::intercept(client, upstream, plan).await;
-        entry.error = error.map(|e| e.to_string()).unwrap_or_default();
+        // Ended when it has been quiet too long, as a tunnel is.
+        let activity = Activity::default();
+        let (client, upstream) = (
+            Watched::new(client, &activity),
+            Watched::new(upstream, &activity),
+        );
+        match activity
+            .bounded(super::intercept::intercept(client, upstream, plan))
+            .await
+        {
+            Ok((sent, received, error)) => {
+                (entry.sent, entry.received) = (sent, received);
+                entry.error = error.map(|e| e.to_string()).unwrap_or_default();
+            }
+            Err(e) => entry.error = e.to_string(),
+        }
         return finish(entry);
     }
     match (ready.is_ok(), ask.body_left) {
@@ -366,12 +462,22 @@ async fn handle(mut client: impl Socket, ctx: &Context, dns: &Arc<tokio::sync::S
         }
         // Plain HTTP: the rest of the body, then the answer; nothing more
         // of the client's is read.
+        // Ended when it has been quiet too long, as a tunnel is.
         (true, Some(left)) => {
-            let body = tokio::io::copy(&mut (&mut client).take(left), &mut upstream).await;
-            let answer = tokio::io::copy(&mut upstream, &mut client).await;
-            entry.sent = sent + body.as_ref().map_or(0, |n| *n);
-            entry.received = answer.as_ref().map_or(0, |n| *n);
-            if let Some(e) = body.err().or(answer.err()) {
+            let activity = Activity::default();
+            let mut client = Watched::new(&mut client, &activity);
+            let mut upstream = Watched::new(&mut upstream, &activity);
+            let (mut body, mut answer) = (0, 0);
+            let copied = activity
+                .bounded(async {
+                    body = tokio::io::copy(&mut (&mut client).take(left), &mut upstream).await?;
+                    answer = tokio::io::copy(&mut upstream, &mut client).await?;
+                    Ok::<_, std::io::Error>(())
+                })
+                .await;
+            entry.sent = sent + body;
+            entry.received = answer;
+            if let Some(e) = copied.and_then(|r| r).err() {
                 entry.error = e.to_string();
             }
         }

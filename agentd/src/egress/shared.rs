@@ -182,15 +182,18 @@ async fn accept_loop(
         logged: 0,
         quiet: 0,
     };
+    let mut errors = crate::budget::AcceptErrors::default();
+    let what = "egress gateway for microVM guests";
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(v) => v,
             Err(e) => {
-                tracing::warn!(error = %e, "egress gateway: accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                // Out of descriptors, most likely: wait, and say so once.
+                tokio::time::sleep(errors.failed(what, &e)).await;
                 continue;
             }
         };
+        errors.accepted(what);
         let source = peer.ip().to_canonical();
         let route = routes
             .lock()
