@@ -7,7 +7,9 @@
 //! host or in a private, loopback, link-local, shared or multicast range is
 //! only ever reached through a CIDR entry that contains it, never through a
 //! name rule (so a name that resolves, or is rebound, into such a range is
-//! refused).
+//! refused). An IPv6 address that embeds an IPv4 address (mapped,
+//! compatible, translated, NAT64, 6to4) is judged by the IPv4 address it
+//! embeds, in both: a translator or a dual-stack socket takes it there.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -194,11 +196,24 @@ impl Rule {
         }
     }
 
-    /// Whether this (CIDR) rule contains `addr` on `port`.
+    /// Whether this (CIDR) rule contains `addr` on `port`, by the IPv4
+    /// address it embeds if any ([`canonical`]).
     fn matches_addr(&self, addr: IpAddr, asked: u16) -> bool {
         match self {
             Self::Cidr { net, prefix, port } => {
-                Self::port_ok(*port, asked) && in_range(addr, *net, *prefix)
+                Self::port_ok(*port, asked) && in_range(canonical(addr), *net, *prefix)
+            }
+            Self::Name { .. } => false,
+        }
+    }
+
+    /// Whether this (CIDR) rule contains `addr` on `port` as it is or by
+    /// the IPv4 address it embeds (what a deny entry refuses).
+    fn matches_either(&self, addr: IpAddr, asked: u16) -> bool {
+        match self {
+            Self::Cidr { net, prefix, port } => {
+                Self::port_ok(*port, asked)
+                    && (in_range(addr, *net, *prefix) || in_range(canonical(addr), *net, *prefix))
             }
             Self::Name { .. } => false,
         }
@@ -251,14 +266,33 @@ fn mask(addr: IpAddr, prefix: u8) -> IpAddr {
 }
 
 fn in_range(addr: IpAddr, net: IpAddr, prefix: u8) -> bool {
-    let addr = canonical(addr);
     addr.is_ipv4() == net.is_ipv4() && mask(addr, prefix) == net
 }
 
-/// IPv4-mapped IPv6 addresses as the IPv4 address they are.
+/// The IPv4 address an IPv6 address embeds, where its prefix says it
+/// carries one: IPv4-mapped (`::ffff:0:0/96`), IPv4-compatible (`::/96`,
+/// but for `::` and `::1`), IPv4-translated (`::ffff:0:0:0/96`), NAT64
+/// (`64:ff9b::/96`, and the local-use `64:ff9b:1::/48` by its last 32
+/// bits, as in a /96 under it) and 6to4 (`2002::/16`, bits 16 to 48).
+fn embedded_v4(a: Ipv6Addr) -> Option<Ipv4Addr> {
+    let o = a.octets();
+    let low = Ipv4Addr::new(o[12], o[13], o[14], o[15]);
+    match a.segments() {
+        [0, 0, 0, 0, 0, 0xffff, _, _]
+        | [0, 0, 0, 0, 0xffff, 0, _, _]
+        | [0x64, 0xff9b, 0, 0, 0, 0, _, _]
+        | [0x64, 0xff9b, 1, ..] => Some(low),
+        [0, 0, 0, 0, 0, 0, _, _] if !a.is_unspecified() && !a.is_loopback() => Some(low),
+        [0x2002, ..] => Some(Ipv4Addr::new(o[2], o[3], o[4], o[5])),
+        _ => None,
+    }
+}
+
+/// An address as policy judges it: an IPv6 address that embeds an IPv4
+/// address ([`embedded_v4`]) as that IPv4 address.
 fn canonical(addr: IpAddr) -> IpAddr {
     match addr {
-        IpAddr::V6(a) => a.to_ipv4_mapped().map_or(addr, IpAddr::V4),
+        IpAddr::V6(a) => embedded_v4(a).map_or(addr, IpAddr::V4),
         v4 => v4,
     }
 }
@@ -295,13 +329,13 @@ const NEVER_BY_NAME: &[(&str, u8)] = &[
     ("ff00::", 8),
 ];
 
-/// Whether `addr` is in a range that only a CIDR entry may open.
+/// Whether `addr`, as it is or by the IPv4 address it embeds, is in a
+/// range that only a CIDR entry may open.
 #[must_use]
 pub fn is_internal(addr: IpAddr) -> bool {
-    let addr = canonical(addr);
     NEVER_BY_NAME.iter().any(|(net, prefix)| {
         let net: IpAddr = net.parse().expect("a valid built-in range");
-        in_range(addr, net, *prefix)
+        in_range(addr, net, *prefix) || in_range(canonical(addr), net, *prefix)
     })
 }
 
@@ -436,7 +470,7 @@ impl Policy {
         let mut first_rule: Option<String> = None;
         let mut refused: Option<Decision> = None;
         for &a in addrs {
-            if let Some(r) = self.deny.iter().find(|r| r.matches_addr(a, port)) {
+            if let Some(r) = self.deny.iter().find(|r| r.matches_either(a, port)) {
                 refused.get_or_insert(Decision::deny(
                     format!("deny {r}"),
                     format!("{host} resolves to {a}, which is on the deny list"),
@@ -455,7 +489,10 @@ impl Policy {
                 ));
                 continue;
             }
-            if is_internal(a) || host_own.contains(&canonical(a)) {
+            let own = host_own
+                .iter()
+                .any(|&h| h == a || canonical(h) == canonical(a));
+            if is_internal(a) || own {
                 let bits = if canonical(a).is_ipv4() { 32 } else { 128 };
                 let mut d = Decision::deny(
                     "internal",
@@ -634,5 +671,74 @@ mod tests {
         assert_eq!(none.precheck("x.com", 443).unwrap().rule, "mode:none");
         // `open` does not need the preset; `allowlist` starts from it.
         assert!(policy(Egress::Open, &[], &[]).allow.is_empty());
+    }
+
+    /// Every way an IPv6 address embeds an IPv4 one, around the host's
+    /// loopback, a private range and cloud metadata: refused by name (in
+    /// `open` mode too), opened by the IPv4 range that holds what they
+    /// embed, and refused by an IPv4 deny entry that holds it.
+    #[test]
+    fn an_ipv4_address_inside_ipv6_is_judged_as_that_ipv4_address() {
+        let forms = |v4: &str| {
+            let o = v4.parse::<Ipv4Addr>().unwrap().octets();
+            let (hi, lo) = (
+                u16::from_be_bytes([o[0], o[1]]),
+                u16::from_be_bytes([o[2], o[3]]),
+            );
+            [
+                format!("::ffff:{hi:x}:{lo:x}"),
+                format!("::{hi:x}:{lo:x}"),
+                format!("::ffff:0:{hi:x}:{lo:x}"),
+                format!("64:ff9b::{hi:x}:{lo:x}"),
+                format!("64:ff9b:1::{hi:x}:{lo:x}"),
+                format!("64:ff9b:1:ab::{hi:x}:{lo:x}"),
+                format!("2002:{hi:x}:{lo:x}::1"),
+                format!("2002:{hi:x}:{lo:x}:ab::"),
+            ]
+        };
+        let open = policy(Egress::Open, &[], &[]);
+        // The host's loopback in the translated form, by name in `open`.
+        let (d, ok) = open.decide("evil.example", 80, &[ip("::ffff:0:7f00:1")], &[]);
+        assert!(!d.allowed && ok.is_empty(), "{d:?}");
+        for v4 in ["127.0.0.1", "10.1.2.3", "169.254.169.254", "192.168.0.7"] {
+            for a in forms(v4) {
+                assert_eq!(embedded_v4(a.parse().unwrap()), v4.parse().ok(), "{a}");
+                let (d, ok) = open.decide("github.com", 443, &[ip(&a)], &[]);
+                assert!(!d.allowed && ok.is_empty(), "{a}: {d:?}");
+                assert_eq!(d.rule, "internal", "{a}");
+                assert_eq!(d.suggest, Some(format!("{v4}/32:443")), "{a}");
+                // The suggested entry opens it.
+                let cidr = policy(Egress::Allowlist, &[&format!("{v4}/32:443")], &[]);
+                let (d, ok) = cidr.decide("origin.test", 443, &[ip(&a)], &[]);
+                assert!(d.allowed && ok == [ip(&a)], "{a}: {d:?}");
+                // An IPv4 deny entry refuses it, even where a name allows.
+                let deny = policy(Egress::Open, &["*.test"], &[&format!("{v4}/32")]);
+                let (d, _) = deny.decide("x.test", 443, &[ip(&a)], &[]);
+                assert_eq!(d.rule, format!("deny {v4}/32"), "{a}");
+            }
+        }
+        // The host's own address, embedded.
+        for a in forms("140.82.112.9") {
+            let (d, _) = open.decide("me.example", 443, &[ip(&a)], &[ip("140.82.112.9")]);
+            assert!(!d.allowed, "{a}: {d:?}");
+        }
+        // A public address in a mapped or translated form goes by name as
+        // the public address would; the translation ranges never do.
+        for a in ["::ffff:140.82.112.3", "::ffff:0:8c52:7003"] {
+            assert!(
+                open.decide("github.com", 443, &[ip(a)], &[]).0.allowed,
+                "{a}"
+            );
+        }
+        for a in ["64:ff9b::8c52:7003", "2002:8c52:7003::1", "::8c52:7003"] {
+            assert!(
+                !open.decide("github.com", 443, &[ip(a)], &[]).0.allowed,
+                "{a}"
+            );
+        }
+        // `::` and `::1` are IPv6's own, not embeddings.
+        assert_eq!(embedded_v4(Ipv6Addr::LOCALHOST), None);
+        assert_eq!(embedded_v4(Ipv6Addr::UNSPECIFIED), None);
+        assert_eq!(embedded_v4("2001:db8::7f00:1".parse().unwrap()), None);
     }
 }
