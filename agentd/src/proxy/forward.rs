@@ -88,6 +88,7 @@ pub(super) async fn serve(
     name: String,
     target: (IpAddr, u16),
 ) {
+    let mut refusing = false;
     loop {
         let Ok((outside, _)) = listener.accept().await else {
             // Out of descriptors, most likely: do not spin.
@@ -104,9 +105,25 @@ pub(super) async fn serve(
             );
             continue;
         }
+        // Caddy's connection and the one into the sandbox: the sandbox's
+        // descriptors, taken from its share.
+        let lease = match crate::budget::descriptors().take(&name, 2) {
+            Ok(lease) => {
+                refusing = false;
+                lease
+            }
+            Err(refused) => {
+                if !refusing {
+                    tracing::warn!(sandbox = %name, port = target.1, "{refused}: a dev-server connection refused");
+                    refusing = true;
+                }
+                continue;
+            }
+        };
         let proxy = Arc::clone(&proxy);
         let name = name.clone();
         tokio::spawn(async move {
+            let _lease = lease;
             match proxy
                 .sandboxes
                 .connect_inside(&name, target.0, target.1)

@@ -95,7 +95,7 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
     // sandbox exists, runs or serves anything.
     let token = proxy.token(sandbox);
     if proxy.gated() && !from_its_own_pages(req, sandbox, &domain) {
-        // The route's matchers sent it here (docs/network.md, "Links and
+        // The route's matchers sent it here (docs/architecture.md, "Links and
         // the browser"): say nothing more.
         return page(
             StatusCode::FORBIDDEN,
