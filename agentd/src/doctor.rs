@@ -279,7 +279,17 @@ fn caddy(config: &DaemonConfig) -> Check {
                 std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_secs(2)).is_ok()
             }),
     };
-    if reachable {
+    let on_tcp = crate::config::caddy_admin_socket(&config.proxy.caddy_admin).is_none();
+    if reachable && on_tcp {
+        // agentd keeps web pages out (Caddy's Origin check), not local users.
+        Check::new(
+            "links",
+            "Caddy",
+            Status::Warn,
+            format!("admin API on TCP {admin}: every local user can read the links' tokens and reconfigure Caddy"),
+        )
+        .fix("give Caddy `admin unix//run/caddy/admin.sock` (in a 0700 directory) and set proxy.caddy_admin to \"unix//run/caddy/admin.sock\"")
+    } else if reachable {
         Check::new(
             "links",
             "Caddy",
@@ -293,7 +303,9 @@ fn caddy(config: &DaemonConfig) -> Check {
             Status::Missing,
             format!("nothing answers on Caddy's admin API ({admin}); proxy.enable is set"),
         )
-        .fix(if on_path.is_some() {
+        .fix(if !on_tcp {
+            "give Caddy the same admin address (Caddyfile global option `admin unix//run/caddy/admin.sock`, or `\"admin\": {\"listen\": \"unix//run/caddy/admin.sock\"}` in JSON) and start it: sudo systemctl enable --now caddy"
+        } else if on_path.is_some() {
             "sudo systemctl enable --now caddy"
         } else {
             "sudo apt-get install -y caddy && sudo systemctl enable --now caddy"
@@ -469,5 +481,38 @@ fn agents(config: &DaemonConfig) -> Check {
                 .fix("agentd --install-agents (about 420 MB, once)")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn links(admin: &str) -> DaemonConfig {
+        let mut config = DaemonConfig::default();
+        config.proxy.enable = true;
+        config.proxy.caddy_admin = admin.to_owned();
+        config
+    }
+
+    #[test]
+    fn caddys_admin_api_on_a_port_is_a_warning_with_the_socket_as_fix() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let check = caddy(&links(&format!("http://127.0.0.1:{port}")));
+        assert!(matches!(check.status, Status::Warn), "{check:?}");
+        assert!(check.detail.contains("every local user"), "{check:?}");
+        assert!(check.fix.contains("unix//run/caddy/admin.sock"), "{check:?}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("admin.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let check = caddy(&links(&format!("unix/{}", socket.display())));
+        assert!(matches!(check.status, Status::Ok), "{check:?}");
+        drop(_listener);
+        std::fs::remove_file(&socket).unwrap();
+        let check = caddy(&links(&format!("unix/{}", socket.display())));
+        assert!(matches!(check.status, Status::Missing), "{check:?}");
+        assert!(check.fix.contains("admin unix//run/caddy/admin.sock"), "{check:?}");
     }
 }
