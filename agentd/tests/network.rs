@@ -585,6 +585,79 @@ print(s.recv(100))
 }
 
 #[test]
+fn plain_http_with_ambiguous_framing_never_reaches_the_origin() {
+    // An origin that records every byte of every connection.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = std::sync::Arc::clone(&seen);
+    std::thread::spawn(move || {
+        for c in listener.incoming() {
+            let Ok(mut c) = c else { continue };
+            let record = std::sync::Arc::clone(&record);
+            std::thread::spawn(move || {
+                use std::io::{Read, Write};
+                c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = c.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    record.lock().unwrap().extend_from_slice(&buf[..n]);
+                    let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+                }
+            });
+        }
+    });
+    let env = Env::running("smuggle", &["--allow", &format!("127.0.0.1/32:{port}")]);
+    // Each request's body is a second request for another host, which an
+    // origin that frames by another of the lengths (or by the chunks)
+    // would read as a request of its own.
+    let out = python(
+        &env,
+        "smuggle",
+        &format!(
+            r#"
+import socket
+second = b"GET /smuggled HTTP/1.1\r\nHost: evil.example\r\n\r\n"
+n = str(len(second)).encode()
+for framing in [b"Content-Length: 0\r\nContent-Length: " + n,
+                b"Content-Length: " + n + b"\r\nContent-Length: 0",
+                b"Content-Length: +" + n,
+                b"Content-Length: " + n + b"\r\nTransfer-Encoding: chunked",
+                b"Transfer-Encoding: chunked\r\nContent-Length: " + n]:
+    s = socket.create_connection(("127.0.0.1", 3128))
+    s.sendall(b"POST http://127.0.0.1:{port}/first HTTP/1.1\r\nHost: x\r\n" + framing + b"\r\n\r\n" + second)
+    print(s.recv(200).split(b"\r\n")[-1])
+    s.close()
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(b"POST http://127.0.0.1:{port}/fine HTTP/1.1\r\nHost: x\r\nContent-Length:  4 \r\n\r\nbody")
+print(s.recv(200).split(b"\r\n")[0])
+"#
+        ),
+    );
+    eprintln!("{out}");
+    std::thread::sleep(Duration::from_millis(2500));
+    let seen = String::from_utf8_lossy(&seen.lock().unwrap()).into_owned();
+    assert!(
+        !seen.contains("smuggled") && !seen.contains("first"),
+        "it reached the origin: {seen}"
+    );
+    assert_eq!(
+        out.matches("the request is not forwarded").count(),
+        5,
+        "{out}"
+    );
+    assert!(out.contains("200 OK"), "{out}");
+    assert_eq!(
+        seen,
+        format!(
+            "POST /fine HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbody"
+        )
+    );
+}
+
+#[test]
 fn git_fetches_through_the_gateway_unchanged() {
     // A repository served over HTTP on the host (git's dumb HTTP protocol).
     let env = Env::with_config(&serde_json::json!({

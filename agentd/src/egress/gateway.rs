@@ -209,9 +209,11 @@ enum GatewayError {
     /// A plain HTTP request has a chunked body.
     #[error("a plain HTTP request with a chunked body is not forwarded; use https:// (CONNECT)")]
     Chunked,
-    /// A plain HTTP request's `Content-Length` is not a number.
-    #[error("the Content-Length is not a number")]
-    ContentLength,
+    /// A plain HTTP request's framing is ambiguous or malformed
+    /// ([`super::strict::framing`]): an origin could read another request
+    /// in its body.
+    #[error("{0}; the request is not forwarded")]
+    Framing(#[source] super::strict::Refusal),
     /// An authority is not `host:port` (shown safely).
     #[error("'{0}' is not host:port")]
     NotHostPort(String),
@@ -713,19 +715,27 @@ async fn http_head(client: &mut impl Socket, first: u8) -> Result<(Ask, Vec<u8>)
     let mut head = format!("{method} {path} HTTP/1.1\r\n").into_bytes();
     // The Host the destination sees is the one that was decided on.
     head.extend_from_slice(format!("Host: {authority}\r\n").as_bytes());
-    let mut body: u64 = 0;
+    // Framed by the same strict rules as an intercepted request (one
+    // length, of digits only, and no Transfer-Encoding beside it), and
+    // sent on with that one length only, as a number.
+    let length = match super::strict::framing(req.headers) {
+        Ok(None) => None,
+        Ok(Some(super::strict::Body::Length(n))) => Some(n),
+        Ok(Some(_)) => return Err(GatewayError::Chunked),
+        Err(e) => return Err(GatewayError::Framing(e)),
+    };
+    if let Some(n) = length {
+        head.extend_from_slice(format!("Content-Length: {n}\r\n").as_bytes());
+    }
+    let body = length.unwrap_or(0);
     for h in req.headers.iter() {
         let n = h.name.to_ascii_lowercase();
-        if n == "transfer-encoding" {
-            return Err(GatewayError::Chunked);
-        }
-        if n == "content-length" {
-            body = std::str::from_utf8(h.value)
-                .ok()
-                .and_then(|v| v.trim().parse().ok())
-                .ok_or(GatewayError::ContentLength)?;
-        }
-        if n.starts_with("proxy-") || n == "connection" || n == "keep-alive" || n == "host" {
+        if n.starts_with("proxy-")
+            || n == "connection"
+            || n == "keep-alive"
+            || n == "host"
+            || n == "content-length"
+        {
             continue;
         }
         head.extend_from_slice(h.name.as_bytes());
@@ -898,5 +908,47 @@ mod tests {
         assert!(split_authority("example.com", None).is_err());
         assert!(split_authority("example.com:0", None).is_err());
         assert!(split_authority(":443", None).is_err());
+    }
+
+    /// `head` as a client sends it to the gateway: what `http_head` makes
+    /// of it.
+    async fn head_of(head: &str) -> Result<(Ask, Vec<u8>), GatewayError> {
+        let (mut gateway, mut client) = tokio::net::UnixStream::pair().unwrap();
+        client.write_all(&head.as_bytes()[1..]).await.unwrap();
+        http_head(&mut gateway, head.as_bytes()[0]).await
+    }
+
+    #[tokio::test]
+    async fn a_plain_request_framed_two_ways_is_refused() {
+        let second = "GET /smuggled HTTP/1.1\r\nHost: evil.example\r\n\r\n";
+        let n = second.len();
+        for framing in [
+            format!("Content-Length: 0\r\nContent-Length: {n}"),
+            format!("Content-Length: {n}\r\nContent-Length: 0"),
+            format!("Content-Length: +{n}"),
+            format!("Content-Length: {n}\r\nTransfer-Encoding: chunked"),
+            format!("Transfer-Encoding: chunked\r\nContent-Length: {n}"),
+        ] {
+            let got = head_of(&format!(
+                "POST http://origin.test/ HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n{second}"
+            ))
+            .await;
+            assert!(
+                matches!(got, Err(GatewayError::Framing(_))),
+                "{framing}: {:?}",
+                got.map(|(_, h)| String::from_utf8_lossy(&h).into_owned())
+            );
+        }
+        // One length, the same twice or padded: sent on once, as digits.
+        let (ask, head) = head_of(
+            "POST http://origin.test/ HTTP/1.1\r\nContent-Length:  4 \r\ncontent-length: 4\r\n\r\nbodyGET",
+        )
+        .await
+        .unwrap();
+        assert_eq!(ask.body_left, Some(0));
+        assert_eq!(
+            String::from_utf8(head).unwrap(),
+            "POST / HTTP/1.1\r\nHost: origin.test\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbody"
+        );
     }
 }
