@@ -257,6 +257,57 @@ fn caddy_on_tcp_checks_origins_and_loses_foreign_routes_on_the_links_names() {
     assert_eq!(body.trim(), "tcp-dev-server");
 }
 
+/// agentd's pages (the catch-all's upstream) listen on a loopback port that
+/// anyone on the machine, or a page in a browser, can open connections to:
+/// they hold at most 256 at once, close one whose request does not come
+/// within 10 s, and links keep working meanwhile.
+#[test]
+fn the_pages_hold_a_bounded_number_of_connections_that_send_nothing() {
+    let (env, caddy) = setup("slow");
+    dev_server(&env, "slow", "main", free_port(), "slow-dev-server");
+    until(&caddy, "slow.sandbox.local", "/who.txt", |s, _| s == 200);
+    let routes = caddy.config("/config/apps/http/servers/keystone-agent/routes");
+    let pages = routes
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|r| r["@id"] == "keystone-agent.fallback")
+        .and_then(|r| r["handle"][0]["upstreams"][0]["dial"].as_str())
+        .expect("the catch-all's upstream")
+        .to_owned();
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{}/fd", env.agentd_pid()))
+            .unwrap()
+            .count()
+    };
+    let before = fds();
+    let held: Vec<std::net::TcpStream> = (0..400)
+        .filter_map(|_| std::net::TcpStream::connect(&pages).ok())
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let during = fds();
+    eprintln!(
+        "agentd's descriptors: {before} before, {during} with {} idle connections to its pages",
+        held.len()
+    );
+    assert!(during <= before + 256 + 16, "{before} → {during}");
+    let (_, body) = until(&caddy, "slow.sandbox.local", "/who.txt", |s, _| s == 200);
+    assert_eq!(body.trim(), "slow-dev-server");
+    // A connection that sends nothing is closed after the head's 10 s.
+    let mut first = held.into_iter().next().unwrap();
+    first
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let start = Instant::now();
+    let mut buf = [0u8; 256];
+    let _ = std::io::Read::read(&mut first, &mut buf);
+    assert!(
+        start.elapsed() < Duration::from_secs(25),
+        "held for {:?}",
+        start.elapsed()
+    );
+}
+
 #[test]
 fn each_worktree_gets_its_link_and_routes_stay_in_step_with_caddy() {
     let (env, mut caddy) = setup("web");

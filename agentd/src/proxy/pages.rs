@@ -6,6 +6,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
@@ -16,22 +17,48 @@ use tokio::net::TcpListener;
 
 use super::{Proxy, names};
 
+/// Most connections the pages hold at once; past it a new one is closed
+/// at once (anyone on the machine, or a page in a browser, can open them).
+const CONNECTIONS_MAX: usize = 256;
+
+/// How long a request's head may take to arrive, on a new or an idle
+/// kept-alive connection.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long one connection may last in all.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Serve `listener` for ever.
 pub(super) async fn serve(listener: TcpListener, proxy: Arc<Proxy>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
+    let mut full = false;
     loop {
         let Ok((stream, _)) = listener.accept().await else {
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            if !full {
+                tracing::warn!(
+                    "agentd's pages hold {CONNECTIONS_MAX} connections; closing new ones until some end"
+                );
+                full = true;
+            }
+            continue;
+        };
+        full = false;
         let proxy = Arc::clone(&proxy);
         tokio::spawn(async move {
+            let _slot = slot;
             let service = hyper::service::service_fn(move |req| {
                 let proxy = Arc::clone(&proxy);
                 async move { Ok::<_, Infallible>(answer(&proxy, &req).await) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service);
+            let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
         });
     }
 }
