@@ -55,7 +55,8 @@ pub const CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30
 /// containers (`0x00080000`–`0x6FFFFFFF`) and below the foreign range
 /// (`0x7FFE0000`). No account and no other program uses them, so a sandbox's
 /// processes and files are nobody else's: not `nobody`'s, not the owner's,
-/// not another sandbox's.
+/// not another sandbox's, not another agentd's sandbox's (every agentd of
+/// the host claims its ids in one ledger, see [`crate::sandbox::ids`]).
 pub const SANDBOX_IDS: std::ops::Range<u32> = 0x7000_0000..0x7001_0000;
 
 /// How a sandbox running as host `uid` is separated, for `agentctl status`:

@@ -269,3 +269,80 @@ fn an_unprivileged_agentd_gives_each_sandbox_a_subordinate_id() {
     assert!(!env.state_dir.join("sandboxes/one").exists());
     assert_eq!(env.state("two"), "running");
 }
+
+/// The host's ledger of sandbox uids (as root).
+fn ledger() -> serde_json::Value {
+    let path = std::path::Path::new(agentd::sandbox::ids::ROOT_DIR)
+        .join(agentd::sandbox::ids::LEDGER_FILE);
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The ids the ledger gives the agentd of `state_dir`.
+fn claims_of(state_dir: &std::path::Path) -> Vec<u64> {
+    let dir = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_owned());
+    ledger()["claims"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["state_dir"].as_str() == dir.to_str())
+        .map(|c| c["id"].as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn two_agentds_of_one_host_never_give_their_sandboxes_the_same_uid() {
+    if !common::is_root() {
+        eprintln!("skipped: needs root (agentd allocates sandbox uids as root)");
+        return;
+    }
+    // Two root agentds with state directories of their own, at once (a
+    // quick start beside the system service).
+    let mut a = Env::new();
+    let b = Env::new();
+    let repo = a.repo("one");
+    a.ok(&["create", repo.to_str().unwrap()]);
+    a.ok(&["start", "one"]);
+    let repo = b.repo("two");
+    b.ok(&["create", repo.to_str().unwrap()]);
+    b.ok(&["start", "two"]);
+    let ((pid_one, one), (_, two)) = (init_of(&a, "one"), init_of(&b, "two"));
+    assert_ne!(one, two, "two agentds gave their sandboxes the same uid");
+    // B's sandbox cannot signal A's.
+    let kill = as_ids(two, two, &format!("kill -9 {pid_one}"));
+    assert!(
+        !kill.status.success(),
+        "one agentd's sandbox signalled another's"
+    );
+    assert_eq!(claims_of(&a.state_dir), vec![u64::from(one)]);
+    assert_eq!(claims_of(&b.state_dir), vec![u64::from(two)]);
+
+    // A dies without giving anything back: its id stays reserved for its
+    // state directory, so B's next sandbox gets another and A, started
+    // again, finds its sandbox's id its own.
+    a.kill_agentd();
+    let repo = b.repo("three");
+    b.ok(&["create", repo.to_str().unwrap()]);
+    b.ok(&["start", "three"]);
+    let three = init_of(&b, "three").1;
+    assert!(![one, two].contains(&three), "uid {three} given twice");
+    a.start_agentd();
+    a.ok(&["stop", "one"]);
+    a.ok(&["start", "one"]);
+    assert_eq!(init_of(&a, "one").1, one);
+
+    // Destroyed, a sandbox's id goes back; killed with its state directory
+    // gone, an agentd leaks nothing: the next claim drops what it held.
+    b.ok(&["stop", "three"]);
+    b.ok(&["destroy", "--force", "three"]);
+    assert_eq!(claims_of(&b.state_dir), vec![u64::from(two)]);
+    a.ok(&["stop", "one"]);
+    a.kill_agentd();
+    // (Moved away: its sandbox's disk is still mounted in it.)
+    let moved = a.tmp.path().join("state-moved");
+    std::fs::rename(&a.state_dir, &moved).unwrap();
+    let repo = b.repo("four");
+    b.ok(&["create", repo.to_str().unwrap()]);
+    assert!(claims_of(&a.state_dir).is_empty(), "{}", ledger());
+    assert_eq!(claims_of(&b.state_dir).len(), 2);
+    std::fs::rename(&moved, &a.state_dir).unwrap();
+}

@@ -2,6 +2,7 @@
 //! for names and settings, and the manager that carries out operations.
 
 pub mod helpers;
+pub mod ids;
 pub mod manager;
 pub mod state;
 pub mod store;

@@ -4,11 +4,12 @@
 //! `remove`, `replace_all`): it is written to the registry before anyone
 //! sees it, undone in memory when the write fails, and announced after.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 use tokio::sync::broadcast;
 
+use super::ids::{Claimed, Ledger};
 use super::state::{self, Event, Next};
 use super::{Change, Sandbox};
 use crate::error::{Error, Result};
@@ -18,24 +19,43 @@ use crate::registry::Registry;
 #[derive(Debug)]
 pub struct SandboxStore {
     registry: Registry,
+    /// The host's ledger of sandbox uids (`None`: it cannot be used, and
+    /// ids are told apart within this agentd only).
+    ids: Option<Ledger>,
     map: Mutex<BTreeMap<String, Sandbox>>,
     changes: broadcast::Sender<Change>,
 }
 
 impl SandboxStore {
-    /// A store over `sandboxes`, as read from `registry`. Sandboxes from
-    /// before ids were allocated get theirs now (see [`allocate_ids`]).
+    /// A store over `sandboxes`, as read from `registry`, that allocates
+    /// uids through the host's ledger (see [`super::ids`]). Sandboxes from
+    /// before ids were allocated get theirs now (see [`allocate_ids`]), and
+    /// so do stopped ones whose id another agentd holds.
     #[must_use]
     pub fn new(registry: Registry, sandboxes: Vec<Sandbox>) -> Self {
+        let ids = match Ledger::for_host(registry.dir()) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::error!(error = %e, "no host ledger of sandbox uids: another agentd of this host may give its sandboxes the same ones");
+                None
+            }
+        };
+        Self::with_ledger(registry, sandboxes, ids)
+    }
+
+    /// [`SandboxStore::new`] with the ledger `ids`.
+    #[must_use]
+    pub fn with_ledger(registry: Registry, sandboxes: Vec<Sandbox>, ids: Option<Ledger>) -> Self {
         let mut map: BTreeMap<String, Sandbox> =
             sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect();
-        if allocate_ids(&mut map) {
+        if allocate_ids(&mut map, ids.as_ref()) {
             if let Err(e) = registry.save(map.values()) {
                 tracing::error!(error = %e, "cannot record the sandboxes' new uids");
             }
         }
         Self {
             registry,
+            ids,
             map: Mutex::new(map),
             changes: broadcast::channel(1024).0,
         }
@@ -127,7 +147,7 @@ impl SandboxStore {
         }
         // A sandbox from before ids were allocated gets its own once stopped.
         if sb.uid.is_none() {
-            allocate_ids(&mut map);
+            allocate_ids(&mut map, self.ids.as_ref());
         }
         let after = map[name].clone();
         if let Err(e) = self.registry.save(map.values()) {
@@ -151,7 +171,7 @@ impl SandboxStore {
             return Err(Error::AlreadyExists(name));
         }
         map.insert(name.clone(), sb);
-        allocate_ids(&mut map);
+        allocate_ids(&mut map, self.ids.as_ref());
         if let Err(e) = self.registry.save(map.values()) {
             map.remove(&name);
             return Err(e.into());
@@ -166,6 +186,12 @@ impl SandboxStore {
         map.remove(name);
         if let Err(e) = self.registry.save(map.values()) {
             tracing::error!(sandbox = %name, error = %e, "cannot write the registry");
+        }
+        // Its uid goes back to the host's ledger.
+        if let (Some(ledger), Some(range)) = (&self.ids, id_range()) {
+            if let Err(e) = ledger.claim(range, &held(&map), 0) {
+                tracing::error!(sandbox = %name, error = %e, "cannot give its uid back to the host's ledger");
+            }
         }
     }
 
@@ -182,44 +208,100 @@ impl SandboxStore {
     }
 }
 
+/// The range sandbox uids come from: [`crate::auth::SANDBOX_IDS`] as root,
+/// the user's subordinate ids unprivileged (`None` without any).
+fn id_range() -> Option<std::ops::Range<u32>> {
+    if nix::unistd::Uid::effective().is_root() {
+        Some(crate::auth::SANDBOX_IDS)
+    } else {
+        crate::subid::pool().ok().map(|p| p.uids())
+    }
+}
+
+/// The uids the sandboxes of `map` hold.
+fn held(map: &BTreeMap<String, Sandbox>) -> BTreeSet<u32> {
+    map.values().filter_map(|s| s.uid).collect()
+}
+
 /// Give every sandbox that has none a uid of its own: as root from
 /// [`crate::auth::SANDBOX_IDS`] (`microvm` guests keep the owner's, which
 /// their NixOS guest was built with); unprivileged, `local` sandboxes get
 /// one of the user's subordinate ids where they are granted (see
-/// [`crate::subid`]; a `vm` sandbox's QEMU runs as the user). Returns
-/// whether any changed.
-fn allocate_ids(map: &mut BTreeMap<String, Sandbox>) -> bool {
+/// [`crate::subid`]; a `vm` sandbox's QEMU runs as the user). The ids come
+/// from the host's `ledger`, which no two agentds get the same id from; a
+/// stopped sandbox whose id another running agentd holds gets a new one
+/// (its files follow it at its next start). Returns whether any changed.
+fn allocate_ids(map: &mut BTreeMap<String, Sandbox>, ledger: Option<&Ledger>) -> bool {
     use keystone_agent_api::BackendKind;
     let root = nix::unistd::Uid::effective().is_root();
-    let pool = if root {
-        None
-    } else {
-        crate::subid::pool().ok()
-    };
-    if !root && pool.is_none() {
+    let Some(range) = id_range() else {
         return false;
-    }
-    let mut taken: std::collections::HashSet<u32> = map.values().filter_map(|s| s.uid).collect();
+    };
+    // A running sandbox keeps the ids it was started with.
+    let needs = |sb: &Sandbox| {
+        sb.uid.is_none()
+            && sb.runtime.is_none()
+            && sb.backend != BackendKind::Microvm
+            && (root || sb.backend == BackendKind::Local)
+    };
     let mut changed = false;
-    for sb in map.values_mut() {
-        // A running sandbox keeps the ids it was started with.
-        if sb.uid.is_some() || sb.runtime.is_some() || sb.backend == BackendKind::Microvm {
-            continue;
-        }
-        if !root && sb.backend != BackendKind::Local {
-            continue;
-        }
-        let free = match pool {
-            Some(p) => p.free(&taken),
-            None => crate::auth::free_sandbox_id(&taken),
+    // Twice at most: ids refused on the first pass are replaced on the
+    // second.
+    for _ in 0..2 {
+        let wanted = map.values().filter(|s| needs(s)).count();
+        let claimed = match ledger.map(|l| l.claim(range.clone(), &held(map), wanted)) {
+            Some(Ok(c)) => c,
+            Some(Err(e)) => {
+                tracing::error!(error = %e, "the host's ledger of sandbox uids cannot be used: ids are told apart within this agentd only");
+                let mut taken = held(map);
+                let new = range
+                    .clone()
+                    .filter(|id| taken.insert(*id))
+                    .take(wanted)
+                    .collect();
+                Claimed {
+                    new,
+                    refused: Vec::new(),
+                }
+            }
+            None => {
+                let taken = held(map);
+                Claimed {
+                    new: range
+                        .clone()
+                        .filter(|id| !taken.contains(id))
+                        .take(wanted)
+                        .collect(),
+                    refused: Vec::new(),
+                }
+            }
         };
-        let Some(id) = free else {
-            tracing::error!(sandbox = %sb.name, "every sandbox uid is in use; it runs as its owner's");
-            continue;
-        };
-        taken.insert(id);
-        sb.uid = Some(id);
-        changed = true;
+        let mut new = claimed.new.into_iter();
+        for sb in map.values_mut().filter(|s| needs(s)) {
+            let Some(id) = new.next() else {
+                tracing::error!(sandbox = %sb.name, "every sandbox uid is in use; it runs as its owner's");
+                continue;
+            };
+            sb.uid = Some(id);
+            changed = true;
+        }
+        let mut moved = false;
+        for sb in map.values_mut() {
+            let Some(id) = sb.uid.filter(|id| claimed.refused.contains(id)) else {
+                continue;
+            };
+            if sb.runtime.is_some() {
+                tracing::error!(sandbox = %sb.name, uid = id, "runs as a uid that a sandbox of another agentd of this host holds too; stop it and start it again to give it its own");
+            } else {
+                tracing::warn!(sandbox = %sb.name, uid = id, "its uid is another agentd's: it gets a new one");
+                sb.uid = None;
+                moved = true;
+                changed = true;
+            }
+        }
+        if !moved {
+            break;
+        }
     }
     changed
 }
