@@ -527,3 +527,59 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     env.ok(&["stop", "survivor"]);
     assert_nothing_left(&env);
 }
+
+/// The files QEMU `pid` holds open that were deleted (its temporary files;
+/// not the memfds of the guest's memory), with their device and allocated
+/// size.
+fn deleted_files_of(pid: i32) -> Vec<(String, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let target = std::fs::read_link(&path).ok()?;
+            let target = target.to_string_lossy().into_owned();
+            let m = std::fs::metadata(&path).ok()?;
+            (m.is_file() && !target.starts_with("/memfd:") && target.ends_with(" (deleted)"))
+                .then(|| (target, m.dev(), m.blocks() * 512))
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "boots real VMs: run tests/run-vm.sh"]
+fn what_a_guest_writes_to_its_root_disk_stays_in_the_sandbox_s_directory() {
+    use std::os::unix::fs::MetadataExt;
+    let env = env_with(&image(), serde_json::json!({}));
+    create_vm(&env, "disk", "none");
+    env.ok(&["start", "disk"]);
+    let qemu = env
+        .vm_processes()
+        .into_iter()
+        .find(|(_, c)| c.contains("qemu-system"))
+        .expect("QEMU runs")
+        .0;
+    // The guest fills its root disk (its /tmp is on it).
+    sh(
+        &env,
+        "disk",
+        "dd if=/dev/urandom of=/tmp/fill bs=1M count=64 conv=fsync 2>/dev/null; sync",
+    );
+    let dir = env.state_dir.join("sandboxes/disk");
+    let files = deleted_files_of(qemu);
+    eprintln!("QEMU's temporary files: {files:?}");
+    let (path, dev, size) = files
+        .iter()
+        .max_by_key(|f| f.2)
+        .expect("QEMU keeps the root disk's writes in a temporary file")
+        .clone();
+    assert!(size >= 64 << 20, "{files:?}");
+    assert!(
+        path.starts_with(dir.to_str().unwrap()),
+        "the guest's writes are kept outside its sandbox's directory: {path}"
+    );
+    // On the sandbox's own file system (its disk image where it has one).
+    assert_eq!(dev, std::fs::metadata(&dir).unwrap().dev(), "{path}");
+    env.ok(&["stop", "disk"]);
+    assert_nothing_left(&env);
+}

@@ -535,6 +535,11 @@ impl VmBackend {
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(log2)
+            // The root disk's `snapshot=on` keeps the guest's writes in a
+            // temporary file of QEMU's: in run/vm/ (QEMU's uid's, emptied
+            // at every start), inside the sandbox's directory and its disk
+            // limit, not in the host's /var/tmp.
+            .env("TMPDIR", &p.vm)
             .env_remove(crate::confine::CONFINE_ENV);
         // SAFETY: setsid is async-signal-safe.
         unsafe {
