@@ -321,6 +321,42 @@ fn soft_nofile() -> u64 {
         .map_or(1024, |(soft, _)| soft)
 }
 
+/// The soft `RLIMIT_NOFILE` agentd started with (0 until [`init`]).
+static INHERITED_SOFT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Give a child the soft descriptor limit agentd started with, not the one
+/// it raised itself to: helpers, sandboxes and QEMU live with the usual
+/// limit (programs that use `select(2)` break past 1024), and a sandbox's
+/// processes hold no more than before. For `pre_exec`: async-signal-safe
+/// (one `getrlimit`, one `setrlimit`).
+///
+/// # Errors
+/// When the limit cannot be set.
+pub fn restore_inherited_nofile() -> std::io::Result<()> {
+    let soft = INHERITED_SOFT.load(std::sync::atomic::Ordering::Relaxed);
+    if soft == 0 {
+        return Ok(());
+    }
+    let mut limit = nix::libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write one rlimit struct we
+    // own; both are async-signal-safe system calls.
+    unsafe {
+        if nix::libc::getrlimit(nix::libc::RLIMIT_NOFILE, &raw mut limit) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if limit.rlim_cur > soft {
+            limit.rlim_cur = soft;
+            if nix::libc::setrlimit(nix::libc::RLIMIT_NOFILE, &raw const limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Raise the soft `RLIMIT_NOFILE` to the hard one (at most
 /// [`RAISE_MAX`]); the soft limit in force afterwards.
 fn raise_nofile() -> u64 {
@@ -328,6 +364,7 @@ fn raise_nofile() -> u64 {
     let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
         return 1024;
     };
+    INHERITED_SOFT.store(soft, std::sync::atomic::Ordering::Relaxed);
     let want = hard.min(RAISE_MAX).max(soft);
     if want > soft {
         if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, want, hard) {

@@ -237,19 +237,24 @@ impl LocalBackend {
             memory_mib: spec.config.memory,
             agent_home: spec.agent_home.clone(),
         };
-        let mut child = tokio::process::Command::new(&self.settings.exe)
+        let mut supervisor = tokio::process::Command::new(&self.settings.exe);
+        supervisor
             .arg(INIT_ARG)
             .arg(&self.settings.state_dir)
             .arg(&spec.name)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .map_err(|error| BackendError::Spawn {
-                program: self.settings.exe.display().to_string(),
-                hint: "",
-                error,
-            })?;
+            .stderr(Stdio::from(log));
+        // SAFETY: only async-signal-safe calls (getrlimit, setrlimit) between
+        // fork and exec.
+        unsafe {
+            supervisor.pre_exec(crate::budget::restore_inherited_nofile);
+        }
+        let mut child = supervisor.spawn().map_err(|error| BackendError::Spawn {
+            program: self.settings.exe.display().to_string(),
+            hint: "",
+            error,
+        })?;
         let supervisor_pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
         let mut stdin = child.stdin.take().expect("piped");
         let body = serde_json::to_vec(&init)?;

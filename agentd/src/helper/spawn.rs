@@ -108,7 +108,7 @@ fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, HelperErr
             cmd.env("HOME", home);
         }
         let parent = std::process::id();
-        // SAFETY: only async-signal-safe calls (prctl, getppid) between
+        // SAFETY: only async-signal-safe calls (getrlimit, setrlimit, prctl, getppid) between
         // fork and exec.
         unsafe {
             cmd.as_std_mut().pre_exec(move || end_with_parent(parent));
@@ -127,7 +127,7 @@ fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, HelperErr
     let parent = std::process::id();
     // Groups first, while still root; then gid, then uid.
     // SAFETY: only async-signal-safe calls (setgroups, setresgid, setresuid,
-    // prctl, getppid) between fork and exec.
+    // getrlimit, setrlimit, prctl, getppid) between fork and exec.
     unsafe {
         cmd.as_std_mut().pre_exec(move || {
             nix::unistd::setgroups(&groups)?;
@@ -144,7 +144,10 @@ fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, HelperErr
 /// that a helper the sandbox holds up (a FIFO where git expects an object)
 /// never outlives a killed agentd; and do not run at all when agentd
 /// already ended. Async-signal-safe.
+/// Also gives the helper the descriptor limit agentd started with
+/// ([`crate::budget::restore_inherited_nofile`]).
 fn end_with_parent(parent: u32) -> std::io::Result<()> {
+    crate::budget::restore_inherited_nofile()?;
     crate::caps::end_with_parent(parent)
 }
 
@@ -202,7 +205,7 @@ fn confined(
     // Ends with agentd whatever the confinement does next (a change of ids
     // there sets it again; making a user namespace keeps it).
     let parent = std::process::id();
-    // SAFETY: only async-signal-safe calls (prctl, getppid) between fork
+    // SAFETY: only async-signal-safe calls (getrlimit, setrlimit, prctl, getppid) between fork
     // and exec.
     unsafe {
         cmd.as_std_mut().pre_exec(move || end_with_parent(parent));

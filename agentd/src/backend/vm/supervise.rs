@@ -129,10 +129,12 @@ fn spawn(c: Child_<'_>) -> std::io::Result<Child> {
     let fds: Vec<i32> = c.files.iter().map(AsRawFd::as_raw_fd).collect();
     let run_as = c.run_as.cloned();
     let parent = nix::unistd::getpid();
-    // SAFETY: only async-signal-safe calls (dup3, dup2, setgroups, setgid,
-    // setuid, prctl, sigprocmask, getppid) between fork and exec.
+    // SAFETY: only async-signal-safe calls (getrlimit, setrlimit, dup3,
+    // dup2, setgroups, setgid, setuid, prctl, sigprocmask, getppid) between
+    // fork and exec.
     unsafe {
         cmd.pre_exec(move || {
+            crate::budget::restore_inherited_nofile()?;
             // Closed by the exec itself, once the kernel has the program.
             if nix::libc::dup3(exe_fd, EXE_FD, nix::libc::O_CLOEXEC) < 0 {
                 return Err(std::io::Error::last_os_error());
