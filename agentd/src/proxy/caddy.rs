@@ -86,6 +86,20 @@ pub enum CaddyError {
     /// A route to put has no `@id`.
     #[error("a route without @id")]
     NoId,
+    /// What answers at the admin address is not the Caddy agentd found
+    /// there first (another uid listens there now).
+    #[error(
+        "Caddy's admin API at {base} belongs to uid {found} now, not to uid {expected} as when agentd found it: \
+         agentd sends it nothing (restart agentd if Caddy now runs as another user)"
+    )]
+    Impostor {
+        /// The admin API's address.
+        base: String,
+        /// Caddy's uid when agentd first reached it.
+        expected: u32,
+        /// The uid of what listens there now.
+        found: u32,
+    },
 }
 
 /// Caddy's admin API at one address.
@@ -93,6 +107,12 @@ pub enum CaddyError {
 pub struct Caddy {
     base: String,
     client: Transport,
+    /// The admin address as configured (`proxy.caddy_admin`).
+    admin: String,
+    /// Caddy's uid, pinned when agentd first finds it (`u32::MAX` until
+    /// then): the owner of the admin socket, or of the socket listening on
+    /// the admin port.
+    uid: std::sync::Arc<std::sync::atomic::AtomicU32>,
 }
 
 /// How the admin API is reached: TCP (`http://HOST:PORT`) or a unix
@@ -156,6 +176,38 @@ impl Caddy {
         Self {
             base: base.trim_end_matches('/').to_owned(),
             client,
+            admin: base.to_owned(),
+            uid: std::sync::Arc::new(std::sync::atomic::AtomicU32::new(u32::MAX)),
+        }
+    }
+
+    /// Caddy's uid as first found (`u32::MAX` while unknown).
+    #[must_use]
+    pub fn uid(&self) -> u32 {
+        self.uid.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Check who owns the admin address now: the first uid found is
+    /// pinned; another later is an impostor (whoever listens on the admin
+    /// port while Caddy is down), which gets no request, and whose
+    /// connections the forwarders never take.
+    fn check_owner(&self) -> Result<(), CaddyError> {
+        let Some(found) = super::peer::caddy_uid(&self.admin) else {
+            return Ok(());
+        };
+        match self.uid.compare_exchange(
+            u32::MAX,
+            found,
+            std::sync::atomic::Ordering::SeqCst,
+            std::sync::atomic::Ordering::SeqCst,
+        ) {
+            Ok(_) => Ok(()),
+            Err(expected) if expected == found => Ok(()),
+            Err(expected) => Err(CaddyError::Impostor {
+                base: self.base.clone(),
+                expected,
+                found,
+            }),
         }
     }
 
@@ -165,6 +217,7 @@ impl Caddy {
         path: &str,
         body: Option<&Value>,
     ) -> Result<(StatusCode, Bytes), CaddyError> {
+        self.check_owner()?;
         let body = body.map(|b| b.to_string()).unwrap_or_default();
         let req = Request::builder()
             .method(method.clone())
@@ -285,9 +338,16 @@ impl Caddy {
         if wanted == admin {
             return Ok(false);
         }
-        // Caddy restarts its admin endpoint with the new setting.
+        // Caddy restarts its admin endpoint with the new setting: wait
+        // (at most 2 s) until it answers again.
         self.ok(Method::POST, "/config/admin", Some(&wanted))
             .await?;
+        for _ in 0..20 {
+            if self.get("/config/admin").await.is_ok() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         Ok(true)
     }
 

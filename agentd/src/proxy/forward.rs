@@ -1,12 +1,12 @@
 //! The forwarders between Caddy and the dev servers inside sandboxes.
 //!
 //! Each route's forwarder listens on a unix socket of its own in agentd's
-//! links directory (`<state>/links`, 0711, the socket's name random), never
-//! on a TCP port: a page in a browser can reach any port on loopback, but
-//! no socket in a directory. A connection is joined to the dev server only
-//! when its peer (`SO_PEERCRED`, from the kernel) is Caddy's uid, so another
-//! local user who learns a socket's name still gets nothing past the link's
-//! token.
+//! links directory (`<state>/links`, 0711, the socket's name random; other
+//! users can still read the names in `/proc/net/unix`), never on a TCP
+//! port: a page in a browser can reach any port on loopback, but no socket
+//! in a directory. A connection is joined to the dev server only when its
+//! peer (`SO_PEERCRED`, from the kernel) is Caddy's uid, so another local
+//! user who connects gets nothing past the link's token.
 
 use std::net::IpAddr;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -95,14 +95,7 @@ pub(super) async fn serve(
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
-        let caddy = proxy.caddy_uid.load(std::sync::atomic::Ordering::SeqCst);
-        let uid = outside.peer_cred().ok().map(|c| c.uid());
-        if caddy == u32::MAX || uid != Some(caddy) {
-            tracing::debug!(
-                uid = ?uid,
-                caddy_uid = caddy,
-                "a connection to a dev-server forwarder not from Caddy, closed"
-            );
+        if !from_caddy(&proxy, &outside, "a dev-server forwarder") {
             continue;
         }
         // Caddy's connection and the one into the sandbox: the sandbox's
@@ -149,6 +142,22 @@ pub(super) async fn serve(
             }
         });
     }
+}
+
+/// Whether `conn`, accepted on one of agentd's sockets (`what`), comes from
+/// Caddy: its peer's uid, from the kernel, is Caddy's.
+pub(super) fn from_caddy(proxy: &Proxy, conn: &tokio::net::UnixStream, what: &str) -> bool {
+    let caddy = proxy.caddy_uid.load(std::sync::atomic::Ordering::SeqCst);
+    let uid = conn.peer_cred().ok().map(|c| c.uid());
+    if caddy != u32::MAX && uid == Some(caddy) {
+        return true;
+    }
+    tracing::debug!(
+        uid = ?uid,
+        caddy_uid = caddy,
+        "a connection to {what} not from Caddy, closed"
+    );
+    false
 }
 
 /// Copy bytes both ways between Caddy's connection and the dev server's

@@ -21,7 +21,17 @@ impl Proxy {
             );
         }
         let servers = self.caddy.servers().await?;
-        for path in foreign_routes(&servers, &self.cfg.server, &self.cfg.domain) {
+        // What no route of another server may send requests to: Caddy's
+        // admin API, agentd's pages and forwarders.
+        let mut ours = vec![self.links_dir.display().to_string(), self.pages.to_string()];
+        if let Some(host_port) = self.cfg.caddy_admin.strip_prefix("http://") {
+            let host_port = host_port.trim_end_matches('/');
+            ours.push(host_port.to_owned());
+            if let Some((_, port)) = host_port.rsplit_once(':') {
+                ours.extend(["localhost", "127.0.0.1", "[::1]", ""].map(|h| format!("{h}:{port}")));
+            }
+        }
+        for path in foreign_routes(&servers, &self.cfg.server, &self.cfg.domain, &ours) {
             tracing::warn!(%path, "removing a route in Caddy that agentd did not make from the names it serves");
             self.caddy.delete(&path).await?;
         }
@@ -36,13 +46,19 @@ impl Proxy {
 }
 
 /// The config paths of routes in Caddy's `servers` that agentd did not
-/// make and that take requests for names it serves: every route without
-/// agentd's `@id` in its own server `own`, and every route of another
-/// server whose host matcher names `domain` or a name below it. Within a
-/// server the last comes first, so deleting them in order keeps the
-/// others' indices.
+/// make and that take requests for names it serves, or send requests to
+/// agentd or Caddy's admin API: every route without agentd's `@id` in its
+/// own server `own`; every route of another server whose host matcher names
+/// `domain` or a name below it, or that names an upstream `dial` in
+/// `reaching` (or a path below one). Within a server the last comes first,
+/// so deleting them in order keeps the others' indices.
 #[must_use]
-pub fn foreign_routes(servers: &Value, own: &str, domain: &str) -> Vec<String> {
+pub fn foreign_routes(
+    servers: &Value,
+    own: &str,
+    domain: &str,
+    reaching: &[String],
+) -> Vec<String> {
     let Some(servers) = servers.as_object() else {
         return Vec::new();
     };
@@ -70,6 +86,12 @@ pub fn foreign_routes(servers: &Value, own: &str, domain: &str) -> Vec<String> {
                     .flatten()
                     .filter_map(Value::as_str)
                     .any(ours)
+                    || dials(route).iter().any(|d| {
+                        reaching.iter().any(|r| {
+                            let d = d.strip_prefix("unix/").unwrap_or(d);
+                            d == r || d.starts_with(&format!("{r}/"))
+                        })
+                    })
             };
             if foreign {
                 out.push(format!("/config/apps/http/servers/{name}/routes/{i}"));
@@ -77,6 +99,21 @@ pub fn foreign_routes(servers: &Value, own: &str, domain: &str) -> Vec<String> {
         }
     }
     out
+}
+
+/// Every upstream `dial` anywhere in `v` (handlers nest in subroutes).
+fn dials(v: &Value) -> Vec<&str> {
+    match v {
+        Value::Object(o) => o
+            .iter()
+            .flat_map(|(k, v)| match (k.as_str(), v) {
+                ("dial", Value::String(d)) => vec![d.as_str()],
+                _ => dials(v),
+            })
+            .collect(),
+        Value::Array(a) => a.iter().flat_map(dials).collect(),
+        _ => Vec::new(),
+    }
 }
 
 #[cfg(test)]
@@ -100,16 +137,26 @@ mod tests {
                 { "match": [{ "host": ["notsandbox.local"] }] },
             ]},
             "empty": {},
+            "relay": { "routes": [
+                { "handle": [{ "handler": "subroute", "routes": [{ "handle": [
+                    { "handler": "reverse_proxy", "upstreams": [{ "dial": "localhost:2019" }] }
+                ]}]}]},
+                { "handle": [{ "handler": "reverse_proxy", "upstreams": [{ "dial": "unix//var/lib/ka/links/0123.sock" }] }] },
+                { "handle": [{ "handler": "reverse_proxy", "upstreams": [{ "dial": "localhost:20190" }] }] },
+            ]},
         });
+        let reaching = ["localhost:2019".to_owned(), "/var/lib/ka/links".to_owned()];
         assert_eq!(
-            foreign_routes(&servers, "keystone-agent", "sandbox.local"),
+            foreign_routes(&servers, "keystone-agent", "sandbox.local", &reaching),
             vec![
                 "/config/apps/http/servers/keystone-agent/routes/2",
                 "/config/apps/http/servers/keystone-agent/routes/1",
+                "/config/apps/http/servers/relay/routes/1",
+                "/config/apps/http/servers/relay/routes/0",
                 "/config/apps/http/servers/x/routes/2",
                 "/config/apps/http/servers/x/routes/1",
             ]
         );
-        assert!(foreign_routes(&Value::Null, "keystone-agent", "sandbox.local").is_empty());
+        assert!(foreign_routes(&Value::Null, "keystone-agent", "sandbox.local", &[]).is_empty());
     }
 }

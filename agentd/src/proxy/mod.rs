@@ -127,8 +127,12 @@ pub struct Proxy {
     cfg: ProxyConfig,
     sandboxes: Arc<dyn Sandboxes>,
     caddy: Caddy,
-    /// Where agentd's pages listen (Caddy's catch-all dials it).
+    /// Where agentd answers Caddy's question before it makes a certificate
+    /// (`/ask`, a loopback port: Caddy asks over TCP only).
     pages: SocketAddr,
+    /// Where agentd's pages listen for Caddy (its catch-all, and a gated
+    /// route's requests without the token, dial it).
+    pages_socket: forward::Socket,
     /// Routes by sandbox.
     routes: tokio::sync::Mutex<BTreeMap<String, Vec<Route>>>,
     /// When the page server last redirected a host (loop guard).
@@ -168,6 +172,12 @@ impl Proxy {
             )
         })?;
         let pages = pages_listener.local_addr()?;
+        let (pages_unix, pages_socket) = forward::bind(&links_dir).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot listen in {} for agentd's pages: {e}",
+                links_dir.display()
+            )
+        })?;
         let (recheck, mut rechecks) = tokio::sync::mpsc::unbounded_channel();
         let proxy = Arc::new(Self {
             recheck,
@@ -175,6 +185,7 @@ impl Proxy {
             cfg,
             sandboxes,
             pages,
+            pages_socket,
             routes: tokio::sync::Mutex::new(BTreeMap::new()),
             redirected: Mutex::new(HashMap::new()),
             stale: std::sync::atomic::AtomicBool::new(true),
@@ -186,7 +197,8 @@ impl Proxy {
                 uuid::Uuid::new_v4().simple()
             ),
         });
-        tokio::spawn(pages::serve(pages_listener, Arc::clone(&proxy)));
+        tokio::spawn(pages::serve_ask(pages_listener, Arc::clone(&proxy)));
+        tokio::spawn(pages::serve(pages_unix, Arc::clone(&proxy)));
         tokio::spawn(Arc::clone(&proxy).watch_caddy());
         tokio::spawn(Arc::clone(&proxy).follow_sandboxes());
         let p = Arc::clone(&proxy);
@@ -244,7 +256,7 @@ impl Proxy {
     /// The Caddy route of `r`, a route of sandbox `name`.
     fn caddy_route(&self, name: &str, r: &Route) -> serde_json::Value {
         let token = self.token(name);
-        let pages = self.pages.to_string();
+        let pages = forward::dial(&self.pages_socket.path);
         let gate = token.as_deref().map(|token| caddy::Gate {
             token,
             pages: &pages,
@@ -285,10 +297,10 @@ impl Proxy {
     async fn watch_caddy(self: Arc<Self>) {
         let mut reported = false;
         loop {
-            let uid = peer::caddy_uid(&self.cfg.caddy_admin).unwrap_or(u32::MAX);
+            let result = self.check_caddy().await;
             self.caddy_uid
-                .store(uid, std::sync::atomic::Ordering::SeqCst);
-            match self.check_caddy().await {
+                .store(self.caddy.uid(), std::sync::atomic::Ordering::SeqCst);
+            match result {
                 Ok(()) => reported = false,
                 Err(e) => {
                     self.stale.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -305,7 +317,7 @@ impl Proxy {
     /// Build agentd's server in Caddy and put every route back.
     async fn apply_all(&self) -> Result<(), caddy::CaddyError> {
         let routes = self.routes.lock().await;
-        let fallback = caddy::fallback(&self.pages.to_string());
+        let fallback = caddy::fallback(&forward::dial(&self.pages_socket.path));
         if self.https() {
             let ask = format!("http://{}/ask", self.pages);
             self.caddy.ensure_tls(&self.cfg.domain, &ask).await?;

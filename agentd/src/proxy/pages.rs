@@ -13,13 +13,17 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use keystone_agent_api::SandboxState;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 
 use super::{Proxy, names};
 
 /// Most connections the pages hold at once; past it a new one is closed
-/// at once (anyone on the machine, or a page in a browser, can open them).
+/// at once.
 const CONNECTIONS_MAX: usize = 256;
+
+/// Most connections the `/ask` port holds at once (anyone on the machine,
+/// or a page in a browser, can open them; Caddy asks one at a time).
+const ASK_CONNECTIONS_MAX: usize = 16;
 
 /// How long a request's head may take to arrive, on a new or an idle
 /// kept-alive connection.
@@ -28,8 +32,9 @@ const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long one connection may last in all.
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Serve `listener` for ever.
-pub(super) async fn serve(listener: TcpListener, proxy: Arc<Proxy>) {
+/// Serve Caddy on `listener` (a unix socket in the links directory) for
+/// ever: connections from any other uid are closed at once.
+pub(super) async fn serve(listener: UnixListener, proxy: Arc<Proxy>) {
     let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
     let mut full = false;
     loop {
@@ -37,6 +42,9 @@ pub(super) async fn serve(listener: TcpListener, proxy: Arc<Proxy>) {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
         };
+        if !super::forward::from_caddy(&proxy, &stream, "agentd's pages") {
+            continue;
+        }
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             if !full {
                 tracing::warn!(
@@ -47,20 +55,52 @@ pub(super) async fn serve(listener: TcpListener, proxy: Arc<Proxy>) {
             continue;
         };
         full = false;
-        let proxy = Arc::clone(&proxy);
-        tokio::spawn(async move {
-            let _slot = slot;
-            let service = hyper::service::service_fn(move |req| {
-                let proxy = Arc::clone(&proxy);
-                async move { Ok::<_, Infallible>(answer(&proxy, &req).await) }
-            });
-            let connection = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(HEAD_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service);
-            let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
-        });
+        tokio::spawn(connection(stream, Arc::clone(&proxy), slot, false));
     }
+}
+
+/// Answer Caddy's `/ask` (whether to make a certificate for a name) on
+/// `listener`, a loopback port, for ever; nothing else is answered there.
+pub(super) async fn serve_ask(listener: TcpListener, proxy: Arc<Proxy>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(ASK_CONNECTIONS_MAX));
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            continue;
+        };
+        tokio::spawn(connection(stream, Arc::clone(&proxy), slot, true));
+    }
+}
+
+/// One connection to the pages (only `/ask` when `ask_only`), bounded in
+/// time, holding `slot` while it lasts.
+async fn connection<S>(
+    stream: S,
+    proxy: Arc<Proxy>,
+    slot: tokio::sync::OwnedSemaphorePermit,
+    ask_only: bool,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let _slot = slot;
+    let service = hyper::service::service_fn(move |req| {
+        let proxy = Arc::clone(&proxy);
+        async move {
+            Ok::<_, Infallible>(if ask_only && req.uri().path() != "/ask" {
+                page(StatusCode::NOT_FOUND, "Not here", "")
+            } else {
+                answer(&proxy, &req).await
+            })
+        }
+    });
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT)
+        .serve_connection(TokioIo::new(stream), service);
+    let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
 }
 
 async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<Bytes>> {
