@@ -321,6 +321,124 @@ fn the_pages_hold_a_bounded_number_of_connections_that_send_nothing() {
     );
 }
 
+/// Caddy's admin API on a loopback port: while Caddy is down, another
+/// local user listens on that port. agentd sends it nothing (no routes, no
+/// tokens), and that user's connections get nothing from the forwarders or
+/// the pages, whose sockets it can name; once Caddy is back, the links work.
+#[test]
+fn another_user_on_caddys_admin_port_gets_nothing() {
+    if !common::is_root() {
+        eprintln!("skipped: needs root to listen as another uid");
+        return;
+    }
+    let (env, mut caddy) = setup_auth("imp", false, "owner");
+    dev_server(&env, "imp", "main", free_port(), "imp-dev-server");
+    let routes: serde_json::Value = {
+        let mut v = serde_json::Value::Null;
+        wait_for("a link", DEADLINE, || {
+            v = serde_json::from_str(&env.ok(&["ports", "imp", "--json"])).unwrap();
+            v["routes"][0]["url"].as_str().is_some()
+        });
+        v
+    };
+    let url = routes["routes"][0]["url"].as_str().unwrap().to_owned();
+    let token = url.split_once("keystone_token=").unwrap().1.to_owned();
+    let dials: Vec<String> = caddy
+        .config("/config/apps/http/servers/keystone-agent/routes")
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|r| {
+            let text = r.to_string();
+            text.split("\"dial\":\"unix/")
+                .skip(1)
+                .filter_map(|t| t.split('"').next().map(str::to_owned))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(dials.len() >= 2, "{dials:?}");
+    for dir in [env.tmp.path(), env.state_dir.as_path()] {
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o711)).unwrap();
+    }
+    caddy.stop();
+    // Uid 65534 answers on the admin port, records what it is sent, and
+    // then asks the forwarders and the pages for the dev server.
+    let record = env.tmp.path().join("impostor.log");
+    std::fs::write(&record, "").unwrap();
+    std::fs::set_permissions(&record, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let script = format!(
+        r#"
+import http.server, socket, sys, threading, time
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def handle_one(self):
+        n = int(self.headers.get('Content-Length') or 0)
+        body = self.rfile.read(n)
+        with open({record:?}, 'ab') as f:
+            f.write(('%s %s ' % (self.command, self.path)).encode() + body + b'\n')
+        self.send_response(404); self.send_header('Content-Length', '0'); self.end_headers()
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = handle_one
+srv = http.server.ThreadingHTTPServer(('127.0.0.1', {admin}), H)
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+time.sleep(6)
+for path in {dials:?}:
+    s = socket.socket(socket.AF_UNIX); s.settimeout(5)
+    try:
+        s.connect(path)
+        s.sendall(b'GET /who.txt HTTP/1.1\r\nHost: imp.sandbox.local\r\nCookie: keystone_link={token}\r\n\r\n')
+        data = s.recv(65536)
+    except OSError as e:
+        data = repr(e).encode()
+    with open({record:?}, 'ab') as f:
+        f.write(b'socket ' + path.encode() + b' -> ' + data + b'\n')
+srv.shutdown()
+"#,
+        admin = caddy.admin,
+    );
+    let out = std::process::Command::new("python3")
+        .args(["-c", &script])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let seen = std::fs::read_to_string(&record).unwrap();
+    eprintln!("--- what uid 65534 saw ---\n{seen}");
+    assert!(
+        !seen.contains(&token),
+        "agentd sent the link's token to uid 65534:\n{seen}"
+    );
+    assert!(
+        !seen.contains("imp-dev-server"),
+        "uid 65534 reached the dev server:\n{seen}"
+    );
+    assert!(
+        !seen.lines().any(|l| !l.starts_with("socket ")),
+        "agentd sent requests to uid 65534 on the admin port:\n{seen}"
+    );
+    assert!(env.log().contains("belongs to uid 65534"), "{}", env.log());
+    caddy.restart();
+    let (_, _, body) = {
+        let start = Instant::now();
+        loop {
+            let r = caddy.get_with_cookie(
+                "imp.sandbox.local",
+                "/who.txt",
+                &format!("keystone_link={token}"),
+            );
+            if r.0 == 200 || start.elapsed() > DEADLINE {
+                break r;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(body.trim(), "imp-dev-server");
+}
+
 #[test]
 fn each_worktree_gets_its_link_and_routes_stay_in_step_with_caddy() {
     let (env, mut caddy) = setup("web");

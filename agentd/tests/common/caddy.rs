@@ -115,7 +115,8 @@ impl Caddy {
         );
     }
 
-    fn stop(&mut self) {
+    /// Stop Caddy (`restart` starts it again).
+    pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
