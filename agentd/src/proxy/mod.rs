@@ -208,6 +208,18 @@ impl Proxy {
             }
         });
         tracing::info!(domain = %proxy.cfg.domain, caddy = %proxy.cfg.caddy_admin, pages = %pages, "dev-server links enabled");
+        if proxy.gated()
+            && !proxy.https()
+            && !(proxy.cfg.domain == "localhost" || proxy.cfg.domain.ends_with(".localhost"))
+        {
+            tracing::warn!(
+                domain = %proxy.cfg.domain,
+                "links are plain HTTP outside .localhost: browsers send them no fetch metadata, so a page one \
+                 sandbox serves can make the owner's browser load another sandbox's scripts and frames with its \
+                 cookie; serve the links over HTTPS (a listen address on port 443, or proxy.https) or under \
+                 .localhost"
+            );
+        }
         Ok(proxy)
     }
 
