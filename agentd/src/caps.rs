@@ -48,36 +48,82 @@ pub fn drop_bounding() -> std::io::Result<()> {
     Ok(())
 }
 
+#[repr(C)]
+struct Header {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Data {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const VERSION_3: u32 = 0x2008_0522;
+
+const HEADER: Header = Header {
+    version: VERSION_3,
+    pid: 0,
+};
+
 /// Empty the process's effective, permitted and inheritable sets. A
 /// process that changed its uid inside a user namespace where uid 0 is not
 /// mapped keeps its capabilities there (the kernel clears them only on a
 /// change away from uid 0): this is what takes them.
 pub fn clear_own() -> std::io::Result<()> {
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: libc::c_int,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    const VERSION_3: u32 = 0x2008_0522;
-    let header = Header {
-        version: VERSION_3,
-        pid: 0,
-    };
     let data = [Data {
         effective: 0,
         permitted: 0,
         inheritable: 0,
     }; 2];
+    let header = HEADER;
     // SAFETY: capset with a pointer to a correctly laid out header and two
     // zeroed capability structs, as version 3 expects.
     check(unsafe { libc::syscall(libc::SYS_capset, &raw const header, data.as_ptr()) })
+}
+
+/// Keep the process's permitted capabilities (those the bounding set
+/// allows) through the next `execve`, although its uid is not root: they
+/// become inheritable and ambient too. For a helper that runs as a
+/// sandbox's uid inside a user namespace of its own where uid 0 is not
+/// mapped, so that those capabilities reach only what the namespace maps
+/// (see [`clear_own`] for why it still has them). Async-signal-safe: only
+/// `capget`, `capset` and `prctl`.
+pub fn keep_across_exec() -> std::io::Result<()> {
+    let mut data = [Data {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    let mut read = HEADER;
+    // SAFETY: capget fills two capability structs of version 3's layout.
+    check(unsafe { libc::syscall(libc::SYS_capget, &raw mut read, data.as_mut_ptr()) })?;
+    let mut keep = [0u32; 2];
+    let mut cap: u32 = 0;
+    // SAFETY: prctl with plain integer arguments; until the first
+    // capability this kernel does not know.
+    while let r @ 0.. = unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap, 0, 0, 0) } {
+        let (word, bit) = ((cap / 32) as usize, 1 << (cap % 32));
+        if r == 1 && word < 2 && data[word].permitted & bit != 0 {
+            keep[word] |= bit;
+        }
+        cap += 1;
+    }
+    for (d, k) in data.iter_mut().zip(keep) {
+        d.inheritable = k;
+    }
+    let header = HEADER;
+    // SAFETY: as in clear_own, with the sets just read.
+    check(unsafe { libc::syscall(libc::SYS_capset, &raw const header, data.as_ptr()) })?;
+    for c in (0..cap.min(64)).filter(|c| keep[(c / 32) as usize] & (1 << (c % 32)) != 0) {
+        // SAFETY: prctl with plain integer arguments.
+        let r = unsafe { libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_RAISE, c, 0, 0) };
+        check(r.into())?;
+    }
+    Ok(())
 }
 
 /// Be killed (SIGKILL) when the process that started this one, `parent`,

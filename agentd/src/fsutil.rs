@@ -460,7 +460,8 @@ pub fn move_mount_to(tree: &OwnedFd, target: &Path) -> Result<(), MountError> {
 /// own shows as the overflow id and stays theirs. No set-id bit or device
 /// works through it (what is stored as root's came from a sandbox).
 pub fn idmapped_tree(path: &Path, uid: u32, gid: u32) -> Result<OwnedFd, MountError> {
-    let userns = user_namespace(uid, gid).map_err(|source| MountError::Userns { source })?;
+    let userns =
+        user_namespace((0, uid), (0, gid)).map_err(|source| MountError::Userns { source })?;
     let tree = open_tree_clone(path)?;
     set_mount_attr(
         tree.as_raw_fd(),
@@ -535,10 +536,13 @@ pub fn set_mount_attr(
     Ok(())
 }
 
-/// A user namespace that maps root inside to `uid` and `gid` outside (as
-/// the idmap of a mount): made by a child that waits until its namespace
-/// is held open, then ends.
-fn user_namespace(uid: u32, gid: u32) -> std::io::Result<OwnedFd> {
+/// A user namespace that maps one uid and one gid, each given as (inside,
+/// outside), and nothing else (root inside to a sandbox's ids: the idmap
+/// of a mount; a sandbox's ids to themselves: a file server that must make
+/// nothing but the sandbox's files). Made by a child that waits until its
+/// namespace is held open, then ends; the maps are written from outside,
+/// which needs root for ids other than the caller's.
+pub fn user_namespace(uid: (u32, u32), gid: (u32, u32)) -> std::io::Result<OwnedFd> {
     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
     // SAFETY: the child makes only async-signal-safe calls (unshare, read,
     // _exit) before it ends.
@@ -569,8 +573,8 @@ fn user_namespace(uid: u32, gid: u32) -> std::io::Result<OwnedFd> {
                     }
                     std::thread::sleep(std::time::Duration::from_millis(1));
                 }
-                fs::write(dir.join("uid_map"), format!("0 {uid} 1\n"))?;
-                fs::write(dir.join("gid_map"), format!("0 {gid} 1\n"))?;
+                fs::write(dir.join("uid_map"), format!("{} {} 1\n", uid.0, uid.1))?;
+                fs::write(dir.join("gid_map"), format!("{} {} 1\n", gid.0, gid.1))?;
                 Ok(File::open(dir.join("ns/user"))?.into())
             })();
             drop(w);

@@ -234,7 +234,8 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     );
 
     // QEMU and the vsock device run as the sandbox's uid (the workspace's
-    // owner), never as root; only virtiofsd keeps root.
+    // owner), never as root (virtiofsd too: see the hostile guest root's
+    // test below).
     let ws_uid = std::os::unix::fs::MetadataExt::uid(
         &std::fs::metadata(env.state_dir.join("sandboxes/vmtest/workspace")).unwrap(),
     );
@@ -525,6 +526,164 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     assert_eq!(env.state("survivor"), "running");
 
     env.ok(&["stop", "survivor"]);
+    assert_nothing_left(&env);
+}
+
+/// `ssh` that runs `script` as root inside the guest of sandbox `name`
+/// (whose vsock device runs as `uid`), as a hostile guest root would: over
+/// the sandbox's own key and control channel.
+fn guest_root(env: &Env, name: &str, uid: u32, script: &str) -> std::process::Command {
+    let dir = env.state_dir.join("sandboxes").join(name);
+    let target = agentd::backend::ssh::SshTarget {
+        user: "root".into(),
+        host: format!("keystone-{name}"),
+        port: 22,
+        key: dir.join("client/id_ed25519"),
+        known_hosts: dir.join("client/known_hosts"),
+        alias: format!("keystone-{name}"),
+        proxy_command: Some(format!(
+            "{} {} {} {uid}",
+            common::AGENTD,
+            agentd::backend::vm::vsock::VSOCK_ARG,
+            dir.join("run/vm/vsock.uds").display()
+        )),
+        control_path: None,
+    };
+    let mut cmd = target.std_command();
+    cmd.arg(format!("root@{}", target.host)).arg(script);
+    cmd
+}
+
+#[test]
+#[ignore = "boots real VMs: run tests/run-vm.sh"]
+fn guest_root_is_the_sandboxs_uid_in_the_workspace_and_leaves_agentd_its_reserve() {
+    // virtiofs (agentd is root here) on a disk image of its own, so that
+    // the guest can fill it.
+    let env = env_with(&image(), serde_json::json!({"vm": {"home_size_mib": 256}}));
+    create_vm_with(&env, "hostile", "none", &["--disk", "128"]);
+    env.ok(&["start", "hostile"]);
+    let limits = env.status("hostile")["limits"].as_str().unwrap().to_owned();
+    assert!(limits.contains("workspace over virtiofs"), "{limits}");
+    assert!(limits.contains("disk 128 MiB (ext4 image)"), "{limits}");
+    let ws = env.state_dir.join("sandboxes/hostile/workspace");
+    let meta = std::fs::metadata(&ws).unwrap();
+    let (uid, gid) = (
+        std::os::unix::fs::MetadataExt::uid(&meta),
+        std::os::unix::fs::MetadataExt::gid(&meta),
+    );
+    assert_ne!(uid, 0);
+    let reserved = || {
+        let fs = nix::sys::statvfs::statvfs(&ws).unwrap();
+        (fs.blocks_free(), fs.blocks_available())
+    };
+    let (free, available) = reserved();
+    let reserve = free - available;
+    assert!(reserve > 0, "the image keeps no reserve for agentd");
+
+    // The agent leaves a shell in the workspace; guest root makes it and
+    // one of its own setuid root, and makes device nodes.
+    sh(&env, "hostile", "cp /bin/sh /workspace/agentsh");
+    let out = guest_root(
+        &env,
+        "hostile",
+        uid,
+        "cd /workspace; cp /bin/sh rootsh; mkdir rootdir; \
+         chown 0:0 agentsh rootsh rootdir; chmod 4755 agentsh rootsh; \
+         mknod chardev c 1 1; mknod blockdev b 254 0; chmod 666 chardev blockdev; \
+         ls -ln 2>&1; true",
+    )
+    .output()
+    .unwrap();
+    eprintln!(
+        "guest root in /workspace:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The file server runs as the sandbox's uid on the host.
+    let procs = env.vm_processes();
+    let servers: Vec<_> = procs
+        .iter()
+        .filter(|(_, c)| c.contains("virtiofsd"))
+        .collect();
+    assert!(!servers.is_empty(), "{procs:#?}");
+    for (pid, _) in servers {
+        let uids = common::proc_status(*pid, "Uid");
+        assert!(
+            uids.split_whitespace().all(|u| u == uid.to_string()),
+            "virtiofsd {pid}: Uid {uids}, want {uid}"
+        );
+    }
+    // Then the agent and guest root fill the disk. The guest may stop
+    // when its disks cannot grow any more (QEMU's files are on this disk
+    // too): watch the disk until nothing is written for a while.
+    let mut fill = guest_root(
+        &env,
+        "hostile",
+        uid,
+        &format!(
+            "cd /workspace; setpriv --reuid={uid} --regid={gid} --clear-groups \
+             sh -c 'head -c 1G /dev/zero > fill'; cat /dev/zero >> fill; \
+             head -c 1G /dev/zero > rootfill; true"
+        ),
+    )
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null())
+    .spawn()
+    .unwrap();
+    let mut last = (reserved(), std::time::Instant::now());
+    wait_for("the disk to fill", Duration::from_secs(600), || {
+        let now = reserved();
+        if now != last.0 {
+            last = (now, std::time::Instant::now());
+        }
+        matches!(fill.try_wait(), Ok(Some(_)))
+            || (now.1 == 0 && last.1.elapsed() > Duration::from_secs(15))
+    });
+    let _ = fill.kill();
+    let _ = fill.wait();
+
+    // On the host everything in the workspace is the sandbox's, and none
+    // of it is a device.
+    let mut wrong = Vec::new();
+    let mut stack = vec![ws.clone()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let m = std::fs::symlink_metadata(&path).unwrap();
+            let t = m.file_type();
+            use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+            if m.uid() != uid || m.gid() != gid || t.is_char_device() || t.is_block_device() {
+                wrong.push(format!(
+                    "{} {}:{} {:o}",
+                    path.display(),
+                    m.uid(),
+                    m.gid(),
+                    m.permissions().mode()
+                ));
+            }
+            if t.is_dir() {
+                stack.push(path);
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "not the sandbox's ({uid}:{gid}), or a device: {wrong:#?}"
+    );
+    assert!(ws.join("agentsh").is_file());
+    // The disk is full for the sandbox, not for agentd: the reserve is left
+    // and agentd writes the sandbox's settings.
+    let (free, available) = reserved();
+    assert!(
+        available < reserve / 20,
+        "the disk was not filled: {available} blocks left"
+    );
+    assert!(
+        free >= reserve * 9 / 10,
+        "the guest wrote into agentd's reserve: {free} of {reserve} blocks left"
+    );
+    env.ok(&["set", "hostile", "--sync-mode", "auto-commit"]);
+    env.ok(&["stop", "--force", "hostile"]);
     assert_nothing_left(&env);
 }
 

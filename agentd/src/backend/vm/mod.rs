@@ -482,18 +482,23 @@ impl VmBackend {
         let s = |p: &Path| p.display().to_string();
         let mut helpers = Vec::new();
         if let Some(v) = &virtiofsd {
+            // As the sandbox's uid in a user namespace of its own: it gets
+            // its socket from the supervisor (it could not make one in
+            // run/, nor its lock file in /run) and the open-file limit it
+            // could not raise there.
             helpers.push(Helper {
                 name: "virtiofsd".into(),
                 argv: vec![
                     s(v),
-                    format!("--socket-path={}", s(&p.fs_socket)),
+                    format!("--fd={}", supervise::FIRST_FD),
+                    "--rlimit-nofile=0".into(),
                     "-o".into(),
                     format!("source={}", s(&spec.workspace)),
                     "-o".into(),
                     "cache=auto".into(),
                 ],
                 socket: p.fs_socket.clone(),
-                privileged: true,
+                user_namespace: true,
             });
         }
         helpers.push(Helper {
@@ -508,7 +513,7 @@ impl VmBackend {
                 ),
             ],
             socket: p.vsock_socket.clone(),
-            privileged: false,
+            user_namespace: false,
         });
         let mut argv = vec![s(&qemu)];
         argv.extend(qemu::qemu_args(&machine));

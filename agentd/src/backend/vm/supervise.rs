@@ -1,7 +1,10 @@
 //! `agentd keystone-vm PLAN NAME`: the supervisor of one `vm` sandbox.
 //!
 //! It runs with agentd's uid; QEMU and vhost-device-vsock drop to the
-//! sandbox's uid ([`Plan::run_as`]), and only virtiofsd keeps root.
+//! sandbox's uid ([`Plan::run_as`]). virtiofsd runs as that uid too, in a
+//! user namespace that maps only the sandbox's ids
+//! ([`Helper::user_namespace`]): whatever the guest asks of it, even as
+//! the guest's root, it can make only the sandbox's files, and no device.
 //!
 //! agentd starts it as the leader of a new session and process group; it
 //! starts the device helpers (virtiofsd, vhost-device-vsock), waits for
@@ -82,11 +85,35 @@ pub struct Helper {
     pub name: String,
     /// argv (program first).
     pub argv: Vec<String>,
-    /// The socket it creates, which QEMU connects to.
+    /// The socket QEMU connects to: made by the helper, or by the
+    /// supervisor for a helper in a [`Helper::user_namespace`].
     pub socket: PathBuf,
-    /// Keeps the supervisor's uid (virtiofsd needs root); its socket is
-    /// then given to [`Plan::run_as`] for QEMU.
-    pub privileged: bool,
+    /// A file server (virtiofsd): it runs as [`Plan::run_as`] inside a user
+    /// namespace of its own in which only those ids are mapped (to
+    /// themselves), with every capability there, so that it may still
+    /// change its ids per request and make its own namespaces, while
+    /// everything it makes is the sandbox's and device nodes are refused.
+    /// The supervisor raises its open-file limit beforehand ([`nofile`]),
+    /// binds [`Helper::socket`] (in agentd's directory, given to
+    /// [`Plan::run_as`] for QEMU) and hands it over as descriptor
+    /// [`FIRST_FD`] (virtiofsd's `--fd`). Without [`Plan::run_as`] it keeps
+    /// the supervisor's uid.
+    #[serde(alias = "privileged")]
+    pub user_namespace: bool,
+}
+
+/// The open-file limit of a [`Helper::user_namespace`] helper: what
+/// virtiofsd takes for itself as root (1,000,000, less where the kernel
+/// allows fewer), which inside its namespace it could not.
+fn nofile() -> u64 {
+    let read = |p: &str| {
+        std::fs::read_to_string(p)
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+    };
+    let file_max = read("/proc/sys/fs/file-max").map_or(u64::MAX, |m| m.saturating_sub(16_384));
+    let nr_open = read("/proc/sys/fs/nr_open").unwrap_or(1_048_576);
+    1_000_000.min(file_max).min(nr_open)
 }
 
 /// The first descriptor number of [`Plan::files`] in QEMU.
@@ -108,6 +135,10 @@ struct Child_<'a> {
     stdout: std::fs::File,
     stderr: std::fs::File,
     run_as: Option<&'a RunAs>,
+    /// A user namespace to enter before changing to `run_as`, keeping the
+    /// capabilities it gives through the exec (see
+    /// [`Helper::user_namespace`]).
+    userns: Option<&'a OwnedFd>,
     files: &'a [OwnedFd],
 }
 
@@ -127,11 +158,19 @@ fn spawn(c: Child_<'_>) -> std::io::Result<Child> {
         .stdout(c.stdout)
         .stderr(c.stderr);
     let fds: Vec<i32> = c.files.iter().map(AsRawFd::as_raw_fd).collect();
-    let run_as = c.run_as.cloned();
+    let mut run_as = c.run_as.cloned();
+    let userns = c.userns.map(AsRawFd::as_raw_fd);
+    if let (Some(r), Some(_)) = (&mut run_as, userns) {
+        // Only the sandbox's ids exist in the namespace (and a file server
+        // needs no /dev/kvm).
+        r.groups.clear();
+    }
+    let nofile = nofile();
     let parent = nix::unistd::getpid();
     // SAFETY: only async-signal-safe calls (getrlimit, setrlimit, dup3,
-    // dup2, setgroups, setgid, setuid, prctl, sigprocmask, getppid) between
-    // fork and exec.
+    // dup2, setns, setgroups, setgid, setuid, capget, capset, prctl,
+    // sigprocmask, getppid) between fork and exec; `userns` stays open in
+    // the parent until the child has started.
     unsafe {
         cmd.pre_exec(move || {
             crate::budget::restore_inherited_nofile()?;
@@ -145,6 +184,18 @@ fn spawn(c: Child_<'_>) -> std::io::Result<Child> {
                     return Err(std::io::Error::last_os_error());
                 }
             }
+            if let Some(ns) = userns {
+                // While still root outside: the namespace's root could not.
+                // Without CAP_SYS_RESOURCE (in a container), up to the hard
+                // limit.
+                use nix::sys::resource::{Resource, getrlimit, setrlimit};
+                if setrlimit(Resource::RLIMIT_NOFILE, nofile, nofile).is_err() {
+                    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE)?;
+                    setrlimit(Resource::RLIMIT_NOFILE, nofile.min(hard), hard)?;
+                }
+                let ns = std::os::fd::BorrowedFd::borrow_raw(ns);
+                nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWUSER)?;
+            }
             if let Some(r) = &run_as {
                 let groups: Vec<nix::unistd::Gid> = r
                     .groups
@@ -154,6 +205,11 @@ fn spawn(c: Child_<'_>) -> std::io::Result<Child> {
                 nix::unistd::setgroups(&groups)?;
                 nix::unistd::setgid(nix::unistd::Gid::from_raw(r.gid))?;
                 nix::unistd::setuid(nix::unistd::Uid::from_raw(r.uid))?;
+            }
+            if userns.is_some() {
+                // Uid 0 is not mapped there, so the change of uid kept the
+                // namespace's capabilities; the exec would not.
+                crate::caps::keep_across_exec()?;
             }
             // After the uid change, which clears it.
             nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
@@ -167,6 +223,31 @@ fn spawn(c: Child_<'_>) -> std::io::Result<Child> {
     let child = cmd.spawn();
     drop(exe);
     child
+}
+
+/// For a [`Helper::user_namespace`] helper: its socket, bound here and
+/// given to `run_as` (for QEMU), and the namespace that maps only
+/// `run_as`'s ids (none without `run_as`: the helper keeps the
+/// supervisor's uid).
+fn file_server(
+    socket: &Path,
+    run_as: Option<&RunAs>,
+) -> std::io::Result<(Option<OwnedFd>, Option<OwnedFd>)> {
+    let listener = std::os::unix::net::UnixListener::bind(socket)?;
+    let Some(r) = run_as else {
+        return Ok((Some(listener.into()), None));
+    };
+    // The socket's directory is the supervisor's: nobody can swap the
+    // socket for a link, and the link would not be followed anyway.
+    nix::unistd::fchownat(
+        nix::fcntl::AT_FDCWD,
+        socket,
+        Some(nix::unistd::Uid::from_raw(r.uid)),
+        Some(nix::unistd::Gid::from_raw(r.gid)),
+        nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+    )?;
+    let userns = crate::fsutil::user_namespace((r.uid, r.uid), (r.gid, r.gid))?;
+    Ok((Some(listener.into()), Some(userns)))
 }
 
 fn open_arg(f: &FileArg) -> std::io::Result<OwnedFd> {
@@ -270,6 +351,19 @@ pub fn main(plan: &str) -> i32 {
     let mut children: Vec<(String, Child)> = Vec::new();
     for h in &plan.helpers {
         let _ = std::fs::remove_file(&h.socket);
+        let prepared = if h.user_namespace {
+            file_server(&h.socket, plan.run_as.as_ref())
+        } else {
+            Ok((None, None))
+        };
+        let (listener, userns) = match prepared {
+            Ok(p) => p,
+            Err(e) => {
+                say(&format!("cannot prepare {}: {e}", h.name));
+                end(&mut children, Duration::from_secs(1));
+                return 1;
+            }
+        };
         let started = open_log(&plan.log)
             .and_then(|out| Ok((out.try_clone()?, out)))
             .and_then(|(out, err)| {
@@ -277,14 +371,13 @@ pub fn main(plan: &str) -> i32 {
                     argv: &h.argv,
                     stdout: out,
                     stderr: err,
-                    run_as: if h.privileged {
-                        None
-                    } else {
-                        plan.run_as.as_ref()
-                    },
-                    files: &[],
+                    run_as: plan.run_as.as_ref(),
+                    userns: userns.as_ref(),
+                    files: listener.as_slice(),
                 })
             });
+        drop(listener);
+        drop(userns);
         match started {
             Ok(c) => children.push((h.name.clone(), c)),
             Err(e) => {
@@ -312,27 +405,6 @@ pub fn main(plan: &str) -> i32 {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        if let (true, Some(r)) = (h.privileged, &plan.run_as) {
-            // QEMU, with fewer rights, connects to it. The socket's
-            // directory is the supervisor's: nobody can swap the socket
-            // for a link, and the link would not be followed anyway.
-            let owned = nix::unistd::fchownat(
-                nix::fcntl::AT_FDCWD,
-                &h.socket,
-                Some(nix::unistd::Uid::from_raw(r.uid)),
-                Some(nix::unistd::Gid::from_raw(r.gid)),
-                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-            );
-            if let Err(e) = owned {
-                say(&format!(
-                    "cannot hand {} to uid {}: {e}",
-                    h.socket.display(),
-                    r.uid
-                ));
-                end(&mut children, Duration::from_secs(1));
-                return 1;
-            }
-        }
     }
     let mut files = Vec::new();
     for f in &plan.files {
@@ -353,6 +425,7 @@ pub fn main(plan: &str) -> i32 {
                 stdout: console,
                 stderr: log,
                 run_as: plan.run_as.as_ref(),
+                userns: None,
                 files: &files,
             })
         });
@@ -420,4 +493,19 @@ fn finish(children: &mut Vec<(String, Child)>, pid: Pid, qemu: Pid, how: &str, c
     }
     end(children, Duration::from_secs(3));
     code
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_from_before_the_file_servers_namespace_still_reads() {
+        // An adopted VM's plan tells agentd whom its processes run as.
+        let h: Helper = serde_json::from_str(
+            r#"{"name": "virtiofsd", "argv": ["virtiofsd"], "socket": "/s", "privileged": true}"#,
+        )
+        .unwrap();
+        assert!(h.user_namespace);
+    }
 }
