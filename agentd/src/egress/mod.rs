@@ -17,6 +17,7 @@
 
 pub mod ask;
 pub mod gateway;
+mod head;
 pub mod intercept;
 pub mod log;
 mod mask;
