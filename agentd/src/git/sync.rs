@@ -453,7 +453,8 @@ impl Cap<'_> {
 
 /// The writing helper (`agentd __sync-write`), run as the destination's
 /// owner: prints its [`Haves`] as one JSON line, reads the reader's report
-/// line and pack on stdin, and answers with its [`WriteReport`].
+/// line and pack on stdin (always to its end, needed or not), and answers
+/// with its [`WriteReport`].
 #[derive(Debug)]
 pub struct SyncWrite;
 
@@ -542,6 +543,13 @@ pub fn write(
         std::io::copy(&mut input, &mut w).map_err(|source| SyncError::Receive { source })?;
         w.commit()
             .map_err(|source| SyncError::IndexPack { source })?;
+    } else {
+        // Every tip is here already, yet the reader may still send a pack
+        // (an empty one, or objects this side has only unreachable): read
+        // it to its end all the same, so agentd never writes into a pipe
+        // nobody reads any more and calls a sync that worked a failure.
+        std::io::copy(&mut input, &mut std::io::sink())
+            .map_err(|source| SyncError::Receive { source })?;
     }
     let mut report = WriteReport {
         read,
@@ -623,5 +631,59 @@ fn ensure_remote(repo: &Repository, name: &str, url: &str, prefix: &str) -> Resu
         Ok(r) if r.url() == Some(url) => Ok(()),
         Ok(_) => Ok(repo.remote_set_url(name, url)?),
         Err(_) => Ok(repo.remote_with_fetch(name, url, &refspec).map(|_| ())?),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A repository with one commit on `main`, and that commit.
+    fn repo_with_a_commit(dir: &Path) -> Oid {
+        let repo = Repository::init(dir).unwrap();
+        let sig = git2::Signature::now("T", "t@example.com").unwrap();
+        let tree = repo.treebuilder(None).unwrap().write().unwrap();
+        let tree = repo.find_tree(tree).unwrap();
+        repo.commit(Some("refs/heads/main"), &sig, &sig, "first", &tree, &[])
+            .unwrap()
+    }
+
+    #[test]
+    fn the_writer_reads_a_pack_it_does_not_need_to_its_end() {
+        let tmp = tempfile::tempdir().unwrap();
+        let head = repo_with_a_commit(tmp.path());
+        let spec = WriteSpec {
+            repo: tmp.path().to_owned(),
+            prefix: "refs/remotes/sandbox/t/".to_owned(),
+            remote: None,
+            prune: false,
+            into: None,
+        };
+        let report = ReadReport {
+            updates: vec![Update {
+                branch: "x".to_owned(),
+                old: String::new(),
+                new: head.to_string(),
+                commits: 0,
+                files_changed: 0,
+                files: Vec::new(),
+            }],
+            skipped: Vec::new(),
+        };
+        let mut input = serde_json::to_vec(&report).unwrap();
+        input.push(b'\n');
+        // What follows the report: a pack of nothing new, here longer than
+        // a pipe holds.
+        input.extend(std::iter::repeat_n(b'P', 1 << 20));
+        let mut rest = input.as_slice();
+        let mut out = Vec::new();
+        let done = write(&spec, &mut rest, &mut out).unwrap();
+        assert!(rest.is_empty(), "{} bytes left unread", rest.len());
+        assert_eq!(done.read.updates.len(), 1);
+        let repo = Repository::open(tmp.path()).unwrap();
+        assert_eq!(
+            repo.refname_to_id("refs/remotes/sandbox/t/x").unwrap(),
+            head
+        );
     }
 }
