@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::sync::{self, ReadReport, ReadRequest, SyncRead, SyncWrite, WriteReport, WriteSpec};
 use crate::helper::{self, Helper, HelperError, RunAs};
@@ -81,20 +81,79 @@ async fn run_inner(exe: &Path, t: Transfer) -> Result<WriteReport, HelperError> 
             ..WriteReport::default()
         });
     }
-    let copied = tokio::io::copy_buf(reader.output(), writer.input()).await;
-    let _ = writer.input().shutdown().await;
-    writer.close_input();
-    reader.finish().await?;
-    if let Err(e) = copied {
-        return Err(match writer.finish().await {
-            Err(w) => {
-                HelperError::Failed(format!("passing objects to the writer failed: {e}: {w}"))
-            }
-            Ok(_) => HelperError::Io {
-                what: SyncWrite::WHAT,
-                source: e,
-            },
-        });
+    match pass(reader.output(), writer.input()).await {
+        Ok(()) => {
+            let _ = writer.input().shutdown().await;
+            writer.close_input();
+            reader.finish().await?;
+            writer.finish().await
+        }
+        // Reading the reader's output failed: both are ended (dropped).
+        Err(Pass::Read(source)) => Err(HelperError::Io {
+            what: SyncRead::WHAT,
+            source,
+        }),
+        Err(Pass::Write(e)) => {
+            writer.close_input();
+            // The writer stopped reading: it failed (and says why; the
+            // reader, which may be stuck writing to a full pipe, is ended
+            // with it), or it had all it needed and its report is what was
+            // done. Either way its end, not the broken pipe, is the answer.
+            let report = writer.finish().await?;
+            tracing::debug!(error = %e, "the sync writer finished before the rest of the pack");
+            let _ = tokio::io::copy_buf(reader.output(), &mut tokio::io::sink()).await;
+            reader.finish().await?;
+            Ok(report)
+        }
     }
-    writer.finish().await
+}
+
+/// Which side of [`pass`] failed.
+enum Pass {
+    Read(std::io::Error),
+    Write(std::io::Error),
+}
+
+/// Pass everything `from` has to `to`, telling a failure to read from a
+/// failure to write (a peer that stopped reading).
+async fn pass(
+    from: &mut (impl AsyncBufRead + Unpin),
+    to: &mut (impl AsyncWrite + Unpin),
+) -> Result<(), Pass> {
+    loop {
+        let chunk = from.fill_buf().await.map_err(Pass::Read)?;
+        if chunk.is_empty() {
+            return to.flush().await.map_err(Pass::Write);
+        }
+        let n = chunk.len();
+        to.write_all(chunk).await.map_err(Pass::Write)?;
+        from.consume(n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Pass, pass};
+
+    #[tokio::test]
+    async fn a_peer_that_stopped_reading_is_told_from_a_source_that_failed() {
+        // A writer that ended: the pipe is broken on the writing side.
+        let (mut to, from_other_end) = tokio::io::duplex(64);
+        drop(from_other_end);
+        let mut from: &[u8] = &[b'P'; 1024];
+        assert!(matches!(
+            pass(&mut from, &mut to).await,
+            Err(Pass::Write(_))
+        ));
+        // Everything passed: the other end got it all.
+        let (mut to, mut other) = tokio::io::duplex(4096);
+        let mut from: &[u8] = b"report\nPACK";
+        assert!(pass(&mut from, &mut to).await.is_ok());
+        drop(to);
+        let mut got = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut other, &mut got)
+            .await
+            .unwrap();
+        assert_eq!(got, b"report\nPACK");
+    }
 }
