@@ -560,3 +560,65 @@ fn a_helper_the_sandbox_holds_up_ends_with_a_killed_agentd() {
     );
     let _ = sync.wait_with_output();
 }
+
+/// One sync of a new branch that points at a commit the destination already
+/// has: what went wrong, if anything.
+fn sync_of_a_known_commit(env: &Env, args: &[&str], branch: &str) -> Option<String> {
+    let out = env.ctl(args);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let fine = out.status.success()
+        && stdout.contains("Brought ")
+        && stdout.contains(&format!("  {branch}  new at "))
+        && stdout.contains("0 commit(s)");
+    (!fine).then(|| {
+        format!(
+            "{args:?} ({:?}): {}{}",
+            out.status.code(),
+            stdout.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+    })
+}
+
+#[test]
+fn a_branch_at_a_commit_the_destination_has_syncs_without_a_broken_pipe() {
+    // The writer needs no pack for such a branch and may be done before
+    // agentd has passed on the (empty) pack: 50 times each way, every sync
+    // must succeed, say what it brought, and move the ref.
+    const ROUNDS: usize = 50;
+    let env = Env::new();
+    let repo = setup(&env, "known");
+    let head = git(&repo, &["rev-parse", "main"]);
+    let mut failures = Vec::new();
+    for i in 0..ROUNDS {
+        let branch = format!("x{i}");
+        sh(&env, "known", &format!("git branch {branch} HEAD"));
+        failures.extend(sync_of_a_known_commit(&env, &["sync", "known"], &branch));
+        assert_eq!(
+            common::host_ref(&repo, &format!("refs/remotes/sandbox/known/{branch}")).as_deref(),
+            Some(head.trim()),
+            "{branch} did not arrive on the host"
+        );
+    }
+    for i in 0..ROUNDS {
+        let branch = format!("h{i}");
+        git(&repo, &["branch", &branch, "main"]);
+        failures.extend(sync_of_a_known_commit(
+            &env,
+            &["sync", "known", "--from-host"],
+            &branch,
+        ));
+        assert_eq!(
+            sh(&env, "known", &format!("git rev-parse host/{branch}")),
+            head,
+            "{branch} did not arrive in the sandbox"
+        );
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} syncs failed:\n{}",
+        failures.len(),
+        2 * ROUNDS,
+        failures.join("\n")
+    );
+}
