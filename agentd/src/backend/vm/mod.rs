@@ -16,7 +16,9 @@ mod settings;
 pub mod supervise;
 pub mod vsock;
 
-pub use settings::{AccelChoice, ShareChoice, VmSettings};
+pub use settings::{
+    AccelChoice, ShareChoice, VHOST_VSOCK_VERSION, VmSettings, vhost_vsock_candidates,
+};
 
 use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
@@ -680,25 +682,6 @@ impl VmBackend {
 /// The uid the sandbox's vsock device runs as (see [`run_as`]).
 fn device_uid(spec: &SandboxSpec) -> u32 {
     run_as(spec, Accel::Tcg).map_or_else(|| nix::unistd::Uid::effective().as_raw(), |r| r.uid)
-}
-
-/// The version of vhost-device-vsock that tests/install-tools.sh installs.
-pub const VHOST_VSOCK_VERSION: &str = "0.3.0";
-
-/// Where agentd looks for vhost-device-vsock, in order: the configured
-/// binary alone, else `PATH`, then the cache of `tests/install-tools.sh`.
-#[must_use]
-pub fn vhost_vsock_candidates(configured: Option<&Path>) -> Vec<PathBuf> {
-    if let Some(c) = configured {
-        return vec![c.to_owned()];
-    }
-    let mut names: Vec<PathBuf> = vec!["vhost-device-vsock".into()];
-    names.extend(crate::tools::cache_dir().map(|c| {
-        c.join(format!(
-            "vhost-device-vsock-{VHOST_VSOCK_VERSION}/bin/vhost-device-vsock"
-        ))
-    }));
-    names
 }
 
 impl Backend for VmBackend {
