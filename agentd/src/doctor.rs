@@ -502,7 +502,10 @@ mod tests {
         let check = caddy(&links(&format!("http://127.0.0.1:{port}")));
         assert!(matches!(check.status, Status::Warn), "{check:?}");
         assert!(check.detail.contains("every local user"), "{check:?}");
-        assert!(check.fix.contains("unix//run/caddy/admin.sock"), "{check:?}");
+        assert!(
+            check.fix.contains("unix//run/caddy/admin.sock"),
+            "{check:?}"
+        );
 
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("admin.sock");
@@ -513,6 +516,9 @@ mod tests {
         std::fs::remove_file(&socket).unwrap();
         let check = caddy(&links(&format!("unix/{}", socket.display())));
         assert!(matches!(check.status, Status::Missing), "{check:?}");
-        assert!(check.fix.contains("admin unix//run/caddy/admin.sock"), "{check:?}");
+        assert!(
+            check.fix.contains("admin unix//run/caddy/admin.sock"),
+            "{check:?}"
+        );
     }
 }
