@@ -18,19 +18,6 @@ fn descriptors(pid: i32) -> usize {
         .count()
 }
 
-/// Run `script` with sh inside sandbox `name`; (exit code, output).
-fn inside(env: &Env, name: &str, script: &str) -> (i32, String) {
-    let out = env.ctl(&["exec", name, "--timeout", "60", "--", "sh", "-c", script]);
-    (
-        out.status.code().unwrap_or(-1),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
-}
-
 /// An origin on the host's loopback that takes every connection and
 /// neither answers nor closes any; (its port, the connections).
 fn endless_origin() -> (u16, Arc<Mutex<Vec<std::net::TcpStream>>>) {
@@ -114,8 +101,7 @@ open("flood.out", "w").write("%d %d %d\n" % (ok, busy, other))
 time.sleep(600)
 "#
     );
-    inside(
-        &env,
+    env.inside(
         "evil",
         &format!("cat > flood.py <<'EOF'\n{script}\nEOF\npython3 flood.py >flood.log 2>&1 &"),
     );
@@ -124,7 +110,7 @@ time.sleep(600)
         "the flood's client to finish",
         Duration::from_secs(300),
         || {
-            counts = inside(&env, "evil", "cat flood.out 2>/dev/null").1;
+            counts = env.inside("evil", "cat flood.out 2>/dev/null").1;
             counts.ends_with('\n')
         },
     );
@@ -155,18 +141,17 @@ time.sleep(600)
     assert!(!log.contains("accept failed"), "{log}");
 
     // Everyone else still works: another sandbox's gateway, exec.
-    let (code, out) = inside(
-        &env,
+    let (code, out) = env.inside(
         "good",
         &format!("curl -sS --max-time 10 http://127.0.0.1:{answering}/ --noproxy '' 2>&1"),
     );
     assert_eq!((code, out.as_str()), (0, "still-served"), "{out}");
-    assert_eq!(inside(&env, "good", "echo alive").1.trim(), "alive");
-    assert_eq!(inside(&env, "evil", "echo alive").1.trim(), "alive");
+    assert_eq!(env.inside("good", "echo alive").1.trim(), "alive");
+    assert_eq!(env.inside("evil", "echo alive").1.trim(), "alive");
 
     // The client goes; the origin keeps its ends open. agentd's tunnels end
     // within the half-closed time-out, and its descriptors come back.
-    inside(&env, "evil", "kill $(cat flood.pid)");
+    env.inside("evil", "kill $(cat flood.pid)");
     let gone = Instant::now();
     let mut after = during;
     common::wait_for(
@@ -199,8 +184,7 @@ fn a_sandbox_listening_on_many_ports_gets_at_most_routes_max_links() {
     env.ok(&["ports", "ports"]);
     let before = descriptors(pid);
 
-    inside(
-        &env,
+    env.inside(
         "ports",
         &format!(
             "python3 -c '
@@ -217,7 +201,7 @@ time.sleep(600)
         ),
     );
     common::wait_for("the listeners", Duration::from_secs(30), || {
-        inside(&env, "ports", "cat listening 2>/dev/null").1 == "yes"
+        env.inside("ports", "cat listening 2>/dev/null").1 == "yes"
     });
     let started = Instant::now();
     let ports: serde_json::Value =

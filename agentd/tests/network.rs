@@ -21,32 +21,14 @@ fn host_address() -> Option<IpAddr> {
         .find(|a| !a.is_loopback())
 }
 
-/// Run `script` with sh inside sandbox `name`, killed after 60 s; (exit
-/// code, stdout+stderr).
-fn inside(env: &Env, name: &str, script: &str) -> (i32, String) {
-    let out = env.ctl(&["exec", name, "--timeout", "60", "--", "sh", "-c", script]);
-    (
-        out.status.code().unwrap_or(-1),
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    )
-}
-
 /// Run Python `code` (no single quotes in it) inside; its output.
 fn python(env: &Env, name: &str, code: &str) -> String {
-    inside(env, name, &format!("python3 -c '{code}'")).1
+    env.inside(name, &format!("python3 -c '{code}'")).1
 }
 
 /// `curl` inside with the given extra options; (exit code, output).
 fn curl(env: &Env, name: &str, opts: &str, url: &str) -> (i32, String) {
-    inside(
-        env,
-        name,
-        &format!("curl -sS --max-time 10 {opts} '{url}' 2>&1"),
-    )
+    env.inside(name, &format!("curl -sS --max-time 10 {opts} '{url}' 2>&1"))
 }
 
 fn egress_log(env: &Env, name: &str) -> Vec<serde_json::Value> {
@@ -75,7 +57,7 @@ fn decisions(env: &Env, name: &str) -> Vec<(String, String, String, String)> {
 /// what needs it, saying so; in CI (`CI=true`, where .ci/run installs it)
 /// its absence fails the test.
 fn installed(env: &Env, name: &str, tool: &str) -> bool {
-    let found = inside(env, name, &format!("command -v {tool}")).0 == 0;
+    let found = env.inside(name, &format!("command -v {tool}")).0 == 0;
     if !found {
         assert_ne!(
             std::env::var("CI").as_deref(),
@@ -175,7 +157,7 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
     env.create_running("net", &[]);
 
     // Every process inside is pointed at the gateway.
-    let (_, vars) = inside(&env, "net", "echo $HTTPS_PROXY $all_proxy");
+    let (_, vars) = env.inside("net", "echo $HTTPS_PROXY $all_proxy");
     assert_eq!(
         vars.trim(),
         "http://127.0.0.1:3128 socks5h://127.0.0.1:3128"
@@ -355,8 +337,7 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
             .count()
     };
     let ended = count(false);
-    inside(
-        &env,
+    env.inside(
         "net",
         &format!(
             "python3 -c '{}' >/dev/null 2>&1 &",
@@ -383,7 +364,7 @@ time.sleep(30)
 fn a_sandbox_without_network_has_no_way_out_at_all() {
     let loopback = origin(IpAddr::from([127, 0, 0, 1]), "host-loopback-service");
     let env = Env::running("nonet", &["--network", "none"]);
-    let (_, vars) = inside(&env, "nonet", "echo \"[$HTTPS_PROXY]\"");
+    let (_, vars) = env.inside("nonet", "echo \"[$HTTPS_PROXY]\"");
     assert_eq!(vars.trim(), "[]");
     for opts in ["--noproxy '*'", "--proxy http://127.0.0.1:3128"] {
         let (code, out) = curl(
@@ -417,8 +398,7 @@ fn ask_mode_holds_a_connection_until_its_person_allows_it() {
 
     // A held connection waits, is listed, and goes through once its person
     // allows it for this time only.
-    inside(
-        &env,
+    env.inside(
         "asks",
         &format!("curl -sS --max-time 30 '{url}' > /tmp/held 2>&1 &"),
     );
@@ -429,7 +409,7 @@ fn ask_mode_holds_a_connection_until_its_person_allows_it() {
     env.ok(&["egress", "asks", "allow", "--once", &cidr]);
     let mut held = String::new();
     common::wait_for("the held connection", Duration::from_secs(10), || {
-        held = inside(&env, "asks", "cat /tmp/held").1;
+        held = env.inside("asks", "cat /tmp/held").1;
         !held.is_empty()
     });
     assert_eq!(held, "host-loopback-service");
@@ -468,8 +448,7 @@ fn a_flood_of_idle_and_oversized_requests_leaves_agentd_as_it_was() {
     });
     let before = descriptors(pid);
     // 600 connections that never send a request, held for 4 s.
-    inside(
-        &env,
+    env.inside(
         "flood",
         "python3 -c '
 import socket, time
@@ -670,8 +649,7 @@ fn git_fetches_through_the_gateway_unchanged() {
     let port = site.port;
     env.create_running("gitnet", &["--allow", &format!("127.0.0.1/32:{port}")]);
     let head = common::git(&source, &["rev-parse", "HEAD"]);
-    let (code, out) = inside(
-        &env,
+    let (code, out) = env.inside(
         "gitnet",
         &format!(
             "git clone -q http://git.test:{port}/served.git /tmp/c 2>&1 && git -C /tmp/c rev-parse HEAD"
@@ -805,8 +783,7 @@ fn git_speaks_smart_http_through_the_gateway_over_http_and_https() {
     let http = format!("http://git.test:{}/git/served.git", plain.port);
     let https = format!("https://git.test:{}/git/served.git", secure.port);
     let git = |script: &str| {
-        inside(
-            &env,
+        env.inside(
             "smart",
             &format!("export GIT_SSL_CAINFO=/tmp/ca.pem; {script} 2>&1"),
         )
@@ -945,14 +922,14 @@ fn pip_and_npm_fetch_from_registries_on_the_host_through_the_gateway() {
 
     // Not on the allowlist: both fail.
     if pip {
-        let (code, out) = inside(&env, "pkgs", &pip_download);
+        let (code, out) = env.inside("pkgs", &pip_download);
         assert!(
             code != 0 && out.contains("No matching distribution"),
             "{out}"
         );
     }
     if npm {
-        let (code, out) = inside(&env, "pkgs", &npm_view);
+        let (code, out) = env.inside("pkgs", &npm_view);
         assert!(code != 0 && out.contains("403"), "{out}");
     }
     assert!(site.requests().is_empty(), "{:?}", site.requests());
@@ -961,14 +938,14 @@ fn pip_and_npm_fetch_from_registries_on_the_host_through_the_gateway() {
     let cidr = format!("127.0.0.1/32:{port}");
     env.ok(&["egress", "pkgs", "allow", &cidr]);
     if pip {
-        let (code, out) = inside(&env, "pkgs", &pip_download);
+        let (code, out) = env.inside("pkgs", &pip_download);
         assert_eq!(code, 0, "{out}");
         assert!(out.contains(&format!("{wheel}  /tmp/dl/")), "{out}");
     }
     if npm {
-        let (code, out) = inside(&env, "pkgs", &npm_view);
+        let (code, out) = env.inside("pkgs", &npm_view);
         assert_eq!((code, out.trim()), (0, "1.0.0"), "{out}");
-        let (code, out) = inside(&env, "pkgs", &npm_pack);
+        let (code, out) = env.inside("pkgs", &npm_pack);
         assert_eq!(code, 0, "{out}");
         assert!(
             out.contains(&format!("{tarball}  /tmp/keystone-probe")),

@@ -387,6 +387,20 @@ impl Env {
         dir
     }
 
+    /// Run `script` with sh inside sandbox `name`, killed after 60 s;
+    /// (exit code, stdout+stderr).
+    pub fn inside(&self, name: &str, script: &str) -> (i32, String) {
+        let out = self.ctl(&["exec", name, "--timeout", "60", "--", "sh", "-c", script]);
+        (
+            out.status.code().unwrap_or(-1),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    }
+
     /// Run `script` with sh inside sandbox `name`; its output (it must
     /// succeed).
     pub fn sh(&self, name: &str, script: &str) -> String {
