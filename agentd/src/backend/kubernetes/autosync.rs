@@ -29,13 +29,16 @@ while :; do
 done"#;
 
 /// `auto-idle`: the same, with each worktree's `git status` and the size
-/// and time of each changed or new file in what is compared.
+/// and time of each changed or new file in what is compared. `status` runs
+/// without git's optional locks: it would otherwise take the agent's
+/// `index.lock` to refresh the index every second, and the agent's own
+/// `git add` or `commit` would fail on it now and then.
 const WORK_WATCH: &str = r#"prev=
 while :; do
   cur=$({ git -C /workspace for-each-ref --format='%(objectname) %(refname)' refs/heads
     for d in /workspace /workspace/.worktrees/*; do
       [ -e "$d/.git" ] || continue
-      git -C "$d" status --porcelain=v1 --untracked-files=all
+      git --no-optional-locks -C "$d" status --porcelain=v1 --untracked-files=all
       git -C "$d" ls-files -z -m -o --exclude-standard | (cd "$d" && xargs -0r stat -c '%n %s %y' --)
     done; } 2>/dev/null | cksum)
   if [ "$cur" != "$prev" ]; then echo changed; prev=$cur; fi

@@ -25,7 +25,7 @@ const LIST: &str = r#"cd /workspace || exit 1
 git worktree list --porcelain | while IFS= read -r line; do
   case "$line" in
     "worktree "*) p=${line#worktree }; printf 'W\t%s\n' "$p"
-      printf 'D\t%s\n' "$(git -C "$p" status --porcelain 2>/dev/null | head -c1 | wc -c)";;
+      printf 'D\t%s\n' "$(git --no-optional-locks -C "$p" status --porcelain 2>/dev/null | head -c1 | wc -c)";;
     "HEAD "*) printf 'H\t%s\n' "${line#HEAD }";;
     "branch refs/heads/"*) b=${line#branch refs/heads/}; printf 'B\t%s\n' "$b"
       if git show-ref --verify --quiet "refs/remotes/host/$b"; then
