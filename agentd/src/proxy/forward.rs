@@ -147,7 +147,8 @@ pub(super) async fn serve(
 /// Whether `conn`, accepted on one of agentd's sockets (`what`), comes from
 /// Caddy: its peer's uid, from the kernel, is Caddy's.
 pub(super) fn from_caddy(proxy: &Proxy, conn: &tokio::net::UnixStream, what: &str) -> bool {
-    let caddy = proxy.caddy_uid.load(std::sync::atomic::Ordering::SeqCst);
+    // Caddy's uid as pinned ([`super::caddy::Caddy::uid`]).
+    let caddy = proxy.caddy.uid();
     let uid = conn.peer_cred().ok().map(|c| c.uid());
     if caddy != u32::MAX && uid == Some(caddy) {
         return true;

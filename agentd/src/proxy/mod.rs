@@ -143,9 +143,6 @@ pub struct Proxy {
     recheck: tokio::sync::mpsc::UnboundedSender<String>,
     /// Secret of this agentd run that links' tokens are derived from.
     key: String,
-    /// Caddy's uid (`u32::MAX` while unknown): the only one whose
-    /// connections the forwarders take.
-    caddy_uid: std::sync::atomic::AtomicU32,
     /// Where the forwarders' sockets are.
     links_dir: PathBuf,
 }
@@ -189,7 +186,6 @@ impl Proxy {
             routes: tokio::sync::Mutex::new(BTreeMap::new()),
             redirected: Mutex::new(HashMap::new()),
             stale: std::sync::atomic::AtomicBool::new(true),
-            caddy_uid: std::sync::atomic::AtomicU32::new(u32::MAX),
             links_dir,
             key: format!(
                 "{}{}",
@@ -309,10 +305,7 @@ impl Proxy {
     async fn watch_caddy(self: Arc<Self>) {
         let mut reported = false;
         loop {
-            let result = self.check_caddy().await;
-            self.caddy_uid
-                .store(self.caddy.uid(), std::sync::atomic::Ordering::SeqCst);
-            match result {
+            match self.check_caddy().await {
                 Ok(()) => reported = false,
                 Err(e) => {
                     self.stale.store(true, std::sync::atomic::Ordering::SeqCst);
