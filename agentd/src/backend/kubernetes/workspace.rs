@@ -206,9 +206,36 @@ impl KubeBackend {
         // neither the rest of it nor the command's exit status is waited
         // for (a command blocked on output nobody reads never ends);
         // dropping the exec ends it.
+        let Err(copy_error) = copied else {
+            drop(out);
+            unpacking.finish().await?;
+            return Self::tar_status(status).await;
+        };
+        if copy_error.kind() != std::io::ErrorKind::BrokenPipe {
+            drop(out);
+            unpacking.finish().await?;
+            return Err(KubeError::Io(copy_error));
+        }
+        // The unpacker stopped reading: at the archive's end-of-archive
+        // blocks, before tar's padding to a whole record has come. When it
+        // took the archive, the rest (at most a record here; bounded all
+        // the same) is read and dropped, so tar in the Pod can end.
+        let unpacked = unpacking.finish().await;
+        if unpacked.is_ok() {
+            let mut rest = tokio::io::AsyncReadExt::take(&mut out, 1 << 20);
+            let _ = tokio::io::copy(&mut rest, &mut tokio::io::sink()).await;
+        }
         drop(out);
-        unpacking.finish().await?;
-        copied.map_err(KubeError::Io)?;
+        unpacked?;
+        Self::tar_status(status).await
+    }
+
+    /// What the Pod's `tar` exited with, as the copy's outcome.
+    async fn tar_status(
+        status: impl std::future::Future<
+            Output = Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>,
+        >,
+    ) -> Result<(), KubeError> {
         let code = stream::exit_code(status.await)?;
         if code != 0 {
             return Err(KubeError::Exec(format!(
