@@ -123,6 +123,9 @@ pub struct EgressConfig {
     /// Names the gateway resolves to these addresses instead of asking DNS
     /// (like `/etc/hosts`, for the gateway only).
     pub hosts: BTreeMap<String, std::net::IpAddr>,
+    /// DNS servers the gateway asks, each `ADDRESS:PORT`; empty (the
+    /// default): those of `/etc/resolv.conf`.
+    pub nameservers: Vec<std::net::SocketAddr>,
     /// How long a connection waits for its person in mode `ask` (1 to 3600).
     pub ask_seconds: u32,
 }
@@ -133,6 +136,7 @@ impl Default for EgressConfig {
             preset: None,
             extra: Vec::new(),
             hosts: BTreeMap::new(),
+            nameservers: Vec::new(),
             ask_seconds: 60,
         }
     }

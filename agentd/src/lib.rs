@@ -184,6 +184,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         None => DaemonConfig::default(),
     };
     budget::init(&config.limits);
+    egress::resolve::init(&config.egress.nameservers);
     let dir = state_dir(&opts, &config);
     let (registry, sandboxes) = Registry::open(&dir)?;
     let dir = std::fs::canonicalize(&dir)

@@ -10,12 +10,18 @@ address-range entry). It prints:
    new connection (a new tunnel through the gateway) per request;
 2. throughput of a download of --size MiB (default 1024), and agentd's CPU
    time per GiB through the gateway;
-3. agentd's CPU over 10 s with --idle sandboxes (default 20) running and no
+3. a burst of --burst (default 300) connections at once to three names that
+   agentd resolves with a DNS server of the benchmark's (egress.nameservers;
+   one query at a time, --dns-ms each, default 20): its time, and how many
+   queries the server saw; the baseline is the same number of lookups asked
+   straight of that server, one query each, as an uncached resolver would;
+4. agentd's CPU over 10 s with --idle sandboxes (default 20) running and no
    traffic.
 
 Needs `cargo build --release --bins`.
 
     python3 tests/bench/egress.py [--requests 2000] [--size 1024] [--idle 20]
+                                  [--burst 300] [--dns-ms 20]
 """
 
 import argparse
@@ -92,6 +98,82 @@ print(json.dumps({"keep": keep, "new": new, "secs": secs}))
 """
 
 
+# A DNS server on 127.0.0.1 (UDP), one query at a time after a delay: A for
+# any name with 127.0.0.1, AAAA with no records. It counts its queries.
+class Dns:
+    def __init__(self, delay):
+        import threading
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.delay, self.queries = delay, 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            q, peer = self.sock.recvfrom(512)
+            end = 12
+            while end < len(q) and q[end]:
+                end += q[end] + 1
+            is_a = q[end + 1:end + 3] == b"\0\1"
+            self.queries += 1
+            time.sleep(self.delay)
+            reply = q[:2] + bytes([0x81, 0x80, 0, 1, 0, int(is_a), 0, 0, 0, 0]) + q[12:end + 5]
+            if is_a:
+                reply += bytes([0xc0, 12, 0, 1, 0, 1, 0, 0, 1, 44, 0, 4, 127, 0, 0, 1])
+            self.sock.sendto(reply, peer)
+
+
+# argv: port n. n CONNECTs at once through the gateway to three names, each
+# with a GET; prints JSON: seconds for all, per-connection ms, failures.
+BURST = r"""
+import asyncio, json, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+async def one(i):
+    name = "%s.burst.test" % "abc"[i % 3]
+    t0 = time.perf_counter()
+    r, w = await asyncio.open_connection("127.0.0.1", 3128)
+    w.write(("CONNECT %s:%d HTTP/1.1\r\nHost: %s:%d\r\n\r\n" % (name, port, name, port)).encode())
+    head = await r.readuntil(b"\r\n\r\n")
+    ok = head.startswith(b"HTTP/1.1 200")
+    if ok:
+        w.write(b"GET /small HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        ok = (await r.read()).endswith(b"hello\n")
+    w.close()
+    return ok, (time.perf_counter() - t0) * 1000
+async def main():
+    t0 = time.perf_counter()
+    got = await asyncio.gather(*[one(i) for i in range(n)])
+    print(json.dumps({"secs": time.perf_counter() - t0, "ms": [g[1] for g in got],
+                      "failed": sum(1 for g in got if not g[0])}))
+asyncio.run(main())
+"""
+
+
+def direct_lookups(dns_port, n):
+    """n A queries for the three names asked at once straight of the DNS
+    server, one each (an uncached resolver); (seconds, answered)."""
+    import struct
+    socks = []
+    t0 = time.perf_counter()
+    for i in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        name = b"".join(bytes([len(p)]) + p for p in [b"abc"[i % 3:i % 3 + 1], b"burst", b"test"])
+        s.sendto(struct.pack(">HHHHHH", i, 0x0100, 1, 0, 0, 0) + name + b"\0\0\1\0\1",
+                 ("127.0.0.1", dns_port))
+        socks.append(s)
+    answered = 0
+    for s in socks:
+        s.settimeout(max(0.1, 60 - (time.perf_counter() - t0)))
+        try:
+            s.recv(512)
+            answered += 1
+        except OSError:
+            pass
+        s.close()
+    return time.perf_counter() - t0, answered
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,6 +194,8 @@ def main():
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--size", type=int, default=1024, help="download size in MiB")
     ap.add_argument("--idle", type=int, default=20, help="sandboxes for the idle measurement")
+    ap.add_argument("--burst", type=int, default=300, help="connections in the name-lookup burst")
+    ap.add_argument("--dns-ms", type=float, default=20, help="the DNS server's time per query")
     args = ap.parse_args()
     size = args.size << 20
     port = free_port()
@@ -120,9 +204,15 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="ks-egress-"))
     (tmp / "origin.py").write_text(ORIGIN)
     (tmp / "client.py").write_text(CLIENT)
+    (tmp / "burst.py").write_text(BURST)
+    dns = Dns(args.dns_ms / 1000)
     origin = subprocess.Popen([sys.executable, str(tmp / "origin.py"), str(port)])
     cfg = tmp / "agentd.json"
-    cfg.write_text(json.dumps({"egress": {"hosts": {"origin.test": "127.0.0.1"}}}))
+    cfg.write_text(json.dumps({
+        "egress": {"hosts": {"origin.test": "127.0.0.1"},
+                   "nameservers": [f"127.0.0.1:{dns.port}"]},
+        "limits": {"descriptors_per_sandbox": 8192},
+    }))
     try:
         with Daemon(extra_args=["--config", str(cfg)]) as d:
             repo = small_repo(d.tmp / "proj" / "eg")
@@ -150,6 +240,19 @@ def main():
                   f"({100 * v_rate / d_rate:.0f}% of straight)")
             print(f"  agentd CPU during the gateway run (incl. {args.requests} requests): "
                   f"{cpu:.2f} s, {cpu / (size / (1 << 30)):.2f} s per GiB")
+            d.run("cp", str(tmp / "burst.py"), "eg:/tmp/burst.py")
+            base_secs, answered = direct_lookups(dns.port, args.burst)
+            q0 = dns.queries
+            burst = json.loads(d.run("exec", "eg", "--", "python3", "/tmp/burst.py", str(port),
+                                     str(args.burst)))
+            queries = dns.queries - q0
+            print(f"A burst of {args.burst} connections at once to 3 names (DNS server: "
+                  f"{args.dns_ms:g} ms per query, one at a time):")
+            print(f"  baseline: {args.burst} lookups straight to the server, uncached "
+                  f"{base_secs:9.3f} s  ({answered} answered, {args.burst} queries)")
+            print(f"  through the gateway (connect, CONNECT, GET)     {burst['secs']:9.3f} s  "
+                  f"({args.burst - burst['failed']} succeeded, {queries} DNS queries)")
+            row("per connection, through the gateway", burst["ms"])
             for i in range(args.idle - 1):
                 r = small_repo(d.tmp / "proj" / f"idle{i}")
                 d.run("create", str(r))

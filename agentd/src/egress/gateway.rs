@@ -25,8 +25,6 @@ use super::splice::{Activity, Socket, Watched, relay};
 pub const HEAD_MAX: usize = 16 * 1024;
 /// Time a client has to send its request head.
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
-/// Time to resolve a name.
-const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time to connect to one destination address.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most connections of one sandbox at once; more wait to be accepted.
@@ -130,7 +128,7 @@ impl Listener {
 pub async fn serve(mut listener: Listener, ctx: Arc<Context>) {
     let budget = crate::budget::descriptors();
     let mut conns = JoinSet::new();
-    let dns = Arc::new(tokio::sync::Semaphore::new(DNS_PER_SANDBOX));
+    let dns = Arc::new(super::resolve::Resolver::new());
     let refusing = Arc::new(tokio::sync::Semaphore::new(REFUSING_MAX));
     let mut errors = crate::budget::AcceptErrors::default();
     let what = format!("egress gateway of sandbox '{}'", ctx.name);
@@ -230,27 +228,6 @@ pub(super) enum GatewayError {
     /// The SOCKS address type is unknown.
     #[error("unknown SOCKS address type")]
     SocksAddressType,
-    /// A name lookup could not get its permit.
-    #[error(transparent)]
-    Permit(#[from] tokio::sync::AcquireError),
-    /// A name lookup's thread ended abnormally.
-    #[error(transparent)]
-    Join(#[from] tokio::task::JoinError),
-    /// The name does not resolve.
-    #[error("cannot resolve {host}: {error}")]
-    Resolve {
-        /// The name.
-        host: String,
-        /// The resolver's answer.
-        #[source]
-        error: std::io::Error,
-    },
-    /// The name lookup took too long.
-    #[error("resolving {host} timed out")]
-    ResolveTimeout {
-        /// The name.
-        host: String,
-    },
     /// There is no address to connect to.
     #[error("no address to connect to")]
     NoAddress,
@@ -306,7 +283,7 @@ async fn handle(
     mut client: impl Socket,
     mut lease: crate::budget::Lease<'static>,
     ctx: &Context,
-    dns: &Arc<tokio::sync::Semaphore>,
+    dns: &super::resolve::Resolver,
 ) {
     let started = Instant::now();
     let at = SystemTime::now();
@@ -355,7 +332,7 @@ async fn handle(
     };
     let (decision, addrs) = match policy.precheck(&ask.host, ask.port) {
         Some(d) => (d, Vec::new()),
-        None => match resolve(&ask.host, ask.port, &ctx.hosts, dns).await {
+        None => match dns.resolve(&ask.host, &ctx.hosts).await {
             Ok(found) => {
                 let own = host_addresses();
                 let (d, a) = policy.decide(&ask.host, ask.port, &found, &own);
@@ -549,57 +526,6 @@ async fn wait_for_person(
     ctx.pending.remove(id);
     outcome
 }
-
-/// Resolve `host` (a literal address, a configured static name, or DNS).
-async fn resolve(
-    host: &str,
-    port: u16,
-    hosts: &std::collections::BTreeMap<String, IpAddr>,
-    dns: &Arc<tokio::sync::Semaphore>,
-) -> Result<Vec<IpAddr>, GatewayError> {
-    let bare = host.trim_start_matches('[').trim_end_matches(']');
-    if let Ok(ip) = bare.parse::<IpAddr>() {
-        return Ok(vec![ip]);
-    }
-    if let Some(ip) = hosts.get(&host.to_ascii_lowercase()) {
-        return Ok(vec![*ip]);
-    }
-    // getaddrinfo cannot be cancelled: a lookup keeps its thread until the
-    // resolver gives up, timeout or not. The permits go with the thread, so
-    // a sandbox asking for names whose servers never answer holds at most
-    // DNS_PER_SANDBOX of them, and all sandboxes at most DNS_MAX (tokio's
-    // blocking pool, which agentd's other work shares, is far larger).
-    let lookup = async {
-        let mine = Arc::clone(dns).acquire_owned().await?;
-        let all = DNS_ALL.acquire().await?;
-        let name = host.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let _permits = (mine, all);
-            std::net::ToSocketAddrs::to_socket_addrs(&(name.as_str(), port))
-                .map(|found| found.map(|a| a.ip()).collect::<Vec<_>>())
-        })
-        .await?
-        .map_err(|error| GatewayError::Resolve {
-            host: host.to_owned(),
-            error,
-        })
-    };
-    match tokio::time::timeout(RESOLVE_TIMEOUT, lookup).await {
-        Ok(Ok(mut v)) => {
-            v.dedup();
-            Ok(v)
-        }
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(GatewayError::ResolveTimeout {
-            host: host.to_owned(),
-        }),
-    }
-}
-
-/// Most name lookups of one sandbox at once.
-const DNS_PER_SANDBOX: usize = 8;
-/// Most name lookups of all sandboxes at once.
-static DNS_ALL: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(64);
 
 /// This host's own addresses, on every interface.
 fn host_addresses() -> Vec<IpAddr> {

@@ -22,6 +22,7 @@ pub mod intercept;
 pub mod log;
 mod mask;
 pub mod policy;
+pub mod resolve;
 pub mod shared;
 mod splice;
 mod strict;
