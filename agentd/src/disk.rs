@@ -131,7 +131,7 @@ impl Disk {
             self.make_image(size_mib)?;
         }
         fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
-        let out = Command::new("mount")
+        let out = crate::child::end_with_us(&mut Command::new("mount"))
             .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime"])
             .arg(&self.image)
             .arg(&self.dir)
@@ -163,7 +163,7 @@ impl Disk {
         }
         let tmp = self.image.with_extension("img.tmp");
         let _ = fs::remove_file(&tmp);
-        let out = Command::new("mke2fs")
+        let out = crate::child::end_with_us(&mut Command::new("mke2fs"))
             .args(["-q", "-F", "-t", "ext4", "-m", "1", "-E", "root_owner=0:0"])
             .arg(&tmp)
             .arg(format!("{size_mib}M"))

@@ -9,6 +9,7 @@ pub mod beneath;
 pub mod budget;
 pub mod caps;
 pub mod cgroup;
+pub mod child;
 pub mod config;
 pub mod confine;
 pub mod dbus;

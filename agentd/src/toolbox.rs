@@ -597,7 +597,7 @@ impl Toolbox {
         tracing::debug!(package = %id, bytes = size, entries, "unpacking");
         let unpacked = work.join("package");
         make_dir(&unpacked)?;
-        let out = Command::new("tar")
+        let out = crate::child::end_with_us(&mut Command::new("tar"))
             .args(["-xzf"])
             .arg(&tgz)
             .arg("-C")

@@ -160,7 +160,11 @@ pub fn find_zellij(configured: Option<&Path>) -> Result<PathBuf, ZellijError> {
             .find(|p| p.is_file())
             .ok_or(ZellijError::NotFound)?,
     };
-    let out = match std::process::Command::new(&path).arg("--version").output() {
+    let mut version = std::process::Command::new(&path);
+    let out = match crate::child::end_with_us(&mut version)
+        .arg("--version")
+        .output()
+    {
         Ok(out) => out,
         Err(source) => return Err(ZellijError::Run { path, source }),
     };

@@ -245,6 +245,8 @@ impl LocalBackend {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log));
+        // Meant to outlive agentd (not ended with it, crate::child): the
+        // sandbox runs on, and the next agentd adopts it.
         // SAFETY: only async-signal-safe calls (getrlimit, setrlimit) between
         // fork and exec.
         unsafe {

@@ -386,7 +386,9 @@ impl MicrovmBackend {
             },
             Err(_) => String::new(),
         };
-        let log = tokio::process::Command::new("journalctl")
+        let mut journalctl = std::process::Command::new("journalctl");
+        crate::child::end_with_us(&mut journalctl);
+        let log = tokio::process::Command::from(journalctl)
             .args(["-u", name, "-n", "10", "--no-pager", "-o", "cat"])
             .stdin(Stdio::null())
             .output()

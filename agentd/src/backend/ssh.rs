@@ -89,7 +89,11 @@ impl SshTarget {
     #[must_use]
     pub fn std_command(&self) -> std::process::Command {
         let mut c = std::process::Command::new("ssh");
-        c.arg("-F")
+        // The connection sessions share (ControlPersist) leaves this
+        // process at once and lives as long as its guest, for the next
+        // agentd too; this client ends with agentd.
+        crate::child::end_with_us(&mut c)
+            .arg("-F")
             .arg("/dev/null")
             .arg("-i")
             .arg(&self.key)
@@ -380,7 +384,7 @@ pub fn provision(dir: &Path, alias: &str) -> Result<(), BackendError> {
             let _ = fs::remove_file(key);
             let _ = fs::remove_file(key.with_extension("pub"));
         }
-        let out = std::process::Command::new("ssh-keygen")
+        let out = crate::child::end_with_us(&mut std::process::Command::new("ssh-keygen"))
             .args(["-q", "-t", "ed25519", "-N", "", "-C", &comment, "-f"])
             .arg(key)
             .stdin(Stdio::null())

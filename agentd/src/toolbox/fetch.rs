@@ -18,7 +18,7 @@ pub(super) fn curl(url: &str, to: &Path, max: u64) -> Result<(), InstallError> {
         what: url.to_owned(),
         why,
     };
-    let mut child = Command::new("curl")
+    let mut child = crate::child::end_with_us(&mut Command::new("curl"))
         .args([
             "--silent",
             "--show-error",

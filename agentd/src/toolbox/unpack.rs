@@ -94,7 +94,7 @@ fn read_from(
     args: &[&str],
     tgz: &Path,
 ) -> Result<(std::process::Child, std::process::ChildStdout), UnpackError> {
-    let mut child = Command::new(tool)
+    let mut child = crate::child::end_with_us(&mut Command::new(tool))
         .args(args)
         .arg(tgz)
         .stdin(Stdio::null())

@@ -332,7 +332,9 @@ impl VmBackend {
         let tmp = p.dir.join("home.img.tmp");
         let _ = std::fs::remove_file(&tmp);
         let (uid, gid) = run_as.map_or((spec.uid, spec.gid), |r| (r.uid, r.gid));
-        let out = tokio::process::Command::new("mke2fs")
+        let mut mke2fs = std::process::Command::new("mke2fs");
+        crate::child::end_with_us(&mut mke2fs);
+        let out = tokio::process::Command::from(mke2fs)
             .args(["-q", "-F", "-t", "ext4", "-L", "keystone-home", "-E"])
             .arg(format!("root_owner={uid}:{gid}"))
             .arg(&tmp)
@@ -548,6 +550,8 @@ impl VmBackend {
             // limit, not in the host's /var/tmp.
             .env("TMPDIR", &p.vm)
             .env_remove(crate::confine::CONFINE_ENV);
+        // Meant to outlive agentd (not ended with it, crate::child): the
+        // VM runs on, and the next agentd adopts it.
         // SAFETY: setsid is async-signal-safe.
         unsafe {
             cmd.pre_exec(|| nix::unistd::setsid().map(|_| ()).map_err(Into::into));

@@ -260,6 +260,9 @@ pub enum KvmUnusable {
     Silent,
 }
 
+/// CPU time a KVM probe's QEMU may use before the kernel kills it.
+const PROBE_CPU: Duration = Duration::from_secs(10);
+
 /// Whether KVM can run this kernel: the guest must print its first kernel
 /// line within a few seconds under `accel=kvm`. `/dev/kvm` existing is not
 /// enough (some hosts' KVM runs only special guests).
@@ -269,7 +272,23 @@ pub async fn probe_kvm(qemu: &Path, kernel: &Path) -> Result<(), KvmUnusable> {
         .write(true)
         .open("/dev/kvm")
         .map_err(KvmUnusable::Device)?;
-    let mut child = tokio::process::Command::new(qemu)
+    let mut probe = std::process::Command::new(qemu);
+    crate::child::end_with_us(&mut probe);
+    // And a limit of its own, should agentd hang rather than end: a guest
+    // that keeps running uses CPU time, and QEMU ends at PROBE_CPU (it
+    // routes SIGALRM to itself, so an alarm would not end it).
+    // SAFETY: setrlimit is async-signal-safe.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut probe, || {
+            nix::sys::resource::setrlimit(
+                nix::sys::resource::Resource::RLIMIT_CPU,
+                PROBE_CPU.as_secs(),
+                PROBE_CPU.as_secs(),
+            )
+            .map_err(Into::into)
+        });
+    }
+    let mut child = tokio::process::Command::from(probe)
         .args([
             "-machine",
             "microvm,accel=kvm",
