@@ -329,7 +329,7 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
     let arg = argv.get(2).map_or("", String::as_str);
     // Long-running modes with protocols of their own, then the helpers.
     type Mode = (&'static str, fn(&str) -> i32);
-    let modes: [Mode; 13] = [
+    let modes: [Mode; 14] = [
         (backend::vm::supervise::VM_ARG, backend::vm::supervise::main),
         (backend::vm::vsock::VSOCK_ARG, backend::vm::vsock::main),
         (guest::INIT_ARG, |_| guest::init::main()),
@@ -343,6 +343,9 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
         (git::sync::SyncRead::ARG, |_| main::<git::sync::SyncRead>()),
         (git::sync::SyncWrite::ARG, |_| {
             main::<git::sync::SyncWrite>()
+        }),
+        (git::remote::RemoveRemote::ARG, |_| {
+            main::<git::remote::RemoveRemote>()
         }),
         (git::worktree::Worktree::ARG, |_| {
             main::<git::worktree::Worktree>()

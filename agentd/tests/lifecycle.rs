@@ -292,3 +292,77 @@ fn descriptors_agentd_inherits_reach_no_sandbox() {
         );
     }
 }
+
+/// The settings of remote `remote` in `repo`'s own config.
+fn remote_settings(repo: &std::path::Path, remote: &str) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["config", "--local", "--get-regexp"])
+        .arg(format!("^remote\\.{}\\.", remote.replace('/', "\\/")))
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn a_forgotten_sandbox_leaves_no_remote_behind() {
+    let mut env = Env::new();
+    let repo = env.repo("proj");
+    let git = |args: &[&str]| common::git(&repo, args);
+    for name in ["gone", "kept", "lost"] {
+        env.ok(&["create", "--name", name, repo.to_str().unwrap()]);
+        env.ok(&["start", name]);
+        env.ok(&["exec", name, "--", "git", "branch", "work", "HEAD"]);
+        env.ok(&["sync", name]);
+        env.ok(&["stop", name]);
+        assert!(
+            remote_settings(&repo, &format!("sandbox/{name}")).contains("/workspace"),
+            "{name}"
+        );
+    }
+    // The person points one remote elsewhere: it is theirs now.
+    git(&["remote", "set-url", "sandbox/kept", repo.to_str().unwrap()]);
+    let head = git(&["rev-parse", "main"]);
+
+    env.ok(&["destroy", "--force", "gone"]);
+    assert_eq!(remote_settings(&repo, "sandbox/gone"), "");
+    // Its refs stay, as documented.
+    assert_eq!(git(&["rev-parse", "refs/remotes/sandbox/gone/work"]), head);
+    env.ok(&["destroy", "--force", "kept"]);
+    let kept = remote_settings(&repo, "sandbox/kept");
+    assert!(
+        kept.contains(&format!("url {}", repo.display())) && kept.contains("fetch "),
+        "{kept}"
+    );
+
+    // A sandbox whose registry entry is gone (agentd killed, the entry
+    // lost): its directory is removed at the next start, and its remote
+    // with it.
+    env.kill_agentd();
+    let path = env.state_dir.join("registry.json");
+    let mut registry: serde_json::Value =
+        serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    registry["sandboxes"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|s| s["name"] != "lost");
+    fs::write(&path, serde_json::to_vec(&registry).unwrap()).unwrap();
+    env.start_agentd();
+    assert!(!env.state_dir.join("sandboxes/lost").exists());
+    assert_eq!(remote_settings(&repo, "sandbox/lost"), "");
+    assert_eq!(git(&["rev-parse", "refs/remotes/sandbox/lost/work"]), head);
+
+    // Every remote left works.
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&repo)
+        .args(["fetch", "--all", "-q"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -4,6 +4,7 @@ mod into;
 pub mod mirror;
 pub mod refs;
 pub mod snapshot;
+pub mod remote;
 pub mod sync;
 pub mod transfer;
 pub mod tree;

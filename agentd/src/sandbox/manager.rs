@@ -40,6 +40,7 @@ mod exec;
 mod gitops;
 mod lifecycle;
 mod reconcile;
+mod remote;
 mod secrets;
 mod session;
 pub use egress::{EgressChange, EgressEvent, EgressView};

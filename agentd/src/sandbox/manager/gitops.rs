@@ -136,6 +136,11 @@ impl Manager {
             Ok(r) => r,
             Err(e) => {
                 if !opts.dry_run {
+        if !opts.from_host && !opts.dry_run {
+            // Before the remote exists: whatever happens to the registry,
+            // the sandbox's directory says what to remove with it.
+            self.record_remote(&sb);
+        }
                     let _ = self.update(name, |s| {
                         s.last_sync_at = Some(SystemTime::now());
                         s.last_sync_result = format!("{direction}: failed: {e}");

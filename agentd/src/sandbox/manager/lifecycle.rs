@@ -136,6 +136,7 @@ impl Manager {
         }
         tracing::warn!(sandbox = %name, "removing a directory an earlier sandbox of this name left");
         self.release_disk(name).await;
+        self.remove_remotes(name, None).await;
         match self.remove_tree(&dir).await {
             Ok(()) if std::fs::symlink_metadata(&dir).is_err() => Ok(()),
             other => Err(Error::Workspace {
@@ -341,6 +342,9 @@ impl Manager {
         }
         self.watchers.lock().unwrap().remove(name);
         // Its secrets before the registry: a crash in between leaves a
+        // The remote it added to the host repository, while the registry
+        // still says where that is (the refs stay).
+        self.remove_remotes(name, Some(&sb)).await;
         // sandbox without secrets, never secrets without their sandbox.
         self.forget_secrets(&sb);
         // Registry first: a crash after this leaves only a directory, which

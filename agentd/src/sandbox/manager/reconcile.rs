@@ -62,6 +62,7 @@ impl Manager {
         for dir in self.store.registry().sandbox_dirs() {
             if !known.contains(&dir) || rolled_back.contains(&dir) {
                 tracing::info!(sandbox = %dir, "removing a leftover sandbox directory");
+                self.remove_remotes(&dir, None).await;
                 self.disk(&dir).release();
                 let _ = self
                     .remove_tree(&self.store.registry().sandbox_dir(&dir))
