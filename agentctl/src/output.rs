@@ -276,6 +276,16 @@ pub fn print_sync(name: &str, r: &SyncReport) {
         } else {
             format!("{}..{}", short(&b.old), short(&b.new))
         };
+        if b.commits == 0 {
+            // The destination has the commit already: only a ref changes.
+            let what = if b.old.is_empty() {
+                "new ref"
+            } else {
+                "ref moved"
+            };
+            crate::outln!("  {}  {range}  {what}, no new commits", b.branch);
+            continue;
+        }
         let mut files = b.files.join(", ");
         if b.files_changed as usize > b.files.len() {
             files.push_str(&format!(

@@ -174,6 +174,62 @@ fn into_fast_forwards_only() {
 }
 
 #[test]
+fn a_dry_run_counts_only_what_the_host_lacks() {
+    let env = Env::new();
+    let repo = setup(&env, "dry");
+    for i in 0..5 {
+        fs::write(repo.join(format!("f{i}.txt")), "f\n").unwrap();
+    }
+    git(&repo, &["add", "."]);
+    git(
+        &repo,
+        &[
+            "-c",
+            "user.name=H",
+            "-c",
+            "user.email=h@example.com",
+            "commit",
+            "-qm",
+            "files",
+        ],
+    );
+    env.ok(&["sync", "dry", "--from-host"]);
+    // A branch at a commit the host has, and one with one commit more.
+    sh(
+        &env,
+        "dry",
+        "git reset -q --hard host/main; git branch same HEAD; \
+         git switch -qc more; echo m > m.txt; git add m.txt; git commit -qm m",
+    );
+    let short = &git(&repo, &["rev-parse", "main"])[..12];
+    let dry = env.ok(&["sync", "dry", "--dry-run"]);
+    for b in ["main", "same"] {
+        assert!(
+            dry.contains(&format!("  {b}  new at {short}  new ref, no new commits\n")),
+            "{dry}"
+        );
+    }
+    assert!(
+        dry.contains("  more  new at ") && dry.contains("1 commit(s), 1 file(s): m.txt\n"),
+        "{dry}"
+    );
+    assert!(
+        !dry.contains("f0.txt") && !dry.contains("README.md"),
+        "{dry}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&env.ok(&["sync", "dry", "--dry-run", "--json", "-b", "same"]))
+            .unwrap();
+    assert_eq!(json["branches"][0]["commits"], 0, "{json}");
+    assert_eq!(json["branches"][0]["files_changed"], 0, "{json}");
+    assert_eq!(
+        json["branches"][0]["files"],
+        serde_json::json!([]),
+        "{json}"
+    );
+}
+
+#[test]
 fn from_host_updates_only_host_refs() {
     let env = Env::new();
     let repo = setup(&env, "fh");
@@ -569,7 +625,7 @@ fn sync_of_a_known_commit(env: &Env, args: &[&str], branch: &str) -> Option<Stri
     let fine = out.status.success()
         && stdout.contains("Brought ")
         && stdout.contains(&format!("  {branch}  new at "))
-        && stdout.contains("0 commit(s)");
+        && stdout.contains("new ref, no new commits");
     (!fine).then(|| {
         format!(
             "{args:?} ({:?}): {}{}",

@@ -368,6 +368,18 @@ struct Cap<'a> {
     /// Objects of this branch found within it so far.
     mine: HashSet<Oid>,
 }
+    if commits == 0 {
+        // The destination has the tip already: a new ref (or a moved one)
+        // that brings nothing, not a whole tree of files.
+        return Ok(Update {
+            branch: branch.to_owned(),
+            old: old.to_owned(),
+            new: tip.to_string(),
+            commits,
+            files_changed: 0,
+            files: Vec::new(),
+        });
+    }
 
 impl Cap<'_> {
     /// Check new commit `c`, and the directories and files in which its
