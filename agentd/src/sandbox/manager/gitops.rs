@@ -131,16 +131,16 @@ impl Manager {
                 dry_run: opts.dry_run,
             }
         };
-        let result = self.helpers.transfer(t).await;
-        let report = match result {
-            Ok(r) => r,
-            Err(e) => {
-                if !opts.dry_run {
         if !opts.from_host && !opts.dry_run {
             // Before the remote exists: whatever happens to the registry,
             // the sandbox's directory says what to remove with it.
             self.record_remote(&sb);
         }
+        let result = self.helpers.transfer(t).await;
+        let report = match result {
+            Ok(r) => r,
+            Err(e) => {
+                if !opts.dry_run {
                     let _ = self.update(name, |s| {
                         s.last_sync_at = Some(SystemTime::now());
                         s.last_sync_result = format!("{direction}: failed: {e}");
