@@ -230,6 +230,50 @@ fn a_dry_run_counts_only_what_the_host_lacks() {
 }
 
 #[test]
+fn into_names_the_branch_on_both_sides_and_refuses_a_mismatch() {
+    let env = Env::new();
+    let repo = env.repo("mst");
+    git(&repo, &["branch", "-m", "main", "master"]);
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "mst"]);
+    sh(
+        &env,
+        "mst",
+        "echo a > a.txt; git add a.txt; git commit -qm a; \
+         git switch -qc feature/x; echo x > x.txt; git add x.txt; git commit -qm x; git switch -q master",
+    );
+    let nothing_synced = || {
+        assert_eq!(sandbox_refs(&repo, "mst"), Vec::<String>::new());
+        assert_eq!(git(&repo, &["branch", "--list"]), "* master\n");
+    };
+    // The docs' `--into main` on a repository whose branch is master.
+    let err = env.fails(4, &["sync", "mst", "--into", "main"]);
+    assert!(
+        err.contains("Sandbox 'mst'")
+            && err.contains("no branch 'main' (it has: feature/x, master)")
+            && err.contains("Did you mean: --into master"),
+        "{err}"
+    );
+    nothing_synced();
+    // -b names one branch, --into another: refused, with what to type.
+    let err = env.fails(4, &["sync", "mst", "-b", "feature/x", "--into", "master"]);
+    assert!(
+        err.contains("agentctl sync mst -b feature/x --into feature/x")
+            && err.contains("git merge sandbox/mst/feature/x"),
+        "{err}"
+    );
+    nothing_synced();
+    let dry = env.fails(4, &["sync", "mst", "--dry-run", "--into", "main"]);
+    assert!(dry.contains("--into master"), "{dry}");
+    // The same name on both sides works.
+    let out = env.ok(&["sync", "mst", "-b", "feature/x", "--into", "feature/x"]);
+    assert!(out.contains("'feature/x' fast-forwarded"), "{out}");
+    let out = env.ok(&["sync", "mst", "--into", "master"]);
+    assert!(out.contains("'master' fast-forwarded"), "{out}");
+    assert_eq!(fs::read_to_string(repo.join("a.txt")).unwrap(), "a\n");
+}
+
+#[test]
 fn from_host_updates_only_host_refs() {
     let env = Env::new();
     let repo = setup(&env, "fh");

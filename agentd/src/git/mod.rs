@@ -3,8 +3,8 @@
 mod into;
 pub mod mirror;
 pub mod refs;
-pub mod snapshot;
 pub mod remote;
+pub mod snapshot;
 pub mod sync;
 pub mod transfer;
 pub mod tree;

@@ -75,6 +75,10 @@ pub struct ReadRequest {
     pub dry_run: bool,
     /// Largest object a new commit may bring.
     pub max_blob: u64,
+    /// `--into`: the branch that must exist in the source (else nothing
+    /// is sent and the reader says which branches there are).
+    #[serde(default)]
+    pub into: Option<String>,
 }
 
 /// One branch that changes (the wire type): `old` empty for a new branch,
@@ -167,6 +171,11 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
                 refs::shown(&name),
                 refs::MAX_BRANCH_BYTES
             ));
+        }
+    }
+    if let Some(into) = &req.into {
+        if !branches.contains_key(into) {
+            return Err(no_into_branch(git_dir, into, &branches));
         }
     }
     if let Some(only) = &req.branch {
@@ -268,6 +277,43 @@ pub fn read(git_dir: &Path, req: &ReadRequest, out: &mut impl Write) -> Result<(
     out.flush().map_err(|source| SyncError::Output { source })
 }
 
+/// `--into BRANCH` names no branch of the source: say which there are,
+/// and which one was probably meant (the source's current branch).
+fn no_into_branch(git_dir: &Path, into: &str, branches: &BTreeMap<String, Oid>) -> SyncError {
+    const LISTED: usize = 10;
+    let own: Vec<&String> = branches.keys().filter(|b| !b.starts_with("wip/")).collect();
+    let mut have: Vec<String> = own.iter().take(LISTED).map(|b| refs::shown(b)).collect();
+    if own.len() > LISTED {
+        have.push(format!("… {} more", own.len() - LISTED));
+    }
+    let suggest = current_branch(git_dir)
+        .filter(|h| branches.contains_key(h))
+        .or_else(|| (own.len() == 1).then(|| own[0].clone()));
+    SyncError::NoIntoBranch {
+        branch: refs::shown(into),
+        have: have.join(", "),
+        suggest: suggest.map(|s| refs::shown(&s)),
+    }
+}
+
+/// The branch `<git_dir>/HEAD` names (read by the reader, which sees only
+/// what the source's owner may read; never through a symlink).
+fn current_branch(git_dir: &Path) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut text = String::new();
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(git_dir.join("HEAD"))
+        .ok()?
+        .take(4096)
+        .read_to_string(&mut text)
+        .ok()?;
+    let branch = text.trim().strip_prefix("ref: refs/heads/")?;
+    refs::valid_branch(branch).then(|| branch.to_owned())
+}
+
 /// Check one branch: its tip is a commit, every object its new commits
 /// bring is within the cap. `within_cap` holds the objects already found
 /// within it (by other branches).
@@ -322,6 +368,18 @@ fn examine(
     }
     let mine = std::mem::take(&mut cap.mine);
     within_cap.extend(mine);
+    if commits == 0 {
+        // The destination has the tip already: a new ref (or a moved one)
+        // that brings nothing, not a whole tree of files.
+        return Ok(Update {
+            branch: branch.to_owned(),
+            old: old.to_owned(),
+            new: tip.to_string(),
+            commits,
+            files_changed: 0,
+            files: Vec::new(),
+        });
+    }
     // The files the new commits bring, each within the cap.
     let base_tree = Oid::from_str(old)
         .ok()
@@ -368,18 +426,6 @@ struct Cap<'a> {
     /// Objects of this branch found within it so far.
     mine: HashSet<Oid>,
 }
-    if commits == 0 {
-        // The destination has the tip already: a new ref (or a moved one)
-        // that brings nothing, not a whole tree of files.
-        return Ok(Update {
-            branch: branch.to_owned(),
-            old: old.to_owned(),
-            new: tip.to_string(),
-            commits,
-            files_changed: 0,
-            files: Vec::new(),
-        });
-    }
 
 impl Cap<'_> {
     /// Check new commit `c`, and the directories and files in which its

@@ -62,6 +62,7 @@ async fn run_inner(exe: &Path, t: Transfer) -> Result<WriteReport, HelperError> 
         branch: t.branch.clone(),
         dry_run: t.dry_run,
         max_blob: sync::MAX_BLOB,
+        into: t.spec.into.clone(),
     };
     let mut reader = helper::start::<SyncRead>(exe, &t.from.run_as, &req).await?;
     reader.close_input();

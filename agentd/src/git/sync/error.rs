@@ -39,6 +39,20 @@ pub enum SyncError {
         /// The branch asked for.
         branch: String,
     },
+    /// `--into` names a branch the source does not have.
+    #[error(
+        "--into '{branch}' moves your '{branch}' to the sandbox's branch of the same name, and the \
+         sandbox has no branch '{branch}' (it has: {have}); nothing was synced{}",
+        suggest.as_ref().map(|s| format!(". Did you mean: --into {s}")).unwrap_or_default()
+    )]
+    NoIntoBranch {
+        /// The branch `--into` named, as notices show it.
+        branch: String,
+        /// The source's branches, as notices show them.
+        have: String,
+        /// The branch probably meant (the source's current one).
+        suggest: Option<String>,
+    },
     /// libgit2 failed on the object store, a walk or a pack (its message
     /// only).
     #[error("{}", source.message())]
@@ -224,7 +238,11 @@ impl From<git2::Error> for SyncError {
 
 impl From<SyncError> for HelperError {
     fn from(e: SyncError) -> Self {
-        Self::Failed(e.to_string())
+        match e {
+            // A request that names what is not there: the caller's to fix.
+            SyncError::NoIntoBranch { .. } => Self::Invalid(e.to_string()),
+            e => Self::Failed(e.to_string()),
+        }
     }
 }
 

@@ -24,6 +24,11 @@ impl Manager {
                 "--into moves a host branch; it cannot be combined with --from-host".to_owned(),
             );
         }
+        if let (Some(b), Some(into)) = (&opts.branch, &opts.into) {
+            if b != into {
+                problems.push(into_mismatch(name, b, into));
+            }
+        }
         if !problems.is_empty() {
             return Err(Error::Invalid(problems));
         }
@@ -139,6 +144,11 @@ impl Manager {
         let result = self.helpers.transfer(t).await;
         let report = match result {
             Ok(r) => r,
+            // The request named what is not there (`--into`): nothing was
+            // synced, and no sync is recorded.
+            Err(HelperError::Invalid(m)) => {
+                return Err(Error::Invalid(vec![format!("Sandbox '{name}': {m}")]));
+            }
             Err(e) => {
                 if !opts.dry_run {
                     let _ = self.update(name, |s| {
@@ -520,6 +530,19 @@ impl Manager {
         tracing::info!(sandbox = %name, branch, force, "worktree removed");
         Ok(())
     }
+}
+
+/// Why `--branch B --into I` is refused when `B` and `I` differ: `--into`
+/// moves the host branch of the synced branch's own name, so the pair
+/// would move `I` to an older synced copy, not to `B`. What to type instead.
+fn into_mismatch(name: &str, branch: &str, into: &str) -> String {
+    format!(
+        "--branch '{branch}' syncs only '{branch}', but --into '{into}' would move your '{into}' to the \
+         sandbox's '{into}', not to '{branch}'; nothing was synced. To fast-forward your '{branch}': \
+         agentctl sync {name} -b {branch} --into {branch}. To bring '{branch}' into '{into}': \
+         agentctl sync {name} -b {branch}, then in your repository: git switch {into} && git merge \
+         sandbox/{name}/{branch}"
+    )
 }
 
 /// Longest a snapshot or worktree operation may take.

@@ -135,8 +135,8 @@ impl Manager {
             return Ok(());
         }
         tracing::warn!(sandbox = %name, "removing a directory an earlier sandbox of this name left");
-        self.release_disk(name).await;
         self.remove_remotes(name, None).await;
+        self.release_disk(name).await;
         match self.remove_tree(&dir).await {
             Ok(()) if std::fs::symlink_metadata(&dir).is_err() => Ok(()),
             other => Err(Error::Workspace {
@@ -341,10 +341,10 @@ impl Manager {
             backend.kill_strays(&self.live_runtimes_except(name));
         }
         self.watchers.lock().unwrap().remove(name);
-        // Its secrets before the registry: a crash in between leaves a
         // The remote it added to the host repository, while the registry
         // still says where that is (the refs stay).
         self.remove_remotes(name, Some(&sb)).await;
+        // Its secrets before the registry: a crash in between leaves a
         // sandbox without secrets, never secrets without their sandbox.
         self.forget_secrets(&sb);
         // Registry first: a crash after this leaves only a directory, which
