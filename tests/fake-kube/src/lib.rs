@@ -24,10 +24,15 @@
 //!   stays `Pending` with `ErrImagePull` and a `Failed` Warning event.
 //! - `pods/{name}/exec` over WebSocket ([`exec`]): the command runs for
 //!   real, inside the Pod's container, on a terminal with `tty=true`.
+//! - RBAC per user ([`rbac`]): a user bound to Roles ([`FakeKube::bind`],
+//!   with a kubeconfig of [`FakeKube::kubeconfig_as`]) gets 403 Forbidden
+//!   for every verb, resource and subresource they do not grant; every
+//!   other user may do everything.
 
 mod container;
 mod exec;
 mod portforward;
+pub mod rbac;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -99,6 +104,8 @@ struct Store {
     service: Option<SocketAddr>,
     /// Whether Pods get a network of their own.
     isolated: bool,
+    /// The Roles bound to users, and their requests' decisions.
+    rbac: rbac::Authorizer,
 }
 
 impl Store {
@@ -263,6 +270,54 @@ impl FakeKube {
         path
     }
 
+    /// Write a kubeconfig for it into `dir` (context `fake`, namespace
+    /// `namespace`) whose token names `user` (see [`FakeKube::bind`]); its
+    /// path.
+    ///
+    /// # Panics
+    /// When the file cannot be written.
+    #[must_use]
+    pub fn kubeconfig_as(&self, dir: &Path, namespace: &str, user: &str) -> PathBuf {
+        let path = self.kubeconfig(dir, namespace);
+        let text = std::fs::read_to_string(&path)
+            .expect("read the kubeconfig")
+            .replace(
+                "token: fake-token\n",
+                &format!("token: {}{user}\n", rbac::TOKEN_PREFIX),
+            );
+        std::fs::write(&path, text).expect("write the kubeconfig");
+        path
+    }
+
+    /// Bind `role` to `user`: from now on, `user` may do exactly what the
+    /// Roles bound to it grant (the [`rbac`] module says how requests are
+    /// matched), and gets 403 Forbidden for the rest.
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    pub fn bind(&self, user: &str, role: rbac::Role) {
+        self.store.lock().unwrap().rbac.bind(user, role);
+    }
+
+    /// Every request refused by RBAC so far, as its message.
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    #[must_use]
+    pub fn denied(&self) -> Vec<String> {
+        self.store.lock().unwrap().rbac.denied()
+    }
+
+    /// What the Roles bound to `user` grant that none of its requests so
+    /// far needed.
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    #[must_use]
+    pub fn unused_grants(&self, user: &str) -> Vec<rbac::Grant> {
+        self.store.lock().unwrap().rbac.unused(user)
+    }
+
     /// Put a running Pod `name` with `labels` (and no container) into
     /// `namespace`, as another client would have made it.
     ///
@@ -360,9 +415,48 @@ fn stream_route(path: &str) -> Option<(String, String, &'static str)> {
     }
 }
 
+/// The refusal of `user`'s request for `verbs` on `a`, if RBAC refuses one.
+fn forbidden(
+    store: &Arc<Mutex<Store>>,
+    user: Option<&str>,
+    a: &rbac::Attributes,
+    verbs: &[&str],
+) -> Option<Response<Body>> {
+    let mut s = store.lock().unwrap();
+    verbs.iter().find_map(|verb| {
+        s.rbac
+            .check(user, a, verb)
+            .err()
+            .map(|refusal| object(StatusCode::FORBIDDEN, &refusal))
+    })
+}
+
 async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_owned();
+    let user = rbac::Authorizer::user_of(
+        req.headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok()),
+    );
+    let user = user.as_deref();
     if let Some((ns, name, sub)) = stream_route(&path) {
+        let a = rbac::Attributes {
+            group: "",
+            resource: "pods",
+            subresource: Some(sub.to_owned()),
+            namespace: ns.clone(),
+            name: Some(name.clone()),
+        };
+        // A WebSocket upgrade is a GET, which Kubernetes 1.35 and later
+        // authorise for `create` as well; SPDY's is a POST.
+        let verbs: &[&str] = if req.method() == Method::GET {
+            &["get", "create"]
+        } else {
+            &["create"]
+        };
+        if let Some(refused) = forbidden(store, user, &a, verbs) {
+            return refused;
+        }
         let pod = {
             let s = store.lock().unwrap();
             s.objects
@@ -375,7 +469,7 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
         };
     }
     let query = parse_query(req.uri().query().unwrap_or(""));
-    let Some((_, namespace, resource, name)) = route(&path) else {
+    let Some((prefix, namespace, resource, name)) = route(&path) else {
         return status(
             StatusCode::NOT_FOUND,
             "NotFound",
@@ -383,6 +477,31 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
         );
     };
     let method = req.method().clone();
+    let watching = query.get("watch").is_some_and(|w| w == "true" || w == "1");
+    let verb = match (&method, &name) {
+        (&Method::GET, None) if watching => Some("watch"),
+        (&Method::GET, None) => Some("list"),
+        (&Method::GET, Some(_)) => Some("get"),
+        (&Method::POST, _) => Some("create"),
+        (&Method::PUT, _) => Some("update"),
+        (&Method::PATCH, _) => Some("patch"),
+        (&Method::DELETE, Some(_)) => Some("delete"),
+        (&Method::DELETE, None) => Some("deletecollection"),
+        _ => None,
+    };
+    let attributes = rbac::Attributes {
+        group: prefix
+            .strip_prefix("/apis/")
+            .and_then(|g| g.split('/').next())
+            .unwrap_or(""),
+        resource,
+        subresource: None,
+        namespace: namespace.clone(),
+        name: name.clone(),
+    };
+    if let Some(refused) = verb.and_then(|v| forbidden(store, user, &attributes, &[v])) {
+        return refused;
+    }
     let content_type = req
         .headers()
         .get("content-type")
@@ -395,9 +514,7 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
     };
     let parsed = || serde_json::from_slice::<Value>(&body);
     match (method, name) {
-        (Method::GET, None) if query.get("watch").is_some_and(|w| w == "true" || w == "1") => {
-            watch(store, &namespace, resource, &query)
-        }
+        (Method::GET, None) if watching => watch(store, &namespace, resource, &query),
         (Method::GET, None) => list(store, &namespace, resource, &query),
         (Method::GET, Some(name)) => {
             let key = (resource.to_owned(), namespace, name.clone());
@@ -415,7 +532,17 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
             Err(e) => status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
         },
         (Method::PATCH, Some(name)) => match parsed() {
-            Ok(p) => patch(store, &namespace, resource, &name, &p, &content_type),
+            Ok(p) => {
+                // An apply that makes the object is authorised as a create too.
+                let key = (resource.to_owned(), namespace.clone(), name.clone());
+                let missing = !store.lock().unwrap().objects.contains_key(&key);
+                if missing && content_type.starts_with("application/apply-patch") {
+                    if let Some(refused) = forbidden(store, user, &attributes, &["create"]) {
+                        return refused;
+                    }
+                }
+                patch(store, &namespace, resource, &name, &p, &content_type)
+            }
             Err(e) => status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
         },
         (Method::DELETE, Some(name)) => delete(store, &namespace, resource, &name),

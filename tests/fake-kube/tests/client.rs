@@ -466,3 +466,101 @@ async fn port_forward_reaches_a_listener_in_the_pod_s_own_network() {
     let err = pf.take_error(18766).unwrap().await.unwrap_or_default();
     assert!(err.contains("18766"), "{err}");
 }
+
+#[tokio::test]
+async fn a_user_bound_to_a_role_may_do_what_it_grants_and_gets_403_for_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let fake = FakeKube::start().await;
+    let admin = client(&fake, dir.path()).await;
+    fake.bind(
+        "agentd",
+        fake_kube::rbac::Role::from_yaml(
+            "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\n\
+             metadata: {name: r, namespace: agent-sandboxes}\nrules:\n\
+             - apiGroups: [\"\"]\n  resources: [pods]\n  verbs: [get, list, create]\n\
+             - apiGroups: [\"\"]\n  resources: [pods/exec]\n  verbs: [get]\n\
+             - apiGroups: [networking.k8s.io]\n  resources: [networkpolicies]\n  verbs: [patch]\n",
+        )
+        .unwrap(),
+    );
+    let path = fake.kubeconfig_as(dir.path(), "agent-sandboxes", "agentd");
+    let kc = Kubeconfig::read_from(&path).unwrap();
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .unwrap();
+    let user = Client::try_from(config).unwrap();
+    let pods: Api<Pod> = Api::default_namespaced(user.clone());
+    let forbidden = |e: kube::Error| match e {
+        kube::Error::Api(s) => {
+            assert_eq!((s.code, s.reason.as_str()), (403, "Forbidden"));
+            s.message
+        }
+        other => panic!("{other:?}"),
+    };
+
+    // Granted: made and read.
+    pods.create(&PostParams::default(), &pod("sb-a", "a"))
+        .await
+        .unwrap();
+    assert_eq!(
+        pods.list(&ListParams::default()).await.unwrap().items.len(),
+        1
+    );
+    // Not granted: 403 as a real server words it, and nothing changes.
+    let err = pods
+        .delete("sb-a", &DeleteParams::default())
+        .await
+        .unwrap_err();
+    assert_eq!(
+        forbidden(err),
+        "pods \"sb-a\" is forbidden: User \"agentd\" cannot delete resource \"pods\" in API group \"\" in the namespace \"agent-sandboxes\""
+    );
+    assert!(fake.object("pods", "agent-sandboxes", "sb-a").is_some());
+    // An apply that would make the object needs create as well as patch.
+    let policy: NetworkPolicy = serde_json::from_value(serde_json::json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "sb-a"}, "spec": {"podSelector": {}},
+    }))
+    .unwrap();
+    let policies: Api<NetworkPolicy> = Api::default_namespaced(user);
+    let err = policies
+        .patch(
+            "sb-a",
+            &PatchParams::apply("agentd"),
+            &Patch::Apply(&policy),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        forbidden(err).contains(
+            "cannot create resource \"networkpolicies\" in API group \"networking.k8s.io\""
+        ),
+    );
+    assert_eq!(fake.count("networkpolicies"), 0);
+    // A WebSocket exec is a GET that needs create as well.
+    let exec = pods
+        .exec("sb-a", ["true"], &kube::api::AttachParams::default())
+        .await;
+    assert!(exec.is_err());
+    assert!(
+        fake.denied()
+            .last()
+            .unwrap()
+            .contains("cannot create resource \"pods/exec\""),
+        "{:?}",
+        fake.denied()
+    );
+    // What the Role grants that nothing asked for (the refused apply
+    // still used its patch).
+    let unused: Vec<String> = fake
+        .unused_grants("agentd")
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(unused, ["get pods (core)"]);
+    // Another user (the kubeconfig's plain token) is not restricted.
+    Api::<Pod>::default_namespaced(admin)
+        .delete("sb-a", &DeleteParams::default())
+        .await
+        .unwrap();
+}
