@@ -366,3 +366,62 @@ fn a_forgotten_sandbox_leaves_no_remote_behind() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn destroy_says_which_commits_it_would_lose() {
+    let env = Env::new();
+    let repo = env.repo("lose");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "lose"]);
+    env.sh(
+        "lose",
+        "set -e; git config --global user.email a@example.com; git config --global user.name A; \
+         git commit -q --allow-empty -m m1; git switch -qc feature/x; \
+         git commit -q --allow-empty -m x1; git commit -q --allow-empty -m x2; \
+         git branch same main~1",
+    );
+    env.ok(&["stop", "lose"]);
+    let t = common::term::Terminal::new(env.tmp.path(), 400, 20, &[]);
+    let destroy = format!(
+        "{} --bus {} destroy lose; echo code=$?",
+        common::agentctl().display(),
+        env.address
+    );
+    t.line(&destroy);
+    let screen = t.wait_screen("the prompt", Duration::from_secs(30), |s| {
+        s.contains("[y/N]")
+    });
+    assert!(
+        screen.contains(&format!(
+            "Sandbox 'lose' has commits that {} does not have: 3 on feature/x, 1 on main.",
+            fs::canonicalize(&repo).unwrap().display()
+        )) && screen.contains("bring them home first with: agentctl sync lose"),
+        "{screen}"
+    );
+    t.line("n");
+    t.wait_screen("the answer", Duration::from_secs(30), |s| {
+        s.contains("code=")
+    });
+    assert_eq!(env.state("lose"), "stopped");
+    // The prompt's dry run wrote nothing.
+    assert_eq!(
+        common::host_ref(&repo, "refs/remotes/sandbox/lose/main"),
+        None
+    );
+
+    env.ok(&["sync", "lose"]);
+    t.line("clear");
+    t.line(&destroy);
+    let screen = t.wait_screen("the prompt", Duration::from_secs(30), |s| {
+        s.contains("[y/N]")
+    });
+    assert!(
+        screen.contains("Every commit of sandbox 'lose' is in") && !screen.contains("commits that"),
+        "{screen}"
+    );
+    t.line("y");
+    t.wait_screen("the destroy", Duration::from_secs(30), |s| {
+        s.contains("Sandbox 'lose' destroyed.") && s.contains("code=0")
+    });
+    assert!(env.list().is_empty());
+}

@@ -109,3 +109,42 @@ pub(super) async fn run(
         _ => unreachable!("dispatched by commands::run"),
     }
 }
+
+/// What destroying sandbox `name` would lose, for its prompt: the commits
+/// that `project` does not have yet (a dry-run sync counts them), branch by
+/// branch, and how to bring them home first.
+pub(super) async fn at_stake(sb: &SandboxProxy<'_>, name: &str, project: &str) -> String {
+    let dry = SyncOptions {
+        dry_run: true,
+        ..SyncOptions::default()
+    };
+    let report = match sb.sync(dry.to_dict()).await {
+        Ok(r) => r,
+        Err(e) => {
+            return format!(
+                "Cannot tell which commits {project} lacks ({e}); whatever was not synced is lost.\n"
+            );
+        }
+    };
+    let mut lost: Vec<(&str, u32)> = report
+        .branches
+        .iter()
+        .filter(|b| !b.new.is_empty() && b.commits > 0)
+        .map(|b| (b.branch.as_str(), b.commits))
+        .collect();
+    if lost.is_empty() {
+        return format!(
+            "Every commit of sandbox '{name}' is in {project} already (uncommitted changes are not \
+             counted).\n"
+        );
+    }
+    // Each branch counts the commits it has that the project lacks; one
+    // commit on two branches counts on each, so there is no total.
+    lost.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let branches: Vec<String> = lost.iter().map(|(b, n)| format!("{n} on {b}")).collect();
+    format!(
+        "Sandbox '{name}' has commits that {project} does not have: {}. Destroying it loses \
+         them; bring them home first with: agentctl sync {name}\n",
+        branches.join(", ")
+    )
+}

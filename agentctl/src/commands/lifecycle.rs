@@ -103,9 +103,8 @@ pub(super) async fn run(
             let sb = lookup(conn, manager, &name).await?;
             if !force && std::io::stdin().is_terminal() {
                 let project = sb.project_path().await.map_err(api::Error::ZBus)?;
-                crate::err!(
-                    "Destroy sandbox '{name}' and its workspace? Work not synced to {project} is lost. [y/N] "
-                );
+                let at_stake = super::gitops::at_stake(&sb, &name, &project).await;
+                crate::err!("{at_stake}Destroy sandbox '{name}' and its workspace? [y/N] ");
                 let _ = std::io::stderr().flush();
                 let mut answer = String::new();
                 let _ = std::io::stdin().read_line(&mut answer);
