@@ -225,6 +225,7 @@ fn agentd_finds_its_pods_again_after_kill_9_and_removes_strays() {
     let cluster = Cluster::start(true);
     let mut env = agentd_running(&cluster, serde_json::json!({}));
     sandbox(&env, "keep", &[]);
+    cluster::need(&env, "keep", &["curl"]);
     let uid = cluster.object("pods", "ks-keep").unwrap()["metadata"]["uid"].clone();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(env.agentd_pid()),
@@ -379,6 +380,7 @@ fn a_dev_server_in_the_pod_gets_its_link_through_port_forward() {
     let extra = cluster::may_run(&cluster, serde_json::json!({}));
     let env = agentd_with(&cluster, extra, proxy);
     sandbox(&env, "web", &[]);
+    cluster::need(&env, "web", &["python3"]);
     // A dev server on the Pod's own loopback, found by agentd inside the
     // Pod and reached through the API server's port-forward.
     env.ok(&[
@@ -513,11 +515,7 @@ fn the_pod_reaches_out_only_through_its_gateway() {
         vars.trim(),
         "http://127.0.0.1:3128 socks5h://127.0.0.1:3128"
     );
-    if sh("command -v curl").0 != 0 {
-        assert!(!cluster.is_real() || std::env::var_os("CI").is_none());
-        eprintln!("skipped the connections: no curl in the image");
-        return;
-    }
+    cluster::need(&env, "net", &["curl"]);
     let curl = |opts: &str, url: &str| sh(&format!("curl -sS --max-time 20 {opts} '{url}' 2>&1"));
     // Not on the allowlist: refused, with the command that opens it.
     let url = format!("http://origin.test:{service}/");
@@ -597,15 +595,7 @@ fn a_secret_reaches_its_host_from_the_pod_and_never_the_pod() {
     let top = serde_json::json!({"egress": {"hosts": {"api.secret.test": "127.0.0.1"}}});
     let env = cluster::agentd_in(env, &cluster, extra, top);
     sandbox(&env, "sec", &[]);
-    if env
-        .ctl(&["exec", "sec", "--", "sh", "-c", "command -v curl"])
-        .status
-        .code()
-        != Some(0)
-    {
-        eprintln!("skipped: no curl in the image");
-        return;
-    }
+    cluster::need(&env, "sec", &["curl"]);
     env.ok(&[
         "egress",
         "sec",

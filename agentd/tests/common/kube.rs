@@ -26,6 +26,8 @@ pub struct Cluster {
     pub rt: tokio::runtime::Runtime,
     /// This test's agentd instance label.
     pub instance: String,
+    /// The fake's user agentd's kubeconfig names (see [`Cluster::as_user`]).
+    user: Option<String>,
 }
 
 /// Whether the real cluster enforces NetworkPolicies
@@ -71,7 +73,20 @@ impl Cluster {
             backing,
             rt,
             instance: format!("test-{}-{n}", std::process::id()),
+            user: None,
         }
+    }
+
+    /// From now on, kubeconfigs name `user`, bound to `role` (a Role's
+    /// YAML) on the fake: agentd may do what the Role grants and no more.
+    ///
+    /// # Panics
+    /// On a real cluster, or when `role` is no valid Role.
+    pub fn as_user(&mut self, user: &str, role: &str) {
+        let role = fake_kube::rbac::Role::from_yaml(role)
+            .unwrap_or_else(|e| panic!("the Role: {e}\n{role}"));
+        self.fake().bind(user, role);
+        self.user = Some(user.to_owned());
     }
 
     /// The fake API server.
@@ -100,7 +115,10 @@ impl Cluster {
 
     pub fn kubeconfig(&self, dir: &std::path::Path) -> std::path::PathBuf {
         match &self.backing {
-            Backing::Fake(f) => f.kubeconfig(dir, NS),
+            Backing::Fake(f) => match &self.user {
+                Some(user) => f.kubeconfig_as(dir, NS, user),
+                None => f.kubeconfig(dir, NS),
+            },
             Backing::Real(p) => p.clone(),
         }
     }
@@ -362,6 +380,31 @@ pub fn sandbox(env: &Env, name: &str, extra: &[&str]) -> std::path::PathBuf {
     env.ok(&args);
     env.ok(&["start", name]);
     repo
+}
+
+/// What the suite's image needs besides the image contract of
+/// docs/kubernetes.md: the tests run these in the Pod.
+pub const SUITE_TOOLS: &[&str] = &["curl", "python3"];
+
+/// Fail, naming what is missing, unless sandbox `name`'s Pod has each of
+/// `tools` (of [`SUITE_TOOLS`]): a test that cannot run its check must not
+/// pass by skipping it.
+pub fn need(env: &Env, name: &str, tools: &[&str]) {
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|t| {
+            let out = env.ctl(&["exec", name, "--", "sh", "-c", &format!("command -v {t}")]);
+            !out.status.success()
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "the image lacks {}, which this test runs in the Pod: the suite's image needs {} \
+         besides the image contract (docs/kubernetes.md, \"Tests\"; tests/kubernetes-real.sh --help)",
+        missing.join(" and "),
+        SUITE_TOOLS.join(" and ")
+    );
 }
 
 /// What agentd (`pid`) holds: (resident KiB, descriptors, threads).
