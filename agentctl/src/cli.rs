@@ -267,7 +267,10 @@ pub enum Command {
         #[arg(long, short)]
         force: bool,
     },
-    /// Destroy a stopped sandbox and its workspace (asks first on a terminal).
+    /// Destroy a stopped sandbox and its workspace (asks first on a terminal,
+    /// saying how many commits on which branches your repository lacks).
+    /// Removes the remote sandbox/NAME from your repository's config; the
+    /// refs refs/remotes/sandbox/NAME/* stay.
     Destroy {
         /// Sandbox name.
         name: String,
@@ -299,7 +302,9 @@ pub enum Command {
     #[command(
         after_help = "Examples:\n  agentctl sync myproject                 fetch every sandbox branch\n  \
 agentctl sync myproject --dry-run       show what would come over\n  \
-agentctl sync myproject --into main     also fast-forward your local main\n  \
+agentctl sync myproject --into main     also fast-forward your main to the sandbox's main\n  \
+agentctl sync myproject --into master   the same where the branch is called master\n  \
+agentctl sync myproject -b feature/x --into feature/x   only feature/x, and your feature/x\n  \
 agentctl sync myproject --from-host     update refs/remotes/host/* in the sandbox\n\n\
 Afterwards, in your repository: git log sandbox/myproject/main\n\
 Never runs a hook, never reads the sandbox's git config; your work tree and index are only \
@@ -314,8 +319,10 @@ touched by --into, and only as a fast-forward of a clean checkout."
         /// Show what would come over; change nothing.
         #[arg(long, short = 'n')]
         dry_run: bool,
-        /// Also fast-forward this local branch of your repository (never a
-        /// forced update; exits 3 with merge instructions when it diverged).
+        /// Also fast-forward this local branch of your repository to the
+        /// sandbox's branch of the same name (never a forced update; exits 3
+        /// with merge instructions when it diverged). With --branch B, only
+        /// --into B; a branch the sandbox lacks is refused (exit 4).
         #[arg(long, value_name = "BRANCH")]
         into: Option<String>,
         /// The other direction: your branches into the sandbox, as
