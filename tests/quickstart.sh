@@ -61,7 +61,7 @@ bin="$prefix/bin"
 ctl="$bin/agentctl"
 
 # Sessions (agentctl attach) run the pinned Zellij inside the sandbox: built
-# once into a cache (about 20 minutes the first time), reused after that.
+# once into a cache (10 to 20 minutes the first time), reused after that.
 # The first time it builds in the background: the sandbox does not wait
 # for it, agentd picks it up when it is there, and `agentctl attach` says
 # how long is left meanwhile.
@@ -72,7 +72,7 @@ if ! tests/install-zellij.sh --cached >/dev/null 2>&1; then
     KEYSTONE_BUILD_LOG="$zellij_log" nohup tests/install-zellij.sh >"$zellij_log" 2>&1 &
   fi
   zellij_building=1
-  echo "==> Zellij for sessions is building in the background (about 20 minutes, once; log: $zellij_log)"
+  echo "==> Zellij for sessions is building in the background (10 to 20 minutes, once; log: $zellij_log)"
 fi
 
 settings=()

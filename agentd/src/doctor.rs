@@ -237,8 +237,10 @@ fn zellij(config: &DaemonConfig) -> Check {
                 format!("{e} (agentctl attach needs it)"),
             )
             .fix(format!(
-                "cargo install --locked --root {root}/zellij-{v} zellij@{v} (about 20 minutes), \
-                 then restart agentd",
+                "cargo install --locked --no-default-features --features \
+                 plugins_from_target,vendored_curl --config profile.release.lto=false \
+                 --config profile.release.codegen-units=16 --root {root}/zellij-{v} zellij@{v} \
+                 (10 to 20 minutes), then restart agentd",
                 v = crate::tools::ZELLIJ_PINNED
             ))
         }

@@ -69,16 +69,19 @@ pub enum ZellijError {
     },
     /// None yet, but `tests/install-zellij.sh` is building it.
     #[error(
-        "Zellij {ZELLIJ_PINNED} is still being built (started {} ago, about {} left; log: {log}); \
+        "Zellij {ZELLIJ_PINNED} is still being built (started {} ago, {}about {} left; log: {log}); \
          `agentctl attach` works once it is done, and `agentctl exec -t SANDBOX -- bash` gives a shell meanwhile",
         minutes(*elapsed_secs / 60),
-        minutes(expected_secs.saturating_sub(*elapsed_secs).max(60).div_ceil(60))
+        units.map_or_else(String::new, |(done, total)| format!("{done} of {total} units compiled, ")),
+        minutes((*left_secs).max(60).div_ceil(60))
     )]
     Building {
         /// Seconds since the build started.
         elapsed_secs: u64,
-        /// How long such a build takes.
-        expected_secs: u64,
+        /// About how many seconds it has left ([`build_left`]).
+        left_secs: u64,
+        /// cargo's units compiled, out of all, once it said.
+        units: Option<(u64, u64)>,
         /// Where its output goes.
         log: String,
     },
@@ -104,31 +107,126 @@ fn minutes(m: u64) -> String {
     }
 }
 
+/// How far a build of `tests/install-tools.sh` is, from its marker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BuildProgress {
+    /// cargo's units compiled.
+    pub done: u64,
+    /// All units of the build.
+    pub total: u64,
+    /// Seconds after the start when `done` was reached.
+    pub reached_secs: u64,
+}
+
+/// About how many seconds a build has left, `elapsed` seconds after it
+/// started: from cargo's own progress when there is some, else from how
+/// long such a build takes (`expected`).
+///
+/// Units differ in cost (the last few, the largest crates, take most of
+/// the time), so the share of units done goes through `curve`: points
+/// (per mille of units done, per mille of the time) measured on one such
+/// build, joined by straight lines; without one, time follows units. The
+/// whole build is taken to last what reaching `done` took divided by its
+/// share of the time, and, while no unit ends, at least until the next
+/// unit's share: the estimate grows instead of sitting at "a minute left".
+#[must_use]
+pub fn build_left(
+    elapsed: u64,
+    expected: u64,
+    progress: Option<BuildProgress>,
+    curve: &[(u64, u64)],
+) -> u64 {
+    let Some(p) = progress.filter(|p| p.done > 0 && p.total > 0) else {
+        return expected.saturating_sub(elapsed);
+    };
+    let share = |done: u64| {
+        let units = done.min(p.total) * 1000 / p.total;
+        let mut points = vec![(0, 0)];
+        points.extend(
+            curve
+                .iter()
+                .copied()
+                .filter(|&(u, t)| u <= 1000 && t <= 1000),
+        );
+        points.push((1000, 1000));
+        points.sort_unstable();
+        points
+            .windows(2)
+            .find(|w| units <= w[1].0)
+            .map_or(1000, |w| {
+                let ((u0, t0), (u1, t1)) = (w[0], w[1]);
+                if u1 == u0 {
+                    t1
+                } else {
+                    t0 + (t1.max(t0) - t0) * (units - u0) / (u1 - u0)
+                }
+            })
+    };
+    let now = share(p.done).max(1);
+    let next = share(p.done + 1).max(1);
+    let total = p.reached_secs * 1000 / now;
+    let at_least = elapsed * 1000 / next;
+    total.max(at_least).saturating_sub(elapsed)
+}
+
+/// A marker's `curve=` (`UNITS:TIME,…`, per mille): the points that parse.
+fn parse_curve(text: &str) -> Vec<(u64, u64)> {
+    text.split(',')
+        .filter_map(|p| {
+            let (u, t) = p.split_once(':')?;
+            Some((u.trim().parse().ok()?, t.trim().parse().ok()?))
+        })
+        .collect()
+}
+
 /// The build of `tests/install-tools.sh` for `tool-version` in progress:
 /// its marker (`<cache>/<tool>-<version>.building`: `started=`, `expected=`,
-/// `pid=`, `log=` lines) names a process that still runs.
+/// `pid=`, `log=` lines, and once cargo has said how far it is `units=`
+/// DONE/TOTAL, `units_at=` when, and `curve=` for [`build_left`]) names a
+/// process that still runs.
 #[must_use]
 pub fn build_in_progress(tool_version: &str) -> Option<ZellijError> {
     let marker = cache_dir()?.join(format!("{tool_version}.building"));
     let text = std::fs::read_to_string(marker).ok()?;
-    let field = |k: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(k)?.strip_prefix('='))
-            .map(str::to_owned)
-    };
-    let pid: i32 = field("pid")?.parse().ok()?;
+    let pid: i32 = marker_field(&text, "pid")?.parse().ok()?;
     if pid <= 0 || nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err() {
         return None;
     }
-    let started: u64 = field("started")?.parse().ok()?;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
+    building(&text, now)
+}
+
+fn marker_field(text: &str, key: &str) -> Option<String> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+        .map(str::to_owned)
+}
+
+/// What a build's marker `text` says at `now` (seconds since the epoch).
+fn building(text: &str, now: u64) -> Option<ZellijError> {
+    let field = |k: &str| marker_field(text, k);
+    let started: u64 = field("started")?.parse().ok()?;
+    let elapsed = now.saturating_sub(started);
+    let progress = field("units").and_then(|u| {
+        let (done, total) = u.split_once('/')?;
+        Some(BuildProgress {
+            done: done.parse().ok()?,
+            total: total.parse().ok()?,
+            reached_secs: field("units_at")
+                .and_then(|t| t.parse::<u64>().ok())
+                .map_or(elapsed, |t| t.saturating_sub(started).min(elapsed)),
+        })
+    });
+    let expected = field("expected")
+        .and_then(|e| e.parse().ok())
+        .unwrap_or(1200);
+    let curve = parse_curve(&field("curve").unwrap_or_default());
     Some(ZellijError::Building {
-        elapsed_secs: now.saturating_sub(started),
-        expected_secs: field("expected")
-            .and_then(|e| e.parse().ok())
-            .unwrap_or(1200),
+        elapsed_secs: elapsed,
+        left_secs: build_left(elapsed, expected, progress, &curve),
+        units: progress.map(|p| (p.done, p.total)),
         log: field("log")
             .filter(|l| !l.is_empty())
             .unwrap_or_else(|| "-".into()),
@@ -257,6 +355,54 @@ mod tests {
         // No zellij: no binary inside.
         install(state.path(), None).unwrap();
         assert!(!bin.exists());
+    }
+
+    #[test]
+    fn a_build_s_time_left_follows_cargo_s_units_through_the_curve() {
+        // Zellij's: a third of the units in the first tenth of the time,
+        // the last two units a fifth of it.
+        let curve = parse_curve("300:100,995:800,997:990,junk,2000:5");
+        assert_eq!(curve, [(300, 100), (995, 800), (997, 990), (2000, 5)]);
+        let at = |done, reached_secs| {
+            Some(BuildProgress {
+                done,
+                total: 1000,
+                reached_secs,
+            })
+        };
+        // No units yet: what such a build takes.
+        assert_eq!(build_left(100, 600, None, &curve), 500);
+        assert_eq!(build_left(700, 600, None, &curve), 0);
+        // 300 units after 60 s: a tenth of the time, 540 s to go.
+        assert_eq!(build_left(60, 600, at(300, 60), &curve), 540);
+        // Half the units after 300 s: only 30% of the time (on the line
+        // from 300 to 995), so 700 s to go, not 300.
+        assert_eq!(build_left(300, 600, at(500, 300), &curve), 696);
+        // At 995 units (80%) after 800 s: 200 s to go, less as it waits,
+        // but while the next unit (89.5%) has not come, never less than
+        // its share allows: the estimate grows again.
+        assert_eq!(build_left(800, 600, at(995, 800), &curve), 200);
+        assert_eq!(build_left(900, 600, at(995, 800), &curve), 105);
+        assert_eq!(build_left(1200, 600, at(995, 800), &curve), 140);
+        // A linear curve when the marker has none.
+        assert_eq!(build_left(100, 600, at(250, 100), &[]), 300);
+        // A marker as tests/install-tools.sh writes it, in the message.
+        let marker = "started=1000\nexpected=600\npid=1\nlog=\n\
+                      curve=300:100,995:800,997:990\nunits=500/1000\nunits_at=1300\n";
+        let e = building(marker, 1300).unwrap();
+        assert!(
+            e.to_string().contains(
+                "(started 5 minutes ago, 500 of 1000 units compiled, about 12 minutes left; log: -)"
+            ),
+            "{e}"
+        );
+        // Before cargo's first count: what such a build takes.
+        let e = building("started=1000\nexpected=600\npid=1\n", 1120).unwrap();
+        assert!(
+            e.to_string()
+                .contains("(started 2 minutes ago, about 8 minutes left; log: -)"),
+            "{e}"
+        );
     }
 
     #[test]
