@@ -353,8 +353,8 @@ agentctl cp --links myproject:/workspace/site ./site   # keep links that stay in
         #[arg(long)]
         links: bool,
     },
-    /// What was run in a sandbox: every exec with its caller, exit code and
-    /// duration (an append-only log kept by agentd).
+    /// What was run in a sandbox: every exec, attach and cp with its
+    /// caller, exit code and duration (an append-only log kept by agentd).
     History {
         /// Sandbox name.
         name: String,
@@ -364,6 +364,11 @@ agentctl cp --links myproject:/workspace/site ./site   # keep links that stay in
         /// Only the last N entries.
         #[arg(long, short = 'n', value_name = "N", default_value_t = 20)]
         limit: u32,
+        /// Also list the checks `agentctl cp` makes before copying in
+        /// (`cp-check`: whether the destination is a directory), which
+        /// are left out otherwise.
+        #[arg(long)]
+        all: bool,
     },
     /// Change a sandbox's settings: the sync mode at once, the default
     /// agent for the next new session.

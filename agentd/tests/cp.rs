@@ -248,3 +248,91 @@ exec /usr/bin/tar -c -C /tmp/t .git
     assert!(!repo.join(".git/hooks/post-checkout").exists());
     assert!(repo.join("README.md").is_file());
 }
+
+fn kinds(env: &Env, args: &[&str]) -> Vec<(String, String)> {
+    let h: Vec<serde_json::Value> = serde_json::from_str(&env.ok(args)).unwrap();
+    h.iter()
+        .map(|e| {
+            (
+                e["kind"].as_str().unwrap().to_owned(),
+                e["detail"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// `agentctl history` shows the person's commands: a copy is one `cp`
+/// entry, and the check cp makes of its destination is left out (kept, as
+/// `cp-check`, for `--all`); nobody can record another command as a copy
+/// or a check to keep it out of sight.
+#[test]
+fn the_history_shows_a_copy_as_one_entry_and_hides_nothing_else() {
+    let env = Env::running("cph", &[]);
+    let file = env.tmp.path().join("notes.txt");
+    fs::write(&file, "n\n").unwrap();
+    env.ok(&["exec", "cph", "--", "echo", "one"]);
+    env.ok(&["cp", file.to_str().unwrap(), "cph:/workspace/"]);
+
+    let shown = kinds(&env, &["history", "cph", "--json"]);
+    assert!(shown.iter().all(|(k, _)| k != "cp-check"), "{shown:?}");
+    assert!(
+        shown.iter().all(|(_, d)| !d.contains("test -d")),
+        "{shown:?}"
+    );
+    assert_eq!(
+        shown.last().unwrap(),
+        &(
+            "cp".to_owned(),
+            format!("{} -> cph:/workspace/notes.txt", file.display())
+        )
+    );
+    // The last two of the person's: the echo and the copy.
+    let two = kinds(&env, &["history", "cph", "--json", "-n", "2"]);
+    assert_eq!(two.len(), 2, "{two:?}");
+    assert_eq!(two[0], ("exec".to_owned(), "echo one".to_owned()));
+    assert_eq!(two[1].0, "cp");
+    let table = env.ok(&["history", "cph"]);
+    assert!(!table.contains("test -d"), "{table}");
+    // Everything, for an audit.
+    let all = kinds(&env, &["history", "cph", "--json", "--all"]);
+    assert!(
+        all.contains(&("cp-check".to_owned(), "test -d /workspace/".to_owned())),
+        "{all:?}"
+    );
+
+    // Another command under cp's names is refused, and does not run.
+    let marker = "/workspace/hidden";
+    let attempts: [(&[&str], &str); 4] = [
+        (&["touch", marker], "cp ./x -> cph:/workspace"),
+        (&["sh", "-c", "touch /workspace/hidden"], "cp-check"),
+        (
+            &["tar", "-x", "-p", "--no-same-owner", "-C", "/etc"],
+            "cp ./x -> cph:/workspace",
+        ),
+        (&["test", "-d", "/workspace", "-o", "x"], "cp-check"),
+    ];
+    let devnull = fs::File::open("/dev/null").unwrap();
+    for (argv, record) in attempts {
+        env.with_sandbox("cph", async |sb| {
+            use std::os::fd::AsFd;
+            let opts = keystone_agent_api::options::ExecOptions {
+                record_as: Some(record.to_owned()),
+                ..Default::default()
+            };
+            let fd = || zvariant::Fd::from(devnull.as_fd());
+            let r = sb
+                .exec_stdio(argv, Default::default(), opts.to_dict(), fd(), fd(), fd())
+                .await;
+            match r {
+                Err(keystone_agent_api::Error::InvalidArgument(m)) => {
+                    assert!(m.contains("only for the commands of `agentctl cp`"), "{m}");
+                }
+                other => panic!("{argv:?} as {record}: {other:?}"),
+            }
+        });
+    }
+    let all_after = kinds(&env, &["history", "cph", "--json", "--all", "-n", "0"]);
+    assert_eq!(all_after.len(), all.len(), "{all_after:?}");
+    let (code, _) = env.inside("cph", &format!("test -e {marker}"));
+    assert_ne!(code, 0, "a refused command ran");
+}

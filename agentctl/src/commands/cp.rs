@@ -80,14 +80,22 @@ fn split(path: &str) -> (String, String) {
     )
 }
 
-/// Run `argv` in the sandbox with the given stdin and stdout; stderr is
-/// collected for the error message.
+/// `base` in `dir`, as the history records a copy (agentd checks that the
+/// record names the path the copy's `tar` touches).
+fn joined(dir: &str, base: &str) -> String {
+    format!("{}/{base}", dir.trim_end_matches('/'))
+}
+
+/// Run `argv` in the sandbox with the given stdin and stdout, recorded in
+/// its history as `record` (`cp <description>`, or `cp-check` for the
+/// check of the destination, which `agentctl history` leaves out); stderr
+/// is collected for the error message.
 async fn run(
     sb: &SandboxProxy<'_>,
     argv: &[&str],
     stdin: &OwnedFd,
     stdout: &OwnedFd,
-    record: &str,
+    record: String,
 ) -> Result<(i32, String)> {
     let (err_r, err_w) = pipe()?;
     let collect = std::thread::spawn(move || {
@@ -96,7 +104,7 @@ async fn run(
         s
     });
     let opts = ExecOptions {
-        record_as: (!record.is_empty()).then(|| format!("cp {record}")),
+        record_as: Some(record),
         ..ExecOptions::default()
     };
     let code = sb
@@ -174,7 +182,14 @@ pub async fn copy_in(sb: &SandboxProxy<'_>, name: &str, local: &Path, dest: &str
     );
     let (out_r, out_w) = pipe()?;
     drop(out_r);
-    let (is_dir, _) = run(sb, &["test", "-d", dest], &devnull, &out_w, "").await?;
+    let (is_dir, _) = run(
+        sb,
+        &["test", "-d", dest],
+        &devnull,
+        &out_w,
+        "cp-check".to_owned(),
+    )
+    .await?;
     let (dir, entry) = if is_dir == 0 {
         (
             dest.to_owned(),
@@ -211,13 +226,13 @@ pub async fn copy_in(sb: &SandboxProxy<'_>, name: &str, local: &Path, dest: &str
         }
         b.into_inner()?.flush()
     });
-    let record = format!("{} -> {name}:{dest}", local.display());
+    let record = format!("cp {} -> {name}:{}", local.display(), joined(&dir, &entry));
     let (code, err) = run(
         sb,
         &["tar", "-x", "-p", "--no-same-owner", "-C", &dir],
         &in_r,
         &out_w,
-        &record,
+        record,
     )
     .await?;
     drop(in_r);
@@ -301,13 +316,13 @@ pub async fn copy_out(
         // writing: the refusal is what gets reported.
         unpack::unpack(reader, &target, &wanted, opts)
     });
-    let record = format!("{name}:{src} -> {}", local.display());
+    let record = format!("cp {name}:{} -> {}", joined(&dir, &base), local.display());
     let ran = run(
         sb,
         &["tar", "-c", "-C", &dir, "--", &base],
         &devnull,
         &out_w,
-        &record,
+        record,
     )
     .await;
     drop(out_w);

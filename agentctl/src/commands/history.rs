@@ -8,9 +8,26 @@ pub(super) async fn run(
     command: Command,
 ) -> Result<i32> {
     match command {
-        Command::History { name, json, limit } => {
+        Command::History {
+            name,
+            json,
+            limit,
+            all,
+        } => {
             let sb = lookup(conn, manager, &name).await?;
-            let entries = sb.history(limit).await?;
+            let mut entries = sb.history(limit).await?;
+            if !all {
+                let full = limit > 0 && entries.len() >= limit as usize;
+                entries.retain(|e| !internal(e));
+                // The last `limit` entries held some of cp's checks: the
+                // person's last `limit` commands go further back.
+                if full && entries.len() < limit as usize {
+                    entries = sb.history(0).await?;
+                    entries.retain(|e| !internal(e));
+                    let skip = entries.len().saturating_sub(limit as usize);
+                    entries.drain(..skip);
+                }
+            }
             if json {
                 let v: Vec<_> = entries.iter().map(output::history_json).collect();
                 println!("{}", crate::output::json(&v));
@@ -40,4 +57,11 @@ pub(super) async fn run(
         }
         _ => unreachable!("dispatched by commands::run"),
     }
+}
+
+/// An entry agentctl made for itself rather than the person: `cp`'s check
+/// of its destination (agentd records it as `cp-check`, and only for
+/// exactly that command).
+fn internal(e: &keystone_agent_api::HistoryEntry) -> bool {
+    e.kind == "cp-check"
 }

@@ -46,12 +46,8 @@ pub(super) fn exec_options(
         .timeout_secs
         .filter(|t| *t > 0)
         .map(|t| Duration::from_secs(u64::from(t)));
-    if let Some(r) = exec.record_as {
-        match r.split_once(' ') {
-            Some(("cp", detail)) => call.record_as = Some(("cp".to_owned(), detail.to_owned())),
-            _ => problems.push("record_as must be 'cp <description>'".to_owned()),
-        }
-    }
+    // Whether it fits the command is the manager's to say.
+    call.record_as = exec.record_as;
     if let (Some(t), Some(size)) = (tty, size) {
         terminal(size, t, &mut problems);
     }

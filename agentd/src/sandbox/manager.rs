@@ -44,7 +44,6 @@ mod remote;
 mod secrets;
 mod session;
 pub use egress::{EgressChange, EgressEvent, EgressView};
-use exec::shell_words;
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 
 /// A command to run in a sandbox.
@@ -62,9 +61,10 @@ pub struct ExecCall {
     pub worktree: Option<String>,
     /// Standard streams to give the command; `None` collects its output.
     pub stdio: Option<[std::os::fd::OwnedFd; 3]>,
-    /// Record it in the history as this kind and detail (e.g. a copy)
-    /// instead of as the command line.
-    pub record_as: Option<(String, String)>,
+    /// How `agentctl cp` asks to record one of its own commands in the
+    /// history (`cp <description>`, `cp-check`): accepted only for the
+    /// commands cp runs ([`ExecCall::recorded_as`]).
+    pub record_as: Option<String>,
 }
 
 pub use keystone_agent_api::options::{ConfigureOptions, CreateOptions, SyncOptions};

@@ -7,12 +7,9 @@ impl Manager {
     /// descriptors (output streams as it runs); without, collecting output.
     pub async fn exec(&self, caller: Caller, name: &str, call: ExecCall) -> Result<ExecResult> {
         let started = SystemTime::now();
-        let (kind, detail) = call
-            .record_as
-            .clone()
-            .unwrap_or_else(|| ("exec".to_owned(), shell_words(&call.argv)));
         // Only callers who may use the sandbox get a history entry.
         let sb = self.get(caller, name)?;
+        let (kind, detail) = call.recorded_as()?;
         let result = self.exec_inner(&sb, call).await;
         self.record_run(
             name,
@@ -196,4 +193,124 @@ pub(super) fn shell_words(argv: &[String]) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+impl ExecCall {
+    /// The kind and detail of this call's history entry: the command line
+    /// (`exec`), or what `agentctl cp` asked for with `record_as`.
+    ///
+    /// The history is an audit record, so `record_as` is taken only for
+    /// the exact commands cp runs, without environment, directory or
+    /// worktree (`TAR_OPTIONS` or a planted directory could make them do
+    /// more): its two `tar` commands, recorded as `cp` with a description
+    /// that must name the sandbox path they touch, and its check of the
+    /// destination (`test -d PATH`), recorded as `cp-check` with the command
+    /// line (which `agentctl history` leaves out unless asked).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] when `record_as` does not fit the command.
+    pub fn recorded_as(&self) -> Result<(String, String)> {
+        let Some(record) = &self.record_as else {
+            return Ok(("exec".to_owned(), shell_words(&self.argv)));
+        };
+        let argv: Vec<&str> = self.argv.iter().map(String::as_str).collect();
+        let plain = self.env.is_empty() && self.cwd.is_empty() && self.worktree.is_none();
+        let abs = |p: &str| p.starts_with('/') && !p.contains('\0');
+        let fits = plain
+            && match (record.split_once(' '), argv.as_slice()) {
+                (None, ["test", "-d", path]) if record == "cp-check" => abs(path),
+                (Some(("cp", what)), ["tar", "-x", "-p", "--no-same-owner", "-C", dir]) => {
+                    abs(dir) && what.contains(&format!(":{dir}"))
+                }
+                (Some(("cp", what)), ["tar", "-c", "-C", dir, "--", base]) => {
+                    let path = format!("{}/{base}", dir.trim_end_matches('/'));
+                    abs(dir)
+                        && !base.is_empty()
+                        && !base.contains('/')
+                        && what.contains(&format!(":{path}"))
+                }
+                _ => false,
+            };
+        if !fits {
+            return Err(Error::Invalid(vec![format!(
+                "record_as '{}' does not fit this command: it is only for the commands of \
+                 `agentctl cp` (its tar commands, with a description that names the sandbox \
+                 path, and `test -d PATH` as 'cp-check'), with no environment, directory or \
+                 worktree; run other commands without record_as",
+                crate::text::clamp_to(record, 200)
+            )]));
+        }
+        Ok(match record.split_once(' ') {
+            Some((kind, what)) => (kind.to_owned(), what.to_owned()),
+            None => (record.clone(), shell_words(&self.argv)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(argv: &[&str], record: &str) -> ExecCall {
+        ExecCall {
+            argv: argv.iter().map(|a| (*a).to_owned()).collect(),
+            record_as: (!record.is_empty()).then(|| record.to_owned()),
+            ..ExecCall::default()
+        }
+    }
+
+    #[test]
+    fn cp_records_its_own_commands_and_nothing_else() {
+        let ok = |argv: &[&str], record: &str| call(argv, record).recorded_as().unwrap();
+        assert_eq!(
+            ok(&["test", "-d", "/workspace/"], "cp-check"),
+            ("cp-check".into(), "test -d /workspace/".into())
+        );
+        let into = ["tar", "-x", "-p", "--no-same-owner", "-C", "/workspace"];
+        assert_eq!(
+            ok(&into, "cp ./a -> s:/workspace"),
+            ("cp".into(), "./a -> s:/workspace".into())
+        );
+        let out = ["tar", "-c", "-C", "/workspace", "--", "tree"];
+        assert_eq!(
+            ok(&out, "cp s:/workspace/tree -> ./back").1,
+            "s:/workspace/tree -> ./back"
+        );
+        assert_eq!(
+            ok(&["tar", "-c", "-C", "/", "--", "a"], "cp s:/a -> b").1,
+            "s:/a -> b"
+        );
+        assert_eq!(ok(&["rm", "-rf", "/"], "").0, "exec");
+
+        for (argv, record) in [
+            // Any other command, even with the right description.
+            (&["rm", "-rf", "/workspace"][..], "cp ./a -> s:/workspace"),
+            (&["sh", "-c", "test -d /x"], "cp-check"),
+            (&["test", "-d", "/x", "-o", "x"], "cp-check"),
+            (&["test", "-d", "relative"], "cp-check"),
+            // A description that hides where the copy went.
+            (&into, "cp ./a -> s:/tmp"),
+            (&out, "cp s:/workspace/other -> ./back"),
+            // No such kind.
+            (&into, "exec ./a -> s:/workspace"),
+            (&["test", "-d", "/x"], "cp-check /x"),
+            (&["test", "-d", "/x"], "cp"),
+        ] {
+            let e = call(argv, record).recorded_as().unwrap_err().to_string();
+            assert!(
+                e.contains("only for the commands of `agentctl cp`"),
+                "{argv:?} {e}"
+            );
+        }
+        // Its commands with an environment, a directory or a worktree.
+        let mut c = call(&into, "cp ./a -> s:/workspace");
+        c.env.insert("TAR_OPTIONS".into(), "--to-command=sh".into());
+        assert!(c.recorded_as().is_err());
+        let mut c = call(&["test", "-d", "/x"], "cp-check");
+        c.cwd = "/tmp".into();
+        assert!(c.recorded_as().is_err());
+        let mut c = call(&["test", "-d", "/x"], "cp-check");
+        c.worktree = Some("main".into());
+        assert!(c.recorded_as().is_err());
+    }
 }

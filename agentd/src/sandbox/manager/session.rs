@@ -15,7 +15,7 @@ use keystone_agent_api::{SandboxState, SessionInfo};
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 
-use super::{ExecCall, Manager, shell_words};
+use super::{ExecCall, Manager};
 use crate::auth::Caller;
 use crate::backend::ExecRequest;
 use crate::error::{Error, Result};
@@ -154,10 +154,7 @@ impl Manager {
         tty: &TtyOptions,
     ) -> Result<Terminal> {
         let sb = self.get(caller, name)?;
-        let record = call
-            .record_as
-            .clone()
-            .unwrap_or_else(|| ("exec".to_owned(), shell_words(&call.argv)));
+        let record = call.recorded_as()?;
         let mut req = self.exec_request(&sb, call).await?;
         req.env
             .entry("TERM".to_owned())
