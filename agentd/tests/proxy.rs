@@ -818,3 +818,39 @@ fn a_link_answers_only_the_browser_that_came_with_its_token() {
     };
     assert_eq!(s, 503, "{body}");
 }
+
+/// `ports` and `open` on a sandbox that is not running say so and how to
+/// start it, instead of asking for a dev server it cannot run.
+#[test]
+fn ports_and_open_of_a_stopped_sandbox_say_how_to_start_it() {
+    let (env, _caddy) = setup("halt");
+    env.ok(&["stop", "halt"]);
+    let text = env.ok(&["ports", "halt"]);
+    assert!(
+        text.contains("Sandbox 'halt' is stopped") && text.contains("agentctl start halt"),
+        "{text}"
+    );
+    assert!(!text.contains("listens on a TCP port"), "{text}");
+    let json: serde_json::Value =
+        serde_json::from_str(&env.ok(&["ports", "halt", "--json"])).unwrap();
+    assert_eq!(json["state"], "stopped", "{json}");
+    assert_eq!(json["routes"], serde_json::json!([]), "{json}");
+    for args in [&["open", "halt"][..], &["open", "halt", "main"]] {
+        let err = env.fails(2, args);
+        assert!(
+            err.contains("Sandbox 'halt' is stopped") && err.contains("agentctl start halt"),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("no dev server runs"), "{err}");
+    }
+    // Running again, with nothing listening: the usual answers.
+    env.ok(&["start", "halt"]);
+    let json: serde_json::Value =
+        serde_json::from_str(&env.ok(&["ports", "halt", "--json"])).unwrap();
+    assert_eq!(json["state"], serde_json::Value::Null, "{json}");
+    let err = env.fails(1, &["open", "halt"]);
+    assert!(
+        err.contains("no dev server runs in sandbox 'halt'"),
+        "{err}"
+    );
+}

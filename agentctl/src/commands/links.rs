@@ -16,6 +16,7 @@ pub(super) async fn run(
                     "domain": info.get("domain"),
                     "ca_file": info.get("ca_file"),
                     "disabled": info.get("disabled"),
+                    "state": info.get("state"),
                     "routes": routes.iter().map(output::route_json).collect::<Vec<_>>(),
                 });
                 println!("{}", crate::output::json(&v));
@@ -25,7 +26,9 @@ pub(super) async fn run(
                 crate::outln!("No dev-server links: {why}.");
                 return Ok(0);
             }
-            if routes.is_empty() {
+            if let (true, Some(state)) = (routes.is_empty(), info.get("state")) {
+                crate::outln!("{}.", not_running(&name, state));
+            } else if routes.is_empty() {
                 crate::outln!(
                     "Nothing in sandbox '{name}' listens on a TCP port. Start a dev server in a \
                      worktree (e.g. `npm run dev` in `agentctl attach {name}`) and its link appears."
@@ -51,6 +54,12 @@ pub(super) async fn run(
                 return Err(Failure::new(
                     ExitCode::Requirements,
                     format!("no dev-server links: {why}"),
+                ));
+            }
+            if let (true, Some(state)) = (routes.is_empty(), info.get("state")) {
+                return Err(Failure::new(
+                    ExitCode::InvalidState,
+                    not_running(&name, state),
                 ));
             }
             let domain = info.get("domain").cloned().unwrap_or_default();
@@ -99,5 +108,21 @@ pub(super) async fn run(
             Ok(0)
         }
         _ => unreachable!("dispatched by commands::run"),
+    }
+}
+
+/// Why a sandbox in `state` (not running) has no links, and what to do.
+fn not_running(name: &str, state: &str) -> String {
+    if state == "starting" {
+        format!(
+            "Sandbox '{name}' is starting: its links appear once it runs and a dev server in it \
+             listens (`agentctl ports {name}` lists them)"
+        )
+    } else {
+        format!(
+            "Sandbox '{name}' is {state}, so it serves no links: start it with \
+             `agentctl start {name}`, then a dev server in it (e.g. `npm run dev` in \
+             `agentctl attach {name}`)"
+        )
     }
 }

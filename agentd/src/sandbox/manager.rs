@@ -185,7 +185,7 @@ impl Manager {
         caller: Caller,
         name: &str,
     ) -> Result<(Vec<keystone_agent_api::RouteInfo>, BTreeMap<String, String>)> {
-        self.get(caller, name)?;
+        let sb = self.get(caller, name)?;
         let Some(proxy) = self.proxy.get() else {
             let info = BTreeMap::from([(
                 "disabled".to_owned(),
@@ -202,6 +202,11 @@ impl Manager {
         let ca = proxy.ca_file();
         if !ca.is_empty() {
             info.insert("ca_file".to_owned(), ca);
+        }
+        // A sandbox that is not running serves no links: say so, so that
+        // nobody is told to start a dev server in a stopped sandbox.
+        if sb.state != SandboxState::Running {
+            info.insert("state".to_owned(), sb.state.as_str().to_owned());
         }
         Ok((routes, info))
     }
