@@ -425,3 +425,23 @@ fn destroy_says_which_commits_it_would_lose() {
     });
     assert!(env.list().is_empty());
 }
+
+/// Sentences that name a sandbox read as written: `sandbox 'NAME'`, never
+/// `sandbox 'NAME''s`.
+#[test]
+fn messages_name_the_sandbox_without_a_doubled_apostrophe() {
+    let env = Env::new();
+    let repo = env.repo("words");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["egress", "words", "allow", "example.com"]);
+    let out = env.ok(&["egress", "words", "remove", "example.com"]);
+    assert_eq!(
+        out,
+        "Took example.com off the allow and deny entries of sandbox 'words'.\n"
+    );
+    let out = env.ok(&["egress", "words", "log"]);
+    assert_eq!(
+        out,
+        "No connection went through the gateway of sandbox 'words' yet.\n"
+    );
+}

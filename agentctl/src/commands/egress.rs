@@ -100,7 +100,7 @@ pub async fn run(sb: &SandboxProxy<'_>, name: &str, command: EgressCommand) -> R
         }
         EgressCommand::Remove { entry } => {
             sb.change_egress("remove", &entry).await?;
-            crate::outln!("Took {entry} off sandbox '{name}''s allow and deny entries.");
+            crate::outln!("Took {entry} off the allow and deny entries of sandbox '{name}'.");
             Ok(0)
         }
         EgressCommand::Mode { mode } => {
@@ -163,7 +163,7 @@ async fn log(
     }
     if !json {
         if entries.is_empty() && !follow {
-            crate::outln!("No connection went through sandbox '{name}''s gateway yet.");
+            crate::outln!("No connection went through the gateway of sandbox '{name}' yet.");
             return Ok(0);
         }
         print_header();
