@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
-use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, Network, SyncMode};
+use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, GitIdentity, Network, SyncMode};
 
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
 /// work on a clone of your repository.
@@ -199,7 +199,7 @@ pub enum Command {
     /// Create a sandbox from a git repository (cloned; your repository is
     /// never mounted into the sandbox).
     #[command(
-        after_help = "Examples:\n  agentctl create ~/src/myproject\n  agentctl create --name api --memory 4096 --disk 20480 --network none ."
+        after_help = "Examples:\n  agentctl create ~/src/myproject\n  agentctl create --name api --memory 4096 --disk 20480 --network none .\n  agentctl create --git-identity \"Ada Lovelace <ada@example.com>\" ."
     )]
     Create {
         /// Sandbox name: a lowercase letter, then up to 30 lowercase
@@ -251,6 +251,12 @@ pub enum Command {
         /// local and vm sandboxes. Default: own.
         #[arg(long, value_name = "WHERE", value_parser = str::parse::<AgentHome>)]
         agent_home: Option<AgentHome>,
+        /// Who the commits made inside are by: "NAME <EMAIL>", none (set
+        /// one inside later), or owner. Default: owner, the user.name and
+        /// user.email of the project's git configuration, else of your
+        /// ~/.gitconfig or ~/.config/git/config.
+        #[arg(long, value_name = "IDENTITY", value_parser = str::parse::<GitIdentity>)]
+        git_identity: Option<GitIdentity>,
         /// The git repository (its top-level directory).
         project_path: PathBuf,
     },

@@ -350,6 +350,9 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.agent_home`.
     #[serde(default)]
     pub agent_home: Option<AgentHome>,
+    /// Override of `defaults.git_identity`.
+    #[serde(default)]
+    pub git_identity: Option<keystone_agent_api::GitIdentity>,
     /// Secrets read from files at each start (NixOS
     /// `sandboxes.<name>.secrets.<VAR>`, agenix or sops-nix), by variable.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -437,6 +440,7 @@ impl DeclaredSandbox {
             persist: self.persist.unwrap_or(d.persist),
             default_agent: self.default_agent.or(d.default_agent),
             agent_home: self.agent_home.unwrap_or(d.agent_home),
+            git_identity: self.git_identity.clone().unwrap_or(d.git_identity),
         }
     }
 }

@@ -261,3 +261,184 @@ fn a_new_sandbox_never_adopts_what_an_earlier_one_left() {
     assert!(!out.contains("planted.txt"), "{out}");
     assert!(out.contains("README.md") && out.contains("first"), "{out}");
 }
+
+/// `git config -f FILE KEY` of a sandbox's workspace on the host, or
+/// `None` when it is not set.
+fn ws_config(env: &Env, name: &str, key: &str) -> Option<String> {
+    let file = env
+        .state_dir
+        .join("sandboxes")
+        .join(name)
+        .join("workspace/.git/config");
+    assert!(file.is_file(), "{}", file.display());
+    let out = std::process::Command::new("git")
+        .arg("config")
+        .arg("-f")
+        .arg(&file)
+        .arg(key)
+        .output()
+        .unwrap();
+    out.status
+        .success()
+        .then(|| String::from_utf8(out.stdout).unwrap().trim().to_owned())
+}
+
+/// A new sandbox commits as its owner: `user.name` and `user.email` from
+/// the project's git configuration, else from the owner's own, written into
+/// the workspace's; `--git-identity` gives another or none, and an identity
+/// that could break the configuration is refused.
+#[test]
+fn a_new_sandbox_commits_as_its_owner_unless_told_otherwise() {
+    let mut env = Env::bus_only();
+    let home = env.tmp.path().join("home");
+    fs::create_dir_all(home.join(".config/git")).unwrap();
+    fs::write(
+        home.join(".gitconfig"),
+        "[user]\n\tname = Home Person\n\temail = home@example.com\n[include]\n\tpath = elsewhere\n",
+    )
+    .unwrap();
+    env.agentd_env
+        .push(("HOME".into(), Some(home.display().to_string())));
+    env.start_agentd();
+    let create = |args: &[&str]| {
+        let out = env.ctl(&[&["create"][..], args].concat());
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stderr).unwrap()
+    };
+
+    // The owner's: the first commit inside just works.
+    let repo = env.repo("idown");
+    let notes = create(&[repo.to_str().unwrap()]);
+    env.ok(&["start", "idown"]);
+    env.ok(&[
+        "exec",
+        "idown",
+        "--",
+        "git",
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        "first",
+    ]);
+    assert_eq!(
+        env.ok(&[
+            "exec",
+            "idown",
+            "--",
+            "git",
+            "log",
+            "-1",
+            "--format=%an <%ae>|%cn <%ce>"
+        ])
+        .trim(),
+        "Home Person <home@example.com>|Home Person <home@example.com>"
+    );
+    assert!(
+        notes.contains("commits in the sandbox are by Home Person <home@example.com>"),
+        "{notes}"
+    );
+
+    // The project's own configuration comes first, key by key.
+    let repo = env.repo("idproj");
+    git(&repo, &["config", "user.email", "project@example.com"]);
+    let notes = create(&[repo.to_str().unwrap()]);
+    assert!(
+        notes.contains("Home Person <project@example.com>"),
+        "{notes}"
+    );
+    assert_eq!(
+        ws_config(&env, "idproj", "user.name").as_deref(),
+        Some("Home Person")
+    );
+    assert_eq!(
+        ws_config(&env, "idproj", "user.email").as_deref(),
+        Some("project@example.com")
+    );
+
+    // Given, or none.
+    let repo = env.repo("idgiven");
+    create(&[
+        "--git-identity",
+        "Ada Lovelace <ada@example.com>",
+        repo.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        ws_config(&env, "idgiven", "user.name").as_deref(),
+        Some("Ada Lovelace")
+    );
+    assert_eq!(
+        ws_config(&env, "idgiven", "user.email").as_deref(),
+        Some("ada@example.com")
+    );
+    let repo = env.repo("idnone");
+    let notes = create(&["--git-identity", "none", repo.to_str().unwrap()]);
+    assert!(!notes.contains("commits in the sandbox are by"), "{notes}");
+    assert_eq!(ws_config(&env, "idnone", "user.name"), None);
+    assert_eq!(ws_config(&env, "idnone", "user.email"), None);
+
+    // Nothing to be found: said, with what to do.
+    fs::remove_file(home.join(".gitconfig")).unwrap();
+    let repo = env.repo("idlost");
+    let notes = create(&[repo.to_str().unwrap()]);
+    assert!(notes.contains("no git identity found"), "{notes}");
+    assert!(notes.contains("--git-identity"), "{notes}");
+    assert_eq!(ws_config(&env, "idlost", "user.name"), None);
+
+    // Refused before anything is made: by agentctl, and by agentd.
+    let repo = env.repo("idbad");
+    let err = env.fails(
+        4,
+        &[
+            "create",
+            "--git-identity",
+            "Ada\n[core]\n\thooksPath = /tmp <a@b>",
+            repo.to_str().unwrap(),
+        ],
+    );
+    assert!(err.contains("Your Name <you@example.com>"), "{err}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let conn = rt.block_on(async {
+        zbus::connection::Builder::address(env.address.as_str())
+            .unwrap()
+            .build()
+            .await
+            .unwrap()
+    });
+    let m = rt
+        .block_on(keystone_agent_api::ManagerProxy::new(&conn))
+        .unwrap();
+    for bad in [
+        "Ada\n[core]\n\thooksPath = /tmp <a@b>",
+        "Ada",
+        "Ada <a b@c>",
+    ] {
+        rt.block_on(async {
+            let opts = keystone_agent_api::options::CreateOptions {
+                name: Some("idbad".into()),
+                ..Default::default()
+            };
+            let mut dict = opts.to_dict();
+            dict.insert("git_identity", zvariant::Value::from(bad));
+            match m.create_sandbox(repo.to_str().unwrap(), dict).await {
+                Err(keystone_agent_api::Error::InvalidArgument(msg)) => {
+                    assert!(msg.contains("git identity") && !msg.contains('\n'), "{msg}");
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        });
+    }
+    assert!(
+        env.list().iter().all(|s| s["name"] != "idbad"),
+        "{:?}",
+        env.list()
+    );
+    assert!(!env.state_dir.join("sandboxes/idbad").exists());
+}

@@ -22,6 +22,7 @@ pub(super) async fn run(
             backend,
             default_agent,
             agent_home,
+            git_identity,
             project_path,
         } => {
             let abs = std::path::absolute(&project_path).map_err(|e| {
@@ -43,6 +44,7 @@ pub(super) async fn run(
                 backend,
                 default_agent,
                 agent_home,
+                git_identity,
             };
             // Show the workspace being prepared while the call runs.
             let mut progress = manager

@@ -6,12 +6,14 @@
 //! traits. The daemon's internals never leak in here.
 
 pub mod error;
+pub mod identity;
 pub mod names;
 pub mod options;
 pub mod proxy;
 pub mod types;
 
 pub use error::{Error, ExitCode};
+pub use identity::{GitIdentity, Identity};
 pub use names::{
     BUS_NAME, ERROR_PREFIX, MANAGER_INTERFACE, MANAGER_PATH, SANDBOX_INTERFACE,
     SANDBOX_PATH_PREFIX, sandbox_path,

@@ -9,6 +9,7 @@ use std::str::FromStr;
 
 use zvariant::{OwnedValue, Value};
 
+use crate::identity::GitIdentity;
 use crate::types::{Agent, AgentHome, BackendKind, Egress, Network, SyncMode};
 
 /// An options dictionary as agentd receives it.
@@ -156,6 +157,8 @@ pub struct CreateOptions {
     pub default_agent: Option<Agent>,
     /// Where the agents keep their logins.
     pub agent_home: Option<AgentHome>,
+    /// The workspace's git identity: `owner`, `none` or `Name <email>`.
+    pub git_identity: Option<GitIdentity>,
 }
 
 impl CreateOptions {
@@ -173,6 +176,7 @@ impl CreateOptions {
         "backend",
         "default_agent",
         "agent_home",
+        "git_identity",
     ];
 
     /// Read `dict`.
@@ -194,6 +198,7 @@ impl CreateOptions {
             backend: r.parsed("backend"),
             default_agent: r.parsed("default_agent"),
             agent_home: r.parsed("agent_home"),
+            git_identity: r.parsed("git_identity"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -218,6 +223,11 @@ impl CreateOptions {
             self.default_agent.map(|v| v.as_str()),
         );
         put(&mut d, "agent_home", self.agent_home.map(|v| v.as_str()));
+        put(
+            &mut d,
+            "git_identity",
+            self.git_identity.as_ref().map(ToString::to_string),
+        );
         d
     }
 }
@@ -483,6 +493,7 @@ mod tests {
             backend: Some(BackendKind::Vm),
             default_agent: Some(Agent::Codex),
             agent_home: Some(AgentHome::Shared),
+            git_identity: Some("Ada <ada@example.com>".parse().unwrap()),
         };
         assert_eq!(
             CreateOptions::from_dict(&wire(&create.to_dict())),

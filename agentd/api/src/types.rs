@@ -10,6 +10,8 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use zvariant::Type;
 
+use crate::identity::GitIdentity;
+
 /// Lifecycle state of a sandbox (see docs/architecture.md for the diagram).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Type)]
 #[serde(rename_all = "kebab-case")]
@@ -254,6 +256,11 @@ pub struct SandboxConfig {
     /// and `vm` sandboxes only).
     #[serde(skip_serializing_if = "AgentHome::is_own")]
     pub agent_home: AgentHome,
+    /// The `user.name` and `user.email` the workspace's git configuration
+    /// gets when it is made: the owner's (the default; then left out of the
+    /// JSON), none, or the one given.
+    #[serde(skip_serializing_if = "GitIdentity::is_owner")]
+    pub git_identity: GitIdentity,
 }
 
 impl Default for SandboxConfig {
@@ -274,6 +281,7 @@ impl Default for SandboxConfig {
             persist: true,
             default_agent: None,
             agent_home: AgentHome::Own,
+            git_identity: GitIdentity::Owner,
         }
     }
 }

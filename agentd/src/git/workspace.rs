@@ -263,6 +263,8 @@ pub struct PrepareSpec {
     pub dest: PathBuf,
     /// Glob patterns of ignored files at the project root to copy.
     pub env_files: Vec<String>,
+    /// The git identity the workspace gets ([`super::identity`]).
+    pub git_identity: keystone_agent_api::GitIdentity,
 }
 
 /// A line the prepare helper prints on stdout.
@@ -364,7 +366,7 @@ pub fn prepare(
         }
     }
     copy_env_files(&host, &project, &spec.dest, &spec.env_files, event);
-    Ok(())
+    super::identity::apply(&host, &project, &spec.dest, &spec.git_identity, event)
 }
 
 /// Clone `project` into `dest`, copying objects (never hard-linking).

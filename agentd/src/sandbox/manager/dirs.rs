@@ -188,6 +188,7 @@ impl Manager {
                 project: sb.project_path.clone(),
                 dest: partial.clone(),
                 env_files: sb.config.env_files.clone(),
+                git_identity: sb.config.git_identity.clone(),
             };
             let events = |e: workspace::PrepareEvent| match e {
                 workspace::PrepareEvent::Progress { stage, done, total } => {

@@ -56,6 +56,7 @@ impl Manager {
             sync_mode: opts.sync_mode.unwrap_or(d.sync_mode),
             default_agent: opts.default_agent.or(d.default_agent),
             agent_home: opts.agent_home.unwrap_or(d.agent_home),
+            git_identity: opts.git_identity.unwrap_or_else(|| d.git_identity.clone()),
             ..d.clone()
         };
         validate::check_config(&config, &mut problems);
