@@ -178,8 +178,10 @@ pub enum EgressCommand {
         json: bool,
     },
     /// The connections through the gateway: allowed and refused (refused
-    /// ones marked DENIED, ones still open marked open), with the rule that
-    /// decided, bytes and duration.
+    /// ones marked DENIED, ones still open marked open, ones waiting for
+    /// you in mode ask marked WAITING), with the rule that decided, bytes
+    /// and duration; under a refused or waiting one, why, and the command
+    /// that admits it (`allow it: agentctl egress NAME allow …`).
     Log {
         /// Print JSON (with --follow: one object per line).
         #[arg(long)]
@@ -294,7 +296,10 @@ pub enum Command {
         #[arg(long, value_name = "STATE")]
         state: Option<String>,
     },
-    /// Show one sandbox in detail.
+    /// Show one sandbox in detail: its settings, links and ports, and its
+    /// egress (the connections waiting for you, and the destinations
+    /// refused in the last 24 hours, each with the command that admits
+    /// it).
     Status {
         /// Sandbox name.
         name: String,

@@ -451,7 +451,7 @@ fn guests_share_the_gateway_and_each_connection_is_their_sandbox_s_by_its_source
     let answer = request_from(addr_b, gateway, &url).unwrap();
     assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
     assert!(
-        answer.contains(&format!("agentctl egress mvb allow origin.test:{port}")),
+        answer.contains(&format!("agentctl egress mvb allow 127.0.0.1/32:{port}")),
         "{answer}"
     );
     assert!(!answer.contains("origin-body"), "{answer}");

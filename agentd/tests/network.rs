@@ -217,11 +217,14 @@ fn a_default_sandbox_reaches_the_host_only_through_a_cidr_entry() {
         out.contains("refused") && !out.contains("host-loopback-service"),
         "{out}"
     );
-    // A name that is not on the allowlist: refused with the command to run.
+    // A name that is not on the allowlist: refused with the command that
+    // admits it, its address range (the name is the host's).
     let url = format!("http://origin.test:{loopback}/");
     let (_, out) = curl(&env, "net", "", &url);
     assert!(
-        out.contains(&format!("agentctl egress net allow origin.test:{loopback}")),
+        out.contains(&format!(
+            "agentctl egress net allow 127.0.0.1/32:{loopback}"
+        )),
         "{out}"
     );
     // Allowed by name, but it resolves to the host: still refused.

@@ -41,7 +41,8 @@ pub async fn run(sb: &SandboxProxy<'_>, name: &str, command: EgressCommand) -> R
                     }
                 }
             };
-            if mode == "allowlist" {
+            // Both modes admit the preset (ask asks about the rest).
+            if mode == "allowlist" || mode == "ask" {
                 list("Preset", &preset);
             }
             list("Allowed", &allow);
@@ -85,9 +86,25 @@ pub async fn run(sb: &SandboxProxy<'_>, name: &str, command: EgressCommand) -> R
                     })
                     .collect();
                 output::table(&["ID", "DESTINATION", "WAITING SINCE"], &rows);
-                crate::outln!(
-                    "Allow with `agentctl egress {name} allow --once HOST` (or without --once to keep it)."
-                );
+                // The log lists them too, with the command that admits each.
+                let mut commands: Vec<String> = Vec::new();
+                for e in waiting_entries(sb).await? {
+                    let c = output::escape_controls(e["command"].as_str().unwrap_or(""));
+                    let shown = waiting.iter().any(|(_, h, p, since)| {
+                        e["host"] == *h && e["port"] == *p && e["at"] == *since
+                    });
+                    if shown && !c.is_empty() && !commands.iter().any(|k| *k == c) {
+                        commands.push(c.into_owned());
+                    }
+                }
+                if !commands.is_empty() {
+                    crate::outln!(
+                        "\nTo let them through once, run (without --once to keep the entry):"
+                    );
+                    for c in commands {
+                        crate::outln!("  {c}");
+                    }
+                }
             }
             Ok(0)
         }
@@ -206,13 +223,12 @@ fn print_entry(e: &Value, json: bool, color: bool) {
     // it holds.
     let s = |k: &str| output::escape_controls(e[k].as_str().unwrap_or("")).into_owned();
     let n = |k: &str| e[k].as_u64().unwrap_or(0);
-    let denied = s("decision") != "allow";
-    let result = if denied {
-        "DENIED"
-    } else if e["open"] == true {
-        "open"
-    } else {
-        "allowed"
+    let (result, mark) = match s("decision").as_str() {
+        "allow" if e["open"] == true => ("open", None),
+        "allow" => ("allowed", None),
+        // A connection waiting for its person (mode ask).
+        "wait" => ("WAITING", Some("\x1b[1;33m")),
+        _ => ("DENIED", Some("\x1b[1;31m")),
     };
     let line = format!(
         "{:<20} {:<7} {:<40} {:<16} {:<28} {:>9} {:>9} {:>6.1}s",
@@ -226,12 +242,139 @@ fn print_entry(e: &Value, json: bool, color: bool) {
         n("duration_ms") as f64 / 1000.0,
     );
     let line = output::clean_text(&line);
-    if denied && color {
-        println!("\x1b[1;31m{line}\x1b[0m");
-    } else {
-        println!("{line}");
+    match mark {
+        Some(m) if color => println!("{m}{line}\x1b[0m"),
+        _ => println!("{line}"),
     }
-    if denied && !s("reason").is_empty() {
+    if mark.is_some() && !s("reason").is_empty() {
         crate::outln!("    {}", s("reason"));
+    }
+    if mark.is_some() && !s("command").is_empty() {
+        crate::outln!("    allow it: {}", s("command"));
+    }
+}
+
+/// The connections of the sandbox waiting for an answer now, as the log
+/// shows them (with the command that admits each).
+async fn waiting_entries(sb: &SandboxProxy<'_>) -> Result<Vec<Value>> {
+    Ok(sb
+        .egress_log(1)
+        .await?
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|e| e["decision"] == "wait")
+        .collect())
+}
+
+/// How far back `agentctl status` looks for refusals: log entries, and
+/// time.
+const RECENT_ENTRIES: u32 = 2000;
+const RECENT_MICROS: u64 = 24 * 3600 * 1_000_000;
+/// Most destinations `agentctl status` lists as refused.
+const RECENT_REFUSED: usize = 5;
+
+/// What `agentctl status` shows of a sandbox's egress: its mode, the
+/// connections waiting for an answer now, and the destinations refused in
+/// the last 24 hours and not admitted since (newest first, each once with
+/// how often), each with the command that admits it. `null` when agentd
+/// does not say.
+pub async fn status_json(sb: &SandboxProxy<'_>) -> Value {
+    let Ok((mode, _, _, _, serving)) = sb.egress().await else {
+        return Value::Null;
+    };
+    let entries: Vec<Value> = sb
+        .egress_log(RECENT_ENTRIES)
+        .await
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    let recent = now.saturating_sub(RECENT_MICROS);
+    let dest = |e: &Value| (e["host"].clone(), e["port"].clone());
+    // (destination, times refused, the last refusal), oldest first.
+    let mut refused: Vec<((Value, Value), u64, &Value)> = Vec::new();
+    let mut waiting = Vec::new();
+    for e in &entries {
+        match e["decision"].as_str() {
+            Some("wait") => waiting.push(json!({
+                "host": e["host"],
+                "port": e["port"],
+                "protocol": e["protocol"],
+                "since": output::rfc3339(e["at"].as_u64().unwrap_or(0)),
+                "command": e["command"].as_str().unwrap_or(""),
+            })),
+            Some("allow") => refused.retain(|(d, ..)| *d != dest(e)),
+            Some(_) if e["at"].as_u64().unwrap_or(0) >= recent => {
+                let times = match refused.iter().position(|(d, ..)| *d == dest(e)) {
+                    Some(i) => refused.remove(i).1 + 1,
+                    None => 1,
+                };
+                refused.push((dest(e), times, e));
+            }
+            Some(_) | None => {}
+        }
+    }
+    let refused: Vec<Value> = refused
+        .iter()
+        .rev()
+        .take(RECENT_REFUSED)
+        .map(|((host, port), times, e)| {
+            json!({
+                "host": host,
+                "port": port,
+                "times": times,
+                "last_at": output::rfc3339(e["at"].as_u64().unwrap_or(0)),
+                "rule": e["rule"],
+                "reason": e["reason"].as_str().unwrap_or(""),
+                "command": e["command"].as_str().unwrap_or(""),
+            })
+        })
+        .collect();
+    json!({
+        "mode": mode,
+        "serving": serving,
+        "waiting": waiting,
+        "refused": refused,
+    })
+}
+
+/// The text form of [`status_json`]: an `Egress:` line, then what waits
+/// and what was refused, each with the command that admits it.
+pub fn print_status(v: &Value) {
+    let Some(mode) = v["mode"].as_str() else {
+        return;
+    };
+    crate::outln!("Egress:     {mode}{}", describe(mode));
+    // The destinations and reasons are the sandbox's to choose.
+    let s = |e: &Value, k: &str| output::escape_controls(e[k].as_str().unwrap_or("")).into_owned();
+    let label = |i: usize, title: &'static str| if i == 0 { title } else { "" };
+    for (i, e) in v["waiting"].as_array().into_iter().flatten().enumerate() {
+        crate::outln!(
+            "{:<12}{}:{} since {}",
+            label(i, "Waiting:"),
+            s(e, "host"),
+            e["port"],
+            s(e, "since")
+        );
+        if !s(e, "command").is_empty() {
+            crate::outln!("              allow it: {}", s(e, "command"));
+        }
+    }
+    for (i, e) in v["refused"].as_array().into_iter().flatten().enumerate() {
+        crate::outln!(
+            "{:<12}{}:{} ({} time(s), last {}): {}",
+            label(i, "Refused:"),
+            s(e, "host"),
+            e["port"],
+            e["times"],
+            s(e, "last_at"),
+            s(e, "reason")
+        );
+        if !s(e, "command").is_empty() {
+            crate::outln!("              allow it: {}", s(e, "command"));
+        }
     }
 }

@@ -156,6 +156,7 @@ pub(super) async fn run(
             let z = |e: zbus::Error| Failure::from(api::Error::ZBus(e));
             let config: serde_json::Value = serde_json::from_str(&sb.config().await.map_err(z)?)
                 .unwrap_or(serde_json::Value::Null);
+            let routes = sb.list_routes().await.map(|(r, _)| r).unwrap_or_default();
             let v = serde_json::json!({
                 "name": sb.name().await.map_err(z)?,
                 "id": sb.id().await.map_err(z)?,
@@ -171,12 +172,10 @@ pub(super) async fn run(
                 "agents": sb.agents().await.map_err(z)?,
                 "last_sync_at": output::rfc3339(sb.last_sync_at().await.map_err(z)?),
                 "last_sync_result": sb.last_sync_result().await.map_err(z)?,
-                "ports": sb.ports().await.map_err(z)?,
+                "ports": ports(sb.ports().await.map_err(z)?, &routes),
                 "config": config,
-                "routes": match sb.list_routes().await {
-                    Ok((routes, _)) => routes.iter().map(output::route_json).collect::<Vec<_>>(),
-                    Err(_) => Vec::new(),
-                },
+                "routes": routes.iter().map(output::route_json).collect::<Vec<_>>(),
+                "egress": super::egress::status_json(&sb).await,
             });
             if json {
                 println!("{}", crate::output::json(&v));
@@ -208,5 +207,70 @@ pub(super) async fn run(
             Ok(0)
         }
         _ => unreachable!("dispatched by commands::run"),
+    }
+}
+
+/// The sandbox's ports as `status` shows them: the declared ones by their
+/// names, and every other port that has a link (as `agentctl ports`
+/// lists them) by its `PORT-LABEL` link name (`5173-main`).
+fn ports(
+    declared: HashMap<String, u32>,
+    routes: &[api::RouteInfo],
+) -> std::collections::BTreeMap<String, u32> {
+    let mut ports: std::collections::BTreeMap<String, u32> = declared.into_iter().collect();
+    for r in routes {
+        if ports.values().any(|&p| p == r.port) {
+            continue;
+        }
+        // Every linked port has a `PORT-LABEL.SANDBOX.DOMAIN` name.
+        let label = r.host.split('.').next().unwrap_or_default();
+        let own = label
+            .strip_prefix(&r.port.to_string())
+            .is_some_and(|rest| rest.starts_with('-'));
+        if own {
+            ports.insert(label.to_owned(), r.port);
+        }
+    }
+    for r in routes {
+        if !ports.values().any(|&p| p == r.port) {
+            ports.insert(r.port.to_string(), r.port);
+        }
+    }
+    ports
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_linked_port_is_among_the_ports_declared_ones_by_their_names() {
+        let route = |host: &str, port: u32| api::RouteInfo {
+            host: format!("{host}.p.sandbox.local"),
+            branch: "main".into(),
+            port,
+            url: format!("https://{host}.p.sandbox.local/"),
+        };
+        let routes = [
+            route("web", 8000),
+            route("main", 8000),
+            route("8000-main", 8000),
+            route("5173-main", 5173),
+            route("odd", 9000),
+        ];
+        let declared = HashMap::from([("web".to_owned(), 8000), ("db".to_owned(), 5432)]);
+        let got = ports(declared, &routes);
+        let want: Vec<(&str, u32)> = vec![
+            ("5173-main", 5173),
+            ("9000", 9000),
+            ("db", 5432),
+            ("web", 8000),
+        ];
+        assert_eq!(
+            got.iter()
+                .map(|(k, v)| (k.as_str(), *v))
+                .collect::<Vec<_>>(),
+            want
+        );
     }
 }

@@ -142,6 +142,7 @@ fn print_status(v: &serde_json::Value) {
             r["branch"].as_str().unwrap_or("-")
         );
     }
+    egress::print_status(&v["egress"]);
 }
 
 async fn sandbox<'a>(

@@ -289,8 +289,9 @@ impl SandboxObject {
             .map_err(to_dbus)
     }
 
-    /// The last `limit` connections through the gateway, oldest first, one
-    /// JSON object each (see docs/network.md for the fields).
+    /// The last `limit` connections through the gateway, oldest first, then
+    /// those waiting for an answer now (decision `wait`), one JSON object
+    /// each (see docs/network.md for the fields).
     async fn egress_log(
         &self,
         limit: u32,

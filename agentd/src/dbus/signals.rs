@@ -133,8 +133,7 @@ pub async fn egress_event(
     event: &EgressEvent,
 ) -> zbus::Result<()> {
     let name = match event {
-        EgressEvent::Logged(entry) => &entry.sandbox,
-        EgressEvent::Asked { sandbox, .. } => sandbox,
+        EgressEvent::Logged(entry) | EgressEvent::Asked(entry) => &entry.sandbox,
     };
     let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
         return Ok(());
@@ -158,8 +157,11 @@ pub async fn egress_event(
                     .await?;
                 }
             }
-            EgressEvent::Asked { host, port, .. } => {
-                SandboxObject::egress_asked(&e, &clean(host), *port).await?;
+            EgressEvent::Asked(entry) => {
+                SandboxObject::egress_asked(&e, &clean(&entry.host), entry.port).await?;
+                // `agentctl egress NAME log --follow` shows it as it waits.
+                let json = serde_json::to_string(&**entry).expect("an entry serializes");
+                SandboxObject::egress_logged(&e, &json).await?;
             }
         }
     }

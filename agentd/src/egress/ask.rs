@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::log::Entry;
 use super::policy::Rule;
 
 /// Most connections of one sandbox waiting at once; more are refused at
@@ -18,14 +19,46 @@ pub const WAITING_MAX: usize = 64;
 pub struct Waiting {
     /// Its id (for this agentd's lifetime).
     pub id: u64,
+    /// `connect`, `http` or `socks5`.
+    pub protocol: String,
     /// What it asked for.
     pub host: String,
     /// The port it asked for.
     pub port: u16,
     /// Since when, µs since the epoch.
     pub since: u64,
+    /// The command that admits it (`agentctl egress NAME allow --once …`),
+    /// or empty ([`super::hint`]).
+    pub command: String,
     /// Entries admitted for it alone (`allow --once`).
     once: Vec<Rule>,
+}
+
+impl Waiting {
+    /// As `agentctl egress NAME log` shows it: decision `wait`, rule `ask`.
+    #[must_use]
+    pub fn entry(&self, sandbox: &str) -> Entry {
+        Entry {
+            at: self.since,
+            sandbox: sandbox.to_owned(),
+            protocol: self.protocol.clone(),
+            host: self.host.clone(),
+            port: self.port,
+            addr: String::new(),
+            decision: "wait".to_owned(),
+            rule: "ask".to_owned(),
+            reason: format!(
+                "{}:{} is not on this sandbox's allowlist; it waits for you",
+                self.host, self.port
+            ),
+            command: self.command.clone(),
+            sent: 0,
+            received: 0,
+            duration_ms: 0,
+            error: String::new(),
+            open: false,
+        }
+    }
 }
 
 /// The waiting connections of one sandbox.
@@ -37,24 +70,25 @@ pub struct Pending {
 }
 
 impl Pending {
-    /// Record a waiting connection; `None` when [`WAITING_MAX`] already wait.
-    pub fn add(&self, host: &str, port: u16) -> Option<u64> {
+    /// Record a waiting connection (`command` admits it); `None` when
+    /// [`WAITING_MAX`] already wait.
+    pub fn add(&self, protocol: &str, host: &str, port: u16, command: String) -> Option<Waiting> {
         let mut w = self.waiting.lock().unwrap();
         if w.len() >= WAITING_MAX {
             return None;
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
-        w.insert(
+        let waiting = Waiting {
             id,
-            Waiting {
-                id,
-                host: host.to_owned(),
-                port,
-                since: crate::text::micros(Some(std::time::SystemTime::now())),
-                once: Vec::new(),
-            },
-        );
-        Some(id)
+            protocol: protocol.to_owned(),
+            host: host.to_owned(),
+            port,
+            since: crate::text::micros(Some(std::time::SystemTime::now())),
+            command,
+            once: Vec::new(),
+        };
+        w.insert(id, waiting.clone());
+        Some(waiting)
     }
 
     /// Forget connection `id` (admitted, refused or gone).

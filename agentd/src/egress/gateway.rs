@@ -17,6 +17,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use super::head::{http_head, socks_head, socks_reply};
+use super::hint;
 use super::log::Entry;
 use super::policy::{Decision, Policy};
 use super::splice::{Activity, Socket, Watched, relay};
@@ -63,9 +64,9 @@ pub struct Context {
     pub intercept: super::intercept::Intercept,
 }
 
-/// What the gateway calls with the host and port of a connection that
-/// starts waiting for its person.
-pub type Asked = Box<dyn Fn(&str, u16) + Send + Sync>;
+/// What the gateway calls with a connection that starts waiting for its
+/// person.
+pub type Asked = Box<dyn Fn(&super::ask::Waiting) + Send + Sync>;
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -317,6 +318,7 @@ async fn handle(
         decision: "deny".to_owned(),
         rule: String::new(),
         reason: String::new(),
+        command: String::new(),
         sent: 0,
         received: 0,
         duration_ms: 0,
@@ -330,33 +332,52 @@ async fn handle(
     let Some(policy) = (ctx.policy)() else {
         return;
     };
+    // What the name resolved to and this host's addresses, for the command
+    // that admits a refusal (`None`: refused by its name alone).
+    let mut seen: Option<(Vec<IpAddr>, Vec<IpAddr>)> = None;
     let (decision, addrs) = match policy.precheck(&ask.host, ask.port) {
         Some(d) => (d, Vec::new()),
         None => match dns.resolve(&ask.host, &ctx.hosts).await {
             Ok(found) => {
                 let own = host_addresses();
                 let (d, a) = policy.decide(&ask.host, ask.port, &found, &own);
-                if policy.may_ask(&d) {
-                    wait_for_person(ctx, &ask, &found, &own).await
+                let outcome = if policy.may_ask(&d) {
+                    let once = hint::remedy(&policy, &d, &ask.host, ask.port, Some(&found), &own);
+                    wait_for_person(ctx, &ask, &found, &own, once).await
                 } else {
                     (d, a)
-                }
+                };
+                seen = Some((found, own));
+                outcome
             }
-            Err(e) => (
-                Decision {
-                    allowed: false,
-                    rule: "unresolved".to_owned(),
-                    reason: e.to_string(),
-                    suggest: None,
-                },
-                Vec::new(),
-            ),
+            Err(e) => {
+                // No address: no entry admits it.
+                seen = Some((Vec::new(), Vec::new()));
+                (
+                    Decision {
+                        allowed: false,
+                        rule: "unresolved".to_owned(),
+                        reason: e.to_string(),
+                        suggest: None,
+                    },
+                    Vec::new(),
+                )
+            }
         },
     };
     entry.rule.clone_from(&decision.rule);
     entry.reason.clone_from(&decision.reason);
     if !decision.allowed {
-        refuse(&mut client, &ask, &decision, &ctx.name, socks).await;
+        // The policy as it is now (a wait may have seen it change).
+        let policy = (ctx.policy)().unwrap_or(policy);
+        let (found, own) = match &seen {
+            Some((found, own)) => (Some(found.as_slice()), own.as_slice()),
+            None => (None, &[][..]),
+        };
+        entry.command = hint::remedy(&policy, &decision, &ask.host, ask.port, found, own)
+            .map(|e| hint::command(&ctx.name, &e, false))
+            .unwrap_or_default();
+        refuse(&mut client, &decision, &entry.command, socks).await;
         finish(entry);
         return;
     }
@@ -473,6 +494,7 @@ async fn wait_for_person(
     ask: &Ask,
     found: &[IpAddr],
     own: &[IpAddr],
+    once: Option<String>,
 ) -> (Decision, Vec<IpAddr>) {
     let refused = |rule: &str, reason: String| {
         (
@@ -485,7 +507,10 @@ async fn wait_for_person(
             Vec::new(),
         )
     };
-    let Some(id) = ctx.pending.add(&ask.host, ask.port) else {
+    let command = once
+        .map(|e| hint::command(&ctx.name, &e, true))
+        .unwrap_or_default();
+    let Some(waiting) = ctx.pending.add(ask.protocol, &ask.host, ask.port, command) else {
         return refused(
             "ask",
             format!(
@@ -494,7 +519,8 @@ async fn wait_for_person(
             ),
         );
     };
-    (ctx.asked)(&ask.host, ask.port);
+    (ctx.asked)(&waiting);
+    let id = waiting.id;
     let deadline = tokio::time::Instant::now() + ctx.ask_timeout;
     let outcome = loop {
         let changed = ctx.pending.changed();
@@ -557,23 +583,21 @@ async fn dial(addrs: &[IpAddr], port: u16) -> Result<(TcpStream, SocketAddr), Ga
     Err(last)
 }
 
-async fn refuse(client: &mut impl Socket, ask: &Ask, d: &Decision, name: &str, socks: bool) {
+/// Refuse the client: a `403` whose body says why and gives `command`, the
+/// one that admits the connection (if any); SOCKS has no room for either.
+async fn refuse(client: &mut impl Socket, d: &Decision, command: &str, socks: bool) {
     if socks {
         let _ = client.write_all(&socks_reply(2)).await;
         return;
     }
-    let entry = match &d.suggest {
-        Some(s) => s.clone(),
-        None if ask.port == 443 || ask.port == 80 => ask.host.clone(),
-        None => format!("{}:{}", ask.host, ask.port),
-    };
-    let body = format!(
-        "Keystone Agent refused this connection: {} (rule: {}).\n\
-         To allow it, run on the host:\n\n    agentctl egress {name} allow {}\n",
-        d.reason,
-        d.rule,
-        crate::text::shown(&entry),
+    let mut body = format!(
+        "Keystone Agent refused this connection: {} (rule: {}).\n",
+        d.reason, d.rule,
     );
+    // The command holds only what an entry may (hint::command).
+    if !command.is_empty() {
+        body.push_str(&format!("To allow it, run on the host:\n\n    {command}\n"));
+    }
     let _ = respond(client, "403 Forbidden", &body).await;
 }
 

@@ -28,7 +28,8 @@ pub struct Entry {
     pub port: u16,
     /// The address agentd connected to (empty when refused).
     pub addr: String,
-    /// `allow` or `deny`.
+    /// `allow` or `deny`; `wait` for a connection waiting for its person
+    /// (mode `ask`), which is never written to the log, only shown.
     pub decision: String,
     /// The rule that decided: an entry, `mode:open`, `mode:none`,
     /// `default` (not on the allowlist), `internal` (a host or private
@@ -37,6 +38,12 @@ pub struct Entry {
     /// Why it was refused.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub reason: String,
+    /// The command that admits it, ready to run on the host
+    /// (`agentctl egress demo allow example.com`; `allow --once` while it
+    /// waits); empty when no entry would (mode `none`, a name without an
+    /// address) or for an admitted connection ([`super::hint`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub command: String,
     /// Bytes from the sandbox to the destination.
     pub sent: u64,
     /// Bytes from the destination to the sandbox.
@@ -106,6 +113,7 @@ mod tests {
             decision: "deny".into(),
             rule: "default".into(),
             reason: "x".repeat(1000),
+            command: String::new(),
             sent: 0,
             received: 0,
             duration_ms: 1,

@@ -18,6 +18,7 @@
 pub mod ask;
 pub mod gateway;
 mod head;
+pub mod hint;
 pub mod intercept;
 pub mod log;
 mod mask;

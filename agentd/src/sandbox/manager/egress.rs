@@ -33,15 +33,9 @@ pub enum EgressChange {
 pub enum EgressEvent {
     /// A connection ended or was refused.
     Logged(Arc<Entry>),
-    /// A connection waits for its person (mode `ask`).
-    Asked {
-        /// The sandbox.
-        sandbox: String,
-        /// What it asked for.
-        host: String,
-        /// The port.
-        port: u16,
-    },
+    /// A connection waits for its person (mode `ask`): as the log shows
+    /// it (decision `wait`, with the command that admits it).
+    Asked(Arc<Entry>),
 }
 
 /// What `agentctl egress NAME show` prints.
@@ -193,14 +187,11 @@ impl Manager {
                 asked: {
                     let weak = Arc::downgrade(&this);
                     let name = name.clone();
-                    Box::new(move |host, port| {
+                    Box::new(move |waiting| {
                         if let Some(m) = weak.upgrade() {
-                            tracing::info!(sandbox = %name, host, port, "egress waits for an answer");
-                            let _ = m.egress_events.send(EgressEvent::Asked {
-                                sandbox: name.clone(),
-                                host: host.to_owned(),
-                                port,
-                            });
+                            tracing::info!(sandbox = %name, host = %waiting.host, port = waiting.port, "egress waits for an answer");
+                            let entry = Arc::new(waiting.entry(&name));
+                            let _ = m.egress_events.send(EgressEvent::Asked(entry));
                         }
                     })
                 },
@@ -294,17 +285,20 @@ impl Manager {
         self.egress_view(caller, name)
     }
 
-    /// The last `limit` connections of sandbox `name`, oldest first.
+    /// The last `limit` connections of sandbox `name`, oldest first, then
+    /// the ones waiting for an answer now (decision `wait`, mode `ask`).
     pub fn egress_log(&self, caller: Caller, name: &str, limit: usize) -> Result<Vec<Entry>> {
         self.get(caller, name)?;
         let path = self.egress_log_path(name);
-        egress::log::tail(&path, limit).map_err(|source| Error::Workspace {
+        let mut entries = egress::log::tail(&path, limit).map_err(|source| Error::Workspace {
             name: name.to_owned(),
             source: WorkspaceError::Read {
                 path: path.clone(),
                 source,
             },
-        })
+        })?;
+        entries.extend(self.pending_of(name).list().iter().map(|w| w.entry(name)));
+        Ok(entries)
     }
 }
 

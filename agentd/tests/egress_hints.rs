@@ -1,0 +1,298 @@
+//! What a person sees of the gateway's refusals and waits without reading
+//! a 403 body: `agentctl egress NAME log` (text, `--json`, `--follow`),
+//! `agentctl status` and `egress pending` give the exact command that
+//! admits each one, with the real sandbox and entry, and running that
+//! command does admit it. From inside a real `local` sandbox.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::IpAddr;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{Env, origin};
+
+/// A public address the gateway resolves a test name to (refused by the
+/// policy before any connection is tried).
+const PUBLIC: &str = "93.184.215.14";
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// `curl` inside through the gateway; (exit code, output).
+fn curl(env: &Env, name: &str, url: &str) -> (i32, String) {
+    env.inside(name, &format!("curl -sS --max-time 10 '{url}' 2>&1"))
+}
+
+/// Run `command` as printed, in a shell, with this test's agentctl first
+/// on the `PATH` and its bus in `AGENTCTL_BUS`; its output.
+fn run_as_printed(env: &Env, command: &str) -> String {
+    assert!(command.starts_with("agentctl egress "), "{command}");
+    let bin = common::agentctl();
+    let path = format!(
+        "{}:{}",
+        bin.parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", command])
+        .env("PATH", path)
+        .env("AGENTCTL_BUS", &env.address)
+        .stdin(Stdio::null());
+    if let Some(uid) = env.user {
+        cmd.uid(uid).gid(uid);
+    }
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{command}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `agentctl egress NAME log --follow` (with `extra` options) running in
+/// the background, its output collected as it comes.
+struct Follow {
+    child: Child,
+    out: Arc<Mutex<String>>,
+}
+
+impl Follow {
+    fn start(env: &Env, name: &str, extra: &[&str]) -> Self {
+        let mut args = vec!["egress", name, "log", "--follow"];
+        args.extend_from_slice(extra);
+        let mut cmd = env.ctl_cmd(&args);
+        if let Some(uid) = env.user {
+            cmd.uid(uid).gid(uid);
+        }
+        let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
+        let out = Arc::new(Mutex::new(String::new()));
+        let stdout = child.stdout.take().unwrap();
+        let sink = Arc::clone(&out);
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let mut s = sink.lock().unwrap();
+                s.push_str(&line);
+                s.push('\n');
+            }
+        });
+        Self { child, out }
+    }
+
+    fn text(&self) -> String {
+        self.out.lock().unwrap().clone()
+    }
+
+    /// Wait until its output has a line containing every one of `parts`;
+    /// that line.
+    fn wait_line(&self, what: &str, parts: &[&str]) -> String {
+        let mut found = String::new();
+        common::wait_for(what, Duration::from_secs(20), || {
+            found = self
+                .text()
+                .lines()
+                .find(|l| parts.iter().all(|p| l.contains(p)))
+                .unwrap_or_default()
+                .to_owned();
+            !found.is_empty()
+        });
+        found
+    }
+}
+
+impl Drop for Follow {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn a_refusal_shows_the_command_that_admits_it_in_the_log_and_the_status() {
+    let loopback = origin(IpAddr::from([127, 0, 0, 1]), "host-loopback-service");
+    let cfg = serde_json::json!({
+        "egress": { "hosts": { "origin.test": "127.0.0.1", "pkg.example": PUBLIC } }
+    });
+    let env = Env::with_config(&cfg);
+    env.create_running("web", &[]);
+
+    // An HTTPS client sees only the tunnel's 403, not its body.
+    let (code, out) = curl(&env, "web", "https://pkg.example/");
+    assert_ne!(code, 0, "{out}");
+    assert!(!out.contains("agentctl egress"), "{out}");
+    // A name of the host's loopback, on a port of its own.
+    let url = format!("http://origin.test:{loopback}/");
+    let (_, out) = curl(&env, "web", &url);
+    assert!(!out.contains("host-loopback-service"), "{out}");
+
+    // The log has each with the exact command: the name for a public
+    // address on 443, the address range for the host's loopback (a name
+    // entry alone would not admit it).
+    let by_name = "agentctl egress web allow pkg.example";
+    let by_range = format!("agentctl egress web allow 127.0.0.1/32:{loopback}");
+    // The plain-HTTP refusal's body says the same.
+    assert!(out.contains(&by_range), "{out}");
+    let log = json(&env.ok(&["egress", "web", "log", "--json"]));
+    let command_of = |host: &str| {
+        log.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["host"] == host && e["decision"] == "deny")
+            .unwrap_or_else(|| panic!("no refusal of {host} in {log}"))["command"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert_eq!(command_of("pkg.example"), by_name);
+    assert_eq!(command_of("origin.test"), by_range);
+    let text = env.ok(&["egress", "web", "log"]);
+    assert!(text.contains(&format!("allow it: {by_name}")), "{text}");
+    assert!(text.contains(&format!("allow it: {by_range}")), "{text}");
+
+    // The status lists both refusals, newest first, with the commands.
+    let status = json(&env.ok(&["status", "web", "--json"]));
+    let refused = status["egress"]["refused"].as_array().unwrap().clone();
+    let got: Vec<(&str, &str)> = refused
+        .iter()
+        .map(|r| (r["host"].as_str().unwrap(), r["command"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        got,
+        [("origin.test", by_range.as_str()), ("pkg.example", by_name)],
+        "{status}"
+    );
+    assert_eq!(refused[0]["port"], loopback);
+    assert_eq!(refused[0]["times"], 1);
+    assert_eq!(status["egress"]["mode"], "allowlist");
+    let text = env.ok(&["status", "web"]);
+    assert!(text.contains("Refused:    origin.test:"), "{text}");
+    assert!(text.contains(&format!("allow it: {by_range}")), "{text}");
+
+    // The commands run as printed, and admit what was refused.
+    run_as_printed(&env, &by_range);
+    assert_eq!(curl(&env, "web", &url), (0, "host-loopback-service".into()));
+    run_as_printed(&env, by_name);
+    let show = json(&env.ok(&["egress", "web", "show", "--json"]));
+    assert_eq!(
+        show["allow"],
+        serde_json::json!([format!("127.0.0.1/32:{loopback}"), "pkg.example"])
+    );
+    // A destination admitted since is no longer listed as refused.
+    let status = json(&env.ok(&["status", "web", "--json"]));
+    let hosts: Vec<&str> = status["egress"]["refused"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["host"].as_str().unwrap())
+        .collect();
+    assert_eq!(hosts, ["pkg.example"], "{status}");
+}
+
+#[test]
+fn a_waiting_connection_shows_in_log_follow_and_status_while_it_waits() {
+    let loopback = origin(IpAddr::from([127, 0, 0, 1]), "host-loopback-service");
+    let cfg = serde_json::json!({
+        "egress": { "hosts": { "origin.test": "127.0.0.1" }, "ask_seconds": 60 }
+    });
+    let env = Env::with_config(&cfg);
+    env.create_running("asks", &["--egress", "ask"]);
+    // Ask mode admits the preset too, and says so.
+    let show = env.ok(&["egress", "asks", "show"]);
+    assert!(
+        show.contains("Preset:\n") && show.contains("  github.com\n"),
+        "{show}"
+    );
+
+    let text = Follow::start(&env, "asks", &[]);
+    let lines = Follow::start(&env, "asks", &["--json"]);
+    // Subscribed before anything waits (its header is out).
+    text.wait_line("the log's header", &["DESTINATION"]);
+    let url = format!("http://origin.test:{loopback}/");
+    env.inside(
+        "asks",
+        &format!("curl -sS --max-time 60 '{url}' > /tmp/held 2>&1 &"),
+    );
+    let dest = format!("origin.test:{loopback}");
+    let once = format!("agentctl egress asks allow --once 127.0.0.1/32:{loopback}");
+
+    // While it waits: in both follows, with the command that lets it in.
+    text.wait_line("the waiting line", &["WAITING", &dest]);
+    text.wait_line("its command", &[&format!("allow it: {once}")]);
+    let waiting = lines.wait_line("the waiting entry", &["\"wait\""]);
+    let waiting = json(&waiting);
+    assert_eq!(
+        (&waiting["host"], &waiting["port"], &waiting["command"]),
+        (
+            &serde_json::json!("origin.test"),
+            &serde_json::json!(loopback),
+            &serde_json::json!(once)
+        )
+    );
+    // In the status, now.
+    let status = json(&env.ok(&["status", "asks", "--json"]));
+    let listed = &status["egress"]["waiting"];
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{status}");
+    assert_eq!(listed[0]["host"], "origin.test");
+    assert_eq!(listed[0]["command"], once.as_str());
+    let shown = env.ok(&["status", "asks"]);
+    assert!(
+        shown.contains(&format!("Waiting:    {dest} since")),
+        "{shown}"
+    );
+    assert!(shown.contains(&format!("allow it: {once}")), "{shown}");
+    // `egress pending` and the plain log give the same command, no
+    // placeholder.
+    let pending = env.ok(&["egress", "asks", "pending"]);
+    assert!(pending.contains(&once), "{pending}");
+    assert!(!pending.contains("HOST"), "{pending}");
+    let log = env.ok(&["egress", "asks", "log"]);
+    assert!(log.contains("WAITING") && log.contains(&once), "{log}");
+
+    // The command, run as printed, lets it through; the follows say so.
+    run_as_printed(&env, &once);
+    let mut held = String::new();
+    common::wait_for("the held connection", Duration::from_secs(10), || {
+        held = env.inside("asks", "cat /tmp/held").1;
+        !held.is_empty()
+    });
+    assert_eq!(held, "host-loopback-service");
+    text.wait_line("the admission", &["allowed", &dest]);
+    lines.wait_line("the admission", &["\"allow\"", "\"origin.test\""]);
+    let status = json(&env.ok(&["status", "asks", "--json"]));
+    assert_eq!(status["egress"]["waiting"], serde_json::json!([]));
+}
+
+#[test]
+fn the_status_lists_every_port_that_has_a_link() {
+    let env = Env::bus_only();
+    let caddy = common::caddy::Caddy::start(env.tmp.path());
+    let mut env = env;
+    let config = env.tmp.path().join("agentd.json");
+    std::fs::write(&config, caddy.agentd_config(false)).unwrap();
+    env.config = Some(config);
+    env.start_agentd();
+    env.create_running("site", &[]);
+    env.inside(
+        "site",
+        "python3 -m http.server --bind 127.0.0.1 5173 >/dev/null 2>&1 &",
+    );
+    let mut routes = serde_json::Value::Null;
+    common::wait_for("the dev server's link", Duration::from_secs(30), || {
+        routes = json(&env.ok(&["ports", "site", "--json"]))["routes"].clone();
+        routes.as_array().is_some_and(|r| !r.is_empty())
+    });
+    let status = json(&env.ok(&["status", "site", "--json"]));
+    assert_eq!(status["routes"], routes);
+    // Every port a link reaches is among the ports, by its link's name.
+    assert_eq!(
+        status["ports"],
+        serde_json::json!({ "5173-main": 5173 }),
+        "{status}"
+    );
+}
