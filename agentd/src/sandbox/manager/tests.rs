@@ -159,13 +159,17 @@ impl FakeHelpers {
 
 impl Helpers for FakeHelpers {
     fn call(&self, call: Call) -> BoxFut<'_, std::result::Result<String, HelperError>> {
+        // Only a helper in the sandbox's reach can be held up by it; one
+        // that runs as the owner on the host (the remote's removal) cannot.
         let keep = match &call.run_as {
-            RunAs::Confined { keep, .. } | RunAs::WithIds { keep, .. } => keep[0].clone(),
-            RunAs::User(_) => PathBuf::new(),
+            RunAs::Confined { keep, .. } | RunAs::WithIds { keep, .. } => Some(keep[0].clone()),
+            RunAs::User(_) => None,
         };
         self.calls.lock().unwrap().push(call);
         Box::pin(async move {
-            self.hold_or_pass(keep).await;
+            if let Some(keep) = keep {
+                self.hold_or_pass(keep).await;
+            }
             self.replies
                 .lock()
                 .unwrap()
@@ -559,4 +563,27 @@ async fn another_user_can_neither_see_nor_touch_a_sandbox() {
     assert!(f.helpers.transfers.lock().unwrap().is_empty());
     assert!(f.helpers.calls.lock().unwrap().is_empty());
     assert!(f.manager.snapshot("demo").is_some());
+}
+
+#[tokio::test]
+async fn destroy_removes_the_remote_a_sync_added_as_the_projects_owner() {
+    let f = fixture();
+    f.create().await;
+    f.manager
+        .sync(f.me, "demo", SyncOptions::default())
+        .await
+        .unwrap();
+    f.manager.destroy(f.me, "demo").await.unwrap();
+    let calls = f.helpers.calls.lock().unwrap();
+    let removals: Vec<&Call> = calls
+        .iter()
+        .filter(|c| c.arg == <crate::git::remote::RemoveRemote as crate::helper::Helper>::ARG)
+        .collect();
+    // Once, although both the registry and the sandbox's record name it.
+    assert_eq!(removals.len(), 1, "{calls:?}");
+    assert_eq!(removals[0].run_as, RunAs::User(f.me.uid));
+    let req: crate::git::remote::Request = serde_json::from_str(&removals[0].request).unwrap();
+    assert_eq!(req.repo, f.project);
+    assert_eq!(req.name, "sandbox/demo");
+    assert_eq!(req.url, f.workspace("demo").to_string_lossy());
 }
