@@ -171,13 +171,7 @@ time.sleep(600)
 #[test]
 fn a_sandbox_listening_on_many_ports_gets_at_most_routes_max_links() {
     const PORTS: u16 = 200;
-    let env = Env::bus_only();
-    let caddy = common::caddy::Caddy::start(env.tmp.path());
-    let mut env = env;
-    let config = env.tmp.path().join("agentd.json");
-    std::fs::write(&config, caddy.agentd_config(false)).unwrap();
-    env.config = Some(config);
-    env.start_agentd();
+    let (env, caddy) = Env::with_caddy();
     env.create_running("ports", &[]);
     let pid = env.agentd_pid();
     // Discovery and Caddy settle first.

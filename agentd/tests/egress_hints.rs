@@ -270,13 +270,7 @@ fn a_waiting_connection_shows_in_log_follow_and_status_while_it_waits() {
 
 #[test]
 fn the_status_lists_every_port_that_has_a_link() {
-    let env = Env::bus_only();
-    let caddy = common::caddy::Caddy::start(env.tmp.path());
-    let mut env = env;
-    let config = env.tmp.path().join("agentd.json");
-    std::fs::write(&config, caddy.agentd_config(false)).unwrap();
-    env.config = Some(config);
-    env.start_agentd();
+    let (env, _caddy) = Env::with_caddy();
     env.create_running("site", &[]);
     env.inside(
         "site",

@@ -23,6 +23,22 @@ fn host_state(repo: &std::path::Path) -> (String, String, String) {
     )
 }
 
+/// Commit what is staged in the host repository, as the person would.
+fn host_commit(repo: &std::path::Path, message: &str) {
+    git(
+        repo,
+        &[
+            "-c",
+            "user.name=H",
+            "-c",
+            "user.email=h@example.com",
+            "commit",
+            "-qm",
+            message,
+        ],
+    );
+}
+
 fn setup(env: &Env, name: &str) -> std::path::PathBuf {
     let repo = env.repo(name);
     env.ok(&["create", repo.to_str().unwrap()]);
@@ -139,18 +155,7 @@ fn into_fast_forwards_only() {
     // Diverged: exit 3 with the commands to merge by hand; nothing moves.
     fs::write(repo.join("host.txt"), "h\n").unwrap();
     git(&repo, &["add", "host.txt"]);
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=H",
-            "-c",
-            "user.email=h@example.com",
-            "commit",
-            "-qm",
-            "host",
-        ],
-    );
+    host_commit(&repo, "host");
     let head = git(&repo, &["rev-parse", "HEAD"]);
     let err = env.fails(3, &["sync", "ff", "--into", "main"]);
     assert!(
@@ -181,18 +186,7 @@ fn a_dry_run_counts_only_what_the_host_lacks() {
         fs::write(repo.join(format!("f{i}.txt")), "f\n").unwrap();
     }
     git(&repo, &["add", "."]);
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=H",
-            "-c",
-            "user.email=h@example.com",
-            "commit",
-            "-qm",
-            "files",
-        ],
-    );
+    host_commit(&repo, "files");
     env.ok(&["sync", "dry", "--from-host"]);
     // A branch at a commit the host has, and one with one commit more.
     sh(
@@ -285,18 +279,7 @@ fn from_host_updates_only_host_refs() {
     );
     fs::write(repo.join("new.txt"), "n\n").unwrap();
     git(&repo, &["add", "new.txt"]);
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=H",
-            "-c",
-            "user.email=h@example.com",
-            "commit",
-            "-qm",
-            "host work",
-        ],
-    );
+    host_commit(&repo, "host work");
     git(&repo, &["branch", "release"]);
     let out = env.ok(&["sync", "fh", "--from-host"]);
     assert!(out.contains("into sandbox 'fh'"), "{out}");

@@ -95,6 +95,18 @@ impl Env {
         }
     }
 
+    /// A bus, a Caddy of the test's own and an agentd whose links go
+    /// through it (plain HTTP, no link token).
+    pub fn with_caddy() -> (Self, caddy::Caddy) {
+        let mut env = Self::bus_only();
+        let caddy = caddy::Caddy::start(env.tmp.path());
+        let config = env.tmp.path().join("agentd.json");
+        fs::write(&config, caddy.agentd_config(false)).unwrap();
+        env.config = Some(config);
+        env.start_agentd();
+        (env, caddy)
+    }
+
     /// A bus and an agentd running as the unprivileged `uid` (as
     /// `agentd --session` would) with `config` as its configuration file,
     /// and agentctl as that uid too. Root only.
