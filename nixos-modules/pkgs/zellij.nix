@@ -26,18 +26,23 @@ rustPlatform.buildRustPackage rec {
   # checks that the copy equals the crate's.
   cargoLock.lockFile = ./zellij.Cargo.lock;
 
-  # The default features minus `vendored_curl`: link nixpkgs' curl.
+  # The default features minus `vendored_curl` (link nixpkgs' curl) and
+  # `web_server_capability` (`zellij web`: sessions never use it), as
+  # tests/install-tools.sh builds it.
   buildNoDefaultFeatures = true;
-  buildFeatures = [
-    "plugins_from_target"
-    "web_server_capability"
-  ];
+  buildFeatures = [ "plugins_from_target" ];
   nativeBuildInputs = [ pkg-config ];
   buildInputs = [
     curl
     openssl
   ];
-  env.OPENSSL_NO_VENDOR = 1;
+  env = {
+    OPENSSL_NO_VENDOR = 1;
+    # Zellij's release profile asks for fat LTO in one codegen unit, most
+    # of a long build for little gain: the default release profile instead.
+    CARGO_PROFILE_RELEASE_LTO = "false";
+    CARGO_PROFILE_RELEASE_CODEGEN_UNITS = "16";
+  };
 
   # Its tests want a terminal and the network.
   doCheck = false;

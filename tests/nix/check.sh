@@ -409,6 +409,17 @@ if [[ $(nix_json "builtins.typeOf ($zellij_args).cargoLock.lockFile") == '"path"
 else
   fail "zellij.nix: cargoLock.lockFile is not a path (import-from-derivation)"
 fi
+# The same Zellij as tests/install-tools.sh builds off NixOS: its features
+# but nixpkgs' curl for the vendored one, and the same release profile.
+nix_features=$(nix_json "builtins.concatStringsSep \",\" ($zellij_args).buildFeatures" | tr -d '"')
+tools_features=$(sed -n 's/.*--no-default-features --features \([a-z_,]*\)).*/\1/p' tests/install-tools.sh | tr ',' '\n' | grep -vx vendored_curl | paste -sd, -)
+nix_lto=$(nix_json "($zellij_args).env.CARGO_PROFILE_RELEASE_LTO or \"fat\"" | tr -d '"')
+if [[ -n $tools_features && $nix_features == "$tools_features" && $nix_lto == false ]] &&
+  grep -q 'CARGO_PROFILE_RELEASE_LTO=false' tests/install-tools.sh; then
+  pass "zellij.nix builds Zellij's features as install-tools.sh does ($nix_features), without fat LTO"
+else
+  fail "zellij.nix's features ($nix_features, LTO $nix_lto) differ from install-tools.sh's ($tools_features)"
+fi
 zellij_version=$(nix_json "($zellij_args).version" | tr -d '"')
 crate=$(find "${CARGO_HOME:-$HOME/.cargo}/registry/cache" -name "zellij-$zellij_version.crate" 2>/dev/null | head -n1 || true)
 if [[ -z $crate ]] && command -v curl >/dev/null; then
