@@ -671,6 +671,22 @@ mod tests {
         assert_eq!(again, c);
     }
 
+    /// What the NixOS module renders for its fixture (tests/nix/check.sh
+    /// holds the module to this file) is a configuration agentd takes,
+    /// every field of it: the module and agentd name the same settings.
+    #[test]
+    fn the_nixos_modules_rendering_loads() {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/nix/nix-config.expected.json");
+        let c = DaemonConfig::load(&path).unwrap();
+        let api = c.sandboxes["api"].config(&c.defaults);
+        assert_eq!(
+            api.git_identity.to_string(),
+            "Agent of api <agent@api.example.com>"
+        );
+        assert!(c.defaults.git_identity.is_owner());
+    }
+
     #[test]
     fn caddy_admin_is_http_or_an_absolute_unix_socket() {
         let admin = |a: &str| {

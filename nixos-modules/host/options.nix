@@ -183,6 +183,17 @@ let
         agentd: `default_agent`.
       '';
     };
+    gitIdentity = {
+      type = types.str;
+      example = "Ada Lovelace <ada@example.com>";
+      description = ''
+        Who commits in the sandbox (its workspace's `user.name` and
+        `user.email`): `owner`, the owner's own git identity (the project's
+        git configuration, else the owner's `~/.gitconfig`), read when the
+        workspace is made; `none`, none (the agent's first commit asks for
+        one); or `Name <email>`. agentd: `git_identity`.
+      '';
+    };
   };
 
   defaultOption =

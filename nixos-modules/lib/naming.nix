@@ -148,6 +148,7 @@ let
       persist = true;
       defaultAgent = null;
       agentHome = "own";
+      gitIdentity = "owner";
     };
     microvm = {
       shareProto = "virtiofs";
@@ -208,6 +209,7 @@ let
       persist = null;
       defaultAgent = null;
       agentHome = null;
+      gitIdentity = null;
       secrets = { };
     };
   };
@@ -229,6 +231,7 @@ let
     persist = "persist";
     defaultAgent = "default_agent";
     agentHome = "agent_home";
+    gitIdentity = "git_identity";
   };
 
   # Fill in the defaults of a (possibly partial) keystone.agent attrset. The
