@@ -335,6 +335,9 @@ async fn handle(
     // What the name resolved to and this host's addresses, for the command
     // that admits a refusal (`None`: refused by its name alone).
     let mut seen: Option<(Vec<IpAddr>, Vec<IpAddr>)> = None;
+    // The owner's own name for an address (`egress.hosts`), which a
+    // command may open even where it is this host's.
+    let vouched = ctx.hosts.contains_key(&ask.host.to_ascii_lowercase());
     let (decision, addrs) = match policy.precheck(&ask.host, ask.port) {
         Some(d) => (d, Vec::new()),
         None => match dns.resolve(&ask.host, &ctx.hosts).await {
@@ -342,7 +345,15 @@ async fn handle(
                 let own = host_addresses();
                 let (d, a) = policy.decide(&ask.host, ask.port, &found, &own);
                 let outcome = if policy.may_ask(&d) {
-                    let once = hint::remedy(&policy, &d, &ask.host, ask.port, Some(&found), &own);
+                    let once = hint::remedy(
+                        &policy,
+                        &d,
+                        &ask.host,
+                        ask.port,
+                        Some(&found),
+                        &own,
+                        vouched,
+                    );
                     wait_for_person(ctx, &ask, &found, &own, once).await
                 } else {
                     (d, a)
@@ -374,7 +385,7 @@ async fn handle(
             Some((found, own)) => (Some(found.as_slice()), own.as_slice()),
             None => (None, &[][..]),
         };
-        entry.command = hint::remedy(&policy, &decision, &ask.host, ask.port, found, own)
+        entry.command = hint::remedy(&policy, &decision, &ask.host, ask.port, found, own, vouched)
             .map(|e| hint::command(&ctx.name, &e, false))
             .unwrap_or_default();
         refuse(&mut client, &decision, &entry.command, socks).await;

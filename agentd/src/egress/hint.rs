@@ -6,7 +6,7 @@
 
 use std::net::IpAddr;
 
-use super::policy::{Decision, Policy, Rule};
+use super::policy::{self, Decision, Policy, Rule};
 
 /// The entry that names `host:port`: the bare name for the web's ports (80
 /// and 443), `host:port` otherwise (an IPv6 address in brackets).
@@ -28,8 +28,18 @@ pub fn entry_for(host: &str, port: u16) -> String {
 /// `host:port` refused by `refusal` under `policy`: the deny entry that
 /// refused it, its name, or the address range an internal address needs.
 /// `found` is what the name resolved to (`None` when it was refused before
-/// resolving, by its name). `None` when no entry would do (mode `none`, a
-/// name without an address).
+/// resolving, by its name); `vouched`: the owner gave those addresses (the
+/// name is in agentd's `egress.hosts`), not DNS or the sandbox. `None` when
+/// no entry would do (mode `none`, a name without an address), and never
+/// one that admits more than the destination asked for or opens this host
+/// to a name the sandbox chose:
+/// - a deny entry is offered only when it names just this destination (a
+///   name without `*.`, one address): a wider one (`*.example.com`,
+///   `10.0.0.0/8`, `0.0.0.0/0`) would let in all it covers;
+/// - an address of this host ([`policy::is_this_host`]: its own, loopback,
+///   link-local such as cloud metadata) only for a vouched name: a DNS
+///   name of the sandbox's choosing may point anywhere, and the command
+///   would show an address the person cannot tell from any other.
 #[must_use]
 pub fn remedy(
     policy: &Policy,
@@ -38,10 +48,16 @@ pub fn remedy(
     port: u16,
     found: Option<&[IpAddr]>,
     own: &[IpAddr],
+    vouched: bool,
 ) -> Option<String> {
     let mut candidates: Vec<String> = Vec::new();
     if let Some(denied) = refusal.rule.strip_prefix("deny ") {
-        candidates.push(denied.to_owned());
+        // The deny entry stays unless it is the one allowed: without it,
+        // no entry admits the destination.
+        match Rule::parse(denied) {
+            Ok(rule) if names_one(&rule) => candidates.push(denied.to_owned()),
+            _ => return None,
+        }
     }
     candidates.push(entry_for(host, port));
     candidates.extend(refusal.suggest.clone());
@@ -62,8 +78,11 @@ pub fn remedy(
             }
             continue;
         };
-        let (d, _) = allowing.decide(host, port, found, own);
+        let (d, admitted) = allowing.decide(host, port, found, own);
         if d.allowed {
+            if !vouched && admitted.iter().any(|&a| policy::is_this_host(a, own)) {
+                continue;
+            }
             return Some(candidate);
         }
         if let Some(s) = d.suggest.filter(|s| !candidates.contains(s)) {
@@ -71,6 +90,15 @@ pub fn remedy(
         }
     }
     None
+}
+
+/// Whether `rule` covers one destination only: a name without `*.`, or a
+/// single address.
+fn names_one(rule: &Rule) -> bool {
+    match rule {
+        Rule::Name { wildcard, .. } => !wildcard,
+        Rule::Cidr { net, prefix, .. } => *prefix == if net.is_ipv4() { 32 } else { 128 },
+    }
 }
 
 /// `agentctl egress SANDBOX allow [--once] ENTRY`, ready to paste into a
@@ -108,17 +136,29 @@ mod tests {
 
     /// What the gateway would decide, and the entry that fixes it.
     fn fix(p: &Policy, host: &str, port: u16, found: &[IpAddr]) -> Option<String> {
+        fix_on(p, host, port, found, &[], false)
+    }
+
+    /// [`fix`] on a host with addresses `own`, for a name `vouched` for.
+    fn fix_on(
+        p: &Policy,
+        host: &str,
+        port: u16,
+        found: &[IpAddr],
+        own: &[IpAddr],
+        vouched: bool,
+    ) -> Option<String> {
         let d = match p.precheck(host, port) {
-            Some(d) => return remedy(p, &d, host, port, None, &[]),
-            None => p.decide(host, port, found, &[]).0,
+            Some(d) => return remedy(p, &d, host, port, None, own, vouched),
+            None => p.decide(host, port, found, own).0,
         };
         assert!(!d.allowed, "{host}:{port} is allowed already");
-        let entry = remedy(p, &d, host, port, Some(found), &[])?;
+        let entry = remedy(p, &d, host, port, Some(found), own, vouched)?;
         // The entry does admit it.
         let mut fixed = p.clone();
         let rule = Rule::parse(&entry).unwrap();
         fixed.deny.retain(|r| *r != rule);
-        assert!(fixed.with(rule).decide(host, port, found, &[]).0.allowed);
+        assert!(fixed.with(rule).decide(host, port, found, own).0.allowed);
         Some(entry)
     }
 
@@ -145,16 +185,17 @@ mod tests {
             fix(&p, "2001:db8::1", 8443, &[v6]).as_deref(),
             Some("[2001:db8::1]:8443")
         );
-        // A deny entry is moved to the allow entries.
-        let p = policy(Egress::Allowlist, &[], &["*.example.com"]);
+        // A deny entry of just this destination is moved to the allow
+        // entries.
+        let p = policy(Egress::Allowlist, &[], &["a.example.com"]);
         assert_eq!(
             fix(&p, "a.example.com", 443, &[public]).as_deref(),
-            Some("*.example.com")
+            Some("a.example.com")
         );
-        let p = policy(Egress::Ask, &[], &["93.184.215.0/24"]);
+        let p = policy(Egress::Ask, &[], &["93.184.215.14/32:443"]);
         assert_eq!(
             fix(&p, "github.com", 443, &[public]).as_deref(),
-            Some("93.184.215.0/24")
+            Some("93.184.215.14/32:443")
         );
         // Nothing admits a connection in mode none, or a name without an
         // address.
@@ -162,6 +203,74 @@ mod tests {
         assert_eq!(fix(&p, "example.com", 443, &[public]), None);
         let p = policy(Egress::Allowlist, &[], &[]);
         assert_eq!(fix(&p, "example.com", 443, &[]), None);
+    }
+
+    /// The sandbox picks a destination that a wide deny entry refuses:
+    /// moving that entry would let in all it covers (every name below a
+    /// wildcard; with a range, every address in it on every port, the
+    /// host's own and private ones included), so no command is offered.
+    #[test]
+    fn a_wide_deny_entry_is_never_offered() {
+        let public: IpAddr = [93, 184, 215, 14].into();
+        let private: IpAddr = [10, 1, 2, 3].into();
+        for (deny, host, found) in [
+            ("*.example.com", "a.example.com", public),
+            ("93.184.215.0/24", "github.com", public),
+            ("10.0.0.0/8", "10.1.2.3", private),
+            ("0.0.0.0/0", "git.internal", private),
+            ("[::]/0", "2001:db8::1", "2001:db8::1".parse().unwrap()),
+        ] {
+            for mode in [Egress::Allowlist, Egress::Ask, Egress::Open] {
+                let p = policy(mode, &["*.internal"], &[deny]);
+                assert_eq!(fix(&p, host, 443, &[found]), None, "{deny} {host}");
+            }
+        }
+    }
+
+    /// A name the sandbox had DNS point at this host (loopback, the host's
+    /// own public address, link-local cloud metadata, in any IPv6 form):
+    /// the command would open the host to it while showing only an
+    /// address. Only the owner's own name for it (`egress.hosts`) gets
+    /// one; a private range elsewhere keeps its command.
+    #[test]
+    fn a_name_pointed_at_this_host_gets_no_command_unless_the_owner_named_it() {
+        let own: IpAddr = [203, 0, 113, 7].into();
+        let v6_own: IpAddr = "2a01:4f8::7".parse().unwrap();
+        for found in [
+            "127.0.0.1",
+            "127.0.1.1",
+            "::1",
+            "::ffff:127.0.0.1",
+            "0.0.0.0",
+            "169.254.169.254",
+            "fe80::1",
+            "203.0.113.7",
+            "::ffff:203.0.113.7",
+            "2a01:4f8::7",
+        ] {
+            let found: IpAddr = found.parse().unwrap();
+            for mode in [Egress::Allowlist, Egress::Ask, Egress::Open] {
+                let p = policy(mode, &[], &[]);
+                let got = fix_on(
+                    &p,
+                    "cdn.pkg-mirror.io",
+                    2019,
+                    &[found],
+                    &[own, v6_own],
+                    false,
+                );
+                assert_eq!(got, None, "{found} in {mode:?}");
+                let got = fix_on(&p, "origin.test", 2019, &[found], &[own, v6_own], true);
+                assert!(got.is_some_and(|e| e.ends_with(":2019")), "{found}");
+            }
+        }
+        // A name of a private address elsewhere.
+        let p = policy(Egress::Ask, &[], &[]);
+        let private: IpAddr = [10, 1, 2, 3].into();
+        assert_eq!(
+            fix_on(&p, "git.internal", 22, &[private], &[own], false).as_deref(),
+            Some("10.1.2.3/32:22")
+        );
     }
 
     #[test]

@@ -339,6 +339,21 @@ pub fn is_internal(addr: IpAddr) -> bool {
     })
 }
 
+/// Whether `addr` is this host itself: one of `own` (its addresses), or a
+/// loopback, unspecified (`0.0.0.0/8`, `::`) or link-local address (the
+/// host's, or its cloud's metadata service), as it is or by the IPv4
+/// address it embeds.
+#[must_use]
+pub fn is_this_host(addr: IpAddr, own: &[IpAddr]) -> bool {
+    let a = canonical(addr);
+    own.iter().any(|&h| canonical(h) == a)
+        || a.is_loopback()
+        || match a {
+            IpAddr::V4(v4) => v4.octets()[0] == 0 || v4.is_link_local(),
+            IpAddr::V6(v6) => v6.is_unspecified() || v6.segments()[0] & 0xffc0 == 0xfe80,
+        }
+}
+
 /// The entries of `list` that parse.
 #[must_use]
 pub fn parse_all(list: &[String]) -> Vec<Rule> {
