@@ -336,3 +336,68 @@ fn the_history_shows_a_copy_as_one_entry_and_hides_nothing_else() {
     let (code, _) = env.inside("cph", &format!("test -e {marker}"));
     assert_ne!(code, 0, "a refused command ran");
 }
+
+/// A copy's history entry says where the copy went: a description that
+/// only mentions the directory the tar command writes to, while claiming
+/// another path, is refused and nothing runs; and what a command line
+/// holds (a newline) cannot add a line of its own to `agentctl history`.
+#[test]
+fn a_copy_cannot_claim_another_path_nor_a_command_forge_a_history_line() {
+    let env = Env::running("cpc", &[]);
+    let archive = env.tmp.path().join("a.tar");
+    {
+        let mut b = tar::Builder::new(fs::File::create(&archive).unwrap());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(2);
+        h.set_mode(0o644);
+        h.set_cksum();
+        b.append_data(&mut h, "planted", &b"p\n"[..]).unwrap();
+        b.finish().unwrap();
+    }
+    let before = kinds(&env, &["history", "cpc", "--json", "--all", "-n", "0"]);
+    let into = ["tar", "-x", "-p", "--no-same-owner", "-C", "/workspace"];
+    for record in [
+        "cp ./notes.txt -> cpc:/tmp/notes.txt (:/workspace)",
+        "cp ./notes.txt -> cpc:/tmp/notes.txt cpc:/workspace",
+        "cp ./planted -> other:/workspace/planted",
+    ] {
+        let input = fs::File::open(&archive).unwrap();
+        env.with_sandbox("cpc", async |sb| {
+            use std::os::fd::AsFd;
+            let opts = keystone_agent_api::options::ExecOptions {
+                record_as: Some(record.to_owned()),
+                ..Default::default()
+            };
+            let devnull = fs::File::create("/dev/null").unwrap();
+            let r = sb
+                .exec_stdio(
+                    &into,
+                    Default::default(),
+                    opts.to_dict(),
+                    zvariant::Fd::from(input.as_fd()),
+                    zvariant::Fd::from(devnull.as_fd()),
+                    zvariant::Fd::from(devnull.as_fd()),
+                )
+                .await;
+            match r {
+                Err(keystone_agent_api::Error::InvalidArgument(m)) => {
+                    assert!(m.contains("cpc:DIR/NAME"), "{m}");
+                }
+                other => panic!("{record}: {other:?}"),
+            }
+        });
+    }
+    let after = kinds(&env, &["history", "cpc", "--json", "--all", "-n", "0"]);
+    assert_eq!(after.len(), before.len(), "{after:?}");
+    let (code, _) = env.inside("cpc", "test -e /workspace/planted");
+    assert_ne!(code, 0, "a refused copy ran");
+
+    let forged = "2000-01-01T00:00:00Z  0    cp    0     0.0s  ./harmless -> cpc:/tmp/harmless";
+    env.ok(&["exec", "cpc", "--", "echo", &format!("x\n{forged}")]);
+    let table = env.ok(&["history", "cpc"]);
+    assert!(
+        table.lines().all(|l| !l.starts_with("2000-01-01")),
+        "{table}"
+    );
+    assert!(table.contains("echo 'x\\n2000-01-01"), "{table}");
+}

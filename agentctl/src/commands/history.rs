@@ -47,7 +47,9 @@ pub(super) async fn run(
                                 "failed".to_owned()
                             },
                             format!("{:.1}s", e.duration_ms as f64 / 1000.0),
-                            e.detail.clone(),
+                            // One entry, one line: a newline in a command
+                            // line or a copy's path shows as `\n`.
+                            output::escape_controls(&e.detail).into_owned(),
                         ]
                     })
                     .collect();

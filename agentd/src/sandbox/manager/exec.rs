@@ -9,7 +9,7 @@ impl Manager {
         let started = SystemTime::now();
         // Only callers who may use the sandbox get a history entry.
         let sb = self.get(caller, name)?;
-        let (kind, detail) = call.recorded_as()?;
+        let (kind, detail) = call.recorded_as(name)?;
         let result = self.exec_inner(&sb, call).await;
         self.record_run(
             name,
@@ -200,50 +200,65 @@ impl ExecCall {
     /// (`exec`), or what `agentctl cp` asked for with `record_as`.
     ///
     /// The history is an audit record, so `record_as` is taken only for
-    /// the exact commands cp runs, without environment, directory or
-    /// worktree (`TAR_OPTIONS` or a planted directory could make them do
-    /// more): its two `tar` commands, recorded as `cp` with a description
-    /// that must name the sandbox path they touch, and its check of the
-    /// destination (`test -d PATH`), recorded as `cp-check` with the command
-    /// line (which `agentctl history` leaves out unless asked).
+    /// the exact commands cp runs in sandbox `sandbox`, without
+    /// environment, directory or worktree (`TAR_OPTIONS` or a planted
+    /// directory could make them do more): its two `tar` commands, recorded
+    /// as `cp` with the description cp gives them, which must end with
+    /// ` -> SANDBOX:DIR/NAME` (into `DIR`) or start with `SANDBOX:DIR/BASE ->`
+    /// (out of `DIR/BASE`), the very directory the command touches, so that
+    /// no other path can be claimed; and its check of the destination
+    /// (`test -d PATH`), recorded as `cp-check` with the command line (which
+    /// `agentctl history` leaves out unless asked). The description's
+    /// local side is shortened to fit the entry, never its sandbox side.
     ///
     /// # Errors
     /// [`Error::Invalid`] when `record_as` does not fit the command.
-    pub fn recorded_as(&self) -> Result<(String, String)> {
+    pub fn recorded_as(&self, sandbox: &str) -> Result<(String, String)> {
         let Some(record) = &self.record_as else {
             return Ok(("exec".to_owned(), shell_words(&self.argv)));
         };
         let argv: Vec<&str> = self.argv.iter().map(String::as_str).collect();
         let plain = self.env.is_empty() && self.cwd.is_empty() && self.worktree.is_none();
         let abs = |p: &str| p.starts_with('/') && !p.contains('\0');
-        let fits = plain
-            && match (record.split_once(' '), argv.as_slice()) {
-                (None, ["test", "-d", path]) if record == "cp-check" => abs(path),
-                (Some(("cp", what)), ["tar", "-x", "-p", "--no-same-owner", "-C", dir]) => {
-                    abs(dir) && what.contains(&format!(":{dir}"))
-                }
-                (Some(("cp", what)), ["tar", "-c", "-C", dir, "--", base]) => {
-                    let path = format!("{}/{base}", dir.trim_end_matches('/'));
-                    abs(dir)
-                        && !base.is_empty()
-                        && !base.contains('/')
-                        && what.contains(&format!(":{path}"))
-                }
-                _ => false,
-            };
-        if !fits {
+        // The local side, cut so that the entry keeps all of `sandbox_side`.
+        let local = |l: &str, sandbox_side: &str| {
+            let room = crate::text::TEXT_MAX.saturating_sub(sandbox_side.len());
+            crate::text::clamp_to(l, room.max(256)).into_owned()
+        };
+        let detail = match (record.split_once(' '), argv.as_slice()) {
+            _ if !plain => None,
+            (None, ["test", "-d", path]) if record == "cp-check" && abs(path) => {
+                Some(shell_words(&self.argv))
+            }
+            (Some(("cp", what)), ["tar", "-x", "-p", "--no-same-owner", "-C", dir]) if abs(dir) => {
+                let side = format!(" -> {sandbox}:{}/", dir.trim_end_matches('/'));
+                what.rfind(&side).and_then(|at| {
+                    let (from, to) = what.split_at(at);
+                    let name = &to[side.len()..];
+                    (!name.is_empty() && !name.contains('/')).then(|| local(from, to) + to)
+                })
+            }
+            (Some(("cp", what)), ["tar", "-c", "-C", dir, "--", base])
+                if abs(dir) && !base.is_empty() && !base.contains('/') =>
+            {
+                let side = format!("{sandbox}:{}/{base} -> ", dir.trim_end_matches('/'));
+                what.strip_prefix(&side)
+                    .map(|to| format!("{side}{}", local(to, &side)))
+            }
+            _ => None,
+        };
+        let Some(detail) = detail else {
             return Err(Error::Invalid(vec![format!(
                 "record_as '{}' does not fit this command: it is only for the commands of \
-                 `agentctl cp` (its tar commands, with a description that names the sandbox \
-                 path, and `test -d PATH` as 'cp-check'), with no environment, directory or \
-                 worktree; run other commands without record_as",
-                crate::text::clamp_to(record, 200)
+                 `agentctl cp` (its tar commands, described as `LOCAL -> {sandbox}:DIR/NAME` or \
+                 `{sandbox}:DIR/BASE -> LOCAL` with the directory the command touches, and \
+                 `test -d PATH` as 'cp-check'), with no environment, directory or worktree; run \
+                 other commands without record_as",
+                crate::text::shown(record)
             )]));
-        }
-        Ok(match record.split_once(' ') {
-            Some((kind, what)) => (kind.to_owned(), what.to_owned()),
-            None => (record.clone(), shell_words(&self.argv)),
-        })
+        };
+        let kind = record.split_once(' ').map_or(record.as_str(), |(k, _)| k);
+        Ok((kind.to_owned(), detail))
     }
 }
 
@@ -261,15 +276,20 @@ mod tests {
 
     #[test]
     fn cp_records_its_own_commands_and_nothing_else() {
-        let ok = |argv: &[&str], record: &str| call(argv, record).recorded_as().unwrap();
+        let ok = |argv: &[&str], record: &str| call(argv, record).recorded_as("s").unwrap();
         assert_eq!(
             ok(&["test", "-d", "/workspace/"], "cp-check"),
             ("cp-check".into(), "test -d /workspace/".into())
         );
         let into = ["tar", "-x", "-p", "--no-same-owner", "-C", "/workspace"];
         assert_eq!(
-            ok(&into, "cp ./a -> s:/workspace"),
-            ("cp".into(), "./a -> s:/workspace".into())
+            ok(&into, "cp ./a -> s:/workspace/a"),
+            ("cp".into(), "./a -> s:/workspace/a".into())
+        );
+        let slash = ["tar", "-x", "-p", "--no-same-owner", "-C", "/workspace/"];
+        assert_eq!(
+            ok(&slash, "cp a b -> s:/workspace/a b").1,
+            "a b -> s:/workspace/a b"
         );
         let out = ["tar", "-c", "-C", "/workspace", "--", "tree"];
         assert_eq!(
@@ -284,7 +304,7 @@ mod tests {
 
         for (argv, record) in [
             // Any other command, even with the right description.
-            (&["rm", "-rf", "/workspace"][..], "cp ./a -> s:/workspace"),
+            (&["rm", "-rf", "/workspace"][..], "cp ./a -> s:/workspace/a"),
             (&["sh", "-c", "test -d /x"], "cp-check"),
             (&["test", "-d", "/x", "-o", "x"], "cp-check"),
             (&["test", "-d", "relative"], "cp-check"),
@@ -292,25 +312,59 @@ mod tests {
             (&into, "cp ./a -> s:/tmp"),
             (&out, "cp s:/workspace/other -> ./back"),
             // No such kind.
-            (&into, "exec ./a -> s:/workspace"),
+            (&into, "exec ./a -> s:/workspace/a"),
             (&["test", "-d", "/x"], "cp-check /x"),
             (&["test", "-d", "/x"], "cp"),
         ] {
-            let e = call(argv, record).recorded_as().unwrap_err().to_string();
+            let e = call(argv, record).recorded_as("s").unwrap_err().to_string();
             assert!(
                 e.contains("only for the commands of `agentctl cp`"),
                 "{argv:?} {e}"
             );
         }
         // Its commands with an environment, a directory or a worktree.
-        let mut c = call(&into, "cp ./a -> s:/workspace");
+        let mut c = call(&into, "cp ./a -> s:/workspace/a");
         c.env.insert("TAR_OPTIONS".into(), "--to-command=sh".into());
-        assert!(c.recorded_as().is_err());
+        assert!(c.recorded_as("s").is_err());
         let mut c = call(&["test", "-d", "/x"], "cp-check");
         c.cwd = "/tmp".into();
-        assert!(c.recorded_as().is_err());
+        assert!(c.recorded_as("s").is_err());
         let mut c = call(&["test", "-d", "/x"], "cp-check");
         c.worktree = Some("main".into());
-        assert!(c.recorded_as().is_err());
+        assert!(c.recorded_as("s").is_err());
+    }
+
+    /// A copy's description names where the copy really went: the path the
+    /// tar command touches, in this sandbox, where cp puts it, and still
+    /// there once the entry is cut to size; a mention of the path anywhere
+    /// else in it does not do.
+    #[test]
+    fn a_copy_cannot_claim_another_path() {
+        let into = ["tar", "-x", "-p", "--no-same-owner", "-C", "/workspace"];
+        let out = ["tar", "-c", "-C", "/workspace", "--", "tree"];
+        for (argv, record) in [
+            // The path is mentioned, but the copy claims to go elsewhere.
+            (&into[..], "cp ./a -> s:/tmp/elsewhere (:/workspace)"),
+            (&into, "cp ./a -> s:/tmp/elsewhere s:/workspace"),
+            (&out, "cp s:/tmp/elsewhere -> ./b s:/workspace/tree"),
+            // Another sandbox.
+            (&into, "cp ./a -> other:/workspace/a"),
+            (&out, "cp other:/workspace/tree -> ./b"),
+            // A deeper path than the directory the archive goes into.
+            (&into, "cp ./a -> s:/workspace/sub/a"),
+        ] {
+            let e = call(argv, record).recorded_as("s");
+            assert!(e.is_err(), "{record} was taken as {e:?}");
+        }
+        // What the history keeps of a long description is its sandbox side.
+        let long = format!("cp ./{} -> s:/workspace/a", "x".repeat(3000));
+        let (_, detail) = call(&into, &long).recorded_as("s").unwrap();
+        assert!(detail.len() <= crate::text::TEXT_MAX, "{}", detail.len());
+        assert!(detail.ends_with(" -> s:/workspace/a"), "{detail}");
+        assert!(detail.contains("bytes left out"), "{detail}");
+        let long = format!("cp s:/workspace/tree -> ./{}", "x".repeat(3000));
+        let (_, detail) = call(&out, &long).recorded_as("s").unwrap();
+        assert!(detail.len() <= crate::text::TEXT_MAX, "{}", detail.len());
+        assert!(detail.starts_with("s:/workspace/tree -> ./xxx"), "{detail}");
     }
 }

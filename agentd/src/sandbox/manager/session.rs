@@ -154,7 +154,7 @@ impl Manager {
         tty: &TtyOptions,
     ) -> Result<Terminal> {
         let sb = self.get(caller, name)?;
-        let record = call.recorded_as()?;
+        let record = call.recorded_as(name)?;
         let mut req = self.exec_request(&sb, call).await?;
         req.env
             .entry("TERM".to_owned())
