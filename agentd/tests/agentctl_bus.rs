@@ -208,11 +208,22 @@ fn doctor_reports_a_missing_zellij_with_its_fix() {
     let z = check(&checks, "Zellij");
     assert_eq!(z["status"], "missing", "{z:#}");
     let fix = z["fix"].as_str().unwrap();
+    // The same build as tests/install-tools.sh makes: its features.
+    let script = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/install-tools.sh"),
+    )
+    .unwrap();
+    let features = script
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("options=(")?.strip_suffix(')'))
+        .expect("install-tools.sh's options for zellij");
     assert!(
-        fix.contains(&format!(
-            "cargo install --locked --root {}/zellij-0.45.1 zellij@0.45.1",
-            cache.display()
-        )),
+        fix.starts_with("cargo install --locked ")
+            && fix.contains(features)
+            && fix.contains(&format!(
+                "--root {}/zellij-0.45.1 zellij@0.45.1",
+                cache.display()
+            )),
         "{fix}"
     );
     let agentd = check(&checks, "agentd");
