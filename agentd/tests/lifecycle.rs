@@ -426,6 +426,42 @@ fn destroy_says_which_commits_it_would_lose() {
     assert!(env.list().is_empty());
 }
 
+/// A sandbox that stalls the count of its commits (a FIFO in place of its
+/// tip's object, which blocks whoever opens it) does not keep destroy from
+/// asking: the prompt says the count failed, within the call timeout.
+#[test]
+fn destroy_asks_even_when_the_sandbox_stalls_the_count() {
+    let env = Env::new();
+    let repo = env.repo("stall");
+    env.ok(&["create", repo.to_str().unwrap()]);
+    env.ok(&["start", "stall"]);
+    env.sh(
+        "stall",
+        "set -e; git config --global user.email a@example.com; git config --global user.name A; \
+         git commit -q --allow-empty -m m1; o=$(git rev-parse HEAD); \
+         p=.git/objects/$(echo $o | cut -c1-2)/$(echo $o | cut -c3-); rm -f $p; mkfifo $p",
+    );
+    env.ok(&["stop", "stall"]);
+    let t = common::term::Terminal::new(env.tmp.path(), 400, 20, &[]);
+    t.line(&format!(
+        "{} --bus {} --call-timeout 3 destroy stall; echo code=$?",
+        common::agentctl().display(),
+        env.address
+    ));
+    let screen = t.wait_screen("the prompt", Duration::from_secs(20), |s| {
+        s.contains("[y/N]")
+    });
+    assert!(
+        screen.contains("Cannot tell which commits") && screen.contains("took over 3s"),
+        "{screen}"
+    );
+    t.line("y");
+    t.wait_screen("the destroy", Duration::from_secs(30), |s| {
+        s.contains("Sandbox 'stall' destroyed.") && s.contains("code=0")
+    });
+    assert!(env.list().is_empty());
+}
+
 /// Sentences that name a sandbox read as written: `sandbox 'NAME'`, never
 /// `sandbox 'NAME''s`.
 #[test]

@@ -118,11 +118,21 @@ pub(super) async fn at_stake(sb: &SandboxProxy<'_>, name: &str, project: &str) -
         dry_run: true,
         ..SyncOptions::default()
     };
-    let report = match sb.sync(dry.to_dict()).await {
-        Ok(r) => r,
-        Err(e) => {
+    // The sandbox's repository may be made to stall a reader (a FIFO in
+    // place of an object): the question waits no longer than any quick call.
+    let limit = crate::bus::limit();
+    let report = match tokio::time::timeout(limit, sb.sync(dry.to_dict())).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
             return format!(
                 "Cannot tell which commits {project} lacks ({e}); whatever was not synced is lost.\n"
+            );
+        }
+        Err(_) => {
+            return format!(
+                "Cannot tell which commits {project} lacks (counting them took over {}s; \
+                 --call-timeout SECONDS gives it longer); whatever was not synced is lost.\n",
+                limit.as_secs()
             );
         }
     };
