@@ -303,6 +303,11 @@ pub fn unpack(
             }
         }
     }
+    // tar writes whole records (10 KiB by default): after the end-of-archive
+    // blocks comes padding it may still be writing. Read it to the end (a
+    // bounded amount), or tar in the sandbox fails on a closed pipe after a
+    // good copy.
+    let _ = io::copy(&mut archive.into_inner().take(PADDING_MAX), &mut io::sink());
     if !seen {
         return Err(UnpackError::Io {
             what: "the archive".to_owned(),
@@ -339,6 +344,10 @@ pub fn unpack(
         dir_modes,
     })
 }
+
+/// The most read after an archive's end: a record's padding is less than
+/// one record (tar's `-b` goes up to 4 MiB records at most in practice).
+const PADDING_MAX: u64 = 4 << 20;
 
 /// This process's umask (read, not set: setting it to read it would race
 /// with other threads).
@@ -496,6 +505,33 @@ mod tests {
             Err(e @ UnpackError::Refused { .. }) => e.to_string(),
             other => panic!("expected a refusal, got {other:?}"),
         }
+    }
+
+    /// The padding after the end-of-archive blocks is read to the end, so
+    /// the tar writing it never meets a closed pipe.
+    #[test]
+    fn the_padding_after_the_archive_is_read_too() {
+        struct Counted<'a>(&'a [u8], usize);
+        impl Read for Counted<'_> {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                let n = self.0.read(buf)?;
+                self.1 += n;
+                Ok(n)
+            }
+        }
+        let mut bytes = archive(&[E::File("base", 0o644, b"x")]);
+        let archived = bytes.len();
+        bytes.resize(archived.next_multiple_of(10240) + 10240, 0);
+        let dir = tempfile::tempdir().unwrap();
+        let mut counted = Counted(&bytes, 0);
+        unpack(&mut counted, dir.path(), "base", Options { links: false }).unwrap();
+        assert_eq!(
+            counted.1,
+            bytes.len(),
+            "read {} of {}",
+            counted.1,
+            bytes.len()
+        );
     }
 
     #[test]
