@@ -486,6 +486,30 @@ https://main.myproject.sandbox.local/      main    5173")]
         #[arg(long)]
         json: bool,
     },
+    /// What a running sandbox uses: CPU time and %, memory (current, peak,
+    /// limit), disk used and its size, processes and their limit, the
+    /// egress gateway's connections and bytes, uptime and last gateway
+    /// activity. A figure the sandbox's backend cannot tell is shown as
+    /// unavailable, with the reason. A stopped sandbox is said to be so
+    /// (exit 0).
+    #[command(after_help = "Examples:\n  agentctl stats myproject\n  \
+agentctl stats myproject --follow --interval 5\n  \
+agentctl stats myproject --json   # figures in µs, bytes and counts")]
+    Stats {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON (with --follow, one object per line).
+        #[arg(long)]
+        json: bool,
+        /// Print again every --interval seconds until interrupted or the
+        /// sandbox stops; CPU % is then over each interval.
+        #[arg(long, short = 'f')]
+        follow: bool,
+        /// Seconds between samples with --follow (at least 1).
+        #[arg(long, value_name = "S", default_value_t = 2,
+              value_parser = clap::value_parser!(u32).range(1..=3600))]
+        interval: u32,
+    },
     /// Print the dev-server link of a worktree (default: the main one) and
     /// open it in your browser when there is a display.
     Open {
@@ -599,6 +623,7 @@ impl Command {
             Self::Attach { .. } => "attach",
             Self::Sessions { .. } => "sessions",
             Self::Ports { .. } => "ports",
+            Self::Stats { .. } => "stats",
             Self::Open { .. } => "open",
             Self::KillSession { .. } => "kill-session",
             Self::Doctor { .. } => "doctor",
@@ -621,7 +646,8 @@ impl Command {
             | Self::Cp { .. }
             | Self::Secret { .. }
             | Self::Attach { .. }
-            | Self::Exec { .. } => true,
+            | Self::Exec { .. }
+            | Self::Stats { follow: true, .. } => true,
             Self::Worktree(w) => !matches!(w, WorktreeCommand::List { .. }),
             Self::Egress { command, .. } => {
                 matches!(command, EgressCommand::Log { follow: true, .. })

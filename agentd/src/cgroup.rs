@@ -9,7 +9,9 @@
 //!   `<tag>` is derived from agentd's state directory so that several agentds
 //!   in one group never share a sandbox's group. Limits: `memory.limit_in_bytes`
 //!   (and `memory.memsw.limit_in_bytes`, so swap does not extend it),
-//!   `pids.max`, `cpu.cfs_quota_us`.
+//!   `pids.max`, `cpu.cfs_quota_us`. A `cpuacct` hierarchy mounted apart
+//!   from `cpu` gets the sandbox's group too, only to count its CPU time
+//!   (`agentctl stats`, [`crate::stats`]).
 //! - **v2**: agentd needs a delegated subtree (systemd `Delegate=yes`, which
 //!   the NixOS module sets). It moves itself into an `agentd` leaf, enables
 //!   the controllers for its subtree and gives each sandbox a
@@ -197,6 +199,21 @@ pub struct Cgroups {
     memory: Result<Place, Unavailable>,
     pids: Result<Place, Unavailable>,
     cpu: Result<Place, Unavailable>,
+    /// The v1 `cpuacct` hierarchy, where CPU time is counted (the `cpu`
+    /// one's when they are mounted together); only for `agentctl stats`.
+    cpuacct: Option<Place>,
+}
+
+/// Where the figures of one sandbox's groups are read: each directory and
+/// whether it is cgroup v2, or why there is none.
+#[derive(Debug, Clone)]
+pub struct Groups {
+    /// `memory.*` files.
+    pub memory: Result<(PathBuf, bool), String>,
+    /// `pids.*` files.
+    pub pids: Result<(PathBuf, bool), String>,
+    /// `cpuacct.usage` (v1) or `cpu.stat` (v2).
+    pub cpu: Result<(PathBuf, bool), String>,
 }
 
 /// One line of `/proc/self/mountinfo` that mounts a cgroup file system.
@@ -302,20 +319,20 @@ impl Cgroups {
             .collect();
         let root = nix::unistd::Uid::effective().is_root();
         // v2 only matters for controllers no v1 hierarchy has.
-        let v1 = |ctl: Controller| -> Option<Result<Place, Unavailable>> {
+        let v1_named = |name: &'static str| -> Option<Result<Place, Unavailable>> {
             let mount = mounts.iter().find(|m| {
                 m.v1_controllers
                     .as_ref()
-                    .is_some_and(|c| c.iter().any(|o| o == ctl.name()))
+                    .is_some_and(|c| c.iter().any(|o| o == name))
             })?;
             let path = own.lines().find_map(|l| {
                 let mut f = l.splitn(3, ':');
                 let (_, ctls, path) = (f.next()?, f.next()?, f.next()?);
-                ctls.split(',').any(|c| c == ctl.name()).then_some(path)
+                ctls.split(',').any(|c| c == name).then_some(path)
             });
             let Some(dir) = path.and_then(|p| group_dir(mount, p)) else {
                 return Some(Err(Unavailable::V1Outside {
-                    controller: ctl.name(),
+                    controller: name,
                     mount: mount.point.clone(),
                 }));
             };
@@ -326,6 +343,7 @@ impl Cgroups {
                 },
             )
         };
+        let v1 = |ctl: Controller| v1_named(ctl.name());
         let wanted_v2: Vec<Controller> = Controller::ALL
             .into_iter()
             .filter(|c| v1(*c).is_none())
@@ -352,6 +370,7 @@ impl Cgroups {
             memory: place(Controller::Memory),
             pids: place(Controller::Pids),
             cpu: place(Controller::Cpu),
+            cpuacct: v1_named("cpuacct").and_then(Result::ok),
         }
     }
 
@@ -476,7 +495,37 @@ impl Cgroups {
                 )),
             }
         }
+        // Only counts (CPU time for `agentctl stats`), so a failure is no
+        // limit missing.
+        if let Some(place) = &self.cpuacct {
+            let dir = self.group(place, name);
+            if !out.dirs.contains(&dir) && fs::create_dir_all(&dir).is_ok() {
+                out.dirs.push(dir);
+            }
+        }
         out
+    }
+
+    /// Where the figures of sandbox `name`'s groups are read.
+    #[must_use]
+    pub fn groups(&self, name: &str) -> Groups {
+        let at = |place: &Result<Place, Unavailable>| match place {
+            Ok(p) => Ok((self.group(p, name), matches!(p, Place::V2(_)))),
+            Err(e) => Err(e.to_string()),
+        };
+        let cpu = match (&self.cpu, &self.cpuacct) {
+            // Every v2 group counts its CPU time in cpu.stat.
+            (Ok(p @ Place::V2(_)), _) => Ok((self.group(p, name), true)),
+            (_, Some(p)) => Ok((self.group(p, name), false)),
+            (_, None) => {
+                Err("agentd has no cpuacct hierarchy (cgroup v1) to count it in".to_owned())
+            }
+        };
+        Groups {
+            memory: at(&self.memory),
+            pids: at(&self.pids),
+            cpu,
+        }
     }
 
     /// Write `ctl`'s limit into group `dir`; returns a note for the person.
@@ -539,8 +588,12 @@ impl Cgroups {
     pub fn remove_all(state_dir: &Path) -> bool {
         let c = Self::detect_v1_only(state_dir);
         let mut clean = true;
-        for ctl in Controller::ALL {
-            if let Ok(Place::V1(dir)) = c.place(ctl) {
+        let places = Controller::ALL
+            .into_iter()
+            .filter_map(|ctl| c.place(ctl).as_ref().ok())
+            .chain(&c.cpuacct);
+        for place in places {
+            if let Place::V1(dir) = place {
                 let mine = dir.join(format!("keystone-agent-{}", c.tag));
                 if let Ok(entries) = fs::read_dir(&mine) {
                     for e in entries.flatten().filter(|e| e.path().is_dir()) {
@@ -564,8 +617,12 @@ impl Cgroups {
 
     /// Remove the (empty) groups of sandbox `name`.
     pub fn remove(&self, name: &str) {
-        for ctl in Controller::ALL {
-            if let Ok(place) = self.place(ctl) {
+        let places = Controller::ALL
+            .into_iter()
+            .filter_map(|ctl| self.place(ctl).as_ref().ok())
+            .chain(&self.cpuacct);
+        for place in places {
+            {
                 let dir = self.group(place, name);
                 let _ = fs::remove_dir(&dir);
                 // This agentd's v1 parent goes with its last sandbox.

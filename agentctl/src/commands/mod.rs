@@ -22,6 +22,7 @@ mod lifecycle;
 mod links;
 mod secrets;
 mod sessions;
+mod stats;
 
 /// Run one command.
 pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
@@ -41,6 +42,12 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         | Command::Exec { .. }) => sessions::run(conn, &manager, c).await,
         c @ (Command::Ports { .. } | Command::Open { .. }) => links::run(conn, &manager, c).await,
         c @ Command::History { .. } => history::run(conn, &manager, c).await,
+        Command::Stats {
+            name,
+            json,
+            follow,
+            interval,
+        } => stats::run(conn, &manager, &name, json, follow.then_some(interval)).await,
         Command::Cp { src, dest, links } => {
             cp::run_cp(
                 conn,

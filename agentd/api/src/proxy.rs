@@ -189,6 +189,10 @@ pub trait Sandbox {
     /// proxy (`domain`, `ca_file`, `disabled`).
     fn list_routes(&self) -> Result<(Vec<crate::RouteInfo>, HashMap<String, String>), Error>;
 
+    /// What the sandbox uses now: figures (µs, bytes, counts) and why
+    /// each missing one is missing (`state` when it is not running).
+    fn get_stats(&self) -> Result<(HashMap<String, u64>, HashMap<String, String>), Error>;
+
     /// End the Zellij session of `branch`; returns its name.
     fn kill_session(&self, branch: &str) -> Result<String, Error>;
 

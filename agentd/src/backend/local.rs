@@ -574,6 +574,10 @@ impl Backend for LocalBackend {
         self.settings.toolbox.as_deref()
     }
 
+    fn usage(&self, spec: &SandboxSpec, stats: &mut crate::stats::Stats) {
+        crate::stats::read_cgroups(&self.cgroups.groups(&spec.name), stats);
+    }
+
     fn listeners(&self, rt: &Runtime) -> Vec<super::Listener> {
         if !self.is_alive(rt) || rt.pid_ns == 0 {
             return Vec::new();

@@ -451,6 +451,21 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         Box::pin(async { Ok(()) })
     }
 
+    /// Add what the running sandbox uses in CPU time, memory and processes
+    /// to `stats` ([`crate::stats`]), or why this backend cannot tell.
+    /// Reads a few files at most.
+    fn usage(&self, _spec: &SandboxSpec, stats: &mut crate::stats::Stats) {
+        let why = match self.kind() {
+            BackendKind::Vm => "QEMU of a vm sandbox runs in no cgroup of agentd's",
+            BackendKind::Kubernetes => "agentd does not read a Pod's metrics",
+            BackendKind::Microvm => "agentd does not read the cgroup of a microvm's systemd unit",
+            BackendKind::Local => "the local backend has no cgroups",
+        };
+        for group in ["cpu", "memory", "pids"] {
+            stats.unavailable(group, why);
+        }
+    }
+
     /// Kill every process this backend started for this agentd that does not
     /// belong to one of `keep` (sandbox names with a live runtime). Returns
     /// the names of the sandboxes whose leftovers were killed.

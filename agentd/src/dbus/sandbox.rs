@@ -531,6 +531,25 @@ impl SandboxObject {
         Ok((routes, info.into_iter().collect()))
     }
 
+    /// What the sandbox uses now: figures (µs, bytes, counts) and, for
+    /// figures it cannot tell, why (`state` when it is not running).
+    async fn get_stats(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(HashMap<String, u64>, HashMap<String, String>), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        let s = self
+            .manager
+            .stats(caller, &self.name)
+            .await
+            .map_err(to_dbus)?;
+        Ok((
+            s.figures.into_iter().collect(),
+            s.info.into_iter().collect(),
+        ))
+    }
+
     /// End the Zellij session of `branch`'s worktree; returns its name.
     async fn kill_session(
         &self,

@@ -30,6 +30,7 @@ mod strict;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddrV4};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use policy::{PRESET, Policy, Rule};
@@ -87,11 +88,54 @@ struct Task {
     route: Option<(SocketAddrV4, IpAddr)>,
 }
 
+/// What one sandbox's gateway carried since the sandbox started.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    sent: AtomicU64,
+    received: AtomicU64,
+    connections: AtomicU64,
+    refused: AtomicU64,
+    last: AtomicU64,
+}
+
+impl Traffic {
+    /// Count a connection as the gateway records it: once when an allowed
+    /// one opens, once more when any ends (with its bytes).
+    fn add(&self, e: &log::Entry) {
+        if e.open {
+            self.connections.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.sent.fetch_add(e.sent, Ordering::Relaxed);
+            self.received.fetch_add(e.received, Ordering::Relaxed);
+            if e.decision != "allow" {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.last.fetch_max(e.at, Ordering::Relaxed);
+    }
+
+    /// Bytes from the sandbox and to it (of connections that ended),
+    /// connections opened, connections refused, and the last one's time
+    /// (µs since the epoch, 0 = none).
+    #[must_use]
+    pub fn read(&self) -> [u64; 5] {
+        [
+            &self.sent,
+            &self.received,
+            &self.connections,
+            &self.refused,
+            &self.last,
+        ]
+        .map(|a| a.load(Ordering::Relaxed))
+    }
+}
+
 /// The running gateways, one task per sandbox, and the listeners shared
 /// by several sandboxes.
 #[derive(Debug, Default)]
 pub struct Gateways {
     tasks: Mutex<HashMap<String, Task>>,
+    traffic: Mutex<HashMap<String, Arc<Traffic>>>,
     shared: Mutex<HashMap<SocketAddrV4, Arc<shared::Shared>>>,
 }
 
@@ -122,6 +166,10 @@ impl Gateways {
                 gateway::Listener::Routed(rx)
             }
         };
+        self.traffic
+            .lock()
+            .unwrap()
+            .insert(name.clone(), Arc::default());
         let handle = tokio::spawn(gateway::serve(listener, Arc::new(ctx)));
         let old = self
             .tasks
@@ -161,6 +209,7 @@ impl Gateways {
     /// more: a stop that kills the sandbox's processes next cannot race
     /// their ends.
     pub async fn stop(&self, name: &str) {
+        self.traffic.lock().unwrap().remove(name);
         let task = self.tasks.lock().unwrap().remove(name);
         if let Some(t) = task {
             t.handle.abort();
@@ -169,6 +218,20 @@ impl Gateways {
             }
             let _ = t.handle.await;
         }
+    }
+
+    /// Count connection record `e` of `name`'s gateway.
+    pub fn count(&self, name: &str, e: &log::Entry) {
+        let t = self.traffic.lock().unwrap().get(name).cloned();
+        if let Some(t) = t {
+            t.add(e);
+        }
+    }
+
+    /// What `name`'s gateway carried since it started, if it has one.
+    #[must_use]
+    pub fn traffic(&self, name: &str) -> Option<Arc<Traffic>> {
+        self.traffic.lock().unwrap().get(name).cloned()
     }
 
     /// Whether `name` has a gateway.

@@ -43,6 +43,7 @@ mod reconcile;
 mod remote;
 mod secrets;
 mod session;
+mod stats;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 

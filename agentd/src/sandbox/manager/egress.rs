@@ -172,6 +172,7 @@ impl Manager {
                     let Some(m) = log_weak.upgrade() else {
                         return;
                     };
+                    m.gateways.count(&log_name, &entry);
                     if let Err(e) = egress::log::append(&m.egress_log_path(&log_name), &entry) {
                         tracing::warn!(sandbox = %log_name, error = %e, "cannot log a connection");
                     }
