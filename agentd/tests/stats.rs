@@ -23,6 +23,17 @@ fn stats(env: &Env, name: &str) -> serde_json::Value {
     serde_json::from_str(&env.ok(&["stats", name, "--json"])).unwrap()
 }
 
+/// The figures of sandbox `name` once its gateway serves (it starts just
+/// after the sandbox).
+fn settled(env: &Env, name: &str) -> serde_json::Value {
+    let mut v = serde_json::Value::Null;
+    common::wait_for("the gateway to serve", Duration::from_secs(10), || {
+        v = stats(env, name);
+        v["unavailable"].get("gateway").is_none()
+    });
+    v
+}
+
 fn num(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
 }
@@ -50,7 +61,7 @@ fn cpu_memory_processes_and_disk_follow_what_the_sandbox_does() {
     if !counted(&env, "st") {
         return;
     }
-    let before = stats(&env, "st");
+    let before = settled(&env, "st");
     assert_eq!(before["name"], "st");
     assert_eq!(before["state"], "running");
     assert!(
@@ -93,8 +104,12 @@ fn cpu_memory_processes_and_disk_follow_what_the_sandbox_does() {
     assert!(num(&freed, "memory_peak") >= base + 60 * MIB, "{freed}");
     assert!(num(&freed, "memory_limit") > 0, "{freed}");
 
-    // Processes: exactly the sleepers started.
-    let idle = num(&freed, "pids_current");
+    // Processes: exactly the sleepers started, once what ran before (the
+    // commands above) has gone.
+    let idle = num(&before, "pids_current");
+    common::wait_for("the sandbox to be idle", Duration::from_secs(10), || {
+        num(&stats(&env, "st"), "pids_current") == idle
+    });
     env.sh(
         "st",
         "for i in 1 2 3 4 5 6 7; do (sleep 120 </dev/null >/dev/null 2>&1 &); done",
@@ -103,6 +118,9 @@ fn cpu_memory_processes_and_disk_follow_what_the_sandbox_does() {
         num(&stats(&env, "st"), "pids_current") == idle + 7
     });
     env.sh("st", "pkill sleep; true");
+    common::wait_for("the sleepers to go", Duration::from_secs(10), || {
+        num(&stats(&env, "st"), "pids_current") == idle
+    });
 
     // Disk: a 32 MiB file in the workspace, on the sandbox's 512 MiB image.
     let used = num(&freed, "disk_used");
@@ -167,7 +185,7 @@ fn follow_reports_cpu_over_each_interval_and_ends_with_the_sandbox() {
 fn gateway_traffic_is_counted() {
     let port = origin(IpAddr::from([127, 0, 0, 1]), "counted-origin-body");
     let env = Env::running("gw", &[]);
-    let before = stats(&env, "gw");
+    let before = settled(&env, "gw");
     assert_eq!(num(&before, "gateway_connections"), 0, "{before}");
     assert_eq!(num(&before, "last_activity"), 0, "{before}");
     env.ok(&["egress", "gw", "allow", &format!("127.0.0.1/32:{port}")]);

@@ -44,7 +44,7 @@ impl Manager {
             }
             None => stats.unavailable(
                 "gateway",
-                "the sandbox has no egress gateway (network none, or it could not be served)",
+                "no egress gateway serves the sandbox (network none, just started, or it could not be served: agentd's log says why)",
             ),
         }
         let backend = Arc::clone(self.backend(sb.backend)?);
