@@ -1,8 +1,11 @@
 //! `agentctl stats` on a real `local` sandbox: each figure moves when the
 //! sandbox does what it measures (burns CPU, allocates, starts processes,
 //! writes a file, talks through the gateway), a stopped sandbox says so,
-//! and another user reads nothing.
+//! and another user reads nothing. A kubernetes sandbox (the fake API
+//! server) says why it has no CPU, memory or process figures.
 
+#[path = "common/kube.rs"]
+mod cluster;
 mod common;
 
 use std::io::BufRead;
@@ -268,4 +271,28 @@ fn a_stopped_sandbox_says_so_and_another_user_reads_nothing() {
     );
     let text = env.ok(&["stats", "own"]);
     assert!(text.contains("Sandbox 'own' is stopped"), "{text}");
+}
+
+#[test]
+fn a_backend_without_cgroups_of_agentd_s_says_why_and_counts_its_gateway() {
+    if cluster::skip() {
+        return;
+    }
+    let kube = cluster::Cluster::start(true);
+    let env = cluster::agentd_running(&kube, serde_json::json!({}));
+    cluster::sandbox(&env, "pod", &[]);
+    let v = settled(&env, "pod");
+    let why = &v["unavailable"];
+    for group in ["cpu", "memory", "pids"] {
+        assert_eq!(why[group], "agentd does not read a Pod's metrics", "{v}");
+        assert!(v.get(format!("{group}_current")).is_none(), "{v}");
+    }
+    assert!(v.get("cpu_usec").is_none(), "{v}");
+    assert!(num(&v, "uptime_usec") > 0, "{v}");
+    assert_eq!(num(&v, "gateway_connections"), 0, "{v}");
+    let text = env.ok(&["stats", "pod"]);
+    assert!(
+        text.contains("CPU:        unavailable: agentd does not read a Pod's metrics"),
+        "{text}"
+    );
 }
