@@ -7,9 +7,7 @@
 
 mod common;
 
-use std::net::UdpSocket;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{Env, origin};
@@ -18,46 +16,6 @@ use common::{Env, origin};
 const BURST: usize = 300;
 /// The DNS server's time per query (one query at a time).
 const DELAY: Duration = Duration::from_millis(20);
-
-/// A DNS server on 127.0.0.1 (UDP) answering one query at a time after
-/// [`DELAY`]: A for any name with 127.0.0.1 (TTL 300 s), AAAA with no
-/// records. Its port and the number of queries it has answered.
-fn dns_server() -> (u16, Arc<AtomicUsize>) {
-    let socket = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let port = socket.local_addr().unwrap().port();
-    let asked = Arc::new(AtomicUsize::new(0));
-    let count = Arc::clone(&asked);
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 512];
-        loop {
-            let Ok((n, from)) = socket.recv_from(&mut buf) else {
-                return;
-            };
-            // Header (12 bytes), then the question: labels, type, class.
-            let mut end = 12;
-            while end < n && buf[end] != 0 {
-                end += usize::from(buf[end]) + 1;
-            }
-            if end + 5 > n {
-                continue;
-            }
-            let question = &buf[12..end + 5];
-            let is_a = buf[end + 1..end + 3] == [0, 1];
-            count.fetch_add(1, Ordering::SeqCst);
-            std::thread::sleep(DELAY);
-            let mut reply = Vec::with_capacity(64);
-            reply.extend_from_slice(&buf[..2]);
-            reply.extend_from_slice(&[0x81, 0x80, 0, 1, 0, u8::from(is_a), 0, 0, 0, 0]);
-            reply.extend_from_slice(question);
-            if is_a {
-                // A pointer to the question's name, A, IN, TTL, 127.0.0.1.
-                reply.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 1, 44, 0, 4, 127, 0, 0, 1]);
-            }
-            let _ = socket.send_to(&reply, from);
-        }
-    });
-    (port, asked)
-}
 
 /// Python inside: `BURST` CONNECTs at once through the gateway to three
 /// names on the origin's port, each with a GET; prints how many answered
@@ -88,7 +46,7 @@ asyncio.run(main())
 
 #[test]
 fn a_burst_of_connections_to_a_few_names_asks_dns_a_few_times_and_all_go_through() {
-    let (dns, asked) = dns_server();
+    let (dns, asked) = common::dns::server(DELAY);
     let port = origin(std::net::IpAddr::from([127, 0, 0, 1]), "burst-ok");
     let env = Env::with_config(&serde_json::json!({
         "egress": { "nameservers": [format!("127.0.0.1:{dns}")] },

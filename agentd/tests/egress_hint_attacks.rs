@@ -8,46 +8,9 @@
 
 mod common;
 
-use std::net::{IpAddr, UdpSocket};
+use std::net::IpAddr;
 
-use common::{Env, origin};
-
-/// A DNS server on 127.0.0.1 (UDP) answering A for any name with
-/// 127.0.0.1, AAAA with no records; its port.
-fn dns_server() -> u16 {
-    let socket = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let port = socket.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 512];
-        loop {
-            let Ok((n, from)) = socket.recv_from(&mut buf) else {
-                return;
-            };
-            // Header (12 bytes), then the question: labels, type, class.
-            let mut end = 12;
-            while end < n && buf[end] != 0 {
-                end += usize::from(buf[end]) + 1;
-            }
-            if end + 5 > n {
-                continue;
-            }
-            let is_a = buf[end + 1..end + 3] == [0, 1];
-            let mut reply = Vec::with_capacity(64);
-            reply.extend_from_slice(&buf[..2]);
-            reply.extend_from_slice(&[0x81, 0x80, 0, 1, 0, u8::from(is_a), 0, 0, 0, 0]);
-            reply.extend_from_slice(&buf[12..end + 5]);
-            if is_a {
-                reply.extend_from_slice(&[0xc0, 12, 0, 1, 0, 1, 0, 0, 1, 44, 0, 4, 127, 0, 0, 1]);
-            }
-            let _ = socket.send_to(&reply, from);
-        }
-    });
-    port
-}
-
-fn json(text: &str) -> serde_json::Value {
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
-}
+use common::{Env, json, origin};
 
 /// The log's entries of `host` with `decision`.
 fn entries(env: &Env, name: &str, host: &str, decision: &str) -> Vec<serde_json::Value> {
@@ -62,7 +25,7 @@ fn entries(env: &Env, name: &str, host: &str, decision: &str) -> Vec<serde_json:
 
 #[test]
 fn a_name_the_sandbox_points_at_this_host_gets_no_command_to_paste() {
-    let dns = dns_server();
+    let (dns, _) = common::dns::server(std::time::Duration::ZERO);
     let loopback = origin(IpAddr::from([127, 0, 0, 1]), "host-loopback-service");
     let env = Env::with_config(&serde_json::json!({
         "egress": { "nameservers": [format!("127.0.0.1:{dns}")], "ask_seconds": 60 }

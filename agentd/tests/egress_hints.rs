@@ -13,15 +13,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Env, origin};
+use common::{Env, json, origin};
 
 /// A public address the gateway resolves a test name to (refused by the
 /// policy before any connection is tried).
 const PUBLIC: &str = "93.184.215.14";
-
-fn json(text: &str) -> serde_json::Value {
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
-}
 
 /// `curl` inside through the gateway; (exit code, output).
 fn curl(env: &Env, name: &str, url: &str) -> (i32, String) {

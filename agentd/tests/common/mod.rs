@@ -11,9 +11,15 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 pub mod caddy;
+pub mod dns;
 pub mod systemd;
 pub mod term;
 pub mod tls;
+
+/// `text` as JSON (agentctl's `--json` output), or a panic that shows it.
+pub fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
 
 pub const AGENTD: &str = env!("CARGO_BIN_EXE_agentd");
 
