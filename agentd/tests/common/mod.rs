@@ -717,12 +717,20 @@ pub fn proc_status(pid: i32, key: &str) -> String {
 /// and is not in the host's network namespace, once it has settled (it
 /// confines itself first thing, and then blocks where the test holds it).
 pub fn assert_helper_confined(pid: i32) {
-    let settled = || proc_status(pid, "CapPrm") == "0000000000000000";
+    // An unprivileged agentd's helper holds no capability from its start
+    // (CapPrm is empty before it confines itself): settled is when it has
+    // set all it sets.
+    const KEYS: [&str; 5] = ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"];
+    let settled = || {
+        KEYS.iter()
+            .all(|k| proc_status(pid, k) == "0000000000000000")
+            && proc_status(pid, "NoNewPrivs") == "1"
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     while !settled() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    for key in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+    for key in KEYS {
         assert_eq!(
             proc_status(pid, key),
             "0000000000000000",
