@@ -275,6 +275,19 @@ pub enum Command {
         #[arg(long, short)]
         force: bool,
     },
+    /// Freeze every process of a running sandbox: they use no CPU and keep
+    /// their memory, open files and terminals until `agentctl resume`. A
+    /// paused sandbox runs no commands and serves no links; `attach` resumes
+    /// it. Local sandboxes only (the cgroup freezer).
+    Pause {
+        /// Sandbox name.
+        name: String,
+    },
+    /// Thaw a paused sandbox: its processes go on where they were.
+    Resume {
+        /// Sandbox name.
+        name: String,
+    },
     /// Destroy a stopped sandbox and its workspace (asks first on a terminal,
     /// saying how many commits on which branches your repository lacks).
     /// Removes the remote sandbox/NAME from your repository's config; the
@@ -610,6 +623,8 @@ impl Command {
             Self::Create { .. } => "create",
             Self::Start { .. } => "start",
             Self::Stop { .. } => "stop",
+            Self::Pause { .. } => "pause",
+            Self::Resume { .. } => "resume",
             Self::Destroy { .. } => "destroy",
             Self::List { .. } => "list",
             Self::Status { .. } => "status",
@@ -641,6 +656,8 @@ impl Command {
             Self::Create { .. }
             | Self::Start { .. }
             | Self::Stop { .. }
+            | Self::Pause { .. }
+            | Self::Resume { .. }
             | Self::Destroy { .. }
             | Self::Sync { .. }
             | Self::Cp { .. }

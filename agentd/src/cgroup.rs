@@ -11,12 +11,13 @@
 //!   (and `memory.memsw.limit_in_bytes`, so swap does not extend it),
 //!   `pids.max`, `cpu.cfs_quota_us`. A `cpuacct` hierarchy mounted apart
 //!   from `cpu` gets the sandbox's group too, only to count its CPU time
-//!   (`agentctl stats`, [`crate::stats`]).
+//!   (`agentctl stats`, [`crate::stats`]). A `freezer` hierarchy gets one
+//!   too, to pause the sandbox (`freezer.state`, [`Cgroups::freeze`]).
 //! - **v2**: agentd needs a delegated subtree (systemd `Delegate=yes`, which
 //!   the NixOS module sets). It moves itself into an `agentd` leaf, enables
 //!   the controllers for its subtree and gives each sandbox a
 //!   `sandbox-<name>` child with `memory.max` (and `memory.swap.max` 0),
-//!   `pids.max` and `cpu.max`.
+//!   `pids.max` and `cpu.max`; `cgroup.freeze` pauses it.
 //!
 //! A controller agentd cannot use (not mounted, not delegated, a group it
 //! may not write, as for an unprivileged agentd without delegation) leaves
@@ -202,6 +203,38 @@ pub struct Cgroups {
     /// The v1 `cpuacct` hierarchy, where CPU time is counted (the `cpu`
     /// one's when they are mounted together); only for `agentctl stats`.
     cpuacct: Option<Place>,
+    /// Where the sandbox's processes are frozen: the v1 `freezer`
+    /// hierarchy, or a v2 group (every v2 group has `cgroup.freeze`).
+    freezer: Result<Place, String>,
+}
+
+/// Why a sandbox could not be frozen or thawed.
+#[derive(Debug, thiserror::Error)]
+pub enum FreezeError {
+    /// agentd has no group to freeze the sandbox with.
+    #[error("local sandboxes cannot be paused here: {0}")]
+    Unavailable(String),
+    /// The sandbox's group could not be written or read.
+    #[error("cannot {what} {}: {source}", path.display())]
+    Io {
+        /// `write`, `read`.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why not.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel had not settled the group within the limit.
+    #[error("the group {} was still {state} after {limit:?}", path.display())]
+    Unsettled {
+        /// The group.
+        path: PathBuf,
+        /// What its state file said last.
+        state: String,
+        /// How long agentd waited.
+        limit: std::time::Duration,
+    },
 }
 
 /// Where the figures of one sandbox's groups are read: each directory and
@@ -365,12 +398,28 @@ impl Cgroups {
                 Err(e) => Err(e.clone()),
             },
         };
+        let (memory, pids, cpu) = (
+            place(Controller::Memory),
+            place(Controller::Pids),
+            place(Controller::Cpu),
+        );
+        let freezer = match v1_named("freezer") {
+            Some(found) => found.map_err(|e| e.to_string()),
+            None => [&memory, &pids, &cpu]
+                .into_iter()
+                .find_map(|p| p.as_ref().ok().filter(|p| matches!(p, Place::V2(_))))
+                .cloned()
+                .ok_or_else(|| {
+                    "no cgroup v1 freezer hierarchy, and no cgroup v2 group of agentd's".to_owned()
+                }),
+        };
         Self {
             tag,
-            memory: place(Controller::Memory),
-            pids: place(Controller::Pids),
-            cpu: place(Controller::Cpu),
+            memory,
+            pids,
+            cpu,
             cpuacct: v1_named("cpuacct").and_then(Result::ok),
+            freezer,
         }
     }
 
@@ -497,13 +546,65 @@ impl Cgroups {
         }
         // Only counts (CPU time for `agentctl stats`), so a failure is no
         // limit missing.
-        if let Some(place) = &self.cpuacct {
+        // Counting and pausing only, so a failure is no limit missing
+        // (pausing the sandbox says why it cannot).
+        for place in self.cpuacct.iter().chain(self.freezer.as_ref().ok()) {
             let dir = self.group(place, name);
             if !out.dirs.contains(&dir) && fs::create_dir_all(&dir).is_ok() {
                 out.dirs.push(dir);
             }
         }
         out
+    }
+
+    /// Freeze (`frozen`) or thaw every process of sandbox `name`, and wait
+    /// up to `limit` for the kernel to have done it.
+    ///
+    /// # Errors
+    /// No freezer here, the group cannot be written, or it did not settle.
+    pub fn freeze(
+        &self,
+        name: &str,
+        frozen: bool,
+        limit: std::time::Duration,
+    ) -> Result<(), FreezeError> {
+        let place = self
+            .freezer
+            .as_ref()
+            .map_err(|e| FreezeError::Unavailable(e.clone()))?;
+        let dir = self.group(place, name);
+        let (file, value, state_file, settled) = match (place, frozen) {
+            (Place::V1(_), true) => ("freezer.state", "FROZEN", "freezer.state", "FROZEN"),
+            (Place::V1(_), false) => ("freezer.state", "THAWED", "freezer.state", "THAWED"),
+            (Place::V2(_), true) => ("cgroup.freeze", "1", "cgroup.events", "frozen 1"),
+            (Place::V2(_), false) => ("cgroup.freeze", "0", "cgroup.events", "frozen 0"),
+        };
+        let path = dir.join(file);
+        fs::write(&path, value).map_err(|source| FreezeError::Io {
+            what: "write",
+            path,
+            source,
+        })?;
+        let state_path = dir.join(state_file);
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let state = fs::read_to_string(&state_path).map_err(|source| FreezeError::Io {
+                what: "read",
+                path: state_path.clone(),
+                source,
+            })?;
+            if state.lines().any(|l| l.trim() == settled) {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(FreezeError::Unsettled {
+                    path: dir,
+                    state: state.trim().replace('\n', ", "),
+                    limit,
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
     }
 
     /// Where the figures of sandbox `name`'s groups are read.
@@ -591,7 +692,8 @@ impl Cgroups {
         let places = Controller::ALL
             .into_iter()
             .filter_map(|ctl| c.place(ctl).as_ref().ok())
-            .chain(&c.cpuacct);
+            .chain(&c.cpuacct)
+            .chain(c.freezer.as_ref().ok());
         for place in places {
             if let Place::V1(dir) = place {
                 let mine = dir.join(format!("keystone-agent-{}", c.tag));
@@ -620,7 +722,8 @@ impl Cgroups {
         let places = Controller::ALL
             .into_iter()
             .filter_map(|ctl| self.place(ctl).as_ref().ok())
-            .chain(&self.cpuacct);
+            .chain(&self.cpuacct)
+            .chain(self.freezer.as_ref().ok());
         for place in places {
             {
                 let dir = self.group(place, name);

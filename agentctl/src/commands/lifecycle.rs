@@ -101,6 +101,18 @@ pub(super) async fn run(
             crate::outln!("Sandbox '{name}' stopped.");
             Ok(0)
         }
+        Command::Pause { name } => {
+            lookup(conn, manager, &name).await?.pause().await?;
+            crate::outln!(
+                "Sandbox '{name}' paused: its processes use no CPU until `agentctl resume {name}`."
+            );
+            Ok(0)
+        }
+        Command::Resume { name } => {
+            lookup(conn, manager, &name).await?.resume().await?;
+            crate::outln!("Sandbox '{name}' resumed.");
+            Ok(0)
+        }
         Command::Destroy { name, force } => {
             let sb = lookup(conn, manager, &name).await?;
             if !force && std::io::stdin().is_terminal() {

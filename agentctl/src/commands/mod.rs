@@ -31,6 +31,8 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         c @ (Command::Create { .. }
         | Command::Start { .. }
         | Command::Stop { .. }
+        | Command::Pause { .. }
+        | Command::Resume { .. }
         | Command::Destroy { .. }
         | Command::List { .. }
         | Command::Status { .. }

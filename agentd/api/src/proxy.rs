@@ -68,6 +68,13 @@ pub trait Sandbox {
     /// period (at once with `force`).
     fn stop(&self, force: bool) -> Result<(), Error>;
 
+    /// Freeze every process of the running sandbox (state `paused`): they
+    /// use no CPU and keep their memory.
+    fn pause(&self) -> Result<(), Error>;
+
+    /// Thaw the processes of the paused sandbox (state `running`).
+    fn resume(&self) -> Result<(), Error>;
+
     /// Remove the sandbox, its workspace and its state.
     fn destroy(&self) -> Result<(), Error>;
 

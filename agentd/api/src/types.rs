@@ -23,6 +23,9 @@ pub enum SandboxState {
     Starting,
     /// The sandbox answers on its control channel.
     Running,
+    /// The sandbox's processes are frozen (`agentctl pause`): they use no
+    /// CPU and keep their memory until `agentctl resume`.
+    Paused,
     /// The sandbox's processes are being asked to end.
     Stopping,
     /// No process of the sandbox remains; the workspace is kept.
@@ -33,10 +36,11 @@ pub enum SandboxState {
 
 impl SandboxState {
     /// Every state, in lifecycle order.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
         Self::Created,
         Self::Starting,
         Self::Running,
+        Self::Paused,
         Self::Stopping,
         Self::Stopped,
         Self::Error,
@@ -49,10 +53,19 @@ impl SandboxState {
             Self::Created => "created",
             Self::Starting => "starting",
             Self::Running => "running",
+            Self::Paused => "paused",
             Self::Stopping => "stopping",
             Self::Stopped => "stopped",
             Self::Error => "error",
         }
+    }
+}
+
+impl SandboxState {
+    /// Whether the sandbox's processes exist (running or paused).
+    #[must_use]
+    pub fn is_up(self) -> bool {
+        matches!(self, Self::Running | Self::Paused)
     }
 }
 

@@ -46,6 +46,10 @@ pub const DEFAULT_RO_PATHS: &[&str] = &[
 /// (it answers at once; a command's own run time comes after).
 const CONTROL_ANSWER_TIMEOUT: Duration = Duration::from_secs(20);
 
+/// How long the kernel may take to freeze or thaw a sandbox's processes
+/// (a process in an uninterruptible sleep holds it back).
+const FREEZE_LIMIT: Duration = Duration::from_secs(10);
+
 /// A failure of the local backend.
 #[derive(Debug, thiserror::Error)]
 pub enum LocalError {
@@ -111,6 +115,12 @@ pub enum LocalError {
     /// The connection to the control server ended before the command did.
     #[error("the sandbox ended while the command ran")]
     CommandEnded,
+    /// The sandbox's init is gone.
+    #[error("the processes of sandbox '{sandbox}' have ended")]
+    Ended {
+        /// The sandbox.
+        sandbox: String,
+    },
     /// The control server's answer lacks the descriptor asked for.
     #[error("the sandbox did not hand over {0}")]
     NotHandedOver(&'static str),
@@ -180,6 +190,16 @@ impl LocalBackend {
             cgroups,
             sessions,
         }
+    }
+
+    /// Freeze or thaw the processes of sandbox `name` (its freezer group),
+    /// off the async workers: the kernel may take a moment.
+    async fn freeze(&self, name: &str, frozen: bool) -> Result<(), BackendError> {
+        let cgroups = self.cgroups.clone();
+        let name = name.to_owned();
+        tokio::task::spawn_blocking(move || cgroups.freeze(&name, frozen, FREEZE_LIMIT))
+            .await?
+            .map_err(BackendError::from)
     }
 
     fn control_socket(spec: &SandboxSpec) -> PathBuf {
@@ -498,6 +518,11 @@ impl Backend for LocalBackend {
         force: bool,
     ) -> BoxFut<'a, Result<(), BackendError>> {
         Box::pin(async move {
+            // Frozen processes take no signal (cgroup v1): a paused
+            // sandbox is thawed first, so that its processes can end.
+            if let Err(e) = self.freeze(&spec.name, false).await {
+                tracing::debug!(sandbox = %spec.name, error = %e, "cannot thaw before the stop");
+            }
             if self.is_alive(rt) {
                 let init = Pid::from_raw(rt.init_pid);
                 let sig = if force {
@@ -549,6 +574,23 @@ impl Backend for LocalBackend {
             self.cgroups.remove(&spec.name);
             let _ = std::fs::remove_file(Self::control_socket(spec));
             Ok(())
+        })
+    }
+
+    fn pause<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        rt: &'a Runtime,
+        frozen: bool,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            if !self.is_alive(rt) {
+                return Err(LocalError::Ended {
+                    sandbox: spec.name.clone(),
+                }
+                .into());
+            }
+            self.freeze(&spec.name, frozen).await
         })
     }
 

@@ -219,6 +219,19 @@ pub enum BackendError {
         /// Zellij's output.
         output: String,
     },
+    /// The backend cannot do this with its sandboxes; the reason says why.
+    #[error("a {backend} sandbox cannot {what}: {reason}")]
+    Unsupported {
+        /// What was asked (`be paused`, …).
+        what: &'static str,
+        /// The backend.
+        backend: BackendKind,
+        /// Why not, and what to do instead.
+        reason: String,
+    },
+    /// Freezing or thawing the sandbox's processes failed.
+    #[error(transparent)]
+    Freeze(#[from] crate::cgroup::FreezeError),
     /// A failure of the `local` backend.
     #[error(transparent)]
     Local(Box<local::LocalError>),
@@ -464,6 +477,33 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         for group in ["cpu", "memory", "pids"] {
             stats.unavailable(group, why);
         }
+    }
+
+    /// Freeze (`frozen`) or thaw every process of the running sandbox `rt`
+    /// describes: frozen, they use no CPU and keep their memory.
+    fn pause<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+        _rt: &'a Runtime,
+        frozen: bool,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        let reason = match self.kind() {
+            BackendKind::Vm => "agentd cannot yet stop a vm sandbox's QEMU and keep it",
+            BackendKind::Kubernetes => {
+                "a Pod cannot be frozen; stop the sandbox instead (its volume is kept)"
+            }
+            BackendKind::Microvm => {
+                "microvm.nix gives agentd no way to pause the unit's VM; stop the sandbox instead"
+            }
+            BackendKind::Local => "the local backend has no freezer",
+        };
+        Box::pin(async move {
+            Err(BackendError::Unsupported {
+                what: if frozen { "be paused" } else { "be resumed" },
+                backend: self.kind(),
+                reason: reason.to_owned(),
+            })
+        })
     }
 
     /// Kill every process this backend started for this agentd that does not

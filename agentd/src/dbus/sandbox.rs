@@ -89,6 +89,35 @@ impl SandboxObject {
             .map_err(to_dbus)
     }
 
+    /// Freeze every process of the running sandbox (state `paused`): they
+    /// use no CPU and keep their memory.
+    async fn pause(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .pause(caller, &self.name)
+            .await
+            .map(|_| ())
+            .map_err(to_dbus)
+    }
+
+    /// Thaw the processes of the paused sandbox (state `running`).
+    async fn resume(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let (caller, _) = self.caller_sandbox(conn, &header).await?;
+        self.manager
+            .resume(caller, &self.name)
+            .await
+            .map(|_| ())
+            .map_err(to_dbus)
+    }
+
     /// Remove the sandbox, its workspace and its state.
     async fn destroy(
         &self,

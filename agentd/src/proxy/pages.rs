@@ -202,12 +202,17 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
         } else {
             format!("<p>Reason: {}</p>", esc(&sb.state_reason))
         };
+        let (verb, cmd) = if sb.state == SandboxState::Paused {
+            ("Resume", "resume")
+        } else {
+            ("Start", "start")
+        };
         return page(
             StatusCode::SERVICE_UNAVAILABLE,
             "Sandbox not running",
             &format!(
                 "<p>Sandbox <code>{name}</code> is <strong>{state}</strong>.</p>{reason}\
-                 <p>Start it with <code>agentctl start {name}</code>, then reload this page.</p>",
+                 <p>{verb} it with <code>agentctl {cmd} {name}</code>, then reload this page.</p>",
                 name = esc(&sb.name),
                 state = sb.state,
             ),

@@ -39,6 +39,7 @@ mod egress;
 mod exec;
 mod gitops;
 mod lifecycle;
+mod pause;
 mod reconcile;
 mod remote;
 mod secrets;

@@ -2,11 +2,16 @@
 //!
 //! ```text
 //! created ─start→ starting ─ok→ running ─stop→ stopping ─done→ stopped
-//!                    │                                  │         │
+//!                    │            pause↓↑resume ↗stop   │         │
+//!                    │              paused              │         │
 //!                    └─fail→ error ←──────────fail──────┘         │
 //!                            └─start (retry)→ starting ←─start────┘
 //! destroy: from created, stopped or error
 //! ```
+//!
+//! `paused` is not in the data model's diagram: it is a running sandbox
+//! whose processes are frozen (`agentctl pause`), told apart so that
+//! nothing waits on a sandbox that cannot answer.
 
 use keystone_agent_api::SandboxState;
 
@@ -29,6 +34,10 @@ pub enum Event {
     StopFailed,
     /// A caller asked to destroy the sandbox.
     Destroy,
+    /// A caller asked to freeze the sandbox's processes.
+    Pause,
+    /// A caller asked to thaw them.
+    Resume,
 }
 
 impl Event {
@@ -43,6 +52,8 @@ impl Event {
             Self::Stopped => "mark as stopped",
             Self::StopFailed => "mark as failed to stop",
             Self::Destroy => "destroy",
+            Self::Pause => "pause",
+            Self::Resume => "resume",
         }
     }
 }
@@ -65,7 +76,9 @@ pub fn next(state: SandboxState, event: Event) -> Option<Next> {
         (S::Created | S::Stopped | S::Error, E::Start) => Next::State(S::Starting),
         (S::Starting, E::Started) => Next::State(S::Running),
         (S::Starting, E::StartFailed) => Next::State(S::Error),
-        (S::Running, E::Stop) => Next::State(S::Stopping),
+        (S::Running | S::Paused, E::Stop) => Next::State(S::Stopping),
+        (S::Running, E::Pause) => Next::State(S::Paused),
+        (S::Paused, E::Resume) => Next::State(S::Running),
         (S::Stopping, E::Stopped) => Next::State(S::Stopped),
         (S::Stopping, E::StopFailed) => Next::State(S::Error),
         (S::Created | S::Stopped | S::Error, E::Destroy) => Next::Removed,
@@ -80,6 +93,7 @@ pub fn hint(state: SandboxState) -> &'static str {
         SandboxState::Created | SandboxState::Stopped => "it can be started or destroyed",
         SandboxState::Error => "it can be started again or destroyed",
         SandboxState::Running => "stop it first",
+        SandboxState::Paused => "it is paused: resume it first (agentctl resume)",
         SandboxState::Starting | SandboxState::Stopping => "wait until it settles",
     }
 }
@@ -89,7 +103,7 @@ mod tests {
     use super::*;
     use SandboxState as S;
 
-    const EVENTS: [Event; 7] = [
+    const EVENTS: [Event; 9] = [
         Event::Start,
         Event::Started,
         Event::StartFailed,
@@ -97,6 +111,8 @@ mod tests {
         Event::Stopped,
         Event::StopFailed,
         Event::Destroy,
+        Event::Pause,
+        Event::Resume,
     ];
 
     /// The complete table: every (state, event) pair not listed is refused.
@@ -107,6 +123,9 @@ mod tests {
             (S::Starting, Event::Started, Next::State(S::Running)),
             (S::Starting, Event::StartFailed, Next::State(S::Error)),
             (S::Running, Event::Stop, Next::State(S::Stopping)),
+            (S::Running, Event::Pause, Next::State(S::Paused)),
+            (S::Paused, Event::Resume, Next::State(S::Running)),
+            (S::Paused, Event::Stop, Next::State(S::Stopping)),
             (S::Stopping, Event::Stopped, Next::State(S::Stopped)),
             (S::Stopping, Event::StopFailed, Next::State(S::Error)),
             (S::Stopped, Event::Start, Next::State(S::Starting)),

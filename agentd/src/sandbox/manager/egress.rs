@@ -147,7 +147,7 @@ impl Manager {
             // A stop (or another start) while the backend made it: this
             // run's gateway is not to be served any more.
             let now = this.snapshot(&name);
-            if now.is_none_or(|s| s.state != SandboxState::Running || s.runtime != runtime) {
+            if now.is_none_or(|s| !s.state.is_up() || s.runtime != runtime) {
                 return;
             }
             let weak = Arc::downgrade(&this);

@@ -153,7 +153,11 @@ impl Manager {
                 name: name.to_owned(),
                 verb: "run a command in",
                 state: sb.state,
-                hint: "start it with `agentctl start`",
+                hint: if sb.state == SandboxState::Paused {
+                    "resume it with `agentctl resume`"
+                } else {
+                    "start it with `agentctl start`"
+                },
             });
         }
         let cwd = match (worktree, cwd.is_empty()) {

@@ -248,7 +248,7 @@ impl Manager {
             let Some(now) = this.snapshot(&name) else {
                 return;
             };
-            if now.state != SandboxState::Running || now.runtime.as_ref() != Some(&rt) {
+            if !now.state.is_up() || now.runtime.as_ref() != Some(&rt) {
                 return; // stopped (or restarted) by agentd itself
             }
             tracing::warn!(sandbox = %name, "sandbox processes ended by themselves");

@@ -25,11 +25,11 @@ impl Manager {
                         .is_some_and(|b| b.is_alive(rt))
                 });
                 let (state, reason) = match (sb.state, alive) {
-                    (SandboxState::Running, true) => {
-                        tracing::info!(sandbox = %sb.name, "adopted a running sandbox");
+                    (SandboxState::Running | SandboxState::Paused, true) => {
+                        tracing::info!(sandbox = %sb.name, state = %sb.state, "adopted a running sandbox");
                         continue;
                     }
-                    (SandboxState::Running, false) => (
+                    (SandboxState::Running | SandboxState::Paused, false) => (
                         SandboxState::Stopped,
                         "its processes had ended when agentd restarted".to_owned(),
                     ),
@@ -45,7 +45,7 @@ impl Manager {
                 }
                 sb.state = state;
                 sb.state_reason = reason;
-                if state != SandboxState::Running {
+                if !state.is_up() {
                     sb.runtime = None;
                 }
             }
@@ -92,7 +92,7 @@ impl Manager {
             let Some(sb) = self.snapshot(&name) else {
                 continue;
             };
-            if sb.state == SandboxState::Running {
+            if sb.state.is_up() {
                 self.monitor(&name);
                 // A running sandbox keeps what the configuration now says
                 // of its secrets (a key rotated or revoked while agentd was
@@ -184,11 +184,7 @@ impl Manager {
     /// Start the declared sandboxes that ask for it.
     pub fn autostart(self: &Arc<Self>, config: &DaemonConfig) {
         for (name, d) in &config.sandboxes {
-            if !d.autostart
-                || self
-                    .snapshot(name)
-                    .is_none_or(|s| s.state == SandboxState::Running)
-            {
+            if !d.autostart || self.snapshot(name).is_none_or(|s| s.state.is_up()) {
                 continue;
             }
             let this = Arc::clone(self);
@@ -206,8 +202,7 @@ impl Manager {
         // microVMs are systemd units of their own: they run on while agentd
         // restarts (a configuration change) and are adopted again.
         let running: Vec<String> = self.store.collect(|s| {
-            (s.state == SandboxState::Running && s.backend != BackendKind::Microvm)
-                .then(|| s.name.clone())
+            (s.state.is_up() && s.backend != BackendKind::Microvm).then(|| s.name.clone())
         });
         let stops = running.iter().map(|name| async move {
             let locks = self.locks(name);

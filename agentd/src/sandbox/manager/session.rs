@@ -252,7 +252,10 @@ impl Manager {
         let mut notices = Vec::new();
         let mut sb = self.get(caller, name)?;
         self.sessions_ready(&sb)?;
-        if sb.state != SandboxState::Running {
+        if sb.state == SandboxState::Paused {
+            sb = self.resume(caller, name).await?;
+            notices.push(format!("Sandbox '{name}' was paused; resumed it"));
+        } else if sb.state != SandboxState::Running {
             let was = sb.state;
             sb = self.start(caller, name).await?;
             notices.push(format!("Sandbox '{name}' was {was}; started it"));

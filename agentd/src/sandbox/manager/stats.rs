@@ -13,7 +13,7 @@ impl Manager {
     pub async fn stats(&self, caller: Caller, name: &str) -> Result<Stats> {
         let sb = self.get(caller, name)?;
         let mut stats = Stats::default();
-        if sb.state != SandboxState::Running {
+        if !sb.state.is_up() {
             stats
                 .info
                 .insert("state".to_owned(), sb.state.as_str().to_owned());
