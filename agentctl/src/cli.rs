@@ -46,6 +46,19 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// `agentctl snapshot rm …`.
+#[derive(Debug, Subcommand)]
+pub enum SnapshotCommand {
+    /// Remove a snapshot.
+    #[command(visible_alias = "remove")]
+    Rm {
+        /// Sandbox name.
+        name: String,
+        /// Snapshot id.
+        snapshot: String,
+    },
+}
+
 /// `agentctl worktree …`.
 #[derive(Debug, Subcommand)]
 pub enum WorktreeCommand {
@@ -287,6 +300,69 @@ pub enum Command {
     Resume {
         /// Sandbox name.
         name: String,
+    },
+    /// Keep a sandbox's files as they are now: its workspace (every branch
+    /// and worktree, uncommitted work included) and its home, with its
+    /// settings. A running local sandbox is frozen for the moment of the
+    /// copy. Snapshots count against the sandbox's snapshot_quota and go
+    /// with destroy. `agentctl snapshot rm NAME ID` removes one.
+    #[command(
+        args_conflicts_with_subcommands = true,
+        subcommand_negates_reqs = true,
+        after_help = "Examples:\n  agentctl snapshot myproject --label before-refactor\n  \
+agentctl snapshots myproject\n  agentctl restore myproject 20261126-173501\n  \
+agentctl snapshot rm myproject 20261126-173501"
+    )]
+    Snapshot {
+        #[command(subcommand)]
+        command: Option<SnapshotCommand>,
+        /// Sandbox name.
+        #[arg(required = true)]
+        name: Option<String>,
+        /// A few words to tell it by.
+        #[arg(long)]
+        label: Option<String>,
+        /// Print the new snapshot as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List a sandbox's snapshots: id, when, size, label, what it holds.
+    Snapshots {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put a sandbox's files back as a snapshot holds them. A running
+    /// sandbox is stopped and started again (its processes start anew).
+    /// Your repository is not touched; the next sync reports what moved.
+    Restore {
+        /// Sandbox name.
+        name: String,
+        /// Snapshot id (agentctl snapshots NAME lists them).
+        snapshot: String,
+    },
+    /// Make a new sandbox from NAME's files (now, or as --from holds them)
+    /// and settings, to try another approach from the same point. It is a
+    /// sandbox of its own in every other respect: its own uid, network,
+    /// gateway, CA and sync remote sandbox/NEW; no secrets. Stopped until
+    /// started.
+    #[command(
+        after_help = "Examples:\n  agentctl fork myproject myproject-b --branch try-b\n  \
+agentctl fork myproject retry --from 20261126-173501"
+    )]
+    Fork {
+        /// The sandbox to fork.
+        name: String,
+        /// The new sandbox's name.
+        new: String,
+        /// Start from this snapshot of NAME instead of its files now.
+        #[arg(long, value_name = "SNAPSHOT")]
+        from: Option<String>,
+        /// Open a worktree of this branch in the new sandbox.
+        #[arg(long)]
+        branch: Option<String>,
     },
     /// Destroy a stopped sandbox and its workspace (asks first on a terminal,
     /// saying how many commits on which branches your repository lacks).
@@ -624,6 +700,10 @@ impl Command {
             Self::Start { .. } => "start",
             Self::Stop { .. } => "stop",
             Self::Pause { .. } => "pause",
+            Self::Snapshot { .. } => "snapshot",
+            Self::Snapshots { .. } => "snapshots",
+            Self::Restore { .. } => "restore",
+            Self::Fork { .. } => "fork",
             Self::Resume { .. } => "resume",
             Self::Destroy { .. } => "destroy",
             Self::List { .. } => "list",
@@ -658,6 +738,9 @@ impl Command {
             | Self::Stop { .. }
             | Self::Pause { .. }
             | Self::Resume { .. }
+            | Self::Snapshot { .. }
+            | Self::Restore { .. }
+            | Self::Fork { .. }
             | Self::Destroy { .. }
             | Self::Sync { .. }
             | Self::Cp { .. }

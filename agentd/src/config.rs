@@ -353,6 +353,9 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.git_identity`.
     #[serde(default)]
     pub git_identity: Option<keystone_agent_api::GitIdentity>,
+    /// Override of `defaults.snapshot_quota`.
+    #[serde(default)]
+    pub snapshot_quota: Option<u32>,
     /// Secrets read from files at each start (NixOS
     /// `sandboxes.<name>.secrets.<VAR>`, agenix or sops-nix), by variable.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -441,6 +444,7 @@ impl DeclaredSandbox {
             default_agent: self.default_agent.or(d.default_agent),
             agent_home: self.agent_home.unwrap_or(d.agent_home),
             git_identity: self.git_identity.clone().unwrap_or(d.git_identity),
+            snapshot_quota: self.snapshot_quota.unwrap_or(d.snapshot_quota),
         }
     }
 }

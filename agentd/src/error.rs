@@ -78,6 +78,15 @@ pub enum Error {
     /// The registry could not be written.
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    /// A snapshot could not be taken, found, restored or removed.
+    #[error("{source}")]
+    Snapshot {
+        /// Sandbox name.
+        name: String,
+        /// What went wrong (its text names the sandbox).
+        #[source]
+        source: crate::snapshots::SnapshotError,
+    },
     /// A sandbox's secrets could not be kept (never shows a value).
     #[error("Sandbox '{name}': {source}")]
     Secrets {

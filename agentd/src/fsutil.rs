@@ -198,6 +198,20 @@ pub fn chown_tree(root: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
     .map_err(|e| depth_error(root, e))
 }
 
+/// The space the tree at directory `root` takes on disk (allocated
+/// blocks, a file with several links once per link), never through a
+/// symlink.
+pub fn tree_size(root: &Path) -> std::io::Result<u64> {
+    let top = open_root(root)?;
+    let mut total = u64::try_from(fstat(&top).map_err(io)?.st_blocks).unwrap_or(0) * 512;
+    walk(&top, 1, &mut |_, _, st| {
+        total = total.saturating_add(u64::try_from(st.st_blocks).unwrap_or(0) * 512);
+        Ok(())
+    })
+    .map_err(|e| depth_error(root, e))?;
+    Ok(total)
+}
+
 /// Add read (and, on directories, search) permission for others to the
 /// tree at directory `root`: its directories and regular files, never
 /// through a symlink.

@@ -28,6 +28,7 @@ pub mod pty;
 pub mod registry;
 pub mod sandbox;
 pub mod secrets;
+pub mod snapshots;
 pub mod stats;
 pub mod subid;
 pub mod text;

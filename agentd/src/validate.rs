@@ -102,7 +102,10 @@ pub fn check_name(name: &str, problems: &mut Vec<String>) {
     }
 }
 
-/// Check a sandbox configuration.
+/// Largest `snapshot_quota`, in MiB (16 TiB).
+pub const SNAPSHOT_QUOTA_MAX: u32 = 16 << 20;
+
+/// Check a sandbox's settings; every problem found goes to `problems`.
 pub fn check_config(config: &SandboxConfig, problems: &mut Vec<String>) {
     if config.memory < MEMORY_MIN {
         problems.push(format!(
@@ -123,6 +126,12 @@ pub fn check_config(config: &SandboxConfig, problems: &mut Vec<String>) {
         problems.push(format!(
             "pids {} is out of range: from {PIDS_MIN} to {PIDS_MAX}",
             config.pids
+        ));
+    }
+    if config.snapshot_quota > SNAPSHOT_QUOTA_MAX {
+        problems.push(format!(
+            "snapshot_quota {} MiB is out of range: from 0 (no snapshots) to {SNAPSHOT_QUOTA_MAX} MiB",
+            config.snapshot_quota
         ));
     }
     check_egress_entries("egress_allow", &config.egress_allow, problems);

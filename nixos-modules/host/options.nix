@@ -194,6 +194,15 @@ let
         one); or `Name <email>`. agentd: `git_identity`.
       '';
     };
+    snapshotQuota = {
+      type = types.ints.between 0 16777216;
+      example = 4096;
+      description = ''
+        Disk space in MiB the sandbox's snapshots (`agentctl snapshot`) may
+        take under agentd's state directory; 0: no snapshots. agentd:
+        `snapshot_quota`.
+      '';
+    };
   };
 
   defaultOption =

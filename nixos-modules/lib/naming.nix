@@ -149,6 +149,7 @@ let
       defaultAgent = null;
       agentHome = "own";
       gitIdentity = "owner";
+      snapshotQuota = 20480;
     };
     microvm = {
       shareProto = "virtiofs";
@@ -210,6 +211,7 @@ let
       defaultAgent = null;
       agentHome = null;
       gitIdentity = null;
+      snapshotQuota = null;
       secrets = { };
     };
   };
@@ -232,6 +234,7 @@ let
     defaultAgent = "default_agent";
     agentHome = "agent_home";
     gitIdentity = "git_identity";
+    snapshotQuota = "snapshot_quota";
   };
 
   # Fill in the defaults of a (possibly partial) keystone.agent attrset. The

@@ -188,6 +188,7 @@ pub(super) async fn run(
                 "config": config,
                 "routes": routes.iter().map(output::route_json).collect::<Vec<_>>(),
                 "egress": super::egress::status_json(&sb).await,
+                "snapshots": super::state::status_json(&sb, &config).await,
             });
             if json {
                 println!("{}", crate::output::json(&v));

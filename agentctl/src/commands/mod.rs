@@ -22,6 +22,7 @@ mod lifecycle;
 mod links;
 mod secrets;
 mod sessions;
+mod state;
 mod stats;
 
 /// Run one command.
@@ -44,6 +45,10 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         | Command::Exec { .. }) => sessions::run(conn, &manager, c).await,
         c @ (Command::Ports { .. } | Command::Open { .. }) => links::run(conn, &manager, c).await,
         c @ Command::History { .. } => history::run(conn, &manager, c).await,
+        c @ (Command::Snapshot { .. }
+        | Command::Snapshots { .. }
+        | Command::Restore { .. }
+        | Command::Fork { .. }) => state::run(conn, &manager, c).await,
         Command::Stats {
             name,
             json,
@@ -124,6 +129,7 @@ fn print_status(v: &serde_json::Value) {
     if !s("agents").is_empty() {
         crate::outln!("Agents:     {}", s("agents"));
     }
+    state::print_status(&v["snapshots"]);
     if let Some(a) = c["default_agent"].as_str() {
         crate::outln!("Sessions:   start {a} beside a shell");
     }

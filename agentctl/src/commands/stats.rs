@@ -100,7 +100,8 @@ fn to_json(name: &str, now: &Sample, previous: Option<&Sample>) -> serde_json::V
     v.into()
 }
 
-fn mib(bytes: u64) -> String {
+/// `bytes` in MiB with one decimal.
+pub(super) fn mib(bytes: u64) -> String {
     #[allow(clippy::cast_precision_loss)]
     let m = bytes as f64 / f64::from(1 << 20);
     format!("{m:.1} MiB")

@@ -21,6 +21,6 @@ pub use names::{
 pub use proxy::{ManagerProxy, SandboxProxy, SecretsProxy};
 pub use types::{
     Agent, AgentHome, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network,
-    RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SyncMode, SyncReport,
-    WorktreeInfo,
+    RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SnapshotInfo, SyncMode,
+    SyncReport, WorktreeInfo,
 };

@@ -75,6 +75,27 @@ pub trait Sandbox {
     /// Thaw the processes of the paused sandbox (state `running`).
     fn resume(&self) -> Result<(), Error>;
 
+    /// Take a snapshot of the sandbox's files; `label` may be empty.
+    fn snapshot(&self, label: &str) -> Result<crate::SnapshotInfo, Error>;
+
+    /// The sandbox's snapshots, oldest first.
+    fn snapshots(&self) -> Result<Vec<crate::SnapshotInfo>, Error>;
+
+    /// Remove snapshot `id`.
+    fn remove_snapshot(&self, id: &str) -> Result<(), Error>;
+
+    /// Put the sandbox's files back as snapshot `id` holds them.
+    fn restore(&self, id: &str) -> Result<(), Error>;
+
+    /// A new sandbox `name` from this one's files (now, or snapshot `from`
+    /// when not empty), with a worktree of `branch` when not empty.
+    fn fork(
+        &self,
+        name: &str,
+        from: &str,
+        branch: &str,
+    ) -> Result<(zvariant::OwnedObjectPath, Vec<String>), Error>;
+
     /// Remove the sandbox, its workspace and its state.
     fn destroy(&self) -> Result<(), Error>;
 

@@ -274,6 +274,9 @@ pub struct SandboxConfig {
     /// JSON), none, or the one given.
     #[serde(skip_serializing_if = "GitIdentity::is_owner")]
     pub git_identity: GitIdentity,
+    /// Disk space in MiB the sandbox's snapshots may take on agentd's disk
+    /// (0: no snapshots).
+    pub snapshot_quota: u32,
 }
 
 impl Default for SandboxConfig {
@@ -295,8 +298,28 @@ impl Default for SandboxConfig {
             default_agent: None,
             agent_home: AgentHome::Own,
             git_identity: GitIdentity::Owner,
+            snapshot_quota: 20480,
         }
     }
+}
+
+/// One snapshot of a sandbox (`Snapshots`, `agentctl snapshots`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct SnapshotInfo {
+    /// Its id, unique within the sandbox (`20261126-173501`).
+    pub id: String,
+    /// The label it was given (may be empty).
+    pub label: String,
+    /// When it was taken, µs since the epoch.
+    pub created_at: u64,
+    /// Bytes it takes on agentd's disk.
+    pub size: u64,
+    /// Whether it holds the processes' memory (restored, they go on).
+    pub memory: bool,
+    /// `snapshot` (asked for) or `backup` (taken on a schedule).
+    pub kind: String,
+    /// Each branch of the workspace and its commit when it was taken.
+    pub branches: BTreeMap<String, String>,
 }
 
 /// One row of `ListSandboxes`: everything a listing shows, in one call.

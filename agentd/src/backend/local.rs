@@ -577,6 +577,10 @@ impl Backend for LocalBackend {
         })
     }
 
+    fn files_snapshot(&self, running: bool) -> Result<bool, &'static str> {
+        Ok(running)
+    }
+
     fn pause<'a>(
         &'a self,
         spec: &'a SandboxSpec,

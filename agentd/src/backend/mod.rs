@@ -506,6 +506,23 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         })
     }
 
+    /// Whether a snapshot of the sandbox's files (its host directory's
+    /// workspace and home) can be taken now, with its processes up
+    /// (`running`) or not; `Ok(true)` when they must be frozen while
+    /// copied. Why not otherwise.
+    fn files_snapshot(&self, running: bool) -> Result<bool, &'static str> {
+        match (self.kind(), running) {
+            (BackendKind::Kubernetes, _) => Err(
+                "its files live in the cluster's volume, and agentd does not take VolumeSnapshots yet",
+            ),
+            (BackendKind::Vm | BackendKind::Microvm, true) => Err(
+                "a running guest's files cannot be frozen from the host yet: stop it first (the snapshot then holds its files, not its memory)",
+            ),
+            (_, true) => Err("it cannot be frozen"),
+            (_, false) => Ok(false),
+        }
+    }
+
     /// Kill every process this backend started for this agentd that does not
     /// belong to one of `keep` (sandbox names with a live runtime). Returns
     /// the names of the sandboxes whose leftovers were killed.

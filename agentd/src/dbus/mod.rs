@@ -217,6 +217,16 @@ pub fn to_dbus(e: Error) -> api::Error {
         Error::PermissionDenied(_) => api::Error::PermissionDenied(msg),
         Error::Backend { source, .. } if source.is_timeout() => api::Error::Timeout(msg),
         Error::Conflict(_) => api::Error::Conflict(msg),
+        Error::Snapshot { source, .. } => {
+            use crate::snapshots::SnapshotError as S;
+            match source {
+                S::NotFound { .. } => api::Error::NotFound(msg),
+                S::Damaged { .. } | S::Foreign { .. } | S::Quota { .. } => {
+                    api::Error::InvalidArgument(msg)
+                }
+                S::Io { .. } | S::Copy { .. } | S::Write(_) => api::Error::Backend(msg),
+            }
+        }
         Error::Backend { .. }
         | Error::Proxy { .. }
         | Error::Workspace { .. }

@@ -44,9 +44,11 @@ mod reconcile;
 mod remote;
 mod secrets;
 mod session;
+mod snapshots;
 mod stats;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 pub use session::{Attached, Terminal, TtyOptions, session_name};
+pub use snapshots::{ForkOptions, SnapshotKind};
 
 /// A command to run in a sandbox.
 #[derive(Debug, Default)]

@@ -98,6 +98,18 @@ impl Manager {
         self: &Arc<Self>,
         sb: Sandbox,
     ) -> Result<(Sandbox, Vec<String>)> {
+        self.insert_seeded(sb, async |_| Ok(())).await
+    }
+
+    /// [`Manager::insert_new`], with `seed` filling the new sandbox's
+    /// directory (its disk image mounted) before its workspace is made:
+    /// a workspace it leaves there is kept, and handed to the sandbox's
+    /// ids (a fork's copy).
+    pub(super) async fn insert_seeded(
+        self: &Arc<Self>,
+        sb: Sandbox,
+        seed: impl AsyncFnOnce(&Sandbox) -> Result<()>,
+    ) -> Result<(Sandbox, Vec<String>)> {
         let name = sb.name.clone();
         let sb = self.store.insert(sb)?;
         let locks = self.locks(&name);
@@ -109,7 +121,13 @@ impl Manager {
         // A sandbox of this name that was destroyed half-way left no
         // secrets to this one.
         self.forget_secrets(&sb);
-        let notices = match self.prepare_dirs(&sb).await {
+        self.ensure_disk(&sb).await;
+        let seeded = seed(&sb).await;
+        let prepared = match seeded {
+            Ok(()) => self.prepare_dirs(&sb).await,
+            Err(e) => Err(e),
+        };
+        let notices = match prepared {
             Ok(n) => n,
             Err(e) => {
                 self.forget(&name);
@@ -357,6 +375,12 @@ impl Manager {
             .await;
         if let Err(e) = removed {
             tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox directory; it is removed at next start");
+        }
+        // Its snapshots go with it (what is left is removed at next start).
+        let store = self.snapshot_store();
+        let sandbox = name.to_owned();
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || store.remove_all(&sandbox)).await {
+            tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox's snapshots; they are removed at next start");
         }
         self.locks.lock().unwrap().remove(name);
         self.store.announce(Change::Removed(name.to_owned()));

@@ -69,6 +69,16 @@ impl Manager {
                     .await;
             }
         }
+        // Snapshots of sandboxes that are gone, and halves of interrupted
+        // ones; a restore interrupted half-way is finished.
+        let store = self.snapshot_store();
+        store.clean_partial();
+        for name in store.sandboxes() {
+            if !known.contains(&name) || rolled_back.contains(&name) {
+                tracing::info!(sandbox = %name, "removing the snapshots of a sandbox that is gone");
+                let _ = store.remove_all(&name);
+            }
+        }
         for name in crate::disk::images(self.store.registry().dir()) {
             if !known.contains(&name) || rolled_back.contains(&name) {
                 tracing::info!(sandbox = %name, "removing a leftover disk image");
@@ -87,6 +97,9 @@ impl Manager {
                     tracing::warn!(sandbox = %name, error = %e, "cannot mount the disk image");
                 }
             }
+        }
+        for name in self.names() {
+            crate::snapshots::finish_restore(&self.store.registry().sandbox_dir(&name));
         }
         for name in self.names() {
             let Some(sb) = self.snapshot(&name) else {

@@ -1,0 +1,515 @@
+//! Snapshots of a sandbox's files: taken (its processes frozen while they
+//! are copied), listed, removed, restored, and forked into a new sandbox
+//! of its own. Each holds the sandbox's locks in their order (`op`, `sync`,
+//! `worktrees`), so no sync or worktree change lands half-way through a
+//! copy. The files themselves are [`crate::snapshots`]'.
+
+use keystone_agent_api::SnapshotInfo;
+
+use super::*;
+use crate::backend::BackendError;
+use crate::snapshots::{self, Meta, SnapshotError, Store, TREES};
+
+/// Whether a snapshot is asked for or taken on a schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SnapshotKind {
+    /// `agentctl snapshot`.
+    Asked,
+    /// A periodic backup.
+    Backup,
+}
+
+impl SnapshotKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Asked => "snapshot",
+            Self::Backup => "backup",
+        }
+    }
+}
+
+/// A [`Manager::fork`] request.
+#[derive(Debug, Clone, Default)]
+pub struct ForkOptions {
+    /// Start from this snapshot of the source instead of its files now.
+    pub from: Option<String>,
+    /// Open a worktree of this branch in the new sandbox.
+    pub branch: Option<String>,
+}
+
+impl Manager {
+    /// Where snapshots are kept.
+    pub(super) fn snapshot_store(&self) -> Store {
+        Store::new(self.store.registry().dir())
+    }
+
+    /// Take a snapshot of sandbox `name`'s files, labelled `label`.
+    ///
+    /// # Errors
+    /// As [`Manager::get`]; `InvalidState` while it starts or stops;
+    /// `Backend` when its backend cannot; `Snapshot` past its quota or when
+    /// copying fails (nothing is left then).
+    pub async fn make_snapshot(
+        &self,
+        caller: Caller,
+        name: &str,
+        label: &str,
+        kind: SnapshotKind,
+    ) -> Result<SnapshotInfo> {
+        self.get(caller, name)?;
+        let locks = self.locks(name);
+        let _op = locks.op.lock().await;
+        let _sync = locks.sync.lock().await;
+        let _worktrees = locks.worktrees.lock().await;
+        let sb = self
+            .snapshot(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let label = snapshots::clean_label(label);
+        let dest = {
+            let store = self.snapshot_store();
+            let taken: Vec<String> = store.list(name).into_iter().map(|m| m.id).collect();
+            let id = snapshots::new_id(SystemTime::now(), &taken);
+            (store, id)
+        };
+        let quota = u64::from(sb.config.snapshot_quota) << 20;
+        let (store, id) = dest;
+        let meta = self
+            .frozen_copy(&sb, "be snapshotted", move |spec, sb| {
+                let fail = |source| Error::Snapshot {
+                    name: sb.name.clone(),
+                    source,
+                };
+                let mut needed = 0;
+                for tree in TREES {
+                    let dir = spec.dir().join(tree);
+                    if procfs::is_real_dir(&dir) {
+                        needed += crate::fsutil::tree_size(&dir)
+                            .map_err(SnapshotError::io_at("measure", &dir))
+                            .map_err(fail)?;
+                    }
+                }
+                let left = quota.saturating_sub(store.used(&sb.name));
+                if needed > left {
+                    return Err(fail(SnapshotError::Quota {
+                        sandbox: sb.name.clone(),
+                        needed,
+                        left,
+                        quota_mib: sb.config.snapshot_quota,
+                    }));
+                }
+                let partial = store.begin(&sb.name, &id).map_err(fail)?;
+                let made = (|| {
+                    copy_trees(spec.dir(), &partial)?;
+                    let size = crate::fsutil::tree_size(&partial)
+                        .map_err(SnapshotError::io_at("measure", &partial))?;
+                    let (branches, _) = crate::git::refs::read_branches(
+                        &partial.join("workspace/.git"),
+                        "refs/heads/",
+                    );
+                    let meta = Meta {
+                        format: snapshots::FORMAT,
+                        id: id.clone(),
+                        label,
+                        sandbox: sb.name.clone(),
+                        sandbox_id: sb.id.clone(),
+                        owner: sb.owner,
+                        backend: sb.backend,
+                        created_at: crate::text::micros(Some(SystemTime::now())),
+                        size,
+                        memory: false,
+                        kind: kind.as_str().to_owned(),
+                        branches: branches
+                            .into_iter()
+                            .map(|(b, oid)| (b, oid.to_string()))
+                            .collect(),
+                        config: sb.config.clone(),
+                    };
+                    store.commit(&partial, &meta)?;
+                    Ok(meta)
+                })();
+                if made.is_err() {
+                    let _ = crate::fsutil::remove_tree(&partial);
+                }
+                made.map_err(fail)
+            })
+            .await?;
+        tracing::info!(sandbox = %name, snapshot = %meta.id, size = meta.size, "snapshot taken");
+        Ok(meta.info())
+    }
+
+    /// The snapshots of sandbox `name`, oldest first.
+    ///
+    /// # Errors
+    /// As [`Manager::get`].
+    pub fn snapshots(&self, caller: Caller, name: &str) -> Result<Vec<SnapshotInfo>> {
+        self.get(caller, name)?;
+        Ok(self
+            .snapshot_store()
+            .list(name)
+            .iter()
+            .map(Meta::info)
+            .collect())
+    }
+
+    /// Remove snapshot `id` of sandbox `name`.
+    ///
+    /// # Errors
+    /// As [`Manager::get`]; `Snapshot` when there is no such snapshot.
+    pub async fn remove_snapshot(&self, caller: Caller, name: &str, id: &str) -> Result<()> {
+        self.get(caller, name)?;
+        let locks = self.locks(name);
+        let _op = locks.op.lock().await;
+        let (store, sandbox, id) = (self.snapshot_store(), name.to_owned(), id.to_owned());
+        let snap = id.clone();
+        tokio::task::spawn_blocking(move || store.remove(&sandbox, &snap))
+            .await
+            .map_err(|e| panicked_snapshot(name, &e))?
+            .map_err(|source| Error::Snapshot {
+                name: name.to_owned(),
+                source,
+            })?;
+        tracing::info!(sandbox = %name, snapshot = %id, "snapshot removed");
+        Ok(())
+    }
+
+    /// Put sandbox `name`'s files back as snapshot `id` holds them (its
+    /// settings too, unless it is declared). A sandbox that runs is
+    /// stopped first and started again after: its processes start anew.
+    /// The host's repository is not touched.
+    ///
+    /// # Errors
+    /// As [`Manager::get`]; `Snapshot` for a missing, damaged or foreign
+    /// snapshot (nothing changes then); `InvalidState` while it starts or
+    /// stops; `Backend` when its backend cannot.
+    pub async fn restore(
+        self: &Arc<Self>,
+        caller: Caller,
+        name: &str,
+        id: &str,
+    ) -> Result<Sandbox> {
+        self.get(caller, name)?;
+        let locks = self.locks(name);
+        let _op = locks.op.lock().await;
+        let _sync = locks.sync.lock().await;
+        let _worktrees = locks.worktrees.lock().await;
+        let sb = self
+            .snapshot(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let (meta, snap_dir) = self.load_own_snapshot(&sb, &sb, id).await?;
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        self.check_settled(&sb, "restore")?;
+        if let Err(reason) = backend.files_snapshot(false) {
+            return Err(unsupported(&sb, "be restored", reason));
+        }
+        self.check_reachable(&sb)?;
+        let was_up = sb.state.is_up();
+        if was_up {
+            self.stop_locked(name, false).await?;
+        }
+        let dir = self.store.registry().sandbox_dir(name);
+        let sandbox = name.to_owned();
+        tokio::task::spawn_blocking(move || replace_trees(&snap_dir, &dir))
+            .await
+            .map_err(|e| panicked_snapshot(name, &e))?
+            .map_err(|source| Error::Snapshot {
+                name: sandbox,
+                source,
+            })?;
+        let mut sb = if sb.declared {
+            sb
+        } else {
+            let quota = sb.config.snapshot_quota;
+            self.update(name, |s| {
+                s.config = meta.config.clone();
+                s.config.snapshot_quota = quota;
+            })?
+        };
+        tracing::info!(sandbox = %name, snapshot = %id, "restored");
+        if was_up {
+            sb = self.start_locked(name, sb.backend).await?;
+        }
+        Ok(sb)
+    }
+
+    /// A new sandbox `new` of the same owner and project with sandbox
+    /// `name`'s files (now, or as snapshot `opts.from` holds them) and
+    /// settings, and everything that makes it a sandbox of its own made
+    /// anew: id, uid, network, gateway, CA, secrets (none), sync namespace
+    /// `sandbox/<new>/…`. With `opts.branch`, a worktree of it is opened.
+    ///
+    /// # Errors
+    /// As [`Manager::create`]; `Snapshot` for a missing, damaged or foreign
+    /// snapshot; `Backend` when the backend cannot copy the files.
+    pub async fn fork(
+        self: &Arc<Self>,
+        caller: Caller,
+        name: &str,
+        new: &str,
+        opts: ForkOptions,
+    ) -> Result<(Sandbox, Vec<String>)> {
+        let src = self.get(caller, name)?;
+        let mut problems = Vec::new();
+        validate::check_name(new, &mut problems);
+        if let Some(b) = &opts.branch {
+            if !refs::valid_branch(b) {
+                problems.push(format!("'{}' is not a valid branch name", refs::shown(b)));
+            }
+        }
+        if !problems.is_empty() {
+            return Err(Error::Invalid(problems));
+        }
+        let from = match &opts.from {
+            Some(id) => Some(self.load_own_snapshot(&src, &src, id).await?),
+            None => None,
+        };
+        let config = from.as_ref().map_or(src.config.clone(), |(m, _)| {
+            let mut c = m.config.clone();
+            c.snapshot_quota = src.config.snapshot_quota;
+            c
+        });
+        let sb = Sandbox {
+            id: uuid::Uuid::new_v4().to_string(),
+            name: new.to_owned(),
+            project_path: src.project_path.clone(),
+            state: SandboxState::Created,
+            state_reason: String::new(),
+            backend: src.backend,
+            created_at: SystemTime::now(),
+            started_at: None,
+            config,
+            ports: Ports::new(),
+            owner: src.owner,
+            uid: None,
+            declared: false,
+            creating: true,
+            last_sync_at: None,
+            last_sync_result: String::new(),
+            runtime: None,
+        };
+        let (forked, mut notices) = self
+            .insert_seeded(sb, async |new_sb: &Sandbox| {
+                let to = self.store.registry().sandbox_dir(&new_sb.name);
+                match &from {
+                    Some((_, snap_dir)) => {
+                        let (snap_dir, to) = (snap_dir.clone(), to.clone());
+                        tokio::task::spawn_blocking(move || {
+                            std::fs::create_dir_all(&to)
+                                .map_err(SnapshotError::io_at("create", &to))?;
+                            copy_trees(&snap_dir, &to)
+                        })
+                        .await
+                        .map_err(|e| panicked_snapshot(new, &e))?
+                        .map_err(|source| Error::Snapshot {
+                            name: new.to_owned(),
+                            source,
+                        })
+                    }
+                    None => self.copy_live(name, &to).await,
+                }
+            })
+            .await?;
+        tracing::info!(sandbox = %new, from = %name, snapshot = ?opts.from, "forked");
+        if let Some(branch) = opts.branch {
+            match self.add_worktree(caller, new, &branch, None).await {
+                Ok(w) => notices.push(format!("Opened a worktree of '{branch}' at {}", w.path)),
+                Err(e) => notices.push(format!(
+                    "The fork was made, but its worktree of '{branch}' was not: {e}"
+                )),
+            }
+        }
+        Ok((forked, notices))
+    }
+
+    /// Copy the files of sandbox `name` as they are now into `to` (a new
+    /// sandbox's directory), frozen while copied where it runs.
+    async fn copy_live(&self, name: &str, to: &Path) -> Result<()> {
+        let locks = self.locks(name);
+        let _op = locks.op.lock().await;
+        let _sync = locks.sync.lock().await;
+        let _worktrees = locks.worktrees.lock().await;
+        let src = self
+            .snapshot(name)
+            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let to = to.to_owned();
+        self.frozen_copy(&src, "be forked", move |spec, sb| {
+            std::fs::create_dir_all(&to)
+                .map_err(SnapshotError::io_at("create", &to))
+                .and_then(|()| copy_trees(spec.dir(), &to))
+                .map_err(|source| Error::Snapshot {
+                    name: sb.name.clone(),
+                    source,
+                })
+        })
+        .await
+    }
+
+    /// Run `copy` (blocking) on sandbox `sb`'s directory while nothing in
+    /// it runs: its processes frozen for the time, where they are up and
+    /// not paused already. The caller holds its locks.
+    async fn frozen_copy<T: Send + 'static>(
+        &self,
+        sb: &Sandbox,
+        what: &'static str,
+        copy: impl FnOnce(&SandboxSpec, &Sandbox) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        self.check_settled(sb, what)?;
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        let up = sb.state.is_up();
+        let freeze = backend
+            .files_snapshot(up)
+            .map_err(|reason| unsupported(sb, what, reason))?;
+        self.check_reachable(sb)?;
+        let spec = self.spec(sb);
+        let rt = sb.runtime.clone();
+        let thaw = match (&rt, freeze && sb.state == SandboxState::Running) {
+            (Some(rt), true) => {
+                backend
+                    .pause(&spec, rt, true)
+                    .await
+                    .map_err(|source| Error::Backend {
+                        name: sb.name.clone(),
+                        source,
+                    })?;
+                Some(rt.clone())
+            }
+            _ => None,
+        };
+        let (spec2, sb2) = (spec.clone(), sb.clone());
+        let done = tokio::task::spawn_blocking(move || copy(&spec2, &sb2))
+            .await
+            .map_err(|e| panicked_snapshot(&sb.name, &e));
+        if let Some(rt) = thaw {
+            if let Err(e) = backend.pause(&spec, &rt, false).await {
+                tracing::error!(sandbox = %sb.name, error = %e, "cannot thaw the sandbox after copying its files");
+            }
+        }
+        done?
+    }
+
+    /// Snapshot `id` of sandbox `of`, checked to be `sb`'s to use: taken of
+    /// that very sandbox (its unique id) under the same owner.
+    async fn load_own_snapshot(
+        &self,
+        sb: &Sandbox,
+        of: &Sandbox,
+        id: &str,
+    ) -> Result<(Meta, PathBuf)> {
+        let (store, sandbox, snap) = (self.snapshot_store(), of.name.clone(), id.to_owned());
+        let (meta, dir) = tokio::task::spawn_blocking(move || store.load(&sandbox, &snap))
+            .await
+            .map_err(|e| panicked_snapshot(&of.name, &e))?
+            .map_err(|source| Error::Snapshot {
+                name: of.name.clone(),
+                source,
+            })?;
+        if meta.sandbox_id != of.id || meta.owner != sb.owner {
+            return Err(Error::Snapshot {
+                name: of.name.clone(),
+                source: SnapshotError::Foreign {
+                    sandbox: of.name.clone(),
+                    id: id.to_owned(),
+                    whose: format!(
+                        "of an earlier sandbox '{}' of uid {}",
+                        meta.sandbox, meta.owner
+                    ),
+                },
+            });
+        }
+        Ok((meta, dir))
+    }
+
+    /// `InvalidState` while sandbox `sb` starts or stops.
+    fn check_settled(&self, sb: &Sandbox, what: &'static str) -> Result<()> {
+        if matches!(sb.state, SandboxState::Starting | SandboxState::Stopping) {
+            return Err(Error::InvalidState {
+                name: sb.name.clone(),
+                verb: what,
+                state: sb.state,
+                hint: state::hint(sb.state),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuse where agentd could not read or write all of the sandbox's
+    /// files: an unprivileged agentd's sandbox with a subordinate id.
+    fn check_reachable(&self, sb: &Sandbox) -> Result<()> {
+        if dirs::subordinate(&self.spec(sb)) {
+            return Err(Error::Invalid(vec![format!(
+                "sandbox '{}' runs as a subordinate id of agentd's user, whose files agentd \
+                 cannot copy as they are; snapshots need agentd as root",
+                sb.name
+            )]));
+        }
+        Ok(())
+    }
+}
+
+/// Copy the [`TREES`] of directory `from` into directory `to` (which
+/// lacks them); a tree `from` lacks is made empty.
+fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> {
+    for tree in TREES {
+        let (src, dst) = (from.join(tree), to.join(tree));
+        if procfs::is_real_dir(&src) {
+            snapshots::copy_tree(&src, &dst)?;
+        } else {
+            std::fs::create_dir(&dst).map_err(SnapshotError::io_at("create", &dst))?;
+        }
+    }
+    Ok(())
+}
+
+/// Put the [`TREES`] of snapshot directory `snap` in place of those of
+/// sandbox directory `dir`: copied beside them first (`<tree>.restoring`),
+/// so that a copy that fails (a full disk) changes nothing; then swapped.
+fn replace_trees(snap: &Path, dir: &Path) -> std::result::Result<(), SnapshotError> {
+    let side = |tree: &str, what: &str| dir.join(format!("{tree}.{what}"));
+    for tree in TREES {
+        for what in ["restoring", "old"] {
+            let p = side(tree, what);
+            crate::fsutil::remove_tree(&p).map_err(SnapshotError::io_at("remove", &p))?;
+        }
+    }
+    let copied = TREES
+        .iter()
+        .try_for_each(|tree| snapshots::copy_tree(&snap.join(tree), &side(tree, "restoring")));
+    if let Err(e) = copied {
+        for tree in TREES {
+            let _ = crate::fsutil::remove_tree(&side(tree, "restoring"));
+        }
+        return Err(e);
+    }
+    for tree in TREES {
+        let (live, new, old) = (dir.join(tree), side(tree, "restoring"), side(tree, "old"));
+        if std::fs::symlink_metadata(&live).is_ok() {
+            std::fs::rename(&live, &old).map_err(SnapshotError::io_at("move aside", &live))?;
+        }
+        std::fs::rename(&new, &live).map_err(SnapshotError::io_at("move into place", &new))?;
+        crate::fsutil::remove_tree(&old).map_err(SnapshotError::io_at("remove", &old))?;
+    }
+    Ok(())
+}
+
+/// A backend's refusal, as the manager's error.
+fn unsupported(sb: &Sandbox, what: &'static str, reason: &str) -> Error {
+    Error::Backend {
+        name: sb.name.clone(),
+        source: BackendError::Unsupported {
+            what,
+            backend: sb.backend,
+            reason: reason.to_owned(),
+        },
+    }
+}
+
+/// The error of a blocking snapshot task of sandbox `name` that panicked.
+fn panicked_snapshot(name: &str, e: &tokio::task::JoinError) -> Error {
+    Error::Snapshot {
+        name: name.to_owned(),
+        source: SnapshotError::Io {
+            what: "copy the files of",
+            path: PathBuf::from(name),
+            source: std::io::Error::other(e.to_string()),
+        },
+    }
+}
