@@ -443,6 +443,7 @@ pub(crate) mod tests {
             sb["config"]["egress"] = d.egress.as_str().into();
             sb["config"]["egress_allow"] = serde_json::json!([]);
             sb["config"]["egress_deny"] = serde_json::json!([]);
+            sb["config"]["snapshot_quota"] = d.snapshot_quota.into();
         }
         assert_eq!(serde_json::to_value(&again).unwrap(), v1);
     }

@@ -102,14 +102,20 @@ pub(super) async fn run(
             Ok(0)
         }
         Command::Pause { name } => {
-            lookup(conn, manager, &name).await?.pause().await?;
+            super::state::state_of(conn, manager, &name)
+                .await?
+                .pause()
+                .await?;
             crate::outln!(
                 "Sandbox '{name}' paused: its processes use no CPU until `agentctl resume {name}`."
             );
             Ok(0)
         }
         Command::Resume { name } => {
-            lookup(conn, manager, &name).await?.resume().await?;
+            super::state::state_of(conn, manager, &name)
+                .await?
+                .resume()
+                .await?;
             crate::outln!("Sandbox '{name}' resumed.");
             Ok(0)
         }

@@ -17,7 +17,7 @@ pub(super) async fn run(
             command: Some(SnapshotCommand::Rm { name, snapshot }),
             ..
         } => {
-            let sb = lookup(conn, manager, &name).await?;
+            let sb = state_of(conn, manager, &name).await?;
             sb.remove_snapshot(&snapshot).await?;
             crate::outln!("Snapshot '{snapshot}' of sandbox '{name}' removed.");
             Ok(0)
@@ -29,7 +29,7 @@ pub(super) async fn run(
             json,
         } => {
             let name = name.expect("clap requires NAME without a subcommand");
-            let sb = lookup(conn, manager, &name).await?;
+            let sb = state_of(conn, manager, &name).await?;
             let snap = sb.snapshot(label.as_deref().unwrap_or("")).await?;
             if json {
                 println!("{}", output::json(&snapshot_json(&snap)));
@@ -45,7 +45,7 @@ pub(super) async fn run(
             Ok(0)
         }
         Command::Snapshots { name, json } => {
-            let sb = lookup(conn, manager, &name).await?;
+            let sb = state_of(conn, manager, &name).await?;
             let snaps = crate::bus::quick("Snapshots", crate::bus::limit(), async {
                 Ok(sb.snapshots().await?)
             })
@@ -79,9 +79,15 @@ pub(super) async fn run(
             Ok(0)
         }
         Command::Restore { name, snapshot } => {
-            let sb = lookup(conn, manager, &name).await?;
-            let was = sb.state().await.map_err(api::Error::ZBus)?;
-            sb.restore(&snapshot).await?;
+            let was = lookup(conn, manager, &name)
+                .await?
+                .state()
+                .await
+                .map_err(api::Error::ZBus)?;
+            state_of(conn, manager, &name)
+                .await?
+                .restore(&snapshot)
+                .await?;
             let again = if matches!(was.as_str(), "running" | "paused") {
                 " and started again (its processes started anew)"
             } else {
@@ -99,7 +105,7 @@ pub(super) async fn run(
             from,
             branch,
         } => {
-            let sb = lookup(conn, manager, &name).await?;
+            let sb = state_of(conn, manager, &name).await?;
             let (_, notices) = sb
                 .fork(
                     &new,
@@ -119,6 +125,22 @@ pub(super) async fn run(
     }
 }
 
+/// The state interface of sandbox `name`'s object.
+pub(super) async fn state_of<'a>(
+    conn: &Connection,
+    manager: &ManagerProxy<'_>,
+    name: &str,
+) -> Result<api::StateProxy<'a>> {
+    let sb = lookup(conn, manager, name).await?;
+    Ok(api::StateProxy::builder(conn)
+        .path(sb.inner().path().to_owned())
+        .map_err(api::Error::ZBus)?
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .map_err(api::Error::ZBus)?)
+}
+
 /// One snapshot as `--json` prints it.
 fn snapshot_json(s: &api::SnapshotInfo) -> Value {
     json!({
@@ -135,7 +157,16 @@ fn snapshot_json(s: &api::SnapshotInfo) -> Value {
 /// What `agentctl status` shows of a sandbox's snapshots (null when they
 /// cannot be read).
 pub(super) async fn status_json(sb: &SandboxProxy<'_>, config: &Value) -> Value {
-    let Ok(snaps) = sb.snapshots().await else {
+    let state = api::StateProxy::builder(sb.inner().connection())
+        .path(sb.inner().path().to_owned())
+        .map(|b| b.cache_properties(zbus::proxy::CacheProperties::No));
+    let Ok(state) = (match state {
+        Ok(b) => b.build().await,
+        Err(e) => Err(e),
+    }) else {
+        return Value::Null;
+    };
+    let Ok(snaps) = state.snapshots().await else {
         return Value::Null;
     };
     let last = snaps.last();

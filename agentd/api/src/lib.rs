@@ -18,7 +18,7 @@ pub use names::{
     BUS_NAME, ERROR_PREFIX, MANAGER_INTERFACE, MANAGER_PATH, SANDBOX_INTERFACE,
     SANDBOX_PATH_PREFIX, sandbox_path,
 };
-pub use proxy::{ManagerProxy, SandboxProxy, SecretsProxy};
+pub use proxy::{ManagerProxy, SandboxProxy, SecretsProxy, StateProxy};
 pub use types::{
     Agent, AgentHome, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network,
     RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SnapshotInfo, SyncMode,

@@ -68,34 +68,6 @@ pub trait Sandbox {
     /// period (at once with `force`).
     fn stop(&self, force: bool) -> Result<(), Error>;
 
-    /// Freeze every process of the running sandbox (state `paused`): they
-    /// use no CPU and keep their memory.
-    fn pause(&self) -> Result<(), Error>;
-
-    /// Thaw the processes of the paused sandbox (state `running`).
-    fn resume(&self) -> Result<(), Error>;
-
-    /// Take a snapshot of the sandbox's files; `label` may be empty.
-    fn snapshot(&self, label: &str) -> Result<crate::SnapshotInfo, Error>;
-
-    /// The sandbox's snapshots, oldest first.
-    fn snapshots(&self) -> Result<Vec<crate::SnapshotInfo>, Error>;
-
-    /// Remove snapshot `id`.
-    fn remove_snapshot(&self, id: &str) -> Result<(), Error>;
-
-    /// Put the sandbox's files back as snapshot `id` holds them.
-    fn restore(&self, id: &str) -> Result<(), Error>;
-
-    /// A new sandbox `name` from this one's files (now, or snapshot `from`
-    /// when not empty), with a worktree of `branch` when not empty.
-    fn fork(
-        &self,
-        name: &str,
-        from: &str,
-        branch: &str,
-    ) -> Result<(zvariant::OwnedObjectPath, Vec<String>), Error>;
-
     /// Remove the sandbox, its workspace and its state.
     fn destroy(&self) -> Result<(), Error>;
 
@@ -291,4 +263,40 @@ pub trait Secrets {
 
     /// Remove the secret of `var`; whether there was one.
     fn remove(&self, var: &str) -> Result<bool, Error>;
+}
+
+/// A sandbox's state kept and put back, on the sandbox's object
+/// (`org.keystone.Agent1.State`).
+#[proxy(
+    interface = "org.keystone.Agent1.State",
+    default_service = "org.keystone.Agent1"
+)]
+pub trait State {
+    /// Freeze every process of the running sandbox (state `paused`): they
+    /// use no CPU and keep their memory.
+    fn pause(&self) -> Result<(), Error>;
+
+    /// Thaw the processes of the paused sandbox (state `running`).
+    fn resume(&self) -> Result<(), Error>;
+
+    /// Take a snapshot of the sandbox's files; `label` may be empty.
+    fn snapshot(&self, label: &str) -> Result<crate::SnapshotInfo, Error>;
+
+    /// The sandbox's snapshots, oldest first.
+    fn snapshots(&self) -> Result<Vec<crate::SnapshotInfo>, Error>;
+
+    /// Remove snapshot `id`.
+    fn remove_snapshot(&self, id: &str) -> Result<(), Error>;
+
+    /// Put the sandbox's files back as snapshot `id` holds them.
+    fn restore(&self, id: &str) -> Result<(), Error>;
+
+    /// A new sandbox `name` from this one's files (now, or snapshot `from`
+    /// when not empty), with a worktree of `branch` when not empty.
+    fn fork(
+        &self,
+        name: &str,
+        from: &str,
+        branch: &str,
+    ) -> Result<(zvariant::OwnedObjectPath, Vec<String>), Error>;
 }

@@ -6,6 +6,7 @@ mod options;
 mod sandbox;
 mod secrets;
 mod signals;
+mod state;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
