@@ -316,6 +316,18 @@ impl Store {
     /// The description or the rename failed.
     pub fn commit(&self, partial: &Path, meta: &Meta) -> Result<(), SnapshotError> {
         let text = serde_json::to_vec_pretty(meta).expect("a snapshot description serializes");
+        // One that [`Store::load`] could not read back would make a
+        // snapshot that is neither listed nor counted against the quota.
+        if text.len() as u64 > META_MAX {
+            return Err(SnapshotError::Io {
+                what: "write",
+                path: partial.join(META),
+                source: std::io::Error::other(format!(
+                    "its {} bytes are more than the {META_MAX} a description may have",
+                    text.len()
+                )),
+            });
+        }
         crate::fsutil::atomic_write(&partial.join(META), &text)?;
         let done = self.dir(&meta.sandbox).join(&meta.id);
         std::fs::rename(partial, &done).map_err(SnapshotError::io_at("rename", partial))

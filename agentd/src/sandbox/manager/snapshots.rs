@@ -102,10 +102,7 @@ impl Manager {
                     copy_trees(spec.dir(), &partial)?;
                     let size = crate::fsutil::tree_size(&partial)
                         .map_err(SnapshotError::io_at("measure", &partial))?;
-                    let (branches, _) = crate::git::refs::read_branches(
-                        &partial.join("workspace/.git"),
-                        "refs/heads/",
-                    );
+                    let branches = copied_branches(&partial);
                     let meta = Meta {
                         format: snapshots::FORMAT,
                         id: id.clone(),
@@ -118,10 +115,7 @@ impl Manager {
                         size,
                         memory: false,
                         kind: kind.as_str().to_owned(),
-                        branches: branches
-                            .into_iter()
-                            .map(|(b, oid)| (b, oid.to_string()))
-                            .collect(),
+                        branches,
                         config: sb.config.clone(),
                     };
                     store.commit(&partial, &meta)?;
@@ -363,13 +357,17 @@ impl Manager {
         let rt = sb.runtime.clone();
         let thaw = match (&rt, freeze && sb.state == SandboxState::Running) {
             (Some(rt), true) => {
-                backend
-                    .pause(&spec, rt, true)
-                    .await
-                    .map_err(|source| Error::Backend {
+                if let Err(source) = backend.pause(&spec, rt, true).await {
+                    // A freeze that did not settle (a process holding it
+                    // back) leaves the group half frozen: thawed again, as
+                    // a failed pause is, or the sandbox would stay stuck
+                    // while it is shown running.
+                    let _ = backend.pause(&spec, rt, false).await;
+                    return Err(Error::Backend {
                         name: sb.name.clone(),
                         source,
-                    })?;
+                    });
+                }
                 Some(rt.clone())
             }
             _ => None,
@@ -457,6 +455,32 @@ fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> 
         }
     }
     Ok(())
+}
+
+/// Most branches a snapshot's description names. A sandbox can make
+/// any number of them (a `packed-refs` of 64 MiB): uncapped, they would
+/// make a description agentd cannot read back, and a snapshot it no
+/// longer lists nor counts against the quota.
+const BRANCHES_MAX: usize = 1000;
+
+/// The branches of the repository copied into snapshot directory
+/// `partial` (its `workspace/.git`), by name, and their commits; the
+/// first [`BRANCHES_MAX`] by name. The copy is agentd's, but its links
+/// are the sandbox's, pointing anywhere on the host: where `.git` or
+/// `.git/refs` is one, no branch is read, or agentd (root) would name
+/// branches and commits of whatever repository it points at.
+fn copied_branches(partial: &Path) -> BTreeMap<String, String> {
+    let git = partial.join("workspace/.git");
+    let refs = git.join("refs");
+    if !procfs::is_real_dir(&git) || std::fs::symlink_metadata(&refs).is_ok_and(|m| !m.is_dir()) {
+        return BTreeMap::new();
+    }
+    let (branches, _) = crate::git::refs::read_branches(&git, "refs/heads");
+    branches
+        .into_iter()
+        .take(BRANCHES_MAX)
+        .map(|(b, oid)| (b, oid.to_string()))
+        .collect()
 }
 
 /// Put the [`TREES`] of snapshot directory `snap` in place of those of
