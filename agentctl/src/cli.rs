@@ -272,6 +272,11 @@ pub enum Command {
         /// ~/.gitconfig or ~/.config/git/config.
         #[arg(long, value_name = "IDENTITY", value_parser = str::parse::<GitIdentity>)]
         git_identity: Option<GitIdentity>,
+        /// Stop the sandbox once it has been idle this long (no terminal,
+        /// no command, no network, under 5% CPU): 30m, 2h, 90s; 0 never.
+        /// The next exec, attach or cp starts it again. Default: never.
+        #[arg(long, value_name = "DURATION", value_parser = duration_secs)]
+        idle_stop: Option<u32>,
         /// The git repository (its top-level directory).
         project_path: PathBuf,
     },
@@ -492,6 +497,10 @@ agentctl set myproject --default-agent none"
         /// gemini, or none.
         #[arg(long, value_name = "AGENT", value_parser = agent_or_none)]
         default_agent: Option<AgentOrNone>,
+        /// Stop the sandbox once it has been idle this long: 30m, 2h, 90s;
+        /// 0 never.
+        #[arg(long, value_name = "DURATION", value_parser = duration_secs)]
+        idle_stop: Option<u32>,
     },
     /// Worktrees: one per branch at /workspace/.worktrees/BRANCH, so several
     /// agents can work on one repository side by side.
@@ -682,6 +691,31 @@ agentctl exec -t myproject -b feature-x -- bash   # an interactive shell in a wo
 /// `agentctl set --default-agent`: an agent, or none.
 #[derive(Debug, Clone, Copy)]
 pub struct AgentOrNone(pub Option<Agent>);
+
+/// A duration with its unit (`90s`, `30m`, `2h`, `1d`), or `0`, in
+/// seconds.
+fn duration_secs(s: &str) -> Result<u32, String> {
+    if s == "0" {
+        return Ok(0);
+    }
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let per = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        _ => {
+            return Err(format!(
+                "'{s}': give a number with a unit: 90s, 30m, 2h, 1d (or 0)"
+            ));
+        }
+    };
+    n.parse::<u32>()
+        .ok()
+        .and_then(|n| n.checked_mul(per))
+        .ok_or_else(|| format!("'{s}' is not a duration agentctl can take"))
+}
 
 /// `none` or an agent's name.
 fn agent_or_none(s: &str) -> Result<AgentOrNone, String> {

@@ -356,6 +356,9 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.snapshot_quota`.
     #[serde(default)]
     pub snapshot_quota: Option<u32>,
+    /// Override of `defaults.idle_stop_seconds`.
+    #[serde(default)]
+    pub idle_stop_seconds: Option<u32>,
     /// Secrets read from files at each start (NixOS
     /// `sandboxes.<name>.secrets.<VAR>`, agenix or sops-nix), by variable.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -445,6 +448,7 @@ impl DeclaredSandbox {
             agent_home: self.agent_home.unwrap_or(d.agent_home),
             git_identity: self.git_identity.clone().unwrap_or(d.git_identity),
             snapshot_quota: self.snapshot_quota.unwrap_or(d.snapshot_quota),
+            idle_stop_seconds: self.idle_stop_seconds.unwrap_or(d.idle_stop_seconds),
         }
     }
 }

@@ -198,19 +198,25 @@ pub fn chown_tree(root: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
     .map_err(|e| depth_error(root, e))
 }
 
-/// The space the tree at directory `root` takes on disk (allocated
-/// blocks, a file with several links once per link), never through a
+/// The space the tree at directory `root` takes on disk: allocated
+/// blocks, and at least [`ENTRY_COST`] for every entry (an empty file or a
+/// short symlink has no block, but takes an inode of the file system a copy
+/// lands on); a file with several links once per link. Never through a
 /// symlink.
 pub fn tree_size(root: &Path) -> std::io::Result<u64> {
+    let cost = |st: &FileStat| (u64::try_from(st.st_blocks).unwrap_or(0) * 512).max(ENTRY_COST);
     let top = open_root(root)?;
-    let mut total = u64::try_from(fstat(&top).map_err(io)?.st_blocks).unwrap_or(0) * 512;
+    let mut total = cost(&fstat(&top).map_err(io)?);
     walk(&top, 1, &mut |_, _, st| {
-        total = total.saturating_add(u64::try_from(st.st_blocks).unwrap_or(0) * 512);
+        total = total.saturating_add(cost(st));
         Ok(())
     })
     .map_err(|e| depth_error(root, e))?;
     Ok(total)
 }
+
+/// What [`tree_size`] counts at least for one entry (a block).
+pub const ENTRY_COST: u64 = 4096;
 
 /// Add read (and, on directories, search) permission for others to the
 /// tree at directory `root`: its directories and regular files, never

@@ -289,6 +289,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         Arc::new(sandbox::helpers::Processes::new(exe)),
     );
     manager.reconcile(&config).await?;
+    manager.watch_idle();
     if config.proxy.enable {
         let proxy = proxy::Proxy::start(
             config.proxy.clone(),

@@ -262,6 +262,10 @@ pub struct Sandbox {
     /// Creation has not finished: on restart the sandbox is rolled back.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub creating: bool,
+    /// agentd stopped it because it was idle (`idle_stop_seconds`): the
+    /// next exec, attach or cp starts it again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub idle_stopped: bool,
     /// Time of the last sync (either direction).
     #[serde(
         default,
@@ -395,6 +399,7 @@ pub(crate) mod tests {
             uid: Some(0x7000_0001),
             declared: false,
             creating: false,
+            idle_stopped: false,
             last_sync_at: None,
             last_sync_result: String::new(),
             runtime: None,

@@ -225,6 +225,18 @@ impl Store {
         out
     }
 
+    /// Every name in `sandbox`'s directory of snapshots (damaged ones and
+    /// leftovers too): the ids a new snapshot must not take.
+    #[must_use]
+    pub fn names(&self, sandbox: &str) -> Vec<String> {
+        std::fs::read_dir(self.dir(sandbox))
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .map(|n| n.trim_end_matches(".partial").to_owned())
+            .collect()
+    }
+
     /// The bytes `sandbox`'s snapshots take.
     #[must_use]
     pub fn used(&self, sandbox: &str) -> u64 {

@@ -102,6 +102,9 @@ pub fn check_name(name: &str, problems: &mut Vec<String>) {
     }
 }
 
+/// Largest `idle_stop_seconds` (30 days).
+pub const IDLE_STOP_MAX: u32 = 30 * 24 * 3600;
+
 /// Largest `snapshot_quota`, in MiB (16 TiB).
 pub const SNAPSHOT_QUOTA_MAX: u32 = 16 << 20;
 
@@ -132,6 +135,12 @@ pub fn check_config(config: &SandboxConfig, problems: &mut Vec<String>) {
         problems.push(format!(
             "snapshot_quota {} MiB is out of range: from 0 (no snapshots) to {SNAPSHOT_QUOTA_MAX} MiB",
             config.snapshot_quota
+        ));
+    }
+    if config.idle_stop_seconds > IDLE_STOP_MAX {
+        problems.push(format!(
+            "idle_stop_seconds {} is out of range: from 0 (never) to {IDLE_STOP_MAX} (30 days)",
+            config.idle_stop_seconds
         ));
     }
     check_egress_entries("egress_allow", &config.egress_allow, problems);

@@ -296,7 +296,6 @@ impl Drop for Thaw {
 /// while it says it runs (its agents hung, every exec timing out). It is
 /// either thawed or shown paused, and the half-made snapshot is gone.
 #[test]
-#[ignore = "agentd adopts a sandbox frozen by an interrupted snapshot as running: reconcile must thaw a sandbox it adopts as running"]
 fn agentd_killed_during_a_snapshot_leaves_no_sandbox_frozen_and_running() {
     let freezer = Path::new("/sys/fs/cgroup/freezer/cgroup.procs");
     if !common::is_root() || !freezer.exists() {

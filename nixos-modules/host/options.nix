@@ -203,6 +203,16 @@ let
         `snapshot_quota`.
       '';
     };
+    idleStopSeconds = {
+      type = types.ints.between 0 2592000;
+      example = 1800;
+      description = ''
+        Stop the running sandbox once it has been idle this many seconds
+        (no terminal open in it, no command running, no egress traffic, CPU
+        under 5%); the next `agentctl exec`, `attach` or `cp` starts it
+        again. 0: never. agentd: `idle_stop_seconds`.
+      '';
+    };
   };
 
   defaultOption =

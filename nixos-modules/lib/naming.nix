@@ -150,6 +150,7 @@ let
       agentHome = "own";
       gitIdentity = "owner";
       snapshotQuota = 20480;
+      idleStopSeconds = 0;
     };
     microvm = {
       shareProto = "virtiofs";
@@ -212,6 +213,7 @@ let
       agentHome = null;
       gitIdentity = null;
       snapshotQuota = null;
+      idleStopSeconds = null;
       secrets = { };
     };
   };
@@ -235,6 +237,7 @@ let
     agentHome = "agent_home";
     gitIdentity = "git_identity";
     snapshotQuota = "snapshot_quota";
+    idleStopSeconds = "idle_stop_seconds";
   };
 
   # Fill in the defaults of a (possibly partial) keystone.agent attrset. The

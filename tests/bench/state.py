@@ -54,7 +54,7 @@ def main():
 
         # 1. pause/resume with a spinning process inside.
         d.run("exec", "st", "--", "sh", "-c",
-              "setsid sh -c 'while :; do :; done' </dev/null >/dev/null 2>&1 &")
+              "setsid sh -c 'while :; do :; done' </dev/null >/dev/null 2>&1 & echo $! > /tmp/spin.pid")
         pauses, resumes, base = [], [], []
         for _ in range(args.runs):
             pauses.append(timed(ctl + ["pause", "st"]))
@@ -63,7 +63,7 @@ def main():
         print(f"local backend, {args.runs} runs each")
         line("pause", pauses, "status", base)
         line("resume", resumes, "status", base)
-        d.run("exec", "st", "--", "sh", "-c", "pkill -f 'while :' || true")
+        d.run("exec", "st", "--", "sh", "-c", "kill $(cat /tmp/spin.pid)")
 
         # 2. snapshot of --mib MiB of files.
         d.run("exec", "st", "--timeout", "600", "--", "sh", "-c",

@@ -23,6 +23,7 @@ pub(super) async fn run(
             default_agent,
             agent_home,
             git_identity,
+            idle_stop,
             project_path,
         } => {
             let abs = std::path::absolute(&project_path).map_err(|e| {
@@ -45,6 +46,7 @@ pub(super) async fn run(
                 default_agent,
                 agent_home,
                 git_identity,
+                idle_stop_seconds: idle_stop,
             };
             // Show the workspace being prepared while the call runs.
             let mut progress = manager
@@ -208,12 +210,14 @@ pub(super) async fn run(
             sync_mode,
             sync_idle_seconds,
             default_agent,
+            idle_stop,
         } => {
             let sb = lookup(conn, manager, &name).await?;
             let settings = ConfigureOptions {
                 sync_mode,
                 sync_idle_seconds,
                 default_agent: default_agent.map(|a| a.0),
+                idle_stop_seconds: idle_stop,
             };
             if settings == ConfigureOptions::default() {
                 return Err(Failure::new(

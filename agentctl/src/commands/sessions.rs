@@ -88,6 +88,7 @@ pub(super) async fn run(
                 vars.insert(k, v);
             }
             let sb = lookup(conn, manager, &name).await?;
+            say_if_idle_stopped(&sb, &name).await;
             let exec = ExecOptions {
                 cwd: workdir,
                 worktree,
@@ -105,5 +106,16 @@ pub(super) async fn run(
             super::exec::run(&sb, &argv, vars, opts).await
         }
         _ => unreachable!("dispatched by commands::run"),
+    }
+}
+
+/// Say so when sandbox `name` is stopped because it was idle: agentd
+/// starts it again for the command, which then takes a start's time.
+async fn say_if_idle_stopped(sb: &SandboxProxy<'_>, name: &str) {
+    let (Ok(state), Ok(reason)) = (sb.state().await, sb.state_reason().await) else {
+        return;
+    };
+    if state == "stopped" && reason.contains(" idle;") {
+        crate::errln!("note: sandbox '{name}' was stopped when idle; starting it again");
     }
 }

@@ -159,6 +159,8 @@ pub struct CreateOptions {
     pub agent_home: Option<AgentHome>,
     /// The workspace's git identity: `owner`, `none` or `Name <email>`.
     pub git_identity: Option<GitIdentity>,
+    /// Stop the sandbox after this many idle seconds (0: never).
+    pub idle_stop_seconds: Option<u32>,
 }
 
 impl CreateOptions {
@@ -177,6 +179,7 @@ impl CreateOptions {
         "default_agent",
         "agent_home",
         "git_identity",
+        "idle_stop_seconds",
     ];
 
     /// Read `dict`.
@@ -199,6 +202,7 @@ impl CreateOptions {
             default_agent: r.parsed("default_agent"),
             agent_home: r.parsed("agent_home"),
             git_identity: r.parsed("git_identity"),
+            idle_stop_seconds: r.u32("idle_stop_seconds"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -228,6 +232,7 @@ impl CreateOptions {
             "git_identity",
             self.git_identity.as_ref().map(ToString::to_string),
         );
+        put(&mut d, "idle_stop_seconds", self.idle_stop_seconds);
         d
     }
 }
@@ -427,11 +432,18 @@ pub struct ConfigureOptions {
     /// The agent a new session starts beside its shell; `Some(None)` (`""`
     /// on the bus) for none.
     pub default_agent: Option<Option<Agent>>,
+    /// Stop the sandbox after this many idle seconds (0: never).
+    pub idle_stop_seconds: Option<u32>,
 }
 
 impl ConfigureOptions {
     /// The keys it knows.
-    pub const KEYS: &'static [&'static str] = &["sync_mode", "sync_idle_seconds", "default_agent"];
+    pub const KEYS: &'static [&'static str] = &[
+        "sync_mode",
+        "sync_idle_seconds",
+        "default_agent",
+        "idle_stop_seconds",
+    ];
 
     /// Read `dict`.
     ///
@@ -443,6 +455,7 @@ impl ConfigureOptions {
             sync_mode: r.parsed("sync_mode"),
             sync_idle_seconds: r.u32("sync_idle_seconds"),
             default_agent: r.agent_or_none("default_agent"),
+            idle_stop_seconds: r.u32("idle_stop_seconds"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -458,6 +471,7 @@ impl ConfigureOptions {
             "default_agent",
             self.default_agent.map(|a| a.map_or("", Agent::as_str)),
         );
+        put(&mut d, "idle_stop_seconds", self.idle_stop_seconds);
         d
     }
 }
@@ -494,6 +508,7 @@ mod tests {
             default_agent: Some(Agent::Codex),
             agent_home: Some(AgentHome::Shared),
             git_identity: Some("Ada <ada@example.com>".parse().unwrap()),
+            idle_stop_seconds: Some(1800),
         };
         assert_eq!(
             CreateOptions::from_dict(&wire(&create.to_dict())),
@@ -532,6 +547,7 @@ mod tests {
                 sync_mode: Some(SyncMode::Manual),
                 sync_idle_seconds: Some(9),
                 default_agent,
+                idle_stop_seconds: Some(0),
             };
             assert_eq!(
                 ConfigureOptions::from_dict(&wire(&conf.to_dict())),

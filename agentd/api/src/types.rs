@@ -277,6 +277,10 @@ pub struct SandboxConfig {
     /// Disk space in MiB the sandbox's snapshots may take on agentd's disk
     /// (0: no snapshots).
     pub snapshot_quota: u32,
+    /// Stop the running sandbox once it has been idle this many seconds:
+    /// no attached terminal, no command running, no gateway traffic, CPU
+    /// under 5% (0: never). The next exec, attach or cp starts it again.
+    pub idle_stop_seconds: u32,
 }
 
 impl Default for SandboxConfig {
@@ -299,6 +303,7 @@ impl Default for SandboxConfig {
             agent_home: AgentHome::Own,
             git_identity: GitIdentity::Owner,
             snapshot_quota: 20480,
+            idle_stop_seconds: 0,
         }
     }
 }

@@ -38,6 +38,7 @@ mod dirs;
 mod egress;
 mod exec;
 mod gitops;
+mod idle;
 mod lifecycle;
 mod pause;
 mod reconcile;
@@ -105,6 +106,8 @@ struct SandboxLocks {
     /// that nothing the sandbox planted (a FIFO where git expects an
     /// object) can hold its destroy.
     gone: tokio::sync::watch::Sender<bool>,
+    /// Commands running in the sandbox now (it is not idle meanwhile).
+    busy: std::sync::atomic::AtomicUsize,
 }
 
 impl Default for SandboxLocks {
@@ -114,6 +117,7 @@ impl Default for SandboxLocks {
             sync: tokio::sync::Mutex::default(),
             worktrees: tokio::sync::Mutex::default(),
             gone: tokio::sync::watch::channel(false).0,
+            busy: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 }
@@ -342,6 +346,14 @@ impl Manager {
                 "sync_idle_seconds must be at least 1".to_owned(),
             ]));
         }
+        if o.idle_stop_seconds
+            .is_some_and(|s| s > validate::IDLE_STOP_MAX)
+        {
+            return Err(Error::Invalid(vec![format!(
+                "idle_stop_seconds must be at most {} (30 days; 0: never)",
+                validate::IDLE_STOP_MAX
+            )]));
+        }
         let sb = self.update(name, |s| {
             if let Some(m) = o.sync_mode {
                 s.config.sync_mode = m;
@@ -351,6 +363,9 @@ impl Manager {
             }
             if let Some(a) = o.default_agent {
                 s.config.default_agent = a;
+            }
+            if let Some(i) = o.idle_stop_seconds {
+                s.config.idle_stop_seconds = i;
             }
         })?;
         self.store.registry().save_config(&sb)?;

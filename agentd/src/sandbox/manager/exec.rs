@@ -5,11 +5,18 @@ use super::*;
 impl Manager {
     /// Run a command in running sandbox `name`: with `call.stdio`, on those
     /// descriptors (output streams as it runs); without, collecting output.
-    pub async fn exec(&self, caller: Caller, name: &str, call: ExecCall) -> Result<ExecResult> {
+    pub async fn exec(
+        self: &Arc<Self>,
+        caller: Caller,
+        name: &str,
+        call: ExecCall,
+    ) -> Result<ExecResult> {
         let started = SystemTime::now();
         // Only callers who may use the sandbox get a history entry.
         let sb = self.get(caller, name)?;
         let (kind, detail) = call.recorded_as(name)?;
+        let sb = self.wake(caller, sb).await?;
+        let _busy = self.busy(name);
         let result = self.exec_inner(&sb, call).await;
         self.record_run(
             name,

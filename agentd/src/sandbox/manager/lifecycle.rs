@@ -57,6 +57,7 @@ impl Manager {
             default_agent: opts.default_agent.or(d.default_agent),
             agent_home: opts.agent_home.unwrap_or(d.agent_home),
             git_identity: opts.git_identity.unwrap_or_else(|| d.git_identity.clone()),
+            idle_stop_seconds: opts.idle_stop_seconds.unwrap_or(d.idle_stop_seconds),
             ..d.clone()
         };
         validate::check_config(&config, &mut problems);
@@ -84,6 +85,7 @@ impl Manager {
             uid: None,
             declared: false,
             creating: true,
+            idle_stopped: false,
             last_sync_at: None,
             last_sync_result: String::new(),
             runtime: None,
@@ -187,7 +189,10 @@ impl Manager {
         kind: BackendKind,
     ) -> Result<Sandbox> {
         let backend = Arc::clone(self.backend(kind)?);
-        let sb = self.transition(name, Event::Start, |s| s.state_reason.clear())?;
+        let sb = self.transition(name, Event::Start, |s| {
+            s.state_reason.clear();
+            s.idle_stopped = false;
+        })?;
         tracing::info!(sandbox = %name, "starting");
         // Declared sandboxes get their workspace on first start.
         match self.prepare_dirs(&sb).await {

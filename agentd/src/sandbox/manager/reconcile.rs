@@ -105,6 +105,16 @@ impl Manager {
             let Some(sb) = self.snapshot(&name) else {
                 continue;
             };
+            if sb.state == SandboxState::Running {
+                // An agentd that died while it copied a sandbox's files
+                // (snapshot, fork) left it frozen: a running sandbox is
+                // thawed (a no-op for one that is not frozen).
+                if let (Some(rt), Ok(backend)) = (&sb.runtime, self.backend(sb.backend)) {
+                    if backend.pause(&self.spec(&sb), rt, false).await.is_ok() {
+                        tracing::debug!(sandbox = %name, "thawed");
+                    }
+                }
+            }
             if sb.state.is_up() {
                 self.monitor(&name);
                 // A running sandbox keeps what the configuration now says
@@ -184,6 +194,7 @@ impl Manager {
                             uid: None,
                             declared: true,
                             creating: false,
+                            idle_stopped: false,
                             last_sync_at: None,
                             last_sync_result: String::new(),
                             runtime: None,

@@ -143,6 +143,13 @@ pub(super) struct TermEntry {
     exit: watch::Receiver<Option<i32>>,
 }
 
+impl TermEntry {
+    /// Whether this is a terminal of sandbox `name` whose command runs.
+    pub(super) fn is_open_in(&self, name: &str) -> bool {
+        self.sandbox == name && self.exit.borrow().is_none()
+    }
+}
+
 impl Manager {
     /// Run `call` in sandbox `name` on a new terminal; the caller gets the
     /// master side and an id for [`Manager::wait_process`].
@@ -155,6 +162,7 @@ impl Manager {
     ) -> Result<Terminal> {
         let sb = self.get(caller, name)?;
         let record = call.recorded_as(name)?;
+        let sb = self.wake(caller, sb).await?;
         let mut req = self.exec_request(&sb, call).await?;
         req.env
             .entry("TERM".to_owned())

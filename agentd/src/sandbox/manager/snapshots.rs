@@ -67,7 +67,7 @@ impl Manager {
         let label = snapshots::clean_label(label);
         let dest = {
             let store = self.snapshot_store();
-            let taken: Vec<String> = store.list(name).into_iter().map(|m| m.id).collect();
+            let taken = store.names(name);
             let id = snapshots::new_id(SystemTime::now(), &taken);
             (store, id)
         };
@@ -276,6 +276,7 @@ impl Manager {
             uid: None,
             declared: false,
             creating: true,
+            idle_stopped: false,
             last_sync_at: None,
             last_sync_result: String::new(),
             runtime: None,

@@ -1,0 +1,190 @@
+//! Idle stop: a running sandbox with `idle_stop_seconds` set is stopped
+//! once it has been idle that long (no terminal open in it, no command
+//! running, no egress gateway traffic, CPU under [`BUSY_CPU_PERCENT`]),
+//! and started again by the next exec, terminal or attach, which say so.
+//! Its files stay where they are (a stop keeps them); its processes end.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::*;
+
+/// CPU use (percent of one CPU over a check's interval) that counts as
+/// work.
+const BUSY_CPU_PERCENT: u64 = 5;
+
+/// The longest time between two checks.
+const CHECK_MAX: Duration = Duration::from_secs(15);
+
+/// What the last check saw of one running sandbox.
+#[derive(Debug)]
+struct Seen {
+    /// The run it was seen in (a restart starts afresh).
+    runtime: crate::backend::Runtime,
+    /// CPU time so far, µs, when the backend tells it.
+    cpu_usec: Option<u64>,
+    /// The gateway's counters.
+    gateway: Option<[u64; 5]>,
+    /// When it last did something.
+    active_at: Instant,
+    /// When it was looked at.
+    at: Instant,
+}
+
+/// Marks a command running in a sandbox for as long as it lives (the
+/// sandbox is not idle meanwhile).
+pub(super) struct Busy(Arc<SandboxLocks>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl Manager {
+    /// Count a command running in sandbox `name` until the guard drops.
+    pub(super) fn busy(&self, name: &str) -> Busy {
+        let locks = self.locks(name);
+        locks.busy.fetch_add(1, Ordering::Relaxed);
+        Busy(locks)
+    }
+
+    /// Start sandbox `sb` again if agentd stopped it when it was idle, for
+    /// a request that needs it running; the sandbox as it is then.
+    pub(super) async fn wake(self: &Arc<Self>, caller: Caller, sb: Sandbox) -> Result<Sandbox> {
+        if sb.state != SandboxState::Stopped || !sb.idle_stopped {
+            return Ok(sb);
+        }
+        tracing::info!(sandbox = %sb.name, "starting a sandbox stopped when idle, for a request");
+        self.start(caller, &sb.name).await
+    }
+
+    /// Check the sandboxes for idleness every few seconds, and at once
+    /// when one changes (a start, a new limit), as long as the manager
+    /// lives.
+    pub fn watch_idle(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let mut changes = self.subscribe();
+        tokio::spawn(async move {
+            let mut seen: HashMap<String, Seen> = HashMap::new();
+            loop {
+                let Some(this) = weak.upgrade() else {
+                    return;
+                };
+                let wait = this.idle_check(&mut seen).await;
+                drop(this);
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    change = changes.recv() => {
+                        if matches!(change, Err(broadcast::error::RecvError::Closed)) {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// One check of every running sandbox with an idle limit; stops those
+    /// idle past it. Returns when to check again.
+    async fn idle_check(self: &Arc<Self>, seen: &mut HashMap<String, Seen>) -> Duration {
+        let watched: Vec<Sandbox> = self.store.collect(|s| {
+            (s.state == SandboxState::Running && s.config.idle_stop_seconds > 0).then(|| s.clone())
+        });
+        seen.retain(|name, _| watched.iter().any(|s| &s.name == name));
+        let mut next = CHECK_MAX;
+        for sb in watched {
+            let limit = Duration::from_secs(u64::from(sb.config.idle_stop_seconds));
+            next = next.min((limit / 4).max(Duration::from_millis(500)));
+            let Some(rt) = sb.runtime.clone() else {
+                continue;
+            };
+            let now = Instant::now();
+            let cpu_usec = self.cpu_usec(&sb).await;
+            let gateway = self.gateways.traffic(&sb.name).map(|t| t.read());
+            let busy = self.locks(&sb.name).busy.load(Ordering::Relaxed) > 0
+                || self.terminals_open(&sb.name);
+            let entry = seen.entry(sb.name.clone()).or_insert_with(|| Seen {
+                runtime: rt.clone(),
+                cpu_usec,
+                gateway,
+                active_at: now,
+                at: now,
+            });
+            if entry.runtime != rt {
+                *entry = Seen {
+                    runtime: rt,
+                    cpu_usec,
+                    gateway,
+                    active_at: now,
+                    at: now,
+                };
+                continue;
+            }
+            let window = u64::try_from(now.duration_since(entry.at).as_micros()).unwrap_or(1);
+            let cpu_busy = match (entry.cpu_usec, cpu_usec) {
+                (Some(a), Some(b)) => b.saturating_sub(a) * 100 > window * BUSY_CPU_PERCENT,
+                _ => false,
+            };
+            if busy || cpu_busy || entry.gateway != gateway {
+                entry.active_at = now;
+            }
+            entry.cpu_usec = cpu_usec;
+            entry.gateway = gateway;
+            entry.at = now;
+            if now.duration_since(entry.active_at) >= limit {
+                seen.remove(&sb.name);
+                self.stop_idle(&sb.name, sb.config.idle_stop_seconds).await;
+            }
+        }
+        next
+    }
+
+    /// The CPU time sandbox `sb` has used, when its backend tells it.
+    async fn cpu_usec(&self, sb: &Sandbox) -> Option<u64> {
+        let backend = Arc::clone(self.backend(sb.backend).ok()?);
+        let spec = self.spec(sb);
+        tokio::task::spawn_blocking(move || {
+            let mut stats = crate::stats::Stats::default();
+            backend.usage(&spec, &mut stats);
+            stats.figures.get("cpu_usec").copied()
+        })
+        .await
+        .ok()
+        .flatten()
+    }
+
+    /// Whether a terminal (exec -t, attach) is open in sandbox `name`.
+    fn terminals_open(&self, name: &str) -> bool {
+        self.terminals
+            .lock()
+            .unwrap()
+            .values()
+            .any(|t| t.is_open_in(name))
+    }
+
+    /// Stop sandbox `name`, idle for `secs` seconds, unless something
+    /// changed it meanwhile.
+    async fn stop_idle(&self, name: &str, secs: u32) {
+        let locks = self.locks(name);
+        let _guard = locks.op.lock().await;
+        if self
+            .snapshot(name)
+            .is_none_or(|s| s.state != SandboxState::Running)
+            || locks.busy.load(Ordering::Relaxed) > 0
+        {
+            return;
+        }
+        tracing::info!(sandbox = %name, idle_seconds = secs, "stopping an idle sandbox");
+        if let Err(e) = self.stop_locked(name, false).await {
+            tracing::warn!(sandbox = %name, error = %e, "cannot stop the idle sandbox");
+            return;
+        }
+        let _ = self.update(name, |s| {
+            s.idle_stopped = true;
+            s.state_reason =
+                format!("stopped after {secs} s idle; the next exec, attach or cp starts it again");
+        });
+    }
+}
