@@ -95,7 +95,7 @@ def main():
         # 4. forks from the snapshot vs a fresh create.
         creates = []
         for i in range(3):
-            creates.append(timed(ctl + ["create", "--name", f"fresh{i}", str(repo)]))
+            creates.append(timed(ctl + ["create", "--name", f"fresh{i}", str(repo)], stderr=subprocess.DEVNULL))
         times, extra = [], []
         for i in range(args.forks):
             before = du_bytes(d.state)
