@@ -282,6 +282,38 @@ pub struct Sandbox {
 }
 
 impl Sandbox {
+    /// A new record: a fresh unique id, state `created`, marked `creating`
+    /// until its directories are made; no uid yet (the store gives it one).
+    #[must_use]
+    pub fn new(
+        name: &str,
+        project_path: PathBuf,
+        backend: BackendKind,
+        config: SandboxConfig,
+        owner: u32,
+    ) -> Self {
+        Self {
+            id: uuid::Uuid::new_v4().to_string(),
+            name: name.to_owned(),
+            project_path,
+            state: SandboxState::Created,
+            state_reason: String::new(),
+            backend,
+            created_at: SystemTime::now(),
+            started_at: None,
+            config,
+            ports: Ports::new(),
+            owner,
+            uid: None,
+            declared: false,
+            creating: true,
+            idle_stopped: false,
+            last_sync_at: None,
+            last_sync_result: String::new(),
+            runtime: None,
+        }
+    }
+
     /// The row `ListSandboxes` returns.
     #[must_use]
     pub fn summary(&self) -> SandboxSummary {

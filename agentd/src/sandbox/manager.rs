@@ -10,7 +10,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use keystone_agent_api::types::Ports;
 use keystone_agent_api::{
     BackendKind, ExecResult, HistoryEntry, SandboxConfig, SandboxState, SandboxSummary, SyncMode,
     SyncReport, WorktreeInfo,
@@ -123,6 +122,15 @@ impl Default for SandboxLocks {
 }
 
 impl SandboxLocks {
+    /// All three, in their order: nothing else changes the sandbox while
+    /// they are held.
+    async fn all(&self) -> [tokio::sync::MutexGuard<'_, ()>; 3] {
+        let op = self.op.lock().await;
+        let sync = self.sync.lock().await;
+        let worktrees = self.worktrees.lock().await;
+        [op, sync, worktrees]
+    }
+
     /// Resolves once destroy has begun (see `gone`).
     async fn destroyed(&self) {
         let mut rx = self.gone.subscribe();

@@ -70,26 +70,7 @@ impl Manager {
             return Err(Error::Invalid(problems));
         }
         let project = canon.expect("checked above");
-        let sb = Sandbox {
-            id: uuid::Uuid::new_v4().to_string(),
-            name: name.clone(),
-            project_path: project,
-            state: SandboxState::Created,
-            state_reason: String::new(),
-            backend,
-            created_at: SystemTime::now(),
-            started_at: None,
-            config,
-            ports: Ports::new(),
-            owner: caller.uid,
-            uid: None,
-            declared: false,
-            creating: true,
-            idle_stopped: false,
-            last_sync_at: None,
-            last_sync_result: String::new(),
-            runtime: None,
-        };
+        let sb = Sandbox::new(&name, project, backend, config, caller.uid);
         self.insert_new(sb).await
     }
 

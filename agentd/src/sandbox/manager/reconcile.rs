@@ -180,24 +180,16 @@ impl Manager {
                     map.insert(
                         name.clone(),
                         Sandbox {
-                            id: uuid::Uuid::new_v4().to_string(),
-                            name: name.clone(),
-                            project_path: d.project.clone(),
-                            state: SandboxState::Created,
-                            state_reason: String::new(),
-                            backend,
-                            created_at: SystemTime::now(),
-                            started_at: None,
-                            config: cfg,
                             ports: d.ports.clone(),
-                            owner: owner.uid.as_raw(),
-                            uid: None,
                             declared: true,
                             creating: false,
-                            idle_stopped: false,
-                            last_sync_at: None,
-                            last_sync_result: String::new(),
-                            runtime: None,
+                            ..Sandbox::new(
+                                name,
+                                d.project.clone(),
+                                backend,
+                                cfg,
+                                owner.uid.as_raw(),
+                            )
                         },
                     );
                 }

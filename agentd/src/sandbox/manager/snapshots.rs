@@ -58,12 +58,10 @@ impl Manager {
     ) -> Result<SnapshotInfo> {
         self.get(caller, name)?;
         let locks = self.locks(name);
-        let _op = locks.op.lock().await;
-        let _sync = locks.sync.lock().await;
-        let _worktrees = locks.worktrees.lock().await;
-        let sb = self
-            .snapshot(name)
-            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let _all = locks.all().await;
+        // Again, under the locks: the sandbox may have gone (or another
+        // of the same name come) while they were waited for.
+        let sb = self.get(caller, name)?;
         let label = snapshots::clean_label(label);
         let dest = {
             let store = self.snapshot_store();
@@ -183,12 +181,10 @@ impl Manager {
     ) -> Result<Sandbox> {
         self.get(caller, name)?;
         let locks = self.locks(name);
-        let _op = locks.op.lock().await;
-        let _sync = locks.sync.lock().await;
-        let _worktrees = locks.worktrees.lock().await;
-        let sb = self
-            .snapshot(name)
-            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let _all = locks.all().await;
+        // Again, under the locks: the sandbox may have gone (or another
+        // of the same name come) while they were waited for.
+        let sb = self.get(caller, name)?;
         let (meta, snap_dir) = self.load_own_snapshot(&sb, &sb, id).await?;
         let backend = Arc::clone(self.backend(sb.backend)?);
         self.check_settled(&sb, "restore")?;
@@ -261,26 +257,13 @@ impl Manager {
             c.snapshot_quota = src.config.snapshot_quota;
             c
         });
-        let sb = Sandbox {
-            id: uuid::Uuid::new_v4().to_string(),
-            name: new.to_owned(),
-            project_path: src.project_path.clone(),
-            state: SandboxState::Created,
-            state_reason: String::new(),
-            backend: src.backend,
-            created_at: SystemTime::now(),
-            started_at: None,
+        let sb = Sandbox::new(
+            new,
+            src.project_path.clone(),
+            src.backend,
             config,
-            ports: Ports::new(),
-            owner: src.owner,
-            uid: None,
-            declared: false,
-            creating: true,
-            idle_stopped: false,
-            last_sync_at: None,
-            last_sync_result: String::new(),
-            runtime: None,
-        };
+            src.owner,
+        );
         let (forked, mut notices) = self
             .insert_seeded(sb, async |new_sb: &Sandbox| {
                 let to = self.store.registry().sandbox_dir(&new_sb.name);
@@ -299,7 +282,7 @@ impl Manager {
                             source,
                         })
                     }
-                    None => self.copy_live(name, &to).await,
+                    None => self.copy_live(caller, name, &to).await,
                 }
             })
             .await?;
@@ -317,14 +300,10 @@ impl Manager {
 
     /// Copy the files of sandbox `name` as they are now into `to` (a new
     /// sandbox's directory), frozen while copied where it runs.
-    async fn copy_live(&self, name: &str, to: &Path) -> Result<()> {
+    async fn copy_live(&self, caller: Caller, name: &str, to: &Path) -> Result<()> {
         let locks = self.locks(name);
-        let _op = locks.op.lock().await;
-        let _sync = locks.sync.lock().await;
-        let _worktrees = locks.worktrees.lock().await;
-        let src = self
-            .snapshot(name)
-            .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let _all = locks.all().await;
+        let src = self.get(caller, name)?;
         let to = to.to_owned();
         self.frozen_copy(&src, "be forked", move |spec, sb| {
             std::fs::create_dir_all(&to)
