@@ -4,6 +4,8 @@
 //! with nothing changed, forked into a sandbox of its own (own uid,
 //! hostname and sync namespace), and gone with destroy.
 
+#[path = "common/kube.rs"]
+mod cluster;
 mod common;
 
 use std::os::unix::fs::MetadataExt;
@@ -254,4 +256,30 @@ fn a_fork_is_a_sandbox_of_its_own_with_the_same_files() {
     env.ok(&["destroy", "--force", "fa"]);
     assert!(!env.state_dir.join("snapshots/fa").exists());
     assert_eq!(env.sh("fc", "cat /workspace/f.txt"), "shared\n");
+}
+
+#[test]
+fn a_backend_that_keeps_no_state_says_why_and_changes_nothing() {
+    if cluster::skip() {
+        return;
+    }
+    let kube = cluster::Cluster::start(true);
+    let env = cluster::agentd_running(&kube, serde_json::json!({}));
+    cluster::sandbox(&env, "pod", &[]);
+    let refused = env.fails(3, &["snapshot", "pod"]);
+    assert!(
+        refused.contains("a kubernetes sandbox cannot be snapshotted")
+            && refused.contains("VolumeSnapshots"),
+        "{refused}"
+    );
+    let paused = env.fails(3, &["pause", "pod"]);
+    assert!(
+        paused.contains("a kubernetes sandbox cannot be paused"),
+        "{paused}"
+    );
+    env.fails(3, &["fork", "pod", "pod2"]);
+    assert_eq!(env.state("pod"), "running");
+    assert!(snapshots(&env, "pod").is_empty());
+    assert!(env.list().iter().all(|s| s["name"] != "pod2"));
+    assert!(!env.state_dir.join("snapshots/pod").exists());
 }

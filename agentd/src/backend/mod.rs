@@ -515,11 +515,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             (BackendKind::Kubernetes, _) => Err(
                 "its files live in the cluster's volume, and agentd does not take VolumeSnapshots yet",
             ),
-            (BackendKind::Vm | BackendKind::Microvm, true) => Err(
-                "a running guest's files cannot be frozen from the host yet: stop it first (the snapshot then holds its files, not its memory)",
+            (BackendKind::Vm, _) => Err(
+                "its home is a disk image and its memory is QEMU's, which agentd does not snapshot yet (the guest's vsock and shared-folder devices block QEMU's migration)",
             ),
-            (_, true) => Err("it cannot be frozen"),
-            (_, false) => Ok(false),
+            (BackendKind::Microvm, _) => {
+                Err("its volumes are microvm.nix's, which agentd does not snapshot")
+            }
+            (BackendKind::Local, true) => Err("it cannot be frozen"),
+            (BackendKind::Local, false) => Ok(false),
         }
     }
 
