@@ -48,7 +48,7 @@ const CONTROL_ANSWER_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How long the kernel may take to freeze or thaw a sandbox's processes
 /// (a process in an uninterruptible sleep holds it back).
-const FREEZE_LIMIT: Duration = Duration::from_secs(10);
+const FREEZE_LIMIT: Duration = Duration::from_secs(30);
 
 /// A failure of the local backend.
 #[derive(Debug, thiserror::Error)]

@@ -66,6 +66,7 @@ impl Cgroups {
         })?;
         let state_path = dir.join(state_file);
         let deadline = std::time::Instant::now() + limit;
+        let mut tries = 0u32;
         loop {
             let state = fs::read_to_string(&state_path).map_err(|source| FreezeError::Io {
                 what: "read",
@@ -81,6 +82,13 @@ impl Cgroups {
                     state: state.trim().replace('\n', ", "),
                     limit,
                 });
+            }
+            // A task in an uninterruptible sleep (disk I/O under load) can
+            // hold a v1 group in FREEZING; asking again every 100 ms freezes
+            // what has woken since.
+            tries += 1;
+            if tries % 50 == 0 {
+                let _ = fs::write(dir.join(file), value);
             }
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
