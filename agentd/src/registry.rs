@@ -473,14 +473,13 @@ pub(crate) mod tests {
             sandboxes,
         };
         let mut v1: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+        let defaults = serde_json::to_value(&d).unwrap();
         for sb in v1["sandboxes"].as_array_mut().unwrap() {
             assert!(sb["config"].get("disk").is_none(), "the fixture is older");
-            sb["config"]["disk"] = d.disk.into();
-            sb["config"]["pids"] = d.pids.into();
-            sb["config"]["egress"] = d.egress.as_str().into();
-            sb["config"]["egress_allow"] = serde_json::json!([]);
-            sb["config"]["egress_deny"] = serde_json::json!([]);
-            sb["config"]["snapshot_quota"] = d.snapshot_quota.into();
+            let config = sb["config"].as_object_mut().unwrap();
+            for (k, v) in defaults.as_object().unwrap() {
+                config.entry(k.clone()).or_insert_with(|| v.clone());
+            }
         }
         assert_eq!(serde_json::to_value(&again).unwrap(), v1);
     }
