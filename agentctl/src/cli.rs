@@ -5,6 +5,9 @@ use std::path::PathBuf;
 use clap::{Parser, Subcommand};
 use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, GitIdentity, Network, SyncMode};
 
+mod duration;
+use duration::duration_secs;
+
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
 /// work on a clone of your repository.
 ///
@@ -277,6 +280,13 @@ pub enum Command {
         /// The next exec, attach or cp starts it again. Default: never.
         #[arg(long, value_name = "DURATION", value_parser = duration_secs)]
         idle_stop: Option<u32>,
+        /// Take a backup of the running or paused sandbox this often: 6h,
+        /// 1d, 90s; 0 never (the default).
+        #[arg(long, value_name = "DURATION", value_parser = duration_secs)]
+        backup_every: Option<u32>,
+        /// How many backups to keep (the oldest go first). Default: 5.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+        backup_keep: Option<u32>,
         /// The git repository (its top-level directory).
         project_path: PathBuf,
     },
@@ -501,6 +511,12 @@ agentctl set myproject --default-agent none"
         /// 0 never.
         #[arg(long, value_name = "DURATION", value_parser = duration_secs)]
         idle_stop: Option<u32>,
+        /// Take a backup this often: 6h, 1d; 0 never.
+        #[arg(long, value_name = "DURATION", value_parser = duration_secs)]
+        backup_every: Option<u32>,
+        /// How many backups to keep.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+        backup_keep: Option<u32>,
     },
     /// Worktrees: one per branch at /workspace/.worktrees/BRANCH, so several
     /// agents can work on one repository side by side.
@@ -691,31 +707,6 @@ agentctl exec -t myproject -b feature-x -- bash   # an interactive shell in a wo
 /// `agentctl set --default-agent`: an agent, or none.
 #[derive(Debug, Clone, Copy)]
 pub struct AgentOrNone(pub Option<Agent>);
-
-/// A duration with its unit (`90s`, `30m`, `2h`, `1d`), or `0`, in
-/// seconds.
-fn duration_secs(s: &str) -> Result<u32, String> {
-    if s == "0" {
-        return Ok(0);
-    }
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    let per = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86400,
-        _ => {
-            return Err(format!(
-                "'{s}': give a number with a unit: 90s, 30m, 2h, 1d (or 0)"
-            ));
-        }
-    };
-    n.parse::<u32>()
-        .ok()
-        .and_then(|n| n.checked_mul(per))
-        .ok_or_else(|| format!("'{s}' is not a duration agentctl can take"))
-}
 
 /// `none` or an agent's name.
 fn agent_or_none(s: &str) -> Result<AgentOrNone, String> {

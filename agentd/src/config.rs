@@ -359,6 +359,12 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.idle_stop_seconds`.
     #[serde(default)]
     pub idle_stop_seconds: Option<u32>,
+    /// Override of `defaults.backup_every_seconds`.
+    #[serde(default)]
+    pub backup_every_seconds: Option<u32>,
+    /// Override of `defaults.backup_keep`.
+    #[serde(default)]
+    pub backup_keep: Option<u32>,
     /// Secrets read from files at each start (NixOS
     /// `sandboxes.<name>.secrets.<VAR>`, agenix or sops-nix), by variable.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -449,6 +455,8 @@ impl DeclaredSandbox {
             git_identity: self.git_identity.clone().unwrap_or(d.git_identity),
             snapshot_quota: self.snapshot_quota.unwrap_or(d.snapshot_quota),
             idle_stop_seconds: self.idle_stop_seconds.unwrap_or(d.idle_stop_seconds),
+            backup_every_seconds: self.backup_every_seconds.unwrap_or(d.backup_every_seconds),
+            backup_keep: self.backup_keep.unwrap_or(d.backup_keep),
         }
     }
 }

@@ -290,6 +290,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     );
     manager.reconcile(&config).await?;
     manager.watch_idle();
+    manager.watch_backups();
     if config.proxy.enable {
         let proxy = proxy::Proxy::start(
             config.proxy.clone(),

@@ -105,6 +105,12 @@ pub fn check_name(name: &str, problems: &mut Vec<String>) {
 /// Largest `idle_stop_seconds` (30 days).
 pub const IDLE_STOP_MAX: u32 = 30 * 24 * 3600;
 
+/// Largest `backup_every_seconds` (30 days).
+pub const BACKUP_EVERY_MAX: u32 = 30 * 24 * 3600;
+
+/// Largest `backup_keep`.
+pub const BACKUP_KEEP_MAX: u32 = 1000;
+
 /// Largest `snapshot_quota`, in MiB (16 TiB).
 pub const SNAPSHOT_QUOTA_MAX: u32 = 16 << 20;
 
@@ -141,6 +147,20 @@ pub fn check_config(config: &SandboxConfig, problems: &mut Vec<String>) {
         problems.push(format!(
             "idle_stop_seconds {} is out of range: from 0 (never) to {IDLE_STOP_MAX} (30 days)",
             config.idle_stop_seconds
+        ));
+    }
+    if config.backup_every_seconds > BACKUP_EVERY_MAX {
+        problems.push(format!(
+            "backup_every_seconds {} is out of range: from 0 (never) to {BACKUP_EVERY_MAX} (30 days)",
+            config.backup_every_seconds
+        ));
+    }
+    if config.backup_keep > BACKUP_KEEP_MAX
+        || (config.backup_keep == 0 && config.backup_every_seconds > 0)
+    {
+        problems.push(format!(
+            "backup_keep {} is out of range: from 1 to {BACKUP_KEEP_MAX} when backups are on",
+            config.backup_keep
         ));
     }
     check_egress_entries("egress_allow", &config.egress_allow, problems);
@@ -269,6 +289,26 @@ mod tests {
         assert!(p[0].contains("128"));
         assert!(p[2].contains("disk 1 MiB"), "{p:?}");
         assert!(p[3].contains("pids 5000000"), "{p:?}");
+    }
+
+    #[test]
+    fn backups_need_one_kept_and_a_bounded_interval() {
+        let check = |every, keep| {
+            let mut p = Vec::new();
+            let c = SandboxConfig {
+                backup_every_seconds: every,
+                backup_keep: keep,
+                ..SandboxConfig::default()
+            };
+            check_config(&c, &mut p);
+            p
+        };
+        assert!(check(0, 0).is_empty());
+        assert!(check(1, 1).is_empty());
+        assert!(check(BACKUP_EVERY_MAX, BACKUP_KEEP_MAX).is_empty());
+        assert!(check(60, 0)[0].contains("backup_keep 0"));
+        assert!(check(BACKUP_EVERY_MAX + 1, 5)[0].contains("backup_every_seconds"));
+        assert!(check(60, BACKUP_KEEP_MAX + 1)[0].contains("backup_keep"));
     }
 
     #[test]

@@ -213,6 +213,25 @@ let
         again. 0: never. agentd: `idle_stop_seconds`.
       '';
     };
+    backupEverySeconds = {
+      type = types.ints.between 0 2592000;
+      example = 21600;
+      description = ''
+        Take a backup (a snapshot of kind `backup`) of the running or
+        paused sandbox every this many seconds, keeping the newest
+        `backupKeep`; counted against `snapshotQuota`. 0: never. agentd:
+        `backup_every_seconds`.
+      '';
+    };
+    backupKeep = {
+      type = types.ints.between 1 1000;
+      example = 3;
+      description = ''
+        How many backups to keep: before each new one, the oldest go (a
+        snapshot taken with `agentctl snapshot` is never removed). agentd:
+        `backup_keep`.
+      '';
+    };
   };
 
   defaultOption =

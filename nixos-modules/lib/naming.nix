@@ -151,6 +151,8 @@ let
       gitIdentity = "owner";
       snapshotQuota = 20480;
       idleStopSeconds = 0;
+      backupEverySeconds = 0;
+      backupKeep = 5;
     };
     microvm = {
       shareProto = "virtiofs";
@@ -214,6 +216,8 @@ let
       gitIdentity = null;
       snapshotQuota = null;
       idleStopSeconds = null;
+      backupEverySeconds = null;
+      backupKeep = null;
       secrets = { };
     };
   };
@@ -238,6 +242,8 @@ let
     gitIdentity = "git_identity";
     snapshotQuota = "snapshot_quota";
     idleStopSeconds = "idle_stop_seconds";
+    backupEverySeconds = "backup_every_seconds";
+    backupKeep = "backup_keep";
   };
 
   # Fill in the defaults of a (possibly partial) keystone.agent attrset. The

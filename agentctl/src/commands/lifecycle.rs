@@ -24,6 +24,8 @@ pub(super) async fn run(
             agent_home,
             git_identity,
             idle_stop,
+            backup_every,
+            backup_keep,
             project_path,
         } => {
             let abs = std::path::absolute(&project_path).map_err(|e| {
@@ -47,6 +49,8 @@ pub(super) async fn run(
                 agent_home,
                 git_identity,
                 idle_stop_seconds: idle_stop,
+                backup_every_seconds: backup_every,
+                backup_keep,
             };
             // Show the workspace being prepared while the call runs.
             let mut progress = manager
@@ -211,6 +215,8 @@ pub(super) async fn run(
             sync_idle_seconds,
             default_agent,
             idle_stop,
+            backup_every,
+            backup_keep,
         } => {
             let sb = lookup(conn, manager, &name).await?;
             let settings = ConfigureOptions {
@@ -218,6 +224,8 @@ pub(super) async fn run(
                 sync_idle_seconds,
                 default_agent: default_agent.map(|a| a.0),
                 idle_stop_seconds: idle_stop,
+                backup_every_seconds: backup_every,
+                backup_keep,
             };
             if settings == ConfigureOptions::default() {
                 return Err(Failure::new(

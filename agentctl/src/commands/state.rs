@@ -170,12 +170,15 @@ pub(super) async fn status_json(sb: &SandboxProxy<'_>, config: &Value) -> Value 
         return Value::Null;
     };
     let last = snaps.last();
+    let backup = snaps.iter().rev().find(|s| s.kind == "backup");
     json!({
         "count": snaps.len(),
         "size": snaps.iter().map(|s| s.size).sum::<u64>(),
         "quota_mib": config["snapshot_quota"],
         "last_id": last.map(|s| s.id.clone()),
         "last_at": last.map_or(Value::Null, |s| output::rfc3339(s.created_at)),
+        "last_backup_at": backup.map_or(Value::Null, |s| output::rfc3339(s.created_at)),
+        "last_backup_size": backup.map(|s| s.size),
     })
 }
 
@@ -193,4 +196,10 @@ pub(super) fn print_status(v: &Value) {
         mib(v["size"].as_u64().unwrap_or(0)),
         v["quota_mib"]
     );
+    if let Some(at) = v["last_backup_at"].as_str() {
+        crate::outln!(
+            "Backup:     last at {at}, {}",
+            mib(v["last_backup_size"].as_u64().unwrap_or(0))
+        );
+    }
 }

@@ -161,6 +161,10 @@ pub struct CreateOptions {
     pub git_identity: Option<GitIdentity>,
     /// Stop the sandbox after this many idle seconds (0: never).
     pub idle_stop_seconds: Option<u32>,
+    /// Take a backup every this many seconds (0: never).
+    pub backup_every_seconds: Option<u32>,
+    /// How many backups to keep.
+    pub backup_keep: Option<u32>,
 }
 
 impl CreateOptions {
@@ -180,6 +184,8 @@ impl CreateOptions {
         "agent_home",
         "git_identity",
         "idle_stop_seconds",
+        "backup_every_seconds",
+        "backup_keep",
     ];
 
     /// Read `dict`.
@@ -203,6 +209,8 @@ impl CreateOptions {
             agent_home: r.parsed("agent_home"),
             git_identity: r.parsed("git_identity"),
             idle_stop_seconds: r.u32("idle_stop_seconds"),
+            backup_every_seconds: r.u32("backup_every_seconds"),
+            backup_keep: r.u32("backup_keep"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -233,6 +241,8 @@ impl CreateOptions {
             self.git_identity.as_ref().map(ToString::to_string),
         );
         put(&mut d, "idle_stop_seconds", self.idle_stop_seconds);
+        put(&mut d, "backup_every_seconds", self.backup_every_seconds);
+        put(&mut d, "backup_keep", self.backup_keep);
         d
     }
 }
@@ -434,6 +444,10 @@ pub struct ConfigureOptions {
     pub default_agent: Option<Option<Agent>>,
     /// Stop the sandbox after this many idle seconds (0: never).
     pub idle_stop_seconds: Option<u32>,
+    /// Take a backup every this many seconds (0: never).
+    pub backup_every_seconds: Option<u32>,
+    /// How many backups to keep.
+    pub backup_keep: Option<u32>,
 }
 
 impl ConfigureOptions {
@@ -443,6 +457,8 @@ impl ConfigureOptions {
         "sync_idle_seconds",
         "default_agent",
         "idle_stop_seconds",
+        "backup_every_seconds",
+        "backup_keep",
     ];
 
     /// Read `dict`.
@@ -456,6 +472,8 @@ impl ConfigureOptions {
             sync_idle_seconds: r.u32("sync_idle_seconds"),
             default_agent: r.agent_or_none("default_agent"),
             idle_stop_seconds: r.u32("idle_stop_seconds"),
+            backup_every_seconds: r.u32("backup_every_seconds"),
+            backup_keep: r.u32("backup_keep"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -472,6 +490,8 @@ impl ConfigureOptions {
             self.default_agent.map(|a| a.map_or("", Agent::as_str)),
         );
         put(&mut d, "idle_stop_seconds", self.idle_stop_seconds);
+        put(&mut d, "backup_every_seconds", self.backup_every_seconds);
+        put(&mut d, "backup_keep", self.backup_keep);
         d
     }
 }
@@ -509,6 +529,8 @@ mod tests {
             agent_home: Some(AgentHome::Shared),
             git_identity: Some("Ada <ada@example.com>".parse().unwrap()),
             idle_stop_seconds: Some(1800),
+            backup_every_seconds: Some(3600),
+            backup_keep: Some(3),
         };
         assert_eq!(
             CreateOptions::from_dict(&wire(&create.to_dict())),
@@ -548,6 +570,8 @@ mod tests {
                 sync_idle_seconds: Some(9),
                 default_agent,
                 idle_stop_seconds: Some(0),
+                backup_every_seconds: Some(0),
+                backup_keep: Some(1),
             };
             assert_eq!(
                 ConfigureOptions::from_dict(&wire(&conf.to_dict())),

@@ -281,6 +281,11 @@ pub struct SandboxConfig {
     /// no attached terminal, no command running, no gateway traffic, CPU
     /// under 5% (0: never). The next exec, attach or cp starts it again.
     pub idle_stop_seconds: u32,
+    /// Take a backup (a snapshot of kind `backup`) of the running or
+    /// paused sandbox every this many seconds (0: never).
+    pub backup_every_seconds: u32,
+    /// How many backups to keep: the oldest go first (at least 1).
+    pub backup_keep: u32,
 }
 
 impl Default for SandboxConfig {
@@ -304,6 +309,8 @@ impl Default for SandboxConfig {
             git_identity: GitIdentity::Owner,
             snapshot_quota: 20480,
             idle_stop_seconds: 0,
+            backup_every_seconds: 0,
+            backup_keep: 5,
         }
     }
 }

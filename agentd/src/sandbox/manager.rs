@@ -33,6 +33,7 @@ use crate::procfs;
 use crate::registry::Registry;
 use crate::validate;
 
+mod backup;
 mod dirs;
 mod egress;
 mod exec;
@@ -348,7 +349,7 @@ impl Manager {
         name: &str,
         o: &ConfigureOptions,
     ) -> Result<Sandbox> {
-        self.get(caller, name)?;
+        let current = self.get(caller, name)?;
         if o.sync_idle_seconds == Some(0) {
             return Err(Error::Invalid(vec![
                 "sync_idle_seconds must be at least 1".to_owned(),
@@ -360,6 +361,20 @@ impl Manager {
             return Err(Error::Invalid(vec![format!(
                 "idle_stop_seconds must be at most {} (30 days; 0: never)",
                 validate::IDLE_STOP_MAX
+            )]));
+        }
+        let every = o
+            .backup_every_seconds
+            .unwrap_or(current.config.backup_every_seconds);
+        let keep = o.backup_keep.unwrap_or(current.config.backup_keep);
+        if every > validate::BACKUP_EVERY_MAX
+            || keep > validate::BACKUP_KEEP_MAX
+            || (every > 0 && keep == 0)
+        {
+            return Err(Error::Invalid(vec![format!(
+                "backup_every_seconds must be at most {} (30 days; 0: never) and backup_keep from 1 to {}",
+                validate::BACKUP_EVERY_MAX,
+                validate::BACKUP_KEEP_MAX
             )]));
         }
         let sb = self.update(name, |s| {
@@ -374,6 +389,12 @@ impl Manager {
             }
             if let Some(i) = o.idle_stop_seconds {
                 s.config.idle_stop_seconds = i;
+            }
+            if let Some(b) = o.backup_every_seconds {
+                s.config.backup_every_seconds = b;
+            }
+            if let Some(k) = o.backup_keep {
+                s.config.backup_keep = k;
             }
         })?;
         self.store.registry().save_config(&sb)?;

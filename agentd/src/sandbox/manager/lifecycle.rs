@@ -58,6 +58,8 @@ impl Manager {
             agent_home: opts.agent_home.unwrap_or(d.agent_home),
             git_identity: opts.git_identity.unwrap_or_else(|| d.git_identity.clone()),
             idle_stop_seconds: opts.idle_stop_seconds.unwrap_or(d.idle_stop_seconds),
+            backup_every_seconds: opts.backup_every_seconds.unwrap_or(d.backup_every_seconds),
+            backup_keep: opts.backup_keep.unwrap_or(d.backup_keep),
             ..d.clone()
         };
         validate::check_config(&config, &mut problems);
