@@ -36,26 +36,7 @@ impl Manager {
     /// when a sandbox changes (a start, a new interval), as long as the
     /// manager lives.
     pub fn watch_backups(self: &Arc<Self>) {
-        let weak = Arc::downgrade(self);
-        let mut changes = self.subscribe();
-        tokio::spawn(async move {
-            let mut failed: HashMap<String, Failed> = HashMap::new();
-            loop {
-                let Some(this) = weak.upgrade() else {
-                    return;
-                };
-                let wait = this.backup_check(&mut failed).await;
-                drop(this);
-                tokio::select! {
-                    () = tokio::time::sleep(wait) => {}
-                    change = changes.recv() => {
-                        if matches!(change, Err(broadcast::error::RecvError::Closed)) {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
+        self.watch_with(|m, failed: &mut HashMap<String, Failed>| Box::pin(m.backup_check(failed)));
     }
 
     /// One look at every running or paused sandbox with backups on; takes

@@ -64,15 +64,25 @@ impl Manager {
     /// when one changes (a start, a new limit), as long as the manager
     /// lives.
     pub fn watch_idle(self: &Arc<Self>) {
+        self.watch_with(|m, seen: &mut HashMap<String, Seen>| Box::pin(m.idle_check(seen)));
+    }
+
+    /// Run `check` (with state of its own, kept between runs) as long as
+    /// the manager lives: again after the time it returns, and at once when
+    /// a sandbox changes.
+    pub(super) fn watch_with<S: Default + Send + 'static>(
+        self: &Arc<Self>,
+        check: for<'a> fn(&'a Arc<Self>, &'a mut S) -> BoxFut<'a, Duration>,
+    ) {
         let weak = Arc::downgrade(self);
         let mut changes = self.subscribe();
         tokio::spawn(async move {
-            let mut seen: HashMap<String, Seen> = HashMap::new();
+            let mut state = S::default();
             loop {
                 let Some(this) = weak.upgrade() else {
                     return;
                 };
-                let wait = this.idle_check(&mut seen).await;
+                let wait = check(&this, &mut state).await;
                 drop(this);
                 tokio::select! {
                     () = tokio::time::sleep(wait) => {}
