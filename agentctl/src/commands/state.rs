@@ -79,13 +79,11 @@ pub(super) async fn run(
             Ok(0)
         }
         Command::Restore { name, snapshot } => {
-            let was = lookup(conn, manager, &name)
-                .await?
-                .state()
+            let sb = lookup(conn, manager, &name).await?;
+            let was = sb.state().await.map_err(api::Error::ZBus)?;
+            state_proxy(&sb)
                 .await
-                .map_err(api::Error::ZBus)?;
-            state_of(conn, manager, &name)
-                .await?
+                .map_err(api::Error::ZBus)?
                 .restore(&snapshot)
                 .await?;
             let again = if matches!(was.as_str(), "running" | "paused") {
@@ -132,13 +130,16 @@ pub(super) async fn state_of<'a>(
     name: &str,
 ) -> Result<api::StateProxy<'a>> {
     let sb = lookup(conn, manager, name).await?;
-    Ok(api::StateProxy::builder(conn)
-        .path(sb.inner().path().to_owned())
-        .map_err(api::Error::ZBus)?
+    Ok(state_proxy(&sb).await.map_err(api::Error::ZBus)?)
+}
+
+/// The state interface at the object of sandbox proxy `sb`.
+async fn state_proxy<'a>(sb: &SandboxProxy<'_>) -> zbus::Result<api::StateProxy<'a>> {
+    api::StateProxy::builder(sb.inner().connection())
+        .path(sb.inner().path().to_owned())?
         .cache_properties(zbus::proxy::CacheProperties::No)
         .build()
         .await
-        .map_err(api::Error::ZBus)?)
 }
 
 /// One snapshot as `--json` prints it.
@@ -157,13 +158,7 @@ fn snapshot_json(s: &api::SnapshotInfo) -> Value {
 /// What `agentctl status` shows of a sandbox's snapshots (null when they
 /// cannot be read).
 pub(super) async fn status_json(sb: &SandboxProxy<'_>, config: &Value) -> Value {
-    let state = api::StateProxy::builder(sb.inner().connection())
-        .path(sb.inner().path().to_owned())
-        .map(|b| b.cache_properties(zbus::proxy::CacheProperties::No));
-    let Ok(state) = (match state {
-        Ok(b) => b.build().await,
-        Err(e) => Err(e),
-    }) else {
+    let Ok(state) = state_proxy(sb).await else {
         return Value::Null;
     };
     let Ok(snaps) = state.snapshots().await else {
