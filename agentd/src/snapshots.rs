@@ -18,8 +18,35 @@ use std::process::{Command, Stdio};
 use keystone_agent_api::{BackendKind, SandboxConfig, SnapshotInfo};
 use serde::{Deserialize, Serialize};
 
-/// The directories of a sandbox a snapshot copies.
+/// The directories of a sandbox a snapshot copies; every snapshot has them.
 pub const TREES: [&str; 2] = ["workspace", "home"];
+
+/// A `vm` sandbox's home disk: copied where the sandbox has one.
+pub const HOME_DISK: &str = "home.img";
+
+/// Everything of a sandbox's directory a snapshot may hold: the [`TREES`]
+/// and the [`HOME_DISK`].
+pub const ENTRIES: [&str; 3] = ["workspace", "home", HOME_DISK];
+
+/// Whether `path` is a regular file (not a link to one).
+#[must_use]
+pub fn is_real_file(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file())
+}
+
+/// The bytes entry `path` (a directory or a regular file) takes on disk,
+/// at least a block per entry.
+///
+/// # Errors
+/// It cannot be read.
+pub fn entry_size(path: &Path) -> std::io::Result<u64> {
+    if is_real_file(path) {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::symlink_metadata(path)?;
+        return Ok((m.blocks() * 512).max(crate::fsutil::ENTRY_COST));
+    }
+    crate::fsutil::tree_size(path)
+}
 
 /// The description file in a snapshot's directory.
 const META: &str = "snapshot.json";
@@ -293,6 +320,10 @@ impl Store {
                 return Err(damaged(format!("its {tree} is missing")));
             }
         }
+        let disk = dir.join(HOME_DISK);
+        if std::fs::symlink_metadata(&disk).is_ok() && !is_real_file(&disk) {
+            return Err(damaged(format!("its {HOME_DISK} is not a file")));
+        }
         Ok((meta, dir))
     }
 
@@ -405,17 +436,23 @@ impl Store {
 /// place: the complete copy (`<tree>.restoring`) takes the tree's place
 /// where the tree is missing; what else such a restore left goes.
 pub fn finish_restore(dir: &Path) {
-    for tree in TREES {
+    for tree in ENTRIES {
         let (live, new, old) = (
             dir.join(tree),
             dir.join(format!("{tree}.restoring")),
             dir.join(format!("{tree}.old")),
         );
         let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
-        if !exists(&live) && exists(&old) && crate::procfs::is_real_dir(&new) {
+        if !exists(&live)
+            && exists(&old)
+            && (crate::procfs::is_real_dir(&new) || is_real_file(&new))
+        {
             if let Err(e) = std::fs::rename(&new, &live) {
                 tracing::warn!(path = %new.display(), error = %e, "cannot finish an interrupted restore");
             }
+        } else if tree == HOME_DISK && !exists(&live) && exists(&old) && !exists(&new) {
+            // The snapshot had no home disk: the sandbox has none either.
+            let _ = crate::fsutil::remove_tree(&old);
         }
         for p in [&new, &old] {
             if exists(p) && exists(&live) {
@@ -453,8 +490,8 @@ pub fn clean_label(label: &str) -> String {
         .collect()
 }
 
-/// Copy the directory `from` to `to` (which must not exist) with
-/// everything in it: modes, owners, times, links as links (never
+/// Copy the directory (or regular file) `from` to `to` (which must not
+/// exist) with everything in it: modes, owners, times, links as links (never
 /// followed), holes kept, extents shared where the file system can.
 ///
 /// # Errors
@@ -497,11 +534,15 @@ mod tests {
     use super::*;
 
     fn meta(id: &str) -> Meta {
+        meta_of("s", id)
+    }
+
+    fn meta_of(sandbox: &str, id: &str) -> Meta {
         Meta {
             format: FORMAT,
             id: id.to_owned(),
             label: "l".to_owned(),
-            sandbox: "s".to_owned(),
+            sandbox: sandbox.to_owned(),
             sandbox_id: "u".to_owned(),
             owner: 1000,
             backend: BackendKind::Local,
@@ -525,6 +566,42 @@ mod tests {
         assert!(valid_id(&first), "{first}");
         let second = new_id(t, std::slice::from_ref(&first));
         assert_eq!(second, format!("{first}-2"));
+    }
+
+    #[test]
+    fn a_home_disk_is_loaded_only_as_a_file_and_an_interrupted_swap_is_finished() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = Store::new(tmp.path());
+        let partial = store.begin("v", "a").unwrap();
+        for t in TREES {
+            std::fs::create_dir(partial.join(t)).unwrap();
+        }
+        std::fs::write(partial.join(HOME_DISK), b"disk").unwrap();
+        store.commit(&partial, &meta_of("v", "a")).unwrap();
+        store.load("v", "a").unwrap();
+        // A link (or anything but a file) in its place is refused.
+        let dir = store.dir("v").join("a");
+        std::fs::remove_file(dir.join(HOME_DISK)).unwrap();
+        std::os::unix::fs::symlink("/etc/shadow", dir.join(HOME_DISK)).unwrap();
+        let e = store.load("v", "a").unwrap_err().to_string();
+        assert!(e.contains("home.img is not a file"), "{e}");
+
+        // agentd died between a swap's renames: the copy takes the live
+        // disk's place; a disk the snapshot did not have goes.
+        let sb = tmp.path().join("sb");
+        std::fs::create_dir(&sb).unwrap();
+        std::fs::write(sb.join("home.img.old"), b"old").unwrap();
+        std::fs::write(sb.join("home.img.restoring"), b"new").unwrap();
+        finish_restore(&sb);
+        assert_eq!(std::fs::read(sb.join(HOME_DISK)).unwrap(), b"new");
+        assert!(!sb.join("home.img.old").exists() && !sb.join("home.img.restoring").exists());
+        std::fs::rename(sb.join(HOME_DISK), sb.join("home.img.old")).unwrap();
+        finish_restore(&sb);
+        assert!(!sb.join(HOME_DISK).exists() && !sb.join("home.img.old").exists());
+        // A workspace moved aside without its copy is never removed.
+        std::fs::create_dir(sb.join("workspace.old")).unwrap();
+        finish_restore(&sb);
+        assert!(sb.join("workspace.old").is_dir());
     }
 
     #[test]

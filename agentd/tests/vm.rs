@@ -10,68 +10,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::caddy::Caddy;
+use common::vm::{create_vm, create_vm_with, env_with, image};
 use common::{Env, git, wait_for};
-
-/// The guest image built by guest-image/debian/build.sh.
-fn image() -> PathBuf {
-    let dir = std::env::var_os("KEYSTONE_VM_IMAGE")
-        .map(PathBuf::from)
-        .expect("KEYSTONE_VM_IMAGE names the guest image directory (tests/run-vm.sh sets it)");
-    for f in ["vmlinux", "initrd", "rootfs.img"] {
-        assert!(dir.join(f).is_file(), "{} has no {f}", dir.display());
-    }
-    dir
-}
-
-/// agentd with the vm backend on `image` (plus `extra` config, merged one
-/// level deep).
-fn env_with(image: &Path, extra: serde_json::Value) -> Env {
-    let mut config = serde_json::json!({
-        "vm": {"image": image, "start_timeout_seconds": 300, "stop_grace_seconds": 60},
-    });
-    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
-        for (k, v) in e {
-            match (c.get_mut(k).and_then(|x| x.as_object_mut()), v.as_object()) {
-                (Some(ours), Some(theirs)) => ours.extend(theirs.clone()),
-                _ => {
-                    c.insert(k.clone(), v.clone());
-                }
-            }
-        }
-    }
-    Env::with_config(&config)
-}
-
-fn create_vm(env: &Env, name: &str, network: &str) {
-    create_vm_with(env, name, network, &[]);
-}
-
-fn create_vm_with(env: &Env, name: &str, network: &str, extra: &[&str]) {
-    let repo = env.repo(name);
-    let mut args = vec![
-        "create",
-        "--backend",
-        "vm",
-        "--memory",
-        "1024",
-        "--vcpus",
-        "2",
-        "--network",
-        network,
-    ];
-    args.extend_from_slice(extra);
-    args.push(repo.to_str().unwrap());
-    env.ok(&args);
-}
-
-/// Run `script` with `sh -c` in sandbox `name`; its output.
-fn sh(env: &Env, name: &str, script: &str) -> String {
-    env.ok(&["exec", name, "--", "sh", "-c", script])
-}
 
 fn assert_nothing_left(env: &Env) {
     // The supervisor takes its children along; give the kernel a moment
@@ -113,8 +56,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
 
     // It is a VM: its own kernel, the sandbox's memory, no NIC for
     // network "none", and the workspace at /workspace.
-    let out = sh(
-        &env,
+    let out = env.sh(
         "vmtest",
         "uname -r; grep MemTotal /proc/meminfo; nproc; ls /sys/class/net; git -C /workspace status",
     );
@@ -137,8 +79,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     // fills it with `agentd --install-agents`): the pinned CLIs run in the
     // guest, first on PATH, and the guest cannot write them.
     let v = agentd::toolbox::Versions::default();
-    let out = sh(
-        &env,
+    let out = env.sh(
         "vmtest",
         "command -v claude; claude --version; codex --version; gemini --version; \
          (echo hostile > /run/keystone/agents/x) 2>/dev/null && echo wrote; true",
@@ -176,9 +117,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
         .unwrap();
     std::io::Write::write_all(&mut set.stdin.take().unwrap(), b"sk-vm-test-value\n").unwrap();
     assert!(set.wait().unwrap().success());
-    let out = sh(
-        &env,
-        "vmtest",
+    let out = env.sh("vmtest",
         "echo $ANTHROPIC_API_KEY; head -1 $NODE_EXTRA_CA_CERTS; grep -c 'BEGIN CERTIFICATE' $SSL_CERT_FILE",
     );
     let lines: Vec<&str> = out.lines().collect();
@@ -190,8 +129,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     );
 
     // A commit made in the guest reaches the host with sync.
-    sh(
-        &env,
+    env.sh(
         "vmtest",
         "echo 'made in a VM' > vm.txt && git add vm.txt && \
          git -c user.name=Agent -c user.email=agent@example.com commit -qm 'from the guest'",
@@ -207,8 +145,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     // A dev server in the guest answers at its link through Caddy, over
     // the control channel (the guest has no network at all). It listens on
     // every address, IPv6 included, as most dev servers do.
-    sh(
-        &env,
+    env.sh(
         "vmtest",
         "busybox httpd -f -p 8123 -h /workspace </dev/null >/dev/null 2>&1 &",
     );
@@ -277,8 +214,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
 
     // The home is a disk of its own that outlives the VM: what an agent's
     // login leaves there stays.
-    sh(
-        &env,
+    env.sh(
         "vmtest",
         "mkdir -p ~/.claude && echo 'logged in' > ~/.claude/.credentials.json \
          && grep -q ' /home/agent ext4 ' /proc/mounts",
@@ -287,8 +223,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     // The owner's shared agent home (agent_home = "shared"): the guest's
     // agent writes it as its own, and it is root's on the host (QEMU, as the
     // sandbox's uid, gets an idmapped copy of the directory).
-    let ids = sh(
-        &env,
+    let ids = env.sh(
         "vmtest",
         "echo token > $CODEX_HOME/auth.json && stat -c %u $CODEX_HOME/auth.json && id -u",
     );
@@ -317,7 +252,7 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
 
     // The workspace and the home persist: a second start sees both files.
     env.ok(&["start", "vmtest"]);
-    let out = sh(&env, "vmtest", "cat vm.txt ~/.claude/.credentials.json");
+    let out = env.sh("vmtest", "cat vm.txt ~/.claude/.credentials.json");
     assert_eq!(out, "made in a VM\nlogged in\n");
     // A forced stop kills the VM at once; destroy removes the rest.
     env.ok(&["stop", "--force", "vmtest"]);
@@ -395,8 +330,7 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
         .unwrap()
         .to_owned();
     assert!(limits.contains("workspace over 9p"), "{limits}");
-    sh(
-        &env,
+    env.sh(
         "survivor",
         "echo via-9p > /workspace/shared.txt; mkdir -p ~/.codex && echo token > ~/.codex/auth.json",
     );
@@ -408,17 +342,14 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
         "host-loopback-service",
     );
     let through_gateway = |env: &Env| {
-        sh(
-            env,
+        env.sh(
             "survivor",
             &format!(
                 "for i in $(seq 100); do curl -sS --max-time 20 http://origin.test:{port}/ 2>&1 && exit 0; sleep 0.2; done; exit 0"
             ),
         )
     };
-    let out = sh(
-        &env,
-        "survivor",
+    let out = env.sh("survivor",
         &format!(
             "ls /sys/class/net; curl -sS --max-time 10 --noproxy '*' http://10.0.2.2:{port}/ 2>&1; exit 0"
         ),
@@ -430,9 +361,7 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     // Caddy's admin API (whoever reaches it owns Caddy) answers neither
     // directly nor through the gateway.
     let admin = caddy.admin;
-    let out = sh(
-        &env,
-        "survivor",
+    let out = env.sh("survivor",
         &format!(
             "for a in 10.0.2.2 127.0.0.1; do curl -sS --max-time 10 --noproxy '*' http://$a:{admin}/config/ 2>&1; done; \
              curl -sS --max-time 20 --noproxy '' --proxy http://127.0.0.1:3128 http://127.0.0.1:{admin}/config/ 2>&1; exit 0"
@@ -478,8 +407,7 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     assert!(env.log().contains("adopted a running sandbox"));
     // Port discovery and links need the adopted VM's paths and uid, which
     // agentd reads back from the supervisor and its plan.
-    sh(
-        &env,
+    env.sh(
         "survivor",
         "busybox httpd -f -p 8124 -h /workspace </dev/null >/dev/null 2>&1 &",
     );
@@ -497,7 +425,7 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     let out = env.ok(&["exec", "survivor", "--", "cat", "/etc/hostname"]);
     assert_eq!(out, "survivor\n");
     // The agent's login is still there in the adopted guest.
-    assert_eq!(sh(&env, "survivor", "cat ~/.codex/auth.json"), "token\n");
+    assert_eq!(env.sh("survivor", "cat ~/.codex/auth.json"), "token\n");
     // The restarted agentd serves the guest's gateway again.
     assert_eq!(through_gateway(&env), "host-loopback-service");
 
@@ -582,7 +510,7 @@ fn guest_root_is_the_sandboxs_uid_in_the_workspace_and_leaves_agentd_its_reserve
 
     // The agent leaves a shell in the workspace; guest root makes it and
     // one of its own setuid root, and makes device nodes.
-    sh(&env, "hostile", "cp /bin/sh /workspace/agentsh");
+    env.sh("hostile", "cp /bin/sh /workspace/agentsh");
     let out = guest_root(
         &env,
         "hostile",
@@ -719,8 +647,7 @@ fn what_a_guest_writes_to_its_root_disk_stays_in_the_sandbox_s_directory() {
         .expect("QEMU runs")
         .0;
     // The guest fills its root disk (its /tmp is on it).
-    sh(
-        &env,
+    env.sh(
         "disk",
         "dd if=/dev/urandom of=/tmp/fill bs=1M count=64 conv=fsync 2>/dev/null; sync",
     );

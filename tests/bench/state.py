@@ -13,7 +13,8 @@ numbers beside a baseline from the same run, asserts nothing.
 4. fork x1 and x10 from the snapshot: time and extra disk each, beside
    `agentctl create` of a fresh sandbox from the same project (a clone).
 
-The `vm` backend keeps no state yet (see docs/state.md), so it has no row.
+The `vm` backend's rows (pause, resume, snapshot, restore, fork of a
+running guest) are in tests/bench/vm.py, which boots the guest image.
 
 Needs root (disk images) and `cargo build --release --bins`.
 

@@ -12,6 +12,9 @@
      the guest's `keystone: ready` line.
 4. Memory of an idle VM sandbox: RSS and PSS of the supervisor, QEMU,
    virtiofsd and vhost-device-vsock, 10 s after start.
+5. State of that running guest: pause and resume (p50, beside `agentctl
+   status`), a snapshot of its files, a restore (beside a warm start) and a
+   fork started (beside a cold start).
 
 Needs root, `cargo build --release --bins`, QEMU, vhost-device-vsock
 (tests/install-tools.sh) and the image (guest-image/debian/build.sh).
@@ -29,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, Daemon, pct, rss_kib, small_repo
+from common import ROOT, Daemon, pct, rss_kib, small_repo, timed
 
 MEMORY, VCPUS = 1024, 2
 
@@ -138,6 +141,24 @@ def main():
                     name = "ssh's vsock pipe (agentd keystone-vsock)"
                 procs.append((name, int(pid)))
         mem = [(n, rss_kib(p), pss_kib(p)) for n, p in sorted(procs)]
+
+        # State: pause/resume, snapshot, restore and fork of the running guest.
+        pauses, resumes, status = [], [], []
+        for _ in range(args.runs):
+            pauses.append(timed(d.ctl + ["pause", "warm"]))
+            resumes.append(timed(d.ctl + ["resume", "warm"]))
+            status.append(timed(d.ctl + ["status", "warm"]))
+        t0 = time.perf_counter()
+        snap = json.loads(d.run("snapshot", "warm", "--json"))
+        snap_ms = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        d.run("restore", "warm", snap["id"])
+        restore_ms = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        d.run("fork", "warm", "forked", "--from", snap["id"])
+        d.run("start", "forked")
+        fork_ms = (time.perf_counter() - t0) * 1000
+        d.run("stop", "--force", "forked")
         d.run("stop", "warm")
 
     boot_cmdline = "console=ttyS0 panic=-1" + (" tsc_early_khz=2100000 tsc=reliable" if accel == "tcg" else "")
@@ -174,6 +195,14 @@ def main():
         print(f"{n:34} {rss / 1024:9.1f} {pss / 1024:9.1f}")
     print(f"{'total':34} {sum(r for _, r, _ in mem) / 1024:9.1f} {sum(p for _, _, p in mem) / 1024:9.1f}")
     print(f"(guest RAM configured: {MEMORY} MiB; QEMU's share is the guest memory it has touched)")
+    print(f"\nstate of a running guest ({args.runs} runs for pause/resume; files only, no memory):")
+    print(f"{'pause (QMP stop)':34} p50 {pct(pauses, 50):8.1f} ms   | status: p50 {pct(status, 50):8.1f} ms")
+    print(f"{'resume (QMP cont)':34} p50 {pct(resumes, 50):8.1f} ms   | status: p50 {pct(status, 50):8.1f} ms")
+    print(f"{'snapshot (sync, stop, copy, cont)':34} {snap_ms:8.1f} ms, {snap['size'] / 2**20:.1f} MiB")
+    print(f"{'restore (stop, swap, boot)':34} {restore_ms / 1000:8.2f} s    "
+          f"| warm start: p50 {pct(warm, 50) / 1000:.2f} s")
+    print(f"{'fork + start (boots its own guest)':34} {fork_ms / 1000:8.2f} s    "
+          f"| cold start: p50 {pct(cold, 50) / 1000:.2f} s")
 
 
 if __name__ == "__main__":

@@ -515,15 +515,18 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
             (BackendKind::Kubernetes, _) => Err(
                 "its files live in the cluster's volume, and agentd does not take VolumeSnapshots yet",
             ),
-            (BackendKind::Vm, _) => Err(
-                "its home is a disk image and its memory is QEMU's, which agentd does not snapshot yet (the guest's vsock and shared-folder devices block QEMU's migration)",
-            ),
+            (BackendKind::Vm | BackendKind::Local, true) => Err("it cannot be frozen"),
             (BackendKind::Microvm, _) => {
                 Err("its volumes are microvm.nix's, which agentd does not snapshot")
             }
-            (BackendKind::Local, true) => Err("it cannot be frozen"),
-            (BackendKind::Local, false) => Ok(false),
+            (BackendKind::Vm | BackendKind::Local, false) => Ok(false),
         }
+    }
+
+    /// Have a running sandbox write what it caches to its files, before
+    /// they are copied frozen ([`Backend::files_snapshot`]). Best effort.
+    fn flush<'a>(&'a self, _spec: &'a SandboxSpec) -> BoxFut<'a, ()> {
+        Box::pin(async {})
     }
 
     /// Kill every process this backend started for this agentd that does not

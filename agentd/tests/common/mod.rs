@@ -15,6 +15,7 @@ pub mod dns;
 pub mod systemd;
 pub mod term;
 pub mod tls;
+pub mod vm;
 
 /// `text` as JSON (agentctl's `--json` output), or a panic that shows it.
 pub fn json(text: &str) -> serde_json::Value {

@@ -136,6 +136,21 @@ pub enum VmError {
         /// The ends of its boot and VM logs.
         logs: String,
     },
+    /// QEMU's machine protocol failed (pause, resume).
+    #[error("sandbox '{sandbox}': {source}")]
+    Qmp {
+        /// The sandbox.
+        sandbox: String,
+        /// What failed.
+        #[source]
+        source: super::qmp::QmpError,
+    },
+    /// The VM is not running.
+    #[error("the VM of sandbox '{sandbox}' is not running; start it: agentctl start {sandbox}")]
+    NotRunning {
+        /// The sandbox.
+        sandbox: String,
+    },
 }
 
 impl VmError {

@@ -11,8 +11,11 @@
 //! on a host port. A sandbox is `running` once that sshd answers.
 
 mod error;
+mod home;
 pub mod qemu;
+pub mod qmp;
 mod settings;
+mod state;
 pub mod supervise;
 pub mod vsock;
 
@@ -312,62 +315,6 @@ impl VmBackend {
         Ok((file("vmlinux")?, file("initrd")?, file("rootfs.img")?))
     }
 
-    /// The sandbox's home disk, `home.img`: an ext4 image of
-    /// `vm.home_size_mib` (sparse), made on the first start, and again on
-    /// every start unless the sandbox persists.
-    async fn home_disk(
-        &self,
-        spec: &SandboxSpec,
-        p: &Paths,
-        run_as: Option<&RunAs>,
-    ) -> Result<PathBuf, BackendError> {
-        let img = p.dir.join("home.img");
-        if !spec.config.persist {
-            let _ = std::fs::remove_file(&img);
-        }
-        if std::fs::symlink_metadata(&img).is_ok_and(|m| m.is_file()) {
-            return Ok(img);
-        }
-        let _ = std::fs::remove_file(&img);
-        let tmp = p.dir.join("home.img.tmp");
-        let _ = std::fs::remove_file(&tmp);
-        let (uid, gid) = run_as.map_or((spec.uid, spec.gid), |r| (r.uid, r.gid));
-        let mut mke2fs = std::process::Command::new("mke2fs");
-        crate::child::end_with_us(&mut mke2fs);
-        let out = tokio::process::Command::from(mke2fs)
-            .args(["-q", "-F", "-t", "ext4", "-L", "keystone-home", "-E"])
-            .arg(format!("root_owner={uid}:{gid}"))
-            .arg(&tmp)
-            .arg(format!("{}M", self.settings.home_size_mib))
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .map_err(|error| BackendError::Spawn {
-                program: "mke2fs".to_owned(),
-                hint: " (install e2fsprogs)",
-                error,
-            })?;
-        if !out.status.success() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(VmError::HomeDisk {
-                image: img,
-                stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            }
-            .into());
-        }
-        if let Some(r) = run_as {
-            std::os::unix::fs::chown(&tmp, Some(r.uid), Some(r.gid))
-                .map_err(|error| VmError::HomeDiskOwner { uid: r.uid, error })?;
-        }
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600))
-                .map_err(BackendError::file("cannot set the mode of", &tmp))?;
-        }
-        std::fs::rename(&tmp, &img).map_err(BackendError::file("cannot create", &img))?;
-        Ok(img)
-    }
-
     /// A spec with the paths of the sandbox whose supervisor `rt` names.
     fn spec_of(&self, rt: &Runtime) -> Option<SandboxSpec> {
         let cmdline = procfs::cmdline(rt.supervisor_pid)?;
@@ -474,6 +421,7 @@ impl VmBackend {
             workspace: spec.workspace.clone(),
             network: spec.config.network,
             vsock: p.vsock_socket.clone(),
+            qmp: p.vm.join(qmp::SOCKET),
             host_key: fd_path(3).into(),
             authorized_keys: fd_path(4).into(),
             home: fd_path(5).into(),
@@ -656,6 +604,10 @@ impl VmBackend {
         force: bool,
     ) -> Result<(), BackendError> {
         if !force && self.is_alive(rt) {
+            // A paused guest is continued first, so that it can shut down.
+            if let Err(e) = self.freeze(spec, rt, false).await {
+                tracing::debug!(sandbox = %spec.name, error = %e, "cannot continue the guest before the stop");
+            }
             // A clean shutdown from inside: the guest syncs its disks and
             // powers off, and QEMU (run with -no-reboot) exits.
             let root = self.target(spec, "root");
@@ -729,6 +681,23 @@ impl Backend for VmBackend {
             self.target(spec, "agent")
                 .exec_tty(with_proxy(spec, req), size)
         })
+    }
+
+    fn pause<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        rt: &'a Runtime,
+        frozen: bool,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(self.freeze(spec, rt, frozen))
+    }
+
+    fn files_snapshot(&self, running: bool) -> Result<bool, &'static str> {
+        Ok(running)
+    }
+
+    fn flush<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, ()> {
+        Box::pin(self.flush_disks(spec))
     }
 
     fn gateway<'a>(

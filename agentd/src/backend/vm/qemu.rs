@@ -75,6 +75,8 @@ pub struct Machine {
     pub network: Network,
     /// vhost-user socket of the vsock device.
     pub vsock: PathBuf,
+    /// QEMU's machine protocol socket (pause, resume).
+    pub qmp: PathBuf,
     /// The guest's ssh host key (handed over through fw_cfg).
     pub host_key: PathBuf,
     /// Keys allowed to log in (handed over through fw_cfg).
@@ -158,6 +160,8 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         "-no-reboot".into(),
         "-serial".into(),
         "stdio".into(),
+        "-qmp".into(),
+        format!("unix:{},server=on,wait=off", p(&m.qmp)),
         "-kernel".into(),
         p(&m.kernel),
         "-initrd".into(),
@@ -391,6 +395,7 @@ mod tests {
             workspace: "/s/demo/workspace".into(),
             network,
             vsock: "/s/demo/run/vm/vsock.sock".into(),
+            qmp: "/s/demo/run/vm/qmp.sock".into(),
             host_key: "/s/demo/ssh/ssh_host_ed25519_key".into(),
             authorized_keys: "/s/demo/ssh/authorized_keys".into(),
             home: "/s/demo/home.img".into(),
@@ -458,6 +463,13 @@ mod tests {
         let a = qemu_args(&m);
         assert!(!a.iter().any(|x| x.contains("netdev")), "{a:?}");
         assert!(has(&a, ["-smp", "2"]) && has(&a, ["-m", "1024M"]), "{a:?}");
+        assert!(
+            has(
+                &a,
+                ["-qmp", "unix:/s/demo/run/vm/qmp.sock,server=on,wait=off"]
+            ),
+            "{a:?}"
+        );
         assert!(has(
             &a,
             ["-device", "vhost-user-fs-device,chardev=fs,tag=workspace"]

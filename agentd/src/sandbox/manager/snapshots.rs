@@ -8,7 +8,7 @@ use keystone_agent_api::SnapshotInfo;
 
 use super::*;
 use crate::backend::BackendError;
-use crate::snapshots::{self, Meta, SnapshotError, Store, TREES};
+use crate::snapshots::{self, ENTRIES, HOME_DISK, Meta, SnapshotError, Store, TREES};
 
 /// Whether a snapshot is asked for or taken on a schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,11 +78,11 @@ impl Manager {
                     source,
                 };
                 let mut needed = 0;
-                for tree in TREES {
-                    let dir = spec.dir().join(tree);
-                    if procfs::is_real_dir(&dir) {
-                        needed += crate::fsutil::tree_size(&dir)
-                            .map_err(SnapshotError::io_at("measure", &dir))
+                for entry in ENTRIES {
+                    let path = spec.dir().join(entry);
+                    if procfs::is_real_dir(&path) || snapshots::is_real_file(&path) {
+                        needed += snapshots::entry_size(&path)
+                            .map_err(SnapshotError::io_at("measure", &path))
                             .map_err(fail)?;
                     }
                 }
@@ -337,6 +337,7 @@ impl Manager {
         let rt = sb.runtime.clone();
         let thaw = match (&rt, freeze && sb.state == SandboxState::Running) {
             (Some(rt), true) => {
+                backend.flush(&spec).await;
                 if let Err(source) = backend.pause(&spec, rt, true).await {
                     // A freeze that did not settle (a process holding it
                     // back) leaves the group half frozen: thawed again, as
@@ -424,7 +425,8 @@ impl Manager {
 }
 
 /// Copy the [`TREES`] of directory `from` into directory `to` (which
-/// lacks them); a tree `from` lacks is made empty.
+/// lacks them), and its [`HOME_DISK`] where it has one; a tree `from`
+/// lacks is made empty.
 fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> {
     for tree in TREES {
         let (src, dst) = (from.join(tree), to.join(tree));
@@ -433,6 +435,10 @@ fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> 
         } else {
             std::fs::create_dir(&dst).map_err(SnapshotError::io_at("create", &dst))?;
         }
+    }
+    let disk = from.join(HOME_DISK);
+    if snapshots::is_real_file(&disk) {
+        snapshots::copy_tree(&disk, &to.join(HOME_DISK))?;
     }
     Ok(())
 }
@@ -463,32 +469,43 @@ fn copied_branches(partial: &Path) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// Put the [`TREES`] of snapshot directory `snap` in place of those of
-/// sandbox directory `dir`: copied beside them first (`<tree>.restoring`),
-/// so that a copy that fails (a full disk) changes nothing; then swapped.
+/// Put the [`ENTRIES`] of snapshot directory `snap` in place of those of
+/// sandbox directory `dir` (an entry the snapshot lacks goes): copied
+/// beside them first (`<entry>.restoring`), so that a copy that fails (a
+/// full disk) changes nothing; then swapped.
 fn replace_trees(snap: &Path, dir: &Path) -> std::result::Result<(), SnapshotError> {
-    let side = |tree: &str, what: &str| dir.join(format!("{tree}.{what}"));
-    for tree in TREES {
+    let side = |entry: &str, what: &str| dir.join(format!("{entry}.{what}"));
+    for entry in ENTRIES {
         for what in ["restoring", "old"] {
-            let p = side(tree, what);
+            let p = side(entry, what);
             crate::fsutil::remove_tree(&p).map_err(SnapshotError::io_at("remove", &p))?;
         }
     }
-    let copied = TREES
-        .iter()
-        .try_for_each(|tree| snapshots::copy_tree(&snap.join(tree), &side(tree, "restoring")));
+    let copied = ENTRIES.iter().try_for_each(|entry| {
+        let from = snap.join(entry);
+        if std::fs::symlink_metadata(&from).is_err() {
+            return Ok(());
+        }
+        snapshots::copy_tree(&from, &side(entry, "restoring"))
+    });
     if let Err(e) = copied {
-        for tree in TREES {
-            let _ = crate::fsutil::remove_tree(&side(tree, "restoring"));
+        for entry in ENTRIES {
+            let _ = crate::fsutil::remove_tree(&side(entry, "restoring"));
         }
         return Err(e);
     }
-    for tree in TREES {
-        let (live, new, old) = (dir.join(tree), side(tree, "restoring"), side(tree, "old"));
+    for entry in ENTRIES {
+        let (live, new, old) = (
+            dir.join(entry),
+            side(entry, "restoring"),
+            side(entry, "old"),
+        );
         if std::fs::symlink_metadata(&live).is_ok() {
             std::fs::rename(&live, &old).map_err(SnapshotError::io_at("move aside", &live))?;
         }
-        std::fs::rename(&new, &live).map_err(SnapshotError::io_at("move into place", &new))?;
+        if std::fs::symlink_metadata(&new).is_ok() {
+            std::fs::rename(&new, &live).map_err(SnapshotError::io_at("move into place", &new))?;
+        }
         crate::fsutil::remove_tree(&old).map_err(SnapshotError::io_at("remove", &old))?;
     }
     Ok(())

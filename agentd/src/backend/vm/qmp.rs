@@ -1,0 +1,275 @@
+//! QEMU's machine protocol (QMP) on `run/vm/qmp.sock`: how agentd stops a
+//! guest's CPUs where they are (`stop`) and lets them go on (`cont`), for
+//! `pause`, `resume` and a consistent copy of a running guest's disks.
+//!
+//! The socket lies in `run/vm/`, a directory of the sandbox's uid, which
+//! QEMU runs as: before it says anything, agentd checks that the listening
+//! process has that uid (`SO_PEERCRED`), so a link planted there cannot
+//! make it talk to another service of the host. What QEMU answers is read
+//! a bounded line at a time, within a deadline: a guest that took QEMU
+//! over can make agentd wait a few seconds, never hold it.
+
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixStream;
+
+/// The socket's name in `run/vm/`.
+pub const SOCKET: &str = "qmp.sock";
+
+/// Longest line read from QEMU.
+const LINE_MAX: usize = 64 * 1024;
+
+/// Most lines (greeting, events, answers) read for one command.
+const LINES_MAX: usize = 64;
+
+/// How long one command may take, connection included.
+const DEADLINE: Duration = Duration::from_secs(10);
+
+/// Why a QMP command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    /// The socket could not be reached (QEMU gone, or not started yet).
+    #[error("cannot reach QEMU's control socket {path}: {source}")]
+    Connect {
+        /// The socket.
+        path: String,
+        /// Why not.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The socket is served by another uid than QEMU's.
+    #[error("QEMU's control socket {path} is served by uid {found}, not QEMU's uid {expected}")]
+    Impostor {
+        /// The socket.
+        path: String,
+        /// The listener's uid.
+        found: u32,
+        /// QEMU's uid.
+        expected: u32,
+    },
+    /// Reading or writing failed, or QEMU said something that is not QMP.
+    #[error("QEMU's control socket: {0}")]
+    Protocol(String),
+    /// QEMU refused the command.
+    #[error("QEMU refused `{command}`: {message}")]
+    Refused {
+        /// The command.
+        command: &'static str,
+        /// QEMU's description.
+        message: String,
+    },
+    /// No answer within [`DEADLINE`].
+    #[error("QEMU did not answer `{0}` within 10 s")]
+    Timeout(&'static str),
+}
+
+/// Run QMP command `command` (no arguments) on the QEMU listening at
+/// `socket` as `uid`.
+///
+/// # Errors
+/// [`QmpError`].
+pub async fn execute(socket: &Path, uid: u32, command: &'static str) -> Result<(), QmpError> {
+    tokio::time::timeout(DEADLINE, execute_inner(socket, uid, command))
+        .await
+        .map_err(|_| QmpError::Timeout(command))?
+}
+
+async fn execute_inner(socket: &Path, uid: u32, command: &'static str) -> Result<(), QmpError> {
+    let path = socket.display().to_string();
+    let stream = UnixStream::connect(socket)
+        .await
+        .map_err(|source| QmpError::Connect {
+            path: path.clone(),
+            source,
+        })?;
+    let peer = stream
+        .peer_cred()
+        .map_err(|e| QmpError::Protocol(e.to_string()))?;
+    if peer.uid() != uid {
+        return Err(QmpError::Impostor {
+            path,
+            found: peer.uid(),
+            expected: uid,
+        });
+    }
+    let (read, mut write) = stream.into_split();
+    let mut lines = Lines {
+        read: BufReader::new(read),
+        left: LINES_MAX,
+    };
+    let greeting = lines.next().await?;
+    if greeting.get("QMP").is_none() {
+        return Err(QmpError::Protocol(
+            "it did not greet as QMP does".to_owned(),
+        ));
+    }
+    for cmd in ["qmp_capabilities", command] {
+        let line = format!("{{\"execute\":\"{cmd}\"}}\n");
+        write
+            .write_all(line.as_bytes())
+            .await
+            .map_err(|e| QmpError::Protocol(e.to_string()))?;
+        // Events may come first; the answer is `return` or `error`.
+        loop {
+            let v = lines.next().await?;
+            if v.get("return").is_some() {
+                break;
+            }
+            if let Some(e) = v.get("error") {
+                let message = e
+                    .get("desc")
+                    .and_then(serde_json::Value::as_str)
+                    .unwrap_or("no description");
+                return Err(QmpError::Refused {
+                    command,
+                    message: crate::text::clamp_text(message).into_owned(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// QMP's messages, one JSON object a line, bounded in length and number.
+struct Lines {
+    read: BufReader<tokio::net::unix::OwnedReadHalf>,
+    left: usize,
+}
+
+impl Lines {
+    async fn next(&mut self) -> Result<serde_json::Value, QmpError> {
+        if self.left == 0 {
+            return Err(QmpError::Protocol(format!(
+                "more than {LINES_MAX} messages without an answer"
+            )));
+        }
+        self.left -= 1;
+        let mut line = Vec::new();
+        let n = (&mut self.read)
+            .take(LINE_MAX as u64 + 1)
+            .read_until(b'\n', &mut line)
+            .await
+            .map_err(|e| QmpError::Protocol(e.to_string()))?;
+        if n == 0 {
+            return Err(QmpError::Protocol("QEMU closed the connection".to_owned()));
+        }
+        if line.len() > LINE_MAX {
+            return Err(QmpError::Protocol(format!(
+                "a message longer than {LINE_MAX} bytes"
+            )));
+        }
+        serde_json::from_slice(&line).map_err(|e| QmpError::Protocol(format!("not JSON: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A QMP server on a socket in `dir` that answers with `script` (one
+    /// reply line per command line read); what it read.
+    async fn serve(
+        dir: &Path,
+        greeting: &'static str,
+        replies: Vec<&'static str>,
+    ) -> (std::path::PathBuf, tokio::task::JoinHandle<String>) {
+        let path = dir.join(SOCKET);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let task = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let _ = s.write_all(greeting.as_bytes()).await;
+            let mut seen = String::new();
+            for r in replies {
+                let mut buf = [0u8; 256];
+                let n = s.read(&mut buf).await.unwrap();
+                seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+                s.write_all(r.as_bytes()).await.unwrap();
+            }
+            seen
+        });
+        (path, task)
+    }
+
+    fn me() -> u32 {
+        nix::unistd::Uid::effective().as_raw()
+    }
+
+    const HELLO: &str = "{\"QMP\": {\"version\": {}, \"capabilities\": []}}\n";
+
+    #[tokio::test]
+    async fn a_command_is_sent_after_the_handshake_and_events_are_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, task) = serve(
+            dir.path(),
+            HELLO,
+            vec![
+                "{\"return\": {}}\n",
+                "{\"event\": \"STOP\", \"timestamp\": {}}\n{\"return\": {}}\n",
+            ],
+        )
+        .await;
+        execute(&path, me(), "stop").await.unwrap();
+        let seen = task.await.unwrap();
+        assert_eq!(
+            seen,
+            "{\"execute\":\"qmp_capabilities\"}\n{\"execute\":\"stop\"}\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_refusal_names_qemus_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _task) = serve(
+            dir.path(),
+            HELLO,
+            vec![
+                "{\"return\": {}}\n",
+                "{\"error\": {\"class\": \"GenericError\", \"desc\": \"no way\"}}\n",
+            ],
+        )
+        .await;
+        let e = execute(&path, me(), "cont").await.unwrap_err();
+        assert_eq!(e.to_string(), "QEMU refused `cont`: no way");
+    }
+
+    #[tokio::test]
+    async fn a_socket_of_another_uid_or_a_flood_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, _task) = serve(dir.path(), HELLO, vec![]).await;
+        let e = execute(&path, me() + 1, "stop").await.unwrap_err();
+        assert!(matches!(e, QmpError::Impostor { .. }), "{e}");
+
+        // Something that is not QMP, or endless events, ends the command.
+        let other = tempfile::tempdir().unwrap();
+        let (path, _task) = serve(other.path(), "220 smtp ready\n", vec![]).await;
+        let e = execute(&path, me(), "stop").await.unwrap_err();
+        assert!(e.to_string().contains("not JSON"), "{e}");
+
+        let flood = tempfile::tempdir().unwrap();
+        let path = flood.path().join(SOCKET);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            s.write_all(HELLO.as_bytes()).await.unwrap();
+            let event = "{\"event\": \"X\"}\n".repeat(200);
+            let _ = s.write_all(event.as_bytes()).await;
+            // Held open: agentd must stop reading on its own.
+            tokio::time::sleep(Duration::from_secs(20)).await;
+        });
+        let e = execute(&path, me(), "stop").await.unwrap_err();
+        assert!(e.to_string().contains("more than 64 messages"), "{e}");
+
+        let long = tempfile::tempdir().unwrap();
+        let path = long.path().join(SOCKET);
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let _ = s.write_all(&vec![b'x'; 200_000]).await;
+            tokio::time::sleep(Duration::from_secs(20)).await;
+        });
+        let e = execute(&path, me(), "stop").await.unwrap_err();
+        assert!(e.to_string().contains("longer than 65536 bytes"), "{e}");
+    }
+}

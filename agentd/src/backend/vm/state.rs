@@ -1,0 +1,94 @@
+//! Pause, resume and a consistent copy of a `vm` sandbox's files: the
+//! guest's CPUs stopped where they are and continued through QEMU's
+//! machine protocol ([`qmp`]); the guest's disks synced from inside before
+//! a copy; its clock set again after a pause, since a stopped guest's
+//! clock stops with it.
+
+use std::process::Stdio;
+use std::time::{Duration, SystemTime};
+
+use super::{Paths, VmBackend, VmError, device_uid, qmp};
+use crate::backend::{BackendError, Runtime, SandboxSpec};
+
+/// How long the guest may take to write its caches to its disks.
+const SYNC_LIMIT: Duration = Duration::from_secs(30);
+
+/// How long the guest may take to set its clock.
+const CLOCK_LIMIT: Duration = Duration::from_secs(10);
+
+impl VmBackend {
+    /// Stop (`frozen`) or continue the guest's CPUs. A continued guest's
+    /// clock is set to the host's, in the background.
+    pub(super) async fn freeze(
+        &self,
+        spec: &SandboxSpec,
+        rt: &Runtime,
+        frozen: bool,
+    ) -> Result<(), BackendError> {
+        if !super::super::supervisor_alive(rt) {
+            return Err(VmError::NotRunning {
+                sandbox: spec.name.clone(),
+            }
+            .into());
+        }
+        let socket = Paths::new(spec).vm.join(qmp::SOCKET);
+        let command = if frozen { "stop" } else { "cont" };
+        qmp::execute(&socket, device_uid(spec), command)
+            .await
+            .map_err(|source| VmError::Qmp {
+                sandbox: spec.name.clone(),
+                source,
+            })?;
+        if !frozen {
+            let root = self.target(spec, "root");
+            let name = spec.name.clone();
+            tokio::spawn(async move {
+                let now = SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .unwrap_or_default();
+                let set = root
+                    .command()
+                    .arg(&root.host)
+                    .arg(format!(
+                        "date -u -s @{}.{:09} >/dev/null",
+                        now.as_secs(),
+                        now.subsec_nanos()
+                    ))
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .kill_on_drop(true)
+                    .status();
+                match tokio::time::timeout(CLOCK_LIMIT, set).await {
+                    Ok(Ok(s)) if s.success() => {}
+                    other => {
+                        tracing::debug!(sandbox = %name, result = ?other, "cannot set the guest's clock after a resume");
+                    }
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Have the guest write what it caches to its disks (`sync`), so that a
+    /// copy of them made while its CPUs are stopped is consistent. A guest
+    /// that does not answer in time is copied as it is.
+    pub(super) async fn flush_disks(&self, spec: &SandboxSpec) {
+        let root = self.target(spec, "root");
+        let sync = root
+            .command()
+            .arg(&root.host)
+            .arg("sync")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .status();
+        match tokio::time::timeout(SYNC_LIMIT, sync).await {
+            Ok(Ok(s)) if s.success() => {}
+            other => {
+                tracing::warn!(sandbox = %spec.name, result = ?other, "the guest did not sync its disks before a copy");
+            }
+        }
+    }
+}
