@@ -277,7 +277,7 @@ pub enum Command {
         git_identity: Option<GitIdentity>,
         /// Stop the sandbox once it has been idle this long (no terminal,
         /// no command, no network, under 5% CPU): 30m, 2h, 90s; 0 never.
-        /// The next exec, attach or cp starts it again. Default: never.
+        /// The next exec, attach, cp or link request starts it again. Default: never.
         #[arg(long, value_name = "DURATION", value_parser = duration_secs)]
         idle_stop: Option<u32>,
         /// Take a backup of the running or paused sandbox this often: 6h,
@@ -306,7 +306,8 @@ pub enum Command {
     /// Freeze every process of a running sandbox: they use no CPU and keep
     /// their memory, open files and terminals until `agentctl resume`. A
     /// paused sandbox runs no commands and serves no links; `attach` resumes
-    /// it. Local sandboxes only (the cgroup freezer).
+    /// it. Local sandboxes (the cgroup freezer) and vm sandboxes (QEMU
+    /// stops the guest's CPUs).
     Pause {
         /// Sandbox name.
         name: String,
@@ -318,8 +319,8 @@ pub enum Command {
     },
     /// Keep a sandbox's files as they are now: its workspace (every branch
     /// and worktree, uncommitted work included) and its home, with its
-    /// settings. A running local sandbox is frozen for the moment of the
-    /// copy. Snapshots count against the sandbox's snapshot_quota and go
+    /// settings. A running sandbox is frozen for the moment of the copy
+    /// (local and vm). Snapshots count against the sandbox's snapshot_quota and go
     /// with destroy. `agentctl snapshot rm NAME ID` removes one.
     #[command(
         args_conflicts_with_subcommands = true,

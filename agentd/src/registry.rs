@@ -263,7 +263,7 @@ pub struct Sandbox {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub creating: bool,
     /// agentd stopped it because it was idle (`idle_stop_seconds`): the
-    /// next exec, attach or cp starts it again.
+    /// next exec, attach, cp or link request starts it again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub idle_stopped: bool,
     /// Time of the last sync (either direction).

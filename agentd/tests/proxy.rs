@@ -743,22 +743,9 @@ fn a_link_answers_only_the_browser_that_came_with_its_token() {
     dev_server(&env, "priv", "main", port, "private-server");
     dev_server(&env, "other", "main", free_port(), "other-server");
     // The owner's URLs carry the token.
-    let url_of = |name: &str| {
-        let mut url = String::new();
-        wait_for("a link with a token", DEADLINE, || {
-            let routes: serde_json::Value =
-                serde_json::from_str(&env.ok(&["ports", name, "--json"])).unwrap();
-            url = routes["routes"][0]["url"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
-            url.contains("?keystone_token=")
-        });
-        url
-    };
-    let url = url_of("priv");
+    let url = link_url(&env, "priv");
     let token = url.split_once("keystone_token=").unwrap().1.to_owned();
-    let other = url_of("other");
+    let other = link_url(&env, "other");
     let other_token = other.split_once("keystone_token=").unwrap().1.to_owned();
     assert_ne!(token, other_token);
     let host = "priv.sandbox.local";
@@ -806,14 +793,7 @@ fn a_link_answers_only_the_browser_that_came_with_its_token() {
     env.ok(&["stop", "priv"]);
     // (Caddy may drop a connection while it takes the stopped sandbox's
     // new routes: no answer at all, status 0, is asked again.)
-    let start = Instant::now();
-    let (s, _, body) = loop {
-        let got = caddy.get_with_cookie(host, "/", "");
-        if got.0 != 0 || start.elapsed() > DEADLINE {
-            break got;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let (s, body) = answered(&caddy, host, "/", "");
     assert_eq!(s, 403, "{body}");
     assert!(!body.contains("stopped"), "{body}");
     // (Its route goes a moment after the stop.)
@@ -826,6 +806,76 @@ fn a_link_answers_only_the_browser_that_came_with_its_token() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert_eq!(s, 503, "{body}");
+}
+
+/// The URL (with its token) of sandbox `name`'s first link, once it has one.
+fn link_url(env: &Env, name: &str) -> String {
+    let mut url = String::new();
+    wait_for("a link with a token", DEADLINE, || {
+        let routes: serde_json::Value =
+            serde_json::from_str(&env.ok(&["ports", name, "--json"])).unwrap();
+        url = routes["routes"][0]["url"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        url.contains("?keystone_token=")
+    });
+    url
+}
+
+/// `caddy`'s answer to GET `path` of `host` with `cookie`, asked again
+/// while Caddy drops the connection (status 0: it takes new routes).
+fn answered(caddy: &Caddy, host: &str, path: &str, cookie: &str) -> (u16, String) {
+    let start = Instant::now();
+    loop {
+        let (s, _, body) = caddy.get_with_cookie(host, path, cookie);
+        if s != 0 || start.elapsed() > DEADLINE {
+            return (s, body);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A sandbox agentd stopped when idle starts again for its owner's link,
+/// and the page says so; a stranger's request leaves it stopped.
+#[test]
+fn a_link_starts_a_sandbox_stopped_when_idle_for_its_owner_only() {
+    let (env, caddy) = setup_auth("nap", false, "owner");
+    dev_server(&env, "nap", "main", free_port(), "napping");
+    let url = link_url(&env, "nap");
+    let token = url.split_once("keystone_token=").unwrap().1.to_owned();
+    let host = "nap.sandbox.local";
+    env.ok(&["set", "nap", "--idle-stop", "2s"]);
+    wait_for("the idle sandbox to stop", DEADLINE, || {
+        env.state("nap") == "stopped"
+    });
+    let (s, body) = answered(&caddy, host, "/", "");
+    assert_eq!(s, 403, "{body}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        env.state("nap"),
+        "stopped",
+        "a stranger's request started it"
+    );
+
+    let (s, body) = answered(&caddy, host, "/", &format!("keystone_link={token}"));
+    assert_eq!(s, 404, "{body}");
+    assert!(
+        body.contains("had been stopped when idle; agentd started it again"),
+        "{body}"
+    );
+    assert!(
+        env.log()
+            .contains("starting a sandbox stopped when idle, for a request"),
+        "{}",
+        env.log()
+    );
+    // A sandbox its owner stopped stays stopped.
+    env.ok(&["set", "nap", "--idle-stop", "0"]);
+    env.ok(&["stop", "nap"]);
+    let (s, body) = answered(&caddy, host, "/", &format!("keystone_link={token}"));
+    assert_eq!(s, 503, "{body}");
+    assert_eq!(env.state("nap"), "stopped");
 }
 
 /// `ports` and `open` on a sandbox that is not running say so and how to

@@ -119,6 +119,9 @@ pub trait Sandboxes: Send + Sync + std::fmt::Debug {
     /// (branch, path inside) of every worktree of sandbox `name`, the main
     /// one first.
     fn worktree_paths<'a>(&'a self, name: &'a str) -> BoxFut<'a, Vec<(String, String)>>;
+    /// Start sandbox `name` again, as its owner, if agentd stopped it when
+    /// it was idle; its record then (`None`: it did not start, logged).
+    fn wake(self: Arc<Self>, name: String) -> BoxFut<'static, Option<Sandbox>>;
 }
 
 /// The dev-server links of every sandbox.

@@ -184,7 +184,7 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
             ),
         );
     }
-    let Some(sb) = proxy.sandboxes.snapshot(sandbox).filter(|s| !s.creating) else {
+    let Some(mut sb) = proxy.sandboxes.snapshot(sandbox).filter(|s| !s.creating) else {
         return page(
             StatusCode::NOT_FOUND,
             "No such sandbox",
@@ -196,6 +196,21 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
             ),
         );
     };
+    // Stopped when idle: its owner's request (the token says so) starts
+    // it again, as an exec would.
+    let mut notice = String::new();
+    if proxy.gated() && sb.state == SandboxState::Stopped && sb.idle_stopped {
+        if let Some(woken) = Arc::clone(&proxy.sandboxes).wake(sb.name.clone()).await {
+            if woken.state == SandboxState::Running {
+                notice = format!(
+                    "<p>Sandbox <code>{}</code> had been stopped when idle; agentd started it \
+                     again. Its processes started anew.</p>",
+                    esc(&woken.name)
+                );
+            }
+            sb = woken;
+        }
+    }
     if sb.state != SandboxState::Running {
         let reason = if sb.state_reason.is_empty() {
             String::new()
@@ -282,7 +297,7 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
         StatusCode::NOT_FOUND,
         "No dev server here",
         &format!(
-            "<p>No dev server of sandbox <code>{name}</code> answers to <code>{host}</code>. \
+            "{notice}<p>No dev server of sandbox <code>{name}</code> answers to <code>{host}</code>. \
              Start one in the worktree (<code>agentctl attach {name} BRANCH</code>, then e.g. \
              <code>npm run dev</code>) and reload.</p>{list}\
              <p><code>agentctl ports {name}</code> lists its links.</p>",

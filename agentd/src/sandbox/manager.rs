@@ -449,6 +449,20 @@ impl crate::proxy::Sandboxes for Manager {
         })
     }
 
+    fn wake(self: Arc<Self>, name: String) -> BoxFut<'static, Option<Sandbox>> {
+        Box::pin(async move {
+            let sb = self.snapshot(&name)?;
+            let owner = Caller { uid: sb.owner };
+            match Manager::wake(&self, owner, sb).await {
+                Ok(sb) => Some(sb),
+                Err(e) => {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot start a sandbox stopped when idle for its link");
+                    None
+                }
+            }
+        })
+    }
+
     fn worktree_paths<'a>(&'a self, name: &'a str) -> BoxFut<'a, Vec<(String, String)>> {
         Box::pin(async move {
             let Some(sb) = self.snapshot(name) else {

@@ -194,7 +194,7 @@ impl Manager {
         let _ = self.update(name, |s| {
             s.idle_stopped = true;
             s.state_reason =
-                format!("stopped after {secs} s idle; the next exec, attach or cp starts it again");
+                format!("stopped after {secs} s idle; the next exec, attach, cp or link request starts it again");
         });
     }
 }
