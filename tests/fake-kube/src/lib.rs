@@ -13,8 +13,9 @@
 //!   `Expired` error event, as from a compacted etcd), bookmarks, and
 //!   `timeoutSeconds`.
 //! - Pods go `Pending` → `Running` (ready, with an IP) a moment after they
-//!   are made, and are deleted after a moment with a `deletionTimestamp`
-//!   first; each step is also an Event in the namespace's `events`.
+//!   are made and their claims are bound, and are deleted after a moment
+//!   with a `deletionTimestamp` first; each step is also an Event in the
+//!   namespace's `events`.
 //! - A running Pod has a container ([`container`]): namespaces of its own
 //!   with a root made of this host's `/usr` and `/etc` and the Pod's
 //!   volumes (`emptyDir`, `persistentVolumeClaim`, with `subPath`) where
@@ -28,11 +29,16 @@
 //!   with a kubeconfig of [`FakeKube::kubeconfig_as`]) gets 403 Forbidden
 //!   for every verb, resource and subresource they do not grant; every
 //!   other user may do everything.
+//! - VolumeSnapshots (`snapshot.storage.k8s.io/v1`) of claims, and claims
+//!   made from them, when started [`FakeKube::with_volume_snapshots`]
+//!   ([`snapshots`]); API discovery (`/api`, `/apis`) of what it serves.
 
 mod container;
+mod discovery;
 mod exec;
 mod portforward;
 pub mod rbac;
+pub mod snapshots;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -67,7 +73,18 @@ const KINDS: &[(&str, &str, &str)] = &[
         "/apis/networking.k8s.io/v1",
         "NetworkPolicy",
     ),
+    // Served only when started with them.
+    ("volumesnapshots", snapshots::API, "VolumeSnapshot"),
+    (
+        "volumesnapshotclasses",
+        snapshots::API,
+        "VolumeSnapshotClass",
+    ),
 ];
+
+/// The kinds of [`KINDS`] that are not namespaced: their objects' key has
+/// the namespace `""`.
+const CLUSTER_SCOPED: &[&str] = &["volumesnapshotclasses"];
 
 /// (resource, namespace, name).
 type Key = (String, String, String);
@@ -104,6 +121,8 @@ struct Store {
     service: Option<SocketAddr>,
     /// Whether Pods get a network of their own.
     isolated: bool,
+    /// Whether `snapshot.storage.k8s.io/v1` is served.
+    snapshots: bool,
     /// The Roles bound to users, and their requests' decisions.
     rbac: rbac::Authorizer,
 }
@@ -193,7 +212,7 @@ impl FakeKube {
     /// # Panics
     /// When no port can be bound.
     pub async fn start() -> Self {
-        Self::start_with(true).await
+        Self::start_with(true, false).await
     }
 
     /// Start one whose Pods share this host's network, as on a cluster
@@ -202,10 +221,20 @@ impl FakeKube {
     /// # Panics
     /// When no port can be bound.
     pub async fn without_network_policies() -> Self {
-        Self::start_with(false).await
+        Self::start_with(false, false).await
     }
 
-    async fn start_with(isolated: bool) -> Self {
+    /// Start one that also serves `snapshot.storage.k8s.io/v1`, as a
+    /// cluster with the CSI external-snapshotter and a CSI driver that
+    /// takes snapshots does (the [`snapshots`] module says what it does).
+    ///
+    /// # Panics
+    /// When no port can be bound.
+    pub async fn with_volume_snapshots() -> Self {
+        Self::start_with(true, true).await
+    }
+
+    async fn start_with(isolated: bool, snapshots: bool) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind 127.0.0.1");
@@ -215,8 +244,12 @@ impl FakeKube {
             root: root.path().to_owned(),
             service: Some(addr),
             isolated,
+            snapshots,
             ..Store::default()
         }));
+        if snapshots {
+            snapshots::add_class(&mut store.lock().unwrap());
+        }
         let served = Arc::clone(&store);
         let server = tokio::spawn(async move {
             loop {
@@ -351,6 +384,26 @@ impl FakeKube {
         self.store.lock().unwrap().objects.get(&key).cloned()
     }
 
+    /// The directory that holds claim `name`'s files in `namespace` (Pods
+    /// mount it; it may not exist before one did).
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    #[must_use]
+    pub fn claim_dir(&self, namespace: &str, name: &str) -> PathBuf {
+        snapshots::claim_dir(&self.store.lock().unwrap().root, namespace, name)
+    }
+
+    /// The directory that holds VolumeSnapshot `name`'s copy of its claim
+    /// in `namespace` once it is ready.
+    ///
+    /// # Panics
+    /// When the store's lock is poisoned.
+    #[must_use]
+    pub fn snapshot_dir(&self, namespace: &str, name: &str) -> PathBuf {
+        snapshots::snapshot_dir(&self.store.lock().unwrap().root, namespace, name)
+    }
+
     /// How many objects of `resource` exist (in every namespace).
     ///
     /// # Panics
@@ -371,22 +424,38 @@ impl FakeKube {
     }
 }
 
-/// A request's path: (API prefix, namespace, resource, name).
-fn route(path: &str) -> Option<(&'static str, String, &'static str, Option<String>)> {
+/// A request's path: (API prefix, namespace (`""` for a cluster-scoped
+/// resource), resource, name); `snapshots`: whether those are served.
+fn route(
+    path: &str,
+    snapshots: bool,
+) -> Option<(&'static str, String, &'static str, Option<String>)> {
     for &(resource, prefix, _) in KINDS {
         let Some(rest) = path.strip_prefix(prefix) else {
             continue;
         };
-        let parts: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
-        match parts.as_slice() {
-            ["namespaces", ns, r] if *r == resource => {
-                return Some((prefix, (*ns).to_owned(), resource, None));
-            }
-            ["namespaces", ns, r, name] if *r == resource => {
-                return Some((prefix, (*ns).to_owned(), resource, Some((*name).to_owned())));
-            }
-            _ => {}
+        if prefix == snapshots::API && !snapshots {
+            return None;
         }
+        let parts: Vec<&str> = rest.trim_start_matches('/').split('/').collect();
+        let (ns, name) = match parts.as_slice() {
+            [r] if *r == resource && CLUSTER_SCOPED.contains(r) => ("", None),
+            [r, name] if *r == resource && CLUSTER_SCOPED.contains(r) => ("", Some(name)),
+            ["namespaces", ns, r] if *r == resource && !CLUSTER_SCOPED.contains(r) => (*ns, None),
+            ["namespaces", ns, r, name] if *r == resource && !CLUSTER_SCOPED.contains(r) => {
+                (*ns, Some(name))
+            }
+            _ => continue,
+        };
+        if ns.is_empty() && !CLUSTER_SCOPED.contains(&resource) {
+            return None;
+        }
+        return Some((
+            prefix,
+            ns.to_owned(),
+            resource,
+            name.map(|n| (*n).to_owned()),
+        ));
     }
     None
 }
@@ -469,7 +538,14 @@ async fn handle(store: &Arc<Mutex<Store>>, req: Request<Incoming>) -> Response<B
         };
     }
     let query = parse_query(req.uri().query().unwrap_or(""));
-    let Some((prefix, namespace, resource, name)) = route(&path) else {
+    let snapshots = store.lock().unwrap().snapshots;
+    if req.method() == Method::GET {
+        // Discovery, which every user may read.
+        if let Some(found) = discovery::serve(&path, snapshots, store.lock().unwrap().service) {
+            return object(StatusCode::OK, &found);
+        }
+    }
+    let Some((prefix, namespace, resource, name)) = route(&path, snapshots) else {
         return status(
             StatusCode::NOT_FOUND,
             "NotFound",
@@ -567,6 +643,12 @@ fn create(
             "metadata.name: Required value",
         );
     };
+    // Names become paths here as they do on a node: only valid ones.
+    let (kind, api_version) = kind_of(resource);
+    if let Some(why) = snapshots::invalid(resource, namespace, &name, &o) {
+        let message = format!("{kind} \"{name}\" is invalid: {why}");
+        return status(StatusCode::UNPROCESSABLE_ENTITY, "Invalid", &message);
+    }
     let key = (resource.to_owned(), namespace.to_owned(), name.clone());
     let mut s = store.lock().unwrap();
     if s.objects.contains_key(&key) {
@@ -577,10 +659,11 @@ fn create(
         );
     }
     s.uid += 1;
-    let (kind, api_version) = kind_of(resource);
     o["kind"] = json!(kind);
     o["apiVersion"] = json!(api_version);
-    o["metadata"]["namespace"] = json!(namespace);
+    if !namespace.is_empty() {
+        o["metadata"]["namespace"] = json!(namespace);
+    }
     o["metadata"]["uid"] = json!(format!("00000000-0000-4000-8000-{:012}", s.uid));
     o["metadata"]["creationTimestamp"] = json!("2026-01-01T00:00:00Z");
     if resource == "pods" {
@@ -594,25 +677,22 @@ fn create(
             );
         }
     }
+    // A claim from a snapshot is Pending until it is filled from it.
+    let from_snapshot = resource == "persistentvolumeclaims" && snapshots::source_of(&o).is_some();
     if resource == "persistentvolumeclaims" {
-        o["status"] = json!({"phase": "Bound"});
+        o["status"] = json!({"phase": if from_snapshot { "Pending" } else { "Bound" }});
     }
     let made = s.commit(&key, "ADDED", o);
     drop(s);
-    if resource == "pods" {
-        pod_event(
-            store,
-            namespace,
-            &name,
-            "Scheduled",
-            "Successfully assigned",
-        );
-        let store = Arc::clone(store);
-        let key = key.clone();
-        tokio::spawn(async move {
+    let later = Arc::clone(store);
+    match resource {
+        "pods" => drop(tokio::spawn(async move {
             tokio::time::sleep(POD_STEP).await;
-            run_pod(&store, &key).await;
-        });
+            run_pod(&later, &key).await;
+        })),
+        "volumesnapshots" => drop(tokio::spawn(snapshots::take(later, key))),
+        _ if from_snapshot => drop(tokio::spawn(snapshots::provision(later, key))),
+        _ => {}
     }
     object(StatusCode::CREATED, &made)
 }
@@ -620,6 +700,11 @@ fn create(
 /// Take Pod `key` from `Pending` to `Running` with its container started,
 /// or leave it `Pending` with the reason it cannot start.
 async fn run_pod(store: &Arc<Mutex<Store>>, key: &Key) {
+    // As the scheduler: not before each of its claims is there and bound.
+    if !snapshots::schedule(store, key).await {
+        return;
+    }
+    pod_event(store, &key.1, &key.2, "Scheduled", "Successfully assigned");
     let (pod, root, service, isolated) = {
         let s = store.lock().unwrap();
         let Some(pod) = s.objects.get(key).cloned() else {
@@ -705,9 +790,23 @@ fn pod_event_of(
     reason: &str,
     message: &str,
 ) {
+    let about = json!({"kind": "Pod", "name": name, "namespace": namespace});
+    event(store, namespace, about, kind, reason, message);
+}
+
+/// Record an Event of `kind` (`Normal`, `Warning`) about object `about`
+/// (its `involvedObject`) in `namespace`.
+pub(crate) fn event(
+    store: &Arc<Mutex<Store>>,
+    namespace: &str,
+    about: Value,
+    kind: &str,
+    reason: &str,
+    message: &str,
+) {
     let mut s = store.lock().unwrap();
     s.uid += 1;
-    let event_name = format!("{name}.{}", s.uid);
+    let event_name = format!("{}.{}", about["name"].as_str().unwrap_or("event"), s.uid);
     let key = (
         "events".to_owned(),
         namespace.to_owned(),
@@ -717,7 +816,7 @@ fn pod_event_of(
         "kind": "Event",
         "apiVersion": "v1",
         "metadata": {"name": event_name, "namespace": namespace},
-        "involvedObject": {"kind": "Pod", "name": name, "namespace": namespace},
+        "involvedObject": about,
         "reason": reason,
         "message": message,
         "type": kind,
@@ -815,7 +914,11 @@ fn delete(
     if resource != "pods" {
         if resource == "persistentvolumeclaims" {
             // The volume's reclaim policy is Delete.
-            let _ = std::fs::remove_dir_all(s.root.join(namespace).join("pvc").join(name));
+            snapshots::remove(&snapshots::claim_dir(&s.root, namespace, name));
+        }
+        if resource == "volumesnapshots" {
+            // So is the snapshot's (the default class's deletionPolicy).
+            snapshots::remove(&snapshots::snapshot_dir(&s.root, namespace, name));
         }
         let gone = s.commit(&key, "DELETED", o);
         return object(StatusCode::OK, &gone);
@@ -1143,7 +1246,10 @@ mod tests {
         assert_eq!(q["watch"], "true");
         assert_eq!(q["x"], "");
         assert_eq!(
-            route("/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies/p"),
+            route(
+                "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies/p",
+                false
+            ),
             Some((
                 "/apis/networking.k8s.io/v1",
                 "ns".to_owned(),
@@ -1151,6 +1257,18 @@ mod tests {
                 Some("p".to_owned())
             ))
         );
-        assert_eq!(route("/api/v1/namespaces/ns/configmaps"), None);
+        assert_eq!(route("/api/v1/namespaces/ns/configmaps", true), None);
+        let classes = "/apis/snapshot.storage.k8s.io/v1/volumesnapshotclasses";
+        assert_eq!(
+            route(classes, true),
+            Some((snapshots::API, String::new(), "volumesnapshotclasses", None))
+        );
+        assert_eq!(route(classes, false), None);
+        let snaps = "/apis/snapshot.storage.k8s.io/v1/namespaces/ns/volumesnapshots/s";
+        assert_eq!(route(snaps, true).unwrap().3.as_deref(), Some("s"));
+        assert_eq!(route(snaps, false), None);
+        // Not at the cluster scope, nor in a namespace of no name.
+        assert_eq!(route("/api/v1/pods", true), None);
+        assert_eq!(route("/api/v1/namespaces//pods", true), None);
     }
 }

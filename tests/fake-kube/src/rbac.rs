@@ -226,11 +226,16 @@ impl Authorizer {
             Some(n) => format!("{qualified} \"{n}\""),
             None => qualified,
         };
+        // (A Role never grants a cluster-scoped resource.)
+        let scope = if a.namespace.is_empty() {
+            "at the cluster scope".to_owned()
+        } else {
+            format!("in the namespace \"{}\"", a.namespace)
+        };
         let message = format!(
-            "{what} is forbidden: User \"{user}\" cannot {verb} resource \"{}\" in API group \"{}\" in the namespace \"{}\"",
+            "{what} is forbidden: User \"{user}\" cannot {verb} resource \"{}\" in API group \"{}\" {scope}",
             a.resource_path(),
             a.group,
-            a.namespace
         );
         self.denied.push(message.clone());
         let mut details = serde_json::json!({"group": a.group, "kind": a.resource});
@@ -332,6 +337,28 @@ mod tests {
         );
         // resourceNames never grant a list.
         assert!(check(&mut a, &attrs("networkpolicies", None, None), "list").is_err());
+        // A Role grants nothing at the cluster scope, even with `*`.
+        let mut b = Authorizer::default();
+        b.bind(
+            "u",
+            Role::from_yaml(
+                "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\n\
+                 metadata: {name: all, namespace: ns}\nrules:\n\
+                 - apiGroups: ['*']\n  resources: ['*']\n  verbs: ['*']\n",
+            )
+            .unwrap(),
+        );
+        let classes = Attributes {
+            group: "snapshot.storage.k8s.io",
+            resource: "volumesnapshotclasses",
+            subresource: None,
+            namespace: String::new(),
+            name: None,
+        };
+        assert_eq!(
+            check(&mut b, &classes, "list").unwrap_err(),
+            "volumesnapshotclasses.snapshot.storage.k8s.io is forbidden: User \"u\" cannot list resource \"volumesnapshotclasses\" in API group \"snapshot.storage.k8s.io\" at the cluster scope"
+        );
         // Another namespace: nothing.
         let mut other = attrs("pods", None, Some("x"));
         other.namespace = "elsewhere".to_owned();
