@@ -90,6 +90,10 @@ pub struct Meta {
     pub branches: BTreeMap<String, String>,
     /// The sandbox's settings then.
     pub config: SandboxConfig,
+    /// The backend's snapshot of the sandbox's volume that holds its files
+    /// (a `kubernetes` VolumeSnapshot), where the copies here are empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volume: Option<String>,
 }
 
 impl Meta {
@@ -552,6 +556,7 @@ mod tests {
             kind: "snapshot".to_owned(),
             branches: BTreeMap::new(),
             config: SandboxConfig::default(),
+            volume: None,
         }
     }
 

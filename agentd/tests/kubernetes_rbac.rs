@@ -54,7 +54,7 @@ fn agentd_needs_exactly_the_documented_role() {
     if skip() {
         return;
     }
-    let mut cluster = Cluster::fake_only(true);
+    let mut cluster = Cluster::fake_with_snapshots();
     cluster.as_user(USER, &documented_role());
     let tmp = tempfile::tempdir().unwrap();
     let caddy = Caddy::start(tmp.path());
@@ -128,13 +128,32 @@ fn agentd_needs_exactly_the_documented_role() {
         "host-service"
     );
 
+    // A snapshot (a VolumeSnapshot), a restore from it (the claim made
+    // again), one removed, one left for destroy.
+    let snap = |env: &common::Env| {
+        let v: serde_json::Value =
+            serde_json::from_str(&env.ok(&["snapshot", "demo", "--json"])).unwrap();
+        v["id"].as_str().unwrap().to_owned()
+    };
+    let id = snap(&env);
+    denied("snapshot", &env);
+    env.ok(&["restore", "demo", &id]);
+    denied("restore", &env);
+    env.ok(&["snapshot", "rm", "demo", &id]);
+    snap(&env);
+
     // Stop and start again (the claim found, kept), then destroy.
     env.ok(&["stop", "demo"]);
     env.ok(&["start", "demo"]);
     assert_eq!(sh("git log -1 --format=%s"), "pod-work\n");
     env.ok(&["stop", "demo"]);
     env.ok(&["destroy", "demo"]);
-    for what in ["pods", "persistentvolumeclaims", "networkpolicies"] {
+    for what in [
+        "pods",
+        "persistentvolumeclaims",
+        "networkpolicies",
+        "volumesnapshots",
+    ] {
         assert_eq!(cluster.count(what), 0, "{what} left after destroy");
     }
     denied("a sandbox's life", &env);

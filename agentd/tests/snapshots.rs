@@ -259,17 +259,19 @@ fn a_fork_is_a_sandbox_of_its_own_with_the_same_files() {
 }
 
 #[test]
-fn a_backend_that_keeps_no_state_says_why_and_changes_nothing() {
+fn a_cluster_without_volume_snapshots_says_what_is_missing_and_nothing_changes() {
     if cluster::skip() {
         return;
     }
     let kube = cluster::Cluster::start(true);
     let env = cluster::agentd_running(&kube, serde_json::json!({}));
     cluster::sandbox(&env, "pod", &[]);
+    // A cluster without the VolumeSnapshot API: the refusal says what is
+    // missing.
     let refused = env.fails(3, &["snapshot", "pod"]);
     assert!(
-        refused.contains("a kubernetes sandbox cannot be snapshotted")
-            && refused.contains("VolumeSnapshots"),
+        refused.contains("does not serve snapshot.storage.k8s.io/v1")
+            && refused.contains("external-snapshotter"),
         "{refused}"
     );
     let paused = env.fails(3, &["pause", "pod"]);

@@ -513,13 +513,54 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn files_snapshot(&self, running: bool) -> Result<bool, &'static str> {
         match (self.kind(), running) {
             (BackendKind::Kubernetes, _) => Err(
-                "its files live in the cluster's volume, and agentd does not take VolumeSnapshots yet",
+                "its files live in the cluster's volume, which agentd snapshots as a VolumeSnapshot",
             ),
             (BackendKind::Vm | BackendKind::Local, true) => Err("it cannot be frozen"),
             (BackendKind::Microvm, _) => {
                 Err("its volumes are microvm.nix's, which agentd does not snapshot")
             }
             (BackendKind::Vm | BackendKind::Local, false) => Ok(false),
+        }
+    }
+
+    /// Whether the backend keeps a snapshot's files itself, as a snapshot
+    /// of the sandbox's volume (`kubernetes`: a VolumeSnapshot), rather
+    /// than agentd copying the sandbox's host directory.
+    fn volume_snapshots(&self) -> bool {
+        false
+    }
+
+    /// Take snapshot `id` of the sandbox's volume ([`Backend::volume_snapshots`]);
+    /// the volume snapshot's name and the bytes it holds.
+    fn snapshot_volume<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+        _id: &'a str,
+    ) -> BoxFut<'a, Result<(String, u64), BackendError>> {
+        Box::pin(async { Err(self.no_volumes()) })
+    }
+
+    /// Make the (stopped) sandbox's volume anew from volume snapshot
+    /// `volume`: a restore, or a fork's first volume.
+    fn volume_from<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+        _volume: &'a str,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async { Err(self.no_volumes()) })
+    }
+
+    /// Remove volume snapshot `volume`.
+    fn remove_volume<'a>(&'a self, _volume: &'a str) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async { Err(self.no_volumes()) })
+    }
+
+    /// The refusal of the volume snapshot methods of a backend that has none.
+    fn no_volumes(&self) -> BackendError {
+        BackendError::Unsupported {
+            what: "take volume snapshots",
+            backend: self.kind(),
+            reason: "agentd copies its files instead".to_owned(),
         }
     }
 

@@ -47,6 +47,7 @@ mod secrets;
 mod session;
 mod snapshots;
 mod stats;
+mod volumes;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 pub use snapshots::{ForkOptions, SnapshotKind};

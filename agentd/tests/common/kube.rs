@@ -51,6 +51,14 @@ impl Cluster {
         Self::new(enforced, None)
     }
 
+    /// The fake with the VolumeSnapshot API (`snapshot.storage.k8s.io/v1`),
+    /// enforcing NetworkPolicies.
+    pub fn fake_with_snapshots() -> Self {
+        let mut c = Self::new(true, None);
+        c.backing = Backing::Fake(c.rt.block_on(FakeKube::with_volume_snapshots()));
+        c
+    }
+
     fn new(enforced: bool, real: Option<std::path::PathBuf>) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)

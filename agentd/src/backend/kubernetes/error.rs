@@ -15,6 +15,10 @@ pub enum KubeError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The cluster cannot take VolumeSnapshots (what is missing), or one
+    /// failed.
+    #[error("{0}")]
+    NoSnapshots(String),
     /// No image is configured.
     #[error(
         "kubernetes.image is not set in agentd's configuration: the image the sandboxes' Pods run (see docs/kubernetes.md, \"The image\")"

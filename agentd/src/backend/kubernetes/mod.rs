@@ -25,10 +25,12 @@ mod client;
 mod config;
 mod egress;
 mod error;
+mod events;
 mod exec;
 pub mod manifest;
 pub mod pods;
 mod portforward;
+pub mod snapshots;
 mod stream;
 mod toolbox;
 mod workspace;
@@ -41,10 +43,10 @@ use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Event, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use keystone_agent_api::BackendKind;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde::Serialize;
 
 use super::{BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess};
@@ -175,54 +177,6 @@ impl KubeBackend {
 
     fn api_error(&self, what: &'static str, name: &str) -> impl FnOnce(kube::Error) -> KubeError {
         exec::api_error(what, self.ns(), name)
-    }
-
-    /// The last events of Pod `pod` (this one, of uid `uid`: not those of
-    /// an earlier Pod or of the claim of the same name), as one line.
-    async fn events(&self, c: &Connected, pod: &str, uid: &str) -> String {
-        let api: Api<Event> = self.api(c);
-        let lp = ListParams::default()
-            .fields(&format!(
-                "involvedObject.kind=Pod,involvedObject.name={pod}"
-            ))
-            .limit(500);
-        let Ok(list) = api.list(&lp).await else {
-            return "(cannot list events)".to_owned();
-        };
-        let mut items: Vec<Event> = list
-            .items
-            .into_iter()
-            .filter(|e| {
-                e.involved_object.name.as_deref() == Some(pod)
-                    && e.involved_object.kind.as_deref().is_none_or(|k| k == "Pod")
-                    && e.involved_object.uid.as_deref().is_none_or(|u| u == uid)
-            })
-            .collect();
-        // Oldest first (a list comes in the order of the events' names).
-        items.sort_by_key(|e| {
-            e.last_timestamp
-                .as_ref()
-                .map(|t| t.0)
-                .or_else(|| e.event_time.as_ref().map(|t| t.0))
-        });
-        let mut lines: Vec<String> = items
-            .into_iter()
-            .map(|e| {
-                format!(
-                    "{} {}: {}",
-                    e.type_.unwrap_or_default(),
-                    e.reason.unwrap_or_default(),
-                    e.message.unwrap_or_default()
-                )
-            })
-            .collect();
-        let keep = lines.len().saturating_sub(5);
-        lines.drain(..keep);
-        if lines.is_empty() {
-            "none".to_owned()
-        } else {
-            lines.join("; ")
-        }
     }
 
     /// Apply `obj` server-side under agentd's field manager.
@@ -573,7 +527,8 @@ impl KubeBackend {
             .await?;
         self.policy_after_pod(c, &name, KILL_GRACE).await?;
         self.delete::<PersistentVolumeClaim>(c, "cannot delete the claim", &name, None)
-            .await
+            .await?;
+        self.remove_snapshots_of(spec).await
     }
 }
 
@@ -714,6 +669,30 @@ impl super::Backend for KubeBackend {
 
     fn remove<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
         Box::pin(async move { Ok(self.remove_all(spec).await?) })
+    }
+
+    fn volume_snapshots(&self) -> bool {
+        true
+    }
+
+    fn snapshot_volume<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        id: &'a str,
+    ) -> BoxFut<'a, Result<(String, u64), BackendError>> {
+        Box::pin(async move { Ok(self.take_snapshot(spec, id).await?) })
+    }
+
+    fn volume_from<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        volume: &'a str,
+    ) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move { Ok(self.claim_from_snapshot(spec, volume).await?) })
+    }
+
+    fn remove_volume<'a>(&'a self, volume: &'a str) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move { Ok(self.remove_snapshot(volume).await?) })
     }
 
     fn is_alive(&self, rt: &Runtime) -> bool {

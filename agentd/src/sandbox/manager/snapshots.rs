@@ -71,6 +71,14 @@ impl Manager {
         };
         let quota = u64::from(sb.config.snapshot_quota) << 20;
         let (store, id) = dest;
+        let backend = Arc::clone(self.backend(sb.backend)?);
+        if backend.volume_snapshots() {
+            let meta = self
+                .volume_snapshot(&sb, &backend, (&store, &id), label, kind.as_str())
+                .await?;
+            tracing::info!(sandbox = %name, snapshot = %meta.id, volume = ?meta.volume, "snapshot taken");
+            return Ok(meta.info());
+        }
         let meta = self
             .frozen_copy(&sb, "be snapshotted", move |spec, sb| {
                 let fail = |source| Error::Snapshot {
@@ -115,6 +123,7 @@ impl Manager {
                         kind: kind.as_str().to_owned(),
                         branches,
                         config: sb.config.clone(),
+                        volume: None,
                     };
                     store.commit(&partial, &meta)?;
                     Ok(meta)
@@ -151,6 +160,7 @@ impl Manager {
         self.get(caller, name)?;
         let locks = self.locks(name);
         let _op = locks.op.lock().await;
+        self.remove_volume_of(name, id).await?;
         let (store, sandbox, id) = (self.snapshot_store(), name.to_owned(), id.to_owned());
         let snap = id.clone();
         tokio::task::spawn_blocking(move || store.remove(&sandbox, &snap))
@@ -188,23 +198,36 @@ impl Manager {
         let (meta, snap_dir) = self.load_own_snapshot(&sb, &sb, id).await?;
         let backend = Arc::clone(self.backend(sb.backend)?);
         self.check_settled(&sb, "restore")?;
-        if let Err(reason) = backend.files_snapshot(false) {
-            return Err(unsupported(&sb, "be restored", reason));
+        let volume = self.volume_of(&sb, &backend, &meta)?;
+        if volume.is_none() {
+            if let Err(reason) = backend.files_snapshot(false) {
+                return Err(unsupported(&sb, "be restored", reason));
+            }
+            self.check_reachable(&sb)?;
         }
-        self.check_reachable(&sb)?;
         let was_up = sb.state.is_up();
         if was_up {
             self.stop_locked(name, false).await?;
         }
-        let dir = self.store.registry().sandbox_dir(name);
-        let sandbox = name.to_owned();
-        tokio::task::spawn_blocking(move || replace_trees(&snap_dir, &dir))
-            .await
-            .map_err(|e| panicked_snapshot(name, &e))?
-            .map_err(|source| Error::Snapshot {
-                name: sandbox,
-                source,
-            })?;
+        if let Some(volume) = &volume {
+            backend
+                .volume_from(&self.spec(&sb), volume)
+                .await
+                .map_err(|source| Error::Backend {
+                    name: name.to_owned(),
+                    source,
+                })?;
+        } else {
+            let dir = self.store.registry().sandbox_dir(name);
+            let sandbox = name.to_owned();
+            tokio::task::spawn_blocking(move || replace_trees(&snap_dir, &dir))
+                .await
+                .map_err(|e| panicked_snapshot(name, &e))?
+                .map_err(|source| Error::Snapshot {
+                    name: sandbox,
+                    source,
+                })?;
+        }
         let mut sb = if sb.declared {
             sb
         } else {
@@ -264,9 +287,19 @@ impl Manager {
             config,
             src.owner,
         );
+        let backend = Arc::clone(self.backend(src.backend)?);
+        if backend.volume_snapshots() {
+            if let Some((meta, _)) = &from {
+                self.volume_of(&src, &backend, meta)?;
+            }
+        }
         let (forked, mut notices) = self
             .insert_seeded(sb, async |new_sb: &Sandbox| {
                 let to = self.store.registry().sandbox_dir(&new_sb.name);
+                if backend.volume_snapshots() {
+                    let volume = from.as_ref().and_then(|(m, _)| m.volume.as_deref());
+                    return self.fork_volume(caller, &src, new_sb, volume, &to).await;
+                }
                 match &from {
                     Some((_, snap_dir)) => {
                         let (snap_dir, to) = (snap_dir.clone(), to.clone());
@@ -427,7 +460,7 @@ impl Manager {
 /// Copy the [`TREES`] of directory `from` into directory `to` (which
 /// lacks them), and its [`HOME_DISK`] where it has one; a tree `from`
 /// lacks is made empty.
-fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> {
+pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> {
     for tree in TREES {
         let (src, dst) = (from.join(tree), to.join(tree));
         if procfs::is_real_dir(&src) {
@@ -455,7 +488,7 @@ const BRANCHES_MAX: usize = 1000;
 /// are the sandbox's, pointing anywhere on the host: where `.git` or
 /// `.git/refs` is one, no branch is read, or agentd (root) would name
 /// branches and commits of whatever repository it points at.
-fn copied_branches(partial: &Path) -> BTreeMap<String, String> {
+pub(super) fn copied_branches(partial: &Path) -> BTreeMap<String, String> {
     let git = partial.join("workspace/.git");
     let refs = git.join("refs");
     if !procfs::is_real_dir(&git) || std::fs::symlink_metadata(&refs).is_ok_and(|m| !m.is_dir()) {
@@ -512,7 +545,7 @@ fn replace_trees(snap: &Path, dir: &Path) -> std::result::Result<(), SnapshotErr
 }
 
 /// A backend's refusal, as the manager's error.
-fn unsupported(sb: &Sandbox, what: &'static str, reason: &str) -> Error {
+pub(super) fn unsupported(sb: &Sandbox, what: &'static str, reason: &str) -> Error {
     Error::Backend {
         name: sb.name.clone(),
         source: BackendError::Unsupported {
@@ -524,7 +557,7 @@ fn unsupported(sb: &Sandbox, what: &'static str, reason: &str) -> Error {
 }
 
 /// The error of a blocking snapshot task of sandbox `name` that panicked.
-fn panicked_snapshot(name: &str, e: &tokio::task::JoinError) -> Error {
+pub(super) fn panicked_snapshot(name: &str, e: &tokio::task::JoinError) -> Error {
     Error::Snapshot {
         name: name.to_owned(),
         source: SnapshotError::Io {
