@@ -228,13 +228,7 @@ pub(crate) async fn take(store: Arc<Mutex<Store>>, key: Key) {
         Ok(p) => p,
         Err((reason, message)) => return fail(&store, &key, &uid, &reason, &message),
     };
-    let copied = {
-        let (from, tmp) = (from.clone(), tmp.clone());
-        tokio::task::spawn_blocking(move || copy(&from, &tmp))
-            .await
-            .map_err(std::io::Error::other)
-            .and_then(|r| r)
-    };
+    let copied = copy_off_thread(&from, &tmp).await;
     let mut s = store.lock().unwrap();
     let to = snapshot_dir(&s.root, ns, name);
     let Some(mut snapshot) = s.objects.get(&key).filter(|o| uid_of(o) == uid).cloned() else {
@@ -376,13 +370,7 @@ pub(crate) async fn provision(store: Arc<Mutex<Store>>, key: Key) {
         Ok(p) => p,
         Err(why) => return failed(&why),
     };
-    let copied = {
-        let (from, tmp) = (from.clone(), tmp.clone());
-        tokio::task::spawn_blocking(move || copy(&from, &tmp))
-            .await
-            .map_err(std::io::Error::other)
-            .and_then(|r| r)
-    };
+    let copied = copy_off_thread(&from, &tmp).await;
     let mut s = store.lock().unwrap();
     let Some(mut claim) = s
         .objects
@@ -481,6 +469,15 @@ fn unschedulable(s: &Store, namespace: &str, pod: &Value) -> Option<String> {
             Some(_) => None,
         }
     })
+}
+
+/// [`copy`] on a blocking thread.
+async fn copy_off_thread(from: &Path, to: &Path) -> std::io::Result<u64> {
+    let (from, to) = (from.to_owned(), to.to_owned());
+    tokio::task::spawn_blocking(move || copy(&from, &to))
+        .await
+        .map_err(std::io::Error::other)
+        .and_then(|r| r)
 }
 
 /// Copy directory `from` (an empty one when it is not a directory) to

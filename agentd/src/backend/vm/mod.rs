@@ -605,21 +605,18 @@ impl VmBackend {
     ) -> Result<(), BackendError> {
         if !force && self.is_alive(rt) {
             // A paused guest is continued first, so that it can shut down.
-            if let Err(e) = self.freeze(spec, rt, false).await {
+            if let Err(e) = self.cpus(spec, rt, false).await {
                 tracing::debug!(sandbox = %spec.name, error = %e, "cannot continue the guest before the stop");
             }
             // A clean shutdown from inside: the guest syncs its disks and
             // powers off, and QEMU (run with -no-reboot) exits.
             let root = self.target(spec, "root");
-            let ask = root
-                .command()
-                .arg(&root.host)
-                .arg("systemctl poweroff || poweroff")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .kill_on_drop(true)
-                .status();
-            let _ = tokio::time::timeout(Duration::from_secs(10), ask).await;
+            let _ = state::as_root(
+                &root,
+                "systemctl poweroff || poweroff",
+                Duration::from_secs(10),
+            )
+            .await;
             if tokio::time::timeout(self.settings.stop_grace, self.wait_exit(rt))
                 .await
                 .is_err()

@@ -8,6 +8,7 @@ use std::process::Stdio;
 use std::time::{Duration, SystemTime};
 
 use super::{Paths, VmBackend, VmError, device_uid, qmp};
+use crate::backend::ssh::SshTarget;
 use crate::backend::{BackendError, Runtime, SandboxSpec};
 
 /// How long the guest may take to write its caches to its disks.
@@ -16,10 +17,58 @@ const SYNC_LIMIT: Duration = Duration::from_secs(30);
 /// How long the guest may take to set its clock.
 const CLOCK_LIMIT: Duration = Duration::from_secs(10);
 
+/// Run `script` as root in the guest behind `root`, within `limit`: `Ok`
+/// once it ran and succeeded, else what happened.
+pub(super) async fn as_root(root: &SshTarget, script: &str, limit: Duration) -> Result<(), String> {
+    let run = root
+        .command()
+        .arg(&root.host)
+        .arg(script)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .status();
+    match tokio::time::timeout(limit, run).await {
+        Ok(Ok(s)) if s.success() => Ok(()),
+        Ok(Ok(s)) => Err(s.to_string()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {}s", limit.as_secs())),
+    }
+}
+
 impl VmBackend {
     /// Stop (`frozen`) or continue the guest's CPUs. A continued guest's
     /// clock is set to the host's, in the background.
     pub(super) async fn freeze(
+        &self,
+        spec: &SandboxSpec,
+        rt: &Runtime,
+        frozen: bool,
+    ) -> Result<(), BackendError> {
+        self.cpus(spec, rt, frozen).await?;
+        if !frozen {
+            let root = self.target(spec, "root");
+            let name = spec.name.clone();
+            tokio::spawn(async move {
+                let now = SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .unwrap_or_default();
+                let script = format!(
+                    "date -u -s @{}.{:09} >/dev/null",
+                    now.as_secs(),
+                    now.subsec_nanos()
+                );
+                if let Err(why) = as_root(&root, &script, CLOCK_LIMIT).await {
+                    tracing::debug!(sandbox = %name, why, "cannot set the guest's clock after a resume");
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Stop (`frozen`) or continue the guest's CPUs through QMP.
+    pub(super) async fn cpus(
         &self,
         spec: &SandboxSpec,
         rt: &Runtime,
@@ -39,34 +88,6 @@ impl VmBackend {
                 sandbox: spec.name.clone(),
                 source,
             })?;
-        if !frozen {
-            let root = self.target(spec, "root");
-            let name = spec.name.clone();
-            tokio::spawn(async move {
-                let now = SystemTime::now()
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .unwrap_or_default();
-                let set = root
-                    .command()
-                    .arg(&root.host)
-                    .arg(format!(
-                        "date -u -s @{}.{:09} >/dev/null",
-                        now.as_secs(),
-                        now.subsec_nanos()
-                    ))
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .kill_on_drop(true)
-                    .status();
-                match tokio::time::timeout(CLOCK_LIMIT, set).await {
-                    Ok(Ok(s)) if s.success() => {}
-                    other => {
-                        tracing::debug!(sandbox = %name, result = ?other, "cannot set the guest's clock after a resume");
-                    }
-                }
-            });
-        }
         Ok(())
     }
 
@@ -74,21 +95,8 @@ impl VmBackend {
     /// copy of them made while its CPUs are stopped is consistent. A guest
     /// that does not answer in time is copied as it is.
     pub(super) async fn flush_disks(&self, spec: &SandboxSpec) {
-        let root = self.target(spec, "root");
-        let sync = root
-            .command()
-            .arg(&root.host)
-            .arg("sync")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true)
-            .status();
-        match tokio::time::timeout(SYNC_LIMIT, sync).await {
-            Ok(Ok(s)) if s.success() => {}
-            other => {
-                tracing::warn!(sandbox = %spec.name, result = ?other, "the guest did not sync its disks before a copy");
-            }
+        if let Err(why) = as_root(&self.target(spec, "root"), "sync", SYNC_LIMIT).await {
+            tracing::warn!(sandbox = %spec.name, why, "the guest did not sync its disks before a copy");
         }
     }
 }

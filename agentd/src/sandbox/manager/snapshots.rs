@@ -109,22 +109,7 @@ impl Manager {
                     let size = crate::fsutil::tree_size(&partial)
                         .map_err(SnapshotError::io_at("measure", &partial))?;
                     let branches = copied_branches(&partial);
-                    let meta = Meta {
-                        format: snapshots::FORMAT,
-                        id: id.clone(),
-                        label,
-                        sandbox: sb.name.clone(),
-                        sandbox_id: sb.id.clone(),
-                        owner: sb.owner,
-                        backend: sb.backend,
-                        created_at: crate::text::micros(Some(SystemTime::now())),
-                        size,
-                        memory: false,
-                        kind: kind.as_str().to_owned(),
-                        branches,
-                        config: sb.config.clone(),
-                        volume: None,
-                    };
+                    let meta = describe(sb, &id, label, kind.as_str(), size, branches, None);
                     store.commit(&partial, &meta)?;
                     Ok(meta)
                 })();
@@ -474,6 +459,36 @@ pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), Snap
         snapshots::copy_tree(&disk, &to.join(HOME_DISK))?;
     }
     Ok(())
+}
+
+/// The description of snapshot `id` of sandbox `sb`, taken now: `size`
+/// bytes, `branches` and their commits, held by the backend's `volume`
+/// snapshot where it has one.
+pub(super) fn describe(
+    sb: &Sandbox,
+    id: &str,
+    label: String,
+    kind: &str,
+    size: u64,
+    branches: BTreeMap<String, String>,
+    volume: Option<String>,
+) -> Meta {
+    Meta {
+        format: snapshots::FORMAT,
+        id: id.to_owned(),
+        label,
+        sandbox: sb.name.clone(),
+        sandbox_id: sb.id.clone(),
+        owner: sb.owner,
+        backend: sb.backend,
+        created_at: crate::text::micros(Some(SystemTime::now())),
+        size,
+        memory: false,
+        kind: kind.to_owned(),
+        branches,
+        config: sb.config.clone(),
+        volume,
+    }
 }
 
 /// Most branches a snapshot's description names. A sandbox can make

@@ -4,10 +4,10 @@
 //! description beside the other snapshots (`snapshot.json`, with empty
 //! copies), so listing, quotas, ownership and ids work the same way.
 
-use super::snapshots::{copied_branches, copy_trees, panicked_snapshot};
+use super::snapshots::{copied_branches, copy_trees, describe, panicked_snapshot};
 use super::*;
 use crate::backend::Backend;
-use crate::snapshots::{self, Meta, SnapshotError, Store, TREES};
+use crate::snapshots::{Meta, SnapshotError, Store, TREES};
 
 impl Manager {
     /// Take snapshot `id` of sandbox `sb` as a snapshot of its volume, and
@@ -51,23 +51,10 @@ impl Manager {
                     name: sb.name.clone(),
                     source,
                 })?;
-        let meta = Meta {
-            format: snapshots::FORMAT,
-            id: id.to_owned(),
-            label,
-            sandbox: sb.name.clone(),
-            sandbox_id: sb.id.clone(),
-            owner: sb.owner,
-            backend: sb.backend,
-            created_at: crate::text::micros(Some(SystemTime::now())),
-            size,
-            memory: false,
-            kind: kind.to_owned(),
-            // As the host's copy of its repository has them (its last sync).
-            branches: copied_branches(spec.dir()),
-            config: sb.config.clone(),
-            volume: Some(volume.clone()),
-        };
+        // Its branches as the host's copy of its repository has them (its
+        // last sync).
+        let branches = copied_branches(spec.dir());
+        let meta = describe(sb, id, label, kind, size, branches, Some(volume.clone()));
         let (store2, meta2) = (store.clone(), meta.clone());
         let kept = tokio::task::spawn_blocking(move || {
             let partial = store2.begin(&meta2.sandbox, &meta2.id)?;
