@@ -63,6 +63,14 @@ fn a_vm_sandbox_pauses_and_its_files_are_snapshotted_restored_and_forked() {
         counter(&n) > 3
     });
 
+    // Its figures: QEMU's CPU time and memory (the guest's), the guest's
+    // RAM as the limit.
+    let stats = json(&env.ok(&["stats", "vs", "--json"]));
+    let fig = |k: &str| stats[k].as_u64().unwrap_or(0);
+    assert!(fig("cpu_usec") > 1_000_000, "{stats}");
+    assert!(fig("memory_current") > 100 << 20, "{stats}");
+    assert_eq!(fig("memory_limit"), 1024 << 20, "{stats}");
+
     // Paused: the guest's CPUs stop where they are; QEMU uses (almost) no
     // CPU and the counter stands still; commands are refused.
     let out = env.ok(&["pause", "vs"]);

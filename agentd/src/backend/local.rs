@@ -620,7 +620,7 @@ impl Backend for LocalBackend {
         self.settings.toolbox.as_deref()
     }
 
-    fn usage(&self, spec: &SandboxSpec, stats: &mut crate::stats::Stats) {
+    fn usage(&self, spec: &SandboxSpec, _rt: &Runtime, stats: &mut crate::stats::Stats) {
         crate::stats::read_cgroups(&self.cgroups.groups(&spec.name), stats);
     }
 

@@ -467,9 +467,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Add what the running sandbox uses in CPU time, memory and processes
     /// to `stats` ([`crate::stats`]), or why this backend cannot tell.
     /// Reads a few files at most.
-    fn usage(&self, _spec: &SandboxSpec, stats: &mut crate::stats::Stats) {
+    fn usage(&self, _spec: &SandboxSpec, _rt: &Runtime, stats: &mut crate::stats::Stats) {
         let why = match self.kind() {
-            BackendKind::Vm => "QEMU of a vm sandbox runs in no cgroup of agentd's",
+            BackendKind::Vm => "the vm backend reads its processes' figures itself",
             BackendKind::Kubernetes => "agentd does not read a Pod's metrics",
             BackendKind::Microvm => "agentd does not read the cgroup of a microvm's systemd unit",
             BackendKind::Local => "the local backend has no cgroups",
@@ -477,6 +477,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         for group in ["cpu", "memory", "pids"] {
             stats.unavailable(group, why);
         }
+    }
+
+    /// Whether the CPU time [`Backend::usage`] reports of sandbox `rt` is
+    /// its own work, which idle stop may count (an emulated guest's QEMU
+    /// uses CPU when its guest does nothing).
+    fn cpu_is_work(&self, _rt: &Runtime) -> bool {
+        true
     }
 
     /// Freeze (`frozen`) or thaw every process of the running sandbox `rt`

@@ -693,6 +693,22 @@ impl Backend for VmBackend {
         Ok(running)
     }
 
+    fn cpu_is_work(&self, rt: &Runtime) -> bool {
+        // Under TCG, QEMU spends a third of a core on an idle guest's
+        // timers; under KVM its CPU time is the guest's.
+        !rt.limits.contains("under TCG")
+    }
+
+    fn usage(&self, spec: &SandboxSpec, rt: &Runtime, stats: &mut crate::stats::Stats) {
+        if self.is_alive(rt) {
+            state::usage(rt.supervisor_pid, spec.config.memory, stats);
+        } else {
+            for group in ["cpu", "memory", "pids"] {
+                stats.unavailable(group, "the VM is not running");
+            }
+        }
+    }
+
     fn flush<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, ()> {
         Box::pin(self.flush_disks(spec))
     }

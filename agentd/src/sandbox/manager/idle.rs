@@ -56,8 +56,16 @@ impl Manager {
         if sb.state != SandboxState::Stopped || !sb.idle_stopped {
             return Ok(sb);
         }
+        let locks = self.locks(&sb.name);
+        let _guard = locks.op.lock().await;
+        // Again under the lock: the same sandbox (not another of its name
+        // made meanwhile), still stopped when idle.
+        let now = self.get(caller, &sb.name)?;
+        if now.id != sb.id || now.state != SandboxState::Stopped || !now.idle_stopped {
+            return Ok(now);
+        }
         tracing::info!(sandbox = %sb.name, "starting a sandbox stopped when idle, for a request");
-        self.start(caller, &sb.name).await
+        self.start_locked(&now.name, now.backend).await
     }
 
     /// Check the sandboxes for idleness every few seconds, and at once
@@ -155,9 +163,13 @@ impl Manager {
     async fn cpu_usec(&self, sb: &Sandbox) -> Option<u64> {
         let backend = Arc::clone(self.backend(sb.backend).ok()?);
         let spec = self.spec(sb);
+        let rt = sb.runtime.clone()?;
+        if !backend.cpu_is_work(&rt) {
+            return None;
+        }
         tokio::task::spawn_blocking(move || {
             let mut stats = crate::stats::Stats::default();
-            backend.usage(&spec, &mut stats);
+            backend.usage(&spec, &rt, &mut stats);
             stats.figures.get("cpu_usec").copied()
         })
         .await

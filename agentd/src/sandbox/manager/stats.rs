@@ -49,13 +49,16 @@ impl Manager {
         }
         let backend = Arc::clone(self.backend(sb.backend)?);
         let spec = self.spec(&sb);
+        let rt = sb.runtime.clone();
         let disk = Self::has_disk_image(sb.backend).then(|| self.disk(name));
         let kind = sb.backend;
         // A few small files and one statvfs, off the async threads all the
         // same: a file system can stall.
         let read = tokio::task::spawn_blocking(move || {
             let mut stats = Stats::default();
-            backend.usage(&spec, &mut stats);
+            if let Some(rt) = &rt {
+                backend.usage(&spec, rt, &mut stats);
+            }
             match disk {
                 Some(d) if crate::disk::is_mount_point(&d.dir) => {
                     match crate::stats::disk_usage(&d.dir) {
