@@ -501,19 +501,31 @@ pub fn clean_label(label: &str) -> String {
 /// # Errors
 /// `cp` could not run or failed (a full disk, a file it cannot read).
 pub fn copy_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
+    copy(from, to, true)
+}
+
+/// Copy the [`HOME_DISK`] `from` to `to` as [`copy_tree`] does, but as
+/// agentd's own file (its mode kept): no other uid can open the copy
+/// before the sandbox it is for gets it at its start.
+///
+/// # Errors
+/// As [`copy_tree`].
+pub fn copy_disk(from: &Path, to: &Path) -> Result<(), SnapshotError> {
+    copy(from, to, false)
+}
+
+fn copy(from: &Path, to: &Path, owners: bool) -> Result<(), SnapshotError> {
     let mut cmd = Command::new("cp");
-    cmd.args([
-        "-a",
-        "--reflink=auto",
-        "--sparse=always",
-        "--no-target-directory",
-        "--",
-    ])
-    .arg(from)
-    .arg(to)
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped());
+    cmd.args(["-a", "--reflink=auto", "--sparse=always"]);
+    if !owners {
+        cmd.arg("--no-preserve=ownership");
+    }
+    cmd.args(["--no-target-directory", "--"])
+        .arg(from)
+        .arg(to)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     crate::child::end_with_us(&mut cmd);
     let out = cmd
         .output()

@@ -6,7 +6,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
@@ -24,6 +24,9 @@ const CONNECTIONS_MAX: usize = 256;
 /// Most connections the `/ask` port holds at once (anyone on the machine,
 /// or a page in a browser, can open them; Caddy asks one at a time).
 const ASK_CONNECTIONS_MAX: usize = 16;
+
+/// How long a request waits for a sandbox that is starting.
+const START_WAIT: Duration = Duration::from_secs(120);
 
 /// How long a request's head may take to arrive, on a new or an idle
 /// kept-alive connection.
@@ -197,9 +200,14 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
         );
     };
     // Stopped when idle: its owner's request (the token says so) starts
-    // it again, as an exec would.
+    // it again, as an exec would; not one that a page of another site (or
+    // of another sandbox) sent the browser on, which carries the cookie too.
     let mut notice = String::new();
-    if proxy.gated() && sb.state == SandboxState::Stopped && sb.idle_stopped {
+    if proxy.gated()
+        && sb.state == SandboxState::Stopped
+        && sb.idle_stopped
+        && !from_another_site(req)
+    {
         if let Some(woken) = Arc::clone(&proxy.sandboxes).wake(sb.name.clone()).await {
             if woken.state == SandboxState::Running {
                 notice = format!(
@@ -209,6 +217,16 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
                 );
             }
             sb = woken;
+        }
+    }
+    // Starting (another request of the owner's woke it a moment ago): its
+    // answer once it has started, not a page that says it does not run.
+    let settle = Instant::now() + START_WAIT;
+    while sb.state == SandboxState::Starting && Instant::now() < settle {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match proxy.sandboxes.snapshot(sandbox).filter(|s| s.id == sb.id) {
+            Some(now) => sb = now,
+            None => break,
         }
     }
     if sb.state != SandboxState::Running {
@@ -328,6 +346,15 @@ fn from_its_own_pages(req: &Request<Incoming>, sandbox: &str, domain: &str) -> b
         && header("sec-fetch-dest").as_deref() == Some("document")
         && matches!(*req.method(), hyper::Method::GET | hyper::Method::HEAD);
     !foreign_site || navigation
+}
+
+/// Whether the browser says `req` comes from a page of another site
+/// (`Sec-Fetch-Site: same-site` or `cross-site`: every sandbox's links are
+/// the same site to it).
+fn from_another_site(req: &Request<Incoming>) -> bool {
+    req.headers()
+        .get("sec-fetch-site")
+        .is_some_and(|v| v.as_bytes() != b"none" && v.as_bytes() != b"same-origin")
 }
 
 /// Whether `origin` is one of sandbox `sandbox`'s links (as

@@ -390,6 +390,10 @@ impl Manager {
             }
             if let Some(i) = o.idle_stop_seconds {
                 s.config.idle_stop_seconds = i;
+                // Idle stop turned off: nothing starts it again by itself.
+                if i == 0 {
+                    s.idle_stopped = false;
+                }
             }
             if let Some(b) = o.backup_every_seconds {
                 s.config.backup_every_seconds = b;
@@ -454,10 +458,18 @@ impl crate::proxy::Sandboxes for Manager {
         Box::pin(async move {
             let sb = self.snapshot(&name)?;
             let owner = Caller { uid: sb.owner };
-            match Manager::wake(&self, owner, sb).await {
-                Ok(sb) => Some(sb),
-                Err(e) => {
+            // A task of its own: a request that goes away (its connection
+            // closed) must not end a start half-way.
+            let this = Arc::clone(&self);
+            let woken = tokio::spawn(async move { Manager::wake(&this, owner, sb).await });
+            match woken.await {
+                Ok(Ok(sb)) => Some(sb),
+                Ok(Err(e)) => {
                     tracing::warn!(sandbox = %name, error = %e, "cannot start a sandbox stopped when idle for its link");
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %name, error = %e, "the start of a sandbox stopped when idle failed");
                     None
                 }
             }

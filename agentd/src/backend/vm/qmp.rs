@@ -9,6 +9,7 @@
 //! a bounded line at a time, within a deadline: a guest that took QEMU
 //! over can make agentd wait a few seconds, never hold it.
 
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::time::Duration;
 
@@ -78,12 +79,34 @@ pub async fn execute(socket: &Path, uid: u32, command: &'static str) -> Result<(
 
 async fn execute_inner(socket: &Path, uid: u32, command: &'static str) -> Result<(), QmpError> {
     let path = socket.display().to_string();
-    let stream = UnixStream::connect(socket)
+    let connect_error = |source| QmpError::Connect {
+        path: path.clone(),
+        source,
+    };
+    // The socket as it is, never through a link QEMU's uid put in its
+    // place: opened without following one, checked to be a socket of that
+    // uid, then connected to through that very inode.
+    let fd = nix::fcntl::open(
+        socket,
+        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| connect_error(e.into()))?;
+    let st = nix::sys::stat::fstat(&fd).map_err(|e| connect_error(e.into()))?;
+    if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFSOCK {
+        return Err(QmpError::Protocol(format!("{path} is not a socket")));
+    }
+    if st.st_uid != uid {
+        return Err(QmpError::Impostor {
+            path,
+            found: st.st_uid,
+            expected: uid,
+        });
+    }
+    let stream = UnixStream::connect(format!("/proc/self/fd/{}", fd.as_raw_fd()))
         .await
-        .map_err(|source| QmpError::Connect {
-            path: path.clone(),
-            source,
-        })?;
+        .map_err(connect_error)?;
+    drop(fd);
     let peer = stream
         .peer_cred()
         .map_err(|e| QmpError::Protocol(e.to_string()))?;
@@ -232,6 +255,21 @@ mod tests {
         .await;
         let e = execute(&path, me(), "cont").await.unwrap_err();
         assert_eq!(e.to_string(), "QEMU refused `cont`: no way");
+    }
+
+    #[tokio::test]
+    async fn a_link_in_the_socket_s_place_is_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (real, _task) = serve(dir.path(), HELLO, vec!["{\"return\": {}}\n"]).await;
+        let other = tempfile::tempdir().unwrap();
+        let link = other.path().join(SOCKET);
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let e = execute(&link, me(), "stop").await.unwrap_err();
+        assert!(e.to_string().contains("is not a socket"), "{e}");
+        let file = other.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        let e = execute(&file, me(), "stop").await.unwrap_err();
+        assert!(e.to_string().contains("is not a socket"), "{e}");
     }
 
     #[tokio::test]

@@ -456,7 +456,7 @@ pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), Snap
     }
     let disk = from.join(HOME_DISK);
     if snapshots::is_real_file(&disk) {
-        snapshots::copy_tree(&disk, &to.join(HOME_DISK))?;
+        snapshots::copy_disk(&disk, &to.join(HOME_DISK))?;
     }
     Ok(())
 }
@@ -534,7 +534,11 @@ fn replace_trees(snap: &Path, dir: &Path) -> std::result::Result<(), SnapshotErr
         if std::fs::symlink_metadata(&from).is_err() {
             return Ok(());
         }
-        snapshots::copy_tree(&from, &side(entry, "restoring"))
+        if *entry == HOME_DISK {
+            snapshots::copy_disk(&from, &side(entry, "restoring"))
+        } else {
+            snapshots::copy_tree(&from, &side(entry, "restoring"))
+        }
     });
     if let Err(e) = copied {
         for entry in ENTRIES {
