@@ -743,9 +743,9 @@ fn a_link_answers_only_the_browser_that_came_with_its_token() {
     dev_server(&env, "priv", "main", port, "private-server");
     dev_server(&env, "other", "main", free_port(), "other-server");
     // The owner's URLs carry the token.
-    let url = link_url(&env, "priv");
+    let url = env.link_url("priv");
     let token = url.split_once("keystone_token=").unwrap().1.to_owned();
-    let other = link_url(&env, "other");
+    let other = env.link_url("other");
     let other_token = other.split_once("keystone_token=").unwrap().1.to_owned();
     assert_ne!(token, other_token);
     let host = "priv.sandbox.local";
@@ -808,21 +808,6 @@ fn a_link_answers_only_the_browser_that_came_with_its_token() {
     assert_eq!(s, 503, "{body}");
 }
 
-/// The URL (with its token) of sandbox `name`'s first link, once it has one.
-fn link_url(env: &Env, name: &str) -> String {
-    let mut url = String::new();
-    wait_for("a link with a token", DEADLINE, || {
-        let routes: serde_json::Value =
-            serde_json::from_str(&env.ok(&["ports", name, "--json"])).unwrap();
-        url = routes["routes"][0]["url"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        url.contains("?keystone_token=")
-    });
-    url
-}
-
 /// `caddy`'s answer to GET `path` of `host` with `cookie`, asked again
 /// while Caddy drops the connection (status 0: it takes new routes).
 fn answered(caddy: &Caddy, host: &str, path: &str, cookie: &str) -> (u16, String) {
@@ -842,7 +827,7 @@ fn answered(caddy: &Caddy, host: &str, path: &str, cookie: &str) -> (u16, String
 fn a_link_starts_a_sandbox_stopped_when_idle_for_its_owner_only() {
     let (env, caddy) = setup_auth("nap", false, "owner");
     dev_server(&env, "nap", "main", free_port(), "napping");
-    let url = link_url(&env, "nap");
+    let url = env.link_url("nap");
     let token = url.split_once("keystone_token=").unwrap().1.to_owned();
     let host = "nap.sandbox.local";
     env.ok(&["set", "nap", "--idle-stop", "2s"]);

@@ -34,16 +34,7 @@ fn setup(name: &str) -> (Env, Caddy, String) {
         "-c",
         &format!("python3 -m http.server {port} --bind 127.0.0.1 >/dev/null 2>&1 &"),
     ]);
-    let mut url = String::new();
-    wait_for("a link with a token", DEADLINE, || {
-        let routes: serde_json::Value =
-            serde_json::from_str(&env.ok(&["ports", name, "--json"])).unwrap();
-        url = routes["routes"][0]["url"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned();
-        url.contains("?keystone_token=")
-    });
+    let url = env.link_url(name);
     let token = url.split_once("keystone_token=").unwrap().1.to_owned();
     (env, caddy, token)
 }

@@ -426,6 +426,22 @@ impl Env {
         self.ok(&["exec", name, "--", "sh", "-c", script])
     }
 
+    /// The URL (with its token) of sandbox `name`'s first dev-server link,
+    /// once it has one (30 s at most).
+    pub fn link_url(&self, name: &str) -> String {
+        let mut url = String::new();
+        wait_for("a link with a token", Duration::from_secs(30), || {
+            let routes: serde_json::Value =
+                serde_json::from_str(&self.ok(&["ports", name, "--json"])).unwrap();
+            url = routes["routes"][0]["url"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            url.contains("?keystone_token=")
+        });
+        url
+    }
+
     /// The pid of this agentd's helper `arg` (e.g. `__sync-read`), waiting
     /// up to 30 s for one to run.
     pub fn wait_for_helper(&self, arg: &str) -> i32 {
