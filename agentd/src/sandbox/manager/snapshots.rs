@@ -416,7 +416,7 @@ impl Manager {
     }
 
     /// `InvalidState` while sandbox `sb` starts or stops.
-    fn check_settled(&self, sb: &Sandbox, what: &'static str) -> Result<()> {
+    pub(super) fn check_settled(&self, sb: &Sandbox, what: &'static str) -> Result<()> {
         if matches!(sb.state, SandboxState::Starting | SandboxState::Stopping) {
             return Err(Error::InvalidState {
                 name: sb.name.clone(),

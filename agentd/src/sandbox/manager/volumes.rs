@@ -34,14 +34,7 @@ impl Manager {
                 quota_mib: sb.config.snapshot_quota,
             }));
         }
-        if matches!(sb.state, SandboxState::Starting | SandboxState::Stopping) {
-            return Err(Error::InvalidState {
-                name: sb.name.clone(),
-                verb: "be snapshotted",
-                state: sb.state,
-                hint: state::hint(sb.state),
-            });
-        }
+        self.check_settled(sb, "be snapshotted")?;
         let spec = self.spec(sb);
         let (volume, size) =
             backend
