@@ -199,14 +199,15 @@ impl Manager {
             return;
         }
         tracing::info!(sandbox = %name, idle_seconds = secs, "stopping an idle sandbox");
-        if let Err(e) = self.stop_locked(name, false).await {
-            tracing::warn!(sandbox = %name, error = %e, "cannot stop the idle sandbox");
-            return;
-        }
-        let _ = self.update(name, |s| {
+        // Marked in the write that records the stop: a request that sees
+        // it stopped sees why, and wakes it.
+        let marked = self.stop_locked_then(name, false, |s| {
             s.idle_stopped = true;
             s.state_reason =
                 format!("stopped after {secs} s idle; the next exec, attach, cp or link request starts it again");
         });
+        if let Err(e) = marked.await {
+            tracing::warn!(sandbox = %name, error = %e, "cannot stop the idle sandbox");
+        }
     }
 }

@@ -278,6 +278,17 @@ impl Manager {
     }
 
     pub(super) async fn stop_locked(&self, name: &str, force: bool) -> Result<Sandbox> {
+        self.stop_locked_then(name, force, |_| {}).await
+    }
+
+    /// [`Self::stop_locked`], with `stopped` changing the entry in the same
+    /// write that records the stop (nobody sees it stopped without it).
+    pub(super) async fn stop_locked_then(
+        &self,
+        name: &str,
+        force: bool,
+        stopped: impl FnOnce(&mut Sandbox),
+    ) -> Result<Sandbox> {
         let sb = self.transition(name, Event::Stop, |_| {})?;
         tracing::info!(sandbox = %name, force, "stopping");
         self.close_gateway(name).await;
@@ -302,6 +313,7 @@ impl Manager {
         let sb = self.transition(name, Event::Stopped, |s| {
             s.runtime = None;
             s.state_reason.clear();
+            stopped(s);
         })?;
         tracing::info!(sandbox = %name, "stopped");
         Ok(sb)
