@@ -22,12 +22,14 @@
 #   keystone.uid and keystone.gid in stage 2 (keystone-agent-ids.service),
 #   before sysinit.target: before any socket listens or any login is
 #   possible.
-# - sshd is socket-activated on vsock port 22 only (`sshd -i` per
-#   connection); nothing listens on the guest's network. Host key and
-#   authorized keys are the fw_cfg ones; no password works for anybody.
-# - No NIC: the only way out is 127.0.0.1:3128, relayed over vsock to
-#   agentd's egress gateway (docs/network.md). No serial getty: the
-#   console is a log.
+# - The control channel: `sshd -i` on the virtio-serial ports
+#   keystone.root and keystone.agent (keystone-control@root.service,
+#   keystone-control@agent.service), one connection at a time per port;
+#   nothing listens on the guest's network. Host key and authorized keys
+#   are the fw_cfg ones; no password works for anybody.
+# - No NIC: the only way out is 127.0.0.1:3128, relayed to the socket that
+#   root's ssh connection forwards to agentd's egress gateway
+#   (docs/network.md). No serial getty: the console is a log.
 # - `keystone: ready` on the console once multi-user.target is reached.
 {
   config,
@@ -42,10 +44,57 @@ let
   # The image links the system here (guest-image/vm-image.nix).
   systemProfile = "/nix/var/nix/profiles/system";
 
+  # The users agentd logs in as, each over a virtio-serial port of its own:
+  # /dev/virtio-ports/keystone.<user>, served by QEMU on
+  # run/vm/control-<user>.sock on the host.
+  controlUsers = [
+    "root"
+    "agent"
+  ];
+  controlUnits = map (user: "keystone-control@${user}.service") controlUsers;
+
+  # Where the egress relay connects: root's ssh master connection forwards
+  # this socket to agentd's egress gateway (sshd binds it as root).
+  egressSocket = "/run/keystone-egress.sock";
+
+  # keystone-control USER: `sshd -i` on the port keystone.USER, one
+  # connection at a time, again after each. agentd's side says
+  # KEYSTONE-CONTROL (again every second) until this side answers
+  # KEYSTONE-CONTROL-READY, then KEYSTONE-CONTROL-GO: only then does sshd
+  # start, so its greeting never goes out while nobody listens, and a hello
+  # that the sshd of a connection just gone swallowed is said again. A port
+  # the host is not connected to reads end-of-file at once, hence the pause
+  # (until udev has named the port, it is not there at all). bash reads a
+  # port (neither seekable nor a terminal) a byte at a time, so sshd gets
+  # everything after the GO line.
+  controlScript = pkgs.writeShellScript "keystone-control" ''
+    port=/dev/virtio-ports/keystone.$1
+    while :; do
+      if [ -c "$port" ] && exec 3<>"$port"; then
+        ready=
+        while IFS= read -r line <&3; do
+          case "$line" in
+            KEYSTONE-CONTROL)
+              printf 'KEYSTONE-CONTROL-READY\n' >&3
+              ready=1
+              ;;
+            KEYSTONE-CONTROL-GO)
+              [ -z "$ready" ] ||
+                ${config.services.openssh.package}/bin/sshd -i -f /etc/ssh/sshd_config <&3 >&3
+              break
+              ;;
+          esac
+        done
+        exec 3>&-
+      fi
+      ${pkgs.coreutils}/bin/sleep 0.2
+    done
+  '';
+
   # Drivers the initrd loads: the virtio-mmio bus (QEMU adds its devices to
-  # the kernel command line), the root disk, both share protocols, vsock
-  # (the control channel), the NIC and fw_cfg (the keys). A kernel without
-  # one of them fails the initrd's build.
+  # the kernel command line), the root disk, both share protocols,
+  # virtio-serial (the control channel), the NIC and fw_cfg (the keys). A
+  # kernel without one of them fails the initrd's build.
   modules = [
     "virtio_mmio"
     "virtio_blk"
@@ -53,7 +102,7 @@ let
     "virtiofs"
     "9p"
     "9pnet_virtio"
-    "vmw_vsock_virtio_transport"
+    "virtio_console"
     "virtio_net"
     "qemu_fw_cfg"
   ];
@@ -180,9 +229,9 @@ in
 
     # --- User agent takes the workspace owner's ids ------------------------------
     # NixOS creates `agent` (uid 1000) when it activates the system. This
-    # unit renumbers it before sysinit.target, hence before sshd's socket
-    # and any login, and after tmpfiles has set up /home/agent. Its primary
-    # group is its own, so that it can take keystone.gid.
+    # unit renumbers it before sysinit.target, hence before the control
+    # channel and any login, and after tmpfiles has set up /home/agent. Its
+    # primary group is its own, so that it can take keystone.gid.
     users.groups.agent.gid = 1000;
     users.users.agent.group = lib.mkForce "agent";
 
@@ -245,9 +294,10 @@ in
     users.users.root.hashedPassword = "*";
     users.users.root.initialHashedPassword = lib.mkForce null;
 
-    # --- sshd on vsock port 22: agentd's control channel ---------------------------
+    # --- sshd on the virtio-serial ports: agentd's control channel ---------------------
     services.openssh = {
-      # Socket-activated: sshd.socket and one `sshd -i` per connection.
+      # NixOS's own sshd units stay off (below): sshd runs only on the
+      # control ports.
       startWhenNeeded = true;
       # The keys the initrd copied from fw_cfg, and nothing else: not the
       # guest module's share (microvm backend), not ~/.ssh/authorized_keys.
@@ -259,24 +309,45 @@ in
       ];
       authorizedKeysFiles = lib.mkOverride 10 [ "${keyDir}/authorized_keys" ];
       settings = {
-        # agentd logs in as root to power the guest off and to read the
-        # socket table for port discovery.
+        # agentd logs in as root to power the guest off, to read the
+        # socket table for port discovery and to forward the egress relay's
+        # socket.
         PermitRootLogin = lib.mkForce "prohibit-password";
         AllowUsers = lib.mkForce null;
         # Dev-server links use `ssh -W`.
         AllowTcpForwarding = true;
+        # root's master connection binds the egress relay's socket again
+        # each time agentd opens it.
+        StreamLocalBindUnlink = true;
       };
     };
-    systemd.sockets.sshd.socketConfig.ListenStream = lib.mkForce [ "vsock::22" ];
-    # systemd's ssh generator would put a second sshd on vsock port 22.
+    # sshd.socket would listen on TCP port 22.
+    systemd.sockets.sshd.enable = false;
+    # systemd's ssh generator would put another sshd on vsock and on a
+    # local unix socket.
     systemd.generators.systemd-ssh-generator = "/dev/null";
+
+    # One instance per port. agentd keeps one ssh master connection per user
+    # open, which every command, terminal and link connection shares, and
+    # opens it again when it ends.
+    systemd.services."keystone-control@" = {
+      description = "Keystone Agent control channel for %i (sshd on virtio-serial port keystone.%i)";
+      serviceConfig = {
+        ExecStart = "${controlScript} %i";
+        Restart = "always";
+        RestartSec = 1;
+      };
+    };
+    systemd.targets.multi-user.wants = controlUnits;
 
     # --- Egress (docs/network.md) ------------------------------------------------------
     # No NIC: a guest's only way out is agentd's egress gateway. 127.0.0.1:3128
-    # (what HTTP_PROXY, HTTPS_PROXY and ALL_PROXY name) is relayed over vsock
-    # to the host, CID 2 port 3128; only sandboxes with a network get it.
+    # (what HTTP_PROXY, HTTPS_PROXY and ALL_PROXY name) is relayed to
+    # /run/keystone-egress.sock (egressSocket), which root's master
+    # connection forwards to the gateway on the host; only sandboxes with a
+    # network get it.
     systemd.sockets.keystone-egress = {
-      description = "Keystone Agent egress relay (127.0.0.1:3128 to the host's gateway over vsock)";
+      description = "Keystone Agent egress relay (127.0.0.1:3128 to the host's gateway)";
       wantedBy = [ "sockets.target" ];
       unitConfig.ConditionKernelCommandLine = "keystone.egress=1";
       socketConfig = {
@@ -287,14 +358,14 @@ in
     systemd.services."keystone-egress@" = {
       description = "Keystone Agent egress relay connection";
       serviceConfig = {
-        ExecStart = "${pkgs.socat}/bin/socat STDIO VSOCK-CONNECT:2:3128";
+        ExecStart = "${pkgs.socat}/bin/socat STDIO UNIX-CONNECT:${egressSocket}";
         StandardInput = "socket";
         StandardError = "journal";
       };
     };
     systemd.network.wait-online.enable = false;
     # Nothing reaches the guest from outside (it has no NIC, and sshd is on
-    # vsock): a firewall would only slow the boot down.
+    # the virtio-serial ports): a firewall would only slow the boot down.
     networking.firewall.enable = false;
 
     # --- Console -------------------------------------------------------------------
@@ -306,10 +377,7 @@ in
     systemd.services.keystone-ready = {
       description = "Keystone Agent readiness line";
       wantedBy = [ "multi-user.target" ];
-      after = [
-        "multi-user.target"
-        "sshd.socket"
-      ];
+      after = [ "multi-user.target" ] ++ controlUnits;
       serviceConfig.Type = "oneshot";
       script = ''echo "keystone: ready" > /dev/console'';
     };

@@ -258,18 +258,18 @@ in
       restartTriggers = [ configFile ];
       environment.AGENTD_LOG = lib.mkDefault "info";
       # ssh and ssh-keygen reach and provision the guests (socat carries ssh
-      # over vsock to guests without a network); git for helpers that shell
-      # out; QEMU, virtiofsd and vhost-device-vsock for the guests of the vm
-      # backend, which agentd boots itself (found on PATH: agentd.json names
-      # none of them); curl, tar and gzip download and unpack the agent
-      # toolbox of local sandboxes (docs/agents.md).
+      # over vsock to microVM guests without a network); git for helpers
+      # that shell out; QEMU and virtiofsd for the guests of the vm backend,
+      # which agentd boots itself (found on PATH: agentd.json names neither;
+      # agentd itself carries ssh to them over their virtio-serial ports);
+      # curl, tar and gzip download and unpack the agent toolbox of local
+      # sandboxes (docs/agents.md).
       path = [
         pkgs.openssh
         pkgs.socat
         pkgs.git
         pkgs.qemu_kvm
         pkgs.virtiofsd
-        pkgs.vhost-device-vsock
         pkgs.curl
         pkgs.gnutar
         pkgs.gzip
@@ -428,7 +428,8 @@ in
     # line is there whatever the host writes.
     environment.etc."qemu/bridge.conf".text = lib.mkDefault "deny ${bridge}";
 
-    # vhost-vsock: agentd reaches every guest over vsock (QEMU's vhost-vsock).
+    # vhost-vsock: agentd reaches microVM guests over vsock (QEMU's
+    # vhost-vsock). The vm backend's guests need no vsock.
     boot.kernelModules = [ "vhost_vsock" ];
 
     # Nested virtualisation for sandboxes with nestedVirt (the default on most

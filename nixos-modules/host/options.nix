@@ -293,9 +293,10 @@ let
             Backend of this sandbox; `null` takes {option}`keystone.agent.backend`.
             `vm` is a QEMU microVM that agentd boots itself from
             {option}`keystone.agent.vm.image` (no `microvm.vms` entry, no tap:
-            its only way out is the egress gateway over vsock). `local` runs
-            it in Linux namespaces on the host (no VM, no `microvm.vms` entry;
-            not a security boundary against a hostile agent).
+            its only way out is the egress gateway, through agentd's ssh
+            connection to the guest). `local` runs it in Linux namespaces on
+            the host (no VM, no `microvm.vms` entry; not a security boundary
+            against a hostile agent).
           '';
         };
         autostart = lib.mkOption {

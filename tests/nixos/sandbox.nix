@@ -61,8 +61,8 @@ pkgs.testers.runNixOSTest {
         };
         proxy.enable = true;
         # A sandbox of agentd's own QEMU guests: the flake's guest image
-        # (keystone.agent.vm.image's default), QEMU, virtiofsd and
-        # vhost-device-vsock on agentd's PATH.
+        # (keystone.agent.vm.image's default), QEMU and virtiofsd on
+        # agentd's PATH.
         sandboxes.vmdemo = {
           project = "/home/alice/vmdemo";
           owner = "alice";
