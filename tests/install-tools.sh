@@ -3,14 +3,13 @@
 # its binary's path. Later calls reuse the cached binary and return at once.
 #
 #   tests/install-tools.sh zellij              # Zellij 0.45.1 (sessions; 10-20 min to build)
-#   tests/install-tools.sh vhost-device-vsock  # the vm backend's vsock device (~1 min)
 #   tests/install-tools.sh zellij --cached     # its path if it is cached, else exit 1
 #
 # KEYSTONE_CACHE_DIR overrides the cache directory
 # (default: ${XDG_CACHE_HOME:-~/.cache}/keystone-agent).
 set -euo pipefail
 
-tool=${1:?usage: install-tools.sh zellij|vhost-device-vsock}
+tool=${1:?usage: install-tools.sh zellij}
 # expected: about how long a build takes on 2 cores (for progress messages,
 # until cargo has compiled its first units).
 # curve: UNITS:TIME points, how far the build is in time (per mille) when
@@ -34,8 +33,7 @@ case "$tool" in
     options=(--no-default-features --features plugins_from_target,vendored_curl)
     export CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16
     ;;
-  vhost-device-vsock) version=0.3.0 expected=60 curve= options=() ;;
-  *) echo "install-tools: unknown tool $tool (zellij, vhost-device-vsock)" >&2; exit 2 ;;
+  *) echo "install-tools: unknown tool $tool (zellij)" >&2; exit 2 ;;
 esac
 cache="${KEYSTONE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/keystone-agent}"
 root="$cache/$tool-$version"

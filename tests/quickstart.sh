@@ -14,9 +14,9 @@
 # its own with the installed activation file, and writes a script that stops
 # agentd, its sandboxes and that bus.
 #
-# --vm builds the Debian guest image and vhost-device-vsock once (about 3
-# minutes, cached) and needs qemu-system-x86 and debootstrap; it runs as
-# root because the image build (debootstrap) and virtiofsd need it.
+# --vm builds the Debian guest image once (about 90 s, cached) and needs
+# qemu-system-x86 and debootstrap; it runs as root because the image build
+# (debootstrap) and virtiofsd need it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -82,15 +82,13 @@ if [ -n "$vm" ]; then
     echo "quickstart: --vm needs QEMU: sudo apt-get install -y qemu-system-x86 debootstrap busybox-static cpio" >&2
     exit 4
   }
-  echo "==> vhost-device-vsock (the guest's control channel)"
-  vsock="$(tests/install-tools.sh vhost-device-vsock)"
   image="${KEYSTONE_VM_IMAGE:-}"
   if [ -z "$image" ]; then
     [ "$(id -u)" = 0 ] || { echo "quickstart: building the guest image needs root: sudo tests/quickstart.sh --vm" >&2; exit 4; }
     echo "==> guest image (Debian packages; about 90 s the first time)"
     image="$(guest-image/debian/build.sh | tail -n1)"
   fi
-  settings+=("\"vm\": {\"image\": \"$image\", \"vhost_vsock\": \"$vsock\"}")
+  settings+=("\"vm\": {\"image\": \"$image\"}")
   create_args=(--backend vm --memory 2048 --vcpus 2)
 fi
 

@@ -6,14 +6,12 @@
 #
 # Needs root (the image build uses debootstrap, virtiofsd needs root),
 # qemu-system-x86, debootstrap, busybox-static, cpio and openssh-client;
-# .ci/run installs them. The image and vhost-device-vsock are built once
-# into the cache (KEYSTONE_CACHE_DIR, default ~/.cache/keystone-agent).
+# .ci/run installs them. The image is built once into the cache
+# (KEYSTONE_CACHE_DIR, default ~/.cache/keystone-agent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 command -v qemu-system-x86_64 >/dev/null || { echo "run-vm: QEMU is missing (apt-get install qemu-system-x86)" >&2; exit 4; }
-vsock=$(tests/install-tools.sh vhost-device-vsock)
-export PATH="$(dirname "$vsock"):$PATH"
 KEYSTONE_VM_IMAGE=$(guest-image/debian/build.sh | tail -n1)
 export KEYSTONE_VM_IMAGE
 echo "run-vm: guest image $KEYSTONE_VM_IMAGE" >&2

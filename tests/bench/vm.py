@@ -8,16 +8,17 @@
 3. Baselines in the same run, with the same kernel, initrd, memory, vCPUs
    and accelerator:
    - bare QEMU booting the kernel and initrd to the first console line;
-   - bare QEMU booting the whole image (9p share, no vsock, no agentd) to
-     the guest's `keystone: ready` line.
+   - bare QEMU booting the whole image (9p share, no control ports, no
+     agentd) to the guest's `keystone: ready` line.
 4. Memory of an idle VM sandbox: RSS and PSS of the supervisor, QEMU,
-   virtiofsd and vhost-device-vsock, 10 s after start.
+   virtiofsd and the serial pipes of agentd's ssh master connections, 10 s
+   after start.
 5. State of that running guest: pause and resume (p50, beside `agentctl
    status`), a snapshot of its files, a restore (beside a warm start) and a
    fork started (beside a cold start).
 
-Needs root, `cargo build --release --bins`, QEMU, vhost-device-vsock
-(tests/install-tools.sh) and the image (guest-image/debian/build.sh).
+Needs root, `cargo build --release --bins`, QEMU and the image
+(guest-image/debian/build.sh).
 
     sudo python3 tests/bench/vm.py [--runs 5] [--image DIR]
 """
@@ -137,8 +138,9 @@ def main():
                 name = Path(cmd[0].decode()).name
                 if len(cmd) > 1 and cmd[1] == b"keystone-vm":
                     name = "supervisor (agentd keystone-vm)"
-                if len(cmd) > 1 and cmd[1] == b"keystone-vsock":
-                    name = "ssh's vsock pipe (agentd keystone-vsock)"
+                if len(cmd) > 2 and cmd[1] == b"keystone-serial":
+                    port = Path(cmd[2].decode(errors="replace")).stem.removeprefix("control-")
+                    name = f"ssh's serial pipe (agentd keystone-serial, {port})"
                 procs.append((name, int(pid)))
         mem = [(n, rss_kib(p), pss_kib(p)) for n, p in sorted(procs)]
 
@@ -190,10 +192,10 @@ def main():
     for label, v in rows:
         print(f"{label:58} {pct(v, 50) / 1000:8.2f}s {min(v) / 1000:8.2f}s {max(v) / 1000:8.2f}s")
     print("\nidle VM sandbox memory (10 s after start):")
-    print(f"{'process':34} {'RSS MiB':>9} {'PSS MiB':>9}")
+    print(f"{'process':52} {'RSS MiB':>9} {'PSS MiB':>9}")
     for n, rss, pss in mem:
-        print(f"{n:34} {rss / 1024:9.1f} {pss / 1024:9.1f}")
-    print(f"{'total':34} {sum(r for _, r, _ in mem) / 1024:9.1f} {sum(p for _, _, p in mem) / 1024:9.1f}")
+        print(f"{n:52} {rss / 1024:9.1f} {pss / 1024:9.1f}")
+    print(f"{'total':52} {sum(r for _, r, _ in mem) / 1024:9.1f} {sum(p for _, _, p in mem) / 1024:9.1f}")
     print(f"(guest RAM configured: {MEMORY} MiB; QEMU's share is the guest memory it has touched)")
     print(f"\nstate of a running guest ({args.runs} runs for pause/resume; files only, no memory):")
     print(f"{'pause (QMP stop)':34} p50 {pct(pauses, 50):8.1f} ms   | status: p50 {pct(status, 50):8.1f} ms")
