@@ -228,9 +228,10 @@ pub struct VmConfig {
     /// /usr/lib/qemu/virtiofsd or PATH.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub virtiofsd: Option<PathBuf>,
-    /// vhost-device-vsock binary; default: PATH, then the cache of
-    /// `tests/install-tools.sh`.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// No longer used: guests are reached over virtio-serial, without
+    /// vhost-device-vsock. Accepted so that an older configuration still
+    /// loads; agentd says at start that it is ignored.
+    #[serde(skip_serializing)]
     pub vhost_vsock: Option<PathBuf>,
     /// `auto` (KVM when a test boot works, else TCG), `kvm` or `tcg`.
     pub accel: crate::backend::vm::AccelChoice,

@@ -385,31 +385,6 @@ fn vm(config: &DaemonConfig) -> Vec<Check> {
          \"vm\": {\"image\": DIR} in agentd's configuration (docs/guest-image.md)",
         ),
     );
-    let names = crate::backend::vm::vhost_vsock_candidates(config.vm.vhost_vsock.as_deref());
-    checks.push(
-        match find_program(&names) {
-            Some(p) => Check::new(
-                "vm",
-                "vhost-device-vsock",
-                Status::Ok,
-                p.display().to_string(),
-            ),
-            None => Check::new(
-                "vm",
-                "vhost-device-vsock",
-                needed(wanted),
-                "not found (the guests' control channel)",
-            ),
-        }
-        .fix(format!(
-            "cargo install --locked --root {}/vhost-device-vsock-{v} vhost-device-vsock@{v}",
-            crate::tools::cache_dir().map_or_else(
-                || "~/.cache/keystone-agent".to_owned(),
-                |c| c.display().to_string()
-            ),
-            v = crate::backend::vm::VHOST_VSOCK_VERSION
-        )),
-    );
     checks
 }
 

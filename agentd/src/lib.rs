@@ -228,13 +228,17 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         // DaemonConfig::load has checked it.
         gateway: config.microvm.gateway()?,
     }));
+    if config.vm.vhost_vsock.is_some() {
+        tracing::warn!(
+            "vm.vhost_vsock is ignored: guests are reached over virtio-serial, without vhost-device-vsock (remove it from the configuration)"
+        );
+    }
     let vm = Arc::new(VmBackend::new(VmSettings {
         exe: exe.clone(),
         state_dir: dir.clone(),
         image: config.vm.image.clone(),
         qemu: config.vm.qemu.clone(),
         virtiofsd: config.vm.virtiofsd.clone(),
-        vhost_vsock: config.vm.vhost_vsock.clone(),
         accel: config.vm.accel,
         share: config.vm.share,
         start_timeout: Duration::from_secs(u64::from(config.vm.start_timeout_seconds)),
@@ -324,7 +328,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 }
 
 /// Run the helper named by `argv[1]` (agentd re-executes itself as the
-/// sandbox's init, as the vm supervisor and its vsock bridge, and as the
+/// sandbox's init, as the vm supervisor and ssh's way to a guest's control port, and as the
 /// helpers of [`helper`] that act with a caller's, owner's or sandbox's
 /// uid). `None` when argv names no helper.
 #[must_use]
@@ -335,7 +339,7 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
     type Mode = (&'static str, fn(&str) -> i32);
     let modes: [Mode; 14] = [
         (backend::vm::supervise::VM_ARG, backend::vm::supervise::main),
-        (backend::vm::vsock::VSOCK_ARG, backend::vm::vsock::main),
+        (backend::vm::serial::SERIAL_ARG, backend::vm::serial::main),
         (guest::INIT_ARG, |_| guest::init::main()),
         (auth::CheckProject::ARG, |_| main::<auth::CheckProject>()),
         (git::workspace::Prepare::ARG, |_| {

@@ -170,35 +170,38 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
         "{ports}"
     );
 
-    // QEMU and the vsock device run as the sandbox's uid (the workspace's
-    // owner), never as root (virtiofsd too: see the hostile guest root's
-    // test below).
+    // QEMU runs as the sandbox's uid (the workspace's owner), never as
+    // root (virtiofsd too: see the hostile guest root's test below). The
+    // control channel is QEMU's own virtio-serial: no device helper.
     let ws_uid = std::os::unix::fs::MetadataExt::uid(
         &std::fs::metadata(env.state_dir.join("sandboxes/vmtest/workspace")).unwrap(),
     );
     assert_ne!(ws_uid, 0);
     let procs = env.vm_processes();
-    for name in ["qemu-system", "vhost-device-vsock"] {
-        let (pid, _) = procs
-            .iter()
-            .find(|(_, c)| c.contains(name))
-            .unwrap_or_else(|| panic!("no {name} in {procs:#?}"));
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-        let uids = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
-        let ids: Vec<u32> = uids[4..]
-            .split_whitespace()
-            .map(|x| x.parse().unwrap())
-            .collect();
-        assert!(
-            ids.iter().all(|&u| u == ws_uid),
-            "{name}: {uids}, want {ws_uid}"
-        );
-        let groups = status.lines().find(|l| l.starts_with("Groups:")).unwrap();
-        assert!(
-            !groups[7..].split_whitespace().any(|g| g == "0"),
-            "{name}: {groups}"
-        );
-    }
+    assert!(
+        !procs.iter().any(|(_, c)| c.contains("vhost-device")),
+        "{procs:#?}"
+    );
+    let name = "qemu-system";
+    let (pid, _) = procs
+        .iter()
+        .find(|(_, c)| c.contains(name))
+        .unwrap_or_else(|| panic!("no {name} in {procs:#?}"));
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uids = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    let ids: Vec<u32> = uids[4..]
+        .split_whitespace()
+        .map(|x| x.parse().unwrap())
+        .collect();
+    assert!(
+        ids.iter().all(|&u| u == ws_uid),
+        "{name}: {uids}, want {ws_uid}"
+    );
+    let groups = status.lines().find(|l| l.starts_with("Groups:")).unwrap();
+    assert!(
+        !groups[7..].split_whitespace().any(|g| g == "0"),
+        "{name}: {groups}"
+    );
 
     // Nothing of the VM listens on a host port.
     let mut host_ports = Vec::new();
@@ -334,7 +337,8 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
         "survivor",
         "echo via-9p > /workspace/shared.txt; mkdir -p ~/.codex && echo token > ~/.codex/auth.json",
     );
-    // No NIC: its only way out is the egress gateway, over vsock. The host's
+    // No NIC: its only way out is the egress gateway, through root's
+    // master connection. The host's
     // loopback (QEMU's old 10.0.2.2) answers only through an address-range
     // entry.
     let port = common::origin(
@@ -428,6 +432,36 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
     assert_eq!(env.sh("survivor", "cat ~/.codex/auth.json"), "token\n");
     // The restarted agentd serves the guest's gateway again.
     assert_eq!(through_gateway(&env), "host-loopback-service");
+    // The master connections (one per control port; root's carries the
+    // gateway's forward) killed: the next command opens them again, and
+    // the gateway is reached again.
+    let masters: Vec<i32> = env
+        .vm_processes()
+        .into_iter()
+        .filter(|(_, c)| c.contains("ControlMaster=yes") && c.contains("/survivor/"))
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(masters.len(), 2, "{:#?}", env.vm_processes());
+    for pid in masters {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let got = through_gateway(&env);
+    let log = env.log();
+    assert_eq!(
+        got,
+        "host-loopback-service",
+        "{}\n{:#?}",
+        &log[log.len().saturating_sub(6000)..],
+        env.vm_processes()
+    );
+    assert!(
+        log.contains("master connection opened again"),
+        "{}",
+        &log[log.len().saturating_sub(6000)..]
+    );
 
     // A VM still booting when agentd dies is stopped at the restart, not
     // left running unowned.
@@ -458,8 +492,8 @@ fn a_vm_outlives_a_killed_agentd_and_is_adopted_or_cleaned_up() {
 }
 
 /// `ssh` that runs `script` as root inside the guest of sandbox `name`
-/// (whose vsock device runs as `uid`), as a hostile guest root would: over
-/// the sandbox's own key and control channel.
+/// (whose QEMU runs as `uid`), as a hostile guest root would: over the
+/// sandbox's own key and root's master connection.
 fn guest_root(env: &Env, name: &str, uid: u32, script: &str) -> std::process::Command {
     let dir = env.state_dir.join("sandboxes").join(name);
     let target = agentd::backend::ssh::SshTarget {
@@ -472,10 +506,10 @@ fn guest_root(env: &Env, name: &str, uid: u32, script: &str) -> std::process::Co
         proxy_command: Some(format!(
             "{} {} {} {uid}",
             common::AGENTD,
-            agentd::backend::vm::vsock::VSOCK_ARG,
-            dir.join("run/vm/vsock.uds").display()
+            agentd::backend::vm::serial::SERIAL_ARG,
+            dir.join("run/vm/control-root.sock").display()
         )),
-        control_path: None,
+        control_path: Some(dir.join("client/root.mux")),
     };
     let mut cmd = target.std_command();
     cmd.arg(format!("root@{}", target.host)).arg(script);

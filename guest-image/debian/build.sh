@@ -21,8 +21,9 @@ suite=bookworm
 mirror="${KEYSTONE_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 packages=systemd-sysv,udev,openssh-server,git,ca-certificates,iproute2,procps,less,busybox,socat,curl
 # Drivers the initramfs loads (with what they depend on): the virtio-mmio
-# bus, the root disk, both share protocols, vsock and fw_cfg.
-modules="virtio_mmio virtio_blk crc32c_generic ext4 virtiofs 9p 9pnet_virtio vmw_vsock_virtio_transport qemu_fw_cfg"
+# bus, the root disk, both share protocols, virtio-serial (the control
+# channel) and fw_cfg.
+modules="virtio_mmio virtio_blk crc32c_generic ext4 virtiofs 9p 9pnet_virtio virtio_console qemu_fw_cfg"
 cache="${KEYSTONE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/keystone-agent}"
 
 say() { echo "guest-image: $*" >&2; }
@@ -112,7 +113,8 @@ useradd --create-home --uid 1000 --user-group --shell /bin/bash agent
 # No passwords anywhere; '*' (not '!') so key logins are not "locked".
 usermod -p '*' agent
 usermod -p '*' root
-systemctl enable keystone-ssh.socket keystone-egress.socket keystone-ready.service >/dev/null 2>&1
+systemctl enable keystone-control@root.service keystone-control@agent.service \
+  keystone-egress.socket keystone-ready.service >/dev/null 2>&1
 systemctl disable ssh.service >/dev/null 2>&1 || true
 systemctl mask ssh.service ssh.socket serial-getty@.service getty@.service \
   apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer >/dev/null 2>&1

@@ -17,6 +17,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use keystone_agent_api::ExecResult;
+use tokio::io::AsyncReadExt;
 
 use super::{BackendError, ExecRequest, Listener, TtyProcess};
 
@@ -71,10 +72,11 @@ pub struct SshTarget {
     pub known_hosts: PathBuf,
     /// Name the pin is recorded under (independent of address and port).
     pub alias: String,
-    /// How to reach the guest instead of TCP (e.g. over vsock).
+    /// How to reach the guest instead of TCP (e.g. over a serial port).
     pub proxy_command: Option<String>,
-    /// Socket of a shared master connection (`ControlMaster`), which
-    /// commands after the first reuse instead of a new handshake each.
+    /// Socket of the shared master connection ([`SshTarget::open_master`])
+    /// that commands go through instead of a handshake each. They never
+    /// become a master themselves: without one they connect on their own.
     pub control_path: Option<PathBuf>,
 }
 
@@ -88,8 +90,13 @@ impl SshTarget {
     /// [`SshTarget::command`] for blocking use.
     #[must_use]
     pub fn std_command(&self) -> std::process::Command {
+        self.base_command("no")
+    }
+
+    /// `ssh` with every option set, `ControlMaster` as `master`.
+    fn base_command(&self, master: &str) -> std::process::Command {
         let mut c = std::process::Command::new("ssh");
-        // The connection sessions share (ControlPersist) leaves this
+        // The master connection ([`SshTarget::open_master`]) leaves this
         // process at once and lives as long as its guest, for the next
         // agentd too; this client ends with agentd.
         crate::child::end_with_us(&mut c)
@@ -111,10 +118,16 @@ impl SshTarget {
                 "-o",
                 "PasswordAuthentication=no",
                 "-o",
-                "ConnectTimeout=5",
-                "-o",
                 "LogLevel=ERROR",
             ])
+            // Through a ProxyCommand (a guest's control port) the wait is
+            // for the guest's sshd to greet, which an emulated guest on a
+            // busy host may take seconds to do; over TCP, for the network.
+            .arg("-o")
+            .arg(format!(
+                "ConnectTimeout={}",
+                if self.proxy_command.is_some() { 30 } else { 5 }
+            ))
             .arg("-o")
             .arg(format!("HostKeyAlias={}", self.alias))
             .args(
@@ -125,11 +138,9 @@ impl SshTarget {
             .args(self.control_path.iter().flat_map(|p| {
                 [
                     "-o".to_owned(),
-                    "ControlMaster=auto".to_owned(),
+                    format!("ControlMaster={master}"),
                     "-o".to_owned(),
                     format!("ControlPath={}", p.display()),
-                    "-o".to_owned(),
-                    "ControlPersist=yes".to_owned(),
                 ]
             }))
             .arg("-p")
@@ -138,6 +149,88 @@ impl SshTarget {
             .arg(&self.user)
             .stdin(Stdio::null());
         c
+    }
+
+    /// Open the shared master connection at [`SshTarget::control_path`]
+    /// (with `forwards`, `RemoteForward` lines): `ssh -f -N` leaves once it
+    /// has logged in and set up the forwards, and the connection goes on in
+    /// the background. `Ok` once it is up, else what ssh said.
+    ///
+    /// # Errors
+    /// [`SshError`], as [`SshTarget::answers`].
+    pub async fn open_master(&self, forwards: &[String]) -> Result<(), SshError> {
+        const LIMIT: Duration = Duration::from_secs(60);
+        let mut cmd = tokio::process::Command::from(self.base_command("yes"));
+        cmd.args(["-f", "-N", "-o", "ExitOnForwardFailure=yes"])
+            .args(
+                forwards
+                    .iter()
+                    .flat_map(|f| ["-o".to_owned(), format!("RemoteForward={f}")]),
+            )
+            .arg(&self.host)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = cmd.spawn().map_err(SshError::Missing)?;
+        let stderr = child.stderr.take();
+        // What ssh says is read up to 64 KiB: a guest's banner is no
+        // reason for agentd to hold more. The background master keeps
+        // stderr open (its ProxyCommand has it), so this ends when the
+        // foreground client exits, with what it said by then.
+        let run = async {
+            const CAP: usize = 64 * 1024;
+            let mut said = Vec::new();
+            let mut buf = [0u8; 4096];
+            let mut stderr = stderr;
+            loop {
+                tokio::select! {
+                    status = child.wait() => {
+                        if let Some(e) = stderr.as_mut() {
+                            let drain = async {
+                                while said.len() < CAP {
+                                    match e.read(&mut buf).await {
+                                        Ok(0) | Err(_) => break,
+                                        Ok(n) => said.extend_from_slice(&buf[..n]),
+                                    }
+                                }
+                            };
+                            let _ = tokio::time::timeout(Duration::from_millis(100), drain).await;
+                        }
+                        return (status, said);
+                    }
+                    r = async { stderr.as_mut().expect("guarded").read(&mut buf).await },
+                        if stderr.is_some() && said.len() < CAP =>
+                    {
+                        match r {
+                            Ok(0) | Err(_) => stderr = None,
+                            Ok(n) => said.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                }
+            }
+        };
+        let (status, said) =
+            tokio::time::timeout(LIMIT, run)
+                .await
+                .map_err(|_| SshError::Hung {
+                    secs: LIMIT.as_secs(),
+                })?;
+        if status.map_err(SshError::Missing)?.success() {
+            Ok(())
+        } else {
+            Err(SshError::Said(
+                crate::text::clamp_text(String::from_utf8_lossy(&said).trim()).into_owned(),
+            ))
+        }
+    }
+
+    /// Whether the master connection at [`SshTarget::control_path`]
+    /// answers (its socket accepts a connection).
+    #[must_use]
+    pub fn master_is_up(&self) -> bool {
+        self.control_path
+            .as_ref()
+            .is_some_and(|p| std::os::unix::net::UnixStream::connect(p).is_ok())
     }
 
     /// `ssh … true`: `Ok` once the guest answers, else what ssh said.
@@ -287,19 +380,6 @@ impl SshTarget {
                 tracing::debug!(guest = %self.alias, error = %e, "the guest did not list its listeners");
                 Vec::new()
             }
-        }
-    }
-
-    /// Close the shared master connection, if there is one.
-    pub async fn close_master(&self) {
-        if self.control_path.is_some() {
-            let _ = self
-                .command()
-                .args(["-O", "exit"])
-                .arg(&self.host)
-                .stderr(Stdio::null())
-                .status()
-                .await;
         }
     }
 }

@@ -77,7 +77,7 @@ impl std::fmt::Debug for Context {
 }
 
 /// Where a gateway accepts: a TCP socket in a `local` sandbox's network
-/// namespace, the unix socket a `vm` guest's vsock connections arrive on,
+/// namespace, the unix socket a `vm` guest's connections arrive on (forwarded by agentd's ssh),
 /// or the connections a shared listener attributed to the sandbox (a
 /// `microvm` guest's, by their source address).
 #[derive(Debug)]

@@ -64,7 +64,8 @@ pub fn proxy_env() -> Vec<(String, String)> {
 pub enum Socket {
     /// In a `local` sandbox's network namespace.
     Tcp(std::net::TcpListener),
-    /// Where a `vm` guest's vsock connections to the gateway arrive.
+    /// Where a `vm` guest's connections to the gateway arrive (root's
+    /// master connection forwards them).
     Unix(std::os::unix::net::UnixListener),
     /// Connections handed over one by one (a `kubernetes` Pod's, each
     /// brought out through a port-forward).

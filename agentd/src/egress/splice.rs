@@ -161,7 +161,7 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Watched<'_, S> 
 }
 
 /// A connected socket tokio drives: TCP (a sandbox's namespace, the
-/// destination) or unix (a guest's vsock).
+/// destination) or unix (a guest's forward).
 pub trait Socket: tokio::io::AsyncRead + tokio::io::AsyncWrite + AsRawFd + Unpin + Send {
     /// Wait until `interest` may be ready.
     fn poll_ready(&self, cx: &mut Context<'_>, interest: Interest) -> Poll<io::Result<()>>;

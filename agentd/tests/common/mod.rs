@@ -494,7 +494,7 @@ impl Env {
 
 impl Env {
     /// Live processes (pid, command line) that work for this agentd's VM
-    /// sandboxes: supervisors, QEMU, virtiofsd, vhost-device-vsock, ssh.
+    /// sandboxes: supervisors, QEMU, virtiofsd, ssh.
     pub fn vm_processes(&self) -> Vec<(i32, String)> {
         let marker = self.state_dir.join("sandboxes");
         let marker = marker.to_string_lossy();

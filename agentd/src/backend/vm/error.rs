@@ -25,15 +25,6 @@ pub enum VmError {
         /// The program looked for.
         program: PathBuf,
     },
-    /// vhost-device-vsock is not installed.
-    #[error(
-        "vhost-device-vsock (the guest's control channel) is not installed: run \
-         tests/install-tools.sh vhost-device-vsock, or set vm.vhost_vsock (looked for {looked})"
-    )]
-    NoVhostVsock {
-        /// The programs looked for, comma-separated.
-        looked: String,
-    },
     /// `vm.share` asks for virtiofs, which needs root.
     #[error(
         "vm.share is \"virtiofs\" but virtiofsd needs agentd to run as root; set vm.share to \"auto\""
@@ -124,14 +115,14 @@ pub enum VmError {
     /// The guest did not answer in time.
     #[error(
         "the guest of {sandbox} did not answer on its control channel within {secs}s: {}{logs}",
-        last.as_ref().map_or_else(|| "its vsock device is not up".to_owned(), ToString::to_string)
+        last.as_ref().map_or_else(|| "QEMU was not listening on it yet".to_owned(), ToString::to_string)
     )]
     Silent {
         /// The sandbox.
         sandbox: String,
         /// The limit, in seconds.
         secs: u64,
-        /// What ssh said last (`None`: the vsock device was not up yet).
+        /// What ssh said last (`None`: QEMU was not listening yet).
         last: Option<ssh::SshError>,
         /// The ends of its boot and VM logs.
         logs: String,

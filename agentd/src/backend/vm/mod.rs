@@ -4,24 +4,22 @@
 //!
 //! Per sandbox, a supervisor (agentd re-executed, [`supervise`]) runs
 //! virtiofsd for the workspace (or QEMU's own 9p when there is no
-//! virtiofsd or agentd is not root), `vhost-device-vsock` for the control
-//! channel, and QEMU. agentd reaches the guest's sshd on vsock port 22
-//! through that device's unix socket ([`vsock`]), with the host key it
-//! pinned for the sandbox and one shared ssh connection; nothing listens
-//! on a host port. A sandbox is `running` once that sshd answers.
+//! virtiofsd or agentd is not root) and QEMU. agentd reaches the guest's
+//! sshd over a virtio-serial port per user ([`serial`]), with the host key
+//! it pinned for the sandbox and one ssh master connection per port that
+//! every command shares; nothing listens on a host port. A sandbox is
+//! `running` once both masters are up.
 
 mod error;
 mod home;
 pub mod qemu;
 pub mod qmp;
+pub mod serial;
 mod settings;
 mod state;
 pub mod supervise;
-pub mod vsock;
 
-pub use settings::{
-    AccelChoice, ShareChoice, VHOST_VSOCK_VERSION, VmSettings, vhost_vsock_candidates,
-};
+pub use settings::{AccelChoice, ShareChoice, VmSettings};
 
 use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
@@ -52,6 +50,8 @@ pub struct VmBackend {
     settings: VmSettings,
     /// KVM check result, per kernel checked.
     kvm: tokio::sync::Mutex<Option<KvmCheck>>,
+    /// Per sandbox, held while its master connections are opened again.
+    masters: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// The last `n` lines of a log file, indented, or "" when there are none.
@@ -75,13 +75,14 @@ fn tail(path: &Path, n: usize) -> String {
 }
 
 /// Where the sandbox's VM files live. `run/` stays agentd's; `run/vm/` is
-/// handed to the sandbox's uid, which the vsock device runs as.
+/// handed to the sandbox's uid, which QEMU runs as.
 struct Paths {
     dir: PathBuf,
     vm: PathBuf,
     plan: PathBuf,
-    vsock_socket: PathBuf,
-    vsock_uds: PathBuf,
+    /// The egress gateway's listener, agentd's own: root's master
+    /// connection forwards the guest's `/run/keystone-egress.sock` here.
+    egress: PathBuf,
     fs_socket: PathBuf,
     boot_log: PathBuf,
     vm_log: PathBuf,
@@ -96,9 +97,8 @@ impl Paths {
         let vm = spec.run_dir.join("vm");
         Self {
             plan: spec.run_dir.join("vm-plan.json"),
+            egress: dir.join("client/egress.sock"),
             fs_socket: spec.run_dir.join("virtiofs.sock"),
-            vsock_socket: vm.join("vsock.sock"),
-            vsock_uds: vm.join("vsock.uds"),
             boot_log: spec.log_dir.join("boot.log"),
             vm_log: spec.log_dir.join("vm.log"),
             dir,
@@ -107,10 +107,9 @@ impl Paths {
     }
 }
 
-/// The guest vsock port of the egress gateway: the guest's relay connects
-/// to the host (CID 2) there, and the vsock device passes it on to
-/// `<vsock.uds>_3128`.
-pub const GATEWAY_VSOCK_PORT: u32 = 3128;
+/// Where the guest's relay to the egress gateway connects
+/// (docs/guest-image.md): the guest end of root's remote forward.
+pub const GUEST_EGRESS_SOCKET: &str = "/run/keystone-egress.sock";
 
 /// `req` with the proxy variables added (the caller's own win), when the
 /// sandbox has a gateway.
@@ -123,43 +122,31 @@ fn with_proxy(spec: &SandboxSpec, mut req: ExecRequest) -> ExecRequest {
     req
 }
 
-/// Listen where the vsock device delivers the guest's connections to the
-/// gateway. The directory belongs to the sandbox's uid: whatever is there
-/// is removed (unlink never follows a link), the socket is bound anew (bind
-/// refuses an existing name) and handed to that uid without following a
-/// link either, so only the device and root can connect to it.
+/// Listen where root's master connection delivers the guest's connections
+/// to the gateway: `client/egress.sock`, in agentd's own 0700 directory,
+/// so only agentd's ssh (and root) can connect to it. Whatever was there is
+/// removed (unlink never follows a link) and the socket bound anew.
 fn gateway_socket(
     spec: &SandboxSpec,
 ) -> Result<Option<std::os::unix::net::UnixListener>, BackendError> {
     if spec.config.network == keystone_agent_api::Network::None {
         return Ok(None);
     }
-    let p = Paths::new(spec);
-    let path = PathBuf::from(format!("{}_{GATEWAY_VSOCK_PORT}", p.vsock_uds.display()));
+    let path = Paths::new(spec).egress;
     match std::fs::remove_file(&path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(BackendError::file("cannot remove", &path)(e)),
     }
+    if let Some(client) = path.parent() {
+        std::fs::create_dir_all(client).map_err(BackendError::file("cannot create", client))?;
+    }
     let listener = std::os::unix::net::UnixListener::bind(&path)
         .map_err(BackendError::file("cannot listen on", &path))?;
-    if nix::unistd::Uid::effective().is_root() && spec.uid != 0 {
-        nix::unistd::fchownat(
-            nix::fcntl::AT_FDCWD,
-            &path,
-            Some(nix::unistd::Uid::from_raw(spec.uid)),
-            Some(nix::unistd::Gid::from_raw(spec.gid)),
-            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-        )
-        .map_err(|error| VmError::HandOver {
-            path: path.clone(),
-            error,
-        })?;
-    }
     Ok(Some(listener))
 }
 
-/// Whom QEMU and the vsock device run as: the sandbox's uid when agentd is
+/// Whom QEMU runs as: the sandbox's uid when agentd is
 /// root (with the group of /dev/kvm under KVM), else agentd's own.
 fn run_as(spec: &SandboxSpec, accel: Accel) -> Option<RunAs> {
     if !nix::unistd::Uid::effective().is_root() || spec.uid == 0 {
@@ -185,6 +172,7 @@ impl VmBackend {
         Self {
             settings,
             kvm: tokio::sync::Mutex::new(None),
+            masters: std::sync::Mutex::default(),
         }
     }
 
@@ -200,8 +188,8 @@ impl VmBackend {
             proxy_command: Some(format!(
                 "{} {} {} {}",
                 ssh::quote(&self.settings.exe.to_string_lossy()),
-                vsock::VSOCK_ARG,
-                ssh::quote(&p.vsock_uds.to_string_lossy()),
+                serial::SERIAL_ARG,
+                ssh::quote(&p.vm.join(serial::socket_name(user)).to_string_lossy()),
                 device_uid(spec)
             )),
             control_path: Some(p.dir.join(format!("client/{user}.mux"))),
@@ -258,20 +246,6 @@ impl VmBackend {
         qemu::find_program(std::slice::from_ref(&self.settings.qemu)).ok_or_else(|| {
             VmError::NoQemu {
                 program: self.settings.qemu.clone(),
-            }
-            .into()
-        })
-    }
-
-    fn vhost_vsock(&self) -> Result<PathBuf, BackendError> {
-        let names = vhost_vsock_candidates(self.settings.vhost_vsock.as_deref());
-        qemu::find_program(&names).ok_or_else(|| {
-            VmError::NoVhostVsock {
-                looked: names
-                    .iter()
-                    .map(|n| n.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", "),
             }
             .into()
         })
@@ -336,7 +310,6 @@ impl VmBackend {
         let p = Paths::new(spec);
         let (kernel, initrd, rootfs) = self.image()?;
         let qemu = self.qemu()?;
-        let vhost_vsock = self.vhost_vsock()?;
         let (share, virtiofsd) = self.share(&p)?;
         let (accel, accel_why) = self.accel(&kernel).await?;
         let alias = format!("keystone-{}", spec.name);
@@ -346,7 +319,7 @@ impl VmBackend {
         let run_as = run_as(spec, accel);
         std::fs::create_dir_all(&spec.log_dir).map_err(|e| io("the log directory", e))?;
         std::fs::create_dir_all(&spec.run_dir).map_err(|e| io("the run directory", e))?;
-        // run/vm/ belongs to the uid the vsock device runs as; whatever was
+        // run/vm/ belongs to the uid QEMU runs as; whatever was
         // there before (it may have been that uid's) goes.
         let _ = crate::fsutil::remove_tree(&p.vm);
         let _ = std::fs::remove_file(&p.fs_socket);
@@ -420,7 +393,7 @@ impl VmBackend {
             share: share.clone(),
             workspace: spec.workspace.clone(),
             network: spec.config.network,
-            vsock: p.vsock_socket.clone(),
+            control: p.vm.clone(),
             qmp: p.vm.join(qmp::SOCKET),
             host_key: fd_path(3).into(),
             authorized_keys: fd_path(4).into(),
@@ -453,20 +426,6 @@ impl VmBackend {
                 user_namespace: true,
             });
         }
-        helpers.push(Helper {
-            name: "vhost-device-vsock".into(),
-            argv: vec![
-                s(&vhost_vsock),
-                "--vm".into(),
-                format!(
-                    "guest-cid=3,socket={},uds-path={}",
-                    s(&p.vsock_socket),
-                    s(&p.vsock_uds)
-                ),
-            ],
-            socket: p.vsock_socket.clone(),
-            user_namespace: false,
-        });
         let mut argv = vec![s(&qemu)];
         argv.extend(qemu::qemu_args(&machine));
         let plan = Plan {
@@ -534,18 +493,19 @@ impl VmBackend {
         }
     }
 
-    /// Wait until the guest's sshd answers over vsock.
+    /// Wait until the guest's sshd answers on both control ports, and keep
+    /// the master connection each opens.
     async fn wait_answer(
         &self,
         spec: &SandboxSpec,
         rt: &Runtime,
         p: &Paths,
     ) -> Result<(), BackendError> {
-        let target = self.target(spec, "agent");
         let started = Instant::now();
         let limit = self.settings.start_timeout;
         let logs = || format!("{}{}", tail(&p.boot_log, 15), tail(&p.vm_log, 10));
-        loop {
+        let mut users = serial::USERS.iter().peekable();
+        while let Some(user) = users.peek() {
             if !self.is_alive(rt) {
                 return Err(VmError::Ended {
                     sandbox: spec.name.clone(),
@@ -553,12 +513,13 @@ impl VmBackend {
                 }
                 .into());
             }
-            // Until the guest's vsock device is up there is nobody to ask.
-            let last = if p.vsock_uds.exists() {
-                match target.answers().await {
+            // Until QEMU listens there is nobody to ask.
+            let last = if p.vm.join(serial::socket_name(user)).exists() {
+                match self.open_master(spec, user).await {
                     Ok(()) => {
-                        tracing::info!(sandbox = %spec.name, secs = started.elapsed().as_secs_f64(), "guest answers");
-                        return Ok(());
+                        tracing::info!(sandbox = %spec.name, user, secs = started.elapsed().as_secs_f64(), "guest answers");
+                        users.next();
+                        continue;
                     }
                     Err(last) if last.host_key_refused() => {
                         return Err(VmError::HostKeyChanged {
@@ -583,6 +544,63 @@ impl VmBackend {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        Ok(())
+    }
+
+    /// Open `user`'s master connection; root's carries the egress
+    /// gateway's forward when the sandbox has a network.
+    async fn open_master(&self, spec: &SandboxSpec, user: &str) -> Result<(), ssh::SshError> {
+        let target = self.target(spec, user);
+        // One that an attempt given up on opened after all.
+        if target.master_is_up() {
+            return Ok(());
+        }
+        if let Some(path) = &target.control_path {
+            // A master that died leaves its socket: ssh would not bind it.
+            let _ = std::fs::remove_file(path);
+        }
+        let mut forwards = Vec::new();
+        if user == "root" && spec.config.network != keystone_agent_api::Network::None {
+            forwards.push(format!(
+                "{GUEST_EGRESS_SOCKET} {}",
+                Paths::new(spec).egress.display()
+            ));
+        }
+        target.open_master(&forwards).await
+    }
+
+    /// `user`'s target, with the master connections opened again first if
+    /// one is gone (a guest that restarted its sshd, a killed ssh; root's
+    /// carries the egress gateway): one at a time per sandbox, so two
+    /// commands never race to open one.
+    async fn ready_target(&self, spec: &SandboxSpec, user: &str) -> SshTarget {
+        for u in serial::USERS {
+            if self.target(spec, u).master_is_up() {
+                continue;
+            }
+            let lock = Arc::clone(
+                self.masters
+                    .lock()
+                    .unwrap()
+                    .entry(spec.name.clone())
+                    .or_default(),
+            );
+            let _one = lock.lock().await;
+            if self.target(spec, u).master_is_up() {
+                continue;
+            }
+            match self.open_master(spec, u).await {
+                Ok(()) => {
+                    tracing::info!(sandbox = %spec.name, user = u, "master connection opened again")
+                }
+                // A command then goes on its own connection, which says
+                // what is wrong.
+                Err(e) => {
+                    tracing::warn!(sandbox = %spec.name, user = u, error = %e, "cannot open the master connection again")
+                }
+            }
+        }
+        self.target(spec, user)
     }
 
     /// SIGTERM the supervisor (QEMU quits, helpers end), then SIGKILL the
@@ -625,14 +643,16 @@ impl VmBackend {
             }
         }
         self.kill_group(rt).await;
-        for user in ["agent", "root"] {
+        for user in serial::USERS {
             let _ = std::fs::remove_file(Paths::new(spec).dir.join(format!("client/{user}.mux")));
         }
+        self.masters.lock().unwrap().remove(&spec.name);
         Ok(())
     }
 }
 
-/// The uid the sandbox's vsock device runs as (see [`run_as`]).
+/// The uid QEMU runs as (see [`run_as`]), which owns the sockets in
+/// `run/vm/`.
 fn device_uid(spec: &SandboxSpec) -> u32 {
     run_as(spec, Accel::Tcg).map_or_else(|| nix::unistd::Uid::effective().as_raw(), |r| r.uid)
 }
@@ -662,7 +682,8 @@ impl Backend for VmBackend {
         stdio: [OwnedFd; 3],
     ) -> BoxFut<'a, Result<i32, BackendError>> {
         Box::pin(async move {
-            self.target(spec, "agent")
+            self.ready_target(spec, "agent")
+                .await
                 .exec(with_proxy(spec, req), stdio)
                 .await
         })
@@ -675,7 +696,8 @@ impl Backend for VmBackend {
         size: (u16, u16),
     ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
         Box::pin(async move {
-            self.target(spec, "agent")
+            self.ready_target(spec, "agent")
+                .await
                 .exec_tty(with_proxy(spec, req), size)
         })
     }

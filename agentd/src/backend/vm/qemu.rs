@@ -73,8 +73,10 @@ pub struct Machine {
     pub workspace: PathBuf,
     /// Network mode.
     pub network: Network,
-    /// vhost-user socket of the vsock device.
-    pub vsock: PathBuf,
+    /// Directory of the control ports' sockets (QEMU listens on
+    /// [`super::serial::socket_name`] there for each of
+    /// [`super::serial::USERS`]).
+    pub control: PathBuf,
     /// QEMU's machine protocol socket (pause, resume).
     pub qmp: PathBuf,
     /// The guest's ssh host key (handed over through fw_cfg).
@@ -181,10 +183,10 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         "virtio-blk-device,drive=home".into(),
         "-global".into(),
         "virtio-mmio.force-legacy=false".into(),
-        "-chardev".into(),
-        format!("socket,id=vsock,path={}", p(&m.vsock)),
+        // The control channel: a virtio-serial port per user agentd logs
+        // in as (serial.rs), which QEMU can migrate, unlike vsock.
         "-device".into(),
-        "vhost-user-vsock-device,chardev=vsock".into(),
+        "virtio-serial-device,max_ports=4".into(),
         "-fw_cfg".into(),
         format!("name=opt/keystone/host_key,file={}", p(&m.host_key)),
         "-fw_cfg".into(),
@@ -193,6 +195,20 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
             p(&m.authorized_keys)
         ),
     ];
+    for user in super::serial::USERS {
+        a.extend([
+            "-chardev".into(),
+            format!(
+                "socket,id=control-{user},path={},server=on,wait=off",
+                p(&m.control.join(super::serial::socket_name(user)))
+            ),
+            "-device".into(),
+            format!(
+                "virtserialport,chardev=control-{user},name={}",
+                super::serial::port_name(user)
+            ),
+        ]);
+    }
     match &m.share {
         Share::Virtiofs(sock) => a.extend([
             "-chardev".into(),
@@ -237,7 +253,7 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         ]);
     }
     // No network device, whatever the mode: a guest's only way out is the
-    // egress gateway over vsock (docs/network.md).
+    // egress gateway over the control channel (docs/network.md).
     a
 }
 
@@ -394,7 +410,7 @@ mod tests {
             share,
             workspace: "/s/demo/workspace".into(),
             network,
-            vsock: "/s/demo/run/vm/vsock.sock".into(),
+            control: "/s/demo/run/vm".into(),
             qmp: "/s/demo/run/vm/qmp.sock".into(),
             host_key: "/s/demo/ssh/ssh_host_ed25519_key".into(),
             authorized_keys: "/s/demo/ssh/authorized_keys".into(),
@@ -409,6 +425,33 @@ mod tests {
 
     fn has(args: &[String], pair: [&str; 2]) -> bool {
         args.windows(2).any(|w| w[0] == pair[0] && w[1] == pair[1])
+    }
+
+    #[test]
+    fn the_control_channel_is_a_serial_port_per_user_that_qemu_can_migrate() {
+        let a = qemu_args(&machine(Share::NineP, Network::Nat, Accel::Tcg));
+        for user in ["root", "agent"] {
+            assert!(has(
+                &a,
+                [
+                    "-chardev",
+                    &format!(
+                        "socket,id=control-{user},path=/s/demo/run/vm/control-{user}.sock,server=on,wait=off"
+                    )
+                ]
+            ));
+            assert!(has(
+                &a,
+                [
+                    "-device",
+                    &format!("virtserialport,chardev=control-{user},name=keystone.{user}")
+                ]
+            ));
+        }
+        assert!(has(&a, ["-device", "virtio-serial-device,max_ports=4"]));
+        // vhost-user-vsock is unmigratable: it would block every memory
+        // snapshot.
+        assert!(!a.iter().any(|x| x.contains("vsock")), "{a:?}");
     }
 
     #[test]

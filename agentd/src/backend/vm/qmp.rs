@@ -3,13 +3,11 @@
 //! `pause`, `resume` and a consistent copy of a running guest's disks.
 //!
 //! The socket lies in `run/vm/`, a directory of the sandbox's uid, which
-//! QEMU runs as: before it says anything, agentd checks that the listening
-//! process has that uid (`SO_PEERCRED`), so a link planted there cannot
-//! make it talk to another service of the host. What QEMU answers is read
+//! QEMU runs as: agentd opens it as [`super::serial::connect_owned`] does
+//! (no link followed, the listener's uid checked). What QEMU answers is read
 //! a bounded line at a time, within a deadline: a guest that took QEMU
 //! over can make agentd wait a few seconds, never hold it.
 
-use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::time::Duration;
 
@@ -31,25 +29,10 @@ const DEADLINE: Duration = Duration::from_secs(10);
 /// Why a QMP command failed.
 #[derive(Debug, thiserror::Error)]
 pub enum QmpError {
-    /// The socket could not be reached (QEMU gone, or not started yet).
-    #[error("cannot reach QEMU's control socket {path}: {source}")]
-    Connect {
-        /// The socket.
-        path: String,
-        /// Why not.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The socket is served by another uid than QEMU's.
-    #[error("QEMU's control socket {path} is served by uid {found}, not QEMU's uid {expected}")]
-    Impostor {
-        /// The socket.
-        path: String,
-        /// The listener's uid.
-        found: u32,
-        /// QEMU's uid.
-        expected: u32,
-    },
+    /// The socket could not be reached (QEMU gone, or not started yet),
+    /// or is not QEMU's.
+    #[error("QEMU's control socket: {0}")]
+    Socket(#[from] super::serial::SocketError),
     /// Reading or writing failed, or QEMU said something that is not QMP.
     #[error("QEMU's control socket: {0}")]
     Protocol(String),
@@ -78,45 +61,11 @@ pub async fn execute(socket: &Path, uid: u32, command: &'static str) -> Result<(
 }
 
 async fn execute_inner(socket: &Path, uid: u32, command: &'static str) -> Result<(), QmpError> {
-    let path = socket.display().to_string();
-    let connect_error = |source| QmpError::Connect {
-        path: path.clone(),
-        source,
-    };
-    // The socket as it is, never through a link QEMU's uid put in its
-    // place: opened without following one, checked to be a socket of that
-    // uid, then connected to through that very inode.
-    let fd = nix::fcntl::open(
-        socket,
-        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )
-    .map_err(|e| connect_error(e.into()))?;
-    let st = nix::sys::stat::fstat(&fd).map_err(|e| connect_error(e.into()))?;
-    if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFSOCK {
-        return Err(QmpError::Protocol(format!("{path} is not a socket")));
-    }
-    if st.st_uid != uid {
-        return Err(QmpError::Impostor {
-            path,
-            found: st.st_uid,
-            expected: uid,
-        });
-    }
-    let stream = UnixStream::connect(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .await
-        .map_err(connect_error)?;
-    drop(fd);
-    let peer = stream
-        .peer_cred()
+    let stream = super::serial::connect_owned(socket, uid)?;
+    stream
+        .set_nonblocking(true)
         .map_err(|e| QmpError::Protocol(e.to_string()))?;
-    if peer.uid() != uid {
-        return Err(QmpError::Impostor {
-            path,
-            found: peer.uid(),
-            expected: uid,
-        });
-    }
+    let stream = UnixStream::from_std(stream).map_err(|e| QmpError::Protocol(e.to_string()))?;
     let (read, mut write) = stream.into_split();
     let mut lines = Lines {
         read: BufReader::new(read),
@@ -277,7 +226,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (path, _task) = serve(dir.path(), HELLO, vec![]).await;
         let e = execute(&path, me() + 1, "stop").await.unwrap_err();
-        assert!(matches!(e, QmpError::Impostor { .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                QmpError::Socket(super::super::serial::SocketError::Impostor { .. })
+            ),
+            "{e}"
+        );
 
         // Something that is not QMP, or endless events, ends the command.
         let other = tempfile::tempdir().unwrap();

@@ -1,6 +1,6 @@
 //! The `vm` backend's settings, from agentd's configuration.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Which accelerator to use.
@@ -31,7 +31,7 @@ pub enum ShareChoice {
 /// Settings of the vm backend.
 #[derive(Debug, Clone)]
 pub struct VmSettings {
-    /// agentd's binary (the supervisor and the vsock helper).
+    /// agentd's binary (the supervisor and the control channel's helper).
     pub exe: PathBuf,
     /// agentd's state directory.
     pub state_dir: PathBuf,
@@ -41,8 +41,6 @@ pub struct VmSettings {
     pub qemu: PathBuf,
     /// virtiofsd binary; default: the usual places.
     pub virtiofsd: Option<PathBuf>,
-    /// vhost-device-vsock binary; default: PATH, then the cache.
-    pub vhost_vsock: Option<PathBuf>,
     /// Accelerator choice.
     pub accel: AccelChoice,
     /// Share choice.
@@ -58,23 +56,4 @@ pub struct VmSettings {
     pub tools_dir: Option<PathBuf>,
     /// The agent toolbox, shared with every guest.
     pub toolbox: Option<std::sync::Arc<crate::toolbox::Toolbox>>,
-}
-
-/// The version of vhost-device-vsock that tests/install-tools.sh installs.
-pub const VHOST_VSOCK_VERSION: &str = "0.3.0";
-
-/// Where agentd looks for vhost-device-vsock, in order: the configured
-/// binary alone, else `PATH`, then the cache of `tests/install-tools.sh`.
-#[must_use]
-pub fn vhost_vsock_candidates(configured: Option<&Path>) -> Vec<PathBuf> {
-    if let Some(c) = configured {
-        return vec![c.to_owned()];
-    }
-    let mut names: Vec<PathBuf> = vec!["vhost-device-vsock".into()];
-    names.extend(crate::tools::cache_dir().map(|c| {
-        c.join(format!(
-            "vhost-device-vsock-{VHOST_VSOCK_VERSION}/bin/vhost-device-vsock"
-        ))
-    }));
-    names
 }

@@ -1,13 +1,13 @@
 //! `agentd keystone-vm PLAN NAME`: the supervisor of one `vm` sandbox.
 //!
-//! It runs with agentd's uid; QEMU and vhost-device-vsock drop to the
+//! It runs with agentd's uid; QEMU drops to the
 //! sandbox's uid ([`Plan::run_as`]). virtiofsd runs as that uid too, in a
 //! user namespace that maps only the sandbox's ids
 //! ([`Helper::user_namespace`]): whatever the guest asks of it, even as
 //! the guest's root, it can make only the sandbox's files, and no device.
 //!
 //! agentd starts it as the leader of a new session and process group; it
-//! starts the device helpers (virtiofsd, vhost-device-vsock), waits for
+//! starts the device helpers (virtiofsd, when there is one), waits for
 //! their sockets, then starts QEMU. Every child dies with it
 //! (`PR_SET_PDEATHSIG`), and it ends when QEMU does, so the whole VM is one
 //! process to watch and one process group to kill. It outlives agentd, so

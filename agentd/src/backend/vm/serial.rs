@@ -1,0 +1,321 @@
+//! `agentd keystone-serial SOCKET UID`: ssh's `ProxyCommand` for `vm`
+//! guests, and the way agentd opens any socket QEMU listens on.
+//!
+//! agentd reaches a guest through virtio-serial ports, one per user it logs
+//! in as (`keystone.root`, `keystone.agent`): QEMU serves each on a unix
+//! socket in `run/vm/` (`control-root.sock`, `control-agent.sock`), and the
+//! guest runs `sshd -i` on its end of the port. A port carries one
+//! connection at a time: the ssh master connection agentd keeps per user,
+//! which every command, terminal and link connection shares. Each
+//! connection starts with a [`handshake`]: the guest starts sshd only once
+//! agentd's side is there, so sshd's greeting is never lost. Unlike vsock,
+//! QEMU can migrate virtio-serial, so the control channel does not stand in
+//! the way of saving a guest's memory.
+//!
+//! `run/vm/` belongs to QEMU's uid, so whatever lies there may have been
+//! put there by a guest that took QEMU over: [`connect_owned`] opens the
+//! path without following a link, checks that it is a socket of that uid,
+//! connects through that very inode, and checks the listener's uid
+//! (`SO_PEERCRED`), so a link planted there cannot make agentd talk to
+//! another service of the host.
+
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+/// argv\[1\] of the helper.
+pub const SERIAL_ARG: &str = "keystone-serial";
+
+/// The users agentd logs in as, each over a port of its own.
+pub const USERS: [&str; 2] = ["root", "agent"];
+
+/// The name of `user`'s socket in `run/vm/`.
+#[must_use]
+pub fn socket_name(user: &str) -> String {
+    format!("control-{user}.sock")
+}
+
+/// The name of `user`'s virtio-serial port (`/dev/virtio-ports/<name>` in
+/// the guest).
+#[must_use]
+pub fn port_name(user: &str) -> String {
+    format!("keystone.{user}")
+}
+
+/// Why a socket of QEMU's could not be reached.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    /// Not there, not reachable, or refused.
+    #[error("cannot reach {path}: {source}")]
+    Connect {
+        /// The socket.
+        path: String,
+        /// Why not.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Something else than a socket lies there (a link, a file).
+    #[error("{0} is not a socket")]
+    NotSocket(String),
+    /// The socket or its listener is another uid's than QEMU's.
+    #[error("{path} is served by uid {found}, not QEMU's uid {expected}")]
+    Impostor {
+        /// The socket.
+        path: String,
+        /// The owner or listener's uid.
+        found: u32,
+        /// QEMU's uid.
+        expected: u32,
+    },
+}
+
+/// Connect to the socket at `path`, which must be a socket that `uid` owns
+/// and listens on, without following a link in its place.
+///
+/// # Errors
+/// [`SocketError`].
+pub fn connect_owned(path: &Path, uid: u32) -> Result<UnixStream, SocketError> {
+    let shown = path.display().to_string();
+    let connect_error = |source: std::io::Error| SocketError::Connect {
+        path: shown.clone(),
+        source,
+    };
+    let fd = nix::fcntl::open(
+        path,
+        nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|e| {
+        if e == nix::errno::Errno::ELOOP {
+            SocketError::NotSocket(shown.clone())
+        } else {
+            connect_error(e.into())
+        }
+    })?;
+    let st = nix::sys::stat::fstat(&fd).map_err(|e| connect_error(e.into()))?;
+    if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFSOCK {
+        return Err(SocketError::NotSocket(shown));
+    }
+    if st.st_uid != uid {
+        return Err(SocketError::Impostor {
+            path: shown,
+            found: st.st_uid,
+            expected: uid,
+        });
+    }
+    let stream =
+        UnixStream::connect(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(connect_error)?;
+    let peer = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(|e| connect_error(e.into()))?;
+    if peer.uid() != uid {
+        return Err(SocketError::Impostor {
+            path: shown,
+            found: peer.uid(),
+            expected: uid,
+        });
+    }
+    Ok(stream)
+}
+
+/// What the helper says on a port until the guest answers [`READY`].
+pub const HELLO: &[u8] = b"KEYSTONE-CONTROL\n";
+
+/// The guest's answer to each [`HELLO`].
+pub const READY: &[u8] = b"KEYSTONE-CONTROL-READY";
+
+/// What the helper says once it has seen [`READY`]: the guest starts sshd.
+pub const GO: &[u8] = b"KEYSTONE-CONTROL-GO\n";
+
+/// How long the guest may take to answer (a guest still booting answers
+/// once its port is served).
+const READY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How often [`HELLO`] is said again meanwhile.
+const HELLO_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Most bytes read before the answer.
+const HANDSHAKE_MAX: usize = 64 * 1024;
+
+/// Say [`HELLO`] on `s` (again every second) until the guest answers
+/// [`READY`], then say [`GO`]; the guest starts its sshd only then. So
+/// sshd's greeting is never lost to a port nobody was connected to yet,
+/// and a hello that the sshd of a connection just gone swallowed is said
+/// again. What comes before the answer is skipped: at most 64 KiB, within
+/// 10 s. (Answers to hellos still on their way may follow; ssh skips lines
+/// before the server's greeting.)
+///
+/// # Errors
+/// When the guest does not answer so.
+pub fn handshake(s: &mut UnixStream) -> std::io::Result<()> {
+    use std::time::Instant;
+    let deadline = Instant::now() + READY_WAIT;
+    let mut line = Vec::new();
+    let mut read = 0usize;
+    let mut next_hello = Instant::now();
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the guest did not answer on its control port within 10 s (still booting?)",
+            ));
+        }
+        if now >= next_hello {
+            s.write_all(HELLO)?;
+            next_hello = now + HELLO_EVERY;
+        }
+        s.set_read_timeout(Some(next_hello.min(deadline) - now))?;
+        let mut buf = [0u8; 1];
+        match s.read(&mut buf) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "QEMU closed the control port",
+                ));
+            }
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(e),
+        }
+        read += 1;
+        if read > HANDSHAKE_MAX {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "the guest's control port sent 64 KiB without answering as agentd's guest side does",
+            ));
+        }
+        if buf[0] != b'\n' {
+            if line.len() <= READY.len() + 1 {
+                line.push(buf[0]);
+            }
+            continue;
+        }
+        if line.strip_suffix(b"\r").unwrap_or(&line) == READY {
+            s.write_all(GO)?;
+            s.set_read_timeout(None)?;
+            return Ok(());
+        }
+        line.clear();
+    }
+}
+
+/// The helper's entry point: argv\[2\] is the socket, argv\[3\] QEMU's uid.
+pub fn main(socket: &str) -> i32 {
+    let Some(uid) = std::env::args().nth(3).and_then(|u| u.parse().ok()) else {
+        eprintln!("usage: agentd {SERIAL_ARG} SOCKET UID");
+        return 2;
+    };
+    let mut s = match connect_owned(Path::new(socket), uid) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("keystone-serial: {e}");
+            return 1;
+        }
+    };
+    if let Err(e) = handshake(&mut s) {
+        eprintln!("keystone-serial: {socket}: {e}");
+        return 1;
+    }
+    let (Ok(mut to_guest), mut from_guest) = (s.try_clone(), s) else {
+        return 1;
+    };
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut to_guest);
+        let _ = to_guest.shutdown(std::net::Shutdown::Write);
+    });
+    let mut out = std::io::stdout().lock();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match from_guest.read(&mut buf) {
+            Ok(0) | Err(_) => return 0,
+            Ok(n) => {
+                if out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
+                    return 0;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn me() -> u32 {
+        nix::unistd::Uid::effective().as_raw()
+    }
+
+    #[test]
+    fn a_socket_of_the_uid_is_reached() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let mut s = connect_owned(&path, me()).unwrap();
+        let (mut theirs, _) = listener.accept().unwrap();
+        s.write_all(b"hi").unwrap();
+        let mut got = [0u8; 2];
+        theirs.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hi");
+    }
+
+    #[test]
+    fn the_guest_is_greeted_until_it_answers_then_told_to_go() {
+        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
+        let guest = std::thread::spawn(move || {
+            // The first hello is lost (an old sshd took it); the second
+            // is answered, after some noise left from before.
+            let mut hello = [0u8; HELLO.len()];
+            theirs.read_exact(&mut hello).unwrap();
+            theirs.read_exact(&mut hello).unwrap();
+            assert_eq!(&hello, HELLO);
+            theirs
+                .write_all(&[&[b'z'; 500][..], b"\nKEYSTONE-CONTROL-READY\nSSH-2.0-x\r\n"].concat())
+                .unwrap();
+            let mut go = [0u8; GO.len()];
+            theirs.read_exact(&mut go).unwrap();
+            assert_eq!(&go, GO);
+            theirs
+        });
+        handshake(&mut ours).unwrap();
+        let _theirs = guest.join().unwrap();
+        let mut rest = [0u8; 11];
+        ours.read_exact(&mut rest).unwrap();
+        assert_eq!(&rest, b"SSH-2.0-x\r\n", "nothing after the answer is eaten");
+
+        // Endless noise ends it.
+        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            let _ = theirs.write_all(&b"x\n".repeat(40_000));
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        });
+        let e = handshake(&mut ours).unwrap_err();
+        assert!(e.to_string().contains("sent 64 KiB"), "{e}");
+    }
+
+    #[test]
+    fn a_link_a_file_or_another_uid_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("s.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&real).unwrap();
+        let link = dir.path().join("link.sock");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let e = connect_owned(&link, me()).unwrap_err();
+        assert!(matches!(e, SocketError::NotSocket(_)), "{e}");
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        let e = connect_owned(&file, me()).unwrap_err();
+        assert!(matches!(e, SocketError::NotSocket(_)), "{e}");
+        let e = connect_owned(&real, me() + 1).unwrap_err();
+        assert!(matches!(e, SocketError::Impostor { .. }), "{e}");
+        let e = connect_owned(&dir.path().join("none"), me()).unwrap_err();
+        assert!(matches!(e, SocketError::Connect { .. }), "{e}");
+    }
+}
