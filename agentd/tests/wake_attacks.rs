@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -87,10 +87,20 @@ fn a_wake_whose_request_goes_away_still_ends() {
         std::thread::sleep(Duration::from_millis(2));
         seen = registry_state(&env, "nap");
     }
-    assert!(
-        matches!(seen.as_str(), "starting" | "running"),
-        "no wake seen: {seen}"
-    );
+    if !matches!(seen.as_str(), "starting" | "running") {
+        // What the request got, and what agentd says, for the report.
+        let mut s = s;
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut answer = Vec::new();
+        let _ = std::io::Read::take(&mut s, 4096).read_to_end(&mut answer);
+        let log = env.log();
+        panic!(
+            "no wake seen: {seen}\nstatus: {}\nthe answer: {}\nagentd's log:\n{}",
+            env.status("nap"),
+            String::from_utf8_lossy(&answer),
+            &log[log.len().saturating_sub(8000)..]
+        );
+    }
     drop(s);
     let start = Instant::now();
     while env.state("nap") == "starting" && start.elapsed() < Duration::from_secs(20) {
