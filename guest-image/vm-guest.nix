@@ -332,6 +332,8 @@ in
     # opens it again when it ends.
     systemd.services."keystone-control@" = {
       description = "Keystone Agent control channel for %i (sshd on virtio-serial port keystone.%i)";
+      # Never given up on: it is the only way in.
+      startLimitIntervalSec = 0;
       serviceConfig = {
         ExecStart = "${controlScript} %i";
         Restart = "always";

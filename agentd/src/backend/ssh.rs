@@ -119,6 +119,23 @@ impl SshTarget {
                 "PasswordAuthentication=no",
                 "-o",
                 "LogLevel=ERROR",
+                // The guest is not to be trusted with anything of the
+                // host's: no escapes (`~C` would open forwards from a
+                // terminal session's keystrokes), no agent or X11, no
+                // local commands, no host keys it offers, no agent socket
+                // of agentd's environment.
+                "-o",
+                "EscapeChar=none",
+                "-o",
+                "ForwardAgent=no",
+                "-o",
+                "ForwardX11=no",
+                "-o",
+                "PermitLocalCommand=no",
+                "-o",
+                "UpdateHostKeys=no",
+                "-o",
+                "IdentityAgent=none",
             ])
             // Through a ProxyCommand (a guest's control port) the wait is
             // for the guest's sshd to greet, which an emulated guest on a
@@ -161,7 +178,16 @@ impl SshTarget {
     pub async fn open_master(&self, forwards: &[String]) -> Result<(), SshError> {
         const LIMIT: Duration = Duration::from_secs(60);
         let mut cmd = tokio::process::Command::from(self.base_command("yes"));
+        // Keepalives: a guest that dropped its end (its sshd killed) leaves
+        // the connection open on QEMU's side; after two minutes without an
+        // answer the master ends, and the next command opens it again.
         cmd.args(["-f", "-N", "-o", "ExitOnForwardFailure=yes"])
+            .args([
+                "-o",
+                "ServerAliveInterval=15",
+                "-o",
+                "ServerAliveCountMax=8",
+            ])
             .args(
                 forwards
                     .iter()
@@ -216,7 +242,14 @@ impl SshTarget {
                     secs: LIMIT.as_secs(),
                 })?;
         if status.map_err(SshError::Missing)?.success() {
-            Ok(())
+            // ssh goes on without multiplexing when it cannot listen there.
+            if self.master_is_up() {
+                Ok(())
+            } else {
+                Err(SshError::Said(
+                    "ssh logged in but did not listen on its control socket".to_owned(),
+                ))
+            }
         } else {
             Err(SshError::Said(
                 crate::text::clamp_text(String::from_utf8_lossy(&said).trim()).into_owned(),
@@ -225,12 +258,30 @@ impl SshTarget {
     }
 
     /// Whether the master connection at [`SshTarget::control_path`]
-    /// answers (its socket accepts a connection).
+    /// answers (its socket accepts a connection; a full queue counts as
+    /// up). Never waits.
     #[must_use]
     pub fn master_is_up(&self) -> bool {
-        self.control_path
-            .as_ref()
-            .is_some_and(|p| std::os::unix::net::UnixStream::connect(p).is_ok())
+        use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+        use std::os::fd::AsRawFd;
+        let Some(path) = &self.control_path else {
+            return false;
+        };
+        let Ok(addr) = UnixAddr::new(path.as_path()) else {
+            return false;
+        };
+        let Ok(sock) = socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+            None,
+        ) else {
+            return false;
+        };
+        matches!(
+            connect(sock.as_raw_fd(), &addr),
+            Ok(()) | Err(nix::errno::Errno::EAGAIN)
+        )
     }
 
     /// `ssh … true`: `Ok` once the guest answers, else what ssh said.
@@ -603,6 +654,47 @@ pub fn exit_code(status: std::process::ExitStatus) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_guest_gets_no_escape_no_agent_and_no_forward_it_did_not_ask_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = SshTarget {
+            user: "agent".into(),
+            host: "keystone-demo".into(),
+            port: 22,
+            key: dir.path().join("id_ed25519"),
+            known_hosts: dir.path().join("known_hosts"),
+            alias: "keystone-demo".into(),
+            proxy_command: Some("agentd keystone-serial /x 1".into()),
+            control_path: Some(dir.path().join("agent.mux")),
+        };
+        // What ssh makes of agentd's options (`-G` connects to nothing).
+        let out = target
+            .std_command()
+            .arg("-G")
+            .arg(&target.host)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let config = String::from_utf8_lossy(&out.stdout).to_lowercase();
+        for line in [
+            "escapechar none",
+            "forwardagent no",
+            "forwardx11 no",
+            "permitlocalcommand no",
+            "updatehostkeys false",
+            "identityagent none",
+            "stricthostkeychecking true",
+            "controlmaster false",
+            "connecttimeout 30",
+        ] {
+            assert!(config.lines().any(|l| l == line), "{line}:\n{config}");
+        }
+    }
 
     #[test]
     fn a_key_directory_made_by_others_is_emptied_and_taken_over() {

@@ -143,6 +143,8 @@ fn gateway_socket(
     }
     let listener = std::os::unix::net::UnixListener::bind(&path)
         .map_err(BackendError::file("cannot listen on", &path))?;
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .map_err(BackendError::file("cannot restrict", &path))?;
     Ok(Some(listener))
 }
 
@@ -644,7 +646,23 @@ impl VmBackend {
         }
         self.kill_group(rt).await;
         for user in serial::USERS {
-            let _ = std::fs::remove_file(Paths::new(spec).dir.join(format!("client/{user}.mux")));
+            // Ended here, not only when whoever holds QEMU's end of the
+            // port lets go.
+            let target = self.target(spec, user);
+            if let Some(path) = &target.control_path {
+                let exit = target
+                    .command()
+                    .args(["-O", "exit"])
+                    .arg(&target.host)
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .kill_on_drop(true)
+                    .status();
+                if path.exists() {
+                    let _ = tokio::time::timeout(Duration::from_secs(5), exit).await;
+                }
+                let _ = std::fs::remove_file(path);
+            }
         }
         self.masters.lock().unwrap().remove(&spec.name);
         Ok(())

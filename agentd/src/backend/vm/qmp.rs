@@ -61,7 +61,13 @@ pub async fn execute(socket: &Path, uid: u32, command: &'static str) -> Result<(
 }
 
 async fn execute_inner(socket: &Path, uid: u32, command: &'static str) -> Result<(), QmpError> {
-    let stream = super::serial::connect_owned(socket, uid)?;
+    // On a blocking thread: QEMU may take its time to accept.
+    let path = socket.to_owned();
+    let stream = tokio::task::spawn_blocking(move || {
+        super::serial::connect_owned(&path, uid, Duration::from_secs(5))
+    })
+    .await
+    .map_err(|e| QmpError::Protocol(e.to_string()))??;
     stream
         .set_nonblocking(true)
         .map_err(|e| QmpError::Protocol(e.to_string()))?;

@@ -71,11 +71,18 @@ pub enum SocketError {
 }
 
 /// Connect to the socket at `path`, which must be a socket that `uid` owns
-/// and listens on, without following a link in its place.
+/// and listens on, without following a link in its place, waiting at most
+/// `wait` for a listener that does not accept (QEMU takes one client at a
+/// time; a full queue would hold a plain connect for good). Blocking: from
+/// async code, on a blocking thread.
 ///
 /// # Errors
 /// [`SocketError`].
-pub fn connect_owned(path: &Path, uid: u32) -> Result<UnixStream, SocketError> {
+pub fn connect_owned(
+    path: &Path,
+    uid: u32,
+    wait: std::time::Duration,
+) -> Result<UnixStream, SocketError> {
     let shown = path.display().to_string();
     let connect_error = |source: std::io::Error| SocketError::Connect {
         path: shown.clone(),
@@ -86,13 +93,7 @@ pub fn connect_owned(path: &Path, uid: u32) -> Result<UnixStream, SocketError> {
         nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC,
         nix::sys::stat::Mode::empty(),
     )
-    .map_err(|e| {
-        if e == nix::errno::Errno::ELOOP {
-            SocketError::NotSocket(shown.clone())
-        } else {
-            connect_error(e.into())
-        }
-    })?;
+    .map_err(|e| connect_error(e.into()))?;
     let st = nix::sys::stat::fstat(&fd).map_err(|e| connect_error(e.into()))?;
     if st.st_mode & nix::libc::S_IFMT != nix::libc::S_IFSOCK {
         return Err(SocketError::NotSocket(shown));
@@ -104,8 +105,44 @@ pub fn connect_owned(path: &Path, uid: u32) -> Result<UnixStream, SocketError> {
             expected: uid,
         });
     }
-    let stream =
-        UnixStream::connect(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(connect_error)?;
+    use nix::sys::socket::{
+        AddressFamily, SockFlag, SockType, UnixAddr, connect, setsockopt, socket, sockopt,
+    };
+    let sock = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(|e| connect_error(e.into()))?;
+    // A unix connect waits for room in the listener's queue as long as
+    // the send timeout says.
+    let timeout = |t: std::time::Duration| {
+        setsockopt(
+            &sock,
+            sockopt::SendTimeout,
+            &nix::sys::time::TimeVal::new(
+                t.as_secs().try_into().unwrap_or(i64::MAX),
+                t.subsec_micros().into(),
+            ),
+        )
+        .map_err(|e| connect_error(e.into()))
+    };
+    timeout(wait.max(std::time::Duration::from_millis(1)))?;
+    let addr = UnixAddr::new(format!("/proc/self/fd/{}", fd.as_raw_fd()).as_str())
+        .map_err(|e| connect_error(e.into()))?;
+    connect(sock.as_raw_fd(), &addr).map_err(|e| {
+        connect_error(if e == nix::errno::Errno::EAGAIN {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("nobody accepted within {} s", wait.as_secs()),
+            )
+        } else {
+            e.into()
+        })
+    })?;
+    timeout(std::time::Duration::ZERO)?;
+    let stream = UnixStream::from(sock);
     let peer = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
         .map_err(|e| connect_error(e.into()))?;
     if peer.uid() != uid {
@@ -213,7 +250,7 @@ pub fn main(socket: &str) -> i32 {
         eprintln!("usage: agentd {SERIAL_ARG} SOCKET UID");
         return 2;
     };
-    let mut s = match connect_owned(Path::new(socket), uid) {
+    let mut s = match connect_owned(Path::new(socket), uid, READY_WAIT) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("keystone-serial: {e}");
@@ -227,9 +264,12 @@ pub fn main(socket: &str) -> i32 {
     let (Ok(mut to_guest), mut from_guest) = (s.try_clone(), s) else {
         return 1;
     };
+    // ssh is done when it closes our stdin (QEMU would end the connection
+    // at a half-close anyway): the helper ends then, not when the other
+    // side of the socket does, which whoever holds it may never do.
     std::thread::spawn(move || {
         let _ = std::io::copy(&mut std::io::stdin().lock(), &mut to_guest);
-        let _ = to_guest.shutdown(std::net::Shutdown::Write);
+        std::process::exit(0);
     });
     let mut out = std::io::stdout().lock();
     let mut buf = vec![0u8; 64 * 1024];
@@ -249,8 +289,39 @@ pub fn main(socket: &str) -> i32 {
 mod tests {
     use super::*;
 
+    const W: std::time::Duration = std::time::Duration::from_secs(2);
+
     fn me() -> u32 {
         nix::unistd::Uid::effective().as_raw()
+    }
+
+    #[test]
+    fn a_listener_that_never_accepts_does_not_hold_the_connect() {
+        // QEMU's way: a backlog of one, and a client it is busy with.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let sock = nix::sys::socket::socket(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::Stream,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .unwrap();
+        let addr = nix::sys::socket::UnixAddr::new(&path).unwrap();
+        nix::sys::socket::bind(sock.as_raw_fd(), &addr).unwrap();
+        nix::sys::socket::listen(&sock, nix::sys::socket::Backlog::new(0).unwrap()).unwrap();
+        // Fill the queue.
+        let mut held = Vec::new();
+        let start = std::time::Instant::now();
+        let e = loop {
+            match connect_owned(&path, me(), W) {
+                Ok(s) => held.push(s),
+                Err(e) => break e,
+            }
+            assert!(held.len() < 16, "the queue never filled");
+        };
+        assert!(e.to_string().contains("nobody accepted within 2 s"), "{e}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(10));
     }
 
     #[test]
@@ -258,7 +329,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.sock");
         let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
-        let mut s = connect_owned(&path, me()).unwrap();
+        let mut s = connect_owned(&path, me(), W).unwrap();
         let (mut theirs, _) = listener.accept().unwrap();
         s.write_all(b"hi").unwrap();
         let mut got = [0u8; 2];
@@ -307,15 +378,15 @@ mod tests {
         let _listener = std::os::unix::net::UnixListener::bind(&real).unwrap();
         let link = dir.path().join("link.sock");
         std::os::unix::fs::symlink(&real, &link).unwrap();
-        let e = connect_owned(&link, me()).unwrap_err();
+        let e = connect_owned(&link, me(), W).unwrap_err();
         assert!(matches!(e, SocketError::NotSocket(_)), "{e}");
         let file = dir.path().join("file");
         std::fs::write(&file, b"").unwrap();
-        let e = connect_owned(&file, me()).unwrap_err();
+        let e = connect_owned(&file, me(), W).unwrap_err();
         assert!(matches!(e, SocketError::NotSocket(_)), "{e}");
-        let e = connect_owned(&real, me() + 1).unwrap_err();
+        let e = connect_owned(&real, me() + 1, W).unwrap_err();
         assert!(matches!(e, SocketError::Impostor { .. }), "{e}");
-        let e = connect_owned(&dir.path().join("none"), me()).unwrap_err();
+        let e = connect_owned(&dir.path().join("none"), me(), W).unwrap_err();
         assert!(matches!(e, SocketError::Connect { .. }), "{e}");
     }
 }

@@ -48,7 +48,9 @@ impl VmBackend {
     ) -> Result<(), BackendError> {
         self.cpus(spec, rt, frozen).await?;
         if !frozen {
-            let root = self.target(spec, "root");
+            // A long pause outlasts the masters' keepalives: root's carries
+            // the egress gateway, so it is opened again at once.
+            let root = self.ready_target(spec, "root").await;
             let name = spec.name.clone();
             tokio::spawn(async move {
                 let now = SystemTime::now()
