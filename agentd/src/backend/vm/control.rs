@@ -1,0 +1,122 @@
+//! The control channel's connections: the ssh master agentd keeps per
+//! control port ([`serial`]), opened when the guest boots and again when
+//! one is gone, root's carrying the egress gateway's forward.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{GUEST_EGRESS_SOCKET, Paths, VmBackend, VmError, serial, tail};
+use crate::backend::ssh::{self, SshTarget};
+use crate::backend::{Backend, BackendError, Runtime, SandboxSpec};
+
+impl VmBackend {
+    /// Wait until the guest's sshd answers on both control ports, and keep
+    /// the master connection each opens.
+    pub(super) async fn wait_answer(
+        &self,
+        spec: &SandboxSpec,
+        rt: &Runtime,
+        p: &Paths,
+    ) -> Result<(), BackendError> {
+        let started = Instant::now();
+        let limit = self.settings.start_timeout;
+        let logs = || format!("{}{}", tail(&p.boot_log, 15), tail(&p.vm_log, 10));
+        let mut users = serial::USERS.iter().peekable();
+        while let Some(user) = users.peek() {
+            if !self.is_alive(rt) {
+                return Err(VmError::Ended {
+                    sandbox: spec.name.clone(),
+                    logs: logs(),
+                }
+                .into());
+            }
+            // Until QEMU listens there is nobody to ask.
+            let last = if p.vm.join(serial::socket_name(user)).exists() {
+                match self.open_master(spec, user).await {
+                    Ok(()) => {
+                        tracing::info!(sandbox = %spec.name, user, secs = started.elapsed().as_secs_f64(), "guest answers");
+                        users.next();
+                        continue;
+                    }
+                    Err(last) if last.host_key_refused() => {
+                        return Err(VmError::HostKeyChanged {
+                            sandbox: spec.name.clone(),
+                            error: last,
+                        }
+                        .into());
+                    }
+                    Err(last) => Some(last),
+                }
+            } else {
+                None
+            };
+            if started.elapsed() > limit {
+                return Err(VmError::Silent {
+                    sandbox: spec.name.clone(),
+                    secs: limit.as_secs(),
+                    last,
+                    logs: logs(),
+                }
+                .into());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
+    }
+
+    /// Open `user`'s master connection; root's carries the egress
+    /// gateway's forward when the sandbox has a network.
+    async fn open_master(&self, spec: &SandboxSpec, user: &str) -> Result<(), ssh::SshError> {
+        let target = self.target(spec, user);
+        // One that an attempt given up on opened after all.
+        if target.master_is_up() {
+            return Ok(());
+        }
+        if let Some(path) = &target.control_path {
+            // A master that died leaves its socket: ssh would not bind it.
+            let _ = std::fs::remove_file(path);
+        }
+        let mut forwards = Vec::new();
+        if user == "root" && spec.config.network != keystone_agent_api::Network::None {
+            forwards.push(format!(
+                "{GUEST_EGRESS_SOCKET} {}",
+                Paths::new(spec).egress.display()
+            ));
+        }
+        target.open_master(&forwards).await
+    }
+
+    /// `user`'s target, with the master connections opened again first if
+    /// one is gone (a guest that restarted its sshd, a killed ssh; root's
+    /// carries the egress gateway): one at a time per sandbox, so two
+    /// commands never race to open one.
+    pub(super) async fn ready_target(&self, spec: &SandboxSpec, user: &str) -> SshTarget {
+        for u in serial::USERS {
+            if self.target(spec, u).master_is_up() {
+                continue;
+            }
+            let lock = Arc::clone(
+                self.masters
+                    .lock()
+                    .unwrap()
+                    .entry(spec.name.clone())
+                    .or_default(),
+            );
+            let _one = lock.lock().await;
+            if self.target(spec, u).master_is_up() {
+                continue;
+            }
+            match self.open_master(spec, u).await {
+                Ok(()) => {
+                    tracing::info!(sandbox = %spec.name, user = u, "master connection opened again")
+                }
+                // A command then goes on its own connection, which says
+                // what is wrong.
+                Err(e) => {
+                    tracing::warn!(sandbox = %spec.name, user = u, error = %e, "cannot open the master connection again")
+                }
+            }
+        }
+        self.target(spec, user)
+    }
+}
