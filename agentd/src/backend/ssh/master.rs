@@ -125,4 +125,24 @@ impl SshTarget {
             Ok(()) | Err(nix::errno::Errno::EAGAIN)
         )
     }
+
+    /// End the master connection, if one listens (`ssh -O exit`, within
+    /// 5 s), and remove its socket.
+    pub async fn close_master(&self) {
+        let Some(path) = &self.control_path else {
+            return;
+        };
+        if path.exists() {
+            let exit = self
+                .command()
+                .args(["-O", "exit"])
+                .arg(&self.host)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .kill_on_drop(true)
+                .status();
+            let _ = tokio::time::timeout(Duration::from_secs(5), exit).await;
+        }
+        let _ = std::fs::remove_file(path);
+    }
 }

@@ -539,21 +539,7 @@ impl VmBackend {
         for user in serial::USERS {
             // Ended here, not only when whoever holds QEMU's end of the
             // port lets go.
-            let target = self.target(spec, user);
-            if let Some(path) = &target.control_path {
-                let exit = target
-                    .command()
-                    .args(["-O", "exit"])
-                    .arg(&target.host)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .kill_on_drop(true)
-                    .status();
-                if path.exists() {
-                    let _ = tokio::time::timeout(Duration::from_secs(5), exit).await;
-                }
-                let _ = std::fs::remove_file(path);
-            }
+            self.target(spec, user).close_master().await;
         }
         self.masters.lock().unwrap().remove(&spec.name);
         Ok(())
