@@ -235,8 +235,9 @@ pub struct VmConfig {
     pub vhost_vsock: Option<PathBuf>,
     /// `auto` (KVM when a test boot works, else TCG), `kvm` or `tcg`.
     pub accel: crate::backend::vm::AccelChoice,
-    /// `auto` (virtiofs when agentd is root and virtiofsd is there, else
-    /// 9p), `virtiofs` or `9p`.
+    /// `auto` (9p with `fast_start`, which virtiofs cannot have; else
+    /// virtiofs when agentd is root and virtiofsd is there, else 9p),
+    /// `virtiofs` or `9p`.
     pub share: crate::backend::vm::ShareChoice,
     /// Seconds a guest may take to answer on its control channel.
     pub start_timeout_seconds: u32,
@@ -244,6 +245,10 @@ pub struct VmConfig {
     pub stop_grace_seconds: u32,
     /// Size in MiB of each sandbox's home disk (a sparse ext4 image).
     pub home_size_mib: u32,
+    /// Start sandboxes from a snapshot of the image booted once (per
+    /// memory size, vCPUs and accelerator), giving each its identity
+    /// after the restore; cold boot when it cannot be used.
+    pub fast_start: bool,
 }
 
 impl Default for VmConfig {
@@ -258,6 +263,7 @@ impl Default for VmConfig {
             start_timeout_seconds: 180,
             stop_grace_seconds: 30,
             home_size_mib: 10240,
+            fast_start: true,
         }
     }
 }

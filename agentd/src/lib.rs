@@ -244,6 +244,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         start_timeout: Duration::from_secs(u64::from(config.vm.start_timeout_seconds)),
         stop_grace: Duration::from_secs(u64::from(config.vm.stop_grace_seconds)),
         home_size_mib: config.vm.home_size_mib,
+        fast_start: config.vm.fast_start,
         tools_dir: guest_dir.clone(),
         toolbox: toolbox.clone(),
     }));

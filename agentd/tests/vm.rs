@@ -521,7 +521,10 @@ fn guest_root(env: &Env, name: &str, uid: u32, script: &str) -> std::process::Co
 fn guest_root_is_the_sandboxs_uid_in_the_workspace_and_leaves_agentd_its_reserve() {
     // virtiofs (agentd is root here) on a disk image of its own, so that
     // the guest can fill it.
-    let env = env_with(&image(), serde_json::json!({"vm": {"home_size_mib": 256}}));
+    let env = env_with(
+        &image(),
+        serde_json::json!({"vm": {"home_size_mib": 256, "share": "virtiofs"}}),
+    );
     create_vm_with(&env, "hostile", "none", &["--disk", "128"]);
     env.ok(&["start", "hostile"]);
     let limits = env.status("hostile")["limits"].as_str().unwrap().to_owned();
@@ -671,7 +674,9 @@ fn deleted_files_of(pid: i32) -> Vec<(String, u64, u64)> {
 #[ignore = "boots real VMs: run tests/run-vm.sh"]
 fn what_a_guest_writes_to_its_root_disk_stays_in_the_sandbox_s_directory() {
     use std::os::unix::fs::MetadataExt;
-    let env = env_with(&image(), serde_json::json!({}));
+    // A cold boot: a guest started from the boot snapshot keeps its root's
+    // changes in its own memory (an overlay on tmpfs), not on a disk.
+    let env = env_with(&image(), serde_json::json!({"vm": {"fast_start": false}}));
     create_vm(&env, "disk", "none");
     env.ok(&["start", "disk"]);
     let qemu = env

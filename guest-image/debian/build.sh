@@ -23,7 +23,7 @@ packages=systemd-sysv,udev,openssh-server,git,ca-certificates,iproute2,procps,le
 # Drivers the initramfs loads (with what they depend on): the virtio-mmio
 # bus, the root disk, both share protocols, virtio-serial (the control
 # channel) and fw_cfg.
-modules="virtio_mmio virtio_blk crc32c_generic ext4 virtiofs 9p 9pnet_virtio virtio_console qemu_fw_cfg"
+modules="virtio_mmio virtio_blk crc32c_generic ext4 overlay virtiofs 9p 9pnet_virtio virtio_console qemu_fw_cfg"
 cache="${KEYSTONE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/keystone-agent}"
 
 say() { echo "guest-image: $*" >&2; }
@@ -140,6 +140,7 @@ cat > "$work/image.json" <<JSON
   "suite": "$suite",
   "kernel": "$kpkg $kver",
   "key": "$key",
+  "fast_start": true,
   "built": "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 }
 JSON

@@ -470,9 +470,23 @@ in
         ];
         default = d.vm.share;
         description = ''
-          How the workspace reaches `vm` guests: `auto` is virtiofs (agentd
-          runs virtiofsd, as root) where it can and 9p otherwise. agentd:
-          `vm.share`.
+          How the workspace reaches `vm` guests: `auto` is 9p with
+          {option}`keystone.agent.vm.fastStart` (QEMU cannot restore a
+          guest with virtiofs), else virtiofs (agentd runs virtiofsd, as
+          root) where it can and 9p otherwise. agentd: `vm.share`.
+        '';
+      };
+      fastStart = lib.mkOption {
+        type = types.bool;
+        default = d.vm.fastStart;
+        description = ''
+          Start `vm` sandboxes from a boot snapshot: agentd boots the image
+          once per memory size, vCPUs and accelerator, saves it, and starts
+          each sandbox by restoring it and giving the guest its own identity
+          (random state, clock, machine id, name, uid, keys, disks, shares;
+          docs/state.md). A sandbox that cannot (virtiofs, an image without
+          `"fast_start": true`) boots cold, and `agentctl status` says why.
+          agentd: `vm.fast_start`.
         '';
       };
     };

@@ -164,6 +164,7 @@ let
       image = null;
       accel = "auto";
       share = "auto";
+      fastStart = true;
     };
     kubernetes = {
       kubeconfig = null;
@@ -514,6 +515,7 @@ let
       // optionalAttrs (listen != null) { gateway_listen = listen; };
       vm = {
         inherit (c.vm) accel share;
+        fast_start = c.vm.fastStart;
       }
       // optionalAttrs (c.vm.image != null && vmUsed c) { image = toString c.vm.image; };
       kubernetes = {

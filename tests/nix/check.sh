@@ -269,13 +269,13 @@ expect "renderConfig: the toolbox downloads for a vm sandbox" \
   "((import $lib).renderConfig { sandboxes.a = { project = \"/p\"; owner = \"u\"; backend = \"vm\"; }; }).toolbox.download" true
 expect "renderConfig: vm.image reaches agentd.json where a vm sandbox needs it" \
   "((import $lib).renderConfig { vm.image = \"/nix/store/x-guest-image\"; vm.accel = \"tcg\"; sandboxes.a = { project = \"/p\"; owner = \"u\"; backend = \"vm\"; }; }).vm" \
-  '{"accel":"tcg","image":"/nix/store/x-guest-image","share":"auto"}'
+  '{"accel":"tcg","fast_start":true,"image":"/nix/store/x-guest-image","share":"auto"}'
 expect "renderConfig: vm.image reaches agentd.json where vm is the default backend" \
   "((import $lib).renderConfig { vm.image = \"/nix/store/x-guest-image\"; backend = \"vm\"; }).vm.image" \
   '"/nix/store/x-guest-image"'
 expect "renderConfig: no vm.image (so no guest image to build) on a host without vm sandboxes" \
   "((import $lib).renderConfig { vm.image = \"/nix/store/x-guest-image\"; sandboxes.a = { project = \"/p\"; owner = \"u\"; }; }).vm" \
-  '{"accel":"auto","share":"auto"}'
+  '{"accel":"auto","fast_start":true,"share":"auto"}'
 expect "renderConfig: proxy.caddy_admin is Caddy's admin socket, not localhost:2019" \
   "((import $lib).renderConfig (import $good)).proxy.caddy_admin" '"unix//run/caddy/admin.sock"'
 expect "validate: microvm.shareProto = \"9p\" is refused" \

@@ -38,6 +38,13 @@ impl VmBackend {
                         users.next();
                         continue;
                     }
+                    Err(last) if last.to_string().contains(serial::IDENTITY_FAILED_SAID) => {
+                        return Err(VmError::Restore {
+                            sandbox: spec.name.clone(),
+                            why: format!("{last}{}", logs()),
+                        }
+                        .into());
+                    }
                     Err(last) if last.host_key_refused() => {
                         return Err(VmError::HostKeyChanged {
                             sandbox: spec.name.clone(),

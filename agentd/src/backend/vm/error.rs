@@ -136,6 +136,14 @@ pub enum VmError {
         #[source]
         source: super::qmp::QmpError,
     },
+    /// A start from the boot snapshot failed (agentd then boots cold).
+    #[error("the boot snapshot did not restore into sandbox '{sandbox}': {why}")]
+    Restore {
+        /// The sandbox.
+        sandbox: String,
+        /// What failed, with the ends of the logs.
+        why: String,
+    },
     /// The VM is not running.
     #[error("the VM of sandbox '{sandbox}' is not running; start it: agentctl start {sandbox}")]
     NotRunning {

@@ -10,8 +10,10 @@
 //! every command shares; nothing listens on a host port. A sandbox is
 //! `running` once both masters are up.
 
+mod boot;
 mod control;
 mod error;
+mod fast;
 mod home;
 pub mod qemu;
 pub mod qmp;
@@ -27,7 +29,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use keystone_agent_api::BackendKind;
 use nix::sys::signal::{Signal, kill, killpg};
@@ -53,6 +55,10 @@ pub struct VmBackend {
     kvm: tokio::sync::Mutex<Option<KvmCheck>>,
     /// Per sandbox, held while its master connections are opened again.
     masters: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Held while a boot snapshot is made.
+    boot_build: tokio::sync::Mutex<()>,
+    /// Boot snapshots that could not be made, by key, and why.
+    boot_failed: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
 
 /// The last `n` lines of a log file, indented, or "" when there are none.
@@ -176,6 +182,8 @@ impl VmBackend {
             settings,
             kvm: tokio::sync::Mutex::new(None),
             masters: std::sync::Mutex::default(),
+            boot_build: tokio::sync::Mutex::default(),
+            boot_failed: std::sync::Mutex::default(),
         }
     }
 
@@ -266,6 +274,8 @@ impl VmBackend {
         let root = nix::unistd::Uid::effective().is_root();
         match (self.settings.share, virtiofsd) {
             (ShareChoice::NineP, _) => Ok((Share::NineP, None)),
+            // QEMU cannot restore a guest with virtio-fs (boot.rs).
+            (ShareChoice::Auto, _) if self.settings.fast_start => Ok((Share::NineP, None)),
             (_, Some(v)) if root => Ok((Share::Virtiofs(p.fs_socket.clone()), Some(v))),
             (ShareChoice::Auto, _) => Ok((Share::NineP, None)),
             (ShareChoice::Virtiofs, Some(_)) => Err(VmError::VirtiofsNeedsRoot.into()),
@@ -309,7 +319,44 @@ impl VmBackend {
         ))
     }
 
+    /// Start from the boot snapshot when the sandbox can, else (or when
+    /// that fails) boot cold; `status` says which and why.
     async fn start_inner(&self, spec: &SandboxSpec) -> Result<Runtime, BackendError> {
+        let p = Paths::new(spec);
+        let (kernel, initrd, rootfs) = self.image()?;
+        let qemu = self.qemu()?;
+        let (share, _) = self.share(&p)?;
+        let (accel, _) = self.accel(&kernel).await?;
+        let image = boot::Image {
+            kernel: &kernel,
+            initrd: &initrd,
+            rootfs: &rootfs,
+            qemu: &qemu,
+        };
+        let why = match self.start_from(spec, &image, &share, accel).await {
+            fast::StartFrom::Snapshot(snap) => match self.launch(spec, Some(&snap)).await {
+                Ok(rt) => return Ok(rt),
+                Err(e) => {
+                    tracing::warn!(sandbox = %spec.name, error = %e, "booting cold instead; the boot snapshot is made again at the next start");
+                    self.drop_boot_snapshot(&snap);
+                    // The first line: the logs are in agentd's.
+                    e.to_string().lines().next().unwrap_or_default().to_owned()
+                }
+            },
+            fast::StartFrom::Cold(why) => why,
+        };
+        let mut rt = self.launch(spec, None).await?;
+        rt.limits
+            .push_str(&format!("; cold boot ({})", crate::text::clamp_text(&why)));
+        Ok(rt)
+    }
+
+    /// Start QEMU for `spec`: booting the image, or restoring `boot`.
+    async fn launch(
+        &self,
+        spec: &SandboxSpec,
+        boot: Option<&boot::BootSnapshot>,
+    ) -> Result<Runtime, BackendError> {
         let p = Paths::new(spec);
         let (kernel, initrd, rootfs) = self.image()?;
         let qemu = self.qemu()?;
@@ -344,14 +391,21 @@ impl VmBackend {
         let arg = |path: PathBuf, copy: bool| FileArg {
             path,
             copy,
+            pad: 0,
             idmap: None,
+        };
+        // A restored guest reads its fw_cfg files at the sizes its
+        // snapshot's guest saw.
+        let key = |path: PathBuf| FileArg {
+            pad: if boot.is_some() { fast::FW_CFG_SIZE } else { 0 },
+            ..arg(path, true)
         };
         let mut files = vec![
             arg(kernel, false),
             arg(initrd, false),
             arg(rootfs, false),
-            arg(p.dir.join("ssh/ssh_host_ed25519_key"), true),
-            arg(p.dir.join("ssh/authorized_keys"), true),
+            key(p.dir.join("ssh/ssh_host_ed25519_key")),
+            key(p.dir.join("ssh/authorized_keys")),
             arg(home, false),
         ];
         // The tools directory (launchers, the sandboxes' CAs) and the
@@ -379,12 +433,36 @@ impl VmBackend {
             files.push(FileArg {
                 path: h.clone(),
                 copy: false,
+                pad: 0,
                 idmap: nix::unistd::Uid::effective()
                     .is_root()
                     .then_some((spec.uid, spec.gid)),
             });
             fd_path(files.len() - 1)
         });
+        let mounts = fast::Mounts {
+            tools: tools_fd.is_some(),
+            agents: agents_fd.is_some(),
+            agent_home: agent_home_fd.is_some(),
+        };
+        // A restore: the saved state as a descriptor, and the same devices
+        // as the snapshot's guest had (an empty directory for the shares
+        // this sandbox does not have).
+        let (incoming, empty, identity) = match boot {
+            Some(b) => {
+                files.push(arg(b.state(), false));
+                let state = supervise::FIRST_FD + i32::try_from(files.len() - 1).unwrap_or(0);
+                files.push(arg(b.dir.join("empty"), false));
+                let empty = PathBuf::from(fd_path(files.len() - 1));
+                files.push(key(fast::write_identity(spec, mounts)?));
+                (
+                    Some(format!("fd:{state}")),
+                    Some(empty),
+                    Some(PathBuf::from(fd_path(files.len() - 1))),
+                )
+            }
+            None => (None, None, None),
+        };
         let machine = Machine {
             name: spec.name.clone(),
             kernel: fd_path(0).into(),
@@ -403,9 +481,12 @@ impl VmBackend {
             home: fd_path(5).into(),
             uid: spec.uid,
             gid: spec.gid,
-            tools: tools_fd.map(Into::into),
-            agents: agents_fd.map(Into::into),
-            agent_home: agent_home_fd.map(Into::into),
+            tools: tools_fd.map(Into::into).or_else(|| empty.clone()),
+            agents: agents_fd.map(Into::into).or_else(|| empty.clone()),
+            agent_home: agent_home_fd.map(Into::into).or_else(|| empty.clone()),
+            late: boot.is_some(),
+            incoming,
+            identity,
         };
         let s = |p: &Path| p.display().to_string();
         let mut helpers = Vec::new();
@@ -471,7 +552,7 @@ impl VmBackend {
         let start_time = procfs::start_time(pid).unwrap_or(0);
         // Reap it when it ends (adopted supervisors are reaped by init).
         std::thread::spawn(move || child.wait());
-        let rt = Runtime {
+        let mut rt = Runtime {
             supervisor_pid: pid,
             init_pid: pid,
             init_start_time: start_time,
@@ -486,8 +567,32 @@ impl VmBackend {
             agents: toolbox.unwrap_or_default(),
             pod: None,
         };
-        tracing::info!(sandbox = %spec.name, pid, accel = %accel.as_str(), share = %share.as_str(), "VM starting");
+        tracing::info!(sandbox = %spec.name, pid, accel = %accel.as_str(), share = %share.as_str(), restore = boot.is_some(), "VM starting");
+        if let Some(b) = boot {
+            let restored = self.restore(spec, &rt, b).await;
+            // QEMU has its copy (and the seed in it is the guest's alone).
+            let _ = std::fs::remove_file(p.dir.join("client/identity"));
+            match restored {
+                Ok(load) => rt.limits.push_str(&format!(
+                    "; started from the boot snapshot (restored in {:.2} s)",
+                    load.as_secs_f64()
+                )),
+                Err(e) => {
+                    self.kill_group(&rt).await;
+                    return Err(e);
+                }
+            }
+        }
+        let answered = Instant::now();
         match self.wait_answer(spec, &rt, &p).await {
+            Ok(()) if boot.is_some() => {
+                rt.limits.pop();
+                rt.limits.push_str(&format!(
+                    ", identity and logins in {:.2} s)",
+                    answered.elapsed().as_secs_f64()
+                ));
+                Ok(rt)
+            }
             Ok(()) => Ok(rt),
             Err(e) => {
                 self.kill_group(&rt).await;
@@ -674,6 +779,10 @@ impl Backend for VmBackend {
                 continue;
             }
             let name = cmdline.get(3).cloned().unwrap_or_default();
+            if name == boot::BOOT_NAME {
+                // A boot snapshot being made: it ends with its agentd.
+                continue;
+            }
             let kept = keep
                 .iter()
                 .any(|(n, rt)| *n == name && rt.supervisor_pid == pid && self.is_alive(rt));

@@ -97,6 +97,15 @@ pub struct Machine {
     /// The owner's shared agent home (`agent_home = "shared"`), shared
     /// read-write over 9p.
     pub agent_home: Option<PathBuf>,
+    /// Boot without the sandbox's identity (`keystone.late=1`: a boot
+    /// snapshot's guest, boot.rs).
+    pub late: bool,
+    /// Restore the machine from this migration URI (`-incoming`) instead
+    /// of booting it.
+    pub incoming: Option<String>,
+    /// The sandbox's identity for a guest restored from a boot snapshot
+    /// (fw_cfg `opt/keystone/identity`; boot.rs, fast.rs).
+    pub identity: Option<PathBuf>,
 }
 
 /// The kernel command line of a guest (docs/guest-image.md).
@@ -121,6 +130,9 @@ pub fn kernel_cmdline(m: &Machine) -> String {
     }
     if m.agent_home.is_some() {
         c.push_str(" keystone.agenthome=1");
+    }
+    if m.late {
+        c.push_str(" keystone.late=1");
     }
     if m.accel == Accel::Tcg {
         // Without them an emulated guest may hang calibrating its clock.
@@ -153,9 +165,15 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         m.vcpus.to_string(),
         "-m".into(),
         format!("{}M", m.memory),
-        // vhost-user devices need guest memory the helpers can map.
+        // virtiofsd (vhost-user) needs guest memory it can map; otherwise
+        // private memory, whose pages a restore that finds them zero
+        // leaves unallocated.
         "-object".into(),
-        format!("memory-backend-memfd,id=mem,size={}M,share=on", m.memory),
+        if matches!(m.share, Share::Virtiofs(_)) {
+            format!("memory-backend-memfd,id=mem,size={}M,share=on", m.memory)
+        } else {
+            format!("memory-backend-ram,id=mem,size={}M", m.memory)
+        },
         "-nodefaults".into(),
         "-no-user-config".into(),
         "-nographic".into(),
@@ -195,6 +213,12 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
             p(&m.authorized_keys)
         ),
     ];
+    if let Some(identity) = &m.identity {
+        a.extend([
+            "-fw_cfg".into(),
+            format!("name=opt/keystone/identity,file={}", p(identity)),
+        ]);
+    }
     for user in super::serial::USERS {
         a.extend([
             "-chardev".into(),
@@ -254,6 +278,9 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
     }
     // No network device, whatever the mode: a guest's only way out is the
     // egress gateway over the control channel (docs/network.md).
+    if let Some(uri) = &m.incoming {
+        a.extend(["-incoming".into(), uri.clone()]);
+    }
     a
 }
 
@@ -420,6 +447,9 @@ mod tests {
             tools: None,
             agents: None,
             agent_home: None,
+            late: false,
+            incoming: None,
+            identity: None,
         }
     }
 

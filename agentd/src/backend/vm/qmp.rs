@@ -55,12 +55,31 @@ pub enum QmpError {
 /// # Errors
 /// [`QmpError`].
 pub async fn execute(socket: &Path, uid: u32, command: &'static str) -> Result<(), QmpError> {
-    tokio::time::timeout(DEADLINE, execute_inner(socket, uid, command))
+    call(socket, uid, command, None).await.map(drop)
+}
+
+/// Run QMP command `command` with `arguments` and return QEMU's answer
+/// (the `return` member).
+///
+/// # Errors
+/// [`QmpError`].
+pub async fn call(
+    socket: &Path,
+    uid: u32,
+    command: &'static str,
+    arguments: Option<serde_json::Value>,
+) -> Result<serde_json::Value, QmpError> {
+    tokio::time::timeout(DEADLINE, call_inner(socket, uid, command, arguments))
         .await
         .map_err(|_| QmpError::Timeout(command))?
 }
 
-async fn execute_inner(socket: &Path, uid: u32, command: &'static str) -> Result<(), QmpError> {
+async fn call_inner(
+    socket: &Path,
+    uid: u32,
+    command: &'static str,
+    arguments: Option<serde_json::Value>,
+) -> Result<serde_json::Value, QmpError> {
     // On a blocking thread: QEMU may take its time to accept.
     let path = socket.to_owned();
     let stream = tokio::task::spawn_blocking(move || {
@@ -83,16 +102,22 @@ async fn execute_inner(socket: &Path, uid: u32, command: &'static str) -> Result
             "it did not greet as QMP does".to_owned(),
         ));
     }
+    let mut answer = serde_json::Value::Null;
     for cmd in ["qmp_capabilities", command] {
-        let line = format!("{{\"execute\":\"{cmd}\"}}\n");
+        let mut message = serde_json::json!({ "execute": cmd });
+        if let (true, Some(a)) = (cmd == command, &arguments) {
+            message["arguments"] = a.clone();
+        }
+        let line = format!("{message}\n");
         write
             .write_all(line.as_bytes())
             .await
             .map_err(|e| QmpError::Protocol(e.to_string()))?;
         // Events may come first; the answer is `return` or `error`.
         loop {
-            let v = lines.next().await?;
-            if v.get("return").is_some() {
+            let mut v = lines.next().await?;
+            if let Some(r) = v.get_mut("return") {
+                answer = r.take();
                 break;
             }
             if let Some(e) = v.get("error") {
@@ -107,7 +132,7 @@ async fn execute_inner(socket: &Path, uid: u32, command: &'static str) -> Result
             }
         }
     }
-    Ok(())
+    Ok(answer)
 }
 
 /// QMP's messages, one JSON object a line, bounded in length and number.
@@ -193,6 +218,34 @@ mod tests {
         assert_eq!(
             seen,
             "{\"execute\":\"qmp_capabilities\"}\n{\"execute\":\"stop\"}\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn arguments_go_with_the_command_and_the_answer_comes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, task) = serve(
+            dir.path(),
+            HELLO,
+            vec![
+                "{\"return\": {}}\n",
+                "{\"return\": {\"status\": \"completed\"}}\n",
+            ],
+        )
+        .await;
+        let answer = call(
+            &path,
+            me(),
+            "migrate",
+            Some(serde_json::json!({"uri": "exec:cat > 'x y'"})),
+        )
+        .await
+        .unwrap();
+        assert_eq!(answer["status"], "completed");
+        let seen = task.await.unwrap();
+        assert_eq!(
+            seen,
+            "{\"execute\":\"qmp_capabilities\"}\n{\"arguments\":{\"uri\":\"exec:cat > 'x y'\"},\"execute\":\"migrate\"}\n"
         );
     }
 

@@ -164,6 +164,17 @@ pub const READY: &[u8] = b"KEYSTONE-CONTROL-READY";
 /// What the helper says once it has seen [`READY`]: the guest starts sshd.
 pub const GO: &[u8] = b"KEYSTONE-CONTROL-GO\n";
 
+/// What a guest restored from a boot snapshot says instead of [`READY`]
+/// when it could not take its identity, and why.
+pub const IDENTITY_FAILED: &[u8] = b"KEYSTONE-IDENTITY-FAILED";
+
+/// How the helper reports [`IDENTITY_FAILED`] (on ssh's stderr).
+pub const IDENTITY_FAILED_SAID: &str = "the guest could not take its identity";
+
+/// The most of a line before the answer kept (enough for the reason of
+/// [`IDENTITY_FAILED`]).
+const LINE_KEPT: usize = 600;
+
 /// How long the guest may take to answer (a guest still booting answers
 /// once its port is served).
 const READY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -230,10 +241,16 @@ pub fn handshake(s: &mut UnixStream) -> std::io::Result<()> {
             ));
         }
         if buf[0] != b'\n' {
-            if line.len() <= READY.len() + 1 {
+            if line.len() <= LINE_KEPT {
                 line.push(buf[0]);
             }
             continue;
+        }
+        if let Some(why) = line.strip_prefix(IDENTITY_FAILED) {
+            return Err(std::io::Error::other(format!(
+                "{IDENTITY_FAILED_SAID}: {}",
+                String::from_utf8_lossy(why).trim()
+            )));
         }
         if line.strip_suffix(b"\r").unwrap_or(&line) == READY {
             s.write_all(GO)?;
@@ -360,6 +377,20 @@ mod tests {
         let mut rest = [0u8; 11];
         ours.read_exact(&mut rest).unwrap();
         assert_eq!(&rest, b"SSH-2.0-x\r\n", "nothing after the answer is eaten");
+
+        // A restored guest that could not take its identity says why.
+        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            let mut hello = [0u8; HELLO.len()];
+            theirs.read_exact(&mut hello).unwrap();
+            let _ = theirs.write_all(b"KEYSTONE-IDENTITY-FAILED keystone-identity: bad name\n");
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        });
+        let e = handshake(&mut ours).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the guest could not take its identity: keystone-identity: bad name"
+        );
 
         // Endless noise ends it.
         let (mut ours, mut theirs) = UnixStream::pair().unwrap();

@@ -19,7 +19,9 @@ pub enum AccelChoice {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ShareChoice {
-    /// virtiofs when virtiofsd is there and agentd is root, else 9p.
+    /// 9p with fast starts on (QEMU cannot restore a guest with
+    /// virtio-fs), else virtiofs when virtiofsd is there and agentd is
+    /// root, else 9p.
     Auto,
     /// virtiofs or fail.
     Virtiofs,
@@ -45,6 +47,8 @@ pub struct VmSettings {
     pub accel: AccelChoice,
     /// Share choice.
     pub share: ShareChoice,
+    /// Start sandboxes from a boot snapshot of the image (boot.rs).
+    pub fast_start: bool,
     /// Limit for the guest to answer.
     pub start_timeout: Duration,
     /// Time the guest gets to power off before it is killed.

@@ -58,6 +58,11 @@ pub struct FileArg {
     /// `/proc/self/fd/N`, which checks the file's own permissions, and a
     /// key readable only by root must stay so on disk.
     pub copy: bool,
+    /// With `copy`: pad the copy with newlines to this many bytes (0: no
+    /// padding). A guest restored from a boot snapshot reads its fw_cfg
+    /// files at the sizes its snapshot's guest saw (boot.rs).
+    #[serde(default)]
+    pub pad: usize,
     /// A directory handed over as an idmapped copy of its mount, root's
     /// files shown as this uid's and gid's (the shared agent home, to a
     /// QEMU that runs as the sandbox's uid).
@@ -257,7 +262,17 @@ fn open_arg(f: &FileArg) -> std::io::Result<OwnedFd> {
     if !f.copy {
         return Ok(OwnedFd::from(std::fs::File::open(&f.path)?));
     }
-    let data = std::fs::read(&f.path)?;
+    let mut data = std::fs::read(&f.path)?;
+    if f.pad > 0 {
+        if data.len() > f.pad {
+            return Err(std::io::Error::other(format!(
+                "{} is longer than {} bytes",
+                f.path.display(),
+                f.pad
+            )));
+        }
+        data.resize(f.pad, b'\n');
+    }
     let fd = nix::sys::memfd::memfd_create(c"keystone-vm", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
     let mut file = std::fs::File::from(fd);
     std::io::Write::write_all(&mut file, &data)?;

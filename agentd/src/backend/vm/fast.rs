@@ -1,0 +1,170 @@
+//! A start from the boot snapshot ([`super::boot`]): whether a sandbox can
+//! have one, the identity its guest takes from fw_cfg after the restore,
+//! and the restore itself.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::boot::{self, BootSnapshot, Image, Shape};
+use super::qemu::{Accel, Share};
+use super::{Paths, VmBackend, VmError, device_uid, qmp, tail};
+use crate::backend::{Backend, BackendError, Runtime, SandboxSpec};
+
+/// How long loading the snapshot may take.
+const RESTORE_LIMIT: Duration = Duration::from_secs(60);
+
+/// The shares a restored guest mounts (the rest of its identity comes
+/// from the sandbox's spec).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Mounts {
+    pub tools: bool,
+    pub agents: bool,
+    pub agent_home: bool,
+}
+
+/// What a start uses: the boot snapshot, or a cold boot and why.
+pub(super) enum StartFrom {
+    /// Restore this snapshot.
+    Snapshot(BootSnapshot),
+    /// Boot the image; the reason a snapshot is not used.
+    Cold(String),
+}
+
+impl VmBackend {
+    /// Whether `spec` starts from the boot snapshot (made first if need
+    /// be) or boots cold, and why.
+    pub(super) async fn start_from(
+        &self,
+        spec: &SandboxSpec,
+        image: &Image<'_>,
+        share: &Share,
+        accel: Accel,
+    ) -> StartFrom {
+        if !self.settings.fast_start {
+            return StartFrom::Cold("vm.fast_start is off".to_owned());
+        }
+        if *share != Share::NineP {
+            return StartFrom::Cold(
+                "the workspace is shared over virtio-fs, which QEMU cannot restore a guest with (vm.share = \"9p\" starts from the boot snapshot)"
+                    .to_owned(),
+            );
+        }
+        let home_mib = self.settings.home_size_mib;
+        let home = Paths::new(spec).dir.join("home.img");
+        if let Ok(m) = std::fs::symlink_metadata(&home)
+            && m.len() != u64::from(home_mib) << 20
+        {
+            return StartFrom::Cold(format!(
+                "its home disk is {} MiB, not vm.home_size_mib ({home_mib} MiB)",
+                m.len() >> 20
+            ));
+        }
+        let shape = Shape {
+            memory: spec.config.memory,
+            vcpus: spec.config.vcpus,
+            accel,
+            home_mib,
+        };
+        let key = match boot::key(
+            image.kernel.parent().unwrap_or(Path::new("/")),
+            image.qemu,
+            shape,
+        ) {
+            Ok(k) => k,
+            Err(why) => return StartFrom::Cold(why),
+        };
+        match self.boot_snapshot(&key, image, shape).await {
+            Ok(s) => StartFrom::Snapshot(s),
+            Err(why) => StartFrom::Cold(format!("no boot snapshot: {why}")),
+        }
+    }
+
+    /// Once QEMU runs with `-incoming`: wait for the state to load and let
+    /// the guest go on; it takes its identity from fw_cfg at the first
+    /// hello on a control port. Returns how long the load took.
+    pub(super) async fn restore(
+        &self,
+        spec: &SandboxSpec,
+        rt: &Runtime,
+        snap: &BootSnapshot,
+    ) -> Result<Duration, BackendError> {
+        let p = Paths::new(spec);
+        let fail = |why: String| -> BackendError {
+            VmError::Restore {
+                sandbox: spec.name.clone(),
+                why: format!("{why}{}{}", tail(&p.boot_log, 10), tail(&p.vm_log, 10)),
+            }
+            .into()
+        };
+        let started = Instant::now();
+        let socket = p.vm.join(qmp::SOCKET);
+        while !socket.exists() {
+            if !self.is_alive(rt) {
+                return Err(fail("QEMU ended".to_owned()));
+            }
+            if started.elapsed() > RESTORE_LIMIT {
+                return Err(fail("QEMU did not start".to_owned()));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let uid = device_uid(spec);
+        boot::wait_migration(&socket, uid, RESTORE_LIMIT)
+            .await
+            .map_err(&fail)?;
+        qmp::execute(&socket, uid, "cont")
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        // Used: kept by the pruning of old snapshots.
+        let _ = std::fs::File::open(&snap.dir)
+            .and_then(|d| d.set_modified(std::time::SystemTime::now()));
+        Ok(started.elapsed())
+    }
+}
+
+/// The size of each fw_cfg file of a boot snapshot's guest (identity, host
+/// key, authorized keys), padded with newlines: the guest reads them after
+/// a restore at the sizes it saw at boot.
+pub(super) const FW_CFG_SIZE: usize = 4096;
+
+/// Write the sandbox's identity for the guest's
+/// `/usr/local/lib/keystone/identity` (fw_cfg `opt/keystone/identity`,
+/// one `KEY=VALUE` a line) to `client/identity` (0600: its random seed
+/// would let one predict the guest's random state).
+pub(super) fn write_identity(spec: &SandboxSpec, mounts: Mounts) -> Result<PathBuf, BackendError> {
+    let p = Paths::new(spec);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let flag = |b: bool| u8::from(b);
+    let seed =
+        entropy_hex().map_err(BackendError::file("cannot read", Path::new("/dev/urandom")))?;
+    let text = format!(
+        "name={}\nuid={}\ngid={}\nshare=9p\ntools={}\nagents={}\nagenthome={}\negress={}\n\
+         seed={seed}\ntime={}.{:03}\nmachine_id={}\n",
+        spec.name,
+        spec.uid,
+        spec.gid,
+        flag(mounts.tools),
+        flag(mounts.agents),
+        flag(mounts.agent_home),
+        flag(spec.config.network != keystone_agent_api::Network::None),
+        now.as_secs(),
+        now.subsec_millis(),
+        uuid::Uuid::new_v4().simple(),
+    );
+    let path = p.dir.join("client/identity");
+    crate::fsutil::atomic_write_mode(&path, text.as_bytes(), 0o600)?;
+    Ok(path)
+}
+
+/// 32 random bytes from the kernel, as 64 hex digits.
+fn entropy_hex() -> std::io::Result<String> {
+    use std::fmt::Write as _;
+    use std::io::Read as _;
+    let mut bytes = [0u8; 32];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    }))
+}

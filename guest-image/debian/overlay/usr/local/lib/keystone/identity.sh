@@ -1,0 +1,79 @@
+# A sandbox's identity (docs/guest-image.md), sourced by the initramfs's
+# /init at a cold boot (busybox, the root disk at $root) and by
+# /usr/local/lib/keystone/identity in a guest restored from a boot snapshot
+# (Debian's tools, $root empty): mount the sandbox's disks and shares,
+# install its ssh keys, give `agent` the uid and gid that own the workspace
+# on the host, and name the guest. Reads $root, $share, $uid, $gid, $name,
+# $tools, $agents, $agenthome, $egress, and the keys from $host_key_file
+# and $authorized_keys_file; calls die() when a step fails.
+
+keystone_identity() {
+  # A persistent home, when the sandbox has one: the second disk.
+  if [ -b /dev/vdb ]; then
+    # noinit_itable: no background zeroing of a new disk's inode tables,
+    # which costs seconds of CPU in an emulated guest.
+    mount -t ext4 -o rw,nosuid,nodev,noinit_itable /dev/vdb "$root/home/agent" ||
+      die "cannot mount the home disk /dev/vdb"
+    [ -e "$root/home/agent/.profile" ] || cp -a "$root/etc/skel/." "$root/home/agent/"
+  fi
+
+  mkdir -p "$root/workspace"
+  case "$share" in
+    virtiofs) mount -t virtiofs workspace "$root/workspace" ;;
+    9p) mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,cache=none workspace "$root/workspace" ;;
+    *) false ;;
+  esac || die "cannot mount the workspace share (tag workspace, $share)"
+
+  # agentd's tools (the agents' launchers, the sandbox's CA) and the agent
+  # toolbox, read-only: the launchers join Zellij in /opt/keystone/bin
+  # (/run/keystone/bin), and they run the pinned agents from
+  # /opt/keystone/agents (/run/keystone/agents).
+  o=trans=virtio,version=9p2000.L,msize=524288,ro,nosuid,nodev
+  if [ "$tools" = 1 ]; then
+    mkdir -p "$root/opt/keystone/host"
+    mount -t 9p -o $o,cache=none keystone-tools "$root/opt/keystone/host" ||
+      die "cannot mount agentd's tools (tag keystone-tools)"
+    for f in "$root"/opt/keystone/host/bin/*; do
+      [ -e "$f" ] || continue
+      n=${f##*/}
+      [ -e "$root/opt/keystone/bin/$n" ] || ln -s "/opt/keystone/host/bin/$n" "$root/opt/keystone/bin/$n"
+    done
+  fi
+  if [ "$agents" = 1 ]; then
+    mkdir -p "$root/opt/keystone/agents"
+    mount -t 9p -o $o,cache=loose keystone-agents "$root/opt/keystone/agents" ||
+      die "cannot mount the agent toolbox (tag keystone-agents)"
+  fi
+
+  # The owner's shared agent home (agent_home = "shared"), read-write.
+  if [ "$agenthome" = 1 ]; then
+    mkdir -p "$root/opt/keystone/agent-home"
+    mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,nosuid,nodev,cache=none \
+      keystone-agent-home "$root/opt/keystone/agent-home" ||
+      die "cannot mount the shared agent home (tag keystone-agent-home)"
+  fi
+
+  keystone_keys
+
+  # `agent` takes the uid and gid that own the workspace on the host.
+  sed -i "s/^agent:x:[0-9]*:[0-9]*:/agent:x:$uid:$gid:/" "$root/etc/passwd"
+  sed -i "s/^agent:x:[0-9]*:/agent:x:$gid:/" "$root/etc/group"
+  [ "$(stat -c %u:%g "$root/home/agent")" = "$uid:$gid" ] || chown -R "$uid:$gid" "$root/home/agent"
+  echo "$name" > "$root/etc/hostname"
+
+  # The relay to the egress gateway (keystone-egress.socket) runs only in
+  # a sandbox with a network.
+  mkdir -p "$root/etc/keystone"
+  if [ "$egress" = 1 ]; then : > "$root/etc/keystone/egress"; else rm -f "$root/etc/keystone/egress"; fi
+}
+
+# The sandbox's ssh keys: they never touch the shares. (A restored guest's
+# fw_cfg files are padded with newlines: blank lines go.)
+keystone_keys() {
+  mkdir -p "$root/etc/ssh/keystone"
+  sed '/^$/d' "$host_key_file" > "$root/etc/ssh/keystone/ssh_host_ed25519_key" &&
+    sed '/^$/d' "$authorized_keys_file" > "$root/etc/ssh/keystone/authorized_keys" ||
+    die "cannot install the ssh keys"
+  chmod 600 "$root/etc/ssh/keystone/ssh_host_ed25519_key"
+  chmod 644 "$root/etc/ssh/keystone/authorized_keys"
+}
