@@ -23,7 +23,7 @@ use sha2::Digest;
 
 use super::qemu::{self, Accel, Machine, Share};
 use super::supervise::{Plan, VM_ARG};
-use super::{VmBackend, qmp, serial};
+use super::{VmBackend, qmp};
 use crate::backend::ssh::{self, SshTarget};
 
 /// The name the snapshot's host key is pinned under.
@@ -271,6 +271,7 @@ impl VmBackend {
             tools: Some(empty.clone()),
             agents: Some(empty.clone()),
             agent_home: Some(empty),
+            agent_home_readonly: true,
             late: true,
             incoming: None,
             identity: Some(fw.join("identity")),
@@ -340,12 +341,7 @@ impl VmBackend {
             dir: tmp.to_path_buf(),
         };
         let uid = nix::unistd::Uid::effective().as_raw();
-        let target = snap.target(Some(format!(
-            "{} {} {} {uid}",
-            ssh::quote(&self.settings.exe.to_string_lossy()),
-            serial::SERIAL_ARG,
-            ssh::quote(&vm.join(serial::socket_name("root")).to_string_lossy()),
-        )));
+        let target = snap.target(Some(self.proxy_command(vm, "root", uid)));
         let logs = || {
             format!(
                 "{}{}",

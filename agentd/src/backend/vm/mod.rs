@@ -196,15 +196,20 @@ impl VmBackend {
             key: p.dir.join("client/id_ed25519"),
             known_hosts: p.dir.join("client/known_hosts"),
             alias: format!("keystone-{}", spec.name),
-            proxy_command: Some(format!(
-                "{} {} {} {}",
-                ssh::quote(&self.settings.exe.to_string_lossy()),
-                serial::SERIAL_ARG,
-                ssh::quote(&p.vm.join(serial::socket_name(user)).to_string_lossy()),
-                device_uid(spec)
-            )),
+            proxy_command: Some(self.proxy_command(&p.vm, user, device_uid(spec))),
             control_path: Some(p.dir.join(format!("client/{user}.mux"))),
         }
+    }
+
+    /// ssh's `ProxyCommand` to `user`'s control port in `vm_dir`, whose
+    /// socket QEMU, as `uid`, listens on.
+    fn proxy_command(&self, vm_dir: &Path, user: &str, uid: u32) -> String {
+        format!(
+            "{} {} {} {uid}",
+            ssh::quote(&self.settings.exe.to_string_lossy()),
+            serial::SERIAL_ARG,
+            ssh::quote(&vm_dir.join(serial::socket_name(user)).to_string_lossy()),
+        )
     }
 
     /// The accelerator for `kernel`, and why not KVM when it is TCG.
@@ -483,6 +488,7 @@ impl VmBackend {
             gid: spec.gid,
             tools: tools_fd.map(Into::into).or_else(|| empty.clone()),
             agents: agents_fd.map(Into::into).or_else(|| empty.clone()),
+            agent_home_readonly: agent_home_fd.is_none(),
             agent_home: agent_home_fd.map(Into::into).or_else(|| empty.clone()),
             late: boot.is_some(),
             incoming,

@@ -97,6 +97,10 @@ pub struct Machine {
     /// The owner's shared agent home (`agent_home = "shared"`), shared
     /// read-write over 9p.
     pub agent_home: Option<PathBuf>,
+    /// Share `agent_home` read-only: the empty stand-in a restored guest
+    /// gets when the sandbox has no shared agent home (one directory for
+    /// every sandbox: no guest may write to it).
+    pub agent_home_readonly: bool,
     /// Boot without the sandbox's identity (`keystone.late=1`: a boot
     /// snapshot's guest, boot.rs).
     pub late: bool,
@@ -271,7 +275,15 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
     if let Some(dir) = &m.agent_home {
         a.extend([
             "-fsdev".into(),
-            format!("local,id=agenthome,path={},security_model=none", p(dir)),
+            format!(
+                "local,id=agenthome,path={},security_model=none{}",
+                p(dir),
+                if m.agent_home_readonly {
+                    ",readonly=on"
+                } else {
+                    ""
+                }
+            ),
             "-device".into(),
             "virtio-9p-device,fsdev=agenthome,mount_tag=keystone-agent-home".into(),
         ]);
@@ -447,6 +459,7 @@ mod tests {
             tools: None,
             agents: None,
             agent_home: None,
+            agent_home_readonly: false,
             late: false,
             incoming: None,
             identity: None,
@@ -482,6 +495,36 @@ mod tests {
         // vhost-user-vsock is unmigratable: it would block every memory
         // snapshot.
         assert!(!a.iter().any(|x| x.contains("vsock")), "{a:?}");
+    }
+
+    #[test]
+    fn a_restore_loads_the_state_serves_the_identity_and_shares_the_stand_in_read_only() {
+        let mut m = machine(Share::NineP, Network::None, Accel::Tcg);
+        m.late = true;
+        m.incoming = Some("fd:110".into());
+        m.identity = Some("/proc/self/fd/111".into());
+        m.agent_home = Some("/proc/self/fd/109".into());
+        m.agent_home_readonly = true;
+        let a = qemu_args(&m);
+        assert!(has(&a, ["-incoming", "fd:110"]), "{a:?}");
+        assert!(has(
+            &a,
+            [
+                "-fw_cfg",
+                "name=opt/keystone/identity,file=/proc/self/fd/111"
+            ]
+        ));
+        // No guest may write to the stand-in every sandbox shares.
+        assert!(has(
+            &a,
+            [
+                "-fsdev",
+                "local,id=agenthome,path=/proc/self/fd/109,security_model=none,readonly=on"
+            ]
+        ));
+        // Private memory: pages a restore finds zero stay unallocated.
+        assert!(has(&a, ["-object", "memory-backend-ram,id=mem,size=1024M"]));
+        assert!(kernel_cmdline(&m).contains(" keystone.late=1"));
     }
 
     #[test]
