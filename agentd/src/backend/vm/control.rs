@@ -2,6 +2,7 @@
 //! control port ([`serial`]), opened when the guest boots and again when
 //! one is gone, root's carrying the egress gateway's forward.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,6 +11,17 @@ use crate::backend::ssh::{self, SshTarget};
 use crate::backend::{Backend, BackendError, Runtime, SandboxSpec};
 
 impl VmBackend {
+    /// ssh's `ProxyCommand` to `user`'s control port in `vm_dir`, whose
+    /// socket QEMU, as `uid`, listens on.
+    pub(super) fn proxy_command(&self, vm_dir: &Path, user: &str, uid: u32) -> String {
+        format!(
+            "{} {} {} {uid}",
+            ssh::quote(&self.settings.exe.to_string_lossy()),
+            serial::SERIAL_ARG,
+            ssh::quote(&vm_dir.join(serial::socket_name(user)).to_string_lossy()),
+        )
+    }
+
     /// Wait until the guest's sshd answers on both control ports, and keep
     /// the master connection each opens.
     pub(super) async fn wait_answer(

@@ -201,17 +201,6 @@ impl VmBackend {
         }
     }
 
-    /// ssh's `ProxyCommand` to `user`'s control port in `vm_dir`, whose
-    /// socket QEMU, as `uid`, listens on.
-    fn proxy_command(&self, vm_dir: &Path, user: &str, uid: u32) -> String {
-        format!(
-            "{} {} {} {uid}",
-            ssh::quote(&self.settings.exe.to_string_lossy()),
-            serial::SERIAL_ARG,
-            ssh::quote(&vm_dir.join(serial::socket_name(user)).to_string_lossy()),
-        )
-    }
-
     /// The accelerator for `kernel`, and why not KVM when it is TCG.
     async fn accel(&self, kernel: &Path) -> Result<(Accel, String), BackendError> {
         if self.settings.accel == AccelChoice::Tcg {
