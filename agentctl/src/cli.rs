@@ -307,12 +307,15 @@ pub enum Command {
     /// their memory, open files and terminals until `agentctl resume`. A
     /// paused sandbox runs no commands and serves no links; `attach` resumes
     /// it. Local sandboxes (the cgroup freezer) and vm sandboxes (QEMU
-    /// stops the guest's CPUs).
+    /// stops the guest's CPUs). A kubernetes sandbox is parked instead: its
+    /// Pod is deleted and its claim kept, and resume starts a new Pod (its
+    /// processes start anew).
     Pause {
         /// Sandbox name.
         name: String,
     },
-    /// Thaw a paused sandbox: its processes go on where they were.
+    /// Thaw a paused sandbox: its processes go on where they were (a parked
+    /// kubernetes sandbox gets a new Pod).
     Resume {
         /// Sandbox name.
         name: String,

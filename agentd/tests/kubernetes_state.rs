@@ -133,3 +133,66 @@ fn a_kubernetes_sandbox_is_snapshotted_restored_and_forked_as_volume_snapshots()
     assert_eq!(volume_snapshots(&kube), 0);
     assert!(!env.state_dir.join("snapshots/kv").exists());
 }
+
+#[test]
+fn a_paused_kubernetes_sandbox_is_parked_its_pod_deleted_and_its_claim_kept() {
+    if skip() {
+        return;
+    }
+    let kube = Cluster::start(true);
+    let mut env = cluster::agentd_running(&kube, serde_json::json!({}));
+    let repo = cluster::sandbox(&env, "kp", &[]);
+    env.sh(
+        "kp",
+        "cd /workspace && echo parked > p.txt && git add p.txt && \
+         git -c user.name=a -c user.email=a@example.com commit -qm parked",
+    );
+    let first = kube.object("pods", "ks-kp").expect("no Pod")["metadata"]["uid"].clone();
+
+    env.ok(&["pause", "kp"]);
+    assert_eq!(env.state("kp"), "paused");
+    assert!(
+        kube.object("pods", "ks-kp").is_none(),
+        "the Pod is still there"
+    );
+    assert!(
+        kube.object("networkpolicies", "ks-kp").is_none(),
+        "the NetworkPolicy outlived its Pod"
+    );
+    assert!(
+        kube.object("persistentvolumeclaims", "ks-kp").is_some(),
+        "the claim went with the Pod"
+    );
+    let reason = env.status("kp")["state_reason"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(reason.contains("files are kept"), "{reason}");
+    let refused = env.fails(2, &["exec", "kp", "--", "true"]);
+    assert!(refused.contains("agentctl resume"), "{refused}");
+    // The commit made before the pause came home with the git directory.
+    env.ok(&["sync", "kp"]);
+    assert_eq!(
+        common::git(
+            &repo,
+            &["log", "-1", "--format=%s", "refs/remotes/sandbox/kp/main"]
+        )
+        .trim(),
+        "parked"
+    );
+
+    // agentd's restart keeps it parked: no Pod made, still paused.
+    env.kill_agentd();
+    env.start_agentd();
+    assert_eq!(env.state("kp"), "paused");
+    assert!(kube.object("pods", "ks-kp").is_none());
+
+    // Resume: a new Pod on the same claim, the files as they were.
+    env.ok(&["resume", "kp"]);
+    assert_eq!(env.state("kp"), "running");
+    let second = kube.object("pods", "ks-kp").expect("no Pod")["metadata"]["uid"].clone();
+    assert_ne!(first, second, "the old Pod came back");
+    assert_eq!(env.sh("kp", "cat /workspace/p.txt"), "parked\n");
+    env.ok(&["stop", "kp"]);
+    env.ok(&["destroy", "kp"]);
+}

@@ -496,9 +496,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     ) -> BoxFut<'a, Result<(), BackendError>> {
         let reason = match self.kind() {
             BackendKind::Vm => "agentd cannot yet stop a vm sandbox's QEMU and keep it",
-            BackendKind::Kubernetes => {
-                "a Pod cannot be frozen; stop the sandbox instead (its volume is kept)"
-            }
+            BackendKind::Kubernetes => "a Pod cannot be frozen (agentd parks it instead)",
             BackendKind::Microvm => {
                 "microvm.nix gives agentd no way to pause the unit's VM; stop the sandbox instead"
             }
@@ -511,6 +509,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
                 reason: reason.to_owned(),
             })
         })
+    }
+
+    /// Whether pausing ends the sandbox's processes and keeps only its
+    /// files (`kubernetes`: a Pod cannot be frozen, so it is deleted and
+    /// its claim kept). agentd then parks the sandbox instead of calling
+    /// [`Backend::pause`]: it is stopped but shown paused, and `resume`
+    /// starts it again.
+    fn pause_parks(&self) -> bool {
+        false
     }
 
     /// Whether a snapshot of the sandbox's files (its host directory's

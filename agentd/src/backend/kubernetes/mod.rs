@@ -671,6 +671,10 @@ impl super::Backend for KubeBackend {
         Box::pin(async move { Ok(self.remove_all(spec).await?) })
     }
 
+    fn pause_parks(&self) -> bool {
+        true
+    }
+
     fn volume_snapshots(&self) -> bool {
         true
     }

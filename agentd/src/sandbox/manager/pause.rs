@@ -11,7 +11,7 @@ impl Manager {
     /// `NotFound`, `PermissionDenied` as [`Manager::get`]; `InvalidState`
     /// unless running; `Backend` when the backend cannot pause (the
     /// sandbox is left running).
-    pub async fn pause(&self, caller: Caller, name: &str) -> Result<Sandbox> {
+    pub async fn pause(self: &Arc<Self>, caller: Caller, name: &str) -> Result<Sandbox> {
         self.get(caller, name)?;
         let locks = self.locks(name);
         let _guard = locks.op.lock().await;
@@ -22,7 +22,7 @@ impl Manager {
     ///
     /// # Errors
     /// As [`Manager::pause`], `InvalidState` unless paused.
-    pub async fn resume(&self, caller: Caller, name: &str) -> Result<Sandbox> {
+    pub async fn resume(self: &Arc<Self>, caller: Caller, name: &str) -> Result<Sandbox> {
         self.get(caller, name)?;
         let locks = self.locks(name);
         let _guard = locks.op.lock().await;
@@ -31,7 +31,11 @@ impl Manager {
 
     /// Pause (`event` [`Event::Pause`]) or resume sandbox `name`; the
     /// caller holds its `op` lock.
-    pub(super) async fn freeze_locked(&self, name: &str, event: Event) -> Result<Sandbox> {
+    pub(super) async fn freeze_locked(
+        self: &Arc<Self>,
+        name: &str,
+        event: Event,
+    ) -> Result<Sandbox> {
         let sb = self
             .snapshot(name)
             .ok_or_else(|| Error::NotFound(name.to_owned()))?;
@@ -45,6 +49,13 @@ impl Manager {
             });
         }
         let backend = Arc::clone(self.backend(sb.backend)?);
+        if backend.pause_parks() {
+            return if frozen {
+                self.park_locked(&sb, &backend).await
+            } else {
+                self.unpark_locked(&sb, &backend).await
+            };
+        }
         let spec = self.spec(&sb);
         let rt = sb.runtime.clone().ok_or_else(|| Error::InvalidState {
             name: name.to_owned(),
@@ -67,4 +78,70 @@ impl Manager {
         tracing::info!(sandbox = %name, "{}", if frozen { "paused" } else { "resumed" });
         Ok(sb)
     }
+
+    /// Pause running sandbox `sb` of a backend that cannot freeze it
+    /// ([`crate::backend::Backend::pause_parks`]): its git directory comes
+    /// home, its processes end, its files stay, and it is shown paused
+    /// with no runtime until [`Self::unpark_locked`].
+    async fn park_locked(
+        self: &Arc<Self>,
+        sb: &Sandbox,
+        backend: &Arc<dyn Backend>,
+    ) -> Result<Sandbox> {
+        let name = sb.name.as_str();
+        let spec = self.spec(sb);
+        self.close_gateway(name).await;
+        if let Some(rt) = &sb.runtime {
+            if let Err(e) = backend.pull_git_dir(&spec).await {
+                tracing::warn!(sandbox = %name, error = %e, "cannot copy the git directory before the pause");
+            }
+            if let Err(source) = backend.stop(&spec, rt, false).await {
+                tracing::warn!(sandbox = %name, error = %source, "pause failed");
+                // Still running where the stop did not get far: its
+                // monitor records it if it ended after all.
+                self.open_gateway(name);
+                return Err(Error::Backend {
+                    name: name.to_owned(),
+                    source,
+                });
+            }
+        }
+        let sb = self.transition(name, Event::Pause, |s| {
+            s.runtime = None;
+            s.state_reason = PARKED.to_owned();
+        })?;
+        tracing::info!(sandbox = %name, "paused (parked: its processes ended, its files kept)");
+        Ok(sb)
+    }
+
+    /// Resume parked sandbox `sb`: started again, as `start` does; it
+    /// stays paused if the start fails.
+    async fn unpark_locked(
+        self: &Arc<Self>,
+        sb: &Sandbox,
+        backend: &Arc<dyn Backend>,
+    ) -> Result<Sandbox> {
+        let name = sb.name.as_str();
+        let rt = backend
+            .start(&self.spec(sb))
+            .await
+            .map_err(|source| Error::Backend {
+                name: name.to_owned(),
+                source,
+            })?;
+        let sb = self.transition(name, Event::Resume, |s| {
+            s.started_at = Some(SystemTime::now());
+            s.runtime = Some(rt);
+            s.state_reason.clear();
+        })?;
+        self.monitor(name);
+        self.place_ca_files(&sb);
+        tracing::info!(sandbox = %name, "resumed (started again)");
+        Ok(sb)
+    }
 }
+
+/// Why a parked sandbox ([`Manager::park_locked`]) is paused with nothing
+/// running.
+pub(super) const PARKED: &str = "paused as its backend pauses: its processes ended and its files are \
+     kept; `agentctl resume` starts it again, its processes anew";

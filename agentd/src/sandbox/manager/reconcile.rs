@@ -24,7 +24,13 @@ impl Manager {
                         .get(&sb.backend)
                         .is_some_and(|b| b.is_alive(rt))
                 });
+                let parked = sb.runtime.is_none()
+                    && self.backends.get(&sb.backend).is_some_and(|b| b.pause_parks());
                 let (state, reason) = match (sb.state, alive) {
+                    (SandboxState::Paused, false) if parked => {
+                        tracing::info!(sandbox = %sb.name, "a parked sandbox stays paused");
+                        continue;
+                    }
                     (SandboxState::Running | SandboxState::Paused, true) => {
                         tracing::info!(sandbox = %sb.name, state = %sb.state, "adopted a running sandbox");
                         continue;
