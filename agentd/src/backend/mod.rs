@@ -8,6 +8,7 @@
 pub mod kubernetes;
 pub mod local;
 pub mod microvm;
+pub mod remote;
 pub mod ssh;
 pub mod vm;
 
@@ -247,6 +248,9 @@ pub enum BackendError {
     /// A failure of the `kubernetes` backend.
     #[error(transparent)]
     Kube(Box<kubernetes::KubeError>),
+    /// A failure with a workspace inside the sandbox ([`remote`]).
+    #[error(transparent)]
+    Remote(Box<remote::RemoteError>),
 }
 
 impl From<kubernetes::KubeError> for BackendError {

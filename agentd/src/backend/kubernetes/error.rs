@@ -124,3 +124,18 @@ impl KubeError {
         )
     }
 }
+
+impl From<crate::backend::remote::RemoteError> for KubeError {
+    fn from(e: crate::backend::remote::RemoteError) -> Self {
+        use crate::backend::{BackendError, remote::RemoteError};
+        match e {
+            RemoteError::Exec(message) => Self::Exec(message),
+            RemoteError::Io(e) => Self::Io(e),
+            RemoteError::Copy(e) => Self::Copy(e),
+            RemoteError::Backend(b) => match *b {
+                BackendError::Kube(k) => *k,
+                other => Self::Exec(other.to_string()),
+            },
+        }
+    }
+}

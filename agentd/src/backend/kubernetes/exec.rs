@@ -5,37 +5,60 @@
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
+use super::{Connected, KubeBackend, KubeError, manifest, stream};
+use crate::backend::remote::{self, RemoteError};
+use crate::backend::{BackendError, BoxFut, ExecRequest, SandboxSpec, TtyProcess};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, AttachParams};
-use tokio::io::AsyncWriteExt;
 
-use super::{Connected, KubeBackend, KubeError, manifest, stream};
-use crate::backend::{BackendError, ExecRequest, SandboxSpec, TtyProcess};
+/// The commands of one Pod, where its workspace lives ([`remote::Shell`]).
+pub(super) struct PodShell<'a> {
+    backend: &'a KubeBackend,
+    c: &'a Connected,
+    pod: String,
+}
 
-/// Read `r` to its end, keeping the first 64 KiB.
-pub(super) async fn kept(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> Vec<u8> {
-    use tokio::io::AsyncReadExt;
-    let mut out = Vec::new();
-    let mut buf = vec![0u8; 16 << 10];
-    while let Ok(n) = r.read(&mut buf).await {
-        if n == 0 {
-            break;
-        }
-        let room = (64usize << 10).saturating_sub(out.len());
-        out.extend_from_slice(&buf[..n.min(room)]);
+impl remote::Shell for PodShell<'_> {
+    fn spawn(
+        &self,
+        argv: Vec<String>,
+        stdin: bool,
+    ) -> BoxFut<'_, Result<remote::Command, RemoteError>> {
+        Box::pin(async move {
+            let gone = |e: KubeError| RemoteError::Backend(Box::new(e.into()));
+            let mut p = self
+                .backend
+                .attach(self.c, &self.pod, argv, stdin, false)
+                .await
+                .map_err(gone)?;
+            let (status, stdout) = status_and_stdout(&mut p).map_err(gone)?;
+            let stderr = p.stderr().map(|e| Box::pin(e) as remote::Reader);
+            let stdin = p
+                .stdin()
+                .filter(|_| stdin)
+                .map(|w| Box::pin(w) as std::pin::Pin<Box<dyn tokio::io::AsyncWrite + Send>>);
+            Ok(remote::Command {
+                stdin,
+                stdout: Box::pin(stdout),
+                stderr,
+                status: Box::pin(async move { stream::exit_code(status.await).map_err(gone) }),
+                keep: Box::new(p),
+            })
+        })
     }
-    out
+
+    fn place(&self) -> &'static str {
+        "the Pod"
+    }
+
+    fn transfer_timeout(&self) -> Duration {
+        Duration::from_secs(u64::from(
+            self.backend.settings.config.transfer_timeout_seconds.max(1),
+        ))
+    }
 }
 
-/// Read and drop what `r` (an exec's stderr) brings, in a task of its own:
-/// left unread, it would stop the exec's messages, its stdout with them.
-pub(super) fn discard(mut r: impl tokio::io::AsyncRead + Unpin + Send + 'static) {
-    use tokio::io::AsyncReadExt;
-    tokio::spawn(async move {
-        let mut sink = [0u8; 1024];
-        while matches!(r.read(&mut sink).await, Ok(n) if n > 0) {}
-    });
-}
+pub(super) use crate::backend::remote::{discard, kept};
 
 /// The exit status and the stdout of an attached process.
 pub(super) fn status_and_stdout(
@@ -103,34 +126,16 @@ impl KubeBackend {
         argv: &[&str],
         input: Option<&mut (dyn tokio::io::AsyncRead + Unpin + Send)>,
     ) -> Result<(i32, String), KubeError> {
-        let argv = argv.iter().map(|s| (*s).to_owned()).collect();
-        let mut p = self.attach(c, pod, argv, input.is_some(), false).await?;
-        let (status, mut out) = status_and_stdout(&mut p)?;
-        let mut err = p
-            .stderr()
-            .ok_or_else(|| KubeError::Exec("no stderr".to_owned()))?;
-        let feeding = async {
-            if let (Some(input), Some(mut w)) = (input, p.stdin()) {
-                let _ = tokio::io::copy(input, &mut w).await;
-                let _ = w.shutdown().await;
-            }
-        };
-        let reading = async {
-            let (mut o, e) = tokio::join!(kept(&mut out), kept(&mut err));
-            o.extend_from_slice(&e);
-            o
-        };
-        // A command that ends before it has read all its input ends this
-        // too: what it left unread is not fed on (into a stream nobody
-        // reads any more, which would block for ever).
-        let finished = stream::with_status(reading, status);
-        tokio::pin!(feeding, finished);
-        let (text, status) = tokio::select! {
-            done = &mut finished => done,
-            () = &mut feeding => finished.await,
-        };
-        let code = stream::exit_code(status)?;
-        Ok((code, String::from_utf8_lossy(&text).trim().to_owned()))
+        Ok(remote::run(&self.shell(c, pod), argv, input).await?)
+    }
+
+    /// Commands in Pod `pod`, for the workspace there ([`remote`]).
+    pub(super) fn shell<'a>(&'a self, c: &'a Connected, pod: &str) -> PodShell<'a> {
+        PodShell {
+            backend: self,
+            c,
+            pod: pod.to_owned(),
+        }
     }
 
     pub(super) async fn exec_pipes(

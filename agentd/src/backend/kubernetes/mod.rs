@@ -20,7 +20,6 @@
 //!   from the Pod to the API server's service succeeds) and the start is
 //!   refused unless `allow_unenforced_network_policy` is set.
 
-mod autosync;
 mod client;
 mod config;
 mod egress;
@@ -34,7 +33,6 @@ pub mod snapshots;
 mod stream;
 mod toolbox;
 mod workspace;
-mod worktree;
 
 pub use config::{KubeConfig, PodRef};
 pub use error::KubeError;
@@ -49,7 +47,9 @@ use keystone_agent_api::BackendKind;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde::Serialize;
 
-use super::{BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess};
+use super::{
+    BackendError, BoxFut, ExecRequest, Listener, Runtime, SandboxSpec, TtyProcess, remote,
+};
 
 /// The grace period of a Pod deleted at once: one second, not zero, which
 /// would remove the object before the kubelet has killed the container.
@@ -637,7 +637,12 @@ impl super::Backend for KubeBackend {
     }
 
     fn pull_git_dir<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
-        Box::pin(async move { Ok(self.pull(spec).await?) })
+        Box::pin(async move {
+            let (c, pod) = (self.connected().await?, manifest::object_name(&spec.name));
+            let shell = self.shell(c, &pod);
+            let pulled = remote::git::pull(&shell, &self.settings.exe, spec).await;
+            Ok(pulled.map_err(KubeError::from)?)
+        })
     }
 
     fn push_refs<'a>(
@@ -645,7 +650,12 @@ impl super::Backend for KubeBackend {
         spec: &'a SandboxSpec,
         updates: Vec<(String, String)>,
     ) -> BoxFut<'a, Result<(), BackendError>> {
-        Box::pin(async move { Ok(self.push(spec, updates).await?) })
+        Box::pin(async move {
+            let (c, pod) = (self.connected().await?, manifest::object_name(&spec.name));
+            let shell = self.shell(c, &pod);
+            let pushed = remote::git::push(&shell, &self.settings.exe, spec, updates).await;
+            Ok(pushed.map_err(KubeError::from)?)
+        })
     }
 
     fn worktree<'a>(
@@ -653,18 +663,30 @@ impl super::Backend for KubeBackend {
         spec: &'a SandboxSpec,
         req: crate::git::worktree::Request,
     ) -> Option<BoxFut<'a, Result<crate::git::worktree::Reply, BackendError>>> {
-        Some(Box::pin(async move { Ok(self.worktree(spec, req).await?) }))
+        Some(Box::pin(async move {
+            let (c, pod) = (self.connected().await?, manifest::object_name(&spec.name));
+            let done = remote::worktree::worktree(&self.shell(c, &pod), req).await;
+            Ok(done.map_err(KubeError::from)?)
+        }))
     }
 
     fn ref_changes<'a>(
         &'a self,
         spec: &'a SandboxSpec,
     ) -> Option<BoxFut<'a, Result<tokio::sync::mpsc::Receiver<()>, BackendError>>> {
-        Some(Box::pin(async move { Ok(self.watch_refs(spec).await?) }))
+        Some(Box::pin(async move {
+            let (c, pod) = (self.connected().await?, manifest::object_name(&spec.name));
+            let watching = remote::git::watch(&self.shell(c, &pod), spec).await;
+            Ok(watching.map_err(KubeError::from)?)
+        }))
     }
 
     fn snapshot_work<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
-        Box::pin(async move { Ok(self.snapshot_in_pod(spec).await?) })
+        Box::pin(async move {
+            let (c, pod) = (self.connected().await?, manifest::object_name(&spec.name));
+            let done = remote::git::snapshot_work(&self.shell(c, &pod), spec).await;
+            Ok(done.map_err(KubeError::from)?)
+        })
     }
 
     fn remove<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {

@@ -1,13 +1,12 @@
-//! Worktrees of a Pod's workspace: git run inside the Pod (the workspace
-//! lives there), one worktree per branch at `/workspace/.worktrees/<branch>`
-//! as in every backend. Branch names are checked on agentd's side and
-//! passed as arguments, never as shell text; what the Pod prints back is
-//! the sandbox's and is read as untrusted lines of bounded length.
+//! Worktrees of a workspace inside: git run there, one worktree per branch
+//! at `/workspace/.worktrees/<branch>` as in every backend. Branch names
+//! are checked on agentd's side and passed as arguments, never as shell
+//! text; what comes back is the sandbox's and is read as untrusted lines
+//! of bounded length.
 
 use crate::git::worktree::{Info, Reply, Request};
 
-use super::{KubeBackend, KubeError, manifest};
-use crate::backend::SandboxSpec;
+use super::{RemoteError, Shell, WORKSPACE, run};
 
 /// Creates the worktree of `$1`: the branch if it exists, else a new one
 /// from `$2`, the host's branch of that name, or HEAD.
@@ -74,82 +73,74 @@ fn parse_list(text: &str) -> Vec<Info> {
     out
 }
 
-impl KubeBackend {
-    /// Carry out `req` on the worktrees of `spec`'s Pod.
-    pub async fn worktree(&self, spec: &SandboxSpec, req: Request) -> Result<Reply, KubeError> {
-        let c = self.connected().await?;
-        let pod = manifest::object_name(&spec.name);
-        let run = |script: &'static str, args: Vec<String>| {
-            let pod = pod.clone();
-            async move {
-                let mut argv = vec![
-                    "sh".to_owned(),
-                    "-c".to_owned(),
-                    script.to_owned(),
-                    "sh".to_owned(),
-                ];
-                argv.extend(args);
-                let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
-                self.run(c, &pod, &argv, None).await
+/// Carry out `req` on the worktrees inside.
+///
+/// # Errors
+/// A command inside that fails (its exit code and output in the message).
+pub async fn worktree(shell: &dyn Shell, req: Request) -> Result<Reply, RemoteError> {
+    let script = |script: &'static str, args: Vec<String>| async move {
+        let mut argv = vec![
+            "sh".to_owned(),
+            "-c".to_owned(),
+            script.to_owned(),
+            "sh".to_owned(),
+        ];
+        argv.extend(args);
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        run(shell, &argv, None).await
+    };
+    let failed = |what: &str, code: i32, out: &str| {
+        RemoteError::Exec(format!(
+            "{what} failed in {} (exit {code}): {out}",
+            shell.place()
+        ))
+    };
+    match req {
+        Request::Add { branch, from, .. } => {
+            let (code, out) = script(ADD, vec![branch.clone(), from.unwrap_or_default()]).await?;
+            if code != 0 {
+                return Err(failed(
+                    &format!("creating the worktree of '{branch}'"),
+                    code,
+                    &out,
+                ));
             }
-        };
-        let failed = |what: &str, code: i32, out: &str| {
-            KubeError::Exec(format!("{what} failed in the Pod (exit {code}): {out}"))
-        };
-        match req {
-            Request::Add { branch, from, .. } => {
-                let (code, out) = run(ADD, vec![branch.clone(), from.unwrap_or_default()]).await?;
-                if code != 0 {
-                    return Err(failed(
-                        &format!("creating the worktree of '{branch}'"),
-                        code,
-                        &out,
-                    ));
-                }
-                let (_, listed) = run(LIST, Vec::new()).await?;
-                parse_list(&listed)
-                    .into_iter()
-                    .find(|w| w.branch == branch && !w.main)
-                    .map(Reply::Added)
-                    .ok_or_else(|| {
-                        KubeError::Exec(format!(
-                            "the worktree of '{branch}' is not listed after its creation"
-                        ))
-                    })
-            }
-            Request::List { .. } => {
-                let (code, out) = run(LIST, Vec::new()).await?;
-                if code != 0 {
-                    return Err(failed("listing the worktrees", code, &out));
-                }
-                Ok(Reply::Listed {
-                    worktrees: parse_list(&out),
+            let (_, listed) = script(LIST, Vec::new()).await?;
+            parse_list(&listed)
+                .into_iter()
+                .find(|w| w.branch == branch && !w.main)
+                .map(Reply::Added)
+                .ok_or_else(|| {
+                    RemoteError::Exec(format!(
+                        "the worktree of '{branch}' is not listed after its creation"
+                    ))
                 })
+        }
+        Request::List { .. } => {
+            let (code, out) = script(LIST, Vec::new()).await?;
+            if code != 0 {
+                return Err(failed("listing the worktrees", code, &out));
             }
-            Request::Remove { branch, force, .. } => {
-                let mut args = vec![
-                    "-C".to_owned(),
-                    manifest::WORKSPACE.to_owned(),
-                    "worktree".to_owned(),
-                    "remove".to_owned(),
-                ];
-                if force {
-                    args.push("--force".to_owned());
-                }
-                args.push(format!(".worktrees/{branch}"));
-                let argv: Vec<&str> = std::iter::once("git")
-                    .chain(args.iter().map(String::as_str))
-                    .collect();
-                let (code, out) = self.run(c, &pod, &argv, None).await?;
-                if code != 0 {
-                    return Err(failed(
-                        &format!("removing the worktree of '{branch}'"),
-                        code,
-                        &out,
-                    ));
-                }
-                Ok(Reply::Removed)
+            Ok(Reply::Listed {
+                worktrees: parse_list(&out),
+            })
+        }
+        Request::Remove { branch, force, .. } => {
+            let dir = format!(".worktrees/{branch}");
+            let mut argv = vec!["git", "-C", WORKSPACE, "worktree", "remove"];
+            if force {
+                argv.push("--force");
             }
+            argv.push(&dir);
+            let (code, out) = run(shell, &argv, None).await?;
+            if code != 0 {
+                return Err(failed(
+                    &format!("removing the worktree of '{branch}'"),
+                    code,
+                    &out,
+                ));
+            }
+            Ok(Reply::Removed)
         }
     }
 }
