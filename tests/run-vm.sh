@@ -16,4 +16,4 @@ KEYSTONE_VM_IMAGE=$(guest-image/debian/build.sh | tail -n1)
 export KEYSTONE_VM_IMAGE
 echo "run-vm: guest image $KEYSTONE_VM_IMAGE" >&2
 # One VM at a time: under TCG each one keeps a core busy while it boots.
-exec cargo test --locked -p agentd --test vm --test vm_state --test vm_fast "$@" -- --ignored --test-threads=1
+exec cargo test --locked -p agentd --test vm --test vm_state --test vm_fast --test vm_disk "$@" -- --ignored --test-threads=1

@@ -24,9 +24,16 @@ pub const TREES: [&str; 2] = ["workspace", "home"];
 /// A `vm` sandbox's home disk: copied where the sandbox has one.
 pub const HOME_DISK: &str = "home.img";
 
+/// A `vm` sandbox's workspace disk (`vm.share = "disk"`): copied where the
+/// sandbox has one.
+pub const WORKSPACE_DISK: &str = "workspace.img";
+
+/// The disk images a snapshot copies where the sandbox has them.
+pub const DISKS: [&str; 2] = [HOME_DISK, WORKSPACE_DISK];
+
 /// Everything of a sandbox's directory a snapshot may hold: the [`TREES`]
-/// and the [`HOME_DISK`].
-pub const ENTRIES: [&str; 3] = ["workspace", "home", HOME_DISK];
+/// and the [`DISKS`].
+pub const ENTRIES: [&str; 4] = ["workspace", "home", HOME_DISK, WORKSPACE_DISK];
 
 /// Whether `path` is a regular file (not a link to one).
 #[must_use]
@@ -324,9 +331,11 @@ impl Store {
                 return Err(damaged(format!("its {tree} is missing")));
             }
         }
-        let disk = dir.join(HOME_DISK);
-        if std::fs::symlink_metadata(&disk).is_ok() && !is_real_file(&disk) {
-            return Err(damaged(format!("its {HOME_DISK} is not a file")));
+        for name in DISKS {
+            let disk = dir.join(name);
+            if std::fs::symlink_metadata(&disk).is_ok() && !is_real_file(&disk) {
+                return Err(damaged(format!("its {name} is not a file")));
+            }
         }
         Ok((meta, dir))
     }
@@ -454,8 +463,8 @@ pub fn finish_restore(dir: &Path) {
             if let Err(e) = std::fs::rename(&new, &live) {
                 tracing::warn!(path = %new.display(), error = %e, "cannot finish an interrupted restore");
             }
-        } else if tree == HOME_DISK && !exists(&live) && exists(&old) && !exists(&new) {
-            // The snapshot had no home disk: the sandbox has none either.
+        } else if DISKS.contains(&tree) && !exists(&live) && exists(&old) && !exists(&new) {
+            // The snapshot had no such disk: the sandbox has none either.
             let _ = crate::fsutil::remove_tree(&old);
         }
         for p in [&new, &old] {
@@ -504,7 +513,7 @@ pub fn copy_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
     copy(from, to, true)
 }
 
-/// Copy the [`HOME_DISK`] `from` to `to` as [`copy_tree`] does, but as
+/// Copy a disk image ([`DISKS`]) `from` to `to` as [`copy_tree`] does, but as
 /// agentd's own file (its mode kept): no other uid can open the copy
 /// before the sandbox it is for gets it at its start.
 ///

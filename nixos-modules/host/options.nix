@@ -467,13 +467,16 @@ in
           "auto"
           "virtiofs"
           "9p"
+          "disk"
         ];
         default = d.vm.share;
         description = ''
           How the workspace reaches `vm` guests: `auto` is 9p with
           {option}`keystone.agent.vm.fastStart` (QEMU cannot restore a
           guest with virtiofs), else virtiofs (agentd runs virtiofsd, as
-          root) where it can and 9p otherwise. agentd: `vm.share`.
+          root) where it can and 9p otherwise. `disk` shares nothing: each
+          new sandbox's workspace is an ext4 disk of its own, which agentd
+          reaches through the guest (docs/state.md). agentd: `vm.share`.
         '';
       };
       fastStart = lib.mkOption {

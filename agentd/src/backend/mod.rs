@@ -414,6 +414,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Resolves when the sandbox described by `rt` has ended.
     fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()>;
 
+    /// Whether the sandbox's workspace lives inside it (a Pod's claim, a
+    /// `vm` guest's workspace disk) rather than in its host directory: its
+    /// branches are there, and the host keeps a copy of its git directory
+    /// ([`Backend::pull_git_dir`]).
+    fn workspace_inside(&self, _spec: &SandboxSpec) -> bool {
+        false
+    }
+
     /// Bring the sandbox's git directory to its host workspace, where syncs
     /// read it (backends whose workspace lives elsewhere; the others share
     /// it with the sandbox and have nothing to do).

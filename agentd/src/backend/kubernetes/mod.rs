@@ -636,6 +636,10 @@ impl super::Backend for KubeBackend {
         Box::pin(async move { Ok(self.forward(spec, port).await?) })
     }
 
+    fn workspace_inside(&self, _spec: &SandboxSpec) -> bool {
+        true
+    }
+
     fn pull_git_dir<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
         Box::pin(async move {
             let (c, pod) = (self.connected().await?, manifest::object_name(&spec.name));

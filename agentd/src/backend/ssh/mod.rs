@@ -21,6 +21,7 @@ use keystone_agent_api::ExecResult;
 use super::{BackendError, ExecRequest, Listener, TtyProcess};
 
 mod master;
+pub mod shell;
 
 /// How long a guest may take to list its listeners (the `find` takes a
 /// second or two in an emulated guest).

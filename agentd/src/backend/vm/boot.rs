@@ -50,6 +50,9 @@ pub(super) struct Shape {
     pub accel: Accel,
     /// Size of the home disk in MiB (the guest knows its disks' sizes).
     pub home_mib: u32,
+    /// Size of the workspace disk in MiB, where the workspace is one
+    /// (`vm.share = "disk"`; else the 9p share's device).
+    pub workspace_mib: Option<u32>,
 }
 
 /// A boot snapshot on disk.
@@ -124,6 +127,9 @@ pub(super) fn key(image_dir: &Path, qemu: &Path, shape: Shape) -> Result<String,
         shape.accel.as_str(),
         shape.home_mib
     ));
+    if let Some(mib) = shape.workspace_mib {
+        h.update(format!(" workspace disk {mib}M"));
+    }
     Ok(h.finalize()[..12]
         .iter()
         .map(|b| format!("{b:02x}"))
@@ -250,6 +256,16 @@ impl VmBackend {
         std::fs::File::create(&home)
             .and_then(|f| f.set_len(u64::from(shape.home_mib) << 20))
             .map_err(io("cannot make the stand-in home disk"))?;
+        let (share, workspace) = match shape.workspace_mib {
+            Some(mib) => {
+                let disk = tmp.join(crate::snapshots::WORKSPACE_DISK);
+                std::fs::File::create(&disk)
+                    .and_then(|f| f.set_len(u64::from(mib) << 20))
+                    .map_err(io("cannot make the stand-in workspace disk"))?;
+                (Share::Disk, disk)
+            }
+            None => (Share::NineP, empty.clone()),
+        };
         let machine = Machine {
             name: "boot".to_owned(),
             kernel: image.kernel.to_path_buf(),
@@ -258,8 +274,8 @@ impl VmBackend {
             memory: shape.memory,
             vcpus: shape.vcpus,
             accel: shape.accel,
-            share: Share::NineP,
-            workspace: empty.clone(),
+            share,
+            workspace,
             network: keystone_agent_api::Network::None,
             control: vm.clone(),
             qmp: vm.join(qmp::SOCKET),
@@ -319,7 +335,14 @@ impl VmBackend {
         let _ = child.wait().await;
         result?;
         // What a restore needs: the state, the client's key and pin.
-        for f in ["vm", "home.img", "vm-plan.json", "ssh", "fw"] {
+        for f in [
+            "vm",
+            "home.img",
+            "workspace.img",
+            "vm-plan.json",
+            "ssh",
+            "fw",
+        ] {
             let p = tmp.join(f);
             let _ = if p.is_dir() {
                 crate::fsutil::remove_tree(&p).map_err(std::io::Error::other)

@@ -67,16 +67,16 @@ pub enum VmError {
         error: std::io::Error,
     },
     /// mke2fs failed; what it printed.
-    #[error("mke2fs could not make the home disk {}: {stderr}", image.display())]
-    HomeDisk {
-        /// The home disk.
+    #[error("mke2fs could not make the disk {} (is the sandbox's disk full?): {stderr}", image.display())]
+    Disk {
+        /// The disk's image.
         image: PathBuf,
         /// mke2fs's stderr.
         stderr: String,
     },
-    /// The home disk could not be given to the uid QEMU runs as.
-    #[error("cannot hand the home disk to uid {uid}: {error}")]
-    HomeDiskOwner {
+    /// A disk could not be given to the uid QEMU runs as.
+    #[error("cannot hand the disk to uid {uid}: {error}")]
+    DiskOwner {
         /// The uid.
         uid: u32,
         /// Why not.

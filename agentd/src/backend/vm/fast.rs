@@ -20,6 +20,8 @@ pub(super) struct Mounts {
     pub tools: bool,
     pub agents: bool,
     pub agent_home: bool,
+    /// The workspace is a disk (`/dev/vdc`), not the 9p share.
+    pub disk: bool,
 }
 
 /// What a start uses: the boot snapshot, or a cold boot and why.
@@ -43,7 +45,7 @@ impl VmBackend {
         if !self.settings.fast_start {
             return StartFrom::Cold("vm.fast_start is off".to_owned());
         }
-        if *share != Share::NineP {
+        if matches!(share, Share::Virtiofs(_)) {
             return StartFrom::Cold(
                 "the workspace is shared over virtio-fs, which QEMU cannot restore a guest with (vm.share = \"9p\" starts from the boot snapshot)"
                     .to_owned(),
@@ -59,11 +61,20 @@ impl VmBackend {
                 m.len() >> 20
             ));
         }
+        // A workspace disk's size is the sandbox's disk size when it was
+        // made (the size it is made with otherwise).
+        let workspace_mib = (*share == Share::Disk).then(|| {
+            let disk = Paths::new(spec).dir.join(crate::snapshots::WORKSPACE_DISK);
+            std::fs::symlink_metadata(&disk).map_or(spec.config.disk.max(64), |m| {
+                u32::try_from(m.len() >> 20).unwrap_or(u32::MAX)
+            })
+        });
         let shape = Shape {
             memory: spec.config.memory,
             vcpus: spec.config.vcpus,
             accel,
             home_mib,
+            workspace_mib,
         };
         let key = match boot::key(
             image.kernel.parent().unwrap_or(Path::new("/")),
@@ -139,11 +150,12 @@ pub(super) fn write_identity(spec: &SandboxSpec, mounts: Mounts) -> Result<PathB
     let seed =
         entropy_hex().map_err(BackendError::file("cannot read", Path::new("/dev/urandom")))?;
     let text = format!(
-        "name={}\nuid={}\ngid={}\nshare=9p\ntools={}\nagents={}\nagenthome={}\negress={}\n\
+        "name={}\nuid={}\ngid={}\nshare={}\ntools={}\nagents={}\nagenthome={}\negress={}\n\
          seed={seed}\ntime={}.{:03}\nmachine_id={}\n",
         spec.name,
         spec.uid,
         spec.gid,
+        if mounts.disk { "disk" } else { "9p" },
         flag(mounts.tools),
         flag(mounts.agents),
         flag(mounts.agent_home),

@@ -10,11 +10,12 @@
 //! every command shares; nothing listens on a host port. A sandbox is
 //! `running` once both masters are up.
 
+mod backend;
 mod boot;
 mod control;
+mod disks;
 mod error;
 mod fast;
-mod home;
 pub mod qemu;
 pub mod qmp;
 pub mod serial;
@@ -256,7 +257,11 @@ impl VmBackend {
         })
     }
 
-    fn share(&self, p: &Paths) -> Result<(Share, Option<PathBuf>), BackendError> {
+    fn share(
+        &self,
+        spec: &SandboxSpec,
+        p: &Paths,
+    ) -> Result<(Share, Option<PathBuf>), BackendError> {
         let virtiofsd = match &self.settings.virtiofsd {
             Some(v) => qemu::find_program(std::slice::from_ref(v)),
             None => qemu::find_program(&[
@@ -266,7 +271,11 @@ impl VmBackend {
             ]),
         };
         let root = nix::unistd::Uid::effective().is_root();
+        if self.workspace_on_disk(spec) {
+            return Ok((Share::Disk, None));
+        }
         match (self.settings.share, virtiofsd) {
+            (ShareChoice::Disk, _) => Ok((Share::Disk, None)),
             (ShareChoice::NineP, _) => Ok((Share::NineP, None)),
             // QEMU cannot restore a guest with virtio-fs (boot.rs).
             (ShareChoice::Auto, _) if self.settings.fast_start => Ok((Share::NineP, None)),
@@ -319,7 +328,7 @@ impl VmBackend {
         let p = Paths::new(spec);
         let (kernel, initrd, rootfs) = self.image()?;
         let qemu = self.qemu()?;
-        let (share, _) = self.share(&p)?;
+        let (share, _) = self.share(spec, &p)?;
         let (accel, _) = self.accel(&kernel).await?;
         let image = boot::Image {
             kernel: &kernel,
@@ -354,7 +363,7 @@ impl VmBackend {
         let p = Paths::new(spec);
         let (kernel, initrd, rootfs) = self.image()?;
         let qemu = self.qemu()?;
-        let (share, virtiofsd) = self.share(&p)?;
+        let (share, virtiofsd) = self.share(spec, &p)?;
         let (accel, accel_why) = self.accel(&kernel).await?;
         let alias = format!("keystone-{}", spec.name);
         let dir = p.dir.clone();
@@ -402,6 +411,15 @@ impl VmBackend {
             key(p.dir.join("ssh/authorized_keys")),
             arg(home, false),
         ];
+        let workspace = if share == Share::Disk {
+            files.push(arg(
+                self.workspace_disk(spec, &p, run_as.as_ref()).await?,
+                false,
+            ));
+            PathBuf::from(fd_path(files.len() - 1))
+        } else {
+            spec.workspace.clone()
+        };
         // The tools directory (launchers, the sandboxes' CAs) and the
         // toolbox as directories the supervisor opened: QEMU runs as the
         // sandbox's uid, which may not reach the cache.
@@ -438,6 +456,7 @@ impl VmBackend {
             tools: tools_fd.is_some(),
             agents: agents_fd.is_some(),
             agent_home: agent_home_fd.is_some(),
+            disk: share == Share::Disk,
         };
         // A restore: the saved state as a descriptor, and the same devices
         // as the snapshot's guest had (an empty directory for the shares
@@ -466,7 +485,7 @@ impl VmBackend {
             vcpus: spec.config.vcpus,
             accel,
             share: share.clone(),
-            workspace: spec.workspace.clone(),
+            workspace,
             network: spec.config.network,
             control: p.vm.clone(),
             qmp: p.vm.join(qmp::SOCKET),
@@ -650,146 +669,4 @@ impl VmBackend {
 /// `run/vm/`.
 fn device_uid(spec: &SandboxSpec) -> u32 {
     run_as(spec, Accel::Tcg).map_or_else(|| nix::unistd::Uid::effective().as_raw(), |r| r.uid)
-}
-
-impl Backend for VmBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Vm
-    }
-
-    fn start<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<Runtime, BackendError>> {
-        Box::pin(self.start_inner(spec))
-    }
-
-    fn stop<'a>(
-        &'a self,
-        spec: &'a SandboxSpec,
-        rt: &'a Runtime,
-        force: bool,
-    ) -> BoxFut<'a, Result<(), BackendError>> {
-        Box::pin(self.stop_inner(spec, rt, force))
-    }
-
-    fn exec<'a>(
-        &'a self,
-        spec: &'a SandboxSpec,
-        req: ExecRequest,
-        stdio: [OwnedFd; 3],
-    ) -> BoxFut<'a, Result<i32, BackendError>> {
-        Box::pin(async move {
-            self.ready_target(spec, "agent")
-                .await
-                .exec(with_proxy(spec, req), stdio)
-                .await
-        })
-    }
-
-    fn exec_tty<'a>(
-        &'a self,
-        spec: &'a SandboxSpec,
-        req: ExecRequest,
-        size: (u16, u16),
-    ) -> BoxFut<'a, Result<TtyProcess, BackendError>> {
-        Box::pin(async move {
-            self.ready_target(spec, "agent")
-                .await
-                .exec_tty(with_proxy(spec, req), size)
-        })
-    }
-
-    fn pause<'a>(
-        &'a self,
-        spec: &'a SandboxSpec,
-        rt: &'a Runtime,
-        frozen: bool,
-    ) -> BoxFut<'a, Result<(), BackendError>> {
-        Box::pin(self.freeze(spec, rt, frozen))
-    }
-
-    fn files_snapshot(&self, running: bool) -> Result<bool, &'static str> {
-        Ok(running)
-    }
-
-    fn cpu_is_work(&self, rt: &Runtime) -> bool {
-        // Under TCG, QEMU spends a third of a core on an idle guest's
-        // timers; under KVM its CPU time is the guest's.
-        !rt.limits.contains("under TCG")
-    }
-
-    fn usage(&self, spec: &SandboxSpec, rt: &Runtime, stats: &mut crate::stats::Stats) {
-        if self.is_alive(rt) {
-            state::usage(rt.supervisor_pid, spec.config.memory, stats);
-        } else {
-            for group in ["cpu", "memory", "pids"] {
-                stats.unavailable(group, "the VM is not running");
-            }
-        }
-    }
-
-    fn flush<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, ()> {
-        Box::pin(self.flush_disks(spec))
-    }
-
-    fn gateway<'a>(
-        &'a self,
-        spec: &'a SandboxSpec,
-    ) -> BoxFut<'a, Result<Option<crate::egress::Socket>, BackendError>> {
-        Box::pin(async move { gateway_socket(spec).map(|l| l.map(crate::egress::Socket::Unix)) })
-    }
-
-    fn toolbox(&self) -> Option<&crate::toolbox::Toolbox> {
-        self.settings.toolbox.as_deref()
-    }
-
-    fn listeners(&self, rt: &Runtime) -> Vec<Listener> {
-        // The plan names the sandbox's directories.
-        let Some(spec) = self.spec_of(rt) else {
-            return Vec::new();
-        };
-        self.target(&spec, "root").listeners()
-    }
-
-    fn connect<'a>(
-        &'a self,
-        spec: &'a SandboxSpec,
-        addr: std::net::IpAddr,
-        port: u16,
-    ) -> BoxFut<'a, Result<OwnedFd, BackendError>> {
-        Box::pin(async move { self.target(spec, "agent").connect(addr, port) })
-    }
-
-    fn is_alive(&self, rt: &Runtime) -> bool {
-        super::supervisor_alive(rt)
-    }
-
-    fn wait_exit<'a>(&'a self, rt: &'a Runtime) -> BoxFut<'a, ()> {
-        Box::pin(super::supervisor_exit(rt))
-    }
-
-    fn kill_strays(&self, keep: &[(String, Runtime)]) -> Vec<String> {
-        let state = self.settings.state_dir.to_string_lossy().into_owned();
-        let mut killed = Vec::new();
-        for (pid, cmdline) in procfs::pids_with_args(&[VM_ARG]) {
-            if !cmdline.get(2).is_some_and(|p| p.starts_with(&state)) {
-                continue;
-            }
-            let name = cmdline.get(3).cloned().unwrap_or_default();
-            if name == boot::BOOT_NAME {
-                // A boot snapshot being made: it ends with its agentd.
-                continue;
-            }
-            let kept = keep
-                .iter()
-                .any(|(n, rt)| *n == name && rt.supervisor_pid == pid && self.is_alive(rt));
-            if !kept {
-                tracing::warn!(sandbox = %name, pid, "killing a leftover VM");
-                let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-                if !killed.contains(&name) {
-                    killed.push(name);
-                }
-            }
-        }
-        killed
-    }
 }

@@ -35,6 +35,9 @@ pub enum Share {
     Virtiofs(PathBuf),
     /// virtio-9p served by QEMU itself.
     NineP,
+    /// No share: the workspace is a disk of its own (the guest's third,
+    /// `/dev/vdc`), [`Machine::workspace`] its image.
+    Disk,
 }
 
 impl Share {
@@ -44,6 +47,7 @@ impl Share {
         match self {
             Self::Virtiofs(_) => "virtiofs",
             Self::NineP => "9p",
+            Self::Disk => "disk",
         }
     }
 }
@@ -69,7 +73,8 @@ pub struct Machine {
     pub accel: Accel,
     /// Workspace share.
     pub share: Share,
-    /// Host directory shared as `/workspace`.
+    /// Host directory shared as `/workspace`, or with [`Share::Disk`] the
+    /// workspace disk's image.
     pub workspace: PathBuf,
     /// Network mode.
     pub network: Network,
@@ -203,6 +208,17 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         format!("id=home,file={},format=raw,if=none", p(&m.home)),
         "-device".into(),
         "virtio-blk-device,drive=home".into(),
+    ];
+    // The workspace disk right after the home disk: the guest's /dev/vdc.
+    if m.share == Share::Disk {
+        a.extend([
+            "-drive".into(),
+            format!("id=workspace,file={},format=raw,if=none", p(&m.workspace)),
+            "-device".into(),
+            "virtio-blk-device,drive=workspace".into(),
+        ]);
+    }
+    a.extend([
         "-global".into(),
         "virtio-mmio.force-legacy=false".into(),
         // The control channel: a virtio-serial port per user agentd logs
@@ -216,7 +232,7 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
             "name=opt/keystone/authorized_keys,file={}",
             p(&m.authorized_keys)
         ),
-    ];
+    ]);
     if let Some(identity) = &m.identity {
         a.extend([
             "-fw_cfg".into(),
@@ -253,6 +269,7 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
             "-device".into(),
             "virtio-9p-device,fsdev=fs,mount_tag=workspace".into(),
         ]),
+        Share::Disk => {}
     }
     // agentd's tools (the agents' launchers) and the agent toolbox,
     // read-only: the guest mounts them at /opt/keystone/host and

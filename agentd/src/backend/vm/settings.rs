@@ -28,6 +28,9 @@ pub enum ShareChoice {
     /// 9p.
     #[serde(rename = "9p")]
     NineP,
+    /// No share: the workspace on a disk image of its own
+    /// (`workspace.img`), which agentd reaches through the guest.
+    Disk,
 }
 
 /// Settings of the vm backend.

@@ -50,14 +50,18 @@ impl Manager {
             .snapshot(name)
             .ok_or_else(|| Error::NotFound(name.to_owned()))?;
         let spec = self.spec(&sb);
-        // A Pod's branches are in the Pod: a copy made while it is stopped
-        // would be overwritten by the next one that comes back.
-        if opts.from_host && sb.backend == BackendKind::Kubernetes && sb.runtime.is_none() {
+        // A Pod's (or a workspace disk's) branches are there: a copy made
+        // while it is stopped would be overwritten by the next one that
+        // comes back.
+        if opts.from_host
+            && sb.runtime.is_none()
+            && self.backend(sb.backend)?.workspace_inside(&spec)
+        {
             return Err(Error::InvalidState {
                 name: name.to_owned(),
                 verb: "sync from the host into",
                 state: sb.state,
-                hint: "its branches live in its Pod: start it first (agentctl start)",
+                hint: "its branches live inside it (a Pod, a workspace disk): start it first (agentctl start)",
             });
         }
         if sb.runtime.is_some() {

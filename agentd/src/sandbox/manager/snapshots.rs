@@ -8,7 +8,7 @@ use keystone_agent_api::SnapshotInfo;
 
 use super::*;
 use crate::backend::BackendError;
-use crate::snapshots::{self, ENTRIES, HOME_DISK, Meta, SnapshotError, Store, TREES};
+use crate::snapshots::{self, DISKS, ENTRIES, Meta, SnapshotError, Store, TREES};
 
 /// Whether a snapshot is asked for or taken on a schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -443,8 +443,8 @@ impl Manager {
 }
 
 /// Copy the [`TREES`] of directory `from` into directory `to` (which
-/// lacks them), and its [`HOME_DISK`] where it has one; a tree `from`
-/// lacks is made empty.
+/// lacks them), and its [`DISKS`] where it has them; a tree `from` lacks
+/// is made empty.
 pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> {
     for tree in TREES {
         let (src, dst) = (from.join(tree), to.join(tree));
@@ -454,9 +454,11 @@ pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), Snap
             std::fs::create_dir(&dst).map_err(SnapshotError::io_at("create", &dst))?;
         }
     }
-    let disk = from.join(HOME_DISK);
-    if snapshots::is_real_file(&disk) {
-        snapshots::copy_disk(&disk, &to.join(HOME_DISK))?;
+    for name in DISKS {
+        let disk = from.join(name);
+        if snapshots::is_real_file(&disk) {
+            snapshots::copy_disk(&disk, &to.join(name))?;
+        }
     }
     Ok(())
 }
@@ -534,7 +536,7 @@ fn replace_trees(snap: &Path, dir: &Path) -> std::result::Result<(), SnapshotErr
         if std::fs::symlink_metadata(&from).is_err() {
             return Ok(());
         }
-        if *entry == HOME_DISK {
+        if DISKS.contains(entry) {
             snapshots::copy_disk(&from, &side(entry, "restoring"))
         } else {
             snapshots::copy_tree(&from, &side(entry, "restoring"))

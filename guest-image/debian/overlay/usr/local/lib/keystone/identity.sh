@@ -21,8 +21,10 @@ keystone_identity() {
   case "$share" in
     virtiofs) mount -t virtiofs workspace "$root/workspace" ;;
     9p) mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,cache=none workspace "$root/workspace" ;;
+    # A disk of its own (vm.share = "disk"): the third disk.
+    disk) mount -t ext4 -o rw,nosuid,nodev,noinit_itable /dev/vdc "$root/workspace" ;;
     *) false ;;
-  esac || die "cannot mount the workspace share (tag workspace, $share)"
+  esac || die "cannot mount the workspace (share tag workspace or disk /dev/vdc, $share)"
 
   # agentd's tools (the agents' launchers, the sandbox's CA) and the agent
   # toolbox, read-only: the launchers join Zellij in /opt/keystone/bin
@@ -59,6 +61,10 @@ keystone_identity() {
   sed -i "s/^agent:x:[0-9]*:[0-9]*:/agent:x:$uid:$gid:/" "$root/etc/passwd"
   sed -i "s/^agent:x:[0-9]*:/agent:x:$gid:/" "$root/etc/group"
   [ "$(stat -c %u:%g "$root/home/agent")" = "$uid:$gid" ] || chown -R "$uid:$gid" "$root/home/agent"
+  # A workspace disk copied from another sandbox (a fork) is its ids'.
+  if [ "$share" = disk ] && [ "$(stat -c %u:%g "$root/workspace")" != "$uid:$gid" ]; then
+    chown -R "$uid:$gid" "$root/workspace"
+  fi
   echo "$name" > "$root/etc/hostname"
 
   # The relay to the egress gateway (keystone-egress.socket) runs only in

@@ -1,0 +1,151 @@
+//! A `vm` sandbox whose workspace is a disk of its own (`vm.share =
+//! "disk"`): nothing of the host's directory is shared with the guest, and
+//! agentd reaches the workspace through the guest — the git directory home
+//! at sync, the host's branches in, worktrees made inside — as it reaches a
+//! Pod's. The disk goes with snapshots, restores and forks; a fork's guest
+//! takes the copied files as its own.
+//!
+//! Boots VMs: `#[ignore]`d in the fast suite, run by `tests/run-vm.sh`.
+
+mod common;
+
+use common::vm::{create_vm, env_with, image};
+use common::{Env, git, json};
+
+fn snapshot(env: &Env, name: &str) -> String {
+    json(&env.ok(&["snapshot", name, "--json"]))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[test]
+#[ignore = "boots real VMs: run tests/run-vm.sh"]
+fn a_vm_workspace_on_a_disk_of_its_own_is_reached_through_the_guest() {
+    let env = env_with(&image(), serde_json::json!({"vm": {"share": "disk"}}));
+    create_vm(&env, "vd", "none");
+    env.ok(&["start", "vd"]);
+    let limits = env.status("vd")["limits"].as_str().unwrap().to_owned();
+    assert!(limits.contains("workspace over disk"), "{limits}");
+    assert!(
+        limits.contains("started from the boot snapshot"),
+        "a workspace disk keeps the fast start: {limits}"
+    );
+    let dir = env.state_dir.join("sandboxes/vd");
+    let qemu: Vec<String> = env
+        .vm_processes()
+        .into_iter()
+        .map(|(_, c)| c)
+        .filter(|c| c.contains("qemu-system"))
+        .collect();
+    assert_eq!(qemu.len(), 1, "{qemu:#?}");
+    assert!(
+        !qemu[0].contains("mount_tag=workspace") && qemu[0].contains("drive=workspace"),
+        "the workspace is a disk, not a share: {}",
+        qemu[0]
+    );
+
+    // Inside: an ext4 disk with the project, the agent's own.
+    let out = env.sh(
+        "vd",
+        "findmnt -n -o SOURCE,FSTYPE /workspace; stat -c %u README.md; id -u; git status --short --branch",
+    );
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "/dev/vdc ext4", "{out}");
+    assert_eq!(lines[1], lines[2], "the files are the agent's: {out}");
+    assert!(lines[3].starts_with("## main"), "{out}");
+    assert_eq!(lines.len(), 4, "a clean checkout: {out}");
+
+    // What the guest writes stays in the guest; a commit comes home with
+    // sync (the git directory copied out through the guest).
+    env.sh(
+        "vd",
+        "echo inside > inside.txt && git add inside.txt && \
+         git -c user.name=Agent -c user.email=agent@example.com commit -qm 'on the disk'",
+    );
+    assert!(!dir.join("workspace/inside.txt").exists());
+    env.ok(&["sync", "vd"]);
+    let repo = env.tmp.path().join("vd");
+    assert_eq!(
+        git(&repo, &["log", "-1", "--format=%s", "sandbox/vd/main"]).trim(),
+        "on the disk"
+    );
+
+    // The host's branches go in with `sync --from-host`.
+    std::fs::write(repo.join("host.txt"), "h\n").unwrap();
+    git(&repo, &["add", "host.txt"]);
+    common::commit(&repo, "host work");
+    env.ok(&["sync", "vd", "--from-host"]);
+    assert_eq!(
+        env.sh("vd", "git show -s --format=%s host/main"),
+        "host work\n"
+    );
+
+    // A worktree, made by git in the guest.
+    env.ok(&["worktree", "add", "vd", "feat"]);
+    let listed = json(&env.ok(&["worktree", "list", "vd", "--json"]));
+    assert!(
+        listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w["branch"] == "feat" && w["path"] == "/workspace/.worktrees/feat"),
+        "{listed}"
+    );
+    assert_eq!(
+        env.sh("vd", "git -C .worktrees/feat rev-parse --abbrev-ref HEAD"),
+        "feat\n"
+    );
+
+    // A snapshot holds the disk: a file written after it is gone after
+    // the restore, one written before is there.
+    let id = snapshot(&env, "vd");
+    assert!(
+        env.state_dir
+            .join("snapshots/vd")
+            .join(&id)
+            .join("workspace.img")
+            .is_file()
+    );
+    env.sh("vd", "echo later > later.txt && sync");
+    env.ok(&["restore", "vd", &id]);
+    assert_eq!(env.state("vd"), "running");
+    assert_eq!(
+        env.sh(
+            "vd",
+            "cat inside.txt; test -e later.txt && echo later; true"
+        ),
+        "inside\n"
+    );
+
+    // A fork: a disk of its own, its files its own uid's inside, its work
+    // synced to its own namespace.
+    env.ok(&["fork", "vd", "vf"]);
+    env.ok(&["start", "vf"]);
+    let out = env.sh(
+        "vf",
+        "cat inside.txt; [ \"$(stat -c %u inside.txt)\" = \"$(id -u)\" ] && echo mine; \
+         echo fork > fork.txt && git add fork.txt && \
+         git -c user.name=Agent -c user.email=agent@example.com commit -qm 'in the fork' && echo committed",
+    );
+    assert_eq!(out, "inside\nmine\ncommitted\n");
+    env.ok(&["sync", "vf"]);
+    assert_eq!(
+        git(&repo, &["log", "-1", "--format=%s", "sandbox/vf/main"]).trim(),
+        "in the fork"
+    );
+    assert_eq!(
+        env.sh("vd", "test -e fork.txt && echo shared; true"),
+        "",
+        "the fork wrote into its source's disk"
+    );
+
+    // Stopped, its branches are inside: a sync from the host is refused.
+    env.ok(&["stop", "vd"]);
+    let refused = env.fails(2, &["sync", "vd", "--from-host"]);
+    assert!(refused.contains("start it first"), "{refused}");
+    env.ok(&["stop", "vf"]);
+    for name in ["vf", "vd"] {
+        env.ok(&["destroy", name]);
+    }
+}
