@@ -56,6 +56,34 @@ fn a_vm_workspace_on_a_disk_of_its_own_is_reached_through_the_guest() {
     assert!(lines[3].starts_with("## main"), "{out}");
     assert_eq!(lines.len(), 4, "a clean checkout: {out}");
 
+    // No share at all: the toolbox is a read-only disk, agentd's tools
+    // were copied in; the pinned agents run.
+    let v = agentd::toolbox::Versions::default();
+    let out = env.sh(
+        "vd",
+        "grep -c ' 9p ' /proc/mounts; findmnt -n -o SOURCE,OPTIONS /opt/keystone/agents | cut -d, -f1; \
+         command -v claude; claude --version",
+    );
+    assert_eq!(
+        out,
+        format!(
+            "0\n/dev/vdd ro\n/run/keystone/bin/claude\n{} (Claude Code)\n",
+            v.claude
+        ),
+        "(the toolbox comes from the cache: agentd --install-agents)"
+    );
+    // A secret's CA reaches the running guest (copied in, not shared).
+    env.set_secret("vd", "API_KEY", "api.example.com", "x-api-key", b"sk-disk");
+    common::wait_for(
+        "the CA in the guest",
+        std::time::Duration::from_secs(60),
+        || {
+            env.inside("vd", "grep -q 'BEGIN CERTIFICATE' \"$NODE_EXTRA_CA_CERTS\"")
+                .0
+                == 0
+        },
+    );
+
     // What the guest writes stays in the guest; a commit comes home with
     // sync (the git directory copied out through the guest).
     env.sh(

@@ -728,6 +728,7 @@ mod tests {
             },
             agent_home: None,
             owner: 0,
+            id: String::new(),
         }
     }
 

@@ -51,6 +51,9 @@ pub struct SandboxSpec {
     pub agent_home: Option<PathBuf>,
     /// The uid of the sandbox's owner.
     pub owner: u32,
+    /// The sandbox's unique id (its CA files are named by it; empty where
+    /// no sandbox of the registry is meant).
+    pub id: String,
 }
 
 /// The directory, in a sandbox's directory, of the CA files of its
@@ -86,6 +89,7 @@ impl SandboxSpec {
             config,
             agent_home: None,
             owner: uid,
+            id: String::new(),
         }
     }
 }

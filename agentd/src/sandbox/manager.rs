@@ -298,6 +298,7 @@ impl Manager {
         let (uid, gid) = auth::sandbox_ids(sb.owner, sb.uid);
         let mut spec = SandboxSpec::at(&dir, &sb.name, uid, gid, sb.config.clone());
         spec.owner = sb.owner;
+        spec.id.clone_from(&sb.id);
         if sb.config.agent_home == keystone_agent_api::AgentHome::Shared {
             spec.agent_home = Some(self.shared_home_dir(sb.owner));
         }

@@ -4,11 +4,10 @@
 //! tools and CA files; on the host side through helpers confined to the
 //! sandbox's workspace as its uid ([`crate::git::mirror`]).
 
-use std::path::PathBuf;
-
 use super::{Connected, KubeBackend, KubeError, manifest};
 use crate::backend::SandboxSpec;
 use crate::backend::remote;
+pub(super) use crate::backend::remote::archive::Part;
 use crate::helper::{self, RunAs};
 
 impl KubeBackend {
@@ -99,8 +98,7 @@ impl KubeBackend {
     }
 
     /// Run `argv` in Pod `pod` with a tar archive of `parts` on its stdin
-    /// ([`archive`]), written by a thread of agentd's (the files are
-    /// agentd's own); `what` names them in errors.
+    /// ([`remote::archive::send`]); `what` names them in errors.
     pub(super) async fn send_archive(
         &self,
         c: &Connected,
@@ -109,71 +107,11 @@ impl KubeBackend {
         parts: Vec<Part>,
         what: &str,
     ) -> Result<(), KubeError> {
-        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-            .map_err(|e| KubeError::Io(e.into()))?;
-        // A thread of its own, not the blocking pool, where it could wait
-        // behind a task that waits for it.
-        let (done, writing) = tokio::sync::oneshot::channel();
-        std::thread::Builder::new()
-            .name("kube-archive".to_owned())
-            .spawn(move || {
-                let _ = done.send(archive(std::fs::File::from(w), &parts));
-            })
-            .map_err(KubeError::Io)?;
-        let mut input =
-            tokio::net::unix::pipe::Receiver::from_owned_fd(r).map_err(KubeError::Io)?;
-        let fed = remote::feed(&self.shell(c, pod), argv, &mut input, what).await;
-        drop(input);
-        let written = writing
-            .await
-            .unwrap_or_else(|_| Err(std::io::Error::other("the archive's writer ended")));
-        fed?;
-        written.map_err(KubeError::Io)
+        Ok(remote::archive::send(&self.shell(c, pod), argv, parts, what).await?)
     }
 }
 
 /// The argv of `tar` in a Pod unpacking its stdin into `dir`.
 fn untar(dir: &str) -> [&str; 7] {
     ["tar", "-x", "--no-same-owner", "-C", dir, "-f", "-"]
-}
-
-/// Something copied into a Pod.
-pub(super) enum Part {
-    /// The entries of agentd's tools directory, but for its `ca/` (the
-    /// CA files of every local sandbox, named by their ids).
-    Entries(PathBuf),
-    /// A file at a path inside.
-    File(PathBuf, String),
-    /// A directory at a path inside.
-    Dir(PathBuf, String),
-}
-
-/// Write a tar archive of `parts` to `out`. Never of a directory itself
-/// at the top: "." would be the volume's root in the Pod, whose mode and
-/// time the Pod's uid may not set, an emptyDir being root's.
-fn archive(out: std::fs::File, parts: &[Part]) -> std::io::Result<()> {
-    let mut b = tar::Builder::new(out);
-    b.follow_symlinks(false);
-    for part in parts {
-        match part {
-            Part::Entries(dir) => {
-                for entry in std::fs::read_dir(dir)? {
-                    let entry = entry?;
-                    // (The toolbox has its own copy, onto the claim.)
-                    let name = entry.file_name();
-                    if name == crate::backend::CA_DIR || name == "agents" {
-                        continue;
-                    }
-                    if entry.file_type()?.is_dir() {
-                        b.append_dir_all(entry.file_name(), entry.path())?;
-                    } else {
-                        b.append_path_with_name(entry.path(), entry.file_name())?;
-                    }
-                }
-            }
-            Part::File(path, name) => b.append_path_with_name(path, name)?,
-            Part::Dir(path, name) => b.append_dir_all(name, path)?,
-        }
-    }
-    b.finish()
 }

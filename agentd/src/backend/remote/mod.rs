@@ -8,6 +8,7 @@
 //! amounts, archives go through a helper confined to the host copy as the
 //! sandbox's uid, and every copy has the backend's transfer timeout.
 
+pub mod archive;
 pub mod git;
 pub mod worktree;
 

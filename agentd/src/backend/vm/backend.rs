@@ -111,6 +111,16 @@ impl Backend for VmBackend {
         Box::pin(async move { self.target(spec, "agent").connect(addr, port) })
     }
 
+    fn ca_changed<'a>(&'a self, spec: &'a SandboxSpec) -> BoxFut<'a, Result<(), BackendError>> {
+        Box::pin(async move {
+            // Shared through 9p otherwise: there already.
+            if self.workspace_on_disk(spec) {
+                self.bring_tools(spec, false).await?;
+            }
+            Ok(())
+        })
+    }
+
     fn workspace_inside(&self, spec: &SandboxSpec) -> bool {
         self.workspace_on_disk(spec)
     }

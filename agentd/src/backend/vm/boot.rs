@@ -53,6 +53,8 @@ pub(super) struct Shape {
     /// Size of the workspace disk in MiB, where the workspace is one
     /// (`vm.share = "disk"`; else the 9p share's device).
     pub workspace_mib: Option<u32>,
+    /// Size of the toolbox's disk in MiB, where the guest gets one.
+    pub agents_mib: Option<u32>,
 }
 
 /// A boot snapshot on disk.
@@ -129,6 +131,9 @@ pub(super) fn key(image_dir: &Path, qemu: &Path, shape: Shape) -> Result<String,
     ));
     if let Some(mib) = shape.workspace_mib {
         h.update(format!(" workspace disk {mib}M"));
+    }
+    if let Some(mib) = shape.agents_mib {
+        h.update(format!(" toolbox disk {mib}M"));
     }
     Ok(h.finalize()[..12]
         .iter()
@@ -266,6 +271,16 @@ impl VmBackend {
             }
             None => (Share::NineP, empty.clone()),
         };
+        let agents_disk = match shape.agents_mib {
+            Some(mib) => {
+                let disk = tmp.join("agents.img");
+                std::fs::File::create(&disk)
+                    .and_then(|f| f.set_len(u64::from(mib) << 20))
+                    .map_err(io("cannot make the stand-in toolbox disk"))?;
+                Some(disk)
+            }
+            None => None,
+        };
         let machine = Machine {
             name: "boot".to_owned(),
             kernel: image.kernel.to_path_buf(),
@@ -286,6 +301,7 @@ impl VmBackend {
             gid: 0,
             tools: Some(empty.clone()),
             agents: Some(empty.clone()),
+            agents_disk,
             agent_home: Some(empty),
             agent_home_readonly: true,
             late: true,
@@ -339,6 +355,7 @@ impl VmBackend {
             "vm",
             "home.img",
             "workspace.img",
+            "agents.img",
             "vm-plan.json",
             "ssh",
             "fw",

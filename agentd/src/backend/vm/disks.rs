@@ -4,7 +4,7 @@
 //! third, mounted at `/workspace`). Both are ext4 images in the sandbox's
 //! directory, sparse, QEMU's uid's, mode 0600.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use super::supervise::RunAs;
@@ -74,6 +74,141 @@ impl VmBackend {
         };
         disk.made(spec, run_as).await
     }
+}
+
+impl VmBackend {
+    /// The agent toolbox as a read-only ext4 image, for guests whose
+    /// workspace is a disk (they mount no 9p share, which would keep QEMU
+    /// from saving them): `state_dir/vm-toolbox/<key>.img`, made once per
+    /// content of the toolbox's cache (its packages, their times and the
+    /// versions asked for), shared read-only by every such guest; its size
+    /// in MiB. `None` without a toolbox.
+    pub(super) async fn toolbox_disk(&self) -> Result<Option<(PathBuf, u32)>, BackendError> {
+        let tools = self.settings.tools_dir.as_ref().filter(|t| t.is_dir());
+        let Some(tb) = self
+            .settings
+            .toolbox
+            .as_ref()
+            .filter(|tb| tools.is_some() && tb.dir.is_dir())
+        else {
+            return Ok(None);
+        };
+        let _one = self.toolbox_build.lock().await;
+        let (dir, describe) = (tb.dir.clone(), tb.describe());
+        let root = self.settings.state_dir.join("vm-toolbox");
+        let made = tokio::task::spawn_blocking(move || toolbox_image(&dir, &describe, &root))
+            .await?
+            .map_err(|e| BackendError::file("cannot make the toolbox disk in", &tb.dir)(e))?;
+        Ok(Some(made))
+    }
+
+    /// Copy agentd's tools into `spec`'s guest, where they are not shared
+    /// (its workspace is a disk): the agents' launchers (`all`) and the
+    /// sandbox's own CA files, into `/opt/keystone/host` as 9p would show
+    /// them, the launchers linked into `/opt/keystone/bin`.
+    pub(super) async fn bring_tools(
+        &self,
+        spec: &SandboxSpec,
+        all: bool,
+    ) -> Result<(), BackendError> {
+        use crate::backend::remote::archive::{self, Part};
+        let Some(tools) = self.settings.tools_dir.as_ref().filter(|t| t.is_dir()) else {
+            return Ok(());
+        };
+        let mut parts = Vec::new();
+        if all {
+            parts.push(Part::Entries(tools.clone()));
+        }
+        let ca = tools.join(crate::backend::CA_DIR);
+        for suffix in [".ca.pem", ".pem"] {
+            let name = format!("{}{suffix}", spec.id);
+            if !spec.id.is_empty() && crate::snapshots::is_real_file(&ca.join(&name)) {
+                parts.push(Part::File(
+                    ca.join(&name),
+                    format!("{}/{name}", crate::backend::CA_DIR),
+                ));
+            }
+        }
+        if parts.is_empty() {
+            return Ok(());
+        }
+        let root = SshShell {
+            target: self.target(spec, "root"),
+            timeout: TRANSFER_LIMIT,
+        };
+        let argv = ["sh", "-c", UNPACK_TOOLS];
+        Ok(archive::send(&root, &argv, parts, "agentd's tools").await?)
+    }
+}
+
+/// Unpack agentd's tools (stdin) into `/opt/keystone/host` and link the
+/// launchers into `/opt/keystone/bin`, as the 9p share would show them.
+const UNPACK_TOOLS: &str = r#"set -e
+mkdir -p /opt/keystone/host /opt/keystone/bin
+tar -x --no-same-owner -C /opt/keystone/host -f -
+for f in /opt/keystone/host/bin/*; do
+  [ -e "$f" ] || continue
+  n=${f##*/}
+  [ -e "/opt/keystone/bin/$n" ] || ln -s "/opt/keystone/host/bin/$n" "/opt/keystone/bin/$n"
+done"#;
+
+/// The toolbox image of `dir` under `root` (made when missing) and its
+/// size in MiB: named by a hash of what is in `dir` (names, sizes and
+/// times, to the packages' top) and `describe`.
+fn toolbox_image(dir: &Path, describe: &str, root: &Path) -> std::io::Result<(PathBuf, u32)> {
+    use sha2::Digest;
+    use std::os::unix::fs::MetadataExt;
+    let mut h = sha2::Sha256::new();
+    h.update(describe);
+    let mut names: Vec<_> = std::fs::read_dir(dir)?.collect::<Result<_, _>>()?;
+    names.sort_by_key(std::fs::DirEntry::file_name);
+    for e in &names {
+        let m = e.metadata()?;
+        h.update(format!(
+            "{:?}:{}:{};",
+            e.file_name(),
+            m.mtime(),
+            m.mtime_nsec()
+        ));
+    }
+    let key: String = h.finalize()[..12]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let used = crate::snapshots::entry_size(dir)?;
+    // A quarter more than the files take, for ext4's own, in 64 MiB steps.
+    let mib = u32::try_from(((used + used / 4) >> 20) / 64 * 64 + 128).unwrap_or(u32::MAX);
+    let img = root.join(format!("{key}.img"));
+    if crate::snapshots::is_real_file(&img) {
+        return Ok((img, mib));
+    }
+    std::fs::create_dir_all(root)?;
+    // Older toolboxes' images go: one is kept, the current one.
+    for e in std::fs::read_dir(root)?.flatten() {
+        let _ = std::fs::remove_file(e.path());
+    }
+    let tmp = root.join(format!("{key}.img.tmp"));
+    let out = std::process::Command::new("mke2fs")
+        .args(["-q", "-F", "-t", "ext4", "-L", "keystone-agents", "-d"])
+        .arg(dir)
+        .arg(&tmp)
+        .arg(format!("{mib}M"))
+        .stdin(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(std::io::Error::other(format!(
+            "mke2fs: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    // Every guest's QEMU reads it (read-only), whatever its uid.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+    }
+    std::fs::rename(&tmp, &img)?;
+    Ok((img, mib))
 }
 
 /// An ext4 disk image of a sandbox's.

@@ -22,6 +22,8 @@ pub(super) struct Mounts {
     pub agent_home: bool,
     /// The workspace is a disk (`/dev/vdc`), not the 9p share.
     pub disk: bool,
+    /// The toolbox is a disk (`/dev/vdd`), not the 9p share.
+    pub agents_disk: bool,
 }
 
 /// What a start uses: the boot snapshot, or a cold boot and why.
@@ -69,12 +71,20 @@ impl VmBackend {
                 u32::try_from(m.len() >> 20).unwrap_or(u32::MAX)
             })
         });
+        let agents_mib = match workspace_mib {
+            Some(_) => match self.toolbox_disk().await {
+                Ok(made) => made.map(|(_, mib)| mib),
+                Err(e) => return StartFrom::Cold(format!("no toolbox disk: {e}")),
+            },
+            None => None,
+        };
         let shape = Shape {
             memory: spec.config.memory,
             vcpus: spec.config.vcpus,
             accel,
             home_mib,
             workspace_mib,
+            agents_mib,
         };
         let key = match boot::key(
             image.kernel.parent().unwrap_or(Path::new("/")),
@@ -157,7 +167,13 @@ pub(super) fn write_identity(spec: &SandboxSpec, mounts: Mounts) -> Result<PathB
         spec.gid,
         if mounts.disk { "disk" } else { "9p" },
         flag(mounts.tools),
-        flag(mounts.agents),
+        if mounts.agents_disk {
+            "disk"
+        } else if mounts.agents {
+            "1"
+        } else {
+            "0"
+        },
         flag(mounts.agent_home),
         flag(spec.config.network != keystone_agent_api::Network::None),
         now.as_secs(),

@@ -58,6 +58,8 @@ pub struct VmBackend {
     masters: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Held while a boot snapshot is made.
     boot_build: tokio::sync::Mutex<()>,
+    /// Held while the toolbox's disk image is made (disks.rs).
+    toolbox_build: tokio::sync::Mutex<()>,
     /// Boot snapshots that could not be made, by key, and why.
     boot_failed: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
@@ -184,6 +186,7 @@ impl VmBackend {
             kvm: tokio::sync::Mutex::new(None),
             masters: std::sync::Mutex::default(),
             boot_build: tokio::sync::Mutex::default(),
+            toolbox_build: tokio::sync::Mutex::default(),
             boot_failed: std::sync::Mutex::default(),
         }
     }
@@ -422,21 +425,31 @@ impl VmBackend {
         };
         // The tools directory (launchers, the sandboxes' CAs) and the
         // toolbox as directories the supervisor opened: QEMU runs as the
-        // sandbox's uid, which may not reach the cache.
+        // sandbox's uid, which may not reach the cache. A guest whose
+        // workspace is a disk mounts no share: it gets the tools copied in
+        // once it answers (disks.rs) and the toolbox as a read-only disk.
+        let disk = share == Share::Disk;
         let tools = self.settings.tools_dir.as_ref().filter(|t| t.is_dir());
-        let tools_fd = tools.map(|t| {
-            files.push(arg(t.clone(), false));
-            fd_path(files.len() - 1)
-        });
         let toolbox = self
             .settings
             .toolbox
             .as_ref()
             .filter(|tb| tools.is_some() && tb.dir.is_dir());
-        let agents_fd = toolbox.map(|tb| {
+        let tools_fd = tools.filter(|_| !disk).map(|t| {
+            files.push(arg(t.clone(), false));
+            fd_path(files.len() - 1)
+        });
+        let agents_fd = toolbox.filter(|_| !disk).map(|tb| {
             files.push(arg(tb.dir.clone(), false));
             fd_path(files.len() - 1)
         });
+        let agents_disk = match disk {
+            true => self.toolbox_disk().await?.map(|(img, _)| {
+                files.push(arg(img, false));
+                PathBuf::from(fd_path(files.len() - 1))
+            }),
+            false => None,
+        };
         let toolbox = toolbox.map(|tb| tb.describe());
         // The shared agent home: root's files on the host, the sandbox's
         // through the idmapped mount QEMU gets (agentd as root), or the
@@ -456,7 +469,8 @@ impl VmBackend {
             tools: tools_fd.is_some(),
             agents: agents_fd.is_some(),
             agent_home: agent_home_fd.is_some(),
-            disk: share == Share::Disk,
+            disk,
+            agents_disk: agents_disk.is_some(),
         };
         // A restore: the saved state as a descriptor, and the same devices
         // as the snapshot's guest had (an empty directory for the shares
@@ -496,6 +510,7 @@ impl VmBackend {
             gid: spec.gid,
             tools: tools_fd.map(Into::into).or_else(|| empty.clone()),
             agents: agents_fd.map(Into::into).or_else(|| empty.clone()),
+            agents_disk,
             agent_home_readonly: agent_home_fd.is_none(),
             agent_home: agent_home_fd.map(Into::into).or_else(|| empty.clone()),
             late: boot.is_some(),
@@ -598,7 +613,14 @@ impl VmBackend {
             }
         }
         let answered = Instant::now();
-        match self.wait_answer(spec, &rt, &p).await {
+        let ready = async {
+            self.wait_answer(spec, &rt, &p).await?;
+            if disk {
+                self.bring_tools(spec, true).await?;
+            }
+            Ok::<_, BackendError>(())
+        };
+        match ready.await {
             Ok(()) if boot.is_some() => {
                 rt.limits.pop();
                 rt.limits.push_str(&format!(

@@ -99,6 +99,9 @@ pub struct Machine {
     pub tools: Option<PathBuf>,
     /// The agent toolbox's cache, shared read-only over 9p.
     pub agents: Option<PathBuf>,
+    /// The agent toolbox as a read-only disk image instead (a guest whose
+    /// workspace is a disk mounts no share): the guest's fourth disk.
+    pub agents_disk: Option<PathBuf>,
     /// The owner's shared agent home (`agent_home = "shared"`), shared
     /// read-write over 9p.
     pub agent_home: Option<PathBuf>,
@@ -136,6 +139,8 @@ pub fn kernel_cmdline(m: &Machine) -> String {
     }
     if m.agents.is_some() {
         c.push_str(" keystone.agents=1");
+    } else if m.agents_disk.is_some() {
+        c.push_str(" keystone.agents=disk");
     }
     if m.agent_home.is_some() {
         c.push_str(" keystone.agenthome=1");
@@ -209,7 +214,8 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         "-device".into(),
         "virtio-blk-device,drive=home".into(),
     ];
-    // The workspace disk right after the home disk: the guest's /dev/vdc.
+    // The workspace disk right after the home disk: the guest's /dev/vdc;
+    // then the toolbox's, read-only: /dev/vdd.
     if m.share == Share::Disk {
         a.extend([
             "-drive".into(),
@@ -217,6 +223,17 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
             "-device".into(),
             "virtio-blk-device,drive=workspace".into(),
         ]);
+        if let Some(agents) = &m.agents_disk {
+            a.extend([
+                "-drive".into(),
+                format!(
+                    "id=agents,file={},format=raw,if=none,readonly=on",
+                    p(agents)
+                ),
+                "-device".into(),
+                "virtio-blk-device,drive=agents".into(),
+            ]);
+        }
     }
     a.extend([
         "-global".into(),
@@ -475,6 +492,7 @@ mod tests {
             gid: 100,
             tools: None,
             agents: None,
+            agents_disk: None,
             agent_home: None,
             agent_home_readonly: false,
             late: false,

@@ -219,6 +219,17 @@ impl Manager {
             files.push((own.join(GUEST_CA), cert_pem));
             files.push((own.join(GUEST_BUNDLE), bundle.as_str()));
         }
+        // A `vm` guest whose workspace is a disk has its own copy too.
+        if sb.backend == BackendKind::Vm
+            && self
+                .backend(sb.backend)
+                .is_ok_and(|b| b.workspace_inside(&self.spec(sb)))
+        {
+            copy_in = std::fs::read_to_string(dir.join(format!("{id}.pem")))
+                .ok()
+                .as_deref()
+                != Some(bundle.as_str());
+        }
         for (path, text) in files {
             crate::fsutil::atomic_write_mode(&path, text.as_bytes(), 0o644)
                 .map_err(|e| io("write", &path)(std::io::Error::other(e)))?;

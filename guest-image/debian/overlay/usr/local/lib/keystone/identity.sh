@@ -45,6 +45,12 @@ keystone_identity() {
     mkdir -p "$root/opt/keystone/agents"
     mount -t 9p -o $o,cache=loose keystone-agents "$root/opt/keystone/agents" ||
       die "cannot mount the agent toolbox (tag keystone-agents)"
+  elif [ "$agents" = disk ]; then
+    # A guest whose workspace is a disk mounts no share: the toolbox is
+    # a read-only disk too, the fourth (agentd copies its tools in).
+    mkdir -p "$root/opt/keystone/agents"
+    mount -t ext4 -o ro,noload,nosuid,nodev /dev/vdd "$root/opt/keystone/agents" ||
+      die "cannot mount the agent toolbox (disk /dev/vdd)"
   fi
 
   # The owner's shared agent home (agent_home = "shared"), read-write.
