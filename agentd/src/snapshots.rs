@@ -31,9 +31,14 @@ pub const WORKSPACE_DISK: &str = "workspace.img";
 /// The disk images a snapshot copies where the sandbox has them.
 pub const DISKS: [&str; 2] = [HOME_DISK, WORKSPACE_DISK];
 
-/// Everything of a sandbox's directory a snapshot may hold: the [`TREES`]
-/// and the [`DISKS`].
-pub const ENTRIES: [&str; 4] = ["workspace", "home", HOME_DISK, WORKSPACE_DISK];
+/// A `vm` guest's saved memory and device state (a directory): in a
+/// snapshot that holds it, and in the sandbox's directory after a restore
+/// of one, until its next start loads it.
+pub const MEMORY: &str = "memory";
+
+/// Everything of a sandbox's directory a snapshot may hold: the [`TREES`],
+/// the [`DISKS`] and the [`MEMORY`].
+pub const ENTRIES: [&str; 5] = ["workspace", "home", HOME_DISK, WORKSPACE_DISK, MEMORY];
 
 /// Whether `path` is a regular file (not a link to one).
 #[must_use]
@@ -337,6 +342,11 @@ impl Store {
                 return Err(damaged(format!("its {name} is not a file")));
             }
         }
+        if meta.memory != crate::procfs::is_real_dir(&dir.join(MEMORY)) {
+            return Err(damaged(format!(
+                "its description and its {MEMORY} directory do not agree"
+            )));
+        }
         Ok((meta, dir))
     }
 
@@ -463,8 +473,12 @@ pub fn finish_restore(dir: &Path) {
             if let Err(e) = std::fs::rename(&new, &live) {
                 tracing::warn!(path = %new.display(), error = %e, "cannot finish an interrupted restore");
             }
-        } else if DISKS.contains(&tree) && !exists(&live) && exists(&old) && !exists(&new) {
-            // The snapshot had no such disk: the sandbox has none either.
+        } else if (DISKS.contains(&tree) || tree == MEMORY)
+            && !exists(&live)
+            && exists(&old)
+            && !exists(&new)
+        {
+            // The snapshot had no such entry: the sandbox has none either.
             let _ = crate::fsutil::remove_tree(&old);
         }
         for p in [&new, &old] {

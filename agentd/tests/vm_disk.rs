@@ -177,3 +177,76 @@ fn a_vm_workspace_on_a_disk_of_its_own_is_reached_through_the_guest() {
         env.ok(&["destroy", name]);
     }
 }
+
+/// The counter's value in the guest (a process that counts in memory and
+/// writes each value to /tmp, which is memory too).
+fn count(env: &Env, name: &str) -> u64 {
+    env.sh(name, "cat /tmp/count").trim().parse().unwrap()
+}
+
+#[test]
+#[ignore = "boots real VMs: run tests/run-vm.sh"]
+fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_back() {
+    let env = env_with(&image(), serde_json::json!({"vm": {"share": "disk"}}));
+    create_vm(&env, "vm1", "none");
+    env.ok(&["start", "vm1"]);
+    env.sh(
+        "vm1",
+        "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done' \
+         </dev/null >/dev/null 2>&1 & echo $! > /tmp/counter.pid",
+    );
+    common::wait_for("the counter", std::time::Duration::from_secs(30), || {
+        env.inside("vm1", "test \"$(cat /tmp/count)\" -ge 5").0 == 0
+    });
+    let pid = env.sh("vm1", "cat /tmp/counter.pid");
+    let before = count(&env, "vm1");
+    let snap = json(&env.ok(&["snapshot", "vm1", "--json"]));
+    assert_eq!(snap["memory"], true, "{snap}");
+    let id = snap["id"].as_str().unwrap().to_owned();
+    let dir = env.state_dir.join("snapshots/vm1").join(&id);
+    let state = std::fs::metadata(dir.join("memory/state")).unwrap();
+    assert!(
+        state.len() > 1 << 20,
+        "a saved state of {} bytes",
+        state.len()
+    );
+    {
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(state.mode() & 0o777, 0o600);
+        assert_eq!(state.uid(), nix::unistd::Uid::effective().as_raw());
+    }
+    // The guest went on after the save.
+    let after = count(&env, "vm1");
+    assert!(after >= before, "{after} < {before}");
+    env.sh("vm1", "echo later > later.txt && sync");
+
+    env.ok(&["restore", "vm1", &id]);
+    let limits = env.status("vm1")["limits"].as_str().unwrap().to_owned();
+    assert!(limits.contains("restored with its memory"), "{limits}");
+    // The same process, counting on from where it was: not started anew.
+    let out = env.sh(
+        "vm1",
+        "p=$(cat /tmp/counter.pid); kill -0 $p && echo $p; test -e later.txt && echo later; true",
+    );
+    assert_eq!(out, pid, "the counter's process is not the one saved");
+    let restored = count(&env, "vm1");
+    assert!(restored >= before, "counted anew: {restored} < {before}");
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert!(count(&env, "vm1") > restored, "the counter stopped");
+    // The saved memory was loaded once: the sandbox's directory has none.
+    assert!(!env.state_dir.join("sandboxes/vm1/memory").exists());
+
+    // A damaged state is not loaded: the guest starts anew from the
+    // snapshot's files, and `status` says why.
+    std::fs::write(dir.join("memory/state"), b"not a machine").unwrap();
+    env.ok(&["restore", "vm1", &id]);
+    let limits = env.status("vm1")["limits"].as_str().unwrap().to_owned();
+    assert!(
+        limits.contains("its saved memory was not restored"),
+        "{limits}"
+    );
+    let (code, _) = env.inside("vm1", "test -e /tmp/counter.pid");
+    assert_ne!(code, 0, "a started guest has the old one's memory");
+    env.ok(&["stop", "vm1"]);
+    env.ok(&["destroy", "vm1"]);
+}

@@ -553,6 +553,21 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         }
     }
 
+    /// Save the memory and device state of the sandbox `rt` describes, its
+    /// processes stopped ([`Backend::pause`]), into new directory `dir`:
+    /// a snapshot that holds it gives them back at the sandbox's next start
+    /// after a restore ([`crate::snapshots::MEMORY`]). `Ok(Some(why))`
+    /// where this backend or sandbox cannot.
+    fn save_memory<'a>(
+        &'a self,
+        _spec: &'a SandboxSpec,
+        _rt: &'a Runtime,
+        _dir: &'a std::path::Path,
+    ) -> BoxFut<'a, Result<Option<String>, BackendError>> {
+        let why = format!("the {} backend keeps no memory", self.kind());
+        Box::pin(async move { Ok(Some(why)) })
+    }
+
     /// Whether the backend keeps a snapshot's files itself, as a snapshot
     /// of the sandbox's volume (`kubernetes`: a VolumeSnapshot), rather
     /// than agentd copying the sandbox's host directory.

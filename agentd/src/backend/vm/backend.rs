@@ -59,6 +59,15 @@ impl Backend for VmBackend {
         Box::pin(self.freeze(spec, rt, frozen))
     }
 
+    fn save_memory<'a>(
+        &'a self,
+        spec: &'a SandboxSpec,
+        rt: &'a Runtime,
+        dir: &'a Path,
+    ) -> BoxFut<'a, Result<Option<String>, BackendError>> {
+        Box::pin(self.save_memory(spec, rt, dir))
+    }
+
     fn files_snapshot(&self, running: bool) -> Result<bool, &'static str> {
         Ok(running)
     }

@@ -101,13 +101,14 @@ impl VmBackend {
     }
 
     /// Once QEMU runs with `-incoming`: wait for the state to load and let
-    /// the guest go on; it takes its identity from fw_cfg at the first
-    /// hello on a control port. Returns how long the load took.
+    /// the guest go on; from a boot snapshot it takes its identity from
+    /// fw_cfg at the first hello on a control port. Returns how long the
+    /// load took.
     pub(super) async fn restore(
         &self,
         spec: &SandboxSpec,
         rt: &Runtime,
-        snap: &BootSnapshot,
+        from: super::memory::Origin<'_>,
     ) -> Result<Duration, BackendError> {
         let p = Paths::new(spec);
         let fail = |why: String| -> BackendError {
@@ -136,8 +137,10 @@ impl VmBackend {
             .await
             .map_err(|e| fail(e.to_string()))?;
         // Used: kept by the pruning of old snapshots.
-        let _ = std::fs::File::open(&snap.dir)
-            .and_then(|d| d.set_modified(std::time::SystemTime::now()));
+        if let super::memory::Origin::Boot(snap) = from {
+            let _ = std::fs::File::open(&snap.dir)
+                .and_then(|d| d.set_modified(std::time::SystemTime::now()));
+        }
         Ok(started.elapsed())
     }
 }
@@ -186,7 +189,7 @@ pub(super) fn write_identity(spec: &SandboxSpec, mounts: Mounts) -> Result<PathB
 }
 
 /// 32 random bytes from the kernel, as 64 hex digits.
-fn entropy_hex() -> std::io::Result<String> {
+pub(super) fn entropy_hex() -> std::io::Result<String> {
     use std::fmt::Write as _;
     use std::io::Read as _;
     let mut bytes = [0u8; 32];

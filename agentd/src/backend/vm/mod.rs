@@ -16,6 +16,7 @@ mod control;
 mod disks;
 mod error;
 mod fast;
+mod memory;
 pub mod qemu;
 pub mod qmp;
 pub mod serial;
@@ -339,29 +340,48 @@ impl VmBackend {
             rootfs: &rootfs,
             qemu: &qemu,
         };
-        let why = match self.start_from(spec, &image, &share, accel).await {
-            fast::StartFrom::Snapshot(snap) => match self.launch(spec, Some(&snap)).await {
+        // The sandbox's own saved memory first (a restore of a snapshot
+        // that holds it): used once, whatever happens.
+        let mut not_kept = String::new();
+        if let Some(saved) = memory::Saved::in_dir(&p.dir) {
+            match self.start_from_memory(spec, &image, &saved).await {
                 Ok(rt) => return Ok(rt),
-                Err(e) => {
-                    tracing::warn!(sandbox = %spec.name, error = %e, "booting cold instead; the boot snapshot is made again at the next start");
-                    self.drop_boot_snapshot(&snap);
-                    // The first line: the logs are in agentd's.
-                    e.to_string().lines().next().unwrap_or_default().to_owned()
+                Err(why) => {
+                    tracing::warn!(sandbox = %spec.name, %why, "its saved memory is not restored");
+                    not_kept = format!("; its saved memory was not restored ({why})");
                 }
-            },
+            }
+        }
+        let why = match self.start_from(spec, &image, &share, accel).await {
+            fast::StartFrom::Snapshot(snap) => {
+                match self.launch(spec, memory::Origin::Boot(&snap)).await {
+                    Ok(mut rt) => {
+                        rt.limits.push_str(&not_kept);
+                        return Ok(rt);
+                    }
+                    Err(e) => {
+                        tracing::warn!(sandbox = %spec.name, error = %e, "booting cold instead; the boot snapshot is made again at the next start");
+                        self.drop_boot_snapshot(&snap);
+                        // The first line: the logs are in agentd's.
+                        e.to_string().lines().next().unwrap_or_default().to_owned()
+                    }
+                }
+            }
             fast::StartFrom::Cold(why) => why,
         };
-        let mut rt = self.launch(spec, None).await?;
+        let mut rt = self.launch(spec, memory::Origin::Cold).await?;
         rt.limits
             .push_str(&format!("; cold boot ({})", crate::text::clamp_text(&why)));
+        rt.limits.push_str(&not_kept);
         Ok(rt)
     }
 
-    /// Start QEMU for `spec`: booting the image, or restoring `boot`.
+    /// Start QEMU for `spec`: booting the image, or restoring the boot
+    /// snapshot or the sandbox's own saved memory (`from`).
     async fn launch(
         &self,
         spec: &SandboxSpec,
-        boot: Option<&boot::BootSnapshot>,
+        from: memory::Origin<'_>,
     ) -> Result<Runtime, BackendError> {
         let p = Paths::new(spec);
         let (kernel, initrd, rootfs) = self.image()?;
@@ -403,7 +423,7 @@ impl VmBackend {
         // A restored guest reads its fw_cfg files at the sizes its
         // snapshot's guest saw.
         let key = |path: PathBuf| FileArg {
-            pad: if boot.is_some() { fast::FW_CFG_SIZE } else { 0 },
+            pad: if from.late() { fast::FW_CFG_SIZE } else { 0 },
             ..arg(path, true)
         };
         let mut files = vec![
@@ -475,18 +495,18 @@ impl VmBackend {
         // A restore: the saved state as a descriptor, and the same devices
         // as the snapshot's guest had (an empty directory for the shares
         // this sandbox does not have).
-        let (incoming, empty, identity) = match boot {
-            Some(b) => {
-                files.push(arg(b.state(), false));
+        let (incoming, empty, identity) = match from.state() {
+            Some(state) => {
+                files.push(arg(state, false));
                 let state = supervise::FIRST_FD + i32::try_from(files.len() - 1).unwrap_or(0);
-                files.push(arg(b.dir.join("empty"), false));
-                let empty = PathBuf::from(fd_path(files.len() - 1));
-                files.push(key(fast::write_identity(spec, mounts)?));
-                (
-                    Some(format!("fd:{state}")),
-                    Some(empty),
-                    Some(PathBuf::from(fd_path(files.len() - 1))),
-                )
+                let (mut empty, mut identity) = (None, None);
+                if from.late() {
+                    files.push(arg(self.empty_dir(from)?, false));
+                    empty = Some(PathBuf::from(fd_path(files.len() - 1)));
+                    files.push(key(fast::write_identity(spec, mounts)?));
+                    identity = Some(PathBuf::from(fd_path(files.len() - 1)));
+                }
+                (Some(format!("fd:{state}")), empty, identity)
             }
             None => (None, None, None),
         };
@@ -513,7 +533,7 @@ impl VmBackend {
             agents_disk,
             agent_home_readonly: agent_home_fd.is_none(),
             agent_home: agent_home_fd.map(Into::into).or_else(|| empty.clone()),
-            late: boot.is_some(),
+            late: from.late(),
             incoming,
             identity,
         };
@@ -596,14 +616,15 @@ impl VmBackend {
             agents: toolbox.unwrap_or_default(),
             pod: None,
         };
-        tracing::info!(sandbox = %spec.name, pid, accel = %accel.as_str(), share = %share.as_str(), restore = boot.is_some(), "VM starting");
-        if let Some(b) = boot {
-            let restored = self.restore(spec, &rt, b).await;
+        tracing::info!(sandbox = %spec.name, pid, accel = %accel.as_str(), share = %share.as_str(), restore = from.state().is_some(), "VM starting");
+        if from.state().is_some() {
+            let restored = self.restore(spec, &rt, from).await;
             // QEMU has its copy (and the seed in it is the guest's alone).
             let _ = std::fs::remove_file(p.dir.join("client/identity"));
             match restored {
                 Ok(load) => rt.limits.push_str(&format!(
-                    "; started from the boot snapshot (restored in {:.2} s)",
+                    "; {} (restored in {:.2} s)",
+                    from.describe(),
                     load.as_secs_f64()
                 )),
                 Err(e) => {
@@ -615,13 +636,16 @@ impl VmBackend {
         let answered = Instant::now();
         let ready = async {
             self.wait_answer(spec, &rt, &p).await?;
-            if disk {
+            if let memory::Origin::Memory { .. } = from {
+                // Its clock and random state are those it was saved with.
+                self.refresh(spec).await;
+            } else if disk {
                 self.bring_tools(spec, true).await?;
             }
             Ok::<_, BackendError>(())
         };
         match ready.await {
-            Ok(()) if boot.is_some() => {
+            Ok(()) if from.state().is_some() => {
                 rt.limits.pop();
                 rt.limits.push_str(&format!(
                     ", identity and logins in {:.2} s)",

@@ -69,17 +69,86 @@ pub async fn call(
     command: &'static str,
     arguments: Option<serde_json::Value>,
 ) -> Result<serde_json::Value, QmpError> {
-    tokio::time::timeout(DEADLINE, call_inner(socket, uid, command, arguments))
+    let step = Step {
+        command,
+        arguments,
+        fd: None,
+    };
+    tokio::time::timeout(DEADLINE, run(socket, uid, vec![step]))
         .await
         .map_err(|_| QmpError::Timeout(command))?
 }
 
-async fn call_inner(
+/// Start saving the (stopped) guest's state into `file`: QEMU gets the
+/// descriptor over the socket (`getfd`) and migrates to it (`migrate
+/// fd:`), so it writes a file of agentd's it could not open itself. Returns
+/// once the migration has begun ([`super::boot::wait_migration`] waits for
+/// its end).
+///
+/// # Errors
+/// [`QmpError`].
+pub async fn migrate_to_file(
     socket: &Path,
     uid: u32,
+    file: &std::fs::File,
+) -> Result<(), QmpError> {
+    use std::os::fd::AsRawFd;
+    let steps = vec![
+        Step {
+            command: "getfd",
+            arguments: Some(serde_json::json!({ "fdname": SAVE_FD })),
+            fd: Some(file.as_raw_fd()),
+        },
+        Step {
+            command: "migrate",
+            arguments: Some(serde_json::json!({ "uri": format!("fd:{SAVE_FD}") })),
+            fd: None,
+        },
+    ];
+    tokio::time::timeout(DEADLINE, run(socket, uid, steps))
+        .await
+        .map_err(|_| QmpError::Timeout("migrate"))?
+        .map(drop)
+}
+
+/// The name QEMU keeps the save's descriptor under.
+const SAVE_FD: &str = "keystone-save";
+
+/// A command of a connection, with a descriptor sent along (`getfd`).
+struct Step {
     command: &'static str,
     arguments: Option<serde_json::Value>,
-) -> Result<serde_json::Value, QmpError> {
+    fd: Option<std::os::fd::RawFd>,
+}
+
+/// Write `line` with `fd` passed along (`SCM_RIGHTS`) on its first bytes.
+async fn send_with_fd(
+    write: &mut tokio::net::unix::OwnedWriteHalf,
+    line: &[u8],
+    fd: std::os::fd::RawFd,
+) -> std::io::Result<()> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+    use std::os::fd::AsRawFd;
+    let sent = loop {
+        let stream: &UnixStream = write.as_ref();
+        stream.writable().await?;
+        let tried = stream.try_io(tokio::io::Interest::WRITABLE, || {
+            let iov = [std::io::IoSlice::new(line)];
+            let fds = [fd];
+            let cmsg = [ControlMessage::ScmRights(&fds)];
+            sendmsg::<()>(stream.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None)
+                .map_err(std::io::Error::from)
+        });
+        match tried {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    };
+    write.write_all(&line[sent..]).await
+}
+
+async fn run(socket: &Path, uid: u32, steps: Vec<Step>) -> Result<serde_json::Value, QmpError> {
     // On a blocking thread: QEMU may take its time to accept.
     let path = socket.to_owned();
     let stream = tokio::task::spawn_blocking(move || {
@@ -103,16 +172,23 @@ async fn call_inner(
         ));
     }
     let mut answer = serde_json::Value::Null;
-    for cmd in ["qmp_capabilities", command] {
-        let mut message = serde_json::json!({ "execute": cmd });
-        if let (true, Some(a)) = (cmd == command, &arguments) {
-            message["arguments"] = a.clone();
+    let hello = Step {
+        command: "qmp_capabilities",
+        arguments: None,
+        fd: None,
+    };
+    for step in std::iter::once(hello).chain(steps) {
+        let command = step.command;
+        let mut message = serde_json::json!({ "execute": command });
+        if let Some(a) = step.arguments {
+            message["arguments"] = a;
         }
         let line = format!("{message}\n");
-        write
-            .write_all(line.as_bytes())
-            .await
-            .map_err(|e| QmpError::Protocol(e.to_string()))?;
+        match step.fd {
+            Some(fd) => send_with_fd(&mut write, line.as_bytes(), fd).await,
+            None => write.write_all(line.as_bytes()).await,
+        }
+        .map_err(|e| QmpError::Protocol(e.to_string()))?;
         // Events may come first; the answer is `return` or `error`.
         loop {
             let mut v = lines.next().await?;

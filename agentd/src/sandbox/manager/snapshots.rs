@@ -79,13 +79,25 @@ impl Manager {
             tracing::info!(sandbox = %name, snapshot = %meta.id, volume = ?meta.volume, "snapshot taken");
             return Ok(meta.info());
         }
-        let meta = self
-            .frozen_copy(&sb, "be snapshotted", move |spec, sb| {
+        // Begun first: where the backend keeps them, the processes' memory
+        // and devices are saved into it while they are stopped.
+        let partial = store
+            .begin(&sb.name, &id)
+            .map_err(|source| Error::Snapshot {
+                name: sb.name.clone(),
+                source,
+            })?;
+        let (kept, memory) = (partial.clone(), partial.join(snapshots::MEMORY));
+        let made = self
+            .frozen_copy(&sb, "be snapshotted", Some(memory), move |spec, sb| {
                 let fail = |source| Error::Snapshot {
                     name: sb.name.clone(),
                     source,
                 };
-                let mut needed = 0;
+                // The saved memory is there already.
+                let mut needed = crate::fsutil::tree_size(&partial)
+                    .map_err(SnapshotError::io_at("measure", &partial))
+                    .map_err(fail)?;
                 for entry in ENTRIES {
                     let path = spec.dir().join(entry);
                     if procfs::is_real_dir(&path) || snapshots::is_real_file(&path) {
@@ -103,23 +115,22 @@ impl Manager {
                         quota_mib: sb.config.snapshot_quota,
                     }));
                 }
-                let partial = store.begin(&sb.name, &id).map_err(fail)?;
-                let made = (|| {
-                    copy_trees(spec.dir(), &partial)?;
-                    let size = crate::fsutil::tree_size(&partial)
-                        .map_err(SnapshotError::io_at("measure", &partial))?;
-                    let branches = copied_branches(&partial);
-                    let meta = describe(sb, &id, label, kind.as_str(), size, branches, None);
-                    store.commit(&partial, &meta)?;
-                    Ok(meta)
-                })();
-                if made.is_err() {
-                    let _ = crate::fsutil::remove_tree(&partial);
-                }
-                made.map_err(fail)
+                copy_trees(spec.dir(), &partial).map_err(fail)?;
+                let size = crate::fsutil::tree_size(&partial)
+                    .map_err(SnapshotError::io_at("measure", &partial))
+                    .map_err(fail)?;
+                let branches = copied_branches(&partial);
+                let mut meta = describe(sb, &id, label, kind.as_str(), size, branches, None);
+                meta.memory = procfs::is_real_dir(&partial.join(snapshots::MEMORY));
+                store.commit(&partial, &meta).map_err(fail)?;
+                Ok(meta)
             })
-            .await?;
-        tracing::info!(sandbox = %name, snapshot = %meta.id, size = meta.size, "snapshot taken");
+            .await;
+        if made.is_err() {
+            let _ = crate::fsutil::remove_tree(&kept);
+        }
+        let meta = made?;
+        tracing::info!(sandbox = %name, snapshot = %meta.id, size = meta.size, memory = meta.memory, "snapshot taken");
         Ok(meta.info())
     }
 
@@ -323,7 +334,7 @@ impl Manager {
         let _all = locks.all().await;
         let src = self.get(caller, name)?;
         let to = to.to_owned();
-        self.frozen_copy(&src, "be forked", move |spec, sb| {
+        self.frozen_copy(&src, "be forked", None, move |spec, sb| {
             std::fs::create_dir_all(&to)
                 .map_err(SnapshotError::io_at("create", &to))
                 .and_then(|()| copy_trees(spec.dir(), &to))
@@ -342,6 +353,7 @@ impl Manager {
         &self,
         sb: &Sandbox,
         what: &'static str,
+        memory: Option<PathBuf>,
         copy: impl FnOnce(&SandboxSpec, &Sandbox) -> Result<T> + Send + 'static,
     ) -> Result<T> {
         self.check_settled(sb, what)?;
@@ -371,6 +383,20 @@ impl Manager {
             }
             _ => None,
         };
+        // Its processes stopped (or paused): their memory and devices
+        // saved into `memory` where the backend can; the files alone
+        // otherwise, and the log says why.
+        if let (Some(dir), Some(rt), true) = (&memory, &rt, freeze) {
+            match backend.save_memory(&spec, rt, dir).await {
+                Ok(None) => {}
+                Ok(Some(why)) => {
+                    tracing::debug!(sandbox = %sb.name, %why, "the snapshot keeps the files, not the memory");
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %sb.name, error = %e, "cannot save the memory: the snapshot keeps the files");
+                }
+            }
+        }
         let (spec2, sb2) = (spec.clone(), sb.clone());
         let done = tokio::task::spawn_blocking(move || copy(&spec2, &sb2))
             .await

@@ -1,0 +1,349 @@
+//! A `vm` guest's memory kept in a snapshot: saved while its CPUs are
+//! stopped (QMP `migrate` into a file of agentd's, whose descriptor QEMU
+//! gets over its socket: QEMU runs as the sandbox's uid and could not open
+//! it), and restored at the sandbox's next start after a restore of that
+//! snapshot, so that its processes go on where they were.
+//!
+//! Only a guest that mounts no share can be saved (QEMU refuses to migrate
+//! one with a mounted 9p or virtio-fs export): one with a workspace disk
+//! (`vm.share = "disk"`) and no shared agent home. The restored machine
+//! must be the saved one: the same image, QEMU, shape and toolbox disk (a
+//! key of them is kept beside the state), and the same devices (whether
+//! the guest had started from the boot snapshot, which gives it stand-ins
+//! and fw_cfg files of fixed sizes).
+
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+
+use super::boot::{self, BootSnapshot, Shape};
+use super::{Paths, VmBackend, VmError, device_uid, qmp, supervise};
+use crate::backend::{BackendError, Runtime, SandboxSpec};
+use crate::snapshots::{HOME_DISK, MEMORY, WORKSPACE_DISK};
+
+/// The saved machine state in a memory directory.
+const STATE: &str = "state";
+
+/// What the restored machine must be, beside it ([`Facts`]).
+const FACTS: &str = "machine.json";
+
+/// How long saving the state may take.
+const SAVE_LIMIT: Duration = Duration::from_secs(300);
+
+/// How long the guest may take to take fresh randomness and the clock.
+const REFRESH_LIMIT: Duration = Duration::from_secs(10);
+
+/// Where a start comes from.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Origin<'a> {
+    /// The image, booted.
+    Cold,
+    /// The boot snapshot of the sandbox's shape.
+    Boot(&'a BootSnapshot),
+    /// The sandbox's own saved memory: its state file, and whether the
+    /// guest in it had started from a boot snapshot.
+    Memory { state: &'a Path, late: bool },
+}
+
+impl Origin<'_> {
+    /// The state QEMU loads, if any.
+    pub fn state(&self) -> Option<PathBuf> {
+        match self {
+            Self::Cold => None,
+            Self::Boot(b) => Some(b.state()),
+            Self::Memory { state, .. } => Some(state.to_path_buf()),
+        }
+    }
+
+    /// Whether the guest booted without its identity (`keystone.late=1`),
+    /// with the boot snapshot's devices.
+    pub fn late(&self) -> bool {
+        match self {
+            Self::Cold => false,
+            Self::Boot(_) => true,
+            Self::Memory { late, .. } => *late,
+        }
+    }
+
+    /// For `status`.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Self::Cold => "cold boot",
+            Self::Boot(_) => "started from the boot snapshot",
+            Self::Memory { .. } => "restored with its memory: its processes went on",
+        }
+    }
+}
+
+/// What a saved state needs of the machine that loads it.
+#[derive(Debug, Serialize, Deserialize)]
+struct Facts {
+    /// The guest had started from a boot snapshot.
+    late: bool,
+    /// The image, QEMU, shape and toolbox disk ([`VmBackend::machine_key`]).
+    key: String,
+}
+
+/// A sandbox's saved memory, in its directory ([`MEMORY`]) after a
+/// restore of a snapshot that holds one.
+#[derive(Debug)]
+pub(super) struct Saved {
+    dir: PathBuf,
+}
+
+impl Saved {
+    /// The saved memory in sandbox directory `dir`, if it has one.
+    pub fn in_dir(dir: &Path) -> Option<Self> {
+        let dir = dir.join(MEMORY);
+        std::fs::symlink_metadata(&dir)
+            .is_ok()
+            .then_some(Self { dir })
+    }
+}
+
+impl VmBackend {
+    /// Save the memory and device state of `spec`'s guest, its CPUs
+    /// stopped, into new directory `dir`; `Ok(Some(why))` where it cannot
+    /// be (a share mounted, an image that cannot say what it is).
+    pub(super) async fn save_memory(
+        &self,
+        spec: &SandboxSpec,
+        rt: &Runtime,
+        dir: &Path,
+    ) -> Result<Option<String>, BackendError> {
+        if !self.workspace_on_disk(spec) {
+            return Ok(Some(
+                "its workspace is a directory shared with the guest, which QEMU cannot save a guest with (vm.share = \"disk\" gives new sandboxes a workspace disk)"
+                    .to_owned(),
+            ));
+        }
+        if spec.agent_home.is_some() {
+            return Ok(Some(
+                "it shares the owner's agent home (agent_home = \"shared\"), a directory QEMU cannot save a guest with"
+                    .to_owned(),
+            ));
+        }
+        if !crate::backend::supervisor_alive(rt) {
+            return Err(VmError::NotRunning {
+                sandbox: spec.name.clone(),
+            }
+            .into());
+        }
+        let p = Paths::new(spec);
+        let (kernel, initrd, rootfs) = self.image()?;
+        let qemu = self.qemu()?;
+        let image = boot::Image {
+            kernel: &kernel,
+            initrd: &initrd,
+            rootfs: &rootfs,
+            qemu: &qemu,
+        };
+        let key = match self.machine_key(spec, &image).await {
+            Ok(k) => k,
+            Err(why) => return Ok(Some(why)),
+        };
+        let Some(late) = started_late(&p.plan) else {
+            return Ok(Some("its run/vm-plan.json cannot be read".to_owned()));
+        };
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(dir)
+            .map_err(BackendError::file("cannot create", dir))?;
+        let saved = self.save_into(spec, dir, &Facts { late, key }).await;
+        if saved.is_err() {
+            let _ = crate::fsutil::remove_tree(dir);
+        }
+        saved.map(|()| None)
+    }
+
+    async fn save_into(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        facts: &Facts,
+    ) -> Result<(), BackendError> {
+        let path = dir.join(STATE);
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(BackendError::file("cannot create", &path))?;
+        let socket = Paths::new(spec).vm.join(qmp::SOCKET);
+        let uid = device_uid(spec);
+        let qmp_error = |source| VmError::Qmp {
+            sandbox: spec.name.clone(),
+            source,
+        };
+        qmp::migrate_to_file(&socket, uid, &file)
+            .await
+            .map_err(qmp_error)?;
+        // What QEMU writes is bounded: the guest's RAM and its devices'
+        // state, no more (a QEMU the guest took over could write on).
+        let limit = (u64::from(spec.config.memory) + 512) << 20;
+        let started = Instant::now();
+        let failed = |why: String| -> BackendError {
+            VmError::Restore {
+                sandbox: spec.name.clone(),
+                why: format!("saving its memory: {why}"),
+            }
+            .into()
+        };
+        loop {
+            let answer = qmp::call(&socket, uid, "query-migrate", None)
+                .await
+                .map_err(qmp_error)?;
+            match answer.get("status").and_then(serde_json::Value::as_str) {
+                Some("completed") => break,
+                Some("failed" | "cancelled") => {
+                    let why = answer
+                        .get("error-desc")
+                        .and_then(serde_json::Value::as_str)
+                        .unwrap_or("no reason given");
+                    return Err(failed(crate::text::clamp_text(why).into_owned()));
+                }
+                _ => {}
+            }
+            let size = file.metadata().map_or(0, |m| m.len());
+            if size > limit || started.elapsed() > SAVE_LIMIT {
+                let _ = qmp::execute(&socket, uid, "migrate_cancel").await;
+                return Err(failed(format!(
+                    "QEMU wrote {} MiB in {} s, past the guest's RAM and its devices",
+                    size >> 20,
+                    started.elapsed().as_secs()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        file.sync_all()
+            .map_err(BackendError::file("cannot write", &path))?;
+        let facts_path = dir.join(FACTS);
+        let json = serde_json::to_vec(facts)?;
+        crate::fsutil::atomic_write_mode(&facts_path, &json, 0o600)?;
+        Ok(())
+    }
+
+    /// Start `spec` from its saved memory `saved`, which goes whatever
+    /// happens (a saved state is loaded once); why not when it cannot be.
+    pub(super) async fn start_from_memory(
+        &self,
+        spec: &SandboxSpec,
+        image: &boot::Image<'_>,
+        saved: &Saved,
+    ) -> Result<Runtime, String> {
+        let started = async {
+            let facts: Facts = std::fs::read(saved.dir.join(FACTS))
+                .ok()
+                .filter(|b| b.len() <= 64 * 1024)
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .ok_or("its description cannot be read")?;
+            let state = saved.dir.join(STATE);
+            if !crate::snapshots::is_real_file(&state) {
+                return Err("its state is missing".to_owned());
+            }
+            if self.machine_key(spec, image).await? != facts.key {
+                return Err(
+                    "the image, QEMU, the machine's size or the toolbox changed since it was saved"
+                        .to_owned(),
+                );
+            }
+            let from = Origin::Memory {
+                state: &state,
+                late: facts.late,
+            };
+            self.launch(spec, from)
+                .await
+                .map_err(|e| e.to_string().lines().next().unwrap_or_default().to_owned())
+        };
+        let result = started.await;
+        let _ = crate::fsutil::remove_tree(&saved.dir);
+        result
+    }
+
+    /// What a saved state must be loaded into: a key of the image, QEMU,
+    /// the shape (RAM, vCPUs, accelerator, the disks' sizes) and the
+    /// toolbox disk.
+    async fn machine_key(
+        &self,
+        spec: &SandboxSpec,
+        image: &boot::Image<'_>,
+    ) -> Result<String, String> {
+        let (accel, _) = self.accel(image.kernel).await.map_err(|e| e.to_string())?;
+        let dir = spec.dir();
+        let mib = |name: &str| {
+            std::fs::symlink_metadata(dir.join(name))
+                .map(|m| u32::try_from(m.len() >> 20).unwrap_or(u32::MAX))
+                .map_err(|e| format!("its {name}: {e}"))
+        };
+        let agents = self.toolbox_disk().await.map_err(|e| e.to_string())?;
+        let shape = Shape {
+            memory: spec.config.memory,
+            vcpus: spec.config.vcpus,
+            accel,
+            home_mib: mib(HOME_DISK)?,
+            workspace_mib: Some(mib(WORKSPACE_DISK)?),
+            agents_mib: agents.as_ref().map(|(_, m)| *m),
+        };
+        let key = boot::key(
+            image.kernel.parent().unwrap_or(Path::new("/")),
+            image.qemu,
+            shape,
+        )?;
+        let toolbox = agents
+            .and_then(|(img, _)| img.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_default();
+        Ok(format!("{key} {toolbox}"))
+    }
+
+    /// An empty directory for the 9p stand-ins of a guest restored with
+    /// the boot snapshot's devices (`state_dir/vm-empty` for a saved
+    /// memory: the devices must be there, their contents never mounted).
+    pub(super) fn empty_dir(&self, from: Origin<'_>) -> Result<PathBuf, BackendError> {
+        if let Origin::Boot(b) = from {
+            return Ok(b.dir.join("empty"));
+        }
+        let dir = self.settings.state_dir.join("vm-empty");
+        match std::fs::DirBuilder::new().mode(0o755).create(&dir) {
+            Ok(()) => Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(dir),
+            Err(e) => Err(BackendError::file("cannot create", &dir)(e)),
+        }
+    }
+
+    /// A guest restored with its memory has the clock and random state it
+    /// was saved with: fresh randomness mixed in and the pool reseeded,
+    /// the clock set, as root (a restore of one snapshot twice must not
+    /// draw the same random numbers twice).
+    pub(super) async fn refresh(&self, spec: &SandboxSpec) {
+        let seed = match super::fast::entropy_hex() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(sandbox = %spec.name, error = %e, "no randomness for the restored guest");
+                return;
+            }
+        };
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        let script = format!(
+            "perl -e 'open(my $f, \">\", \"/dev/urandom\") or die; syswrite($f, pack(\"H*\", $ARGV[0])) or die; \
+             ioctl($f, 0x5207, 0) or die' {seed} && date -u -s @{}.{:09} >/dev/null",
+            now.as_secs(),
+            now.subsec_nanos()
+        );
+        let root = self.target(spec, "root");
+        if let Err(why) = super::state::as_root(&root, &script, REFRESH_LIMIT).await {
+            tracing::warn!(sandbox = %spec.name, why, "cannot give the restored guest fresh randomness and the clock");
+        }
+    }
+}
+
+/// Whether the guest of the plan at `plan` started from a boot snapshot
+/// (its kernel command line says `keystone.late=1`).
+fn started_late(plan: &Path) -> Option<bool> {
+    let bytes = std::fs::read(plan).ok().filter(|b| b.len() <= 1 << 20)?;
+    let plan: supervise::Plan = serde_json::from_slice(&bytes).ok()?;
+    Some(plan.qemu.iter().any(|a| a.contains("keystone.late=1")))
+}
