@@ -149,7 +149,8 @@ fn a_paused_kubernetes_sandbox_is_parked_its_pod_deleted_and_its_claim_kept() {
     );
     let first = kube.object("pods", "ks-kp").expect("no Pod")["metadata"]["uid"].clone();
 
-    env.ok(&["pause", "kp"]);
+    let out = env.ok(&["pause", "kp"]);
+    assert!(out.contains("its processes ended"), "{out}");
     assert_eq!(env.state("kp"), "paused");
     assert!(
         kube.object("pods", "ks-kp").is_none(),

@@ -274,11 +274,6 @@ fn a_cluster_without_volume_snapshots_says_what_is_missing_and_nothing_changes()
             && refused.contains("external-snapshotter"),
         "{refused}"
     );
-    let paused = env.fails(3, &["pause", "pod"]);
-    assert!(
-        paused.contains("a kubernetes sandbox cannot be paused"),
-        "{paused}"
-    );
     env.fails(3, &["fork", "pod", "pod2"]);
     assert_eq!(env.state("pod"), "running");
     assert!(snapshots(&env, "pod").is_empty());

@@ -112,9 +112,19 @@ pub(super) async fn run(
                 .await?
                 .pause()
                 .await?;
-            crate::outln!(
-                "Sandbox '{name}' paused: its processes use no CPU until `agentctl resume {name}`."
-            );
+            // A backend that cannot freeze parks it instead (its reason
+            // says so: a kubernetes Pod deleted, its claim kept).
+            let parked = match lookup(conn, manager, &name).await {
+                Ok(sb) => sb.state_reason().await.unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            if parked.is_empty() {
+                crate::outln!(
+                    "Sandbox '{name}' paused: its processes use no CPU until `agentctl resume {name}`."
+                );
+            } else {
+                crate::outln!("Sandbox '{name}' {parked}.");
+            }
             Ok(0)
         }
         Command::Resume { name } => {

@@ -143,5 +143,5 @@ impl Manager {
 
 /// Why a parked sandbox ([`Manager::park_locked`]) is paused with nothing
 /// running.
-pub(super) const PARKED: &str = "paused as its backend pauses: its processes ended and its files are \
-     kept; `agentctl resume` starts it again, its processes anew";
+pub(super) const PARKED: &str = "parked (its backend cannot freeze it): its processes ended and its \
+     files are kept; `agentctl resume` starts it again, its processes anew";
