@@ -20,6 +20,10 @@
 5. State of that running guest: pause and resume (p50, beside `agentctl
    status`), a snapshot of its files, a restore (beside a warm start) and a
    fork started (beside a start of a new sandbox).
+6. Memory snapshots (a third agentd with `vm.share = "disk"`): a snapshot
+   of a running guest with --fill MiB of its RAM in use, its memory kept
+   (time, size, the state's size), and a restore that loads it (beside the
+   files-only snapshot and restore of 5).
 
 Needs root, `cargo build --release --bins`, QEMU and the image
 (guest-image/debian/build.sh).
@@ -95,6 +99,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--image")
+    ap.add_argument("--fill", type=int, default=384)
     args = ap.parse_args()
     img = image_dir(args.image)
     tmp = Path(tempfile.mkdtemp(prefix="ks-vm-bench-", dir="/tmp"))
@@ -170,6 +175,23 @@ def main():
         d.run("stop", "--force", "forked")
         d.run("stop", "warm")
 
+    disk_cfg = tmp / "agentd-disk.json"
+    disk_cfg.write_text(json.dumps({"vm": {"image": str(img), "share": "disk"}}))
+    with Daemon(["--config", str(disk_cfg)]) as d:
+        d.run("create", *opts, "--name", "mem", str(small_repo(d.tmp / "mem")))
+        d.run("start", "mem")
+        d.run("exec", "mem", "--timeout", "600", "--", "sh", "-c",
+              f"head -c {args.fill}M /dev/urandom > /dev/shm/fill")
+        t0 = time.perf_counter()
+        msnap = json.loads(d.run("snapshot", "mem", "--json"))
+        msnap_ms = (time.perf_counter() - t0) * 1000
+        state_bytes = (d.state / "snapshots" / "mem" / msnap["id"] / "memory" / "state").stat().st_size
+        t0 = time.perf_counter()
+        d.run("restore", "mem", msnap["id"])
+        mrestore_ms = (time.perf_counter() - t0) * 1000
+        mlimits = json.loads(d.run("status", "mem", "--json"))["limits"]
+        d.run("stop", "--force", "mem")
+
     cold_cfg = tmp / "agentd-cold.json"
     cold_cfg.write_text(json.dumps({"vm": {"image": str(img), "fast_start": False}}))
     boots = []
@@ -228,6 +250,13 @@ def main():
           f"| warm start: p50 {pct(warm, 50) / 1000:.2f} s")
     print(f"{'fork + start (boots its own guest)':34} {fork_ms / 1000:8.2f} s    "
           f"| new sandbox: p50 {pct(cold, 50) / 1000:.2f} s")
+    print(f"\nmemory snapshots (vm.share = \"disk\", {MEMORY} MiB guest, {args.fill} MiB of it filled):")
+    print(f"{'snapshot with memory':34} {msnap_ms / 1000:8.2f} s, {msnap['size'] / 2**20:.1f} MiB "
+          f"(state {state_bytes / 2**20:.1f} MiB, memory kept: {msnap['memory']}) "
+          f"| files only: {snap_ms / 1000:.2f} s")
+    print(f"{'restore with memory (load, go on)':34} {mrestore_ms / 1000:8.2f} s    "
+          f"| files only (boot): {restore_ms / 1000:.2f} s")
+    print(f"  ({mlimits})")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ impl VmBackend {
         };
         let mut parts = Vec::new();
         if all {
-            parts.push(Part::Entries(tools.clone()));
+            parts = tool_parts(tools).map_err(|e| BackendError::file("cannot read", tools)(e))?;
         }
         let ca = tools.join(crate::backend::CA_DIR);
         for suffix in [".ca.pem", ".pem"] {
@@ -139,6 +139,37 @@ impl VmBackend {
         let argv = ["sh", "-c", UNPACK_TOOLS];
         Ok(archive::send(&root, &argv, parts, "agentd's tools").await?)
     }
+}
+
+/// What of agentd's tools directory a guest gets copied in: all but the
+/// CA files (only the sandbox's own go), the toolbox (a disk of its own)
+/// and Zellij (the image has its own, and it is the largest by far: a
+/// copy over the control channel would cost seconds at every start).
+fn tool_parts(tools: &Path) -> std::io::Result<Vec<crate::backend::remote::archive::Part>> {
+    use crate::backend::remote::archive::Part;
+    let mut parts = Vec::new();
+    for entry in std::fs::read_dir(tools)? {
+        let entry = entry?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let kind = entry.file_type()?;
+        if name == crate::backend::CA_DIR || name == "agents" {
+            continue;
+        }
+        if name == "bin" && kind.is_dir() {
+            for tool in std::fs::read_dir(entry.path())? {
+                let tool = tool?;
+                let n = tool.file_name().to_string_lossy().into_owned();
+                if n != "zellij" && !n.starts_with('.') {
+                    parts.push(Part::File(tool.path(), format!("bin/{n}")));
+                }
+            }
+        } else if kind.is_dir() {
+            parts.push(Part::Dir(entry.path(), name));
+        } else if kind.is_file() {
+            parts.push(Part::File(entry.path(), name));
+        }
+    }
+    Ok(parts)
 }
 
 /// Unpack agentd's tools (stdin) into `/opt/keystone/host` and link the
