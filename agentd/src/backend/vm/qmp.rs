@@ -94,6 +94,13 @@ pub async fn migrate_to_file(
 ) -> Result<(), QmpError> {
     use std::os::fd::AsRawFd;
     let steps = vec![
+        // A file takes what QEMU writes as fast as it can: no limit of the
+        // network migrations the default (128 MiB/s) is made for.
+        Step {
+            command: "migrate-set-parameters",
+            arguments: Some(serde_json::json!({ "max-bandwidth": SAVE_BANDWIDTH })),
+            fd: None,
+        },
         Step {
             command: "getfd",
             arguments: Some(serde_json::json!({ "fdname": SAVE_FD })),
@@ -110,6 +117,9 @@ pub async fn migrate_to_file(
         .map_err(|_| QmpError::Timeout("migrate"))?
         .map(drop)
 }
+
+/// Bytes a second a save may go at (16 GiB/s: no limit in practice).
+const SAVE_BANDWIDTH: u64 = 16 << 30;
 
 /// The name QEMU keeps the save's descriptor under.
 const SAVE_FD: &str = "keystone-save";
