@@ -151,26 +151,9 @@ async fn feed(mut rx: mpsc::Receiver<Vec<u8>>, mut to: impl AsyncWrite + Unpin) 
     let _ = to.shutdown().await;
 }
 
-/// Wait for an exec's `outputs` (what reads its streams) and its `status`.
-/// Once the status has come, or the connection ended without one, the
-/// streams have all they will get; but where the connection's task ended on
-/// an error (a connection the server closed while stdin was still being
-/// sent) it leaves them without an end: the readers get a moment, no more.
-pub(super) async fn with_status<T: Default>(
-    outputs: impl Future<Output = T>,
-    status: impl Future<Output = Option<Status>>,
-) -> (T, Option<Status>) {
-    tokio::pin!(outputs, status);
-    tokio::select! {
-        out = &mut outputs => (out, status.await),
-        s = &mut status => (
-            tokio::time::timeout(Duration::from_secs(2), outputs)
-                .await
-                .unwrap_or_default(),
-            s,
-        ),
-    }
-}
+/// Wait for an exec's outputs and its status
+/// ([`crate::backend::remote::with_status`]).
+pub(super) use crate::backend::remote::with_status;
 
 /// The exit code an exec's `Status` reports.
 pub(super) fn exit_code(status: Option<Status>) -> Result<i32, KubeError> {
