@@ -206,13 +206,17 @@ fn toolbox_image(dir: &Path, describe: &str, root: &Path) -> std::io::Result<(Pa
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    let used = crate::snapshots::entry_size(dir)?;
-    // A quarter more than the files take, for ext4's own, in 64 MiB steps.
-    let mib = u32::try_from(((used + used / 4) >> 20) / 64 * 64 + 128).unwrap_or(u32::MAX);
     let img = root.join(format!("{key}.img"));
-    if crate::snapshots::is_real_file(&img) {
-        return Ok((img, mib));
+    // Made already (every start asks): its size is the one it was made with.
+    if let Ok(m) = std::fs::symlink_metadata(&img)
+        && m.is_file()
+    {
+        return Ok((img, u32::try_from(m.len() >> 20).unwrap_or(u32::MAX)));
     }
+    // A quarter more than the files take, for ext4's own, in 64 MiB steps
+    // (the tree is walked only to make it).
+    let used = crate::snapshots::entry_size(dir)?;
+    let mib = u32::try_from(((used + used / 4) >> 20) / 64 * 64 + 128).unwrap_or(u32::MAX);
     std::fs::create_dir_all(root)?;
     // Older toolboxes' images go: one is kept, the current one.
     for e in std::fs::read_dir(root)?.flatten() {
