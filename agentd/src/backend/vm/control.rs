@@ -23,7 +23,10 @@ impl VmBackend {
     }
 
     /// Wait until the guest's sshd answers on both control ports, and keep
-    /// the master connection each opens.
+    /// the master connection each opens. Both are opened at once: an
+    /// emulated guest spends seconds on each login, and it has a vCPU for
+    /// each (the first hello gives a restored guest its identity; the
+    /// other port waits for it).
     pub(super) async fn wait_answer(
         &self,
         spec: &SandboxSpec,
@@ -31,10 +34,27 @@ impl VmBackend {
         p: &Paths,
     ) -> Result<(), BackendError> {
         let started = Instant::now();
+        let [root, agent] = serial::USERS;
+        tokio::try_join!(
+            self.wait_port(spec, rt, p, root, started),
+            self.wait_port(spec, rt, p, agent, started),
+        )?;
+        Ok(())
+    }
+
+    /// Try `user`'s control port until its master connection opens (see
+    /// [`Self::wait_answer`]).
+    async fn wait_port(
+        &self,
+        spec: &SandboxSpec,
+        rt: &Runtime,
+        p: &Paths,
+        user: &str,
+        started: Instant,
+    ) -> Result<(), BackendError> {
         let limit = self.settings.start_timeout;
         let logs = || format!("{}{}", tail(&p.boot_log, 15), tail(&p.vm_log, 10));
-        let mut users = serial::USERS.iter().peekable();
-        while let Some(user) = users.peek() {
+        loop {
             if !self.is_alive(rt) {
                 return Err(VmError::Ended {
                     sandbox: spec.name.clone(),
@@ -47,8 +67,7 @@ impl VmBackend {
                 match self.open_master(spec, user).await {
                     Ok(()) => {
                         tracing::info!(sandbox = %spec.name, user, secs = started.elapsed().as_secs_f64(), "guest answers");
-                        users.next();
-                        continue;
+                        return Ok(());
                     }
                     Err(last) if last.to_string().contains(serial::IDENTITY_FAILED_SAID) => {
                         return Err(VmError::Restore {
@@ -80,7 +99,6 @@ impl VmBackend {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        Ok(())
     }
 
     /// Open `user`'s master connection; root's carries the egress

@@ -7,6 +7,10 @@
 # $tools, $agents, $agenthome, $egress, and the keys from $host_key_file
 # and $authorized_keys_file; calls die() when a step fails.
 
+# A directory, made only when missing: a test costs nothing, a command a
+# tenth of a second in an emulated guest after a restore.
+keystone_dir() { [ -d "$1" ] || mkdir -p "$1"; }
+
 keystone_identity() {
   # A persistent home, when the sandbox has one: the second disk.
   if [ -b /dev/vdb ]; then
@@ -17,7 +21,7 @@ keystone_identity() {
     [ -e "$root/home/agent/.profile" ] || cp -a "$root/etc/skel/." "$root/home/agent/"
   fi
 
-  mkdir -p "$root/workspace"
+  keystone_dir "$root/workspace"
   case "$share" in
     virtiofs) mount -t virtiofs workspace "$root/workspace" ;;
     9p) mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,cache=none workspace "$root/workspace" ;;
@@ -32,30 +36,33 @@ keystone_identity() {
   # /opt/keystone/agents (/run/keystone/agents).
   o=trans=virtio,version=9p2000.L,msize=524288,ro,nosuid,nodev
   if [ "$tools" = 1 ]; then
-    mkdir -p "$root/opt/keystone/host"
+    keystone_dir "$root/opt/keystone/host"
     mount -t 9p -o $o,cache=none keystone-tools "$root/opt/keystone/host" ||
       die "cannot mount agentd's tools (tag keystone-tools)"
+    links=
     for f in "$root"/opt/keystone/host/bin/*; do
       [ -e "$f" ] || continue
       n=${f##*/}
-      [ -e "$root/opt/keystone/bin/$n" ] || ln -s "/opt/keystone/host/bin/$n" "$root/opt/keystone/bin/$n"
+      [ -e "$root/opt/keystone/bin/$n" ] || links="$links /opt/keystone/host/bin/$n"
     done
+    # One `ln` for all (the names are agentd's launchers: no blanks).
+    [ -z "$links" ] || ln -s $links "$root/opt/keystone/bin/"
   fi
   if [ "$agents" = 1 ]; then
-    mkdir -p "$root/opt/keystone/agents"
+    keystone_dir "$root/opt/keystone/agents"
     mount -t 9p -o $o,cache=loose keystone-agents "$root/opt/keystone/agents" ||
       die "cannot mount the agent toolbox (tag keystone-agents)"
   elif [ "$agents" = disk ]; then
     # A guest whose workspace is a disk mounts no share: the toolbox is
     # a read-only disk too, the fourth (agentd copies its tools in).
-    mkdir -p "$root/opt/keystone/agents"
+    keystone_dir "$root/opt/keystone/agents"
     mount -t ext4 -o ro,noload,nosuid,nodev /dev/vdd "$root/opt/keystone/agents" ||
       die "cannot mount the agent toolbox (disk /dev/vdd)"
   fi
 
   # The owner's shared agent home (agent_home = "shared"), read-write.
   if [ "$agenthome" = 1 ]; then
-    mkdir -p "$root/opt/keystone/agent-home"
+    keystone_dir "$root/opt/keystone/agent-home"
     mount -t 9p -o trans=virtio,version=9p2000.L,msize=524288,nosuid,nodev,cache=none \
       keystone-agent-home "$root/opt/keystone/agent-home" ||
       die "cannot mount the shared agent home (tag keystone-agent-home)"
@@ -63,9 +70,11 @@ keystone_identity() {
 
   keystone_keys
 
-  # `agent` takes the uid and gid that own the workspace on the host.
-  sed -i "s/^agent:x:[0-9]*:[0-9]*:/agent:x:$uid:$gid:/" "$root/etc/passwd"
-  sed -i "s/^agent:x:[0-9]*:/agent:x:$gid:/" "$root/etc/group"
+  # `agent` takes the uid and gid that own the workspace on the host: one
+  # sed for both files, each expression matching only its file's lines
+  # (seven fields in passwd, four in group).
+  sed -i -e "s/^agent:x:[0-9]*:[0-9]*:\([^:]*:[^:]*:[^:]*\)\$/agent:x:$uid:$gid:\1/" \
+    -e "s/^agent:x:[0-9]*:\([^:]*\)\$/agent:x:$gid:\1/" "$root/etc/passwd" "$root/etc/group"
   [ "$(stat -c %u:%g "$root/home/agent")" = "$uid:$gid" ] || chown -R "$uid:$gid" "$root/home/agent"
   # A workspace disk copied from another sandbox (a fork) is its ids'.
   if [ "$share" = disk ] && [ "$(stat -c %u:%g "$root/workspace")" != "$uid:$gid" ]; then
@@ -75,17 +84,18 @@ keystone_identity() {
 
   # The relay to the egress gateway (keystone-egress.socket) runs only in
   # a sandbox with a network.
-  mkdir -p "$root/etc/keystone"
+  keystone_dir "$root/etc/keystone"
   if [ "$egress" = 1 ]; then : > "$root/etc/keystone/egress"; else rm -f "$root/etc/keystone/egress"; fi
 }
 
 # The sandbox's ssh keys: they never touch the shares. (A restored guest's
 # fw_cfg files are padded with newlines: blank lines go.)
+# The host key is made under umask 077 (0600); the files are made only
+# here, so they keep these modes when written again.
 keystone_keys() {
-  mkdir -p "$root/etc/ssh/keystone"
-  sed '/^$/d' "$host_key_file" > "$root/etc/ssh/keystone/ssh_host_ed25519_key" &&
-    sed '/^$/d' "$authorized_keys_file" > "$root/etc/ssh/keystone/authorized_keys" ||
-    die "cannot install the ssh keys"
-  chmod 600 "$root/etc/ssh/keystone/ssh_host_ed25519_key"
-  chmod 644 "$root/etc/ssh/keystone/authorized_keys"
+  keystone_dir "$root/etc/ssh/keystone"
+  umask 077
+  sed '/^$/d' "$host_key_file" > "$root/etc/ssh/keystone/ssh_host_ed25519_key" || die "cannot install the ssh host key"
+  umask 022
+  sed '/^$/d' "$authorized_keys_file" > "$root/etc/ssh/keystone/authorized_keys" || die "cannot install the authorized keys"
 }
