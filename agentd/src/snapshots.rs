@@ -36,6 +36,10 @@ pub const DISKS: [&str; 2] = [HOME_DISK, WORKSPACE_DISK];
 /// of one, until its next start loads it.
 pub const MEMORY: &str = "memory";
 
+/// Where an idle stop saves the memory before it becomes [`MEMORY`]
+/// (what an agentd that died meanwhile left goes at its next start).
+pub const MEMORY_SAVING: &str = "memory.saving";
+
 /// Everything of a sandbox's directory a snapshot may hold: the [`TREES`],
 /// the [`DISKS`] and the [`MEMORY`].
 pub const ENTRIES: [&str; 5] = ["workspace", "home", HOME_DISK, WORKSPACE_DISK, MEMORY];
@@ -457,8 +461,10 @@ impl Store {
 /// Finish a restore into sandbox directory `dir` that was interrupted
 /// (agentd died) between moving a tree aside and moving its copy into
 /// place: the complete copy (`<tree>.restoring`) takes the tree's place
-/// where the tree is missing; what else such a restore left goes.
+/// where the tree is missing; what else such a restore left goes, and the
+/// memory an idle stop did not finish saving ([`MEMORY_SAVING`]).
 pub fn finish_restore(dir: &Path) {
+    let _ = crate::fsutil::remove_tree(&dir.join(MEMORY_SAVING));
     for tree in ENTRIES {
         let (live, new, old) = (
             dir.join(tree),

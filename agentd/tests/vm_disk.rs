@@ -236,6 +236,49 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
     // The saved memory was loaded once: the sandbox's directory has none.
     assert!(!env.state_dir.join("sandboxes/vm1/memory").exists());
 
+    // An idle stop keeps the memory too: the next exec brings the same
+    // process back, counting on.
+    env.ok(&["set", "vm1", "--idle-stop", "5s"]);
+    common::wait_for("the idle stop", std::time::Duration::from_secs(120), || {
+        env.state("vm1") == "stopped"
+    });
+    let why = env.status("vm1")["state_reason"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(why.contains("5 s idle; its memory is kept"), "{why}");
+    let saved = std::fs::metadata(env.state_dir.join("sandboxes/vm1/memory/state")).unwrap();
+    {
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(saved.mode() & 0o777, 0o600);
+    }
+    let stopped_at = restored;
+    let out = env.ctl(&[
+        "exec",
+        "vm1",
+        "--",
+        "sh",
+        "-c",
+        "kill -0 $(cat /tmp/counter.pid) && cat /tmp/counter.pid",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        pid,
+        "the counter's process is not the one saved"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("stopped when idle; starting it again where it was"),
+        "{out:?}"
+    );
+    env.ok(&["set", "vm1", "--idle-stop", "0"]);
+    let limits = env.status("vm1")["limits"].as_str().unwrap().to_owned();
+    assert!(limits.contains("restored with its memory"), "{limits}");
+    let woken = count(&env, "vm1");
+    assert!(woken >= stopped_at, "counted anew: {woken} < {stopped_at}");
+    assert!(!env.state_dir.join("sandboxes/vm1/memory").exists());
+
     // A damaged state is not loaded: the guest starts anew from the
     // snapshot's files, and `status` says why.
     std::fs::write(dir.join("memory/state"), b"not a machine").unwrap();

@@ -116,6 +116,11 @@ async fn say_if_idle_stopped(sb: &SandboxProxy<'_>, name: &str) {
         return;
     };
     if state == "stopped" && reason.contains(" idle;") {
-        crate::errln!("note: sandbox '{name}' was stopped when idle; starting it again");
+        let kept = if reason.contains("memory is kept") {
+            " where it was (its memory was kept)"
+        } else {
+            ""
+        };
+        crate::errln!("note: sandbox '{name}' was stopped when idle; starting it again{kept}");
     }
 }

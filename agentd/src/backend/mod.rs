@@ -553,6 +553,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         }
     }
 
+    /// Why the memory of `spec`'s running sandbox cannot be saved
+    /// ([`Backend::save_memory`]), or `None` when it can: asked before
+    /// stopping its processes for nothing.
+    fn memory_unsaved(&self, _spec: &SandboxSpec) -> Option<String> {
+        Some(format!("the {} backend keeps no memory", self.kind()))
+    }
+
     /// Save the memory and device state of the sandbox `rt` describes, its
     /// processes stopped ([`Backend::pause`]), into new directory `dir`:
     /// a snapshot that holds it gives them back at the sandbox's next start

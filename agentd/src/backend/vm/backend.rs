@@ -59,6 +59,10 @@ impl Backend for VmBackend {
         Box::pin(self.freeze(spec, rt, frozen))
     }
 
+    fn memory_unsaved(&self, spec: &SandboxSpec) -> Option<String> {
+        self.memory_unsaved(spec)
+    }
+
     fn save_memory<'a>(
         &'a self,
         spec: &'a SandboxSpec,

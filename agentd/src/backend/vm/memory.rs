@@ -1,12 +1,15 @@
-//! A `vm` guest's memory kept in a snapshot: saved while its CPUs are
-//! stopped (QMP `migrate` into a file of agentd's, whose descriptor QEMU
-//! gets over its socket: QEMU runs as the sandbox's uid and could not open
-//! it), and restored at the sandbox's next start after a restore of that
-//! snapshot, so that its processes go on where they were.
+//! A `vm` guest's memory kept in a snapshot or over an idle stop: saved
+//! while its CPUs are stopped (QMP `migrate` into a file of agentd's, whose
+//! descriptor QEMU gets over its socket: QEMU runs as the sandbox's uid and
+//! could not open it), and restored at the sandbox's next start (after a
+//! restore of that snapshot, or the idle stop), so that its processes go
+//! on where they were.
 //!
 //! Only a guest that mounts no share can be saved (QEMU refuses to migrate
 //! one with a mounted 9p or virtio-fs export): one with a workspace disk
-//! (`vm.share = "disk"`) and no shared agent home. The restored machine
+//! (`vm.share = "disk"`) and no shared agent home, started from the boot
+//! snapshot (a guest booted cold keeps its root disk's changes in a
+//! temporary file of QEMU's, which does not outlive it). The restored machine
 //! must be the saved one: the same image, QEMU, shape and toolbox disk (a
 //! key of them is kept beside the state), and the same devices (whether
 //! the guest had started from the boot snapshot, which gives it stand-ins
@@ -113,17 +116,8 @@ impl VmBackend {
         rt: &Runtime,
         dir: &Path,
     ) -> Result<Option<String>, BackendError> {
-        if !self.workspace_on_disk(spec) {
-            return Ok(Some(
-                "its workspace is a directory shared with the guest, which QEMU cannot save a guest with (vm.share = \"disk\" gives new sandboxes a workspace disk)"
-                    .to_owned(),
-            ));
-        }
-        if spec.agent_home.is_some() {
-            return Ok(Some(
-                "it shares the owner's agent home (agent_home = \"shared\"), a directory QEMU cannot save a guest with"
-                    .to_owned(),
-            ));
+        if let Some(why) = self.memory_unsaved(spec) {
+            return Ok(Some(why));
         }
         if !crate::backend::supervisor_alive(rt) {
             return Err(VmError::NotRunning {
@@ -131,7 +125,6 @@ impl VmBackend {
             }
             .into());
         }
-        let p = Paths::new(spec);
         let (kernel, initrd, rootfs) = self.image()?;
         let qemu = self.qemu()?;
         let image = boot::Image {
@@ -144,18 +137,41 @@ impl VmBackend {
             Ok(k) => k,
             Err(why) => return Ok(Some(why)),
         };
-        let Some(late) = started_late(&p.plan) else {
-            return Ok(Some("its run/vm-plan.json cannot be read".to_owned()));
-        };
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(dir)
             .map_err(BackendError::file("cannot create", dir))?;
-        let saved = self.save_into(spec, dir, &Facts { late, key }).await;
+        let saved = self.save_into(spec, dir, &Facts { late: true, key }).await;
         if saved.is_err() {
             let _ = crate::fsutil::remove_tree(dir);
         }
         saved.map(|()| None)
+    }
+
+    /// Why `spec`'s running guest cannot be saved, if it cannot: a share
+    /// mounted, or a guest that booted cold, whose changes to its root
+    /// disk are in a temporary file of QEMU's that ends with it.
+    pub(super) fn memory_unsaved(&self, spec: &SandboxSpec) -> Option<String> {
+        if !self.workspace_on_disk(spec) {
+            return Some(
+                "its workspace is a directory shared with the guest, which QEMU cannot save a guest with (vm.share = \"disk\" gives new sandboxes a workspace disk)"
+                    .to_owned(),
+            );
+        }
+        if spec.agent_home.is_some() {
+            return Some(
+                "it shares the owner's agent home (agent_home = \"shared\"), a directory QEMU cannot save a guest with"
+                    .to_owned(),
+            );
+        }
+        match started_late(&Paths::new(spec).plan) {
+            Some(true) => None,
+            Some(false) => Some(
+                "its guest booted cold: its changes to the root disk are in a temporary file of QEMU's, which ends with it"
+                    .to_owned(),
+            ),
+            None => Some("its run/vm-plan.json cannot be read".to_owned()),
+        }
     }
 
     async fn save_into(

@@ -2,7 +2,10 @@
 //! once it has been idle that long (no terminal open in it, no command
 //! running, no egress gateway traffic, CPU under [`BUSY_CPU_PERCENT`]),
 //! and started again by the next exec, terminal or attach, which say so.
-//! Its files stay where they are (a stop keeps them); its processes end.
+//! Its files stay where they are (a stop keeps them). Where the backend
+//! can save its memory (a `vm` guest on a workspace disk), it is saved
+//! first and its next start loads it: its processes go on where they were.
+//! Elsewhere its processes end.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -199,15 +202,72 @@ impl Manager {
             return;
         }
         tracing::info!(sandbox = %name, idle_seconds = secs, "stopping an idle sandbox");
+        let kept = self.keep_memory(name).await;
+        let reason = match &kept {
+            Ok(()) => format!(
+                "stopped after {secs} s idle; its memory is kept: the next exec, attach, cp or link request starts it again where it was"
+            ),
+            Err(why) => {
+                tracing::info!(sandbox = %name, %why, "the idle sandbox's memory is not kept");
+                format!(
+                    "stopped after {secs} s idle; the next exec, attach, cp or link request starts it again"
+                )
+            }
+        };
         // Marked in the write that records the stop: a request that sees
-        // it stopped sees why, and wakes it.
-        let marked = self.stop_locked_then(name, false, |s| {
+        // it stopped sees why, and wakes it. With its memory saved, the
+        // guest is not shut down (its disks must stay as the memory
+        // knows them): its machine ends as it is.
+        let marked = self.stop_locked_then(name, kept.is_ok(), |s| {
             s.idle_stopped = true;
-            s.state_reason =
-                format!("stopped after {secs} s idle; the next exec, attach, cp or link request starts it again");
+            s.state_reason = reason;
         });
         if let Err(e) = marked.await {
             tracing::warn!(sandbox = %name, error = %e, "cannot stop the idle sandbox");
         }
+    }
+
+    /// Save running sandbox `name`'s memory into its directory
+    /// ([`crate::snapshots::MEMORY`]), which its next start loads; its processes
+    /// are left stopped for the stop that follows. Why not where the
+    /// backend cannot (the sandbox left running as it was).
+    async fn keep_memory(&self, name: &str) -> std::result::Result<(), String> {
+        let sb = self.snapshot(name).ok_or("it is gone")?;
+        let rt = sb.runtime.clone().ok_or("it has no runtime")?;
+        let backend = Arc::clone(self.backend(sb.backend).map_err(|e| e.to_string())?);
+        let spec = self.spec(&sb);
+        if let Some(why) = backend.memory_unsaved(&spec) {
+            return Err(why);
+        }
+        // The git directory comes home first, as before any stop: a sync
+        // meanwhile finds the last commits.
+        if let Err(e) = backend.pull_git_dir(&spec).await {
+            tracing::warn!(sandbox = %name, error = %e, "cannot copy the git directory before the stop");
+        }
+        // Saved under another name and moved into place once whole: a
+        // start never loads half a state.
+        let dir = spec.dir().join(crate::snapshots::MEMORY);
+        let saving = spec.dir().join(crate::snapshots::MEMORY_SAVING);
+        for old in [&dir, &saving] {
+            let _ = crate::fsutil::remove_tree(old);
+        }
+        backend
+            .pause(&spec, &rt, true)
+            .await
+            .map_err(|e| e.to_string())?;
+        let saved = match backend.save_memory(&spec, &rt, &saving).await {
+            Ok(None) => std::fs::rename(&saving, &dir)
+                .map_err(|e| format!("cannot move {} into place: {e}", saving.display())),
+            Ok(Some(why)) => Err(why),
+            Err(e) => Err(e.to_string()),
+        };
+        if saved.is_err() {
+            let _ = crate::fsutil::remove_tree(&saving);
+            // Stopped as any other sandbox then: its guest shuts down.
+            if let Err(e) = backend.pause(&spec, &rt, false).await {
+                tracing::warn!(sandbox = %name, error = %e, "cannot continue the sandbox after its memory could not be saved");
+            }
+        }
+        saved
     }
 }
