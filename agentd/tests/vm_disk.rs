@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::vm::{create_vm, env_with, image};
+use common::vm::{create_vm, env_with, identity, image};
 use common::{Env, git, json};
 
 fn snapshot(env: &Env, name: &str) -> String {
@@ -278,6 +278,54 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
     let woken = count(&env, "vm1");
     assert!(woken >= stopped_at, "counted anew: {woken} < {stopped_at}");
     assert!(!env.state_dir.join("sandboxes/vm1/memory").exists());
+
+    // A fork of the snapshot takes its processes too, with an identity of
+    // its own: names, machine id, keys and random state.
+    env.ok(&["fork", "vm1", "vf", "--from", &id]);
+    env.ok(&["start", "vf"]);
+    let limits = env.status("vf")["limits"].as_str().unwrap().to_owned();
+    assert!(
+        limits.contains("forked with its parent's memory"),
+        "{limits}"
+    );
+    assert_eq!(env.sh("vf", "cat /tmp/counter.pid"), pid);
+    let forked = count(&env, "vf");
+    assert!(forked >= before, "counted anew: {forked} < {before}");
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    assert!(count(&env, "vf") > forked, "the fork's counter stopped");
+    let (a, b) = (identity(&env, "vm1"), identity(&env, "vf"));
+    assert_eq!((a[1].as_str(), b[1].as_str()), ("vm1", "vf"));
+    for i in [0, 2, 3] {
+        assert_ne!(a[i], b[i], "line {i} is shared: {a:?} {b:?}");
+    }
+    // Its host key is the one agentd made and pinned for the fork, or
+    // agentd would not have reached it.
+    let pinned = |name: &str| {
+        std::fs::read_to_string(
+            env.state_dir
+                .join("sandboxes")
+                .join(name)
+                .join("client/known_hosts"),
+        )
+        .unwrap()
+    };
+    assert_ne!(pinned("vm1"), pinned("vf"));
+    // And a fork of the running guest, at once.
+    env.ok(&["fork", "vf", "vg"]);
+    env.ok(&["start", "vg"]);
+    let limits = env.status("vg")["limits"].as_str().unwrap().to_owned();
+    assert!(
+        limits.contains("forked with its parent's memory"),
+        "{limits}"
+    );
+    assert_eq!(
+        env.sh("vg", "hostname; cat /tmp/counter.pid"),
+        format!("vg\n{pid}")
+    );
+    for name in ["vf", "vg"] {
+        env.ok(&["stop", name]);
+        env.ok(&["destroy", name]);
+    }
 
     // A damaged state is not loaded: the guest starts anew from the
     // snapshot's files, and `status` says why.

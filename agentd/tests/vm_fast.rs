@@ -15,7 +15,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::vm::{create_vm, env_with, image};
+use common::vm::{create_vm, env_with, identity, image};
 use common::{Env, wait_for};
 
 /// The boot snapshots agentd made: `vm-boot/<key>/`.
@@ -32,19 +32,6 @@ fn boot_snapshots(env: &Env) -> Vec<PathBuf> {
 
 fn limits(env: &Env, name: &str) -> String {
     env.status(name)["limits"].as_str().unwrap().to_owned()
-}
-
-/// What makes a guest itself, as it says: random bytes, hostname,
-/// machine id, the keys allowed to log in.
-fn identity(env: &Env, name: &str) -> Vec<String> {
-    env.sh(
-        name,
-        "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; hostname; cat /etc/machine-id; \
-         cat /etc/ssh/keystone/authorized_keys",
-    )
-    .lines()
-    .map(str::to_owned)
-    .collect()
 }
 
 #[test]

@@ -24,6 +24,13 @@
    of a running guest with --fill MiB of its RAM in use, its memory kept
    (time, size, the state's size), and a restore that loads it (beside the
    files-only snapshot and restore of 5).
+7. Forks with memory of that snapshot, x1 and x--forks, all left running:
+   `fork --from` + `start` of each (time), and what each adds on the host
+   (its QEMU's RSS and its directory's disk use), beside the start of a new
+   sandbox.
+8. Idle stop with memory: the guest stopped when idle (its memory saved),
+   then `agentctl exec NAME -- true`, which starts it again where it was,
+   beside the same exec on the running guest.
 
 Needs root, `cargo build --release --bins`, QEMU and the image
 (guest-image/debian/build.sh).
@@ -64,6 +71,20 @@ def pss_kib(pid):
     return 0
 
 
+def qemu_pids(sandbox_dir):
+    """The QEMU processes of the sandbox whose directory is `sandbox_dir`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            comm = Path(f"/proc/{pid}/comm").read_text()
+        except OSError:
+            continue
+        if comm.startswith("qemu") and str(sandbox_dir) + "/" in cmd:
+            found.append(int(pid))
+    return found
+
+
 def qemu_until(args, marker, timeout=120):
     """Run QEMU with the console on stdout; ms until `marker` is printed."""
     t0 = time.perf_counter()
@@ -100,6 +121,7 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--image")
     ap.add_argument("--fill", type=int, default=384)
+    ap.add_argument("--forks", type=int, default=10)
     args = ap.parse_args()
     img = image_dir(args.image)
     tmp = Path(tempfile.mkdtemp(prefix="ks-vm-bench-", dir="/tmp"))
@@ -190,7 +212,36 @@ def main():
         d.run("restore", "mem", msnap["id"])
         mrestore_ms = (time.perf_counter() - t0) * 1000
         mlimits = json.loads(d.run("status", "mem", "--json"))["limits"]
+
+        # Idle stop with memory, and the exec that brings it back.
+        execs = [timed(d.ctl + ["exec", "mem", "--", "true"]) for _ in range(args.runs)]
+        d.run("set", "mem", "--idle-stop", "5s")
+        deadline = time.time() + 300
+        while json.loads(d.run("status", "mem", "--json"))["state"] != "stopped":
+            if time.time() > deadline:
+                sys.exit("the idle stop did not come")
+            time.sleep(0.5)
+        idle_reason = json.loads(d.run("status", "mem", "--json"))["state_reason"]
+        wake_ms = timed(d.ctl + ["exec", "mem", "--", "true"])
+        d.run("set", "mem", "--idle-stop", "0")
         d.run("stop", "--force", "mem")
+
+        # Forks with memory: each started and left running.
+        forks = []
+        for i in range(args.forks):
+            name = f"fork{i}"
+            t0 = time.perf_counter()
+            d.run("fork", "mem", name, "--from", msnap["id"])
+            d.run("start", name)
+            ms = (time.perf_counter() - t0) * 1000
+            sdir = d.state / "sandboxes" / name
+            rss = sum(rss_kib(p) for p in qemu_pids(sdir))
+            disk = int(subprocess.run(["du", "-sB1", str(sdir)], capture_output=True,
+                                      text=True).stdout.split()[0])
+            forks.append((ms, rss, disk))
+        flimits = json.loads(d.run("status", "fork0", "--json"))["limits"]
+        for i in range(args.forks):
+            d.run("stop", "--force", f"fork{i}")
 
     cold_cfg = tmp / "agentd-cold.json"
     cold_cfg.write_text(json.dumps({"vm": {"image": str(img), "fast_start": False}}))
@@ -257,6 +308,19 @@ def main():
     print(f"{'restore with memory (load, go on)':34} {mrestore_ms / 1000:8.2f} s    "
           f"| files only (boot): {restore_ms / 1000:.2f} s")
     print(f"  ({mlimits})")
+    print(f"\nforks with memory of that snapshot (each started and left running):")
+    f1 = forks[0]
+    print(f"{'fork x1 + start':34} {f1[0] / 1000:8.2f} s, QEMU RSS {f1[1] / 1024:.0f} MiB, "
+          f"disk {f1[2] / 2**20:.0f} MiB | new sandbox: p50 {pct(cold, 50) / 1000:.2f} s")
+    ms = [f[0] for f in forks]
+    print(f"{'fork x' + str(len(forks)) + ' + start, each':34} p50 {pct(ms, 50) / 1000:8.2f} s, "
+          f"max {max(ms) / 1000:.2f} s; RSS each p50 {pct([f[1] for f in forks], 50) / 1024:.0f} MiB "
+          f"(all: {sum(f[1] for f in forks) / 1024:.0f} MiB); disk each p50 "
+          f"{pct([f[2] for f in forks], 50) / 2**20:.0f} MiB")
+    print(f"  ({flimits})")
+    print(f"\nidle stop with memory ({idle_reason})")
+    print(f"{'exec after the idle stop':34} {wake_ms / 1000:8.2f} s    "
+          f"| exec on the running guest: p50 {pct(execs, 50):.0f} ms")
 
 
 if __name__ == "__main__":

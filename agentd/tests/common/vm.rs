@@ -55,3 +55,16 @@ pub fn create_vm_with(env: &Env, name: &str, network: &str, extra: &[&str]) {
     args.push(repo.to_str().unwrap());
     env.ok(&args);
 }
+
+/// What makes a guest itself, as it says: random bytes, hostname,
+/// machine id, the keys allowed to log in.
+pub fn identity(env: &Env, name: &str) -> Vec<String> {
+    env.sh(
+        name,
+        "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; hostname; cat /etc/machine-id; \
+         cat /etc/ssh/keystone/authorized_keys",
+    )
+    .lines()
+    .map(str::to_owned)
+    .collect()
+}

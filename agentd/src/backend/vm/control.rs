@@ -101,6 +101,36 @@ impl VmBackend {
         }
     }
 
+    /// Ask a guest restored with another sandbox's memory to take
+    /// `spec`'s identity over its own, on root's control port
+    /// ([`serial::reidentify`]); the fw_cfg files it reads are `spec`'s.
+    pub(super) async fn reidentify(
+        &self,
+        spec: &SandboxSpec,
+        p: &Paths,
+    ) -> Result<(), BackendError> {
+        let socket = p.vm.join(serial::socket_name("root"));
+        let uid = super::device_uid(spec);
+        let asked = tokio::task::spawn_blocking(move || {
+            let mut s = serial::connect_owned(&socket, uid, Duration::from_secs(10))
+                .map_err(|e| e.to_string())?;
+            serial::reidentify(&mut s).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|r| r);
+        asked.map_err(|why| {
+            VmError::Restore {
+                sandbox: spec.name.clone(),
+                why: format!(
+                    "the forked guest did not take its identity: {why}{}",
+                    tail(&p.boot_log, 10)
+                ),
+            }
+            .into()
+        })
+    }
+
     /// Open `user`'s master connection; root's carries the egress
     /// gateway's forward when the sandbox has a network.
     async fn open_master(&self, spec: &SandboxSpec, user: &str) -> Result<(), ssh::SshError> {

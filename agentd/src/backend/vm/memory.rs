@@ -45,9 +45,14 @@ pub(super) enum Origin<'a> {
     Cold,
     /// The boot snapshot of the sandbox's shape.
     Boot(&'a BootSnapshot),
-    /// The sandbox's own saved memory: its state file, and whether the
-    /// guest in it had started from a boot snapshot.
-    Memory { state: &'a Path, late: bool },
+    /// A saved memory: its state file, whether the guest in it had
+    /// started from a boot snapshot, and whether it is another sandbox's
+    /// (a fork's first start: the guest takes the fork's identity).
+    Memory {
+        state: &'a Path,
+        late: bool,
+        fork: bool,
+    },
 }
 
 impl Origin<'_> {
@@ -75,7 +80,10 @@ impl Origin<'_> {
         match self {
             Self::Cold => "cold boot",
             Self::Boot(_) => "started from the boot snapshot",
-            Self::Memory { .. } => "restored with its memory: its processes went on",
+            Self::Memory { fork: false, .. } => "restored with its memory: its processes went on",
+            Self::Memory { fork: true, .. } => {
+                "forked with its parent's memory: its processes went on, with an identity of its own"
+            }
         }
     }
 }
@@ -87,6 +95,10 @@ struct Facts {
     late: bool,
     /// The image, QEMU, shape and toolbox disk ([`VmBackend::machine_key`]).
     key: String,
+    /// The unique id of the sandbox whose guest it is (empty in a state
+    /// saved before forks kept memory: the sandbox's own).
+    #[serde(default)]
+    sandbox: String,
 }
 
 /// A sandbox's saved memory, in its directory ([`MEMORY`]) after a
@@ -141,7 +153,17 @@ impl VmBackend {
             .mode(0o700)
             .create(dir)
             .map_err(BackendError::file("cannot create", dir))?;
-        let saved = self.save_into(spec, dir, &Facts { late: true, key }).await;
+        let saved = self
+            .save_into(
+                spec,
+                dir,
+                &Facts {
+                    late: true,
+                    key,
+                    sandbox: spec.id.clone(),
+                },
+            )
+            .await;
         if saved.is_err() {
             let _ = crate::fsutil::remove_tree(dir);
         }
@@ -268,6 +290,7 @@ impl VmBackend {
             let from = Origin::Memory {
                 state: &state,
                 late: facts.late,
+                fork: !facts.sandbox.is_empty() && facts.sandbox != spec.id,
             };
             self.launch(spec, from)
                 .await

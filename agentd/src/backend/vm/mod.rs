@@ -635,12 +635,26 @@ impl VmBackend {
         }
         let answered = Instant::now();
         let ready = async {
-            self.wait_answer(spec, &rt, &p).await?;
-            if let memory::Origin::Memory { .. } = from {
+            match from {
+                // Another sandbox's guest: it takes this one's identity
+                // (random state, clock, names, keys) before anyone logs
+                // in, and this sandbox's CA files.
+                memory::Origin::Memory { fork: true, .. } => {
+                    self.reidentify(spec, &p).await?;
+                    self.wait_answer(spec, &rt, &p).await?;
+                    self.bring_tools(spec, true).await?;
+                }
                 // Its clock and random state are those it was saved with.
-                self.refresh(spec).await;
-            } else if disk {
-                self.bring_tools(spec, true).await?;
+                memory::Origin::Memory { .. } => {
+                    self.wait_answer(spec, &rt, &p).await?;
+                    self.refresh(spec).await;
+                }
+                _ => {
+                    self.wait_answer(spec, &rt, &p).await?;
+                    if disk {
+                        self.bring_tools(spec, true).await?;
+                    }
+                }
             }
             Ok::<_, BackendError>(())
         };

@@ -185,6 +185,18 @@ const HELLO_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 /// Most bytes read before the answer.
 const HANDSHAKE_MAX: usize = 64 * 1024;
 
+/// What agentd says on root's port of a guest restored with another
+/// sandbox's memory (a fork with its processes): it takes the new
+/// sandbox's identity over its own, and answers [`IDENTITY_DONE`] (or
+/// [`IDENTITY_FAILED`]).
+pub const IDENTITY: &[u8] = b"KEYSTONE-CONTROL-IDENTITY\n";
+
+/// The guest's answer to [`IDENTITY`].
+pub const IDENTITY_DONE: &[u8] = b"KEYSTONE-IDENTITY-DONE";
+
+/// How long the guest may take to take a new identity.
+const IDENTITY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Say [`HELLO`] on `s` (again every second) until the guest answers
 /// [`READY`], then say [`GO`]; the guest starts its sshd only then. So
 /// sshd's greeting is never lost to a port nobody was connected to yet,
@@ -196,8 +208,31 @@ const HANDSHAKE_MAX: usize = 64 * 1024;
 /// # Errors
 /// When the guest does not answer so.
 pub fn handshake(s: &mut UnixStream) -> std::io::Result<()> {
+    exchange(s, HELLO, READY, READY_WAIT)?;
+    s.write_all(GO)?;
+    s.set_read_timeout(None)
+}
+
+/// Ask the guest on `s` to take a new identity ([`IDENTITY`]), within 30 s.
+///
+/// # Errors
+/// When the guest does not answer [`IDENTITY_DONE`], or says why it could
+/// not.
+pub fn reidentify(s: &mut UnixStream) -> std::io::Result<()> {
+    exchange(s, IDENTITY, IDENTITY_DONE, IDENTITY_WAIT)
+}
+
+/// Say `say` on `s` (again every second) until the guest answers the
+/// line `answer`, skipping what comes before it (at most 64 KiB, within
+/// `wait`); the guest's [`IDENTITY_FAILED`] ends it with the reason.
+fn exchange(
+    s: &mut UnixStream,
+    say: &[u8],
+    answer: &[u8],
+    wait: std::time::Duration,
+) -> std::io::Result<()> {
     use std::time::Instant;
-    let deadline = Instant::now() + READY_WAIT;
+    let deadline = Instant::now() + wait;
     let mut line = Vec::new();
     let mut read = 0usize;
     let mut next_hello = Instant::now();
@@ -206,11 +241,14 @@ pub fn handshake(s: &mut UnixStream) -> std::io::Result<()> {
         if now >= deadline {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
-                "the guest did not answer on its control port within 10 s (still booting?)",
+                format!(
+                    "the guest did not answer on its control port within {} s (still booting?)",
+                    wait.as_secs()
+                ),
             ));
         }
         if now >= next_hello {
-            s.write_all(HELLO)?;
+            s.write_all(say)?;
             next_hello = now + HELLO_EVERY;
         }
         s.set_read_timeout(Some(next_hello.min(deadline) - now))?;
@@ -252,9 +290,7 @@ pub fn handshake(s: &mut UnixStream) -> std::io::Result<()> {
                 String::from_utf8_lossy(why).trim()
             )));
         }
-        if line.strip_suffix(b"\r").unwrap_or(&line) == READY {
-            s.write_all(GO)?;
-            s.set_read_timeout(None)?;
+        if line.strip_suffix(b"\r").unwrap_or(&line) == answer {
             return Ok(());
         }
         line.clear();

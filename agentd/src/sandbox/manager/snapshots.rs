@@ -302,7 +302,15 @@ impl Manager {
                         tokio::task::spawn_blocking(move || {
                             std::fs::create_dir_all(&to)
                                 .map_err(SnapshotError::io_at("create", &to))?;
-                            copy_trees(&snap_dir, &to)
+                            copy_trees(&snap_dir, &to)?;
+                            // Its processes too, where the snapshot kept
+                            // them: the fork's guest takes an identity of
+                            // its own at its first start.
+                            let memory = snap_dir.join(snapshots::MEMORY);
+                            if procfs::is_real_dir(&memory) {
+                                snapshots::copy_tree(&memory, &to.join(snapshots::MEMORY))?;
+                            }
+                            Ok(())
                         })
                         .await
                         .map_err(|e| panicked_snapshot(new, &e))?
@@ -328,20 +336,23 @@ impl Manager {
     }
 
     /// Copy the files of sandbox `name` as they are now into `to` (a new
-    /// sandbox's directory), frozen while copied where it runs.
+    /// sandbox's directory), frozen while copied where it runs; its memory
+    /// too where the backend saves it.
     async fn copy_live(&self, caller: Caller, name: &str, to: &Path) -> Result<()> {
         let locks = self.locks(name);
         let _all = locks.all().await;
         let src = self.get(caller, name)?;
         let to = to.to_owned();
-        self.frozen_copy(&src, "be forked", None, move |spec, sb| {
-            std::fs::create_dir_all(&to)
-                .map_err(SnapshotError::io_at("create", &to))
-                .and_then(|()| copy_trees(spec.dir(), &to))
-                .map_err(|source| Error::Snapshot {
-                    name: sb.name.clone(),
-                    source,
-                })
+        std::fs::create_dir_all(&to).map_err(|e| Error::Snapshot {
+            name: src.name.clone(),
+            source: SnapshotError::io_at("create", &to)(e),
+        })?;
+        let memory = Some(to.join(snapshots::MEMORY));
+        self.frozen_copy(&src, "be forked", memory, move |spec, sb| {
+            copy_trees(spec.dir(), &to).map_err(|source| Error::Snapshot {
+                name: sb.name.clone(),
+                source,
+            })
         })
         .await
     }

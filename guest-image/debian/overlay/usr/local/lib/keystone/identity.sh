@@ -80,10 +80,13 @@ keystone_identity() {
   if [ "$share" = disk ] && [ "$(stat -c %u:%g "$root/workspace")" != "$uid:$gid" ]; then
     chown -R "$uid:$gid" "$root/workspace"
   fi
-  echo "$name" > "$root/etc/hostname"
+  keystone_names
+}
 
-  # The relay to the egress gateway (keystone-egress.socket) runs only in
-  # a sandbox with a network.
+# The guest's name, and whether the relay to the egress gateway
+# (keystone-egress.socket) runs: only in a sandbox with a network.
+keystone_names() {
+  echo "$name" > "$root/etc/hostname"
   keystone_dir "$root/etc/keystone"
   if [ "$egress" = 1 ]; then : > "$root/etc/keystone/egress"; else rm -f "$root/etc/keystone/egress"; fi
 }
