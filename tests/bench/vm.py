@@ -26,8 +26,8 @@
    files-only snapshot and restore of 5).
 7. Forks with memory of that snapshot, x1 and x--forks, all left running:
    `fork --from` + `start` of each (time), and what each adds on the host
-   (its QEMU's RSS and its directory's disk use), beside the start of a new
-   sandbox.
+   (its QEMU's RSS and the blocks its disk image takes), beside the start
+   of a new sandbox.
 8. Idle stop with memory: the guest stopped when idle (its memory saved),
    then `agentctl exec NAME -- true`, which starts it again where it was,
    beside the same exec on the running guest.
@@ -76,11 +76,11 @@ def qemu_pids(sandbox_dir):
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            comm = Path(f"/proc/{pid}/comm").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if comm.startswith("qemu") and str(sandbox_dir) + "/" in cmd:
+        line = " ".join(c.decode(errors="replace") for c in cmd)
+        if Path(cmd[0].decode(errors="replace")).name.startswith("qemu") and str(sandbox_dir) + "/" in line:
             found.append(int(pid))
     return found
 
@@ -236,8 +236,10 @@ def main():
             ms = (time.perf_counter() - t0) * 1000
             sdir = d.state / "sandboxes" / name
             rss = sum(rss_kib(p) for p in qemu_pids(sdir))
-            disk = int(subprocess.run(["du", "-sB1", str(sdir)], capture_output=True,
-                                      text=True).stdout.split()[0])
+            # What its disk image holds on the host (the state it loaded
+            # is removed, but the image keeps the blocks it took).
+            disk = int(subprocess.run(["du", "-sB1", str(d.state / "disks" / f"{name}.img")],
+                                      capture_output=True, text=True).stdout.split()[0])
             forks.append((ms, rss, disk))
         flimits = json.loads(d.run("status", "fork0", "--json"))["limits"]
         for i in range(args.forks):

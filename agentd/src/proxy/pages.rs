@@ -210,10 +210,20 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
     {
         if let Some(woken) = Arc::clone(&proxy.sandboxes).wake(sb.name.clone()).await {
             if woken.state == SandboxState::Running {
+                // A guest whose memory was kept goes on where it was.
+                let kept = woken
+                    .runtime
+                    .as_ref()
+                    .is_some_and(|rt| rt.limits.contains("restored with its memory"));
                 notice = format!(
                     "<p>Sandbox <code>{}</code> had been stopped when idle; agentd started it \
-                     again. Its processes started anew.</p>",
-                    esc(&woken.name)
+                     again. {}</p>",
+                    esc(&woken.name),
+                    if kept {
+                        "Its memory was kept: its processes went on where they were."
+                    } else {
+                        "Its processes started anew."
+                    }
                 );
             }
             sb = woken;

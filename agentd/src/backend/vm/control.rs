@@ -72,6 +72,7 @@ impl VmBackend {
                     Err(last) if last.to_string().contains(serial::IDENTITY_FAILED_SAID) => {
                         return Err(VmError::Restore {
                             sandbox: spec.name.clone(),
+                            what: "boot snapshot",
                             why: format!("{last}{}", logs()),
                         }
                         .into());
@@ -122,6 +123,7 @@ impl VmBackend {
         asked.map_err(|why| {
             VmError::Restore {
                 sandbox: spec.name.clone(),
+                what: "saved memory",
                 why: format!(
                     "the forked guest did not take its identity: {why}{}",
                     tail(&p.boot_log, 10)

@@ -136,12 +136,24 @@ pub enum VmError {
         #[source]
         source: super::qmp::QmpError,
     },
-    /// A start from the boot snapshot failed (agentd then boots cold).
-    #[error("the boot snapshot did not restore into sandbox '{sandbox}': {why}")]
+    /// A start from the boot snapshot or a saved memory failed (agentd
+    /// then boots cold, or from the boot snapshot).
+    #[error("the {what} did not restore into sandbox '{sandbox}': {why}")]
     Restore {
         /// The sandbox.
         sandbox: String,
+        /// What was restored: "boot snapshot" or "saved memory".
+        what: &'static str,
         /// What failed, with the ends of the logs.
+        why: String,
+    },
+    /// The guest's memory could not be saved (a snapshot keeps the files
+    /// then; an idle stop shuts the guest down).
+    #[error("cannot save the memory of sandbox '{sandbox}': {why}")]
+    SaveMemory {
+        /// The sandbox.
+        sandbox: String,
+        /// What failed.
         why: String,
     },
     /// The VM is not running.

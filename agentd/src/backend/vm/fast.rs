@@ -114,6 +114,7 @@ impl VmBackend {
         let fail = |why: String| -> BackendError {
             VmError::Restore {
                 sandbox: spec.name.clone(),
+                what: from.what(),
                 why: format!("{why}{}{}", tail(&p.boot_log, 10), tail(&p.vm_log, 10)),
             }
             .into()

@@ -75,6 +75,14 @@ impl Origin<'_> {
         }
     }
 
+    /// What is restored, for errors.
+    pub fn what(&self) -> &'static str {
+        match self {
+            Self::Memory { .. } => "saved memory",
+            _ => "boot snapshot",
+        }
+    }
+
     /// For `status`.
     pub fn describe(&self) -> &'static str {
         match self {
@@ -223,9 +231,9 @@ impl VmBackend {
         let limit = (u64::from(spec.config.memory) + 512) << 20;
         let started = Instant::now();
         let failed = |why: String| -> BackendError {
-            VmError::Restore {
+            VmError::SaveMemory {
                 sandbox: spec.name.clone(),
-                why: format!("saving its memory: {why}"),
+                why,
             }
             .into()
         };
