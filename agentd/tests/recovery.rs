@@ -24,11 +24,24 @@ fn running_sandbox_is_adopted_after_sigkill() {
     let init = env.registry()["sandboxes"][0]["runtime"]["init_pid"]
         .as_i64()
         .unwrap();
+    // What an idle stop that agentd died in left: a memory being saved,
+    // and one saved but never used (the sandbox ran on).
+    let dir = env.state_dir.join("sandboxes/adopt");
+    for left in ["memory", "memory.saving"] {
+        fs::create_dir(dir.join(left)).unwrap();
+        fs::write(dir.join(left).join("state"), b"saved").unwrap();
+    }
 
     env.kill_agentd();
     env.start_agentd();
     let st = env.status("adopt");
     assert_eq!(st["state"], "running", "{st}");
+    for left in ["memory", "memory.saving"] {
+        assert!(
+            !dir.join(left).exists(),
+            "{left} is left beside a running sandbox"
+        );
+    }
     assert_eq!(
         env.registry()["sandboxes"][0]["runtime"]["init_pid"]
             .as_i64()

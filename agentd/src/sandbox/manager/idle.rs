@@ -224,6 +224,16 @@ impl Manager {
         });
         if let Err(e) = marked.await {
             tracing::warn!(sandbox = %name, error = %e, "cannot stop the idle sandbox");
+            // Its guest may go on: the memory saved would not match its
+            // disks at a later start.
+            if kept.is_ok() {
+                let memory = self
+                    .store
+                    .registry()
+                    .sandbox_dir(name)
+                    .join(crate::snapshots::MEMORY);
+                let _ = crate::fsutil::remove_tree(&memory);
+            }
         }
     }
 

@@ -113,12 +113,28 @@ impl Manager {
             };
             if sb.state == SandboxState::Running {
                 // An agentd that died while it copied a sandbox's files
-                // (snapshot, fork) left it frozen: a running sandbox is
-                // thawed (a no-op for one that is not frozen).
+                // (snapshot, fork) or saved its memory for an idle stop
+                // left it frozen: a running sandbox is thawed (a no-op for
+                // one that is not frozen).
                 if let (Some(rt), Ok(backend)) = (&sb.runtime, self.backend(sb.backend)) {
                     if backend.pause(&self.spec(&sb), rt, false).await.is_ok() {
                         tracing::debug!(sandbox = %name, "thawed");
                     }
+                }
+            }
+            if sb.state.is_up() {
+                // A saved memory is a stopped sandbox's (a start loads and
+                // removes it): one beside a sandbox that runs on is from an
+                // idle stop that did not happen, and its disks have moved
+                // on since. Loaded later, it would not match them.
+                let memory = self
+                    .store
+                    .registry()
+                    .sandbox_dir(&name)
+                    .join(crate::snapshots::MEMORY);
+                if std::fs::symlink_metadata(&memory).is_ok() {
+                    tracing::warn!(sandbox = %name, "removing a saved memory left beside a running sandbox");
+                    let _ = crate::fsutil::remove_tree(&memory);
                 }
             }
             if sb.state.is_up() {
