@@ -71,18 +71,26 @@ def pss_kib(pid):
     return 0
 
 
-def qemu_pids(sandbox_dir):
-    """The QEMU processes of the sandbox whose directory is `sandbox_dir`."""
+def sandbox_procs(sandbox_dir):
+    """(pid, argv) of each process whose command line names a path in
+    `sandbox_dir`, but ssh clients (agentd's, whose RSS is not the VM's)."""
     found = []
+    marker = str(sandbox_dir) + "/"
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         line = " ".join(c.decode(errors="replace") for c in cmd)
-        if Path(cmd[0].decode(errors="replace")).name.startswith("qemu") and str(sandbox_dir) + "/" in line:
-            found.append(int(pid))
+        if marker in line and not line.startswith("ssh"):
+            found.append((int(pid), cmd))
     return found
+
+
+def qemu_pids(sandbox_dir):
+    """The QEMU processes of the sandbox whose directory is `sandbox_dir`."""
+    return [pid for pid, cmd in sandbox_procs(sandbox_dir)
+            if Path(cmd[0].decode(errors="replace")).name.startswith("qemu")]
 
 
 def qemu_until(args, marker, timeout=120):
@@ -160,22 +168,15 @@ def main():
             warm.append((time.perf_counter() - t0) * 1000)
 
         time.sleep(10)
-        marker = str(d.state / "sandboxes" / "warm") + "/"
         procs = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            line = " ".join(c.decode(errors="replace") for c in cmd)
-            if marker in line and not line.startswith("ssh"):
-                name = Path(cmd[0].decode()).name
-                if len(cmd) > 1 and cmd[1] == b"keystone-vm":
-                    name = "supervisor (agentd keystone-vm)"
-                if len(cmd) > 2 and cmd[1] == b"keystone-serial":
-                    port = Path(cmd[2].decode(errors="replace")).stem.removeprefix("control-")
-                    name = f"ssh's serial pipe (agentd keystone-serial, {port})"
-                procs.append((name, int(pid)))
+        for pid, cmd in sandbox_procs(d.state / "sandboxes" / "warm"):
+            name = Path(cmd[0].decode()).name
+            if len(cmd) > 1 and cmd[1] == b"keystone-vm":
+                name = "supervisor (agentd keystone-vm)"
+            if len(cmd) > 2 and cmd[1] == b"keystone-serial":
+                port = Path(cmd[2].decode(errors="replace")).stem.removeprefix("control-")
+                name = f"ssh's serial pipe (agentd keystone-serial, {port})"
+            procs.append((name, pid))
         mem = [(n, rss_kib(p), pss_kib(p)) for n, p in sorted(procs)]
 
         # State: pause/resume, snapshot, restore and fork of the running guest.
