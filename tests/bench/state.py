@@ -14,7 +14,9 @@ numbers beside a baseline from the same run, asserts nothing.
    `agentctl create` of a fresh sandbox from the same project (a clone).
 
 The `vm` backend's rows (pause, resume, snapshot, restore, fork of a
-running guest) are in tests/bench/vm.py, which boots the guest image.
+running guest, snapshots and forks with memory x1 and x10, the wake after
+an idle stop that kept the memory) are in tests/bench/vm.py, which boots
+the guest image.
 
 Needs root (disk images) and `cargo build --release --bins`.
 
