@@ -439,6 +439,44 @@ mod tests {
     }
 
     #[test]
+    fn a_forked_guest_is_asked_for_its_identity_until_it_says_it_took_it() {
+        // Asked again after a request an old sshd swallowed; a READY is
+        // not the answer to this request.
+        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
+        let guest = std::thread::spawn(move || {
+            let mut asked = [0u8; IDENTITY.len()];
+            theirs.read_exact(&mut asked).unwrap();
+            theirs.read_exact(&mut asked).unwrap();
+            assert_eq!(&asked, IDENTITY);
+            theirs
+                .write_all(b"KEYSTONE-CONTROL-READY\nKEYSTONE-IDENTITY-DONE\n")
+                .unwrap();
+            theirs
+        });
+        reidentify(&mut ours).unwrap();
+        drop(guest.join().unwrap());
+
+        // A guest that could not, or that floods the port, ends it with
+        // an error (and the start falls back): never more than 64 KiB read.
+        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            let mut asked = [0u8; IDENTITY.len()];
+            theirs.read_exact(&mut asked).unwrap();
+            let _ = theirs.write_all(b"KEYSTONE-IDENTITY-FAILED keystone-identity: bad time\n");
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        });
+        let e = reidentify(&mut ours).unwrap_err();
+        assert!(e.to_string().ends_with("bad time"), "{e}");
+        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            let _ = theirs.write_all(&b"KEYSTONE-CONTROL-READY\n".repeat(4_000));
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        });
+        let e = reidentify(&mut ours).unwrap_err();
+        assert!(e.to_string().contains("sent 64 KiB"), "{e}");
+    }
+
+    #[test]
     fn a_link_a_file_or_another_uid_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let real = dir.path().join("s.sock");

@@ -302,15 +302,7 @@ impl Manager {
                         tokio::task::spawn_blocking(move || {
                             std::fs::create_dir_all(&to)
                                 .map_err(SnapshotError::io_at("create", &to))?;
-                            copy_trees(&snap_dir, &to)?;
-                            // Its processes too, where the snapshot kept
-                            // them: the fork's guest takes an identity of
-                            // its own at its first start.
-                            let memory = snap_dir.join(snapshots::MEMORY);
-                            if procfs::is_real_dir(&memory) {
-                                snapshots::copy_tree(&memory, &to.join(snapshots::MEMORY))?;
-                            }
-                            Ok(())
+                            copy_trees(&snap_dir, &to)
                         })
                         .await
                         .map_err(|e| panicked_snapshot(new, &e))?
@@ -480,8 +472,10 @@ impl Manager {
 }
 
 /// Copy the [`TREES`] of directory `from` into directory `to` (which
-/// lacks them), and its [`DISKS`] where it has them; a tree `from` lacks
-/// is made empty.
+/// lacks them), and its [`DISKS`] and saved memory where it has them; a
+/// tree `from` lacks is made empty. A memory `to` has already (saved
+/// just now from the running guest) is kept. (A fork's guest takes an
+/// identity of its own at its first start from a copied memory.)
 pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> {
     for tree in TREES {
         let (src, dst) = (from.join(tree), to.join(tree));
@@ -496,6 +490,10 @@ pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), Snap
         if snapshots::is_real_file(&disk) {
             snapshots::copy_disk(&disk, &to.join(name))?;
         }
+    }
+    let (memory, copy) = (from.join(snapshots::MEMORY), to.join(snapshots::MEMORY));
+    if procfs::is_real_dir(&memory) && std::fs::symlink_metadata(&copy).is_err() {
+        snapshots::copy_tree(&memory, &copy)?;
     }
     Ok(())
 }
