@@ -6,8 +6,8 @@
 //! to `state_dir/vm-boot/<key>/state`. A `vm` sandbox then starts by
 //! restoring that state into a QEMU of its own (`-incoming`) and giving the
 //! guest its identity over the control channel: randomness, clock, machine
-//! id, name, uid, keys, disks and shares (the guest's
-//! `/usr/local/lib/keystone/identity`). The key changes with the image's
+//! id, name, uid, keys, disks and shares (the guest's control program,
+//! `/usr/local/lib/keystone/control`). The key changes with the image's
 //! files and QEMU's binary, so a rebuilt image gets a new snapshot.
 //!
 //! The snapshot's guest runs the image alone (no sandbox's files, network

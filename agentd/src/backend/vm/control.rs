@@ -23,10 +23,9 @@ impl VmBackend {
     }
 
     /// Wait until the guest's sshd answers on both control ports, and keep
-    /// the master connection each opens. Both are opened at once: an
-    /// emulated guest spends seconds on each login, and it has a vCPU for
-    /// each (the first hello gives a restored guest its identity; the
-    /// other port waits for it).
+    /// the master connection each opens. Both are opened at once (the
+    /// first hello gives a restored guest its identity; the other port
+    /// waits for it), so that the guest never waits for agentd.
     pub(super) async fn wait_answer(
         &self,
         spec: &SandboxSpec,

@@ -151,8 +151,8 @@ impl VmBackend {
 /// a restore at the sizes it saw at boot.
 pub(super) const FW_CFG_SIZE: usize = 4096;
 
-/// Write the sandbox's identity for the guest's
-/// `/usr/local/lib/keystone/identity` (fw_cfg `opt/keystone/identity`,
+/// Write the sandbox's identity for the guest's control program
+/// (`/usr/local/lib/keystone/control`; fw_cfg `opt/keystone/identity`,
 /// one `KEY=VALUE` a line) to `client/identity` (0600: its random seed
 /// would let one predict the guest's random state).
 pub(super) fn write_identity(spec: &SandboxSpec, mounts: Mounts) -> Result<PathBuf, BackendError> {

@@ -179,8 +179,10 @@ const LINE_KEPT: usize = 600;
 /// once its port is served).
 const READY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// How often [`HELLO`] is said again meanwhile.
-const HELLO_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often [`HELLO`] is said again meanwhile: often, because a hello
+/// that an old sshd swallowed (in a guest restored from a snapshot made
+/// while agentd was logged in) holds the start up until the next.
+const HELLO_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Most bytes read before the answer.
 const HANDSHAKE_MAX: usize = 64 * 1024;
@@ -197,7 +199,7 @@ pub const IDENTITY_DONE: &[u8] = b"KEYSTONE-IDENTITY-DONE";
 /// How long the guest may take to take a new identity.
 const IDENTITY_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Say [`HELLO`] on `s` (again every second) until the guest answers
+/// Say [`HELLO`] on `s` (again every fifth of a second) until the guest answers
 /// [`READY`], then say [`GO`]; the guest starts its sshd only then. So
 /// sshd's greeting is never lost to a port nobody was connected to yet,
 /// and a hello that the sshd of a connection just gone swallowed is said
@@ -222,7 +224,7 @@ pub fn reidentify(s: &mut UnixStream) -> std::io::Result<()> {
     exchange(s, IDENTITY, IDENTITY_DONE, IDENTITY_WAIT)
 }
 
-/// Say `say` on `s` (again every second) until the guest answers the
+/// Say `say` on `s` (again every fifth of a second) until the guest answers the
 /// line `answer`, skipping what comes before it (at most 64 KiB, within
 /// `wait`); the guest's [`IDENTITY_FAILED`] ends it with the reason.
 fn exchange(

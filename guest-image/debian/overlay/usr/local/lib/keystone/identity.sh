@@ -1,14 +1,14 @@
 # A sandbox's identity (docs/guest-image.md), sourced by the initramfs's
-# /init at a cold boot (busybox, the root disk at $root) and by
-# /usr/local/lib/keystone/identity in a guest restored from a boot snapshot
-# (Debian's tools, $root empty): mount the sandbox's disks and shares,
-# install its ssh keys, give `agent` the uid and gid that own the workspace
-# on the host, and name the guest. Reads $root, $share, $uid, $gid, $name,
-# $tools, $agents, $agenthome, $egress, and the keys from $host_key_file
-# and $authorized_keys_file; calls die() when a step fails.
+# /init at a cold boot (busybox, the root disk at $root): mount the
+# sandbox's disks and shares, install its ssh keys, give `agent` the uid
+# and gid that own the workspace on the host, and name the guest. Reads
+# $root, $share, $uid, $gid, $name, $tools, $agents, $agenthome, $egress,
+# and the keys from $host_key_file and $authorized_keys_file; calls die()
+# when a step fails. A guest restored from a boot snapshot takes the same
+# identity from the control program (/usr/local/lib/keystone/control),
+# which makes these steps' system calls itself: keep the two alike.
 
-# A directory, made only when missing: a test costs nothing, a command a
-# tenth of a second in an emulated guest after a restore.
+# A directory, made only when missing.
 keystone_dir() { [ -d "$1" ] || mkdir -p "$1"; }
 
 keystone_identity() {
