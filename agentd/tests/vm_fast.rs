@@ -30,6 +30,26 @@ fn boot_snapshots(env: &Env) -> Vec<PathBuf> {
         .unwrap_or_default()
 }
 
+/// The agent leaves, in its home disk, links where the skeleton's files
+/// were (and no `.profile`, so the guest copies the skeleton at the next
+/// start): a file of root's must not be written through them.
+fn plant_links(env: &Env, name: &str) -> String {
+    env.sh(
+        name,
+        "rm -f ~/.profile ~/.bashrc && ln -s /etc/issue ~/.bashrc && sha256sum < /etc/issue",
+    )
+}
+
+/// After a start: `/etc/issue` is as it was, the link is left, and the
+/// missing `.profile` is back.
+fn links_were_not_followed(env: &Env, name: &str, issue: &str) {
+    let out = env.sh(
+        name,
+        "sha256sum < /etc/issue; readlink ~/.bashrc; test -f ~/.profile && echo profile",
+    );
+    assert_eq!(out, format!("{issue}/etc/issue\nprofile\n"), "{name}");
+}
+
 fn limits(env: &Env, name: &str) -> String {
     env.status(name)["limits"].as_str().unwrap().to_owned()
 }
@@ -110,11 +130,14 @@ fn sandboxes_start_from_one_boot_snapshot_each_with_an_identity_of_its_own() {
     let boot_key = boot_key.split_whitespace().nth(1).unwrap();
     assert!(!a[3].contains(boot_key) && !b[3].contains(boot_key));
 
-    // Stopped and started again: from the snapshot again, files kept.
+    // Stopped and started again: from the snapshot again, files kept,
+    // and the links the agent left in its home not written through.
+    let issue = plant_links(&env, "fa");
     env.ok(&["stop", "fa"]);
     env.ok(&["start", "fa"]);
     assert!(limits(&env, "fa").contains("started from the boot snapshot"));
     assert_eq!(env.sh("fa", "cat /workspace/a.txt"), "from-a\n");
+    links_were_not_followed(&env, "fa", &issue);
 
     // A damaged snapshot: the next start boots cold and says why, and the
     // one after makes the snapshot again.
@@ -150,6 +173,11 @@ fn with_fast_start_off_a_sandbox_boots_cold_and_says_so() {
     assert!(l.contains("cold boot (vm.fast_start is off)"), "{l}");
     assert!(boot_snapshots(&env).is_empty());
     assert_eq!(env.sh("cold", "hostname"), "cold\n");
+    // The initramfs copies the skeleton as carefully.
+    let issue = plant_links(&env, "cold");
+    env.ok(&["stop", "cold"]);
+    env.ok(&["start", "cold"]);
+    links_were_not_followed(&env, "cold", &issue);
     env.ok(&["stop", "cold"]);
     env.ok(&["destroy", "cold", "--force"]);
 }

@@ -18,7 +18,14 @@ keystone_identity() {
     # which costs seconds of CPU in an emulated guest.
     mount -t ext4 -o rw,nosuid,nodev,noinit_itable /dev/vdb "$root/home/agent" ||
       die "cannot mount the home disk /dev/vdb"
-    [ -e "$root/home/agent/.profile" ] || cp -a "$root/etc/skel/." "$root/home/agent/"
+    # The skeleton's files where they are missing: never over (or
+    # through a link) what the agent left on its disk.
+    if [ ! -e "$root/home/agent/.profile" ]; then
+      for f in "$root"/etc/skel/.[!.]* "$root"/etc/skel/*; do
+        t="$root/home/agent/${f##*/}"
+        [ ! -e "$f" ] || [ -e "$t" ] || [ -L "$t" ] || cp -a "$f" "$t"
+      done
+    fi
   fi
 
   keystone_dir "$root/workspace"
