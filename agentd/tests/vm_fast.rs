@@ -41,11 +41,11 @@ fn plant_links(env: &Env, name: &str) -> String {
 }
 
 /// After a start: `/etc/issue` is as it was, the link is left, and the
-/// missing `.profile` is back.
+/// missing `.profile` is back, the agent's.
 fn links_were_not_followed(env: &Env, name: &str, issue: &str) {
     let out = env.sh(
         name,
-        "sha256sum < /etc/issue; readlink ~/.bashrc; test -f ~/.profile && echo profile",
+        "sha256sum < /etc/issue; readlink ~/.bashrc; test -O ~/.profile && test -w ~/.profile && echo profile",
     );
     assert_eq!(out, format!("{issue}/etc/issue\nprofile\n"), "{name}");
 }

@@ -23,7 +23,8 @@ keystone_identity() {
     if [ ! -e "$root/home/agent/.profile" ]; then
       for f in "$root"/etc/skel/.[!.]* "$root"/etc/skel/*; do
         t="$root/home/agent/${f##*/}"
-        [ ! -e "$f" ] || [ -e "$t" ] || [ -L "$t" ] || cp -a "$f" "$t"
+        [ ! -e "$f" ] || [ -e "$t" ] || [ -L "$t" ] || { cp -a "$f" "$t" && chown -hR "$uid:$gid" "$t"; } ||
+          die "cannot copy $f into the home disk"
       done
     fi
   fi
