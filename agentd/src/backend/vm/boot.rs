@@ -39,6 +39,9 @@ pub(super) const BOOT_NAME: &str = ".boot";
 /// How long saving may take.
 const SAVE_LIMIT: Duration = Duration::from_secs(120);
 
+/// How long the guest is left, once ready, before it is saved.
+const SETTLE: Duration = Duration::from_millis(500);
+
 /// What a boot snapshot is made for besides the image.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Shape {
@@ -409,6 +412,10 @@ impl VmBackend {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        // The check's sshd ends once it reads that its connection has
+        // gone: saved before that, it would swallow the first hello of
+        // every start from the snapshot (said again 0.2 s later).
+        tokio::time::sleep(SETTLE).await;
         let socket = vm.join(qmp::SOCKET);
         let q = |e: qmp::QmpError| e.to_string();
         qmp::execute(&socket, uid, "stop").await.map_err(q)?;
