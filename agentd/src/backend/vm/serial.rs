@@ -392,6 +392,18 @@ mod tests {
         assert_eq!(&got, b"hi");
     }
 
+    /// Our end of a pair whose other end, a guest, reads `asked` bytes,
+    /// says `said` and lingers a second.
+    fn guest_says(asked: usize, said: Vec<u8>) -> UnixStream {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            theirs.read_exact(&mut vec![0u8; asked]).unwrap();
+            let _ = theirs.write_all(&said);
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        });
+        ours
+    }
+
     #[test]
     fn the_guest_is_greeted_until_it_answers_then_told_to_go() {
         let (mut ours, mut theirs) = UnixStream::pair().unwrap();
@@ -417,13 +429,10 @@ mod tests {
         assert_eq!(&rest, b"SSH-2.0-x\r\n", "nothing after the answer is eaten");
 
         // A restored guest that could not take its identity says why.
-        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
-        std::thread::spawn(move || {
-            let mut hello = [0u8; HELLO.len()];
-            theirs.read_exact(&mut hello).unwrap();
-            let _ = theirs.write_all(b"KEYSTONE-IDENTITY-FAILED keystone-identity: bad name\n");
-            std::thread::sleep(std::time::Duration::from_secs(1));
-        });
+        let mut ours = guest_says(
+            HELLO.len(),
+            b"KEYSTONE-IDENTITY-FAILED keystone-identity: bad name\n".to_vec(),
+        );
         let e = handshake(&mut ours).unwrap_err();
         assert_eq!(
             e.to_string(),
@@ -431,11 +440,7 @@ mod tests {
         );
 
         // Endless noise ends it.
-        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
-        std::thread::spawn(move || {
-            let _ = theirs.write_all(&b"x\n".repeat(40_000));
-            std::thread::sleep(std::time::Duration::from_secs(1));
-        });
+        let mut ours = guest_says(0, b"x\n".repeat(40_000));
         let e = handshake(&mut ours).unwrap_err();
         assert!(e.to_string().contains("sent 64 KiB"), "{e}");
     }
@@ -460,20 +465,13 @@ mod tests {
 
         // A guest that could not, or that floods the port, ends it with
         // an error (and the start falls back): never more than 64 KiB read.
-        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
-        std::thread::spawn(move || {
-            let mut asked = [0u8; IDENTITY.len()];
-            theirs.read_exact(&mut asked).unwrap();
-            let _ = theirs.write_all(b"KEYSTONE-IDENTITY-FAILED keystone-identity: bad time\n");
-            std::thread::sleep(std::time::Duration::from_secs(1));
-        });
+        let mut ours = guest_says(
+            IDENTITY.len(),
+            b"KEYSTONE-IDENTITY-FAILED keystone-identity: bad time\n".to_vec(),
+        );
         let e = reidentify(&mut ours).unwrap_err();
         assert!(e.to_string().ends_with("bad time"), "{e}");
-        let (mut ours, mut theirs) = UnixStream::pair().unwrap();
-        std::thread::spawn(move || {
-            let _ = theirs.write_all(&b"KEYSTONE-CONTROL-READY\n".repeat(4_000));
-            std::thread::sleep(std::time::Duration::from_secs(1));
-        });
+        let mut ours = guest_says(0, b"KEYSTONE-CONTROL-READY\n".repeat(4_000));
         let e = reidentify(&mut ours).unwrap_err();
         assert!(e.to_string().contains("sent 64 KiB"), "{e}");
     }

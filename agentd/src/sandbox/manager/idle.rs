@@ -227,14 +227,18 @@ impl Manager {
             // Its guest may go on: the memory saved would not match its
             // disks at a later start.
             if kept.is_ok() {
-                let memory = self
-                    .store
-                    .registry()
-                    .sandbox_dir(name)
-                    .join(crate::snapshots::MEMORY);
-                let _ = crate::fsutil::remove_tree(&memory);
+                let _ = crate::fsutil::remove_tree(&self.saved_memory(name));
             }
         }
+    }
+
+    /// Where sandbox `name`'s saved memory lies, which its next start
+    /// loads ([`crate::snapshots::MEMORY`] in its directory).
+    pub(super) fn saved_memory(&self, name: &str) -> std::path::PathBuf {
+        self.store
+            .registry()
+            .sandbox_dir(name)
+            .join(crate::snapshots::MEMORY)
     }
 
     /// Save running sandbox `name`'s memory into its directory

@@ -127,17 +127,11 @@ impl Manager {
                 // removes it): one beside a sandbox that runs on is from an
                 // idle stop that did not happen, and its disks have moved
                 // on since. Loaded later, it would not match them.
-                let memory = self
-                    .store
-                    .registry()
-                    .sandbox_dir(&name)
-                    .join(crate::snapshots::MEMORY);
+                let memory = self.saved_memory(&name);
                 if std::fs::symlink_metadata(&memory).is_ok() {
                     tracing::warn!(sandbox = %name, "removing a saved memory left beside a running sandbox");
                     let _ = crate::fsutil::remove_tree(&memory);
                 }
-            }
-            if sb.state.is_up() {
                 self.monitor(&name);
                 // A running sandbox keeps what the configuration now says
                 // of its secrets (a key rotated or revoked while agentd was
