@@ -21,6 +21,7 @@ pub mod fsutil;
 pub mod git;
 pub mod guest;
 pub mod helper;
+pub mod memory;
 pub mod naming;
 pub mod procfs;
 pub mod proxy;

@@ -178,6 +178,14 @@ fn a_vm_workspace_on_a_disk_of_its_own_is_reached_through_the_guest() {
     }
 }
 
+/// The saved states agentd holds for sandboxes that share them with a
+/// snapshot.
+fn held(env: &Env) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(env.state_dir.join("held"))
+        .map(|d| d.map(|e| e.unwrap().path()).collect())
+        .unwrap_or_default()
+}
+
 /// The counter's value in the guest (a process that counts in memory and
 /// writes each value to /tmp, which is memory too).
 fn count(env: &Env, name: &str) -> u64 {
@@ -280,9 +288,31 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
     assert!(!env.state_dir.join("sandboxes/vm1/memory").exists());
 
     // A fork of the snapshot takes its processes too, with an identity of
-    // its own: names, machine id, keys and random state.
+    // its own: names, machine id, keys and random state. Its saved state
+    // is the snapshot's, shared, not a copy of it.
     env.ok(&["fork", "vm1", "vf", "--from", &id]);
+    let shared = held(&env);
+    assert_eq!(shared.len(), 1, "{shared:?}");
+    assert!(!env.state_dir.join("sandboxes/vf/memory/state").exists());
+    {
+        use std::os::unix::fs::MetadataExt;
+        let (a, b) = (
+            std::fs::metadata(&shared[0]).unwrap(),
+            std::fs::metadata(dir.join("memory/state")).unwrap(),
+        );
+        assert_eq!(
+            (a.dev(), a.ino()),
+            (b.dev(), b.ino()),
+            "the state was copied"
+        );
+        assert_eq!(a.mode() & 0o777, 0o600);
+    }
     env.ok(&["start", "vf"]);
+    assert_eq!(
+        held(&env),
+        Vec::<std::path::PathBuf>::new(),
+        "not let go after the start"
+    );
     let limits = env.status("vf")["limits"].as_str().unwrap().to_owned();
     assert!(
         limits.contains("forked with its parent's memory"),
@@ -326,6 +356,27 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
         env.ok(&["stop", name]);
         env.ok(&["destroy", name]);
     }
+
+    // A snapshot removed before its fork first starts leaves the fork its
+    // state; a fork destroyed before its first start lets its share go.
+    let second = json(&env.ok(&["snapshot", "vm1", "--json"]));
+    let second = second["id"].as_str().unwrap().to_owned();
+    env.ok(&["fork", "vm1", "vh", "--from", &second]);
+    env.ok(&["fork", "vm1", "vi", "--from", &second]);
+    env.ok(&["snapshot", "rm", "vm1", &second]);
+    assert_eq!(held(&env).len(), 2);
+    env.ok(&["destroy", "vi"]);
+    assert_eq!(held(&env).len(), 1);
+    env.ok(&["start", "vh"]);
+    let limits = env.status("vh")["limits"].as_str().unwrap().to_owned();
+    assert!(
+        limits.contains("forked with its parent's memory"),
+        "{limits}"
+    );
+    assert_eq!(env.sh("vh", "cat /tmp/counter.pid"), pid);
+    assert!(held(&env).is_empty());
+    env.ok(&["stop", "vh"]);
+    env.ok(&["destroy", "vh"]);
 
     // A damaged state is not loaded: the guest starts anew from the
     // snapshot's files, and `status` says why.

@@ -24,10 +24,8 @@ use serde::{Deserialize, Serialize};
 use super::boot::{self, BootSnapshot, Shape};
 use super::{Paths, VmBackend, VmError, device_uid, qmp, supervise};
 use crate::backend::{BackendError, Runtime, SandboxSpec};
+use crate::memory::STATE;
 use crate::snapshots::{HOME_DISK, MEMORY, WORKSPACE_DISK};
-
-/// The saved machine state in a memory directory.
-const STATE: &str = "state";
 
 /// What the restored machine must be, beside it ([`Facts`]).
 const FACTS: &str = "machine.json";
@@ -109,8 +107,9 @@ struct Facts {
     sandbox: String,
 }
 
-/// A sandbox's saved memory, in its directory ([`MEMORY`]) after a
-/// restore of a snapshot that holds one.
+/// A sandbox's saved memory, in its directory ([`MEMORY`]) after an idle
+/// stop, or a restore or fork of a snapshot that holds one (whose state
+/// it may share with the snapshot: [`crate::memory`]).
 #[derive(Debug)]
 pub(super) struct Saved {
     dir: PathBuf,
@@ -279,16 +278,14 @@ impl VmBackend {
         image: &boot::Image<'_>,
         saved: &Saved,
     ) -> Result<Runtime, String> {
+        let held = crate::memory::held_dir(&self.settings.state_dir);
         let started = async {
             let facts: Facts = std::fs::read(saved.dir.join(FACTS))
                 .ok()
                 .filter(|b| b.len() <= 64 * 1024)
                 .and_then(|b| serde_json::from_slice(&b).ok())
                 .ok_or("its description cannot be read")?;
-            let state = saved.dir.join(STATE);
-            if !crate::snapshots::is_real_file(&state) {
-                return Err("its state is missing".to_owned());
-            }
+            let state = crate::memory::state_of(&saved.dir, &held).ok_or("its state is missing")?;
             if self.machine_key(spec, image).await? != facts.key {
                 return Err(
                     "the image, QEMU, the machine's size or the toolbox changed since it was saved"
@@ -305,7 +302,7 @@ impl VmBackend {
                 .map_err(|e| e.to_string().lines().next().unwrap_or_default().to_owned())
         };
         let result = started.await;
-        let _ = crate::fsutil::remove_tree(&saved.dir);
+        crate::memory::remove(&saved.dir, &held);
         result
     }
 

@@ -227,7 +227,7 @@ impl Manager {
             // Its guest may go on: the memory saved would not match its
             // disks at a later start.
             if kept.is_ok() {
-                let _ = crate::fsutil::remove_tree(&self.saved_memory(name));
+                self.drop_memory(name);
             }
         }
     }
@@ -239,6 +239,17 @@ impl Manager {
             .registry()
             .sandbox_dir(name)
             .join(crate::snapshots::MEMORY)
+    }
+
+    /// Where the saved states sandboxes share with snapshots are held
+    /// ([`crate::memory`]).
+    pub(super) fn held_memory(&self) -> std::path::PathBuf {
+        crate::memory::held_dir(self.store.registry().dir())
+    }
+
+    /// Remove sandbox `name`'s saved memory, and the state it holds.
+    pub(super) fn drop_memory(&self, name: &str) {
+        crate::memory::remove(&self.saved_memory(name), &self.held_memory());
     }
 
     /// Save running sandbox `name`'s memory into its directory
@@ -262,9 +273,8 @@ impl Manager {
         // start never loads half a state.
         let dir = spec.dir().join(crate::snapshots::MEMORY);
         let saving = spec.dir().join(crate::snapshots::MEMORY_SAVING);
-        for old in [&dir, &saving] {
-            let _ = crate::fsutil::remove_tree(old);
-        }
+        self.drop_memory(name);
+        let _ = crate::fsutil::remove_tree(&saving);
         backend
             .pause(&spec, &rt, true)
             .await

@@ -107,6 +107,12 @@ impl Manager {
         for name in self.names() {
             crate::snapshots::finish_restore(&self.store.registry().sandbox_dir(&name));
         }
+        // Saved states held for sandboxes that are gone, or whose memory
+        // went without them (an agentd that died in between).
+        crate::memory::prune(
+            &self.held_memory(),
+            self.names().iter().map(|n| self.saved_memory(n)),
+        );
         for name in self.names() {
             let Some(sb) = self.snapshot(&name) else {
                 continue;
@@ -127,10 +133,9 @@ impl Manager {
                 // removes it): one beside a sandbox that runs on is from an
                 // idle stop that did not happen, and its disks have moved
                 // on since. Loaded later, it would not match them.
-                let memory = self.saved_memory(&name);
-                if std::fs::symlink_metadata(&memory).is_ok() {
+                if std::fs::symlink_metadata(self.saved_memory(&name)).is_ok() {
                     tracing::warn!(sandbox = %name, "removing a saved memory left beside a running sandbox");
-                    let _ = crate::fsutil::remove_tree(&memory);
+                    self.drop_memory(&name);
                 }
                 self.monitor(&name);
                 // A running sandbox keeps what the configuration now says

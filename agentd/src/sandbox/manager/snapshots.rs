@@ -88,6 +88,7 @@ impl Manager {
                 source,
             })?;
         let (kept, memory) = (partial.clone(), partial.join(snapshots::MEMORY));
+        let held = self.held_memory();
         let made = self
             .frozen_copy(&sb, "be snapshotted", Some(memory), move |spec, sb| {
                 let fail = |source| Error::Snapshot {
@@ -115,7 +116,7 @@ impl Manager {
                         quota_mib: sb.config.snapshot_quota,
                     }));
                 }
-                copy_trees(spec.dir(), &partial).map_err(fail)?;
+                copy_trees(spec.dir(), (&partial, false), &held).map_err(fail)?;
                 let size = crate::fsutil::tree_size(&partial)
                     .map_err(SnapshotError::io_at("measure", &partial))
                     .map_err(fail)?;
@@ -215,8 +216,8 @@ impl Manager {
                 })?;
         } else {
             let dir = self.store.registry().sandbox_dir(name);
-            let sandbox = name.to_owned();
-            tokio::task::spawn_blocking(move || replace_trees(&snap_dir, &dir))
+            let (sandbox, held) = (name.to_owned(), self.held_memory());
+            tokio::task::spawn_blocking(move || replace_trees(&snap_dir, &dir, &held))
                 .await
                 .map_err(|e| panicked_snapshot(name, &e))?
                 .map_err(|source| Error::Snapshot {
@@ -299,10 +300,11 @@ impl Manager {
                 match &from {
                     Some((_, snap_dir)) => {
                         let (snap_dir, to) = (snap_dir.clone(), to.clone());
+                        let held = self.held_memory();
                         tokio::task::spawn_blocking(move || {
                             std::fs::create_dir_all(&to)
                                 .map_err(SnapshotError::io_at("create", &to))?;
-                            copy_trees(&snap_dir, &to)
+                            copy_trees(&snap_dir, (&to, true), &held)
                         })
                         .await
                         .map_err(|e| panicked_snapshot(new, &e))?
@@ -340,8 +342,9 @@ impl Manager {
             source: SnapshotError::io_at("create", &to)(e),
         })?;
         let memory = Some(to.join(snapshots::MEMORY));
+        let held = self.held_memory();
         self.frozen_copy(&src, "be forked", memory, move |spec, sb| {
-            copy_trees(spec.dir(), &to).map_err(|source| Error::Snapshot {
+            copy_trees(spec.dir(), (&to, true), &held).map_err(|source| Error::Snapshot {
                 name: sb.name.clone(),
                 source,
             })
@@ -474,9 +477,16 @@ impl Manager {
 /// Copy the [`TREES`] of directory `from` into directory `to` (which
 /// lacks them), and its [`DISKS`] and saved memory where it has them; a
 /// tree `from` lacks is made empty. A memory `to` has already (saved
-/// just now from the running guest) is kept. (A fork's guest takes an
-/// identity of its own at its first start from a copied memory.)
-pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), SnapshotError> {
+/// just now from the running guest) is kept. The saved state is shared,
+/// not copied, where it can be ([`crate::memory::copy`]; `hold`: `to` is a
+/// sandbox's directory, not a snapshot's; `held`: where shared states
+/// are). (A fork's guest takes an identity of its own at its first start
+/// from a copied memory.)
+pub(super) fn copy_trees(
+    from: &Path,
+    (to, hold): (&Path, bool),
+    held: &Path,
+) -> std::result::Result<(), SnapshotError> {
     for tree in TREES {
         let (src, dst) = (from.join(tree), to.join(tree));
         if procfs::is_real_dir(&src) {
@@ -493,7 +503,7 @@ pub(super) fn copy_trees(from: &Path, to: &Path) -> std::result::Result<(), Snap
     }
     let (memory, copy) = (from.join(snapshots::MEMORY), to.join(snapshots::MEMORY));
     if procfs::is_real_dir(&memory) && std::fs::symlink_metadata(&copy).is_err() {
-        snapshots::copy_tree(&memory, &copy)?;
+        crate::memory::copy(&memory, &copy, held, hold)?;
     }
     Ok(())
 }
@@ -557,13 +567,23 @@ pub(super) fn copied_branches(partial: &Path) -> BTreeMap<String, String> {
 /// Put the [`ENTRIES`] of snapshot directory `snap` in place of those of
 /// sandbox directory `dir` (an entry the snapshot lacks goes): copied
 /// beside them first (`<entry>.restoring`), so that a copy that fails (a
-/// full disk) changes nothing; then swapped.
-fn replace_trees(snap: &Path, dir: &Path) -> std::result::Result<(), SnapshotError> {
+/// full disk) changes nothing; then swapped. The saved state is shared
+/// with the snapshot where it can be, under `held`.
+fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<(), SnapshotError> {
     let side = |entry: &str, what: &str| dir.join(format!("{entry}.{what}"));
+    // A memory goes with the state it holds.
+    let remove = |p: &Path| {
+        crate::memory::remove(p, held);
+        match std::fs::symlink_metadata(p) {
+            Ok(_) => Err(SnapshotError::io_at("remove", p)(std::io::Error::other(
+                "it is still there",
+            ))),
+            Err(_) => Ok(()),
+        }
+    };
     for entry in ENTRIES {
         for what in ["restoring", "old"] {
-            let p = side(entry, what);
-            crate::fsutil::remove_tree(&p).map_err(SnapshotError::io_at("remove", &p))?;
+            remove(&side(entry, what))?;
         }
     }
     let copied = ENTRIES.iter().try_for_each(|entry| {
@@ -573,13 +593,15 @@ fn replace_trees(snap: &Path, dir: &Path) -> std::result::Result<(), SnapshotErr
         }
         if DISKS.contains(entry) {
             snapshots::copy_disk(&from, &side(entry, "restoring"))
+        } else if *entry == snapshots::MEMORY {
+            crate::memory::copy(&from, &side(entry, "restoring"), held, true)
         } else {
             snapshots::copy_tree(&from, &side(entry, "restoring"))
         }
     });
     if let Err(e) = copied {
         for entry in ENTRIES {
-            let _ = crate::fsutil::remove_tree(&side(entry, "restoring"));
+            let _ = remove(&side(entry, "restoring"));
         }
         return Err(e);
     }
@@ -595,7 +617,7 @@ fn replace_trees(snap: &Path, dir: &Path) -> std::result::Result<(), SnapshotErr
         if std::fs::symlink_metadata(&new).is_ok() {
             std::fs::rename(&new, &live).map_err(SnapshotError::io_at("move into place", &new))?;
         }
-        crate::fsutil::remove_tree(&old).map_err(SnapshotError::io_at("remove", &old))?;
+        remove(&old)?;
     }
     Ok(())
 }

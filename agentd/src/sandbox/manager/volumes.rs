@@ -136,9 +136,10 @@ impl Manager {
             move |source| Error::Backend { name, source }
         };
         let (from, to2) = (self.store.registry().sandbox_dir(&src.name), to.to_owned());
+        let held = self.held_memory();
         tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&to2).map_err(SnapshotError::io_at("create", &to2))?;
-            copy_trees(&from, &to2)
+            copy_trees(&from, (&to2, true), &held)
         })
         .await
         .map_err(|e| panicked_snapshot(&new.name, &e))?
