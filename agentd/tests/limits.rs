@@ -129,6 +129,27 @@ fn memory_and_tmpfs_writes_stop_at_the_memory_limit() {
     assert!(env.sandbox_pids().is_empty());
 }
 
+/// A sandbox's disk of 10 GiB costs the host what it holds, not its size
+/// nor a journal written full of zeros (64 MiB at that size).
+#[test]
+fn a_new_sandbox_s_disk_takes_almost_nothing_on_the_host() {
+    let env = Env::running("roomy", &["--disk", "10240"]);
+    let image = env.state_dir.join("disks/roomy.img");
+    if !(common::is_root() && image.exists()) {
+        eprintln!("skipped: disk images need root and mke2fs");
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(&image).unwrap();
+    assert_eq!(m.len(), 10240 << 20);
+    let allocated = m.blocks() * 512;
+    assert!(
+        allocated < 16 << 20,
+        "a new sandbox's image takes {} MiB on the host",
+        allocated >> 20
+    );
+}
+
 #[test]
 fn a_disk_flood_stops_at_the_disk_limit() {
     let env = Env::running("fill", &["--memory", "256", "--disk", "16"]);

@@ -280,8 +280,13 @@ impl Disk {
         let mut mke2fs = std::process::Command::new("mke2fs");
         crate::child::end_with_us(&mut mke2fs);
         let mut cmd = tokio::process::Command::from(mke2fs);
+        // A new, sparse file: its journal reads as zeros without writing
+        // them into the sandbox's disk.
         cmd.args(["-q", "-F", "-t", "ext4", "-L", self.label, "-E"])
-            .arg(format!("root_owner={}:{}", spec.uid, spec.gid));
+            .arg(format!(
+                "root_owner={}:{},lazy_journal_init=1",
+                spec.uid, spec.gid
+            ));
         // mke2fs copies the tree with lstat: links stay links, never
         // followed. (A vm sandbox's processes run in its guest, not in
         // this directory, which only agentd and its helpers change.)
