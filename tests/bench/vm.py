@@ -27,7 +27,8 @@
 7. Forks with memory of that snapshot, x1 and x--forks, all left running:
    `fork --from` + `start` of each (time), and what each adds on the host
    (its QEMU's RSS and the blocks its disk image takes), beside the start
-   of a new sandbox.
+   of a new sandbox; the fork alone (before its start): its time and what
+   it writes, beside the size of the snapshot it shares.
 8. Idle stop with memory: the guest stopped when idle (its memory saved),
    then `agentctl exec NAME -- true`, which starts it again where it was,
    beside the same exec on the running guest.
@@ -124,6 +125,12 @@ def bare_args(img, accel, append, extra=()):
             "-append", append, *extra]
 
 
+def du(path):
+    """The bytes `path` (a file or a tree) takes on disk."""
+    out = subprocess.run(["du", "-sB1", str(path)], capture_output=True, text=True).stdout
+    return int(out.split()[0])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
@@ -209,6 +216,7 @@ def main():
         msnap = json.loads(d.run("snapshot", "mem", "--json"))
         msnap_ms = (time.perf_counter() - t0) * 1000
         state_bytes = (d.state / "snapshots" / "mem" / msnap["id"] / "memory" / "state").stat().st_size
+        snap_disk = du(d.state / "snapshots" / "mem" / msnap["id"])
         t0 = time.perf_counter()
         d.run("restore", "mem", msnap["id"])
         mrestore_ms = (time.perf_counter() - t0) * 1000
@@ -231,17 +239,19 @@ def main():
         forks = []
         for i in range(args.forks):
             name = f"fork{i}"
+            image = d.state / "disks" / f"{name}.img"
             t0 = time.perf_counter()
             d.run("fork", "mem", name, "--from", msnap["id"])
+            made_ms = (time.perf_counter() - t0) * 1000
+            # What the fork itself wrote: its disk image's blocks before
+            # its guest ran (the snapshot's state is shared, not copied).
+            written = du(image)
             d.run("start", name)
             ms = (time.perf_counter() - t0) * 1000
             sdir = d.state / "sandboxes" / name
             rss = sum(rss_kib(p) for p in qemu_pids(sdir))
-            # What its disk image holds on the host (the state it loaded
-            # is removed, but the image keeps the blocks it took).
-            disk = int(subprocess.run(["du", "-sB1", str(d.state / "disks" / f"{name}.img")],
-                                      capture_output=True, text=True).stdout.split()[0])
-            forks.append((ms, rss, disk))
+            # What its disk image holds on the host once started.
+            forks.append((ms, rss, du(image), made_ms, written))
         flimits = json.loads(d.run("status", "fork0", "--json"))["limits"]
         for i in range(args.forks):
             d.run("stop", "--force", f"fork{i}")
@@ -320,6 +330,9 @@ def main():
           f"max {max(ms) / 1000:.2f} s; RSS each p50 {pct([f[1] for f in forks], 50) / 1024:.0f} MiB "
           f"(all: {sum(f[1] for f in forks) / 1024:.0f} MiB); disk each p50 "
           f"{pct([f[2] for f in forks], 50) / 2**20:.0f} MiB")
+    print(f"{'fork alone (before its start)':34} p50 {pct([f[3] for f in forks], 50):8.0f} ms, "
+          f"writes p50 {pct([f[4] for f in forks], 50) / 2**20:.0f} MiB each "
+          f"| the snapshot it shares: {snap_disk / 2**20:.0f} MiB on disk")
     print(f"  ({flimits})")
     print(f"\nidle stop with memory ({idle_reason})")
     print(f"{'exec after the idle stop':34} {wake_ms / 1000:8.2f} s    "
