@@ -79,7 +79,7 @@ settings=()
 create_args=()
 if [ -n "$vm" ]; then
   command -v qemu-system-x86_64 >/dev/null || {
-    echo "quickstart: --vm needs QEMU: sudo apt-get install -y qemu-system-x86 debootstrap busybox-static cpio" >&2
+    echo "quickstart: --vm needs QEMU: sudo apt-get install -y qemu-system-x86 qemu-utils debootstrap busybox-static cpio" >&2
     exit 4
   }
   image="${KEYSTONE_VM_IMAGE:-}"

@@ -334,6 +334,19 @@ fn vm(config: &DaemonConfig) -> Vec<Check> {
         }
         .fix("sudo apt-get install -y qemu-system-x86"),
     );
+    checks.push(
+        match find_program(&["qemu-img".into()]) {
+            Some(p) => Check::new("vm", "qemu-img", Status::Ok, p.display().to_string()),
+            None => Check::new(
+                "vm",
+                "qemu-img",
+                Status::Warn,
+                "no qemu-img: forks and restores of a snapshot copy its disks instead of \
+                 sharing them (overlays)",
+            ),
+        }
+        .fix("sudo apt-get install -y qemu-utils"),
+    );
     let kvm = std::fs::OpenOptions::new()
         .read(true)
         .write(true)

@@ -6,19 +6,13 @@
 //! QEMU loads ([`STATE`], the guest's RAM: hundreds of MiB) and a
 //! description beside it. A snapshot's holds its state itself. A
 //! sandbox's (a fork of such a snapshot, or a restore of one, until its
-//! next start loads it) may instead hold a *token* ([`HELD`]): the name of
-//! a hard link, in agentd's state directory (`<state>/held/<token>`, the
-//! snapshots' file system), to the snapshot's state. Ten forks of one
+//! next start loads it) may instead hold the token ([`HELD`]) of a
+//! [held](crate::held) link to the snapshot's state. Ten forks of one
 //! snapshot then write no state of their own; each link goes when its
-//! sandbox's start has loaded it (or the sandbox goes), and a snapshot
-//! removed meanwhile leaves its state to the links that still name it.
-//! Nothing writes a state file in place: QEMU reads it through a
-//! read-only descriptor, and a new state is always a new file.
-//!
-//! Links nobody names any more (an agentd that died between making one
-//! and writing its token) are removed at agentd's start ([`prune`]).
+//! sandbox's start has loaded it (or the sandbox goes). Nothing writes a
+//! state file in place: QEMU reads it through a read-only descriptor, and
+//! a new state is always a new file.
 
-use std::collections::HashSet;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
@@ -31,32 +25,7 @@ pub const STATE: &str = "state";
 /// held state it loads.
 pub const HELD: &str = "held";
 
-/// Where held states live, under agentd's state directory.
-const HELD_DIR: &str = "held";
-
-/// The held states under agentd's state directory `state`.
-#[must_use]
-pub fn held_dir(state: &Path) -> PathBuf {
-    state.join(HELD_DIR)
-}
-
-/// Whether `token` is one agentd makes (32 hex digits): never a path.
-fn valid_token(token: &str) -> bool {
-    token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit())
-}
-
-/// The token memory directory `memory` names, if it names a valid one.
-fn token_of(memory: &Path) -> Option<String> {
-    let path = memory.join(HELD);
-    if !is_real_file(&path) {
-        return None;
-    }
-    let text = std::fs::read(&path).ok().filter(|b| b.len() <= 64)?;
-    let token = String::from_utf8(text).ok()?.trim().to_owned();
-    valid_token(&token).then_some(token)
-}
-
-/// The state memory directory `memory` loads: its own, or the held one
+/// The state memory directory `memory` loads: its own, or the one held
 /// (under `held`) it names; `None` where it has neither.
 #[must_use]
 pub fn state_of(memory: &Path, held: &Path) -> Option<PathBuf> {
@@ -64,22 +33,19 @@ pub fn state_of(memory: &Path, held: &Path) -> Option<PathBuf> {
     if is_real_file(&own) {
         return Some(own);
     }
-    let shared = held.join(token_of(memory)?);
-    is_real_file(&shared).then_some(shared)
+    crate::held::file(&memory.join(HELD), held)
 }
 
-/// Remove memory directory `memory` and the held state it names.
+/// Remove memory directory `memory` and let go of the state it holds.
 pub fn remove(memory: &Path, held: &Path) {
-    if let Some(token) = token_of(memory) {
-        let _ = std::fs::remove_file(held.join(token));
-    }
+    crate::held::release(&memory.join(HELD), held);
     let _ = crate::fsutil::remove_tree(memory);
 }
 
 /// Copy memory directory `from` (its state its own or held under `held`)
 /// to `to`, which must not exist. The description is copied. The state is
 /// a hard link where one can be made, a copy where not (another file
-/// system): named by a new token under `held` where `hold` (a sandbox's
+/// system): held under `held` where `hold` (`to` is in a sandbox's
 /// directory), `to`'s own [`STATE`] otherwise (a snapshot, on `held`'s
 /// file system).
 ///
@@ -117,44 +83,16 @@ fn copy_into(
         }
         copy_tree(&entry.path(), &to.join(&name))?;
     }
-    if hold {
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(held)
-            .or_else(|e| match e.kind() {
-                std::io::ErrorKind::AlreadyExists => Ok(()),
-                _ => Err(e),
-            })
-            .map_err(SnapshotError::io_at("create", held))?;
-        let token = uuid::Uuid::new_v4().simple().to_string();
-        let link = held.join(&token);
-        if std::fs::hard_link(state, &link).is_ok() {
-            let named = crate::fsutil::atomic_write_mode(&to.join(HELD), token.as_bytes(), 0o600);
-            if named.is_err() {
-                let _ = std::fs::remove_file(&link);
-            }
-            return Ok(named?);
-        }
-    } else if std::fs::hard_link(state, to.join(STATE)).is_ok() {
+    let linked = if hold {
+        crate::held::hold(state, held, &to.join(HELD))
+            .map_err(SnapshotError::io_at("hold", state))?
+    } else {
+        std::fs::hard_link(state, to.join(STATE)).is_ok()
+    };
+    if linked {
         return Ok(());
     }
     copy_disk(state, &to.join(STATE))
-}
-
-/// Remove the held states under `held` that none of `memories` (every
-/// memory directory agentd keeps for its sandboxes) names.
-pub fn prune(held: &Path, memories: impl IntoIterator<Item = PathBuf>) {
-    let named: HashSet<String> = memories.into_iter().filter_map(|m| token_of(&m)).collect();
-    let Ok(entries) = std::fs::read_dir(held) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !named.contains(&name) {
-            tracing::info!(held = %name, "removing a saved state no sandbox loads");
-            let _ = crate::fsutil::remove_tree(&entry.path());
-        }
-    }
 }
 
 #[cfg(test)]
@@ -173,7 +111,7 @@ mod tests {
     #[test]
     fn a_held_copy_shares_the_state_and_outlives_its_source() {
         let t = tempfile::tempdir().unwrap();
-        let held = held_dir(t.path());
+        let held = crate::held::dir(t.path());
         let snap = saved(&t.path().join("snap"));
         let fork = t.path().join("fork-memory");
         copy(&snap, &fork, &held, true).unwrap();
@@ -197,34 +135,14 @@ mod tests {
     }
 
     #[test]
-    fn a_token_is_never_a_path_and_a_missing_state_copies_nothing() {
+    fn a_missing_state_copies_nothing() {
         let t = tempfile::tempdir().unwrap();
-        let held = held_dir(t.path());
-        std::fs::create_dir_all(&held).unwrap();
-        std::fs::write(t.path().join("secret"), b"x").unwrap();
+        let held = crate::held::dir(t.path());
         let m = t.path().join("memory");
         std::fs::create_dir_all(&m).unwrap();
-        for token in ["../secret", "/etc/passwd", "", "0123"] {
-            std::fs::write(m.join(HELD), token).unwrap();
-            assert_eq!(state_of(&m, &held), None, "{token}");
-        }
+        std::fs::write(m.join(HELD), "0".repeat(32)).unwrap();
         let to = t.path().join("to");
         assert!(copy(&m, &to, &held, true).is_err());
         assert!(!to.exists());
-    }
-
-    #[test]
-    fn prune_keeps_what_is_named() {
-        let t = tempfile::tempdir().unwrap();
-        let held = held_dir(t.path());
-        let snap = saved(&t.path().join("snap"));
-        let (a, b) = (t.path().join("a"), t.path().join("b"));
-        copy(&snap, &a, &held, true).unwrap();
-        copy(&snap, &b, &held, true).unwrap();
-        std::fs::write(held.join("0".repeat(32)), b"orphan").unwrap();
-        prune(&held, [a.clone(), t.path().join("nothing")]);
-        assert!(state_of(&a, &held).is_some());
-        assert_eq!(state_of(&b, &held), None);
-        assert_eq!(std::fs::read_dir(&held).unwrap().count(), 1);
     }
 }

@@ -472,10 +472,15 @@ pub fn finish_restore(dir: &Path) {
             dir.join(format!("{tree}.old")),
         );
         let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
+        let base = crate::overlay::token_file;
         if !exists(&live)
             && exists(&old)
             && (crate::procfs::is_real_dir(&new) || is_real_file(&new))
         {
+            // A disk's base token first, as the restore moves it.
+            if exists(&base(&new)) {
+                let _ = std::fs::rename(base(&new), base(&live));
+            }
             if let Err(e) = std::fs::rename(&new, &live) {
                 tracing::warn!(path = %new.display(), error = %e, "cannot finish an interrupted restore");
             }
@@ -490,6 +495,10 @@ pub fn finish_restore(dir: &Path) {
         for p in [&new, &old] {
             if exists(p) && exists(&live) {
                 let _ = crate::fsutil::remove_tree(p);
+            }
+            // What it held is let go of when agentd prunes the held files.
+            if !exists(p) {
+                let _ = std::fs::remove_file(base(p));
             }
         }
     }

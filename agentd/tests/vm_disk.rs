@@ -186,6 +186,13 @@ fn held(env: &Env) -> Vec<std::path::PathBuf> {
         .unwrap_or_default()
 }
 
+/// A file's device and inode.
+fn inode(path: &std::path::Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).unwrap();
+    (m.dev(), m.ino())
+}
+
 /// The counter's value in the guest (a process that counts in memory and
 /// writes each value to /tmp, which is memory too).
 fn count(env: &Env, name: &str) -> u64 {
@@ -243,6 +250,11 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
     assert!(count(&env, "vm1") > restored, "the counter stopped");
     // The saved memory was loaded once: the sandbox's directory has none.
     assert!(!env.state_dir.join("sandboxes/vm1/memory").exists());
+    // Its disks are overlays on the snapshot's, not copies of them.
+    for disk in ["home.img", "workspace.img"] {
+        let img = env.state_dir.join("sandboxes/vm1").join(disk);
+        assert_eq!(&std::fs::read(img).unwrap()[..4], b"QFI\xfb", "{disk}");
+    }
 
     // An idle stop keeps the memory too: the next exec brings the same
     // process back, counting on.
@@ -289,29 +301,36 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
 
     // A fork of the snapshot takes its processes too, with an identity of
     // its own: names, machine id, keys and random state. Its saved state
-    // is the snapshot's, shared, not a copy of it.
+    // and its disks are the snapshot's, shared, not copies: its disks are
+    // overlays on the snapshot's.
+    // (vm1's own disks are overlays on it since its restore.)
+    let before_fork = held(&env).len();
     env.ok(&["fork", "vm1", "vf", "--from", &id]);
-    let shared = held(&env);
-    assert_eq!(shared.len(), 1, "{shared:?}");
-    assert!(!env.state_dir.join("sandboxes/vf/memory/state").exists());
-    {
-        use std::os::unix::fs::MetadataExt;
-        let (a, b) = (
-            std::fs::metadata(&shared[0]).unwrap(),
-            std::fs::metadata(dir.join("memory/state")).unwrap(),
-        );
-        assert_eq!(
-            (a.dev(), a.ino()),
-            (b.dev(), b.ino()),
-            "the state was copied"
-        );
-        assert_eq!(a.mode() & 0o777, 0o600);
+    let shared: Vec<_> = held(&env).iter().map(|p| inode(p)).collect();
+    assert_eq!(shared.len(), before_fork + 3, "{shared:?}");
+    for f in ["memory/state", "home.img", "workspace.img"] {
+        assert!(shared.contains(&inode(&dir.join(f))), "{f} was copied");
     }
+    let vf = env.state_dir.join("sandboxes/vf");
+    assert!(!vf.join("memory/state").exists());
+    for disk in ["home.img", "workspace.img"] {
+        assert_eq!(
+            &std::fs::read(vf.join(disk)).unwrap()[..4],
+            b"QFI\xfb",
+            "{disk}"
+        );
+        let len = std::fs::metadata(vf.join(disk)).unwrap().len();
+        assert!(len < 4 << 20, "{disk}: {len} bytes");
+    }
+    let base_time = std::fs::metadata(dir.join("workspace.img"))
+        .unwrap()
+        .modified()
+        .unwrap();
     env.ok(&["start", "vf"]);
     assert_eq!(
-        held(&env),
-        Vec::<std::path::PathBuf>::new(),
-        "not let go after the start"
+        held(&env).len(),
+        before_fork + 2,
+        "the state is held after the start"
     );
     let limits = env.status("vf")["limits"].as_str().unwrap().to_owned();
     assert!(
@@ -340,6 +359,38 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
         .unwrap()
     };
     assert_ne!(pinned("vm1"), pinned("vf"));
+    // What the fork writes is its own: the snapshot's disk is as it was.
+    env.sh("vf", "echo mine > fork.txt && sync");
+    assert_eq!(
+        std::fs::metadata(dir.join("workspace.img"))
+            .unwrap()
+            .modified()
+            .unwrap(),
+        base_time
+    );
+    // A snapshot of the fork holds whole disks (its overlays flattened by
+    // the fork's own uid), and a fork of that has the fork's work.
+    let of_fork = json(&env.ok(&["snapshot", "vf", "--json"]));
+    let of_fork = of_fork["id"].as_str().unwrap().to_owned();
+    let flat = env.state_dir.join("snapshots/vf").join(&of_fork);
+    for disk in ["home.img", "workspace.img"] {
+        let m = std::fs::metadata(flat.join(disk)).unwrap();
+        assert_ne!(
+            &std::fs::read(flat.join(disk)).unwrap()[..4],
+            b"QFI\xfb",
+            "{disk}"
+        );
+        {
+            use std::os::unix::fs::MetadataExt;
+            assert_eq!((m.uid(), m.mode() & 0o777), (0, 0o600), "{disk}");
+        }
+    }
+    env.ok(&["fork", "vf", "vk", "--from", &of_fork]);
+    env.ok(&["start", "vk"]);
+    assert_eq!(env.sh("vk", "cat fork.txt").trim(), "mine");
+    env.ok(&["stop", "vk"]);
+    env.ok(&["destroy", "vk"]);
+
     // And a fork of the running guest, at once.
     env.ok(&["fork", "vf", "vg"]);
     env.ok(&["start", "vg"]);
@@ -361,12 +412,13 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
     // state; a fork destroyed before its first start lets its share go.
     let second = json(&env.ok(&["snapshot", "vm1", "--json"]));
     let second = second["id"].as_str().unwrap().to_owned();
+    assert_eq!(held(&env).len(), before_fork, "{:?}", held(&env));
     env.ok(&["fork", "vm1", "vh", "--from", &second]);
     env.ok(&["fork", "vm1", "vi", "--from", &second]);
     env.ok(&["snapshot", "rm", "vm1", &second]);
-    assert_eq!(held(&env).len(), 2);
+    assert_eq!(held(&env).len(), before_fork + 6);
     env.ok(&["destroy", "vi"]);
-    assert_eq!(held(&env).len(), 1);
+    assert_eq!(held(&env).len(), before_fork + 3);
     env.ok(&["start", "vh"]);
     let limits = env.status("vh")["limits"].as_str().unwrap().to_owned();
     assert!(
@@ -374,9 +426,10 @@ fn a_snapshot_keeps_a_disk_guest_s_memory_and_its_restore_brings_the_processes_b
         "{limits}"
     );
     assert_eq!(env.sh("vh", "cat /tmp/counter.pid"), pid);
-    assert!(held(&env).is_empty());
+    assert_eq!(held(&env).len(), before_fork + 2, "its disks' bases");
     env.ok(&["stop", "vh"]);
     env.ok(&["destroy", "vh"]);
+    assert_eq!(held(&env).len(), before_fork, "{:?}", held(&env));
 
     // A damaged state is not loaded: the guest starts anew from the
     // snapshot's files, and `status` says why.

@@ -300,6 +300,7 @@ impl VmBackend {
             host_key: fw.join("host_key"),
             authorized_keys: fw.join("authorized_keys"),
             home,
+            bases: [None, None],
             uid: 0,
             gid: 0,
             tools: Some(empty.clone()),

@@ -29,7 +29,7 @@ impl VmBackend {
     ) -> Result<PathBuf, BackendError> {
         let img = p.dir.join(HOME_DISK);
         if !spec.config.persist {
-            let _ = std::fs::remove_file(&img);
+            crate::overlay::remove(&img, &crate::held::dir(&self.settings.state_dir));
         }
         let disk = Disk {
             img,
@@ -274,6 +274,9 @@ impl Disk {
             return Ok(img.clone());
         }
         let _ = std::fs::remove_file(img);
+        // A base token left without its disk would make the new one an
+        // overlay (its held file goes when agentd prunes them).
+        let _ = std::fs::remove_file(crate::overlay::token_file(img));
         let tmp = img.with_extension("img.tmp");
         let _ = std::fs::remove_file(&tmp);
         let (uid, gid) = run_as.map_or((spec.uid, spec.gid), |r| (r.uid, r.gid));

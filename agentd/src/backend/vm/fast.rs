@@ -55,20 +55,21 @@ impl VmBackend {
         }
         let home_mib = self.settings.home_size_mib;
         let home = Paths::new(spec).dir.join("home.img");
-        if let Ok(m) = std::fs::symlink_metadata(&home)
-            && m.len() != u64::from(home_mib) << 20
+        let held = crate::held::dir(&self.settings.state_dir);
+        if let Ok(len) = crate::overlay::size(&home, &held)
+            && len != u64::from(home_mib) << 20
         {
             return StartFrom::Cold(format!(
                 "its home disk is {} MiB, not vm.home_size_mib ({home_mib} MiB)",
-                m.len() >> 20
+                len >> 20
             ));
         }
         // A workspace disk's size is the sandbox's disk size when it was
         // made (the size it is made with otherwise).
         let workspace_mib = (*share == Share::Disk).then(|| {
             let disk = Paths::new(spec).dir.join(crate::snapshots::WORKSPACE_DISK);
-            std::fs::symlink_metadata(&disk).map_or(spec.config.disk.max(64), |m| {
-                u32::try_from(m.len() >> 20).unwrap_or(u32::MAX)
+            crate::overlay::size(&disk, &held).map_or(spec.config.disk.max(64), |len| {
+                u32::try_from(len >> 20).unwrap_or(u32::MAX)
             })
         });
         let agents_mib = match workspace_mib {

@@ -278,7 +278,7 @@ impl VmBackend {
         image: &boot::Image<'_>,
         saved: &Saved,
     ) -> Result<Runtime, String> {
-        let held = crate::memory::held_dir(&self.settings.state_dir);
+        let held = crate::held::dir(&self.settings.state_dir);
         let started = async {
             let facts: Facts = std::fs::read(saved.dir.join(FACTS))
                 .ok()
@@ -316,9 +316,10 @@ impl VmBackend {
     ) -> Result<String, String> {
         let (accel, _) = self.accel(image.kernel).await.map_err(|e| e.to_string())?;
         let dir = spec.dir();
+        let held = crate::held::dir(&self.settings.state_dir);
         let mib = |name: &str| {
-            std::fs::symlink_metadata(dir.join(name))
-                .map(|m| u32::try_from(m.len() >> 20).unwrap_or(u32::MAX))
+            crate::overlay::size(&dir.join(name), &held)
+                .map(|len| u32::try_from(len >> 20).unwrap_or(u32::MAX))
                 .map_err(|e| format!("its {name}: {e}"))
         };
         let agents = self.toolbox_disk().await.map_err(|e| e.to_string())?;

@@ -426,6 +426,8 @@ impl VmBackend {
             pad: if from.late() { fast::FW_CFG_SIZE } else { 0 },
             ..arg(path, true)
         };
+        let held = crate::held::dir(&self.settings.state_dir);
+        let home_base = crate::overlay::base(&home, &held);
         let mut files = vec![
             arg(kernel, false),
             arg(initrd, false),
@@ -434,15 +436,22 @@ impl VmBackend {
             key(p.dir.join("ssh/authorized_keys")),
             arg(home, false),
         ];
-        let workspace = if share == Share::Disk {
-            files.push(arg(
-                self.workspace_disk(spec, &p, run_as.as_ref()).await?,
-                false,
-            ));
-            PathBuf::from(fd_path(files.len() - 1))
+        let (workspace, workspace_base) = if share == Share::Disk {
+            let disk = self.workspace_disk(spec, &p, run_as.as_ref()).await?;
+            let base = crate::overlay::base(&disk, &held);
+            files.push(arg(disk, false));
+            (PathBuf::from(fd_path(files.len() - 1)), base)
         } else {
-            spec.workspace.clone()
+            (spec.workspace.clone(), None)
         };
+        // A disk made from a snapshot's: its base, read-only, which the
+        // supervisor opens (agentd's, mode 0644 in agentd's own directory).
+        let bases = [home_base, workspace_base].map(|base| {
+            base.map(|b| {
+                files.push(arg(b, false));
+                PathBuf::from(fd_path(files.len() - 1))
+            })
+        });
         // The tools directory (launchers, the sandboxes' CAs) and the
         // toolbox as directories the supervisor opened: QEMU runs as the
         // sandbox's uid, which may not reach the cache. A guest whose
@@ -526,6 +535,7 @@ impl VmBackend {
             host_key: fd_path(3).into(),
             authorized_keys: fd_path(4).into(),
             home: fd_path(5).into(),
+            bases,
             uid: spec.uid,
             gid: spec.gid,
             tools: tools_fd.map(Into::into).or_else(|| empty.clone()),

@@ -90,6 +90,9 @@ pub struct Machine {
     pub authorized_keys: PathBuf,
     /// The home disk (the guest's second disk, `/home/agent`).
     pub home: PathBuf,
+    /// The raw base under each disk that is a qcow2 overlay
+    /// ([`crate::overlay`]): the home disk's, the workspace disk's.
+    pub bases: [Option<PathBuf>; 2],
     /// Host uid and gid that own the workspace (the guest's `agent`).
     pub uid: u32,
     /// See `uid`.
@@ -155,6 +158,21 @@ pub fn kernel_cmdline(m: &Machine) -> String {
     c
 }
 
+/// The `-drive` options of disk `id` at `file`: a raw image, or a qcow2
+/// overlay on raw `base`, which QEMU is given here and never takes from
+/// the overlay (the guest's QEMU can write that file).
+fn disk(id: &str, file: &Path, base: Option<&Path>) -> String {
+    let file = file.display();
+    match base {
+        None => format!("id={id},file={file},format=raw,if=none"),
+        Some(base) => format!(
+            "id={id},file={file},format=qcow2,if=none,backing.driver=raw,\
+             backing.file.driver=file,backing.file.filename={}",
+            base.display()
+        ),
+    }
+}
+
 /// QEMU's arguments (after the program name) for `m`.
 #[must_use]
 pub fn qemu_args(m: &Machine) -> Vec<String> {
@@ -210,7 +228,7 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
         "-device".into(),
         "virtio-blk-device,drive=root".into(),
         "-drive".into(),
-        format!("id=home,file={},format=raw,if=none", p(&m.home)),
+        disk("home", &m.home, m.bases[0].as_deref()),
         "-device".into(),
         "virtio-blk-device,drive=home".into(),
     ];
@@ -219,7 +237,7 @@ pub fn qemu_args(m: &Machine) -> Vec<String> {
     if m.share == Share::Disk {
         a.extend([
             "-drive".into(),
-            format!("id=workspace,file={},format=raw,if=none", p(&m.workspace)),
+            disk("workspace", &m.workspace, m.bases[1].as_deref()),
             "-device".into(),
             "virtio-blk-device,drive=workspace".into(),
         ]);
@@ -488,6 +506,7 @@ mod tests {
             host_key: "/s/demo/ssh/ssh_host_ed25519_key".into(),
             authorized_keys: "/s/demo/ssh/authorized_keys".into(),
             home: "/s/demo/home.img".into(),
+            bases: [None, None],
             uid: 1000,
             gid: 100,
             tools: None,
@@ -530,6 +549,35 @@ mod tests {
         // vhost-user-vsock is unmigratable: it would block every memory
         // snapshot.
         assert!(!a.iter().any(|x| x.contains("vsock")), "{a:?}");
+    }
+
+    #[test]
+    fn an_overlay_disk_gets_its_base_from_agentd_never_from_its_own_header() {
+        let mut m = machine(Share::Disk, Network::None, Accel::Tcg);
+        m.workspace = "/proc/self/fd/9".into();
+        m.bases = [Some("/proc/self/fd/20".into()), None];
+        let a = qemu_args(&m);
+        assert!(
+            has(
+                &a,
+                [
+                    "-drive",
+                    "id=home,file=/s/demo/home.img,format=qcow2,if=none,backing.driver=raw,\
+                 backing.file.driver=file,backing.file.filename=/proc/self/fd/20"
+                ]
+            ),
+            "{a:?}"
+        );
+        assert!(
+            has(
+                &a,
+                [
+                    "-drive",
+                    "id=workspace,file=/proc/self/fd/9,format=raw,if=none"
+                ]
+            ),
+            "{a:?}"
+        );
     }
 
     #[test]

@@ -241,15 +241,37 @@ impl Manager {
             .join(crate::snapshots::MEMORY)
     }
 
-    /// Where the saved states sandboxes share with snapshots are held
-    /// ([`crate::memory`]).
-    pub(super) fn held_memory(&self) -> std::path::PathBuf {
-        crate::memory::held_dir(self.store.registry().dir())
+    /// Where the files sandboxes share with snapshots are held
+    /// ([`crate::held`]: saved states, disks' bases).
+    pub(super) fn held(&self) -> std::path::PathBuf {
+        crate::held::dir(self.store.registry().dir())
     }
 
     /// Remove sandbox `name`'s saved memory, and the state it holds.
     pub(super) fn drop_memory(&self, name: &str) {
-        crate::memory::remove(&self.saved_memory(name), &self.held_memory());
+        crate::memory::remove(&self.saved_memory(name), &self.held());
+    }
+
+    /// The token files of what sandbox `name` holds: its saved memory's
+    /// state and its disks' bases.
+    pub(super) fn held_names(&self, name: &str) -> Vec<std::path::PathBuf> {
+        let dir = self.store.registry().sandbox_dir(name);
+        let mut named = vec![self.saved_memory(name).join(crate::memory::HELD)];
+        named.extend(
+            crate::snapshots::DISKS
+                .iter()
+                .map(|d| crate::overlay::token_file(&dir.join(d))),
+        );
+        named
+    }
+
+    /// Let go of everything sandbox `name` holds, before its directory
+    /// goes.
+    pub(super) fn release_held(&self, name: &str) {
+        self.drop_memory(name);
+        for named in self.held_names(name) {
+            crate::held::release(&named, &self.held());
+        }
     }
 
     /// Save running sandbox `name`'s memory into its directory

@@ -116,7 +116,7 @@ impl Manager {
             Ok(n) => n,
             Err(e) => {
                 self.forget(&name);
-                self.drop_memory(&name);
+                self.release_held(&name);
                 self.release_disk(&name).await;
                 let _ = self
                     .remove_tree(&self.store.registry().sandbox_dir(&name))
@@ -141,7 +141,7 @@ impl Manager {
         }
         tracing::warn!(sandbox = %name, "removing a directory an earlier sandbox of this name left");
         self.remove_remotes(name, None).await;
-        self.drop_memory(name);
+        self.release_held(name);
         self.release_disk(name).await;
         match self.remove_tree(&dir).await {
             Ok(()) if std::fs::symlink_metadata(&dir).is_err() => Ok(()),
@@ -371,7 +371,7 @@ impl Manager {
         // Registry first: a crash after this leaves only a directory, which
         // the next start removes.
         self.forget(name);
-        self.drop_memory(name);
+        self.release_held(name);
         self.release_disk(name).await;
         let removed = self
             .remove_tree(&self.store.registry().sandbox_dir(name))

@@ -109,10 +109,12 @@ impl Manager {
         }
         // Saved states held for sandboxes that are gone, or whose memory
         // went without them (an agentd that died in between).
-        crate::memory::prune(
-            &self.held_memory(),
-            self.names().iter().map(|n| self.saved_memory(n)),
-        );
+        let named: Vec<_> = self
+            .names()
+            .iter()
+            .flat_map(|n| self.held_names(n))
+            .collect();
+        crate::held::prune(&self.held(), named);
         for name in self.names() {
             let Some(sb) = self.snapshot(&name) else {
                 continue;

@@ -88,7 +88,7 @@ impl Manager {
                 source,
             })?;
         let (kept, memory) = (partial.clone(), partial.join(snapshots::MEMORY));
-        let held = self.held_memory();
+        let held = self.held();
         let made = self
             .frozen_copy(&sb, "be snapshotted", Some(memory), move |spec, sb| {
                 let fail = |source| Error::Snapshot {
@@ -102,7 +102,7 @@ impl Manager {
                 for entry in ENTRIES {
                     let path = spec.dir().join(entry);
                     if procfs::is_real_dir(&path) || snapshots::is_real_file(&path) {
-                        needed += snapshots::entry_size(&path)
+                        needed += crate::overlay::needs(&path, &held)
                             .map_err(SnapshotError::io_at("measure", &path))
                             .map_err(fail)?;
                     }
@@ -116,7 +116,8 @@ impl Manager {
                         quota_mib: sb.config.snapshot_quota,
                     }));
                 }
-                copy_trees(spec.dir(), (&partial, false), &held).map_err(fail)?;
+                let way = Way::ToSnapshot(spec.uid, spec.gid);
+                copy_trees(spec.dir(), &partial, way, &held).map_err(fail)?;
                 let size = crate::fsutil::tree_size(&partial)
                     .map_err(SnapshotError::io_at("measure", &partial))
                     .map_err(fail)?;
@@ -216,7 +217,7 @@ impl Manager {
                 })?;
         } else {
             let dir = self.store.registry().sandbox_dir(name);
-            let (sandbox, held) = (name.to_owned(), self.held_memory());
+            let (sandbox, held) = (name.to_owned(), self.held());
             tokio::task::spawn_blocking(move || replace_trees(&snap_dir, &dir, &held))
                 .await
                 .map_err(|e| panicked_snapshot(name, &e))?
@@ -300,11 +301,11 @@ impl Manager {
                 match &from {
                     Some((_, snap_dir)) => {
                         let (snap_dir, to) = (snap_dir.clone(), to.clone());
-                        let held = self.held_memory();
+                        let held = self.held();
                         tokio::task::spawn_blocking(move || {
                             std::fs::create_dir_all(&to)
                                 .map_err(SnapshotError::io_at("create", &to))?;
-                            copy_trees(&snap_dir, (&to, true), &held)
+                            copy_trees(&snap_dir, &to, Way::FromSnapshot, &held)
                         })
                         .await
                         .map_err(|e| panicked_snapshot(new, &e))?
@@ -342,9 +343,9 @@ impl Manager {
             source: SnapshotError::io_at("create", &to)(e),
         })?;
         let memory = Some(to.join(snapshots::MEMORY));
-        let held = self.held_memory();
+        let held = self.held();
         self.frozen_copy(&src, "be forked", memory, move |spec, sb| {
-            copy_trees(spec.dir(), (&to, true), &held).map_err(|source| Error::Snapshot {
+            copy_trees(spec.dir(), &to, Way::Fork, &held).map_err(|source| Error::Snapshot {
                 name: sb.name.clone(),
                 source,
             })
@@ -474,17 +475,33 @@ impl Manager {
     }
 }
 
+/// Which way [`copy_trees`] copies, and so what it shares instead of
+/// copying ([`crate::held`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Way {
+    /// A sandbox's directory into a snapshot's: its disks whole (an
+    /// overlay flattened, read as these uid and gid: the sandbox's), its
+    /// saved state linked where it can be.
+    ToSnapshot(u32, u32),
+    /// A snapshot's into a new sandbox's: its disks as overlays on the
+    /// snapshot's, its saved state held.
+    FromSnapshot,
+    /// A sandbox's into a new sandbox's (a fork of it as it is): an
+    /// overlay stays one on the same base, a saved state is held.
+    Fork,
+}
+
 /// Copy the [`TREES`] of directory `from` into directory `to` (which
 /// lacks them), and its [`DISKS`] and saved memory where it has them; a
 /// tree `from` lacks is made empty. A memory `to` has already (saved
-/// just now from the running guest) is kept. The saved state is shared,
-/// not copied, where it can be ([`crate::memory::copy`]; `hold`: `to` is a
-/// sandbox's directory, not a snapshot's; `held`: where shared states
-/// are). (A fork's guest takes an identity of its own at its first start
-/// from a copied memory.)
+/// just now from the running guest) is kept. What can be shared with a
+/// snapshot is, `way` says how; `held` is where shared files are. (A
+/// fork's guest takes an identity of its own at its first start from a
+/// copied memory.)
 pub(super) fn copy_trees(
     from: &Path,
-    (to, hold): (&Path, bool),
+    to: &Path,
+    way: Way,
     held: &Path,
 ) -> std::result::Result<(), SnapshotError> {
     for tree in TREES {
@@ -496,13 +513,20 @@ pub(super) fn copy_trees(
         }
     }
     for name in DISKS {
-        let disk = from.join(name);
+        let (disk, copy) = (from.join(name), to.join(name));
         if snapshots::is_real_file(&disk) {
-            snapshots::copy_disk(&disk, &to.join(name))?;
+            match way {
+                Way::ToSnapshot(uid, gid) => {
+                    crate::overlay::flatten(&disk, &copy, held, (uid, gid))
+                }
+                Way::FromSnapshot => crate::overlay::make(&disk, &copy, held),
+                Way::Fork => crate::overlay::copy(&disk, &copy, held),
+            }?;
         }
     }
     let (memory, copy) = (from.join(snapshots::MEMORY), to.join(snapshots::MEMORY));
     if procfs::is_real_dir(&memory) && std::fs::symlink_metadata(&copy).is_err() {
+        let hold = !matches!(way, Way::ToSnapshot(..));
         crate::memory::copy(&memory, &copy, held, hold)?;
     }
     Ok(())
@@ -571,8 +595,9 @@ pub(super) fn copied_branches(partial: &Path) -> BTreeMap<String, String> {
 /// with the snapshot where it can be, under `held`.
 fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<(), SnapshotError> {
     let side = |entry: &str, what: &str| dir.join(format!("{entry}.{what}"));
-    // A memory goes with the state it holds.
+    // A memory goes with the state it holds, a disk with its base.
     let remove = |p: &Path| {
+        crate::held::release(&crate::overlay::token_file(p), held);
         crate::memory::remove(p, held);
         match std::fs::symlink_metadata(p) {
             Ok(_) => Err(SnapshotError::io_at("remove", p)(std::io::Error::other(
@@ -592,7 +617,7 @@ fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<()
             return Ok(());
         }
         if DISKS.contains(entry) {
-            snapshots::copy_disk(&from, &side(entry, "restoring"))
+            crate::overlay::make(&from, &side(entry, "restoring"), held)
         } else if *entry == snapshots::MEMORY {
             crate::memory::copy(&from, &side(entry, "restoring"), held, true)
         } else {
@@ -611,11 +636,18 @@ fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<()
             side(entry, "restoring"),
             side(entry, "old"),
         );
-        if std::fs::symlink_metadata(&live).is_ok() {
-            std::fs::rename(&live, &old).map_err(SnapshotError::io_at("move aside", &live))?;
-        }
-        if std::fs::symlink_metadata(&new).is_ok() {
-            std::fs::rename(&new, &live).map_err(SnapshotError::io_at("move into place", &new))?;
+        // A disk's base token moves with it, the new one before its disk
+        // (an interrupted swap is finished from there: finish_restore).
+        let base = crate::overlay::token_file;
+        let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
+        for (from, to) in [(&live, &old), (&new, &live)] {
+            if exists(&base(from)) {
+                std::fs::rename(base(from), base(to))
+                    .map_err(SnapshotError::io_at("move", &base(from)))?;
+            }
+            if exists(from) {
+                std::fs::rename(from, to).map_err(SnapshotError::io_at("move", from))?;
+            }
         }
         remove(&old)?;
     }

@@ -4,7 +4,7 @@
 //! description beside the other snapshots (`snapshot.json`, with empty
 //! copies), so listing, quotas, ownership and ids work the same way.
 
-use super::snapshots::{copied_branches, copy_trees, describe, panicked_snapshot};
+use super::snapshots::{Way, copied_branches, copy_trees, describe, panicked_snapshot};
 use super::*;
 use crate::backend::Backend;
 use crate::snapshots::{Meta, SnapshotError, Store, TREES};
@@ -136,10 +136,10 @@ impl Manager {
             move |source| Error::Backend { name, source }
         };
         let (from, to2) = (self.store.registry().sandbox_dir(&src.name), to.to_owned());
-        let held = self.held_memory();
+        let held = self.held();
         tokio::task::spawn_blocking(move || {
             std::fs::create_dir_all(&to2).map_err(SnapshotError::io_at("create", &to2))?;
-            copy_trees(&from, (&to2, true), &held)
+            copy_trees(&from, &to2, Way::Fork, &held)
         })
         .await
         .map_err(|e| panicked_snapshot(&new.name, &e))?
