@@ -18,7 +18,7 @@
 //! file is the sandbox's, and a hostile one must not be read by root).
 //! Without `qemu-img`, or where no link can be made, disks are copied.
 
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -128,6 +128,16 @@ pub fn copy(from: &Path, to: &Path, held: &Path) -> Result<(), SnapshotError> {
         return copy_disk(from, to);
     };
     copy_disk(from, to)?;
+    // The overlay was written by the source's QEMU: it must not name a
+    // file the fork's QEMU (another uid) would open for it.
+    if let Err(why) = plain_qcow2(to) {
+        remove(to, held);
+        return Err(SnapshotError::Copy {
+            from: from.to_owned(),
+            to: to.to_owned(),
+            message: why,
+        });
+    }
     match crate::held::hold(&base, held, &token_file(to)) {
         Ok(true) => Ok(()),
         Ok(false) => {
@@ -143,6 +153,28 @@ pub fn copy(from: &Path, to: &Path, held: &Path) -> Result<(), SnapshotError> {
     }
 }
 
+/// Whether qcow2 file `path` is one QEMU opens without a file it names
+/// itself: its backing file is always agentd's to give, but an external
+/// data file (an incompatible feature of version 3) would be opened from
+/// the name in the file.
+fn plain_qcow2(path: &Path) -> Result<(), String> {
+    use std::io::Read;
+    let mut header = [0u8; 80];
+    std::fs::File::open(path)
+        .and_then(|mut f| f.read_exact(&mut header))
+        .map_err(|e| format!("cannot read its header: {e}"))?;
+    if &header[..4] != b"QFI\xfb" {
+        return Err("it is not a qcow2 file".to_owned());
+    }
+    let version = u32::from_be_bytes(header[4..8].try_into().unwrap_or_default());
+    let incompatible = u64::from_be_bytes(header[72..80].try_into().unwrap_or_default());
+    // Bit 2: an external data file.
+    if version >= 3 && incompatible & (1 << 2) != 0 {
+        return Err("it names an external data file".to_owned());
+    }
+    Ok(())
+}
+
 /// Write disk `from` of a sandbox into `to` (a snapshot's; must not
 /// exist) as a whole raw image: an overlay is flattened, by `qemu-img`
 /// run as `ids` (the sandbox's uid and gid; unchanged when agentd is not
@@ -154,15 +186,21 @@ pub fn flatten(from: &Path, to: &Path, held: &Path, ids: (u32, u32)) -> Result<(
     let Some(base) = base(from, held) else {
         return copy_disk(from, to);
     };
-    let done = flatten_into(from, &base, to, ids);
-    if done.is_err() {
-        let _ = std::fs::remove_file(to);
-    }
-    done.map_err(|message| SnapshotError::Copy {
+    // qemu-img writes into the sandbox's own directory (on its own disk:
+    // bounded by it), and the snapshot gets a copy of that, a file no
+    // process of the sandbox's uid ever held open.
+    let mut scratch = from.as_os_str().to_owned();
+    scratch.push(".flat");
+    let scratch = PathBuf::from(scratch);
+    let _ = std::fs::remove_file(&scratch);
+    let done = flatten_into(from, &base, &scratch, ids).map_err(|message| SnapshotError::Copy {
         from: from.to_owned(),
         to: to.to_owned(),
         message,
-    })
+    });
+    let copied = done.and_then(|()| copy_disk(&scratch, to));
+    let _ = std::fs::remove_file(&scratch);
+    copied
 }
 
 fn flatten_into(from: &Path, base: &Path, to: &Path, ids: (u32, u32)) -> Result<(), String> {
@@ -179,13 +217,15 @@ fn flatten_into(from: &Path, base: &Path, to: &Path, ids: (u32, u32)) -> Result<
         .write(true)
         .create_new(true)
         .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
         .open(to)
         .map_err(|e| format!("cannot create {}: {e}", to.display()))?;
     out.set_len(size).map_err(|e| e.to_string())?;
     let root = nix::unistd::Uid::effective().is_root();
     if root {
-        // The sandbox's uid reads its own disk and writes the copy (through
-        // the descriptors it is given: the directories are agentd's).
+        // The sandbox's uid reads its own disk and writes the scratch copy
+        // (through the descriptors it is given: the directories are
+        // agentd's).
         for f in [&top, &out] {
             std::os::unix::fs::fchown(f, Some(ids.0), Some(ids.1)).map_err(|e| e.to_string())?;
         }
@@ -225,17 +265,11 @@ fn flatten_into(from: &Path, base: &Path, to: &Path, ids: (u32, u32)) -> Result<
             Ok(())
         });
     }
-    let ran = run(&mut cmd, FLATTEN_LIMIT);
-    // Agentd's again, whatever happened.
-    if root {
-        let _ = std::os::unix::fs::fchown(&out, Some(0), Some(0));
-    }
-    ran?;
-    let written = out.metadata().map_err(|e| e.to_string())?;
-    if written.len() != size || written.uid() != nix::unistd::Uid::effective().as_raw() {
+    run(&mut cmd, FLATTEN_LIMIT)?;
+    if out.metadata().map_err(|e| e.to_string())?.len() != size {
         return Err("the flattened disk is not the size of its base".to_owned());
     }
-    out.sync_all().map_err(|e| e.to_string())
+    Ok(())
 }
 
 /// Run `qemu-img` (`cmd`) to its end within `limit`; what it said when it
@@ -278,6 +312,7 @@ fn run(cmd: &mut Command, limit: Duration) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     fn is_qcow2(path: &Path) -> bool {
         std::fs::read(path).unwrap().starts_with(b"QFI\xfb")
@@ -323,6 +358,28 @@ mod tests {
         remove(&fork, &held);
         remove(&other, &held);
         assert_eq!(std::fs::read_dir(&held).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn an_overlay_that_names_a_data_file_of_its_own_is_not_copied() {
+        if !qemu_img() {
+            eprintln!("skipped: no qemu-img");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let held = crate::held::dir(t.path());
+        let snap = t.path().join("snap.img");
+        std::fs::write(&snap, vec![0u8; 1 << 20]).unwrap();
+        let a = t.path().join("a.img");
+        make(&snap, &a, &held).unwrap();
+        assert!(plain_qcow2(&a).is_ok());
+        // What a hostile QEMU could write into its own overlay.
+        let mut bytes = std::fs::read(&a).unwrap();
+        bytes[79] |= 1 << 2;
+        std::fs::write(&a, &bytes).unwrap();
+        let b = t.path().join("b.img");
+        assert!(copy(&a, &b, &held).is_err());
+        assert!(!b.exists() && !token_file(&b).exists());
     }
 
     #[test]

@@ -542,21 +542,37 @@ pub fn copy_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
     copy(from, to, true)
 }
 
-/// Copy a disk image ([`DISKS`]) `from` to `to` as [`copy_tree`] does, but as
-/// agentd's own file (its mode kept): no other uid can open the copy
-/// before the sandbox it is for gets it at its start.
+/// Copy a disk image ([`DISKS`]) or a saved state `from` (a regular
+/// file) to `to` (which must not exist) as agentd's own file, mode 0600
+/// from its creation on, whatever `from`'s owner and mode: no other uid
+/// can open the copy before the sandbox it is for gets it at its start.
+/// Holes kept, extents shared where the file system can.
 ///
 /// # Errors
-/// As [`copy_tree`].
+/// As [`copy_tree`]; `to` exists.
 pub fn copy_disk(from: &Path, to: &Path) -> Result<(), SnapshotError> {
-    copy(from, to, false)
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(to)
+        .map_err(SnapshotError::io_at("create", to))?;
+    let copied = copy(from, to, false);
+    if copied.is_err() {
+        let _ = std::fs::remove_file(to);
+    }
+    copied
 }
 
 fn copy(from: &Path, to: &Path, owners: bool) -> Result<(), SnapshotError> {
     let mut cmd = Command::new("cp");
-    cmd.args(["-a", "--reflink=auto", "--sparse=always"]);
-    if !owners {
-        cmd.arg("--no-preserve=ownership");
+    if owners {
+        cmd.args(["-a", "--reflink=auto", "--sparse=always"]);
+    } else {
+        // Into the file made for it, whose owner and mode stay.
+        cmd.args(["--reflink=auto", "--sparse=always", "--no-preserve=all"]);
     }
     cmd.args(["--no-target-directory", "--"])
         .arg(from)

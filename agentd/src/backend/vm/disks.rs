@@ -271,6 +271,14 @@ impl Disk {
                 std::os::unix::fs::lchown(img, Some(r.uid), Some(r.gid))
                     .map_err(|error| VmError::DiskOwner { uid: r.uid, error })?;
             }
+            // And its owner's alone, whatever mode a copy came with.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(img, std::fs::Permissions::from_mode(0o600)).map_err(
+                |error| VmError::DiskOwner {
+                    uid: run_as.map_or(spec.uid, |r| r.uid),
+                    error,
+                },
+            )?;
             return Ok(img.clone());
         }
         let _ = std::fs::remove_file(img);

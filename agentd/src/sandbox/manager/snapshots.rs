@@ -636,18 +636,25 @@ fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<()
             side(entry, "restoring"),
             side(entry, "old"),
         );
-        // A disk's base token moves with it, the new one before its disk
-        // (an interrupted swap is finished from there: finish_restore).
+        // A disk's base token moves with it: the live one after its disk,
+        // the new one before its disk. An interrupted swap leaves a token
+        // only where finish_restore looks for it.
         let base = crate::overlay::token_file;
         let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
-        for (from, to) in [(&live, &old), (&new, &live)] {
-            if exists(&base(from)) {
-                std::fs::rename(base(from), base(to))
-                    .map_err(SnapshotError::io_at("move", &base(from)))?;
-            }
-            if exists(from) {
-                std::fs::rename(from, to).map_err(SnapshotError::io_at("move", from))?;
-            }
+        let moved = |from: &Path, to: &Path| {
+            std::fs::rename(from, to).map_err(SnapshotError::io_at("move", from))
+        };
+        if exists(&live) {
+            moved(&live, &old)?;
+        }
+        if exists(&base(&live)) {
+            moved(&base(&live), &base(&old))?;
+        }
+        if exists(&base(&new)) {
+            moved(&base(&new), &base(&live))?;
+        }
+        if exists(&new) {
+            moved(&new, &live)?;
         }
         remove(&old)?;
     }
