@@ -33,6 +33,10 @@ const FACTS: &str = "machine.json";
 /// How long saving the state may take.
 const SAVE_LIMIT: Duration = Duration::from_secs(300);
 
+/// How long the rest of a completed save may take to come through the
+/// pipe (QEMU has closed its end: the pipe's buffer is all that is left).
+const PUMP_DRAIN: Duration = Duration::from_secs(10);
+
 /// How long the guest may take to take fresh randomness and the clock.
 const REFRESH_LIMIT: Duration = Duration::from_secs(10);
 
@@ -222,13 +226,9 @@ impl VmBackend {
             sandbox: spec.name.clone(),
             source,
         };
-        qmp::migrate_to_file(&socket, uid, &file)
-            .await
-            .map_err(qmp_error)?;
         // What QEMU writes is bounded: the guest's RAM and its devices'
         // state, no more (a QEMU the guest took over could write on).
         let limit = (u64::from(spec.config.memory) + 512) << 20;
-        let started = Instant::now();
         let failed = |why: String| -> BackendError {
             VmError::SaveMemory {
                 sandbox: spec.name.clone(),
@@ -236,32 +236,53 @@ impl VmBackend {
             }
             .into()
         };
-        loop {
-            let answer = qmp::call(&socket, uid, "query-migrate", None)
-                .await
-                .map_err(qmp_error)?;
+        // QEMU writes into a pipe, which agentd copies into the file: QEMU
+        // (the sandbox's uid) never holds the file itself, so nothing of
+        // the sandbox's can write into a snapshot's state after the save.
+        let (rx, tx) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| failed(format!("cannot make a pipe: {e}")))?;
+        let pump = Pump::start(rx, file, limit).map_err(|e| failed(e.to_string()))?;
+        let tx = std::fs::File::from(tx);
+        let asked = qmp::migrate_to_file(&socket, uid, &tx).await;
+        drop(tx);
+        if let Err(e) = asked {
+            pump.stop().await;
+            return Err(qmp_error(e).into());
+        }
+        let started = Instant::now();
+        let done = loop {
+            let answer = match qmp::call(&socket, uid, "query-migrate", None).await {
+                Ok(a) => a,
+                Err(e) => break Err(qmp_error(e).into()),
+            };
             match answer.get("status").and_then(serde_json::Value::as_str) {
-                Some("completed") => break,
+                Some("completed") => break Ok(()),
                 Some("failed" | "cancelled") => {
                     let why = answer
                         .get("error-desc")
                         .and_then(serde_json::Value::as_str)
                         .unwrap_or("no reason given");
-                    return Err(failed(crate::text::clamp_text(why).into_owned()));
+                    break Err(failed(crate::text::clamp_text(why).into_owned()));
                 }
                 _ => {}
             }
-            let size = file.metadata().map_or(0, |m| m.len());
+            let size = pump.copied();
             if size > limit || started.elapsed() > SAVE_LIMIT {
                 let _ = qmp::execute(&socket, uid, "migrate_cancel").await;
-                return Err(failed(format!(
+                break Err(failed(format!(
                     "QEMU wrote {} MiB in {} s, past the guest's RAM and its devices",
                     size >> 20,
                     started.elapsed().as_secs()
                 )));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if let Err(e) = done {
+            pump.stop().await;
+            return Err(e);
         }
+        // Completed: QEMU has closed its end, and the rest is copied.
+        let file = pump.finish(PUMP_DRAIN).await.map_err(failed)?;
         file.sync_all()
             .map_err(BackendError::file("cannot write", &path))?;
         let facts_path = dir.join(FACTS);
@@ -391,4 +412,84 @@ fn started_late(plan: &Path) -> Option<bool> {
     let bytes = std::fs::read(plan).ok().filter(|b| b.len() <= 1 << 20)?;
     let plan: supervise::Plan = serde_json::from_slice(&bytes).ok()?;
     Some(plan.qemu.iter().any(|a| a.contains("keystone.late=1")))
+}
+
+/// The copy of a save from QEMU's pipe into the state file, in a thread
+/// of its own: at most `limit` bytes, and it ends when asked to (a QEMU
+/// that keeps its end open does not keep it running).
+struct Pump {
+    copied: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: tokio::task::JoinHandle<Result<std::fs::File, String>>,
+}
+
+impl Pump {
+    fn start(rx: std::os::fd::OwnedFd, file: std::fs::File, limit: u64) -> std::io::Result<Self> {
+        use std::sync::atomic::Ordering;
+        let flags = nix::fcntl::fcntl(&rx, nix::fcntl::FcntlArg::F_GETFL)?;
+        let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
+        nix::fcntl::fcntl(&rx, nix::fcntl::FcntlArg::F_SETFL(flags))?;
+        let copied = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (c, s) = (std::sync::Arc::clone(&copied), std::sync::Arc::clone(&stop));
+        let thread = tokio::task::spawn_blocking(move || {
+            use std::io::{Read, Write};
+            let mut rx = std::fs::File::from(rx);
+            let mut out = file;
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                match rx.read(&mut buf) {
+                    Ok(0) => return Ok(out),
+                    Ok(n) => {
+                        let total = c.load(Ordering::Relaxed) + n as u64;
+                        if total > limit {
+                            return Err(format!("QEMU wrote past {} MiB", limit >> 20));
+                        }
+                        out.write_all(&buf[..n]).map_err(|e| e.to_string())?;
+                        c.store(total, Ordering::Relaxed);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if s.load(Ordering::Relaxed) {
+                            return Err("stopped".to_owned());
+                        }
+                        let fd = std::os::fd::AsFd::as_fd(&rx);
+                        let mut ready = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
+                        let _ = nix::poll::poll(&mut ready, nix::poll::PollTimeout::from(100u8));
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+        });
+        Ok(Self {
+            copied,
+            stop,
+            thread,
+        })
+    }
+
+    /// Bytes copied so far.
+    fn copied(&self) -> u64 {
+        self.copied.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Stop copying, and wait for the thread.
+    async fn stop(self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let _ = self.thread.await;
+    }
+
+    /// The file once the pipe has ended, within `limit`; why not.
+    async fn finish(self, limit: Duration) -> Result<std::fs::File, String> {
+        let stop = std::sync::Arc::clone(&self.stop);
+        let mut thread = self.thread;
+        match tokio::time::timeout(limit, &mut thread).await {
+            Ok(done) => done.map_err(|e| e.to_string())?,
+            Err(_) => {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                let _ = thread.await;
+                Err("QEMU kept the save's pipe open after it completed".to_owned())
+            }
+        }
+    }
 }
