@@ -426,6 +426,9 @@ struct Pump {
 impl Pump {
     fn start(rx: std::os::fd::OwnedFd, file: std::fs::File, limit: u64) -> std::io::Result<Self> {
         use std::sync::atomic::Ordering;
+        // A larger pipe: fewer turns between QEMU and the copy (the
+        // kernel's cap for unprivileged pipes, 1 MiB by default).
+        let _ = nix::fcntl::fcntl(&rx, nix::fcntl::FcntlArg::F_SETPIPE_SZ(1 << 20));
         let flags = nix::fcntl::fcntl(&rx, nix::fcntl::FcntlArg::F_GETFL)?;
         let flags = nix::fcntl::OFlag::from_bits_retain(flags) | nix::fcntl::OFlag::O_NONBLOCK;
         nix::fcntl::fcntl(&rx, nix::fcntl::FcntlArg::F_SETFL(flags))?;
