@@ -318,23 +318,28 @@ mod tests {
         std::fs::read(path).unwrap().starts_with(b"QFI\xfb")
     }
 
-    fn qemu_img() -> bool {
-        Command::new("qemu-img").arg("--version").output().is_ok()
-    }
-
-    #[test]
-    fn an_overlay_shares_its_base_and_flattens_back_to_it() {
-        if !qemu_img() {
+    /// A snapshot's disk of `data` in a temporary directory, an overlay
+    /// made on it, and where bases are held; `None` without qemu-img.
+    fn overlay_on(data: &[u8]) -> Option<(tempfile::TempDir, PathBuf, PathBuf, PathBuf)> {
+        if Command::new("qemu-img").arg("--version").output().is_err() {
             eprintln!("skipped: no qemu-img");
-            return;
+            return None;
         }
         let t = tempfile::tempdir().unwrap();
         let held = crate::held::dir(t.path());
         let snap = t.path().join("snap.img");
+        std::fs::write(&snap, data).unwrap();
+        let disk = t.path().join("home.img");
+        make(&snap, &disk, &held).unwrap();
+        Some((t, held, snap, disk))
+    }
+
+    #[test]
+    fn an_overlay_shares_its_base_and_flattens_back_to_it() {
         let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
-        std::fs::write(&snap, &data).unwrap();
-        let fork = t.path().join("home.img");
-        make(&snap, &fork, &held).unwrap();
+        let Some((t, held, snap, fork)) = overlay_on(&data) else {
+            return;
+        };
         assert!(is_qcow2(&fork));
         assert!(std::fs::metadata(&fork).unwrap().len() < 1 << 20);
         let b = base(&fork, &held).unwrap();
@@ -362,16 +367,9 @@ mod tests {
 
     #[test]
     fn an_overlay_that_names_a_data_file_of_its_own_is_not_copied() {
-        if !qemu_img() {
-            eprintln!("skipped: no qemu-img");
+        let Some((t, held, _, a)) = overlay_on(&vec![0u8; 1 << 20]) else {
             return;
-        }
-        let t = tempfile::tempdir().unwrap();
-        let held = crate::held::dir(t.path());
-        let snap = t.path().join("snap.img");
-        std::fs::write(&snap, vec![0u8; 1 << 20]).unwrap();
-        let a = t.path().join("a.img");
-        make(&snap, &a, &held).unwrap();
+        };
         assert!(plain_qcow2(&a).is_ok());
         // What a hostile QEMU could write into its own overlay.
         let mut bytes = std::fs::read(&a).unwrap();
