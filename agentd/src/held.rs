@@ -36,7 +36,7 @@ fn valid(token: &str) -> bool {
 /// one.
 #[must_use]
 pub fn token(named: &Path) -> Option<String> {
-    if !crate::snapshots::is_real_file(named) {
+    if !is_real_file(named) {
         return None;
     }
     let text = std::fs::read(named).ok().filter(|b| b.len() <= 64)?;
@@ -48,7 +48,12 @@ pub fn token(named: &Path) -> Option<String> {
 #[must_use]
 pub fn file(named: &Path, held: &Path) -> Option<PathBuf> {
     let path = held.join(token(named)?);
-    crate::snapshots::is_real_file(&path).then_some(path)
+    is_real_file(&path).then_some(path)
+}
+
+/// Whether `path` is a regular file (not a link to one).
+fn is_real_file(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.is_file())
 }
 
 /// Hold `file` (a regular file on `held`'s file system) under a new

@@ -29,12 +29,11 @@ use crate::snapshots::{SnapshotError, copy_disk};
 /// How long flattening a disk may take.
 const FLATTEN_LIMIT: Duration = Duration::from_secs(900);
 
-/// The token file beside disk `disk`: `<disk>.base`.
+/// The token file beside disk `disk`: `<disk>.base`
+/// ([`crate::snapshots::base_token`], which moves it with its disk).
 #[must_use]
 pub fn token_file(disk: &Path) -> PathBuf {
-    let mut name = disk.as_os_str().to_owned();
-    name.push(".base");
-    PathBuf::from(name)
+    crate::snapshots::base_token(disk)
 }
 
 /// The held base of overlay disk `disk`; `None` for a disk that is not one.

@@ -44,6 +44,15 @@ pub const MEMORY_SAVING: &str = "memory.saving";
 /// the [`DISKS`] and the [`MEMORY`].
 pub const ENTRIES: [&str; 5] = ["workspace", "home", HOME_DISK, WORKSPACE_DISK, MEMORY];
 
+/// Beside a disk that is an overlay on a held base ([`crate::overlay`]):
+/// `<disk>.base`, agentd's file naming the base. It moves with the disk.
+#[must_use]
+pub fn base_token(disk: &Path) -> PathBuf {
+    let mut name = disk.as_os_str().to_owned();
+    name.push(".base");
+    PathBuf::from(name)
+}
+
 /// Whether `path` is a regular file (not a link to one).
 #[must_use]
 pub fn is_real_file(path: &Path) -> bool {
@@ -472,7 +481,7 @@ pub fn finish_restore(dir: &Path) {
             dir.join(format!("{tree}.old")),
         );
         let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
-        let base = crate::overlay::token_file;
+        let base = base_token;
         if !exists(&live)
             && exists(&old)
             && (crate::procfs::is_real_dir(&new) || is_real_file(&new))
