@@ -648,11 +648,12 @@ impl VmBackend {
             match from {
                 // Another sandbox's guest: it takes this one's identity
                 // (random state, clock, names, keys) before anyone logs
-                // in, and this sandbox's CA files.
+                // in, and this sandbox's CA files (it has agentd's tools
+                // from its parent's start, as a restored guest has).
                 memory::Origin::Memory { fork: true, .. } => {
                     self.reidentify(spec, &p).await?;
                     self.wait_answer(spec, &rt, &p).await?;
-                    self.bring_tools(spec, true).await?;
+                    self.bring_tools(spec, false).await?;
                 }
                 // Its clock and random state are those it was saved with.
                 memory::Origin::Memory { .. } => {
