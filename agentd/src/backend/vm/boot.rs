@@ -173,8 +173,8 @@ impl VmBackend {
         if snap.state().is_file() {
             return Ok(snap);
         }
-        if let Some(why) = self.boot_failed.lock().unwrap().get(key) {
-            return Err(why.clone());
+        if let Some(why) = self.boot_failed.lock().unwrap().recent(key, Instant::now()) {
+            return Err(why);
         }
         let started = Instant::now();
         tracing::info!(
@@ -204,7 +204,7 @@ impl VmBackend {
                 self.boot_failed
                     .lock()
                     .unwrap()
-                    .insert(key.to_owned(), why.clone());
+                    .record(key, &why, Instant::now());
                 Err(why)
             }
         }
@@ -510,5 +510,47 @@ fn prune(root: &Path, keep: &str) {
             tracing::info!(snapshot = %name.to_string_lossy(), "removing a boot snapshot unused for a day");
             let _ = crate::fsutil::remove_tree(&e.path());
         }
+    }
+}
+
+/// How long after a boot snapshot could not be made the starts of its
+/// shape boot cold before one tries to make it again (a failure may have
+/// been the host's, busy or short of memory for a while).
+const RETRY_AFTER: Duration = Duration::from_secs(600);
+
+/// Boot snapshots that could not be made, by key: why, and when.
+#[derive(Debug, Default)]
+pub(super) struct Failures(std::collections::HashMap<String, (String, Instant)>);
+
+impl Failures {
+    /// Why the snapshot of `key` could not be made, if that was less than
+    /// [`RETRY_AFTER`] before `now`.
+    pub fn recent(&self, key: &str, now: Instant) -> Option<String> {
+        let (why, when) = self.0.get(key)?;
+        (now.saturating_duration_since(*when) < RETRY_AFTER).then(|| why.clone())
+    }
+
+    /// The snapshot of `key` could not be made at `now`, because of `why`.
+    pub fn record(&mut self, key: &str, why: &str, now: Instant) {
+        self.0.insert(key.to_owned(), (why.to_owned(), now));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_boot_snapshot_that_could_not_be_made_is_tried_again_later() {
+        let mut f = Failures::default();
+        let t0 = Instant::now();
+        assert_eq!(f.recent("k", t0), None);
+        f.record("k", "the guest did not answer", t0);
+        assert_eq!(
+            f.recent("k", t0 + Duration::from_secs(60)).as_deref(),
+            Some("the guest did not answer")
+        );
+        assert_eq!(f.recent("other", t0), None);
+        assert_eq!(f.recent("k", t0 + RETRY_AFTER), None);
     }
 }

@@ -61,8 +61,9 @@ pub struct VmBackend {
     boot_build: tokio::sync::Mutex<()>,
     /// Held while the toolbox's disk image is made (disks.rs).
     toolbox_build: tokio::sync::Mutex<()>,
-    /// Boot snapshots that could not be made, by key, and why.
-    boot_failed: std::sync::Mutex<std::collections::HashMap<String, String>>,
+    /// Boot snapshots that could not be made, by key: why, and when
+    /// ([`boot::Failures`]).
+    boot_failed: std::sync::Mutex<boot::Failures>,
 }
 
 /// The last `n` lines of a log file, indented, or "" when there are none.
