@@ -612,6 +612,22 @@ fn copy(from: &Path, to: &Path, owners: bool) -> Result<(), SnapshotError> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_disk_copy_is_agentds_alone_whatever_mode_its_source_had() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let t = tempfile::tempdir().unwrap();
+        let (from, to) = (t.path().join("base.img"), t.path().join("copy.img"));
+        std::fs::write(&from, b"disk").unwrap();
+        std::fs::set_permissions(&from, std::fs::Permissions::from_mode(0o644)).unwrap();
+        copy_disk(&from, &to).unwrap();
+        let m = std::fs::metadata(&to).unwrap();
+        assert_eq!(m.mode() & 0o777, 0o600);
+        assert_eq!(m.uid(), nix::unistd::Uid::effective().as_raw());
+        assert_eq!(std::fs::read(&to).unwrap(), b"disk");
+        // An existing file is never written through.
+        assert!(copy_disk(&from, &to).is_err());
+    }
+
     fn meta(id: &str) -> Meta {
         meta_of("s", id)
     }
