@@ -269,8 +269,9 @@ impl Manager {
     /// goes.
     pub(super) fn release_held(&self, name: &str) {
         self.drop_memory(name);
-        for named in self.held_names(name) {
-            crate::held::release(&named, &self.held());
+        let dir = self.store.registry().sandbox_dir(name);
+        for disk in crate::snapshots::DISKS {
+            crate::held::release(&crate::overlay::token_file(&dir.join(disk)), &self.held());
         }
     }
 
