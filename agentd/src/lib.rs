@@ -22,6 +22,7 @@ pub mod git;
 pub mod guest;
 pub mod held;
 pub mod helper;
+pub mod layers;
 pub mod memory;
 pub mod naming;
 pub mod overlay;

@@ -482,6 +482,11 @@ pub fn finish_restore(dir: &Path) {
         );
         let exists = |p: &Path| std::fs::symlink_metadata(p).is_ok();
         let base = base_token;
+        // A layered tree moved aside before its token: the token is the
+        // old tree's (a restored tree is never layered).
+        if TREES.contains(&tree) && !exists(&live) && exists(&old) && exists(&base(&live)) {
+            let _ = std::fs::rename(base(&live), base(&old));
+        }
         if !exists(&live)
             && exists(&old)
             && (crate::procfs::is_real_dir(&new) || is_real_file(&new))
@@ -548,8 +553,21 @@ pub fn clean_label(label: &str) -> String {
 /// # Errors
 /// `cp` could not run or failed (a full disk, a file it cannot read).
 pub fn copy_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
-    copy(from, to, true)
+    copy(from, to, TREE)
 }
+
+/// Make tree `to` (which must not exist) of directories like those of
+/// tree `from` (owners, modes, times) and hard links to its files: the
+/// files are shared, not copied. Both on one file system.
+///
+/// # Errors
+/// As [`copy_tree`]; another file system.
+pub fn link_tree(from: &Path, to: &Path) -> Result<(), SnapshotError> {
+    copy(from, to, &["-a", "--link"])
+}
+
+/// `cp`'s arguments for a tree: owners, modes and times kept.
+const TREE: &[&str] = &["-a", "--reflink=auto", "--sparse=always"];
 
 /// Copy a disk image ([`DISKS`]) or a saved state `from` (a regular
 /// file) to `to` (which must not exist) as agentd's own file, mode 0600
@@ -568,22 +586,22 @@ pub fn copy_disk(from: &Path, to: &Path) -> Result<(), SnapshotError> {
         .custom_flags(nix::libc::O_NOFOLLOW)
         .open(to)
         .map_err(SnapshotError::io_at("create", to))?;
-    let copied = copy(from, to, false);
+    // Into the file made for it, whose owner and mode stay.
+    let copied = copy(
+        from,
+        to,
+        &["--reflink=auto", "--sparse=always", "--no-preserve=all"],
+    );
     if copied.is_err() {
         let _ = std::fs::remove_file(to);
     }
     copied
 }
 
-fn copy(from: &Path, to: &Path, owners: bool) -> Result<(), SnapshotError> {
+fn copy(from: &Path, to: &Path, args: &[&str]) -> Result<(), SnapshotError> {
     let mut cmd = Command::new("cp");
-    if owners {
-        cmd.args(["-a", "--reflink=auto", "--sparse=always"]);
-    } else {
-        // Into the file made for it, whose owner and mode stay.
-        cmd.args(["--reflink=auto", "--sparse=always", "--no-preserve=all"]);
-    }
-    cmd.args(["--no-target-directory", "--"])
+    cmd.args(args)
+        .args(["--no-target-directory", "--"])
         .arg(from)
         .arg(to)
         .stdin(Stdio::null())

@@ -36,6 +36,24 @@ impl Manager {
         }
     }
 
+    /// Mount sandbox `name`'s layered trees ([`crate::layers`]) where
+    /// they are not: a sandbox whose trees cannot be does not start (its
+    /// directory would show an empty place instead of its files).
+    pub(super) async fn mount_layers(&self, name: &str) -> Result<()> {
+        let (dir, held) = (self.store.registry().sandbox_dir(name), self.held());
+        tokio::task::spawn_blocking(move || {
+            crate::snapshots::TREES
+                .iter()
+                .try_for_each(|t| crate::layers::mount(&dir.join(t), &held))
+        })
+        .await
+        .map_err(|e| snapshots::panicked_snapshot(name, &e))?
+        .map_err(|source| Error::Snapshot {
+            name: name.to_owned(),
+            source,
+        })
+    }
+
     /// Unmount and delete sandbox `name`'s disk image.
     pub(super) async fn release_disk(&self, name: &str) {
         let disk = self.disk(name);
@@ -71,6 +89,7 @@ impl Manager {
     /// Returns notices for the person.
     pub(super) async fn prepare_dirs(&self, sb: &Sandbox) -> Result<Vec<String>> {
         self.ensure_disk(sb).await;
+        self.mount_layers(&sb.name).await?;
         let spec = self.spec(sb);
         let dir = self.store.registry().sandbox_dir(&sb.name);
         let name = sb.name.clone();

@@ -253,7 +253,7 @@ impl Manager {
     }
 
     /// The token files of what sandbox `name` holds: its saved memory's
-    /// state and its disks' bases.
+    /// state, its disks' bases and its trees' lower layers.
     pub(super) fn held_names(&self, name: &str) -> Vec<std::path::PathBuf> {
         let dir = self.store.registry().sandbox_dir(name);
         let mut named = vec![self.saved_memory(name).join(crate::memory::HELD)];
@@ -262,14 +262,22 @@ impl Manager {
                 .iter()
                 .map(|d| crate::overlay::token_file(&dir.join(d))),
         );
+        named.extend(
+            crate::snapshots::TREES
+                .iter()
+                .map(|t| crate::layers::token_file(&dir.join(t))),
+        );
         named
     }
 
     /// Let go of everything sandbox `name` holds, before its directory
-    /// goes.
+    /// goes (its layers unmounted).
     pub(super) fn release_held(&self, name: &str) {
         self.drop_memory(name);
         let dir = self.store.registry().sandbox_dir(name);
+        for tree in crate::snapshots::TREES {
+            crate::layers::release(&dir.join(tree), &self.held());
+        }
         for disk in crate::snapshots::DISKS {
             crate::held::release(&crate::overlay::token_file(&dir.join(disk)), &self.held());
         }

@@ -105,7 +105,16 @@ impl Manager {
             }
         }
         for name in self.names() {
-            crate::snapshots::finish_restore(&self.store.registry().sandbox_dir(&name));
+            let dir = self.store.registry().sandbox_dir(&name);
+            crate::snapshots::finish_restore(&dir);
+            // Layers mounted again (after a reboot), and those an
+            // interrupted fork left removed.
+            crate::layers::prune(&dir, &crate::snapshots::TREES);
+            for tree in crate::snapshots::TREES {
+                if let Err(e) = crate::layers::mount(&dir.join(tree), &self.held()) {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot mount the layers");
+                }
+            }
         }
         // Saved states held for sandboxes that are gone, or whose memory
         // went without them (an agentd that died in between).

@@ -302,10 +302,17 @@ impl Manager {
                     Some((_, snap_dir)) => {
                         let (snap_dir, to) = (snap_dir.clone(), to.clone());
                         let held = self.held();
+                        // A local sandbox's trees are layered on the
+                        // snapshot's; a vm's disks are overlays on its.
+                        let way = if src.backend == BackendKind::Local {
+                            Way::Layered
+                        } else {
+                            Way::FromSnapshot
+                        };
                         tokio::task::spawn_blocking(move || {
                             std::fs::create_dir_all(&to)
                                 .map_err(SnapshotError::io_at("create", &to))?;
-                            copy_trees(&snap_dir, &to, Way::FromSnapshot, &held)
+                            copy_trees(&snap_dir, &to, way, &held)
                         })
                         .await
                         .map_err(|e| panicked_snapshot(new, &e))?
@@ -486,6 +493,9 @@ pub(super) enum Way {
     /// A snapshot's into a new sandbox's: its disks as overlays on the
     /// snapshot's, its saved state held.
     FromSnapshot,
+    /// As `FromSnapshot`, with the trees layered on the snapshot's
+    /// ([`crate::layers`]) where they can be: a `local` fork.
+    Layered,
     /// A sandbox's into a new sandbox's (a fork of it as it is): an
     /// overlay stays one on the same base, a saved state is held.
     Fork,
@@ -507,7 +517,11 @@ pub(super) fn copy_trees(
     for tree in TREES {
         let (src, dst) = (from.join(tree), to.join(tree));
         if procfs::is_real_dir(&src) {
-            snapshots::copy_tree(&src, &dst)?;
+            crate::layers::check_mounted(&src)?;
+            let layered = matches!(way, Way::Layered) && crate::layers::make(&src, &dst, held)?;
+            if !layered {
+                snapshots::copy_tree(&src, &dst)?;
+            }
         } else {
             std::fs::create_dir(&dst).map_err(SnapshotError::io_at("create", &dst))?;
         }
@@ -519,7 +533,7 @@ pub(super) fn copy_trees(
                 Way::ToSnapshot(uid, gid) => {
                     crate::overlay::flatten(&disk, &copy, held, (uid, gid))
                 }
-                Way::FromSnapshot => crate::overlay::make(&disk, &copy, held),
+                Way::FromSnapshot | Way::Layered => crate::overlay::make(&disk, &copy, held),
                 Way::Fork => crate::overlay::copy(&disk, &copy, held),
             }?;
         }
@@ -595,8 +609,10 @@ pub(super) fn copied_branches(partial: &Path) -> BTreeMap<String, String> {
 /// with the snapshot where it can be, under `held`.
 fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<(), SnapshotError> {
     let side = |entry: &str, what: &str| dir.join(format!("{entry}.{what}"));
-    // A memory goes with the state it holds, a disk with its base.
+    // A memory goes with the state it holds, a disk with its base, a
+    // layered tree with its layers.
     let remove = |p: &Path| {
+        crate::layers::release(p, held);
         crate::held::release(&crate::overlay::token_file(p), held);
         crate::memory::remove(p, held);
         match std::fs::symlink_metadata(p) {
@@ -629,6 +645,11 @@ fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<()
             let _ = remove(&side(entry, "restoring"));
         }
         return Err(e);
+    }
+    // A layered tree's mount point moves like any directory once its
+    // layers are unmounted (the sandbox is stopped).
+    for tree in TREES {
+        crate::layers::unmount(&dir.join(tree));
     }
     for entry in ENTRIES {
         let (live, new, old) = (
