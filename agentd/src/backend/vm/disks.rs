@@ -29,7 +29,7 @@ impl VmBackend {
     ) -> Result<PathBuf, BackendError> {
         let img = p.dir.join(HOME_DISK);
         if !spec.config.persist {
-            crate::overlay::remove(&img, &crate::held::dir(&self.settings.state_dir));
+            crate::overlay::remove(&img, &self.held());
         }
         let disk = Disk {
             img,

@@ -55,7 +55,7 @@ impl VmBackend {
         }
         let home_mib = self.settings.home_size_mib;
         let home = Paths::new(spec).dir.join("home.img");
-        let held = crate::held::dir(&self.settings.state_dir);
+        let held = self.held();
         if let Ok(len) = crate::overlay::size(&home, &held)
             && len != u64::from(home_mib) << 20
         {

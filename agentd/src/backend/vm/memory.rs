@@ -299,7 +299,7 @@ impl VmBackend {
         image: &boot::Image<'_>,
         saved: &Saved,
     ) -> Result<Runtime, String> {
-        let held = crate::held::dir(&self.settings.state_dir);
+        let held = self.held();
         let started = async {
             let facts: Facts = std::fs::read(saved.dir.join(FACTS))
                 .ok()
@@ -337,7 +337,7 @@ impl VmBackend {
     ) -> Result<String, String> {
         let (accel, _) = self.accel(image.kernel).await.map_err(|e| e.to_string())?;
         let dir = spec.dir();
-        let held = crate::held::dir(&self.settings.state_dir);
+        let held = self.held();
         let mib = |name: &str| {
             crate::overlay::size(&dir.join(name), &held)
                 .map(|len| u32::try_from(len >> 20).unwrap_or(u32::MAX))

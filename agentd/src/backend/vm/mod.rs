@@ -253,6 +253,11 @@ impl VmBackend {
         }
     }
 
+    /// Where the files sandboxes share with snapshots are ([`crate::held`]).
+    fn held(&self) -> PathBuf {
+        crate::held::dir(&self.settings.state_dir)
+    }
+
     fn qemu(&self) -> Result<PathBuf, BackendError> {
         qemu::find_program(std::slice::from_ref(&self.settings.qemu)).ok_or_else(|| {
             VmError::NoQemu {
@@ -427,7 +432,7 @@ impl VmBackend {
             pad: if from.late() { fast::FW_CFG_SIZE } else { 0 },
             ..arg(path, true)
         };
-        let held = crate::held::dir(&self.settings.state_dir);
+        let held = self.held();
         let home_base = crate::overlay::base(&home, &held);
         let mut files = vec![
             arg(kernel, false),
