@@ -65,20 +65,28 @@ pub fn possible() -> bool {
         })
 }
 
-/// Whether `path` can be named in overlayfs' options as it is.
-fn plain(path: &Path) -> bool {
-    path.to_str()
-        .is_some_and(|p| !p.contains([',', ':', '\\', '\n']))
+/// The file beside a snapshot's tree naming the held tree its forks
+/// share: `<tree>.lower`, agentd's.
+fn shared_file(from: &Path) -> PathBuf {
+    let mut name = from.as_os_str().to_owned();
+    name.push(".lower");
+    PathBuf::from(name)
 }
 
+/// Held trees are made, shared and let go of one at a time: a fork that
+/// takes one never sees it go under it.
+static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Make `to` (which must not exist) a layered tree on snapshot tree
-/// `from`, and mount it. `Ok(false)` where it cannot be (see the module's
-/// text): nothing is left, and the caller copies.
+/// `from`, and mount it. Every fork of one snapshot shares one held tree
+/// (named beside `from`, made by the first). `Ok(false)` where it cannot
+/// be (see the module's text): nothing of `to` is left, and the caller
+/// copies.
 ///
 /// # Errors
-/// A file operation failed (nothing is left).
+/// `held` cannot be made.
 pub fn make(from: &Path, to: &Path, held: &Path) -> Result<bool, SnapshotError> {
-    if !possible() || !plain(held) || !plain(to) {
+    if !possible() {
         return Ok(false);
     }
     match std::fs::DirBuilder::new().mode(0o700).create(held) {
@@ -87,20 +95,32 @@ pub fn make(from: &Path, to: &Path, held: &Path) -> Result<bool, SnapshotError> 
         }
         _ => {}
     }
-    let token = uuid::Uuid::new_v4().simple().to_string();
+    let _one = LOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let share = shared_file(from);
+    let token = match crate::held::token(&share) {
+        Some(t) if crate::procfs::is_real_dir(&held.join(&t)) => t,
+        _ => {
+            let token = uuid::Uuid::new_v4().simple().to_string();
+            let lower = held.join(&token);
+            let linked = crate::snapshots::link_tree(from, &lower).and_then(|()| {
+                Ok(crate::fsutil::atomic_write_mode(
+                    &share,
+                    token.as_bytes(),
+                    0o600,
+                )?)
+            });
+            if let Err(e) = linked {
+                tracing::info!(from = %from.display(), error = %e, "cannot share the snapshot's files: copying them");
+                let _ = crate::fsutil::remove_tree(&lower);
+                return Ok(false);
+            }
+            token
+        }
+    };
     let lower = held.join(&token);
     let own = layer(to, &token);
-    let undo = || {
-        let _ = crate::fsutil::remove_tree(&lower);
-        let _ = crate::fsutil::remove_tree(&own);
-        let _ = std::fs::remove_file(token_file(to));
-        let _ = std::fs::remove_dir(to);
-    };
-    if let Err(e) = crate::snapshots::link_tree(from, &lower) {
-        tracing::info!(from = %from.display(), error = %e, "cannot share the snapshot's files: copying them");
-        undo();
-        return Ok(false);
-    }
     let made = (|| {
         let top =
             std::fs::symlink_metadata(&lower).map_err(SnapshotError::io_at("read", &lower))?;
@@ -127,17 +147,25 @@ pub fn make(from: &Path, to: &Path, held: &Path) -> Result<bool, SnapshotError> 
         Ok(()) => Ok(true),
         Err(e) => {
             tracing::info!(tree = %to.display(), error = %e, "cannot layer the tree: copying it");
-            undo();
+            // The held tree stays: the snapshot names it for the next fork.
+            let _ = crate::fsutil::remove_tree(&own);
+            let _ = std::fs::remove_file(token_file(to));
+            let _ = std::fs::remove_dir(to);
             Ok(false)
         }
     }
 }
 
-/// Mount layered tree `tree` unless it is plain or mounted already.
+/// Mount layered tree `tree` unless it is plain or mounted already. Its
+/// layers are named to overlayfs by descriptors, so no path of agentd's
+/// state shows in the sandbox's mount table; `index=on` keeps hard links
+/// whole and refuses a second mount on the same upper layer.
 ///
 /// # Errors
 /// Its lower tree or its layer is missing, or the mount failed.
 pub fn mount(tree: &Path, held: &Path) -> Result<(), SnapshotError> {
+    use nix::fcntl::OFlag;
+    use std::os::fd::AsRawFd;
     let Some(token) = crate::held::token(&token_file(tree)) else {
         return Ok(());
     };
@@ -147,23 +175,32 @@ pub fn mount(tree: &Path, held: &Path) -> Result<(), SnapshotError> {
     let lower = held.join(&token);
     let own = layer(tree, &token);
     let (upper, work) = (own.join("upper"), own.join("work"));
+    let mut fds = Vec::new();
     for d in [tree, &lower, &upper, &work] {
-        if !crate::procfs::is_real_dir(d) || !plain(d) {
-            return Err(SnapshotError::io_at("mount the layers of", tree)(
-                std::io::Error::other(format!("{} is missing", d.display())),
-            ));
-        }
+        let fd = nix::fcntl::open(
+            d,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| {
+            SnapshotError::io_at("mount the layers of", tree)(std::io::Error::other(format!(
+                "{} is missing ({e})",
+                d.display()
+            )))
+        })?;
+        fds.push(fd);
     }
+    let at = |i: usize| format!("/proc/self/fd/{}", fds[i].as_raw_fd());
     let options = format!(
-        "lowerdir={},upperdir={},workdir={},metacopy=on",
-        lower.display(),
-        upper.display(),
-        work.display()
+        "lowerdir={},upperdir={},workdir={},metacopy=on,index=on",
+        at(1),
+        at(2),
+        at(3)
     );
     use nix::mount::MsFlags;
     nix::mount::mount(
         Some("keystone-layer"),
-        tree,
+        at(0).as_str(),
         Some("overlay"),
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
         Some(options.as_str()),
@@ -197,18 +234,24 @@ pub fn unmount(tree: &Path) {
     }
 }
 
-/// Let go of what layered tree `tree` holds: unmounted, its lower tree
-/// and its own layer removed, its token file too. The tree's directory
-/// stays (empty where it was layered).
-pub fn release(tree: &Path, held: &Path) {
+/// Let go of what layered tree `tree` holds: unmounted, its own layer
+/// and its token file removed, and its held tree too unless `in_use`
+/// says another sandbox may name it. The tree's directory stays (empty
+/// where it was layered).
+pub fn release(tree: &Path, held: &Path, in_use: &dyn Fn(&str) -> bool) {
     let Some(token) = crate::held::token(&token_file(tree)) else {
         let _ = std::fs::remove_file(token_file(tree));
         return;
     };
+    let _one = LOCK
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     unmount(tree);
     let _ = std::fs::remove_file(token_file(tree));
-    let _ = crate::fsutil::remove_tree(&held.join(&token));
     let _ = crate::fsutil::remove_tree(&layer(tree, &token));
+    if !in_use(&token) {
+        let _ = crate::fsutil::remove_tree(&held.join(&token));
+    }
 }
 
 /// Remove the layers in sandbox directory `dir` that none of its `trees`
@@ -243,14 +286,6 @@ mod tests {
         crate::fsutil::chown_tree(&snap, uid, uid).unwrap();
         std::fs::set_permissions(&snap, std::fs::Permissions::from_mode(0o750)).unwrap();
         snap
-    }
-
-    #[test]
-    fn options_never_name_a_path_overlayfs_would_split() {
-        assert!(plain(Path::new("/var/lib/keystone/held/0123")));
-        for p in ["/a,b", "/a:b", "/a\\b", "/a\nb"] {
-            assert!(!plain(Path::new(p)), "{p}");
-        }
     }
 
     #[test]
@@ -296,7 +331,7 @@ mod tests {
         prune(&sandbox, &["workspace", "home"]);
         assert!(!sandbox.join(DIR).join("stray").exists());
         assert!(own.is_dir());
-        release(&tree, &held);
+        release(&tree, &held, &|_| false);
         assert!(!crate::disk::is_mount_point(&tree));
         assert!(!own.exists() && !held.join(&token).exists());
         assert!(!token_file(&tree).exists());
@@ -321,6 +356,68 @@ mod tests {
         let err = mount(&tree, &held).unwrap_err().to_string();
         assert!(err.contains("is missing") && err.contains("home"), "{err}");
         assert!(!crate::disk::is_mount_point(&tree));
-        release(&tree, &held);
+        release(&tree, &held, &|_| false);
+    }
+
+    #[test]
+    fn forks_of_one_snapshot_share_one_held_tree_and_each_its_own_layer() {
+        if !possible() {
+            eprintln!("skipped: needs root and overlayfs");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let snap = snapshot_tree(t.path(), 4242);
+        std::fs::hard_link(snap.join("small"), snap.join("linked")).unwrap();
+        let held = t.path().join("held");
+        let (a, b) = (t.path().join("a"), t.path().join("b"));
+        for d in [&a, &b] {
+            std::fs::create_dir(d).unwrap();
+            assert!(make(&snap, &d.join("workspace"), &held).unwrap());
+        }
+        let (ta, tb) = (a.join("workspace"), b.join("workspace"));
+        let token = crate::held::token(&token_file(&ta)).unwrap();
+        assert_eq!(crate::held::token(&token_file(&tb)), Some(token.clone()));
+        assert_eq!(std::fs::read_dir(&held).unwrap().count(), 1);
+        // No path of agentd's state in the mount table a sandbox reads.
+        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(
+            !table.contains(&token),
+            "the token shows in the mount table"
+        );
+        // A hard link stays one once written.
+        crate::fsutil::chown_tree(&ta, 4343, 4343).unwrap();
+        std::fs::write(ta.join("small"), b"written").unwrap();
+        assert_eq!(std::fs::read(ta.join("linked")).unwrap(), b"written");
+        assert_eq!(std::fs::read(tb.join("linked")).unwrap(), b"snapshot");
+        // The same layer is never mounted twice (another mount namespace
+        // still holding it): overlayfs refuses it.
+        let again = t.path().join("again");
+        std::fs::create_dir(&again).unwrap();
+        let own = layer(&ta, &token);
+        let second = nix::mount::mount(
+            Some("x"),
+            &again,
+            Some("overlay"),
+            nix::mount::MsFlags::empty(),
+            Some(
+                format!(
+                    "lowerdir={},upperdir={},workdir={},metacopy=on,index=on",
+                    held.join(&token).display(),
+                    own.join("upper").display(),
+                    own.join("work").display()
+                )
+                .as_str(),
+            ),
+        );
+        assert!(second.is_err(), "a second mount on one upper layer");
+        // The first fork goes: the tree stays while the other uses it.
+        release(&ta, &held, &|t| t == token);
+        assert!(held.join(&token).is_dir());
+        assert_eq!(std::fs::read(tb.join("a/big")).unwrap().len(), 4 << 20);
+        release(&tb, &held, &|_| false);
+        assert!(!held.join(&token).exists());
+        // The snapshot names a tree that is gone: the next fork makes one.
+        assert!(make(&snap, &a.join("home"), &held).unwrap());
+        release(&a.join("home"), &held, &|_| false);
     }
 }

@@ -134,16 +134,51 @@ fn forks_of_a_local_snapshot_share_its_files_and_write_only_their_own() {
     let of_lb = json(&env.ok(&["snapshot", "lb", "--json"]));
     let of_lb = of_lb["id"].as_str().unwrap().to_owned();
     env.sh("lb", "echo later > /workspace/f.txt");
-    let before = held(&env).len();
     env.ok(&["restore", "lb", &of_lb]);
     assert_eq!(env.sh("lb", "cat /workspace/f.txt"), "changed\n");
     assert!(!is_mount_point(&workspace(&env, "lb")));
-    assert_eq!(held(&env).len(), before - 2, "the restore kept lb's layers");
+    let lb = env.state_dir.join("sandboxes/lb");
+    assert!(
+        !lb.join("workspace.base").exists(),
+        "the restore kept lb's layers"
+    );
+    assert_eq!(
+        std::fs::read_dir(lb.join(".layers")).map_or(0, |d| d.count()),
+        0
+    );
+    // The forks of one snapshot share one held tree per tree.
+    assert_eq!(held(&env).len(), 2);
 
-    // Destroy lets go of what each fork holds.
-    for fork in ["lc", "ld"] {
-        env.ok(&["stop", fork]);
-        env.ok(&["destroy", "--force", fork]);
+    // An image that does not mount at agentd's start hides the token
+    // files on it: what its sandbox holds is kept, not pruned (ld is the
+    // last fork that names its held trees).
+    env.ok(&["stop", "lc"]);
+    env.ok(&["destroy", "--force", "lc"]);
+    assert_eq!(held(&env).len(), 2, "lc's destroy took what ld uses");
+    env.ok(&["stop", "ld"]);
+    env.kill_agentd();
+    let ld = env.state_dir.join("sandboxes/ld");
+    for m in [ld.join("workspace"), ld.join("home"), ld.clone()] {
+        nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).unwrap();
     }
+    let image = env.state_dir.join("disks/ld.img");
+    let aside = env.state_dir.join("ld.img.aside");
+    std::fs::rename(&image, &aside).unwrap();
+    std::fs::write(&image, b"").unwrap();
+    env.start_agentd();
+    assert_eq!(
+        held(&env).len(),
+        2,
+        "agentd pruned what an unmounted sandbox holds"
+    );
+    env.kill_agentd();
+    std::fs::rename(&aside, &image).unwrap();
+    env.start_agentd();
+    env.ok(&["start", "ld"]);
+    assert_eq!(env.sh("ld", "sha256sum < /workspace/big"), sum);
+
+    // The last fork's destroy lets go of the held trees.
+    env.ok(&["stop", "ld"]);
+    env.ok(&["destroy", "--force", "ld"]);
     assert_eq!(held(&env), Vec::<PathBuf>::new());
 }

@@ -145,7 +145,9 @@ impl Manager {
         // `.git`) but somebody else's: microvm.nix's tmpfiles rule makes
         // every share source at activation, before the first start. The
         // clone takes its place.
+        // (A layered workspace, emptied by its sandbox, is its own.)
         if procfs::is_real_dir(&spec.workspace)
+            && !crate::layers::token_file(&spec.workspace).exists()
             && std::fs::read_dir(&spec.workspace).is_ok_and(|mut d| d.next().is_none())
         {
             tracing::info!(sandbox = %sb.name, "the workspace directory is empty: cloning into its place");

@@ -270,13 +270,31 @@ impl Manager {
         named
     }
 
+    /// Whether a sandbox other than `name` names held tree `token` for one
+    /// of its trees, or might: one whose disk image is not mounted (its
+    /// token files are on it) counts as naming every one.
+    pub(super) fn layer_in_use(&self, name: &str, token: &str) -> bool {
+        self.names().iter().filter(|n| n.as_str() != name).any(|n| {
+            let dir = self.store.registry().sandbox_dir(n);
+            if self.disk(n).image.is_file() && !crate::disk::is_mount_point(&dir) {
+                return true;
+            }
+            crate::snapshots::TREES.iter().any(|t| {
+                crate::held::token(&crate::layers::token_file(&dir.join(t))).as_deref()
+                    == Some(token)
+            })
+        })
+    }
+
     /// Let go of everything sandbox `name` holds, before its directory
     /// goes (its layers unmounted).
     pub(super) fn release_held(&self, name: &str) {
         self.drop_memory(name);
         let dir = self.store.registry().sandbox_dir(name);
         for tree in crate::snapshots::TREES {
-            crate::layers::release(&dir.join(tree), &self.held());
+            crate::layers::release(&dir.join(tree), &self.held(), &|t| {
+                self.layer_in_use(name, t)
+            });
         }
         for disk in crate::snapshots::DISKS {
             crate::held::release(&crate::overlay::token_file(&dir.join(disk)), &self.held());

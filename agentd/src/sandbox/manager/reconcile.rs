@@ -117,13 +117,27 @@ impl Manager {
             }
         }
         // Saved states held for sandboxes that are gone, or whose memory
-        // went without them (an agentd that died in between).
-        let named: Vec<_> = self
+        // went without them (an agentd that died in between). Not while
+        // a sandbox's image is not mounted: the token files on it, which
+        // name what it holds, cannot be read.
+        let unreadable: Vec<String> = self
             .names()
-            .iter()
-            .flat_map(|n| self.held_names(n))
+            .into_iter()
+            .filter(|n| {
+                self.disk(n).image.is_file()
+                    && !crate::disk::is_mount_point(&self.store.registry().sandbox_dir(n))
+            })
             .collect();
-        crate::held::prune(&self.held(), named);
+        if unreadable.is_empty() {
+            let named: Vec<_> = self
+                .names()
+                .iter()
+                .flat_map(|n| self.held_names(n))
+                .collect();
+            crate::held::prune(&self.held(), named);
+        } else {
+            tracing::warn!(sandboxes = ?unreadable, "their disk images are not mounted: held files are kept until they are");
+        }
         for name in self.names() {
             let Some(sb) = self.snapshot(&name) else {
                 continue;

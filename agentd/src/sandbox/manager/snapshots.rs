@@ -218,13 +218,16 @@ impl Manager {
         } else {
             let dir = self.store.registry().sandbox_dir(name);
             let (sandbox, held) = (name.to_owned(), self.held());
-            tokio::task::spawn_blocking(move || replace_trees(&snap_dir, &dir, &held))
-                .await
-                .map_err(|e| panicked_snapshot(name, &e))?
-                .map_err(|source| Error::Snapshot {
-                    name: sandbox,
-                    source,
-                })?;
+            let this = Arc::clone(self);
+            tokio::task::spawn_blocking(move || {
+                replace_trees(&snap_dir, &dir, &held, &|t| this.layer_in_use(&sandbox, t))
+            })
+            .await
+            .map_err(|e| panicked_snapshot(name, &e))?
+            .map_err(|source| Error::Snapshot {
+                name: name.to_owned(),
+                source,
+            })?;
         }
         let mut sb = if sb.declared {
             sb
@@ -607,14 +610,25 @@ pub(super) fn copied_branches(partial: &Path) -> BTreeMap<String, String> {
 /// beside them first (`<entry>.restoring`), so that a copy that fails (a
 /// full disk) changes nothing; then swapped. The saved state is shared
 /// with the snapshot where it can be, under `held`.
-fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<(), SnapshotError> {
+fn replace_trees(
+    snap: &Path,
+    dir: &Path,
+    held: &Path,
+    in_use: &dyn Fn(&str) -> bool,
+) -> std::result::Result<(), SnapshotError> {
     let side = |entry: &str, what: &str| dir.join(format!("{entry}.{what}"));
     // A memory goes with the state it holds, a disk with its base, a
-    // layered tree with its layers.
-    let remove = |p: &Path| {
-        crate::layers::release(p, held);
-        crate::held::release(&crate::overlay::token_file(p), held);
-        crate::memory::remove(p, held);
+    // layered tree with its layers (each read from agentd's own files: a
+    // tree's are the sandbox's).
+    let remove = |entry: &str, p: &Path| {
+        if TREES.contains(&entry) {
+            crate::layers::release(p, held, in_use);
+        } else if DISKS.contains(&entry) {
+            crate::held::release(&crate::overlay::token_file(p), held);
+        } else if entry == snapshots::MEMORY {
+            crate::memory::remove(p, held);
+        }
+        let _ = crate::fsutil::remove_tree(p);
         match std::fs::symlink_metadata(p) {
             Ok(_) => Err(SnapshotError::io_at("remove", p)(std::io::Error::other(
                 "it is still there",
@@ -624,7 +638,7 @@ fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<()
     };
     for entry in ENTRIES {
         for what in ["restoring", "old"] {
-            remove(&side(entry, what))?;
+            remove(entry, &side(entry, what))?;
         }
     }
     let copied = ENTRIES.iter().try_for_each(|entry| {
@@ -642,7 +656,7 @@ fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<()
     });
     if let Err(e) = copied {
         for entry in ENTRIES {
-            let _ = remove(&side(entry, "restoring"));
+            let _ = remove(entry, &side(entry, "restoring"));
         }
         return Err(e);
     }
@@ -677,7 +691,7 @@ fn replace_trees(snap: &Path, dir: &Path, held: &Path) -> std::result::Result<()
         if exists(&new) {
             moved(&new, &live)?;
         }
-        remove(&old)?;
+        remove(entry, &old)?;
     }
     Ok(())
 }
