@@ -6,6 +6,7 @@ use clap::{Parser, Subcommand};
 use keystone_agent_api::{Agent, AgentHome, BackendKind, Egress, GitIdentity, Network, SyncMode};
 
 mod duration;
+mod verbs;
 use duration::duration_secs;
 
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
@@ -59,6 +60,20 @@ pub enum SnapshotCommand {
         name: String,
         /// Snapshot id.
         snapshot: String,
+    },
+}
+
+/// `agentctl sessions log …`.
+#[derive(Debug, Subcommand)]
+pub enum SessionsCommand {
+    /// List the records of a sandbox's terminal sessions: id, when, who,
+    /// what ran, how long, size.
+    Log {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -583,13 +598,40 @@ panes (agentctl kill-session NAME BRANCH, then attach again)."
         agent: Option<String>,
     },
     /// List the Zellij sessions of a sandbox: name, branch, attached
-    /// clients, age.
+    /// clients, age. `agentctl sessions log NAME` lists the records of its
+    /// terminal sessions instead.
+    #[command(
+        args_conflicts_with_subcommands = true,
+        subcommand_negates_reqs = true,
+        after_help = "Examples:\n  agentctl sessions myproject\n  \
+agentctl sessions log myproject\n  agentctl replay myproject 20261127-201501-1a2b3c4d"
+    )]
     Sessions {
+        #[command(subcommand)]
+        command: Option<SessionsCommand>,
         /// Sandbox name.
-        name: String,
+        #[arg(required = true)]
+        name: Option<String>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Play the record of a terminal session of a sandbox (`agentctl
+    /// sessions log NAME` lists them): what it printed, at the pace it was
+    /// printed. Every `attach` and `exec --tty` is recorded by agentd, from
+    /// outside the sandbox, as an asciicast v2 file (`--raw` prints it, for
+    /// `asciinema play -`).
+    Replay {
+        /// Sandbox name.
+        name: String,
+        /// Record id.
+        id: String,
+        /// Play this many times faster (0: at once).
+        #[arg(long, default_value_t = 1.0)]
+        speed: f64,
+        /// Print the asciicast file itself.
+        #[arg(long)]
+        raw: bool,
     },
     /// Dev-server links of a sandbox: every TCP port its worktrees listen
     /// on gets a name through Caddy (`BRANCH.NAME.DOMAIN`, `NAME.DOMAIN` for
@@ -717,71 +759,5 @@ fn agent_or_none(s: &str) -> Result<AgentOrNone, String> {
     match s {
         "none" => Ok(AgentOrNone(None)),
         _ => s.parse().map(|a| AgentOrNone(Some(a))),
-    }
-}
-
-impl Command {
-    /// The verb, for messages.
-    #[must_use]
-    pub fn verb(&self) -> &'static str {
-        match self {
-            Self::Create { .. } => "create",
-            Self::Start { .. } => "start",
-            Self::Stop { .. } => "stop",
-            Self::Pause { .. } => "pause",
-            Self::Snapshot { .. } => "snapshot",
-            Self::Snapshots { .. } => "snapshots",
-            Self::Restore { .. } => "restore",
-            Self::Fork { .. } => "fork",
-            Self::Resume { .. } => "resume",
-            Self::Destroy { .. } => "destroy",
-            Self::List { .. } => "list",
-            Self::Status { .. } => "status",
-            Self::Sync { .. } => "sync",
-            Self::Cp { .. } => "cp",
-            Self::History { .. } => "history",
-            Self::Worktree(_) => "worktree",
-            Self::Set { .. } => "set",
-            Self::Egress { .. } => "egress",
-            Self::Secret { .. } => "secret",
-            Self::Attach { .. } => "attach",
-            Self::Sessions { .. } => "sessions",
-            Self::Ports { .. } => "ports",
-            Self::Stats { .. } => "stats",
-            Self::Open { .. } => "open",
-            Self::KillSession { .. } => "kill-session",
-            Self::Doctor { .. } => "doctor",
-            Self::Completions { .. } => "completions",
-            Self::Manpages { .. } => "manpages",
-            Self::Exec { .. } => "exec",
-        }
-    }
-
-    /// Whether the command takes as long as the work it asks for (or waits
-    /// for the user), rather than only asking agentd something.
-    #[must_use]
-    pub fn waits(&self) -> bool {
-        match self {
-            Self::Create { .. }
-            | Self::Start { .. }
-            | Self::Stop { .. }
-            | Self::Pause { .. }
-            | Self::Resume { .. }
-            | Self::Snapshot { .. }
-            | Self::Restore { .. }
-            | Self::Fork { .. }
-            | Self::Destroy { .. }
-            | Self::Sync { .. }
-            | Self::Cp { .. }
-            | Self::Secret { .. }
-            | Self::Attach { .. }
-            | Self::Exec { .. }
-            | Self::Stats { follow: true, .. } => true,
-            Self::Worktree(w) => !matches!(w, WorktreeCommand::List { .. }),
-            Self::Egress { command, .. } => {
-                matches!(command, EgressCommand::Log { follow: true, .. })
-            }
-            _ => false,
-        }
     }
 }

@@ -16,17 +16,9 @@ pub fn open_pty((rows, cols): (u16, u16)) -> nix::Result<(OwnedFd, OwnedFd)> {
         OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC,
         nix::sys::stat::Mode::empty(),
     )?;
-    let ws = nix::libc::winsize {
-        ws_row: rows,
-        ws_col: cols,
-        ws_xpixel: 0,
-        ws_ypixel: 0,
-    };
-    // SAFETY: TIOCSWINSZ reads one winsize from the valid pointer.
-    if unsafe { nix::libc::ioctl(master.as_raw_fd(), nix::libc::TIOCSWINSZ, &ws) } < 0 {
-        return Err(nix::Error::last());
-    }
-    Ok((OwnedFd::from(master), slave))
+    let master = OwnedFd::from(master);
+    set_size(&master, (rows, cols))?;
+    Ok((master, slave))
 }
 
 /// The size (rows, columns) of the terminal `fd`, if it has one.
@@ -41,6 +33,24 @@ pub fn size(fd: &OwnedFd) -> Option<(u16, u16)> {
     // SAFETY: TIOCGWINSZ writes one winsize through the valid pointer.
     let r = unsafe { nix::libc::ioctl(fd.as_raw_fd(), nix::libc::TIOCGWINSZ, &raw mut ws) };
     (r == 0 && ws.ws_row > 0).then_some((ws.ws_row, ws.ws_col))
+}
+
+/// Set the size (rows, columns) of the terminal `fd`.
+///
+/// # Errors
+/// `fd` is not a terminal.
+pub fn set_size(fd: &OwnedFd, (rows, cols): (u16, u16)) -> nix::Result<()> {
+    let ws = nix::libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: TIOCSWINSZ reads one winsize from the valid pointer.
+    if unsafe { nix::libc::ioctl(fd.as_raw_fd(), nix::libc::TIOCSWINSZ, &ws) } < 0 {
+        return Err(nix::Error::last());
+    }
+    Ok(())
 }
 
 /// Make the calling process the leader of a new session with its stdin (a

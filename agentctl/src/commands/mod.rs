@@ -20,6 +20,7 @@ mod gitops;
 mod history;
 mod lifecycle;
 mod links;
+mod records;
 mod secrets;
 mod sessions;
 mod state;
@@ -39,6 +40,10 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         | Command::Status { .. }
         | Command::Set { .. }) => lifecycle::run(conn, &manager, c).await,
         c @ (Command::Sync { .. } | Command::Worktree(..)) => gitops::run(conn, &manager, c).await,
+        c @ (Command::Sessions {
+            command: Some(_), ..
+        }
+        | Command::Replay { .. }) => records::run(conn, &manager, c).await,
         c @ (Command::Attach { .. }
         | Command::Sessions { .. }
         | Command::KillSession { .. }

@@ -28,7 +28,12 @@ pub(super) async fn run(
             set_title(&session);
             crate::tty::bridge(fd.into(), sb.wait_process(process)).await
         }
-        Command::Sessions { name, json } => {
+        Command::Sessions {
+            command: None,
+            name,
+            json,
+        } => {
+            let name = name.expect("clap requires NAME without a subcommand");
             let sb = lookup(conn, manager, &name).await?;
             let list = sb.sessions().await?;
             if json {

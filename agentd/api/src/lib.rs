@@ -18,9 +18,9 @@ pub use names::{
     BUS_NAME, ERROR_PREFIX, MANAGER_INTERFACE, MANAGER_PATH, SANDBOX_INTERFACE,
     SANDBOX_PATH_PREFIX, sandbox_path,
 };
-pub use proxy::{ManagerProxy, SandboxProxy, SecretsProxy, StateProxy};
+pub use proxy::{ManagerProxy, RecordsProxy, SandboxProxy, SecretsProxy, StateProxy};
 pub use types::{
     Agent, AgentHome, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network,
-    RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SnapshotInfo, SyncMode,
-    SyncReport, WorktreeInfo,
+    RecordInfo, RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SnapshotInfo,
+    SyncMode, SyncReport, WorktreeInfo,
 };

@@ -300,3 +300,17 @@ pub trait State {
         branch: &str,
     ) -> Result<(zvariant::OwnedObjectPath, Vec<String>), Error>;
 }
+
+/// The records of a sandbox's terminal sessions, on the sandbox's object
+/// (`org.keystone.Agent1.Records`).
+#[proxy(
+    interface = "org.keystone.Agent1.Records",
+    default_service = "org.keystone.Agent1"
+)]
+pub trait Records {
+    /// The records of the sandbox's sessions, oldest first.
+    fn records(&self) -> Result<Vec<crate::RecordInfo>, Error>;
+
+    /// Record `id`, opened for reading (an asciicast v2 file).
+    fn open_record(&self, id: &str) -> Result<zvariant::OwnedFd, Error>;
+}

@@ -334,6 +334,25 @@ pub struct SnapshotInfo {
     pub branches: BTreeMap<String, String>,
 }
 
+/// The record of one terminal session (`Records`, `agentctl sessions log`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct RecordInfo {
+    /// Its id, unique within the sandbox (`20261127-201501-1a2b3c4d`).
+    pub id: String,
+    /// When the session started, µs since the epoch.
+    pub started: u64,
+    /// How long it lasted (so far, while it goes on), in milliseconds.
+    pub duration_ms: u64,
+    /// The uid of whoever opened it.
+    pub uid: u32,
+    /// `attach` or `exec`.
+    pub kind: String,
+    /// The branch attached to, or the command.
+    pub detail: String,
+    /// Bytes the record takes.
+    pub size: u64,
+}
+
 /// One row of `ListSandboxes`: everything a listing shows, in one call.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct SandboxSummary {

@@ -3,6 +3,7 @@
 
 mod manager;
 mod options;
+mod records;
 mod sandbox;
 mod secrets;
 mod signals;

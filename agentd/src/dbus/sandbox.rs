@@ -752,6 +752,12 @@ pub async fn export(
         callers: Arc::clone(callers),
     };
     server.at(&path, state).await?;
+    let records = super::records::RecordsObject {
+        name: name.to_owned(),
+        manager: Arc::clone(manager),
+        callers: Arc::clone(callers),
+    };
+    server.at(&path, records).await?;
     let secrets = super::secrets::SecretsObject {
         name: name.to_owned(),
         manager: Arc::clone(manager),

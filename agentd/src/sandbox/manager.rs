@@ -42,6 +42,7 @@ mod idle;
 mod lifecycle;
 mod pause;
 mod reconcile;
+mod records;
 mod remote;
 mod secrets;
 mod session;

@@ -140,6 +140,7 @@ impl Manager {
             return Ok(());
         }
         tracing::warn!(sandbox = %name, "removing a directory an earlier sandbox of this name left");
+        self.remove_records(name);
         self.remove_remotes(name, None).await;
         self.release_held(name);
         self.release_disk(name).await;
@@ -373,6 +374,7 @@ impl Manager {
         self.forget(name);
         self.release_held(name);
         self.release_disk(name).await;
+        self.remove_records(name);
         let removed = self
             .remove_tree(&self.store.registry().sandbox_dir(name))
             .await;

@@ -75,6 +75,7 @@ impl Manager {
                     .await;
             }
         }
+        self.remove_stray_records(&known);
         // Snapshots of sandboxes that are gone, and halves of interrupted
         // ones; a restore interrupted half-way is finished.
         let store = self.snapshot_store();

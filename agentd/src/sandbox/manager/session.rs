@@ -184,12 +184,20 @@ impl Manager {
         let started = SystemTime::now();
         let mut req = req;
         self.add_sandbox_env(&sb, &mut req.env);
+        let size = tty.size();
         let proc = backend
-            .exec_tty(&spec, req, tty.size())
+            .exec_tty(&spec, req, size)
             .await
             .map_err(|source| Error::Backend {
                 name: name.to_owned(),
                 source,
+            })?;
+        // The caller gets agentd's side of the session, which records it.
+        let record = self.start_record(name, caller.uid, (&kind, &detail), size, &tty.term());
+        let terminal =
+            crate::relay::start(proc.terminal, size, record).map_err(|e| Error::Backend {
+                name: name.to_owned(),
+                source: crate::backend::BackendError::Descriptor(e),
             })?;
         let (tx, rx) = watch::channel(None);
         let id = self
@@ -214,7 +222,7 @@ impl Manager {
             this.terminals.lock().unwrap().remove(&id);
         });
         Ok(Terminal {
-            fd: proc.terminal,
+            fd: terminal,
             process: id,
         })
     }
