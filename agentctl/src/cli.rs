@@ -616,6 +616,20 @@ agentctl sessions log myproject\n  agentctl replay myproject 20261127-201501-1a2
         #[arg(long)]
         json: bool,
     },
+    /// What people typed into a sandbox's terminals (`attach`, `exec
+    /// --tty`): when, who, in which session, what. Kept by agentd outside
+    /// the sandbox, for `audit.keep_days` (agentd's configuration).
+    #[command(after_help = "Example:\n  agentctl audit myproject --limit 20")]
+    Audit {
+        /// Sandbox name.
+        name: String,
+        /// Show the last N lines (0: all).
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Play the record of a terminal session of a sandbox (`agentctl
     /// sessions log NAME` lists them): what it printed, at the pace it was
     /// printed. Every `attach` and `exec --tty` is recorded by agentd, from

@@ -41,6 +41,8 @@ pub struct DaemonConfig {
     pub toolbox: crate::toolbox::ToolboxConfig,
     /// What agentd may hold for each sandbox ([`crate::budget`]).
     pub limits: crate::budget::LimitsConfig,
+    /// The audit log of what people type into sandboxes' terminals.
+    pub audit: crate::audit::AuditConfig,
     /// Sandboxes declared by the administrator (NixOS `sandboxes.<name>`).
     pub sandboxes: BTreeMap<String, DeclaredSandbox>,
 }
@@ -535,6 +537,7 @@ impl DaemonConfig {
         }
         p.extend(self.toolbox.problems());
         p.extend(self.limits.problems());
+        p.extend(self.audit.problems());
         if let Some(preset) = &self.egress.preset {
             validate::check_egress_entries("egress.preset", preset, &mut p);
         }

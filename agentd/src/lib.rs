@@ -3,6 +3,7 @@
 //! It keeps the registry of sandboxes, runs them through backends, and
 //! serves `org.keystone.Agent1` on D-Bus. See `docs/architecture.md`.
 
+pub mod audit;
 pub mod auth;
 pub mod backend;
 pub mod beneath;
@@ -295,6 +296,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
                 .iter()
                 .map(|(name, d)| (name.clone(), d.secrets.clone()))
                 .collect(),
+            audit: config.audit,
         },
         vec![local, microvm, vm, kubernetes],
         Arc::new(sandbox::helpers::Processes::new(exe)),

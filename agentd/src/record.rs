@@ -230,13 +230,15 @@ pub fn read_header(file: &Path) -> Option<Header> {
 
 /// A decoder of UTF-8 that arrives in pieces.
 #[derive(Debug, Default)]
-struct Utf8Stream {
+pub struct Utf8Stream {
     /// The start of a character the last piece ended in.
     tail: Vec<u8>,
 }
 
 impl Utf8Stream {
-    fn decode(&mut self, bytes: &[u8]) -> String {
+    /// The text of `bytes`, after what came before; the start of a
+    /// character they end in is kept for the next piece.
+    pub fn decode(&mut self, bytes: &[u8]) -> String {
         let mut buf = std::mem::take(&mut self.tail);
         buf.extend_from_slice(bytes);
         let mut out = String::with_capacity(buf.len());

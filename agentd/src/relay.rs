@@ -29,18 +29,37 @@ const SIZE_EVERY: Duration = Duration::from_millis(200);
 /// What one read moves at most.
 const CHUNK: usize = 16 << 10;
 
+/// What the relay tells of what passes (a record, an audit log).
+pub trait Tap: Send + 'static {
+    /// What the session printed.
+    fn output(&mut self, _bytes: &[u8]) {}
+    /// What the caller typed.
+    fn input(&mut self, _bytes: &[u8]) {}
+    /// The session's new size.
+    fn resize(&mut self, _size: (u16, u16)) {}
+}
+
+impl Tap for () {}
+
+impl Tap for Recorder {
+    fn output(&mut self, bytes: &[u8]) {
+        Recorder::output(self, bytes);
+    }
+    fn input(&mut self, bytes: &[u8]) {
+        Recorder::input(self, bytes);
+    }
+    fn resize(&mut self, size: (u16, u16)) {
+        Recorder::resize(self, size);
+    }
+}
+
 /// Stand between the caller and `session` (the master side of the
 /// session's terminal, of `size`): returns the master side of the
-/// caller's terminal. Records into `record` when given. Needs a tokio
-/// runtime.
+/// caller's terminal. Tells `tap` what passes. Needs a tokio runtime.
 ///
 /// # Errors
 /// No pseudo-terminal could be made.
-pub fn start(
-    session: OwnedFd,
-    size: (u16, u16),
-    record: Option<Recorder>,
-) -> std::io::Result<OwnedFd> {
+pub fn start(session: OwnedFd, size: (u16, u16), tap: impl Tap) -> std::io::Result<OwnedFd> {
     let (caller, near) = crate::pty::open_pty(size)?;
     let mut t = nix::sys::termios::tcgetattr(&near)?;
     nix::sys::termios::cfmakeraw(&mut t);
@@ -52,12 +71,7 @@ pub fn start(
     let register = |fd| unsafe { AsyncFd::register(fd) }.map_err(std::io::Error::from);
     let (session, near) = (register(session)?, register(near)?);
     tokio::spawn(async move {
-        let record = Mutex::new(record);
-        let note = |f: fn(&mut Recorder, &[u8]), bytes: &[u8]| {
-            if let Some(r) = record.lock().unwrap().as_mut() {
-                f(r, bytes);
-            }
-        };
+        let tap = Mutex::new(tap);
         // The size the session's terminal has last been given: looked at
         // before each piece of typing (so a command typed right after a
         // resize sees the new size) and five times a second.
@@ -68,17 +82,15 @@ pub fn start(
             if now != *last {
                 if let Some(s) = now {
                     let _ = crate::pty::set_size(session.get_ref(), s);
-                    if let Some(r) = record.lock().unwrap().as_mut() {
-                        r.resize(s);
-                    }
+                    tap.lock().unwrap().resize(s);
                 }
                 *last = now;
             }
         };
-        let output = copy(&session, &near, |b| note(Recorder::output, b));
+        let output = copy(&session, &near, |b| tap.lock().unwrap().output(b));
         let input = copy(&near, &session, |b| {
             sync_size();
-            note(Recorder::input, b);
+            tap.lock().unwrap().input(b);
         });
         let sizes = async {
             loop {
@@ -174,7 +186,7 @@ mod tests {
             uid: 0,
         };
         let rec = Recorder::create(t.path(), "r", (24, 80), "xterm", about, 1 << 20).unwrap();
-        let caller = start(master, (24, 80), Some(rec)).unwrap();
+        let caller = start(master, (24, 80), rec).unwrap();
         let caller2 = caller.try_clone().unwrap();
         let slave2 = slave.try_clone().unwrap();
         tokio::task::spawn_blocking(move || {
@@ -215,7 +227,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_caller_that_closes_its_terminal_hangs_the_session_up() {
         let (master, slave) = session((24, 80));
-        let caller = start(master, (24, 80), None).unwrap();
+        let caller = start(master, (24, 80), ()).unwrap();
         drop(caller);
         let mut s = std::fs::File::from(slave);
         let ended = tokio::task::spawn_blocking(move || {

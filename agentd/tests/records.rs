@@ -1,9 +1,10 @@
 //! The record of every terminal session, written by agentd from outside
 //! the sandbox: a real `agentctl exec --tty` in a real terminal (tmux),
 //! then `agentctl sessions log` and `agentctl replay` read it back as
-//! asciicast v2 with what was typed and printed, its size changes too;
-//! the sandbox cannot reach it, another uid cannot list or open it, and
-//! it goes with destroy.
+//! asciicast v2 with what was typed and printed, its size changes too,
+//! and `agentctl audit` lists the lines typed; the sandbox cannot reach
+//! either, another uid cannot list or open them, and they go with
+//! destroy.
 
 mod common;
 
@@ -80,6 +81,32 @@ fn a_terminal_session_is_recorded_outside_the_sandbox_and_replays() {
         "{played}"
     );
 
+    // What was typed, a line an entry, in the audit log: who, when, in
+    // which session.
+    let audit = json(&env.ok(&["audit", "rec", "--json", "--limit", "0"]));
+    let audit = audit.as_array().unwrap();
+    let typed: Vec<&str> = audit.iter().map(|e| e["typed"].as_str().unwrap()).collect();
+    assert!(
+        typed.iter().any(|t| t.starts_with("echo hi-$((6*7))")),
+        "{typed:?}"
+    );
+    assert!(
+        typed.contains(&"stty size\r") && typed.contains(&"exit 3\r"),
+        "{typed:?}"
+    );
+    for e in audit {
+        assert_eq!(e["session"], id.as_str());
+        assert_eq!(e["uid"], u64::from(nix::unistd::getuid().as_raw()));
+        assert_eq!(e["kind"], "exec");
+    }
+    let log = env.state_dir.join("audit/rec.jsonl");
+    assert_eq!(
+        std::fs::metadata(&log).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let (code, _) = env.inside("rec", &format!("echo '{{}}' >> '{}'", log.display()));
+    assert_ne!(code, 0, "the sandbox wrote into its audit log");
+
     // agentd's file, out of the sandbox's reach.
     let dir = env.state_dir.join("recordings/rec");
     let file = dir.join(format!("{id}.cast"));
@@ -109,6 +136,7 @@ fn a_terminal_session_is_recorded_outside_the_sandbox_and_replays() {
         for args in [
             vec!["sessions", "log", "rec"],
             vec!["replay", "rec", id.as_str(), "--raw"],
+            vec!["audit", "rec"],
         ] {
             let out = env.ctl_as(Some(NOBODY), &args);
             assert!(!out.status.success(), "uid {NOBODY} ran {args:?}");
@@ -122,4 +150,5 @@ fn a_terminal_session_is_recorded_outside_the_sandbox_and_replays() {
     env.ok(&["stop", "rec"]);
     env.ok(&["destroy", "--force", "rec"]);
     assert!(!dir.exists(), "the records outlived their sandbox");
+    assert!(!log.exists(), "the audit log outlived its sandbox");
 }

@@ -494,6 +494,28 @@ in
       };
     };
 
+    audit = {
+      keepDays = lib.mkOption {
+        type = types.ints.between 0 36500;
+        default = d.audit.keepDays;
+        description = ''
+          Days agentd keeps the lines people typed into sandboxes' terminals
+          (`agentctl audit`, docs/console.md); 0 keeps them until
+          {option}`keystone.agent.audit.maxMib` moves them aside. agentd:
+          `audit.keep_days`.
+        '';
+      };
+      maxMib = lib.mkOption {
+        type = types.ints.between 1 4096;
+        default = d.audit.maxMib;
+        description = ''
+          MiB of one sandbox's audit log before agentd moves it aside
+          (replacing the one moved before), so it takes at most twice this.
+          agentd: `audit.max_mib`.
+        '';
+      };
+    };
+
     toolbox = {
       agents = lib.mkOption {
         type = types.listOf (

@@ -193,6 +193,12 @@ let
     network = {
       subnet = defaultSubnet;
     };
+    # The audit log of what people type into sandboxes' terminals
+    # (docs/console.md).
+    audit = {
+      keepDays = 90;
+      maxMib = 64;
+    };
     # One sandboxes.<name>; project and owner have no default. Every setting
     # of `defaults` is also a per-sandbox override, null meaning "the default".
     sandbox = {
@@ -265,6 +271,7 @@ let
       toolbox = section "toolbox";
       proxy = section "proxy";
       network = section "network";
+      audit = section "audit";
       sandboxes = mapAttrs (_: s: d.sandbox // s) (cfg.sandboxes or { });
     };
 
@@ -535,6 +542,10 @@ let
         download = c.toolbox.download && toolboxUsed c;
       }
       // optionalAttrs (c.toolbox.versions != { }) { inherit (c.toolbox) versions; };
+      audit = {
+        keep_days = c.audit.keepDays;
+        max_mib = c.audit.maxMib;
+      };
       sandboxes = mapAttrs (_: renderSandbox) c.sandboxes;
     };
 

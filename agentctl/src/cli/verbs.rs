@@ -29,6 +29,7 @@ impl Command {
             Self::Attach { .. } => "attach",
             Self::Sessions { .. } => "sessions",
             Self::Replay { .. } => "replay",
+            Self::Audit { .. } => "audit",
             Self::Ports { .. } => "ports",
             Self::Stats { .. } => "stats",
             Self::Open { .. } => "open",

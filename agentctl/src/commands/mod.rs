@@ -43,7 +43,8 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         c @ (Command::Sessions {
             command: Some(_), ..
         }
-        | Command::Replay { .. }) => records::run(conn, &manager, c).await,
+        | Command::Replay { .. }
+        | Command::Audit { .. }) => records::run(conn, &manager, c).await,
         c @ (Command::Attach { .. }
         | Command::Sessions { .. }
         | Command::KillSession { .. }

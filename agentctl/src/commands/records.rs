@@ -1,4 +1,5 @@
-//! The records of a sandbox's terminal sessions: listed and played.
+//! The records of a sandbox's terminal sessions, listed and played, and
+//! its audit log of what was typed.
 
 use std::io::BufRead;
 use std::time::Duration;
@@ -78,6 +79,46 @@ pub(super) async fn run(
                 .await
                 .map_err(|e| Failure::new(ExitCode::Failed, e.to_string()))?
                 .map_err(|e| Failure::new(ExitCode::Failed, format!("replay: {e}")))?;
+            Ok(0)
+        }
+        Command::Audit { name, limit, json } => {
+            let records = records_of(conn, manager, &name).await?;
+            let entries = records.audit(limit).await?;
+            if json {
+                let v: Vec<Value> = entries
+                    .iter()
+                    .map(|e| {
+                        json!({
+                            "time": output::rfc3339(e.time),
+                            "uid": e.uid,
+                            "session": e.session,
+                            "kind": e.kind,
+                            "typed": e.typed,
+                        })
+                    })
+                    .collect();
+                println!("{}", output::json(&v));
+            } else if entries.is_empty() {
+                crate::outln!("Nothing was typed into sandbox '{name}''s terminals yet.");
+            } else {
+                let rows: Vec<Vec<String>> = entries
+                    .iter()
+                    .map(|e| {
+                        vec![
+                            output::rfc3339(e.time).as_str().unwrap_or("-").to_owned(),
+                            e.uid.to_string(),
+                            if e.session.is_empty() {
+                                "-".to_owned()
+                            } else {
+                                e.session.clone()
+                            },
+                            // One entry, one line: Enter shows as `\r`.
+                            output::escape_controls(&e.typed).into_owned(),
+                        ]
+                    })
+                    .collect();
+                output::table(&["TIME", "UID", "SESSION", "TYPED"], &rows);
+            }
             Ok(0)
         }
         _ => unreachable!("dispatched by commands::run"),

@@ -20,7 +20,7 @@ pub use names::{
 };
 pub use proxy::{ManagerProxy, RecordsProxy, SandboxProxy, SecretsProxy, StateProxy};
 pub use types::{
-    Agent, AgentHome, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry, Network,
-    RecordInfo, RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo, SnapshotInfo,
-    SyncMode, SyncReport, WorktreeInfo,
+    Agent, AgentHome, AuditEntry, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry,
+    Network, RecordInfo, RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo,
+    SnapshotInfo, SyncMode, SyncReport, WorktreeInfo,
 };

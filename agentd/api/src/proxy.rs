@@ -313,4 +313,8 @@ pub trait Records {
 
     /// Record `id`, opened for reading (an asciicast v2 file).
     fn open_record(&self, id: &str) -> Result<zvariant::OwnedFd, Error>;
+
+    /// The last `limit` lines (0: all) typed into the sandbox's
+    /// terminals, oldest first.
+    fn audit(&self, limit: u32) -> Result<Vec<crate::AuditEntry>, Error>;
 }

@@ -353,6 +353,21 @@ pub struct RecordInfo {
     pub size: u64,
 }
 
+/// A line typed into a sandbox's terminal (`Audit`, `agentctl audit`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct AuditEntry {
+    /// When its first key was typed, µs since the epoch.
+    pub time: u64,
+    /// Who typed it (the uid that opened the session).
+    pub uid: u32,
+    /// The session's record id (empty where it was not recorded).
+    pub session: String,
+    /// `attach` or `exec`.
+    pub kind: String,
+    /// What was typed, control characters and all.
+    pub typed: String,
+}
+
 /// One row of `ListSandboxes`: everything a listing shows, in one call.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct SandboxSummary {

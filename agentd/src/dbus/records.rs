@@ -32,6 +32,31 @@ impl RecordsObject {
         self.manager.records(caller, &self.name).map_err(to_dbus)
     }
 
+    /// The last `limit` lines (0: all) typed into the sandbox's terminals,
+    /// oldest first: who, when, in which session, what.
+    async fn audit(
+        &self,
+        limit: u32,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<api::AuditEntry>, api::Error> {
+        let caller = self.callers.caller(conn, &header).await?;
+        let entries = self
+            .manager
+            .audit(caller, &self.name, limit as usize)
+            .map_err(to_dbus)?;
+        Ok(entries
+            .into_iter()
+            .map(|e| api::AuditEntry {
+                time: e.time,
+                uid: e.uid,
+                session: e.session,
+                kind: e.kind,
+                typed: e.typed,
+            })
+            .collect())
+    }
+
     /// Record `id`, opened for reading: an asciicast v2 file (its first
     /// line the header, then one event per line).
     async fn open_record(

@@ -88,6 +88,8 @@ pub struct ManagerSettings {
     /// The secrets of declared sandboxes, read from their files at each
     /// start: by sandbox, then variable.
     pub declared_secrets: BTreeMap<String, BTreeMap<String, crate::config::DeclaredSecret>>,
+    /// The audit log's retention.
+    pub audit: crate::audit::AuditConfig,
 }
 
 /// The locks of one sandbox. Whoever needs more than one takes them in

@@ -13,7 +13,7 @@ use std::os::fd::OwnedFd;
 use keystone_agent_api::RecordInfo;
 
 use super::*;
-use crate::record::{About, Recorder};
+use crate::record::{About, Recorder, Utf8Stream};
 
 /// What one session's record may take; past it, a marker says it was cut
 /// and the session goes on unrecorded.
@@ -23,7 +23,85 @@ pub const RECORD_LIMIT: u64 = 64 << 20;
 /// oldest go first.
 pub const RECORDS_KEEP: u64 = 512 << 20;
 
+/// What agentd keeps of one session: its record, and its typing in the
+/// sandbox's audit log.
+pub(super) struct SessionTap {
+    record: Option<Recorder>,
+    typing: crate::audit::Typing,
+    typed: Utf8Stream,
+}
+
+impl crate::relay::Tap for SessionTap {
+    fn output(&mut self, bytes: &[u8]) {
+        if let Some(r) = &mut self.record {
+            r.output(bytes);
+        }
+    }
+    fn input(&mut self, bytes: &[u8]) {
+        if let Some(r) = &mut self.record {
+            r.input(bytes);
+        }
+        let text = self.typed.decode(bytes);
+        self.typing.typed(&text);
+    }
+    fn resize(&mut self, size: (u16, u16)) {
+        if let Some(r) = &mut self.record {
+            r.resize(size);
+        }
+    }
+}
+
 impl Manager {
+    /// Where sandbox `name`'s audit log is.
+    fn audit_log(&self, name: &str) -> PathBuf {
+        self.store
+            .registry()
+            .dir()
+            .join("audit")
+            .join(format!("{name}.jsonl"))
+    }
+
+    /// What agentd keeps of a session of sandbox `name` opened by `uid`
+    /// (what ran: `kind`, `detail`) on a terminal of `size` and `term`:
+    /// its record (none, and a warning, where it cannot be written: the
+    /// session goes on without) and its typing.
+    pub(super) fn session_tap(
+        &self,
+        name: &str,
+        uid: u32,
+        (kind, detail): (&str, &str),
+        size: (u16, u16),
+        term: &str,
+    ) -> SessionTap {
+        let log = self.audit_log(name);
+        if let Some(keep) = self.settings.audit.keep() {
+            crate::audit::prune(&log, keep);
+        }
+        let record = self.start_record(name, uid, (kind, detail), size, term);
+        let id = record.as_ref().map_or("", |(id, _)| id.as_str()).to_owned();
+        let max = self.settings.audit.max_bytes();
+        SessionTap {
+            record: record.map(|(_, r)| r),
+            typing: crate::audit::Typing::new(log, max, uid, &id, kind),
+            typed: Utf8Stream::default(),
+        }
+    }
+
+    /// The last `limit` entries (0: all) of sandbox `name`'s audit log,
+    /// oldest first.
+    ///
+    /// # Errors
+    /// As [`Manager::get`].
+    pub fn audit(
+        &self,
+        caller: Caller,
+        name: &str,
+        limit: usize,
+    ) -> Result<Vec<crate::audit::Entry>> {
+        self.get(caller, name)?;
+        Ok(crate::audit::read(&self.audit_log(name), limit))
+    }
+
     /// Where sandbox `name`'s records are.
     pub(super) fn records_dir(&self, name: &str) -> PathBuf {
         self.store.registry().dir().join("recordings").join(name)
@@ -33,14 +111,14 @@ impl Manager {
     /// (what ran: `kind`, `detail`) on a terminal of `size` and `term`;
     /// `None` (and a warning) where it cannot be written: the session
     /// goes on without.
-    pub(super) fn start_record(
+    fn start_record(
         &self,
         name: &str,
         uid: u32,
         (kind, detail): (&str, &str),
         size: (u16, u16),
         term: &str,
-    ) -> Option<Recorder> {
+    ) -> Option<(String, Recorder)> {
         let dir = self.records_dir(name);
         prune(&dir, RECORDS_KEEP.saturating_sub(RECORD_LIMIT));
         let secs = SystemTime::now()
@@ -58,7 +136,7 @@ impl Manager {
             uid,
         };
         match Recorder::create(&dir, &id, size, term, about, RECORD_LIMIT) {
-            Ok(r) => Some(r),
+            Ok(r) => Some((id, r)),
             Err(e) => {
                 tracing::warn!(sandbox = %name, error = %e, "cannot record the session");
                 None
@@ -118,19 +196,42 @@ impl Manager {
         Ok(OwnedFd::from(file))
     }
 
-    /// Remove sandbox `name`'s records (it is destroyed).
+    /// Remove sandbox `name`'s records and audit log (it is destroyed).
     pub(super) fn remove_records(&self, name: &str) {
         let _ = crate::fsutil::remove_tree(&self.records_dir(name));
+        let log = self.audit_log(name);
+        let mut aside = log.clone().into_os_string();
+        aside.push(".1");
+        for p in [log, PathBuf::from(aside)] {
+            let _ = std::fs::remove_file(p);
+        }
     }
 
-    /// Remove the records of sandboxes that are not among `known`.
+    /// Remove the records and audit logs of sandboxes that are not among
+    /// `known`.
     pub(super) fn remove_stray_records(&self, known: &[String]) {
-        let root = self.store.registry().dir().join("recordings");
-        for entry in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+        let root = self.store.registry().dir();
+        for entry in std::fs::read_dir(root.join("recordings"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
             let name = entry.file_name().to_string_lossy().into_owned();
             if !known.contains(&name) {
                 tracing::info!(sandbox = %name, "removing the session records of a sandbox that is gone");
                 let _ = crate::fsutil::remove_tree(&entry.path());
+            }
+        }
+        for entry in std::fs::read_dir(root.join("audit"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let file = entry.file_name().to_string_lossy().into_owned();
+            let name = file.split_once(".jsonl").map_or(file.as_str(), |(n, _)| n);
+            if !known.iter().any(|k| k == name) {
+                tracing::info!(sandbox = %name, "removing the audit log of a sandbox that is gone");
+                let _ = std::fs::remove_file(entry.path());
             }
         }
     }

@@ -193,9 +193,9 @@ impl Manager {
                 source,
             })?;
         // The caller gets agentd's side of the session, which records it.
-        let record = self.start_record(name, caller.uid, (&kind, &detail), size, &tty.term());
+        let tap = self.session_tap(name, caller.uid, (&kind, &detail), size, &tty.term());
         let terminal =
-            crate::relay::start(proc.terminal, size, record).map_err(|e| Error::Backend {
+            crate::relay::start(proc.terminal, size, tap).map_err(|e| Error::Backend {
                 name: name.to_owned(),
                 source: crate::backend::BackendError::Descriptor(e),
             })?;

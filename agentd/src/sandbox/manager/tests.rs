@@ -242,6 +242,7 @@ fn fixture() -> Fixture {
             defaults: SandboxConfig::default(),
             egress: crate::config::EgressConfig::default(),
             declared_secrets: std::collections::BTreeMap::new(),
+            audit: crate::audit::AuditConfig::default(),
         },
         vec![Arc::clone(&backend) as Arc<dyn Backend>],
         Arc::clone(&helpers) as Arc<dyn Helpers>,
