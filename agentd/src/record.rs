@@ -12,8 +12,10 @@
 //! UTF-8 become U+FFFD; a character split between two reads is kept
 //! whole.
 //!
-//! A record is bounded: past its `limit` bytes it gets one marker and no
-//! more events, while the session goes on.
+//! A record is bounded: past its `limit` bytes of output it gets one
+//! marker and no more output, while the session goes on; typing and sizes
+//! have a bound of their own (a quarter of it), so a flood of output
+//! never keeps what was typed out of the record.
 
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -67,9 +69,11 @@ const MAX_DETAIL: usize = 512;
 pub struct Recorder {
     file: std::fs::File,
     start: Instant,
-    written: u64,
-    limit: u64,
-    cut: bool,
+    /// What the session printed, and what else, so far: each has its
+    /// own bound, so a flood of output never stops the typing's record.
+    printed: Budget,
+    rest: Budget,
+    broken: bool,
     output: Utf8Stream,
     input: Utf8Stream,
 }
@@ -124,9 +128,9 @@ impl Recorder {
         Ok(Self {
             file,
             start: Instant::now(),
-            written: line.len() as u64,
-            limit,
-            cut: false,
+            printed: Budget::new(limit),
+            rest: Budget::new((limit / 4).max(64 << 10)),
+            broken: false,
             output: Utf8Stream::default(),
             input: Utf8Stream::default(),
         })
@@ -149,14 +153,14 @@ impl Recorder {
         self.event("r", &format!("{cols}x{rows}"));
     }
 
-    /// Whether the record was cut at its limit.
+    /// Whether the record of the output was cut at its limit.
     #[must_use]
     pub fn was_cut(&self) -> bool {
-        self.cut
+        self.printed.cut
     }
 
     fn event(&mut self, code: &str, text: &str) {
-        if self.cut || text.is_empty() {
+        if self.broken || text.is_empty() {
             return;
         }
         let t = self.start.elapsed().as_secs_f64();
@@ -164,11 +168,19 @@ impl Recorder {
             return;
         };
         line.push(b'\n');
-        if self.written + line.len() as u64 > self.limit {
-            self.cut = true;
+        let (budget, what) = if code == "o" {
+            (&mut self.printed, "output")
+        } else {
+            (&mut self.rest, "typing and sizes")
+        };
+        if budget.cut {
+            return;
+        }
+        if budget.used + line.len() as u64 > budget.limit {
+            budget.cut = true;
             let notice = format!(
-                "keystone: the record of this session was cut at {} KiB; the session went on",
-                self.limit >> 10
+                "keystone: the record of this session's {what} was cut at {} KiB; the session went on",
+                budget.limit >> 10
             );
             if let Ok(mut m) = serde_json::to_vec(&(Seconds(t), "m", notice)) {
                 m.push(b'\n');
@@ -177,9 +189,27 @@ impl Recorder {
             return;
         }
         match self.file.write_all(&line) {
-            Ok(()) => self.written += line.len() as u64,
+            Ok(()) => budget.used += line.len() as u64,
             // A full disk: the record ends, the session goes on.
-            Err(_) => self.cut = true,
+            Err(_) => self.broken = true,
+        }
+    }
+}
+
+/// What one kind of event may take of a record.
+#[derive(Debug)]
+struct Budget {
+    used: u64,
+    limit: u64,
+    cut: bool,
+}
+
+impl Budget {
+    fn new(limit: u64) -> Self {
+        Self {
+            used: 0,
+            limit,
+            cut: false,
         }
     }
 }
@@ -349,14 +379,25 @@ mod tests {
             r.output(&chunk);
         }
         assert!(r.was_cut());
+        // Typing after the flood is still recorded.
+        r.input(b"typed after\r");
         drop(r);
         let file = path(t.path(), "f");
         let size = std::fs::metadata(&file).unwrap().len();
-        assert!(size <= (64 << 10) + 512, "{size}");
+        assert!(size <= (64 << 10) + 1024, "{size}");
         let e = events(&file);
+        let marks: Vec<_> = e.iter().filter(|e| e[1] == "m").collect();
+        assert_eq!(marks.len(), 1);
+        assert!(
+            marks[0][2]
+                .as_str()
+                .unwrap()
+                .contains("output was cut at 64 KiB")
+        );
         let last = e.last().unwrap();
-        assert_eq!(last[1], "m");
-        assert!(last[2].as_str().unwrap().contains("cut at 64 KiB"));
-        assert_eq!(e.iter().filter(|e| e[1] == "m").count(), 1);
+        assert_eq!(
+            (last[1].as_str(), last[2].as_str()),
+            (Some("i"), Some("typed after\r"))
+        );
     }
 }

@@ -72,6 +72,10 @@ pub fn start(session: OwnedFd, size: (u16, u16), tap: impl Tap) -> std::io::Resu
     let (session, near) = (register(session)?, register(near)?);
     tokio::spawn(async move {
         let tap = Mutex::new(tap);
+        // The tap writes files: off the runtime's workers while it does.
+        let tell = |f: &dyn Fn(&mut dyn Tap)| {
+            tokio::task::block_in_place(|| f(&mut *tap.lock().unwrap()));
+        };
         // The size the session's terminal has last been given: looked at
         // before each piece of typing (so a command typed right after a
         // resize sees the new size) and five times a second.
@@ -82,19 +86,24 @@ pub fn start(session: OwnedFd, size: (u16, u16), tap: impl Tap) -> std::io::Resu
             if now != *last {
                 if let Some(s) = now {
                     let _ = crate::pty::set_size(session.get_ref(), s);
-                    tap.lock().unwrap().resize(s);
+                    tell(&|t| t.resize(s));
                 }
                 *last = now;
             }
         };
-        let output = copy(&session, &near, |b| tap.lock().unwrap().output(b));
+        let output = copy(&session, &near, |b| tell(&|t| t.output(b)));
         let input = copy(&near, &session, |b| {
             sync_size();
-            tap.lock().unwrap().input(b);
+            tell(&|t| t.input(b));
         });
+        // The caller gone (its side closed) ends the relay even while the
+        // session neither reads nor prints: a copy may be waiting on it.
         let sizes = async {
             loop {
                 tokio::time::sleep(SIZE_EVERY).await;
+                if hung_up(near.get_ref()) {
+                    return;
+                }
                 sync_size();
             }
         };
@@ -105,6 +114,16 @@ pub fn start(session: OwnedFd, size: (u16, u16), tap: impl Tap) -> std::io::Resu
         }
     });
     Ok(caller)
+}
+
+/// Whether the other side of terminal `fd` has been closed.
+fn hung_up(fd: &OwnedFd) -> bool {
+    use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+    let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+    poll(&mut fds, PollTimeout::ZERO).is_ok()
+        && fds[0]
+            .revents()
+            .is_some_and(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR))
 }
 
 fn nonblocking(fd: &OwnedFd) -> std::io::Result<()> {
@@ -222,6 +241,42 @@ mod tests {
         assert!(text.contains(r#""i","typed\n""#), "{text}");
         assert!(text.contains("printed"), "{text}");
         assert!(text.contains(r#""r","120x40""#), "{text}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_caller_that_leaves_a_session_that_reads_nothing_still_hangs_it_up() {
+        let (master, slave) = session((24, 80));
+        // The session reads nothing (raw, so no line is ever complete).
+        let mut t = nix::sys::termios::tcgetattr(&slave).unwrap();
+        nix::sys::termios::cfmakeraw(&mut t);
+        nix::sys::termios::tcsetattr(&slave, nix::sys::termios::SetArg::TCSANOW, &t).unwrap();
+        let caller = start(master, (24, 80), ()).unwrap();
+        // More typing than the terminals between hold: the relay waits to
+        // write the rest, and the caller leaves.
+        nonblocking(&caller).unwrap();
+        let mut c = std::fs::File::from(caller);
+        let (mut typed, mut full) = (0, 0);
+        while full < 5 {
+            match c.write(&[b'x'; 4096]) {
+                Ok(n) => (typed, full) = (typed + n, 0),
+                Err(_) => {
+                    full += 1;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        assert!(typed > 20 << 10, "{typed}");
+        drop(c);
+        // The session's terminal, never read, is hung up all the same.
+        let mut hung = false;
+        for _ in 0..100 {
+            if hung_up(&slave) {
+                hung = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(hung, "the relay outlived its caller");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

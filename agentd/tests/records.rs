@@ -28,6 +28,9 @@ fn a_terminal_session_is_recorded_outside_the_sandbox_and_replays() {
     ));
     t.line("echo hi-$((6*7))");
     t.wait_screen("the command's output", LONG, |s| s.contains("hi-42"));
+    // A hostile program sets the clipboard and the title.
+    t.line("printf 'clip\\033]52;c;aGk=\\007ask\\033]0;pwned\\007\\n'");
+    t.wait_screen("the hostile output", LONG, |s| s.contains("clipask"));
     t.resize(120, 40);
     t.line("stty size");
     t.wait_screen("the new size", LONG, |s| s.contains("40 120"));
@@ -79,6 +82,17 @@ fn a_terminal_session_is_recorded_outside_the_sandbox_and_replays() {
     assert!(
         played.contains("hi-42") && played.contains("40 120"),
         "{played}"
+    );
+    // Played, never the sequences that would set the replayer's clipboard
+    // or title; the file itself keeps them.
+    assert!(played.contains("clipask"), "{played:?}");
+    assert!(
+        !played.contains("\x1b]52") && !played.contains("\x1b]0;pwned"),
+        "{played:?}"
+    );
+    assert!(
+        raw.contains("\\u001b]52;c;aGk="),
+        "the record lost the output"
     );
 
     // What was typed, a line an entry, in the audit log: who, when, in

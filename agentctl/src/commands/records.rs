@@ -167,6 +167,8 @@ fn play(file: std::fs::File, speed: f64, raw: bool) -> std::io::Result<()> {
     let mut line = Vec::new();
     let mut first = true;
     let mut clock = 0.0_f64;
+    let mut screen = Screen::default();
+    let mut shown = String::new();
     loop {
         line.clear();
         if (&mut lines).take(MAX_LINE).read_until(b'\n', &mut line)? == 0 {
@@ -185,10 +187,193 @@ fn play(file: std::fs::File, speed: f64, raw: bool) -> std::io::Result<()> {
         }
         clock = clock.max(t);
         match code.as_str() {
-            "o" => out.write_all(text.as_bytes())?,
+            "o" => {
+                shown.clear();
+                screen.feed(&text, &mut shown);
+                out.write_all(shown.as_bytes())?;
+            }
             "m" => write!(out, "\r\n[{}]\r\n", output::escape_controls(&text))?,
             _ => {}
         }
     }
+    // Whatever the session left on: colours, the other screen, a hidden
+    // cursor.
+    out.write_all(b"\x1b[0m\x1b[?1049l\x1b[?25h\r\n")?;
     out.flush()
+}
+
+/// What of a session's output reaches this terminal in a replay: text
+/// and the sequences that draw it (cursor, colours, erasing, scrolling,
+/// the other screen), never those that make a terminal answer (its
+/// answer would be typed into the shell agentctl returns to), set its
+/// clipboard or title, or turn on mouse, focus or keyboard reports.
+#[derive(Debug, Default)]
+struct Screen {
+    state: Seq,
+    /// The sequence being read (bounded by [`SEQ_MAX`]).
+    seq: String,
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+enum Seq {
+    #[default]
+    Text,
+    /// After ESC.
+    Esc,
+    /// After ESC and an intermediate byte (`ESC ( B`).
+    EscMore,
+    /// A control sequence (`ESC [`).
+    Csi,
+    /// A string (OSC, DCS, APC, PM, SOS) up to BEL or ST: never shown.
+    Str,
+    /// ESC within a string.
+    StrEsc,
+}
+
+/// The longest control sequence kept; a longer one is dropped.
+const SEQ_MAX: usize = 256;
+
+/// Private modes that make a terminal report: mouse (9, 1000-1006, 1015,
+/// 1016) and focus (1004).
+const REPORTING_MODES: &[&str] = &[
+    "9", "1000", "1001", "1002", "1003", "1004", "1005", "1006", "1015", "1016",
+];
+
+impl Screen {
+    fn feed(&mut self, text: &str, out: &mut String) {
+        for c in text.chars() {
+            match self.state {
+                Seq::Text => match c {
+                    '\x1b' => self.state = Seq::Esc,
+                    '\r' | '\n' | '\t' | '\x08' | '\x07' => out.push(c),
+                    c if c.is_control() => {}
+                    c => out.push(c),
+                },
+                Seq::Esc => match c {
+                    '[' => {
+                        self.seq.clear();
+                        self.state = Seq::Csi;
+                    }
+                    ']' | 'P' | '_' | '^' | 'X' => self.state = Seq::Str,
+                    ' '..='/' => {
+                        self.seq = c.to_string();
+                        self.state = Seq::EscMore;
+                    }
+                    // DECID makes the terminal answer.
+                    'Z' => self.state = Seq::Text,
+                    '0'..='~' => {
+                        out.push('\x1b');
+                        out.push(c);
+                        self.state = Seq::Text;
+                    }
+                    _ => self.state = Seq::Text,
+                },
+                Seq::EscMore => {
+                    if ('0'..='~').contains(&c) {
+                        out.push('\x1b');
+                        out.push_str(&self.seq);
+                        out.push(c);
+                    }
+                    self.state = Seq::Text;
+                }
+                Seq::Csi => {
+                    if ('@'..='~').contains(&c) {
+                        if shown_csi(&self.seq, c) {
+                            out.push_str("\x1b[");
+                            out.push_str(&self.seq);
+                            out.push(c);
+                        }
+                        self.state = Seq::Text;
+                    } else if (' '..='?').contains(&c) && self.seq.len() < SEQ_MAX {
+                        self.seq.push(c);
+                    } else {
+                        self.state = Seq::Text;
+                    }
+                }
+                Seq::Str => match c {
+                    '\x07' => self.state = Seq::Text,
+                    '\x1b' => self.state = Seq::StrEsc,
+                    _ => {}
+                },
+                Seq::StrEsc => {
+                    self.state = if c == '\\' { Seq::Text } else { Seq::Str };
+                }
+            }
+        }
+    }
+}
+
+/// Whether control sequence `ESC [ params final` draws rather than asks
+/// or reports.
+fn shown_csi(params: &str, fin: char) -> bool {
+    // Intermediates (`$p`, ` q`) and the `>`, `=`, `<` forms are
+    // requests or keyboard modes.
+    if params.contains(|c: char| (' '..='/').contains(&c) || matches!(c, '>' | '=' | '<')) {
+        return false;
+    }
+    match fin {
+        'h' | 'l' => !params
+            .trim_start_matches('?')
+            .split(';')
+            .any(|m| params.starts_with('?') && REPORTING_MODES.contains(&m)),
+        '@'
+        | 'A'..='H'
+        | 'J'
+        | 'K'
+        | 'L'
+        | 'M'
+        | 'P'
+        | 'S'
+        | 'T'
+        | 'X'
+        | '`'
+        | 'a'
+        | 'b'
+        | 'd'
+        | 'e'
+        | 'f'
+        | 'g'
+        | 'm'
+        | 'r'
+        | 's'
+        | 'u' => !params.starts_with('?'),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shown(pieces: &[&str]) -> String {
+        let mut s = Screen::default();
+        let mut out = String::new();
+        for p in pieces {
+            s.feed(p, &mut out);
+        }
+        out
+    }
+
+    #[test]
+    fn a_replay_draws_but_never_makes_the_terminal_answer_or_report() {
+        // Drawing passes: colours, cursor, erasing, the other screen.
+        let draw = "\x1b[1;31mred\x1b[0m\x1b[2J\x1b[10;5H\x1b[?1049h\x1b[?25l\x1b(Bx\r\n";
+        assert_eq!(shown(&[draw]), draw);
+        // Questions, reports, clipboard and title never reach it, even
+        // split across events.
+        let hostile = [
+            "a\x1b[6n",                               // cursor position report
+            "\x1b[c\x1b[>c",                          // device attributes
+            "\x1b]52;c;aGk=\x07",                     // clipboard
+            "\x1b]0;title\x1b\\",                     // title, ST-terminated
+            "\x1bP$qm\x1b\\",                         // DECRQSS
+            "\x1b[?1000h\x1b[?1004h\x1b[?1006;1000h", // mouse, focus
+            "\x1b[>4;1m",                             // keyboard mode
+            "\x1b[21t\x1bZ\x05",                      // title report, DECID, ENQ
+            "\x1b]5",
+            "2;c;x\x07b",
+        ];
+        assert_eq!(shown(&hostile), "ab");
+        assert_eq!(shown(&["\u{9b}6n"]), "6n");
+    }
 }

@@ -104,8 +104,10 @@ impl Manager {
             return Err(e);
         }
         // A sandbox of this name that was destroyed half-way left no
-        // secrets to this one.
+        // secrets to this one, nor records (a session that began as it was
+        // destroyed may have made its directory again).
         self.forget_secrets(&sb);
+        self.remove_records(&name);
         self.ensure_disk(&sb).await;
         let seeded = seed(&sb).await;
         let prepared = match seeded {

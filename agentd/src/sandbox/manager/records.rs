@@ -15,8 +15,9 @@ use keystone_agent_api::RecordInfo;
 use super::*;
 use crate::record::{About, Recorder, Utf8Stream};
 
-/// What one session's record may take; past it, a marker says it was cut
-/// and the session goes on unrecorded.
+/// What one session's record may take of output (and a quarter more of
+/// typing and sizes); past it, a marker says it was cut and the session's
+/// output goes on unrecorded.
 pub const RECORD_LIMIT: u64 = 64 << 20;
 
 /// What a sandbox's records may take in all when a new one starts: the
@@ -120,7 +121,12 @@ impl Manager {
         term: &str,
     ) -> Option<(String, Recorder)> {
         let dir = self.records_dir(name);
-        prune(&dir, RECORDS_KEEP.saturating_sub(RECORD_LIMIT));
+        // Room for this one: its output and the quarter more its typing
+        // may take (see `crate::record`).
+        prune(
+            &dir,
+            RECORDS_KEEP.saturating_sub(RECORD_LIMIT + RECORD_LIMIT / 4),
+        );
         let secs = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());

@@ -193,7 +193,9 @@ impl Manager {
                 source,
             })?;
         // The caller gets agentd's side of the session, which records it.
-        let tap = self.session_tap(name, caller.uid, (&kind, &detail), size, &tty.term());
+        let tap = tokio::task::block_in_place(|| {
+            self.session_tap(name, caller.uid, (&kind, &detail), size, &tty.term())
+        });
         let terminal =
             crate::relay::start(proc.terminal, size, tap).map_err(|e| Error::Backend {
                 name: name.to_owned(),
