@@ -288,19 +288,29 @@ mod tests {
         snap
     }
 
-    #[test]
-    fn a_layered_tree_shares_the_snapshot_s_files_and_writes_only_its_own() {
+    /// A snapshot tree, the held directory, a sandbox directory and its
+    /// tree `name` layered on the snapshot's; `None` (and why) without
+    /// root or overlayfs.
+    fn layered(name: &str) -> Option<(tempfile::TempDir, PathBuf, PathBuf, PathBuf, PathBuf)> {
         if !possible() {
             eprintln!("skipped: needs root and overlayfs");
-            return;
+            return None;
         }
         let t = tempfile::tempdir().unwrap();
         let snap = snapshot_tree(t.path(), 4242);
         let held = t.path().join("held");
         let sandbox = t.path().join("sandbox");
         std::fs::create_dir(&sandbox).unwrap();
-        let tree = sandbox.join("workspace");
+        let tree = sandbox.join(name);
         assert!(make(&snap, &tree, &held).unwrap());
+        Some((t, snap, held, sandbox, tree))
+    }
+
+    #[test]
+    fn a_layered_tree_shares_the_snapshot_s_files_and_writes_only_its_own() {
+        let Some((_t, snap, held, sandbox, tree)) = layered("workspace") else {
+            return;
+        };
         assert!(crate::disk::is_mount_point(&tree));
         let top = std::fs::metadata(&tree).unwrap();
         assert_eq!((top.uid(), top.mode() & 0o7777), (4242, 0o750));
@@ -339,17 +349,9 @@ mod tests {
 
     #[test]
     fn a_layer_whose_lower_tree_is_gone_is_refused_not_mounted_empty() {
-        if !possible() {
-            eprintln!("skipped: needs root and overlayfs");
+        let Some((_t, _snap, held, _sandbox, tree)) = layered("home") else {
             return;
-        }
-        let t = tempfile::tempdir().unwrap();
-        let snap = snapshot_tree(t.path(), 4242);
-        let held = t.path().join("held");
-        let sandbox = t.path().join("sandbox");
-        std::fs::create_dir(&sandbox).unwrap();
-        let tree = sandbox.join("home");
-        assert!(make(&snap, &tree, &held).unwrap());
+        };
         unmount(&tree);
         let token = crate::held::token(&token_file(&tree)).unwrap();
         crate::fsutil::remove_tree(&held.join(&token)).unwrap();

@@ -78,12 +78,44 @@ impl Manager {
         if let Some(keep) = self.settings.audit.keep() {
             crate::audit::prune(&log, keep);
         }
-        let record = self.start_record(name, uid, (kind, detail), size, term);
-        let id = record.as_ref().map_or("", |(id, _)| id.as_str()).to_owned();
+        let dir = self.records_dir(name);
+        // Room for this one: its output and the quarter more its typing
+        // may take (see `crate::record`).
+        prune(
+            &dir,
+            RECORDS_KEEP.saturating_sub(RECORD_LIMIT + RECORD_LIMIT / 4),
+        );
+        let secs = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let id = format!(
+            "{}-{}",
+            crate::text::utc_compact(secs),
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        let about = About {
+            sandbox: name.to_owned(),
+            kind: kind.to_owned(),
+            detail: detail.to_owned(),
+            uid,
+        };
+        let record = match Recorder::create(&dir, &id, size, term, about, RECORD_LIMIT) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(sandbox = %name, error = %e, "cannot record the session");
+                None
+            }
+        };
         let max = self.settings.audit.max_bytes();
         SessionTap {
-            record: record.map(|(_, r)| r),
-            typing: crate::audit::Typing::new(log, max, uid, &id, kind),
+            typing: crate::audit::Typing::new(
+                log,
+                max,
+                uid,
+                record.as_ref().map_or("", |_| &id),
+                kind,
+            ),
+            record,
             typed: Utf8Stream::default(),
         }
     }
@@ -106,48 +138,6 @@ impl Manager {
     /// Where sandbox `name`'s records are.
     pub(super) fn records_dir(&self, name: &str) -> PathBuf {
         self.store.registry().dir().join("recordings").join(name)
-    }
-
-    /// Start the record of a session of sandbox `name` opened by `uid`
-    /// (what ran: `kind`, `detail`) on a terminal of `size` and `term`;
-    /// `None` (and a warning) where it cannot be written: the session
-    /// goes on without.
-    fn start_record(
-        &self,
-        name: &str,
-        uid: u32,
-        (kind, detail): (&str, &str),
-        size: (u16, u16),
-        term: &str,
-    ) -> Option<(String, Recorder)> {
-        let dir = self.records_dir(name);
-        // Room for this one: its output and the quarter more its typing
-        // may take (see `crate::record`).
-        prune(
-            &dir,
-            RECORDS_KEEP.saturating_sub(RECORD_LIMIT + RECORD_LIMIT / 4),
-        );
-        let secs = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let id = format!(
-            "{}-{}",
-            crate::text::utc_compact(secs),
-            &uuid::Uuid::new_v4().simple().to_string()[..8]
-        );
-        let about = About {
-            sandbox: name.to_owned(),
-            kind: kind.to_owned(),
-            detail: detail.to_owned(),
-            uid,
-        };
-        match Recorder::create(&dir, &id, size, term, about, RECORD_LIMIT) {
-            Ok(r) => Some((id, r)),
-            Err(e) => {
-                tracing::warn!(sandbox = %name, error = %e, "cannot record the session");
-                None
-            }
-        }
     }
 
     /// The records of sandbox `name`'s sessions, oldest first.
