@@ -11,7 +11,7 @@
 //! that; entries older than the configured days go when a session
 //! starts.
 
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -158,38 +158,29 @@ impl Drop for Typing {
 
 /// The log moved aside beside `path`.
 fn aside(path: &Path) -> PathBuf {
-    let mut name = path.as_os_str().to_owned();
-    name.push(".1");
-    PathBuf::from(name)
+    crate::fsutil::beside(path, ".1")
 }
 
-fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+/// Append `entry` to log `path` (its directory made 0700), moving the log
+/// aside first where it holds `max_bytes` or more.
+///
+/// # Errors
+/// The log cannot be opened or written.
+pub fn append(path: &Path, entry: &Entry, max_bytes: u64) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)?;
     }
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .mode(0o600)
-        .custom_flags(nix::libc::O_NOFOLLOW)
-        .open(path)
+    crate::fsutil::append_json_line_rotating(path, entry, max_bytes)
 }
 
-/// Append `entry` to log `path`, moving the log aside first where it
-/// holds `max_bytes` or more.
-///
-/// # Errors
-/// The log cannot be opened or written.
-pub fn append(path: &Path, entry: &Entry, max_bytes: u64) -> std::io::Result<()> {
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.len() >= max_bytes) {
-        std::fs::rename(path, aside(path))?;
+/// Remove log `path` and the part moved aside.
+pub fn remove(path: &Path) {
+    for p in [path.to_owned(), aside(path)] {
+        let _ = std::fs::remove_file(p);
     }
-    let mut line = serde_json::to_vec(entry).map_err(std::io::Error::other)?;
-    line.push(b'\n');
-    open_log(path)?.write_all(&line)
 }
 
 /// The entries of log `path` (the part moved aside first), oldest first;
@@ -238,20 +229,41 @@ fn read_one(path: &Path) -> Vec<Entry> {
     out
 }
 
+/// The first entry of log `path`.
+fn first(path: &Path) -> Option<Entry> {
+    use std::io::Read;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    let mut line = Vec::new();
+    std::io::BufReader::new(f.take(READ_LINE_MAX))
+        .read_until(b'\n', &mut line)
+        .ok()?;
+    serde_json::from_slice(&line).ok()
+}
+
 /// Remove the entries of log `path` older than `keep`: the part moved
-/// aside goes once its newest entry is; the log itself is rewritten
-/// without them.
+/// aside goes once it was last written to before then; the log itself is
+/// rewritten without them.
 pub fn prune(path: &Path, keep: Duration) {
     let Some(cutoff) = SystemTime::now().checked_sub(keep) else {
         return;
     };
-    let cutoff = crate::text::micros(Some(cutoff));
+    // Looked at when every session starts: the part moved aside by when
+    // it was last written to (after its newest entry), the log by its
+    // first line; read whole only when something goes.
     let old = aside(path);
-    if read_one(&old).last().is_none_or(|e| e.time < cutoff) {
+    if std::fs::metadata(&old)
+        .and_then(|m| m.modified())
+        .is_ok_and(|t| t < cutoff)
+    {
         let _ = std::fs::remove_file(&old);
     }
-    let entries = read_one(path);
-    if entries.first().is_some_and(|e| e.time < cutoff) {
+    let cutoff = crate::text::micros(Some(cutoff));
+    if first(path).is_some_and(|e| e.time < cutoff) {
+        let entries = read_one(path);
         let kept: Vec<u8> = entries
             .iter()
             .filter(|e| e.time >= cutoff)

@@ -69,11 +69,19 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DiskErr
 /// Whether `path` is a mount point (of anything).
 #[must_use]
 pub fn is_mount_point(path: &Path) -> bool {
+    mount_points().contains(path)
+}
+
+/// Every mount point of agentd's mount namespace, read once (for a
+/// question asked of many paths).
+#[must_use]
+pub fn mount_points() -> std::collections::HashSet<PathBuf> {
     fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.split(' ').nth(4))
-        .any(|p| Path::new(&unescape(p)) == path)
+        .map(|p| PathBuf::from(unescape(p)))
+        .collect()
 }
 
 fn unescape(field: &str) -> String {

@@ -340,6 +340,29 @@ pub fn atomic_write_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Wri
     Ok(())
 }
 
+/// `path` with `suffix` added to its file name (`home.img` and `.base`:
+/// `home.img.base`): a file that goes with it.
+#[must_use]
+pub fn beside(path: &Path, suffix: &str) -> std::path::PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    name.into()
+}
+
+/// [`append_json_line`], first moving the log at `path` aside to
+/// `<path>.1` (replacing the one moved before) where it holds `max` bytes
+/// or more: the log takes at most about twice that.
+pub fn append_json_line_rotating(
+    path: &Path,
+    value: &impl Serialize,
+    max: u64,
+) -> std::io::Result<()> {
+    if fs::symlink_metadata(path).is_ok_and(|m| m.len() >= max) {
+        fs::rename(path, beside(path, ".1"))?;
+    }
+    append_json_line(path, value)
+}
+
 /// Append `value` as one JSON line to the append-only log at `path` (made
 /// 0600, never through a symlink).
 pub fn append_json_line(path: &Path, value: &impl Serialize) -> std::io::Result<()> {

@@ -68,9 +68,7 @@ pub fn possible() -> bool {
 /// The file beside a snapshot's tree naming the held tree its forks
 /// share: `<tree>.lower`, agentd's.
 fn shared_file(from: &Path) -> PathBuf {
-    let mut name = from.as_os_str().to_owned();
-    name.push(".lower");
-    PathBuf::from(name)
+    crate::fsutil::beside(from, ".lower")
 }
 
 /// Held trees are made, shared and let go of one at a time: a fork that

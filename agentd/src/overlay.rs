@@ -188,9 +188,7 @@ pub fn flatten(from: &Path, to: &Path, held: &Path, ids: (u32, u32)) -> Result<(
     // qemu-img writes into the sandbox's own directory (on its own disk:
     // bounded by it), and the snapshot gets a copy of that, a file no
     // process of the sandbox's uid ever held open.
-    let mut scratch = from.as_os_str().to_owned();
-    scratch.push(".flat");
-    let scratch = PathBuf::from(scratch);
+    let scratch = crate::fsutil::beside(from, ".flat");
     let _ = std::fs::remove_file(&scratch);
     let done = flatten_into(from, &base, &scratch, ids).map_err(|message| SnapshotError::Copy {
         from: from.to_owned(),

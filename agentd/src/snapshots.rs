@@ -48,9 +48,7 @@ pub const ENTRIES: [&str; 5] = ["workspace", "home", HOME_DISK, WORKSPACE_DISK, 
 /// `<disk>.base`, agentd's file naming the base. It moves with the disk.
 #[must_use]
 pub fn base_token(disk: &Path) -> PathBuf {
-    let mut name = disk.as_os_str().to_owned();
-    name.push(".base");
-    PathBuf::from(name)
+    crate::fsutil::beside(disk, ".base")
 }
 
 /// Whether `path` is a regular file (not a link to one).

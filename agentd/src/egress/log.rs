@@ -74,12 +74,7 @@ pub fn append(path: &Path, entry: &Entry) -> std::io::Result<()> {
         denied = denied_path(path);
         denied.as_path()
     };
-    if std::fs::symlink_metadata(path).is_ok_and(|m| m.len() >= LOG_MAX) {
-        let mut old = path.as_os_str().to_owned();
-        old.push(".1");
-        std::fs::rename(path, old)?;
-    }
-    crate::fsutil::append_json_line(path, entry)
+    crate::fsutil::append_json_line_rotating(path, entry, LOG_MAX)
 }
 
 /// The last `limit` entries of the log at `path` and of its refusals, in
@@ -87,9 +82,8 @@ pub fn append(path: &Path, entry: &Entry) -> std::io::Result<()> {
 pub fn tail(path: &Path, limit: usize) -> std::io::Result<Vec<Entry>> {
     let mut all: Vec<Entry> = Vec::new();
     for file in [path.to_path_buf(), denied_path(path)] {
-        let mut old = file.as_os_str().to_owned();
-        old.push(".1");
-        all.extend(crate::fsutil::read_json_lines::<Entry>(Path::new(&old))?);
+        let old = crate::fsutil::beside(&file, ".1");
+        all.extend(crate::fsutil::read_json_lines::<Entry>(&old)?);
         all.extend(crate::fsutil::read_json_lines::<Entry>(&file)?);
     }
     // Stable: an admission stays before its end.

@@ -271,19 +271,29 @@ impl Manager {
     }
 
     /// Whether a sandbox other than `name` names held tree `token` for one
-    /// of its trees, or might: one whose disk image is not mounted (its
-    /// token files are on it) counts as naming every one.
+    /// of its trees, or might: one whose token files cannot be read counts
+    /// as naming every one.
     pub(super) fn layer_in_use(&self, name: &str, token: &str) -> bool {
+        let mounts = crate::disk::mount_points();
         self.names().iter().filter(|n| n.as_str() != name).any(|n| {
             let dir = self.store.registry().sandbox_dir(n);
-            if self.disk(n).image.is_file() && !crate::disk::is_mount_point(&dir) {
-                return true;
-            }
-            crate::snapshots::TREES.iter().any(|t| {
-                crate::held::token(&crate::layers::token_file(&dir.join(t))).as_deref()
-                    == Some(token)
-            })
+            self.tokens_unreadable(n, &mounts)
+                || crate::snapshots::TREES.iter().any(|t| {
+                    crate::held::token(&crate::layers::token_file(&dir.join(t))).as_deref()
+                        == Some(token)
+                })
         })
+    }
+
+    /// Whether sandbox `name`'s token files are out of reach: its disk
+    /// image (which holds them) is not among the `mounts`.
+    pub(super) fn tokens_unreadable(
+        &self,
+        name: &str,
+        mounts: &std::collections::HashSet<std::path::PathBuf>,
+    ) -> bool {
+        self.disk(name).image.is_file()
+            && !mounts.contains(&self.store.registry().sandbox_dir(name))
     }
 
     /// Let go of everything sandbox `name` holds, before its directory

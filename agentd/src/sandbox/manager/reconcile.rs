@@ -121,13 +121,11 @@ impl Manager {
         // went without them (an agentd that died in between). Not while
         // a sandbox's image is not mounted: the token files on it, which
         // name what it holds, cannot be read.
+        let mounts = crate::disk::mount_points();
         let unreadable: Vec<String> = self
             .names()
             .into_iter()
-            .filter(|n| {
-                self.disk(n).image.is_file()
-                    && !crate::disk::is_mount_point(&self.store.registry().sandbox_dir(n))
-            })
+            .filter(|n| self.tokens_unreadable(n, &mounts))
             .collect();
         if unreadable.is_empty() {
             let named: Vec<_> = self

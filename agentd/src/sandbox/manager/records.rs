@@ -195,12 +195,7 @@ impl Manager {
     /// Remove sandbox `name`'s records and audit log (it is destroyed).
     pub(super) fn remove_records(&self, name: &str) {
         let _ = crate::fsutil::remove_tree(&self.records_dir(name));
-        let log = self.audit_log(name);
-        let mut aside = log.clone().into_os_string();
-        aside.push(".1");
-        for p in [log, PathBuf::from(aside)] {
-            let _ = std::fs::remove_file(p);
-        }
+        crate::audit::remove(&self.audit_log(name));
     }
 
     /// Remove the records and audit logs of sandboxes that are not among
