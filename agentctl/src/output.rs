@@ -160,6 +160,7 @@ pub fn summary_json(s: &SandboxSummary) -> Value {
         "project_path": s.project_path,
         "owner": s.owner,
         "declared": s.declared,
+        "waiting": s.waiting,
         "created_at": rfc3339(s.created_at),
         "started_at": rfc3339(s.started_at),
     })

@@ -43,8 +43,48 @@ pub struct DaemonConfig {
     pub limits: crate::budget::LimitsConfig,
     /// The audit log of what people type into sandboxes' terminals.
     pub audit: crate::audit::AuditConfig,
+    /// The web console.
+    pub console: ConsoleConfig,
     /// Sandboxes declared by the administrator (NixOS `sandboxes.<name>`).
     pub sandboxes: BTreeMap<String, DeclaredSandbox>,
+}
+
+/// The console's settings: agentd's `console` object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConsoleConfig {
+    /// Serve the console.
+    pub enable: bool,
+    /// Where: a loopback address and port (`127.0.0.1:0`: a free port,
+    /// which `agentctl console` finds out from agentd).
+    pub listen: String,
+}
+
+impl Default for ConsoleConfig {
+    fn default() -> Self {
+        Self {
+            enable: true,
+            listen: "127.0.0.1:0".to_owned(),
+        }
+    }
+}
+
+impl ConsoleConfig {
+    /// What is wrong with these settings.
+    #[must_use]
+    pub fn problems(&self) -> Vec<String> {
+        match self.listen.parse::<std::net::SocketAddr>() {
+            Ok(a) if a.ip().is_loopback() && a.is_ipv4() => Vec::new(),
+            Ok(_) => vec![format!(
+                "console.listen {} is not an IPv4 loopback address (such as 127.0.0.1:0): the console is served there only",
+                self.listen
+            )],
+            Err(_) => vec![format!(
+                "console.listen {:?} is not an address and port such as 127.0.0.1:0",
+                self.listen
+            )],
+        }
+    }
 }
 
 /// Dev-server link settings.
@@ -538,6 +578,7 @@ impl DaemonConfig {
         p.extend(self.toolbox.problems());
         p.extend(self.limits.problems());
         p.extend(self.audit.problems());
+        p.extend(self.console.problems());
         if let Some(preset) = &self.egress.preset {
             validate::check_egress_entries("egress.preset", preset, &mut p);
         }

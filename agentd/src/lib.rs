@@ -13,6 +13,7 @@ pub mod cgroup;
 pub mod child;
 pub mod config;
 pub mod confine;
+pub mod console;
 pub mod dbus;
 pub mod disk;
 pub mod doctor;
@@ -42,6 +43,7 @@ pub mod text;
 pub mod toolbox;
 pub mod tools;
 pub mod validate;
+pub mod waiting;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -313,7 +315,17 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .await?;
         manager.set_proxy(proxy);
     }
-    let conn = dbus::serve(&opts.bus, Arc::clone(&manager)).await.map_err(|e| match &opts.bus {
+    let mut door = None;
+    if config.console.enable {
+        match console::start(&config.console, Arc::clone(&manager)).await {
+            Ok(d) => door = Some(d),
+            Err(e) => tracing::warn!(
+                listen = %config.console.listen,
+                "cannot serve the web console: {e} (set console.listen, or console.enable = false)"
+            ),
+        }
+    }
+    let conn = dbus::serve(&opts.bus, Arc::clone(&manager), door).await.map_err(|e| match &opts.bus {
         Bus::System => anyhow::anyhow!(
             "cannot serve {} on the system bus: {e}\nhint: install agentd's D-Bus policy (share/dbus-1/system.d/{}.conf) and run as root, or use --session",
             keystone_agent_api::BUS_NAME,

@@ -328,6 +328,8 @@ impl Sandbox {
             started_at: micros(self.started_at),
             state_reason: self.state_reason.clone(),
             declared: self.declared,
+            // Not kept in the registry: the manager fills it in.
+            waiting: 0,
         }
     }
 }

@@ -274,8 +274,8 @@ pub fn find_zellij(configured: Option<&Path>) -> Result<PathBuf, ZellijError> {
 }
 
 /// Assemble `<state>/guest` (shown at `/run/keystone` in sandboxes):
-/// `share/zellij/{config.kdl,layout.kdl}` always, `bin/zellij` from
-/// `zellij` when there is one. Returns the directory.
+/// `share/zellij/{config.kdl,layout.kdl}` and `bin/keystone-notify` always,
+/// `bin/zellij` from `zellij` when there is one. Returns the directory.
 pub fn install(state_dir: &Path, zellij: Option<&Path>) -> Result<PathBuf, WriteError> {
     let dir = state_dir.join("guest");
     let share = dir.join("share/zellij");
@@ -295,6 +295,13 @@ pub fn install(state_dir: &Path, zellij: Option<&Path>) -> Result<PathBuf, Write
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644))
             .map_err(WriteError::of("set the mode of", &path))?;
     }
+    // What the agents' hooks run to say they wait (crate::waiting).
+    let notify = bin.join(crate::waiting::PROGRAM);
+    if fs::read_to_string(&notify).ok().as_deref() != Some(crate::waiting::NOTIFY) {
+        atomic_write(&notify, crate::waiting::NOTIFY.as_bytes())?;
+    }
+    fs::set_permissions(&notify, fs::Permissions::from_mode(0o755))
+        .map_err(WriteError::of("set the mode of", &notify))?;
     let target = bin.join("zellij");
     match zellij {
         Some(src) => {

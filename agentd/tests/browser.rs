@@ -102,29 +102,11 @@ fn requests(env: &Env, name: &str) -> String {
     ])
 }
 
-fn chromium() -> Option<&'static str> {
-    let found = Command::new("chromium")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if found {
-        return Some("chromium");
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "chromium is missing (apt-get install chromium); .ci/run installs it"
-    );
-    eprintln!("skipped: chromium is missing (apt-get install chromium)");
-    None
-}
-
 #[test]
 fn a_hostile_page_in_the_owners_browser_reaches_no_control_plane() {
-    let Some(chromium) = chromium() else {
+    if !common::cdp::available() {
         return;
-    };
+    }
     let mut env = Env::bus_only();
     // Caddy's admin API on a loopback port, as nixpkgs' Caddy and
     // Debian's have it unless told otherwise.
@@ -202,19 +184,9 @@ const wait = (ms) => new Promise(res => setTimeout(res, ms));
     });
 
     let profile = env.tmp.path().join("chromium");
-    let mut browser = Command::new(chromium)
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--virtual-time-budget=20000",
-            "--dump-dom",
-        ])
+    let mut browser = Command::new("chromium")
+        .args(common::cdp::HEADLESS)
+        .args(["--virtual-time-budget=20000", "--dump-dom"])
         .arg(format!("--user-data-dir={}", profile.display()))
         .arg(&b_link)
         .stdout(Stdio::piped())

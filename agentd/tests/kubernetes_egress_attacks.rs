@@ -332,6 +332,8 @@ fn programs_planted_in_the_tools_directory_are_never_run_by_agentd() {
            chmod 755 /run/keystone/bin/$p\n\
          done",
     );
+    // (agentd's own listener in the Pod holds a stream while it runs.)
+    env.wait_listening("plant");
     let pid = env.agentd_pid();
     let before = usage(pid);
     env.set_secret(

@@ -596,7 +596,10 @@ fn ssh_children(pid: i32) -> Vec<i32> {
             };
             let mut f = rest.split(' ');
             let (state, ppid) = (f.next(), f.next().and_then(|s| s.parse::<i32>().ok()));
-            comm.ends_with("(ssh") && state != Some("Z") && ppid == Some(pid)
+            // (Not the one that hears the agents' hooks, which lasts.)
+            let listener = std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| c.windows(16).any(|w| w == b"keystone-waiting"));
+            comm.ends_with("(ssh") && state != Some("Z") && ppid == Some(pid) && !listener
         })
         .collect()
 }

@@ -208,9 +208,12 @@ fn attach_creates_the_worktree_and_session_and_detach_keeps_it() {
         ctl_line(&env, "attach att feature")
     ));
     t.wait_screen("the same screen", LONG, |s| s.contains("typed-42"));
-    let sessions: Vec<serde_json::Value> =
-        serde_json::from_str(&env.ok(&["sessions", "att", "--json"])).unwrap();
-    assert_eq!(sessions[0]["clients"], 1);
+    // (The client detached before may take a moment to be gone.)
+    common::wait_for("one client", LONG, || {
+        let sessions: Vec<serde_json::Value> =
+            serde_json::from_str(&env.ok(&["sessions", "att", "--json"])).unwrap();
+        sessions[0]["clients"] == 1
+    });
 
     // agentctl killed while attached: the terminal comes back sane, the
     // session stays.

@@ -29,6 +29,8 @@ fn stats(env: &Env, name: &str) -> serde_json::Value {
 /// The figures of sandbox `name` once its gateway serves (it starts just
 /// after the sandbox).
 fn settled(env: &Env, name: &str) -> serde_json::Value {
+    // The process agentd runs to hear the agents' hooks is there.
+    env.wait_listening(name);
     let mut v = serde_json::Value::Null;
     common::wait_for("the gateway to serve", Duration::from_secs(10), || {
         v = stats(env, name);

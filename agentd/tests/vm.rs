@@ -99,6 +99,34 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
             .starts_with("claude ")
     );
 
+    // The agents' hooks: agentd configured them in the guest (here in the
+    // shared agent home), and a hook run there reaches `list` and
+    // `status` on the host.
+    wait_for(
+        "the agents' hooks in the guest",
+        Duration::from_secs(120),
+        || {
+            env.inside(
+                "vmtest",
+                r#"grep -q 'keystone-notify claude Stop' "${CLAUDE_CONFIG_DIR:-$HOME/.claude}/settings.json" && test -p ~/.keystone/notify"#,
+            )
+            .0 == 0
+        },
+    );
+    env.sh(
+        "vmtest",
+        r#"printf '%s' '{"message":"the vm waits"}' | keystone-notify claude Notification"#,
+    );
+    common::wait_for(
+        "the waiting agent",
+        std::time::Duration::from_secs(30),
+        || env.list()[0]["waiting"] == 1,
+    );
+    assert_eq!(
+        env.status("vmtest")["waiting_agents"][0]["message"],
+        "the vm waits"
+    );
+
     // A secret: its placeholder and the sandbox's CA reach the guest (the
     // CA through agentd's shared tools directory).
     let mut set = env

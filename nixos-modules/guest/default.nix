@@ -413,6 +413,9 @@ in
     environment.systemPackages = [
       pkgs.git
       cfg.zellij
+      # What the agents' hooks run to tell agentd they wait for their
+      # person (agentd configures the hooks; docs/console.md).
+      (pkgs.writeShellScriptBin "keystone-notify" (builtins.readFile ../../agentd/share/keystone-notify))
     ]
     ++ map (agent: pkgs.${agent}) enabledCLIs;
 

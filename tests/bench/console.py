@@ -12,6 +12,10 @@ baseline from the same run, asserts nothing.
    same `cat` through a pseudo-terminal inside the sandbox.
 3. agentd with 10 terminals streaming output at once: its RSS and CPU
    beside the same agentd idle just before.
+4. An agent waits: from the line its hook writes inside the sandbox to
+   the line `agentctl watch --json` prints on the host (the same clock),
+   p50/p99; beside `agentctl exec NAME -- true`, a round trip through
+   agentd into the sandbox.
 
 Needs root (disk images) and `cargo build --release --bins`.
 
@@ -68,6 +72,17 @@ else:
         n += len(chunk)
     os.waitpid(pid, 0)
     print(json.dumps({"bytes": n, "s": time.perf_counter() - t0}))
+"""
+
+
+# Runs inside the sandbox: what keystone-notify writes, timed.
+HOOK = r"""
+import os, sys, time
+fd = os.open(os.path.expanduser("~/.keystone/notify"), os.O_RDWR)
+line = ("claude\tStop\t%s\t{}\n" % sys.argv[1]).encode()
+t = time.time()
+os.write(fd, line)
+print(t)
 """
 
 
@@ -185,6 +200,36 @@ def main():
         print(f"  {'RSS peak':<40} {peak / 1024:8.1f} MiB   | idle just before: {rss_idle / 1024:.1f} MiB")
         print(f"  {'CPU':<40} {busy:8.1f} %     | idle just before: {idle_pct:.1f} %")
         print(f"  {'output seen by the 10 callers':<40} {sum(seen) / 2**20:8.1f} MiB")
+
+        # 4. An agent waits.
+        runs = min(args.runs, 20)
+        watch = subprocess.Popen(d.ctl + ["watch", "--json"], stdout=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        lat = []
+        for i in range(runs):
+            session = f"con-bench{i}"
+            t_in = float(d.run("exec", "con", "--", "python3", "-c", HOOK, session))
+            while True:
+                r, _, _ = select.select([watch.stdout], [], [], 10)
+                if not r:
+                    sys.exit("agentctl watch printed nothing within 10 s")
+                line = watch.stdout.readline()
+                t_out = time.time()
+                if json.loads(line).get("session") == session:
+                    break
+            lat.append((t_out - t_in) * 1000)
+            # Past a burst of 5, a sandbox gets one line every 2 s.
+            if i >= 4:
+                time.sleep(2.05)
+        watch.kill()
+        execs = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            d.run("exec", "con", "--", "true")
+            execs.append((time.perf_counter() - t0) * 1000)
+        print(f"An agent waits ({runs} notices):")
+        print(f"  {'hook line inside -> agentctl watch line':<40} p50 {pct(lat, 50):6.3f} ms  p99 {pct(lat, 99):6.3f} ms")
+        print(f"  {'baseline: agentctl exec NAME -- true':<40} p50 {pct(execs, 50):6.3f} ms  p99 {pct(execs, 99):6.3f} ms")
 
 
 if __name__ == "__main__":

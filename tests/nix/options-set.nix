@@ -287,6 +287,7 @@ let
     # Builders: a package named after what they would make.
     writeText = name: _text: package name;
     writeTextDir = path: _text: package (baseNameOf path);
+    writeShellScriptBin = name: _text: package name;
     formats.json = _: { generate = name: _value: package name; };
     callPackage = fn: _args: package (lib.removeSuffix ".nix" (baseNameOf fn));
   }

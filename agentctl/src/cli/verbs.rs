@@ -30,9 +30,11 @@ impl Command {
             Self::Sessions { .. } => "sessions",
             Self::Replay { .. } => "replay",
             Self::Audit { .. } => "audit",
+            Self::Watch { .. } => "watch",
             Self::Ports { .. } => "ports",
             Self::Stats { .. } => "stats",
             Self::Open { .. } => "open",
+            Self::Console { .. } => "console",
             Self::KillSession { .. } => "kill-session",
             Self::Doctor { .. } => "doctor",
             Self::Completions { .. } => "completions",
@@ -61,6 +63,7 @@ impl Command {
             | Self::Attach { .. }
             | Self::Exec { .. }
             | Self::Replay { .. }
+            | Self::Watch { .. }
             | Self::Stats { follow: true, .. } => true,
             Self::Worktree(w) => !matches!(w, WorktreeCommand::List { .. }),
             Self::Egress { command, .. } => {

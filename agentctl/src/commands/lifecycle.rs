@@ -174,7 +174,11 @@ pub(super) async fn run(
                     .map(|r| {
                         vec![
                             r.name.clone(),
-                            r.state.to_string(),
+                            if r.waiting > 0 {
+                                format!("{}, waiting for input", r.state)
+                            } else {
+                                r.state.to_string()
+                            },
                             r.backend.to_string(),
                             output::ago(r.created_at),
                             r.project_path.clone(),
@@ -211,6 +215,12 @@ pub(super) async fn run(
                 "routes": routes.iter().map(output::route_json).collect::<Vec<_>>(),
                 "egress": super::egress::status_json(&sb).await,
                 "snapshots": super::state::status_json(&sb, &config).await,
+                "waiting_agents": manager.agents_waiting(&name).await.unwrap_or_default().iter().map(|w| serde_json::json!({
+                    "session": w.session,
+                    "agent": w.agent,
+                    "message": w.message,
+                    "since": output::rfc3339(w.time),
+                })).collect::<Vec<_>>(),
             });
             if json {
                 println!("{}", crate::output::json(&v));

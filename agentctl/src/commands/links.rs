@@ -95,15 +95,14 @@ pub(super) async fn run(
                 ));
             };
             crate::outln!("{}", route.url);
-            let display = std::env::var_os("DISPLAY").is_some()
-                || std::env::var_os("WAYLAND_DISPLAY").is_some();
-            if display {
-                let _ = std::process::Command::new("xdg-open")
-                    .arg(&route.url)
-                    .stdin(std::process::Stdio::null())
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .spawn();
+            open_in_browser(&route.url);
+            Ok(0)
+        }
+        Command::Console { name, print } => {
+            let url = manager.console_login(name.as_deref().unwrap_or("")).await?;
+            crate::outln!("{url}");
+            if !print {
+                open_in_browser(&url);
             }
             Ok(0)
         }
@@ -124,5 +123,19 @@ fn not_running(name: &str, state: &str) -> String {
              `agentctl start {name}`, then a dev server in it (e.g. `npm run dev` in \
              `agentctl attach {name}`)"
         )
+    }
+}
+
+/// Open `url` with `xdg-open` when there is a display.
+fn open_in_browser(url: &str) {
+    let display =
+        std::env::var_os("DISPLAY").is_some() || std::env::var_os("WAYLAND_DISPLAY").is_some();
+    if display {
+        let _ = std::process::Command::new("xdg-open")
+            .arg(url)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn();
     }
 }

@@ -25,6 +25,7 @@ mod secrets;
 mod sessions;
 mod state;
 mod stats;
+mod watch;
 
 /// Run one command.
 pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
@@ -40,6 +41,9 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         | Command::Status { .. }
         | Command::Set { .. }) => lifecycle::run(conn, &manager, c).await,
         c @ (Command::Sync { .. } | Command::Worktree(..)) => gitops::run(conn, &manager, c).await,
+        Command::Watch { name, json, notify } => {
+            watch::run(conn, &manager, name, json, notify).await
+        }
         c @ (Command::Sessions {
             command: Some(_), ..
         }
@@ -49,7 +53,9 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
         | Command::Sessions { .. }
         | Command::KillSession { .. }
         | Command::Exec { .. }) => sessions::run(conn, &manager, c).await,
-        c @ (Command::Ports { .. } | Command::Open { .. }) => links::run(conn, &manager, c).await,
+        c @ (Command::Ports { .. } | Command::Open { .. } | Command::Console { .. }) => {
+            links::run(conn, &manager, c).await
+        }
         c @ Command::History { .. } => history::run(conn, &manager, c).await,
         c @ (Command::Snapshot { .. }
         | Command::Snapshots { .. }
@@ -113,6 +119,22 @@ fn print_status(v: &serde_json::Value) {
             format!(" ({r})")
         }
     });
+    // What an agent said is the sandbox's to choose.
+    for w in v["waiting_agents"].as_array().into_iter().flatten() {
+        let e = |k: &str| output::escape_controls(w[k].as_str().unwrap_or("")).into_owned();
+        let session = e("session");
+        crate::outln!(
+            "            waiting for input: {}{} since {}: {}",
+            e("agent"),
+            if session.is_empty() {
+                String::new()
+            } else {
+                format!(" in session {session}")
+            },
+            e("since"),
+            e("message")
+        );
+    }
     crate::outln!("Backend:    {}", s("backend"));
     crate::outln!("Project:    {}", s("project_path"));
     crate::outln!("Owner:      uid {}", v["owner"]);

@@ -22,5 +22,5 @@ pub use proxy::{ManagerProxy, RecordsProxy, SandboxProxy, SecretsProxy, StatePro
 pub use types::{
     Agent, AgentHome, AuditEntry, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry,
     Network, RecordInfo, RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo,
-    SnapshotInfo, SyncMode, SyncReport, WorktreeInfo,
+    SnapshotInfo, SyncMode, SyncReport, WaitingAgent, WorktreeInfo,
 };

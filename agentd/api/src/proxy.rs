@@ -53,6 +53,29 @@ pub trait Manager {
     /// A sandbox was destroyed.
     #[zbus(signal)]
     fn sandbox_removed(&self, name: &str, path: OwnedObjectPath) -> zbus::Result<()>;
+
+    /// The agents waiting for input in the caller's sandboxes (`name`:
+    /// only that one's; empty: all).
+    fn agents_waiting(&self, name: &str) -> Result<Vec<crate::WaitingAgent>, Error>;
+
+    /// A one-time link that logs the caller in to the web console.
+    fn console_login(&self, name: &str) -> Result<String, Error>;
+
+    /// An agent in sandbox `name` waits for input.
+    #[zbus(signal)]
+    fn agent_waiting(
+        &self,
+        name: &str,
+        session: &str,
+        agent: &str,
+        message: &str,
+        time: u64,
+    ) -> zbus::Result<()>;
+
+    /// Nobody waits any more in `session` of sandbox `name`: someone typed
+    /// there, or the sandbox stopped.
+    #[zbus(signal)]
+    fn agent_answered(&self, name: &str, session: &str) -> zbus::Result<()>;
 }
 
 /// `org.keystone.Agent1.Sandbox` at `/org/keystone/Agent1/sandbox/<name>`.

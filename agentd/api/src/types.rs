@@ -353,6 +353,24 @@ pub struct RecordInfo {
     pub size: u64,
 }
 
+/// An agent waiting for its person (`AgentsWaiting`, `agentctl watch`).
+/// Everything but `sandbox` comes from inside the sandbox: escaped and
+/// cut by agentd, still never to be shown as markup.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct WaitingAgent {
+    /// The sandbox it runs in.
+    pub sandbox: String,
+    /// Its Zellij session (`agentctl attach` joins it), or empty outside
+    /// one.
+    pub session: String,
+    /// `claude`, `codex` or `gemini`.
+    pub agent: String,
+    /// What it says (at most 200 characters, control characters escaped).
+    pub message: String,
+    /// When it said it, µs since the epoch.
+    pub time: u64,
+}
+
 /// A line typed into a sandbox's terminal (`Audit`, `agentctl audit`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
 pub struct AuditEntry {
@@ -392,6 +410,8 @@ pub struct SandboxSummary {
     /// Declared in agentd's configuration (NixOS): cannot be destroyed over
     /// the bus.
     pub declared: bool,
+    /// Agents waiting for input in it (one per session at most).
+    pub waiting: u32,
 }
 
 /// Result of `Exec`: the command's exit code and its captured output.

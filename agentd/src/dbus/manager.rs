@@ -18,13 +18,23 @@ use crate::sandbox::manager::{CreateOptions, Manager};
 pub struct ManagerObject {
     manager: Arc<Manager>,
     callers: Arc<Callers>,
+    /// The web console's way in, when agentd serves it.
+    console: Option<Arc<crate::console::Door>>,
 }
 
 impl ManagerObject {
-    /// A manager object over `manager`.
+    /// A manager object over `manager` (and the web console's `console`).
     #[must_use]
-    pub fn new(manager: Arc<Manager>, callers: Arc<Callers>) -> Self {
-        Self { manager, callers }
+    pub fn new(
+        manager: Arc<Manager>,
+        callers: Arc<Callers>,
+        console: Option<Arc<crate::console::Door>>,
+    ) -> Self {
+        Self {
+            manager,
+            callers,
+            console,
+        }
     }
 }
 
@@ -122,6 +132,108 @@ impl ManagerObject {
         name: &str,
         path: OwnedObjectPath,
     ) -> zbus::Result<()>;
+
+    /// The agents waiting for input in the caller's sandboxes (`name`:
+    /// only that one's; empty: all), oldest first. Everything but the
+    /// sandbox's name comes from inside it (escaped and cut by agentd).
+    async fn agents_waiting(
+        &self,
+        name: String,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<Vec<api::WaitingAgent>, api::Error> {
+        let caller = self.callers.caller(conn, &header).await?;
+        super::check_strings(&[("sandbox name", &name)])?;
+        let only = (!name.is_empty()).then_some(name.as_str());
+        let found = self.manager.waiting(caller, only).map_err(to_dbus)?;
+        Ok(found
+            .into_iter()
+            .map(|(sandbox, w)| waiting_agent(sandbox, w))
+            .collect())
+    }
+
+    /// A one-time link that logs the caller in to the web console (valid
+    /// once, for 60 s), opening sandbox `name` when it is not empty.
+    async fn console_login(
+        &self,
+        name: String,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<String, api::Error> {
+        let caller = self.callers.caller(conn, &header).await?;
+        super::check_strings(&[("sandbox name", &name)])?;
+        let only = (!name.is_empty()).then_some(name.as_str());
+        if let Some(n) = only {
+            self.manager.get(caller, n).map_err(to_dbus)?;
+        }
+        let door = self.console.as_ref().ok_or_else(|| {
+            to_dbus(crate::error::Error::Missing(
+                "agentd does not serve the web console (its console.enable is false, or console.listen could not be bound: agentd's log says why)".to_owned(),
+            ))
+        })?;
+        Ok(door.login_url(caller.uid, only))
+    }
+
+    /// An agent in sandbox `name` waits for input: it said `message`
+    /// (from inside the sandbox: escaped, at most 200 characters) at
+    /// `time` (µs since the epoch), in Zellij session `session` (empty:
+    /// outside one). Sent to the sandbox's owner and root.
+    #[zbus(signal)]
+    async fn agent_waiting(
+        emitter: &SignalEmitter<'_>,
+        name: &str,
+        session: &str,
+        agent: &str,
+        message: &str,
+        time: u64,
+    ) -> zbus::Result<()>;
+
+    /// Nobody waits any more in `session` of sandbox `name`: someone typed
+    /// there, or the sandbox stopped.
+    #[zbus(signal)]
+    async fn agent_answered(
+        emitter: &SignalEmitter<'_>,
+        name: &str,
+        session: &str,
+    ) -> zbus::Result<()>;
+}
+
+/// `w`, waiting in `sandbox`, as the bus carries it.
+fn waiting_agent(sandbox: String, w: crate::waiting::Waiting) -> api::WaitingAgent {
+    api::WaitingAgent {
+        sandbox,
+        session: w.session,
+        agent: w.agent,
+        message: w.message,
+        time: crate::text::micros(Some(w.time)),
+    }
+}
+
+/// Tell the owner of the sandbox (and root) that an agent there waits, or
+/// no longer does.
+pub async fn waiting_event(
+    conn: &Connection,
+    callers: &Arc<Callers>,
+    event: &crate::sandbox::manager::WaitingEvent,
+) -> zbus::Result<()> {
+    use crate::sandbox::manager::WaitingEvent;
+    // The owner it had when it happened.
+    let (name, owner) = match event {
+        WaitingEvent::Waiting(n, o, _) | WaitingEvent::Answered(n, o, _) => (n, *o),
+    };
+    for e in callers.emitters(conn, owner, &api::MANAGER_PATH.try_into()?) {
+        match event {
+            WaitingEvent::Waiting(_, _, w) => {
+                let w = waiting_agent(name.clone(), w.clone());
+                ManagerObject::agent_waiting(&e, name, &w.session, &w.agent, &w.message, w.time)
+                    .await?;
+            }
+            WaitingEvent::Answered(_, _, session) => {
+                ManagerObject::agent_answered(&e, name, session).await?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Export a new sandbox and announce it to its owner and root.

@@ -240,7 +240,11 @@ pub fn to_dbus(e: Error) -> api::Error {
 
 /// Connect to `bus`, export every object, own the name and keep the objects
 /// in step with the manager until the connection drops.
-pub async fn serve(bus: &Bus, manager: Arc<Manager>) -> zbus::Result<Connection> {
+pub async fn serve(
+    bus: &Bus,
+    manager: Arc<Manager>,
+    console: Option<Arc<crate::console::Door>>,
+) -> zbus::Result<Connection> {
     let callers = Arc::new(Callers::default());
     let builder = match bus {
         Bus::System => zbus::connection::Builder::system()?,
@@ -252,7 +256,7 @@ pub async fn serve(bus: &Bus, manager: Arc<Manager>) -> zbus::Result<Connection>
     let conn = builder
         .serve_at(
             api::MANAGER_PATH,
-            ManagerObject::new(Arc::clone(&manager), Arc::clone(&callers)),
+            ManagerObject::new(Arc::clone(&manager), Arc::clone(&callers), console),
         )?
         .build()
         .await?;
@@ -265,6 +269,11 @@ pub async fn serve(bus: &Bus, manager: Arc<Manager>) -> zbus::Result<Connection>
         Arc::clone(&manager),
         Arc::clone(&callers),
         manager.subscribe_egress(),
+    ));
+    tokio::spawn(follow_waiting(
+        conn.clone(),
+        Arc::clone(&callers),
+        manager.subscribe_waiting(),
     ));
     tokio::spawn(follow_changes(conn.clone(), manager, callers, changes));
     conn.request_name(api::BUS_NAME).await?;
@@ -284,6 +293,26 @@ async fn follow_egress(
         match events.recv().await {
             Ok(event) => {
                 if let Err(e) = signals::egress_event(&conn, &manager, &callers, &event).await {
+                    tracing::debug!(error = %e, "cannot signal a connection");
+                }
+            }
+            Err(RecvError::Lagged(_)) => {}
+            Err(RecvError::Closed) => return,
+        }
+    }
+}
+
+/// Signal agents waiting (and answered) to their sandbox's owner.
+async fn follow_waiting(
+    conn: Connection,
+    callers: Arc<Callers>,
+    mut events: tokio::sync::broadcast::Receiver<crate::sandbox::manager::WaitingEvent>,
+) {
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        match events.recv().await {
+            Ok(event) => {
+                if let Err(e) = manager::waiting_event(&conn, &callers, &event).await {
                     tracing::debug!(error = %e, "cannot signal a connection");
                 }
             }

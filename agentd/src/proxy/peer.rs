@@ -1,8 +1,10 @@
-//! Caddy's uid: the only one whose connections agentd's dev-server
-//! forwarders join to a sandbox (Caddy's routes carry the links' token
-//! check, a bare connection would skip it). Caddy is known by the owner of
-//! its admin socket, or of the socket listening on its admin port (from
-//! `/proc/net/tcp`, the kernel's `uid` column).
+//! Who is at the other end of a loopback socket, from `/proc/net/tcp` (the
+//! kernel's `uid` column). Caddy's uid: the only one whose connections
+//! agentd's dev-server forwarders join to a sandbox (Caddy's routes carry
+//! the links' token check, a bare connection would skip it); Caddy is
+//! known by the owner of its admin socket, or of the socket listening on
+//! its admin port. The web console's callers: each connection is the
+//! uid of the process that made it.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -41,6 +43,15 @@ fn listener_uid(addr: SocketAddrV4) -> Option<u32> {
     let any = proc_form(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, addr.port()));
     // State 0A: LISTEN.
     find_uid(&table(), |a, _, st| st == "0A" && (a == exact || a == any))
+}
+
+/// The uid owning the socket at `peer` connected to `local` (the other
+/// end of a loopback connection agentd accepted at `local`).
+#[must_use]
+pub fn connection_uid(peer: SocketAddrV4, local: SocketAddrV4) -> Option<u32> {
+    let (p, l) = (proc_form(peer), proc_form(local));
+    // State 01: ESTABLISHED.
+    find_uid(&table(), |a, b, st| st == "01" && a == p && b == l)
 }
 
 /// Caddy's uid, from its admin address (`proxy.caddy_admin`): the owner of
@@ -89,6 +100,20 @@ mod tests {
             find_uid(TABLE, |a, _, st| st == "0A" && a == "0100007F:07E3"),
             Some(997)
         );
+    }
+
+    #[test]
+    fn a_connection_shows_the_connecting_process_uid() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (_server, peer) = listener.accept().unwrap();
+        let me = nix::unistd::Uid::effective().as_raw();
+        let (SocketAddr::V4(peer), SocketAddr::V4(local)) = (peer, listener.local_addr().unwrap())
+        else {
+            unreachable!()
+        };
+        assert_eq!(connection_uid(peer, local), Some(me));
+        drop(client);
     }
 
     #[test]

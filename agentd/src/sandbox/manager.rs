@@ -49,9 +49,11 @@ mod session;
 mod snapshots;
 mod stats;
 mod volumes;
+mod waiting;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 pub use snapshots::{ForkOptions, SnapshotKind};
+pub use waiting::{Board, WaitingEvent};
 
 /// A command to run in a sandbox.
 #[derive(Debug, Default)]
@@ -162,6 +164,10 @@ pub struct Manager {
     /// The roots hosts' certificates are checked against when the gateway
     /// swaps secrets (loaded on first use).
     secret_roots: std::sync::OnceLock<Arc<rustls::RootCertStore>>,
+    /// Agents waiting for their person, by sandbox.
+    board: Arc<Board>,
+    /// The listener of each running sandbox's agents' hooks.
+    listeners: Mutex<HashMap<String, watch::Handle>>,
 }
 
 impl Manager {
@@ -191,6 +197,8 @@ impl Manager {
             pending: Mutex::new(HashMap::new()),
             egress_preset: std::sync::OnceLock::new(),
             secret_roots: std::sync::OnceLock::new(),
+            board: Arc::default(),
+            listeners: Mutex::new(HashMap::new()),
         })
     }
 
@@ -253,8 +261,13 @@ impl Manager {
     /// The caller's sandboxes (root: all).
     #[must_use]
     pub fn list(&self, caller: Caller) -> Vec<SandboxSummary> {
-        self.store
-            .collect(|s| (!s.creating && caller.may_access(s.owner)).then(|| s.summary()))
+        self.store.collect(|s| {
+            (!s.creating && caller.may_access(s.owner)).then(|| {
+                let mut row = s.summary();
+                row.waiting = self.waiting_count(&s.name);
+                row
+            })
+        })
     }
 
     /// Sandbox `name` if the caller may see it.

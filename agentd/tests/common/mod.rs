@@ -11,6 +11,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 pub mod caddy;
+pub mod cdp;
 pub mod dns;
 pub mod systemd;
 pub mod term;
@@ -156,6 +157,8 @@ impl Env {
         args.push(repo.to_str().unwrap());
         self.ok(&args);
         self.ok(&["start", name]);
+        // Settled: what agentd keeps running in it is there.
+        self.wait_listening(name);
     }
 
     /// Run `f` with a proxy of sandbox `name`'s object, on a connection of
@@ -418,6 +421,45 @@ impl Env {
                 String::from_utf8_lossy(&out.stderr)
             ),
         )
+    }
+
+    /// Wait until agentd's listener of the agents' hooks runs in sandbox
+    /// `name` (a process agentd keeps there while it runs: count it in
+    /// before measuring).
+    ///
+    /// A `local` sandbox's processes are looked for on the host (nothing
+    /// runs in it for the look, nor goes into its history); elsewhere a
+    /// command inside looks.
+    pub fn wait_listening(&self, name: &str) {
+        let registry = self.registry();
+        let sb = registry["sandboxes"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["name"] == name).cloned())
+            .unwrap_or_default();
+        let init = sb["runtime"]["init_pid"]
+            .as_i64()
+            .filter(|_| sb["backend"] == "local");
+        wait_for("the agents' listener", Duration::from_secs(60), || {
+            match init {
+            Some(init) => {
+                let ns = |p: &str| fs::read_link(format!("/proc/{p}/ns/pid")).ok();
+                let theirs = ns(&init.to_string());
+                fs::read_dir("/proc").unwrap().flatten().any(|e| {
+                    let p = e.file_name().to_string_lossy().into_owned();
+                    fs::read(format!("/proc/{p}/cmdline")).is_ok_and(|c| c == b"cat\0-u\0")
+                        && theirs.is_some()
+                        && ns(&p) == theirs
+                })
+            }
+            None => {
+                self.inside(
+                    name,
+                    "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done | grep -qx 'cat -u '",
+                )
+                .0 == 0
+            }
+        }
+        });
     }
 
     /// Run `script` with sh inside sandbox `name`; its output (it must

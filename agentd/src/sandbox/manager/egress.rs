@@ -211,11 +211,13 @@ impl Manager {
         });
     }
 
-    /// End sandbox `name`'s gateway, every connection through it and every
-    /// one waiting for an answer.
+    /// End what serves running sandbox `name` from outside (it stops or
+    /// is parked): its gateway, the connections waiting for a decision,
+    /// the listener of its agents' hooks.
     pub(super) async fn close_gateway(&self, name: &str) {
         self.gateways.stop(name).await;
         self.pending.lock().unwrap().remove(name);
+        self.stop_listening(name);
     }
 
     /// Sandbox `name`'s egress policy.

@@ -250,6 +250,7 @@ impl Manager {
             return;
         };
         self.open_gateway(name);
+        self.listen_for_agents(name);
         let this = Arc::clone(self);
         let name = name.to_owned();
         tokio::spawn(async move {
@@ -365,6 +366,7 @@ impl Manager {
             backend.kill_strays(&self.live_runtimes_except(name));
         }
         self.watchers.lock().unwrap().remove(name);
+        self.stop_listening(name);
         // The remote it added to the host repository, while the registry
         // still says where that is (the refs stay).
         self.remove_remotes(name, Some(&sb)).await;

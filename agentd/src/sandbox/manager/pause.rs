@@ -100,6 +100,7 @@ impl Manager {
                 // Still running where the stop did not get far: its
                 // monitor records it if it ended after all.
                 self.open_gateway(name);
+                self.listen_for_agents(name);
                 return Err(Error::Backend {
                     name: name.to_owned(),
                     source,

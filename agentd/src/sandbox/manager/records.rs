@@ -30,6 +30,9 @@ pub(super) struct SessionTap {
     record: Option<Recorder>,
     typing: crate::audit::Typing,
     typed: Utf8Stream,
+    /// Typing here answers an agent waiting in this session (sandbox,
+    /// Zellij session: empty outside one).
+    answers: (Arc<super::Board>, String, String),
 }
 
 impl crate::relay::Tap for SessionTap {
@@ -44,11 +47,40 @@ impl crate::relay::Tap for SessionTap {
         }
         let text = self.typed.decode(bytes);
         self.typing.typed(&text);
+        if !terminal_answer(bytes) {
+            let (board, sandbox, session) = &self.answers;
+            board.answered(sandbox, session);
+        }
     }
     fn resize(&mut self, size: (u16, u16)) {
         if let Some(r) = &mut self.record {
             r.resize(size);
         }
+    }
+}
+
+/// Whether `bytes` is what a terminal sends by itself rather than a
+/// person's keys: a focus report, the answer to a query (cursor
+/// position, device attributes, a colour, a mode), which a client sends
+/// when it attaches. Arrow keys and the like are keys.
+fn terminal_answer(bytes: &[u8]) -> bool {
+    match bytes {
+        b"\x1b[I" | b"\x1b[O" => true,
+        // OSC and DCS answers (colours, terminal names).
+        [0x1b, b']' | b'P', ..] => true,
+        // CSI answers: parameters, then R (cursor), c (attributes), n
+        // (status), y (mode), t (window).
+        [0x1b, b'[', rest @ ..] => {
+            let Some((last, params)) = rest.split_last() else {
+                return false;
+            };
+            matches!(last, b'R' | b'c' | b'n' | b'y' | b't')
+                && !params.is_empty()
+                && params
+                    .iter()
+                    .all(|b| b.is_ascii_digit() || matches!(b, b';' | b'?' | b'>' | b'$'))
+        }
+        _ => false,
     }
 }
 
@@ -117,6 +149,16 @@ impl Manager {
             ),
             record,
             typed: Utf8Stream::default(),
+            answers: (
+                self.board(),
+                name.to_owned(),
+                // `attach` joins the Zellij session of its branch.
+                if kind == "attach" {
+                    super::session_name(name, detail)
+                } else {
+                    String::new()
+                },
+            ),
         }
     }
 
@@ -263,6 +305,29 @@ fn prune(dir: &Path, keep: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_terminals_own_answers_are_not_typing() {
+        for answer in [
+            &b"\x1b[I"[..],
+            b"\x1b[O",
+            b"\x1b[12;40R",
+            b"\x1b[?62;22c",
+            b"\x1b]11;rgb:0000/0000/0000\x1b\\",
+        ] {
+            assert!(terminal_answer(answer), "{answer:?}");
+        }
+        for keys in [
+            &b"y"[..],
+            b"\r",
+            b"\x1b[A",
+            b"\x1b[5~",
+            b"\x1b",
+            b"echo hi\r",
+        ] {
+            assert!(!terminal_answer(keys), "{keys:?}");
+        }
+    }
 
     #[test]
     fn the_oldest_records_go_first_and_only_records_go() {

@@ -1,0 +1,231 @@
+//! `/api/events`: the console's live view over a WebSocket. The page gets
+//! the caller's sandboxes and waiting agents once, then each change as it
+//! happens (from the same events agentctl sees over D-Bus), never the
+//! whole list again unless it fell behind. Nothing the page sends is read
+//! but the closing of the connection.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{self, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::{Value, json};
+use tokio::sync::broadcast::error::RecvError;
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+
+use super::auth::Session;
+use crate::auth::Caller;
+use crate::registry::Change;
+use crate::sandbox::manager::{Manager, WaitingEvent};
+
+/// How long the page may take to take a message before it is dropped.
+const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Largest message or frame agentd reads from the page.
+const READ_MAX: usize = 16 << 10;
+
+/// How often an open WebSocket checks that its session still lives (a
+/// logout, or its end, closes it).
+const RECHECK: Duration = Duration::from_secs(15);
+
+/// Answer a WebSocket upgrade on `/api/events` for `session`.
+pub(super) fn upgrade(
+    mut req: Request<Incoming>,
+    (session, cookie): (Session, String),
+    door: Arc<super::Door>,
+    manager: Arc<Manager>,
+) -> Response<Full<Bytes>> {
+    let h = req.headers();
+    let is = |name: header::HeaderName, want: &str| {
+        h.get(name)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.split(',').any(|p| p.trim().eq_ignore_ascii_case(want)))
+    };
+    let (Some(key), true, true, true) = (
+        h.get(header::SEC_WEBSOCKET_KEY).cloned(),
+        is(header::UPGRADE, "websocket"),
+        is(header::CONNECTION, "upgrade"),
+        is(header::SEC_WEBSOCKET_VERSION, "13"),
+    ) else {
+        return super::http::respond(
+            StatusCode::BAD_REQUEST,
+            "text/plain; charset=utf-8",
+            Bytes::from_static(b"A WebSocket upgrade is expected here."),
+        );
+    };
+    // A slot of its own: the socket outlives the connection's.
+    let (all, by_uid) = &door.sockets;
+    let (Ok(slot), Some(mine)) = (
+        Arc::clone(all).try_acquire_owned(),
+        by_uid.take(session.uid, super::SOCKETS_PER_UID),
+    ) else {
+        return super::http::respond(
+            StatusCode::TOO_MANY_REQUESTS,
+            "text/plain; charset=utf-8",
+            Bytes::from_static(b"Too many console pages are open."),
+        );
+    };
+    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
+    let upgraded = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let _held = (slot, mine);
+        let Ok(io) = upgraded.await else { return };
+        let config = WebSocketConfig::default()
+            .read_buffer_size(4096)
+            .max_message_size(Some(READ_MAX))
+            .max_frame_size(Some(READ_MAX));
+        let ws =
+            WebSocketStream::from_raw_socket(TokioIo::new(io), Role::Server, Some(config)).await;
+        let alive = move || {
+            door.auth
+                .session(&cookie)
+                .is_some_and(|s| s.uid == session.uid)
+        };
+        run(ws, Caller { uid: session.uid }, manager, alive).await;
+    });
+    let mut r = super::http::respond(StatusCode::SWITCHING_PROTOCOLS, "text/plain", Bytes::new());
+    let h = r.headers_mut();
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    h.insert(
+        header::SEC_WEBSOCKET_ACCEPT,
+        HeaderValue::from_str(&accept).expect("base64"),
+    );
+    r
+}
+
+/// Sandbox `name` as the page shows it, if `caller` may see it.
+fn row(manager: &Manager, caller: Caller, name: &str) -> Option<Value> {
+    let sb = manager.get(caller, name).ok()?;
+    Some(json!({
+        "name": sb.name,
+        "state": sb.state.as_str(),
+        "state_reason": sb.state_reason,
+        "backend": sb.backend.as_str(),
+        "started_at": crate::text::micros(sb.started_at),
+        "last_sync_at": crate::text::micros(sb.last_sync_at),
+        "last_sync_result": sb.last_sync_result,
+    }))
+}
+
+fn waiting(sandbox: &str, w: &crate::waiting::Waiting) -> Value {
+    json!({
+        "type": "waiting",
+        "sandbox": sandbox,
+        "session": w.session,
+        "agent": w.agent,
+        "message": w.message,
+        "time": crate::text::micros(Some(w.time)),
+    })
+}
+
+/// Everything the caller may see now; `known` becomes its sandboxes.
+fn everything(manager: &Manager, caller: Caller, known: &mut HashSet<String>) -> Value {
+    let rows: Vec<Value> = manager
+        .list(caller)
+        .iter()
+        .filter_map(|s| row(manager, caller, &s.name))
+        .collect();
+    *known = rows
+        .iter()
+        .filter_map(|r| r["name"].as_str().map(str::to_owned))
+        .collect();
+    let waits: Vec<Value> = manager
+        .waiting(caller, None)
+        .unwrap_or_default()
+        .iter()
+        .map(|(n, w)| waiting(n, w))
+        .collect();
+    json!({"type": "list", "sandboxes": rows, "waiting": waits})
+}
+
+/// The message for `change`, if the caller is to hear of it.
+fn on_change(
+    manager: &Manager,
+    caller: Caller,
+    change: &Change,
+    known: &mut HashSet<String>,
+) -> Option<Value> {
+    match change {
+        Change::Added(n) | Change::Updated(n) | Change::Synced { name: n, .. } => {
+            match row(manager, caller, n) {
+                Some(r) => {
+                    known.insert(n.clone());
+                    Some(json!({"type": "sandbox", "sandbox": r}))
+                }
+                // No longer the caller's (an owner changed).
+                None => known
+                    .remove(n)
+                    .then(|| json!({"type": "removed", "name": n})),
+            }
+        }
+        Change::Removed(n) => known
+            .remove(n)
+            .then(|| json!({"type": "removed", "name": n})),
+        Change::Progress { .. } => None,
+    }
+}
+
+/// Serve the page over `ws` while `alive` (its session lives).
+async fn run<S>(
+    ws: WebSocketStream<S>,
+    caller: Caller,
+    manager: Arc<Manager>,
+    alive: impl Fn() -> bool,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let (mut tx, mut rx) = ws.split();
+    let mut changes = manager.subscribe();
+    let mut waits = manager.subscribe_waiting();
+    let mut known = HashSet::new();
+    let mut next = Some(everything(&manager, caller, &mut known));
+    let mut recheck = tokio::time::interval(RECHECK);
+    loop {
+        if let Some(msg) = next.take() {
+            let sent =
+                tokio::time::timeout(SEND_TIMEOUT, tx.send(Message::text(msg.to_string()))).await;
+            if !matches!(sent, Ok(Ok(()))) {
+                return;
+            }
+        }
+        next = tokio::select! {
+            _ = recheck.tick() => {
+                if !alive() {
+                    let _ = tx.send(Message::Close(None)).await;
+                    return;
+                }
+                None
+            }
+            m = rx.next() => match m {
+                Some(Ok(Message::Close(_)) | Err(_)) | None => return,
+                Some(Ok(_)) => None,
+            },
+            c = changes.recv() => match c {
+                Ok(change) => on_change(&manager, caller, &change, &mut known),
+                Err(RecvError::Lagged(_)) => Some(everything(&manager, caller, &mut known)),
+                Err(RecvError::Closed) => return,
+            },
+            w = waits.recv() => match w {
+                // (The owner when it happened: a name may have gone to
+                // another's sandbox since.)
+                Ok(WaitingEvent::Waiting(n, owner, w)) if caller.may_access(owner) && known.contains(&n) => {
+                    Some(waiting(&n, &w))
+                }
+                Ok(WaitingEvent::Answered(n, owner, session)) if caller.may_access(owner) && known.contains(&n) => {
+                    Some(json!({"type": "answered", "sandbox": n, "session": session}))
+                }
+                Ok(_) => None,
+                Err(RecvError::Lagged(_)) => Some(everything(&manager, caller, &mut known)),
+                Err(RecvError::Closed) => return,
+            },
+        };
+    }
+}

@@ -1,0 +1,287 @@
+//! The console's HTTP side: the login, the page and its code, the events
+//! WebSocket, each behind the checks of [`super`]'s description.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::{self, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use super::Door;
+use super::auth::{self, Session};
+use crate::sandbox::manager::Manager;
+
+/// How long a client may take to send a request's head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The page and its code: the project's own, compiled into agentd.
+const INDEX_HTML: &str = include_str!("../../share/console/index.html");
+const CONSOLE_JS: &str = include_str!("../../share/console/console.js");
+const CONSOLE_CSS: &str = include_str!("../../share/console/console.css");
+
+/// What every answer says about itself: no script but the console's own
+/// files, no framing, no sniffing, nothing cached, no referrer.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+                   img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// Serve one connection from a process of `uid`.
+pub(super) async fn connection(
+    stream: TcpStream,
+    uid: u32,
+    door: Arc<Door>,
+    manager: Arc<Manager>,
+) {
+    let _ = stream.set_nodelay(true);
+    let service = hyper::service::service_fn(move |req| {
+        let (door, manager) = (Arc::clone(&door), Arc::clone(&manager));
+        async move { Ok::<_, Infallible>(answer(req, uid, &door, &manager)) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT)
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades()
+        .await;
+}
+
+/// The answer to `req` from a process of `uid`.
+fn answer(
+    req: Request<Incoming>,
+    uid: u32,
+    door: &Arc<Door>,
+    manager: &Arc<Manager>,
+) -> Response<Full<Bytes>> {
+    // The browser must have asked for the console itself: a page of
+    // another name that resolves to loopback gets nothing (DNS rebinding).
+    if !own_host(&req, door) {
+        return page(
+            StatusCode::MISDIRECTED_REQUEST,
+            "This is not the console's address.",
+        );
+    }
+    let path = req.uri().path().to_owned();
+    match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/login") => login(&req, uid, door),
+        (Method::GET, "/console.js") => asset("text/javascript; charset=utf-8", CONSOLE_JS),
+        (Method::GET, "/console.css") => asset("text/css; charset=utf-8", CONSOLE_CSS),
+        (Method::GET, "/") => match session(&req, uid, door).map(|(s, _)| s) {
+            Some(_) => asset("text/html; charset=utf-8", INDEX_HTML),
+            None => page(
+                StatusCode::UNAUTHORIZED,
+                "Not logged in. Open the console with `agentctl console`: it logs you in.",
+            ),
+        },
+        (Method::GET, "/api/session") => match session(&req, uid, door).map(|(s, _)| s) {
+            Some(s) => json(&serde_json::json!({"uid": s.uid, "csrf": s.csrf})),
+            None => page(StatusCode::UNAUTHORIZED, "Not logged in."),
+        },
+        (Method::GET, "/api/events") => {
+            let Some((s, cookie)) = session(&req, uid, door) else {
+                return page(StatusCode::UNAUTHORIZED, "Not logged in.");
+            };
+            if !own_origin(&req, door) {
+                tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused a WebSocket from another origin");
+                return page(StatusCode::FORBIDDEN, "Not from the console's own page.");
+            }
+            super::events::upgrade(req, (s, cookie), Arc::clone(door), Arc::clone(manager))
+        }
+        (Method::POST, "/api/logout") => {
+            let Some((s, cookie)) = session(&req, uid, door) else {
+                return page(StatusCode::UNAUTHORIZED, "Not logged in.");
+            };
+            if !own_origin(&req, door) || !carries_csrf(&req, &s) {
+                tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused a request without the page's origin and token");
+                return page(StatusCode::FORBIDDEN, "Not from the console's own page.");
+            }
+            door.auth.close(&cookie);
+            let mut r = page(StatusCode::OK, "Logged out.");
+            r.headers_mut().insert(
+                header::SET_COOKIE,
+                HeaderValue::from_static(
+                    "keystone_console=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0",
+                ),
+            );
+            r
+        }
+        _ => page(StatusCode::NOT_FOUND, "Not here."),
+    }
+}
+
+/// `GET /login?token=…`: the token becomes a session cookie when it is
+/// valid, unused and the connecting process's own.
+fn login(req: &Request<Incoming>, uid: u32, door: &Door) -> Response<Full<Bytes>> {
+    let query = req.uri().query().unwrap_or("");
+    let param = |name: &str| {
+        query
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v)
+    };
+    if !param("token").is_some_and(|t| door.auth.redeem(t, uid)) {
+        tracing::warn!(
+            uid,
+            "web console: refused a login link (expired, used already, or another user's)"
+        );
+        return page(
+            StatusCode::FORBIDDEN,
+            "This console link has expired, was used already, or is not yours. Run `agentctl console` again.",
+        );
+    }
+    let cookie = door.auth.open(uid);
+    // A sandbox name is [a-z0-9-]; anything else is dropped.
+    let target = match param("sandbox") {
+        Some(n)
+            if !n.is_empty()
+                && n.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') =>
+        {
+            format!("/#{n}")
+        }
+        _ => "/".to_owned(),
+    };
+    tracing::info!(uid, "web console: logged in");
+    let mut r = page(StatusCode::SEE_OTHER, "Logged in.");
+    let headers = r.headers_mut();
+    headers.insert(
+        header::LOCATION,
+        HeaderValue::from_str(&target).expect("a plain path"),
+    );
+    headers.insert(
+        header::SET_COOKIE,
+        HeaderValue::from_str(&format!(
+            "{}={cookie}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}",
+            auth::COOKIE,
+            auth::SESSION_IDLE.as_secs()
+        ))
+        .expect("a plain cookie"),
+    );
+    r
+}
+
+/// The session of `req`'s cookie and the cookie, if it is one of `uid`,
+/// the process at the other end: someone else's cookie is no one's. (Each
+/// cookie of the name is tried: another service of the host may have set
+/// one too.)
+fn session(req: &Request<Incoming>, uid: u32, door: &Door) -> Option<(Session, String)> {
+    let values = auth::cookies(
+        req.headers()
+            .get_all(header::COOKIE)
+            .iter()
+            .filter_map(|v| v.to_str().ok()),
+        auth::COOKIE,
+    );
+    for value in values {
+        let Some(s) = door.auth.session(value) else {
+            continue;
+        };
+        if s.uid == uid {
+            return Some((s, value.to_owned()));
+        }
+        tracing::debug!(
+            uid,
+            owner = s.uid,
+            "web console: refused a session cookie used by another uid"
+        );
+    }
+    None
+}
+
+/// The name the console answers to: its address (`127.0.0.1:PORT`; not
+/// `localhost`, which another uid may serve at that port over IPv6).
+fn own_name(door: &Door) -> String {
+    door.addr.to_string()
+}
+
+fn own_host(req: &Request<Incoming>, door: &Door) -> bool {
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok());
+    host.is_some_and(|h| h == own_name(door))
+}
+
+/// Whether `req` comes from one of the console's own pages (`Origin`).
+fn own_origin(req: &Request<Incoming>, door: &Door) -> bool {
+    let origin = req
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|h| h.to_str().ok());
+    origin.is_some_and(|o| o == door.origin())
+}
+
+/// Whether `req` carries the session's CSRF token.
+fn carries_csrf(req: &Request<Incoming>, s: &Session) -> bool {
+    req.headers()
+        .get("x-keystone-csrf")
+        .and_then(|h| h.to_str().ok())
+        .is_some_and(|t| t == s.csrf)
+}
+
+/// An answer with the console's headers.
+pub(super) fn respond(
+    status: StatusCode,
+    kind: &'static str,
+    body: Bytes,
+) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body));
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(
+        "cross-origin-opener-policy",
+        HeaderValue::from_static("same-origin"),
+    );
+    h.insert(
+        "cross-origin-resource-policy",
+        HeaderValue::from_static("same-origin"),
+    );
+    r
+}
+
+fn asset(kind: &'static str, text: &'static str) -> Response<Full<Bytes>> {
+    respond(StatusCode::OK, kind, Bytes::from_static(text.as_bytes()))
+}
+
+fn json(v: &serde_json::Value) -> Response<Full<Bytes>> {
+    respond(
+        StatusCode::OK,
+        "application/json",
+        Bytes::from(v.to_string()),
+    )
+}
+
+/// A page of plain text (never markup: nothing in it is rendered).
+/// A refusal also ends the connection: a client that is refused holds no
+/// slot by asking again on it.
+fn page(status: StatusCode, text: &'static str) -> Response<Full<Bytes>> {
+    let mut r = respond(
+        status,
+        "text/plain; charset=utf-8",
+        Bytes::from_static(text.as_bytes()),
+    );
+    if status.is_client_error() {
+        r.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    r
+}

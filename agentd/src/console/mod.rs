@@ -1,0 +1,182 @@
+//! The web console ([docs/console.md](../../docs/console.md)): a small web
+//! application agentd serves on a loopback port of its own, for the
+//! sandboxes of whoever opens it.
+//!
+//! How a person gets in: `agentctl console` asks agentd over D-Bus (which
+//! knows the caller's uid) for a one-time token, valid for
+//! [`auth::TOKEN_TTL`], and opens `http://127.0.0.1:PORT/login?token=…`;
+//! the login turns it into a session cookie (`HttpOnly`, `SameSite=Strict`)
+//! that names its owner. Every request after that must carry the cookie,
+//! come from a process of that same uid (agentd reads the uid of the
+//! connecting socket from the kernel: a cookie stolen by another local user
+//! is worth nothing), name the console itself as `Host` (no DNS rebinding)
+//! and, for the WebSocket and anything that changes state, as `Origin` (no
+//! cross-site WebSocket hijacking, no CSRF; state changes also need the
+//! session's CSRF token in a header). Pages carry a strict
+//! Content-Security-Policy and the page's own code puts everything that
+//! comes from a sandbox into the page as text, never as markup.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use tokio::net::TcpListener;
+
+use crate::sandbox::manager::Manager;
+
+pub mod auth;
+mod events;
+mod http;
+
+/// Most connections to the console at once, and of one uid.
+const CONNECTIONS_MAX: usize = 128;
+const CONNECTIONS_PER_UID: usize = 16;
+
+/// Most WebSockets open at once, and of one uid (each outlives the
+/// connection it was upgraded from, and has a slot of its own).
+pub(crate) const SOCKETS_MAX: usize = 64;
+pub(crate) const SOCKETS_PER_UID: usize = 8;
+
+/// Counts of something per uid, each taken with a guard that gives it
+/// back.
+#[derive(Debug, Default)]
+pub struct PerUid(Mutex<HashMap<u32, usize>>);
+
+/// One of a uid's count, given back when dropped.
+#[derive(Debug)]
+pub struct Taken(Arc<PerUid>, u32);
+
+impl PerUid {
+    /// One more for `uid`, if it has fewer than `max`.
+    pub fn take(self: &Arc<Self>, uid: u32, max: usize) -> Option<Taken> {
+        let mut map = self.0.lock().unwrap();
+        let n = map.entry(uid).or_default();
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(Taken(Arc::clone(self), uid))
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        let mut map = self.0.0.lock().unwrap();
+        if let Some(n) = map.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.1);
+            }
+        }
+    }
+}
+
+/// The console's way in, as the manager (and D-Bus) sees it: the address
+/// it is served at, and the tokens and sessions.
+#[derive(Debug)]
+pub struct Door {
+    /// Where the console listens.
+    pub addr: SocketAddr,
+    /// Its tokens and sessions.
+    pub auth: auth::Auth,
+    /// Connections open, by uid.
+    connections: Arc<PerUid>,
+    /// WebSockets open: all (a semaphore), and by uid.
+    pub(crate) sockets: (Arc<tokio::sync::Semaphore>, Arc<PerUid>),
+}
+
+impl Door {
+    /// A login link for `uid`, opening sandbox `name` when given: valid
+    /// once, for [`auth::TOKEN_TTL`].
+    #[must_use]
+    pub fn login_url(&self, uid: u32, name: Option<&str>) -> String {
+        let token = self.auth.issue(uid);
+        let mut url = format!("http://{}/login?token={token}", self.addr);
+        if let Some(n) = name {
+            // A sandbox name is [a-z0-9-]: nothing to escape.
+            url.push_str("&sandbox=");
+            url.push_str(n);
+        }
+        url
+    }
+
+    /// The console's origin, as a browser sends it.
+    #[must_use]
+    pub fn origin(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// Serve the console as `config` says; its door.
+///
+/// # Errors
+/// When the address cannot be bound.
+pub async fn start(
+    config: &crate::config::ConsoleConfig,
+    manager: Arc<Manager>,
+) -> std::io::Result<Arc<Door>> {
+    let listener = TcpListener::bind(config.listen.as_str()).await?;
+    let door = Arc::new(Door {
+        addr: listener.local_addr()?,
+        auth: auth::Auth::default(),
+        connections: Arc::default(),
+        sockets: (
+            Arc::new(tokio::sync::Semaphore::new(SOCKETS_MAX)),
+            Arc::default(),
+        ),
+    });
+    tracing::info!(url = %door.origin(), "web console listening (open it with `agentctl console`)");
+    tokio::spawn(serve(listener, Arc::clone(&door), manager));
+    Ok(door)
+}
+
+/// Accept connections for ever, each from a process whose uid agentd
+/// reads from the kernel, at most [`CONNECTIONS_MAX`] at once and
+/// [`CONNECTIONS_PER_UID`] of one uid.
+async fn serve(listener: TcpListener, door: Arc<Door>, manager: Arc<Manager>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
+    let mut refused_at = None::<std::time::Instant>;
+    loop {
+        let Ok((stream, peer)) = listener.accept().await else {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            continue;
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            // (Said once a minute at most.)
+            if refused_at.is_none_or(|t| t.elapsed().as_secs() >= 60) {
+                tracing::warn!("web console: too many connections; refusing some");
+                refused_at = Some(std::time::Instant::now());
+            }
+            continue;
+        };
+        let (door, manager) = (Arc::clone(&door), Arc::clone(&manager));
+        tokio::spawn(async move {
+            let _slot = slot;
+            let (SocketAddr::V4(peer), Ok(SocketAddr::V4(local))) = (peer, stream.local_addr())
+            else {
+                return;
+            };
+            // The uid of the process that connected (a loopback
+            // connection: both ends are in this network namespace), read
+            // off the async workers.
+            let uid = tokio::task::spawn_blocking(move || {
+                crate::proxy::peer::connection_uid(peer, local)
+            })
+            .await
+            .ok()
+            .flatten();
+            let Some(uid) = uid else {
+                tracing::debug!(%peer, "web console: cannot tell who connected; refusing");
+                return;
+            };
+            let Some(_mine) = door.connections.take(uid, CONNECTIONS_PER_UID) else {
+                tracing::debug!(
+                    uid,
+                    "web console: too many connections of one uid; refusing"
+                );
+                return;
+            };
+            http::connection(stream, uid, door, manager).await;
+        });
+    }
+}
