@@ -204,20 +204,27 @@ def main():
         # 4. An agent waits.
         runs = min(args.runs, 20)
         watch = subprocess.Popen(d.ctl + ["watch", "--json"], stdout=subprocess.PIPE, text=True)
+        arrived = {}
+        got = threading.Condition()
+
+        def read_watch():
+            # Each line's arrival time, as it arrives.
+            for line in watch.stdout:
+                t = time.time()
+                with got:
+                    arrived[json.loads(line).get("session")] = t
+                    got.notify_all()
+
+        threading.Thread(target=read_watch, daemon=True).start()
         time.sleep(1.0)
         lat = []
         for i in range(runs):
             session = f"con-bench{i}"
             t_in = float(d.run("exec", "con", "--", "python3", "-c", HOOK, session))
-            while True:
-                r, _, _ = select.select([watch.stdout], [], [], 10)
-                if not r:
+            with got:
+                if not got.wait_for(lambda: session in arrived, timeout=10):
                     sys.exit("agentctl watch printed nothing within 10 s")
-                line = watch.stdout.readline()
-                t_out = time.time()
-                if json.loads(line).get("session") == session:
-                    break
-            lat.append((t_out - t_in) * 1000)
+            lat.append((arrived[session] - t_in) * 1000)
             # Past a burst of 5, a sandbox gets one line every 2 s.
             if i >= 4:
                 time.sleep(2.05)
