@@ -63,7 +63,7 @@ fn the_console_logs_in_once_shows_text_and_refuses_every_other_way_in() {
     if !cdp::available() {
         return;
     }
-    let env = Env::running("con", &[]);
+    let mut env = Env::running("con", &[]);
     let started = Instant::now();
     let url = env.ok(&["console", "--print"]).trim().to_owned();
     let later = env.ok(&["console", "con", "--print"]).trim().to_owned();
@@ -348,4 +348,46 @@ window.results = {{}};
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     let gone = get_as(None, &addr, "/api/session", &host);
     assert!(gone.starts_with("HTTP/1.1 401"), "{gone}");
+
+    // agentd gone, another program takes its port (any uid could) and
+    // answers the open page's reconnection with a list of its own: the
+    // page does not believe it (the first message must show the session's
+    // token), says so and stops.
+    env.kill_agentd();
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let listener = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let (came, reached) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use tokio_tungstenite::tungstenite::{self, Message};
+        for stream in listener.incoming().flatten() {
+            let Ok(mut ws) = tungstenite::accept(stream) else {
+                continue;
+            };
+            let _ = came.send(());
+            let fake = serde_json::json!({
+                "type": "list",
+                "sandboxes": [{"name": "fake-box", "state": "running", "backend": "local",
+                    "state_reason": "", "started_at": 0, "last_sync_at": 0, "last_sync_result": ""}],
+                "waiting": [{"type": "waiting", "sandbox": "fake-box", "session": "",
+                    "agent": "claude", "message": "PHISH", "time": 0}],
+                "proof": "a guess",
+            });
+            let _ = ws.send(Message::text(fake.to_string()));
+            std::thread::sleep(Duration::from_secs(2));
+        }
+    });
+    reached
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the page never reconnected to the port");
+    b.wait(
+        &page,
+        "the page to give up",
+        "document.getElementById('status').textContent.includes('no longer the console')",
+    );
+    let body = b.eval(&page, "document.body.innerText");
+    let body = body.as_str().unwrap_or("");
+    assert!(
+        !body.contains("fake-box") && !body.contains("PHISH"),
+        "the page believed another listener: {body}"
+    );
 }

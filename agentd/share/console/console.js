@@ -90,19 +90,55 @@ function take(m) {
   render();
 }
 
+// The session's token, read from the console that logged this page in:
+// every connection must show it in its first message, or it is not that
+// console (after agentd has gone, anything may listen on its port).
+let proof = null;
+let gone = false;
+
+function lost(why) {
+  gone = true;
+  sandboxes.clear();
+  waiting.clear();
+  render();
+  document.getElementById('status').textContent = why + ': run `agentctl console` again.';
+}
+
 let delay = 500;
 function connect() {
+  if (gone) return;
   const status = document.getElementById('status');
   const ws = new WebSocket((location.protocol === 'https:' ? 'wss://' : 'ws://') + location.host + '/api/events');
-  ws.onopen = () => { status.textContent = 'live'; delay = 500; };
+  let trusted = false;
+  ws.onopen = () => { status.textContent = 'connecting…'; };
   ws.onmessage = (e) => {
-    try { take(JSON.parse(e.data)); } catch (err) { console.error(err); }
+    let m;
+    try { m = JSON.parse(e.data); } catch (err) { return; }
+    if (!trusted) {
+      if (m.type !== 'list' || m.proof !== proof) {
+        ws.close();
+        lost('This is no longer the console that logged you in');
+        return;
+      }
+      trusted = true;
+      status.textContent = 'live';
+      delay = 500;
+    }
+    take(m);
   };
   ws.onclose = () => {
+    if (gone) return;
     status.textContent = 'disconnected; reconnecting…';
     setTimeout(connect, delay);
     delay = Math.min(delay * 2, 10000);
   };
+}
+
+function start() {
+  fetch('/api/session', { credentials: 'same-origin' })
+    .then((r) => (r.ok ? r.json() : Promise.reject(new Error('not logged in'))))
+    .then((s) => { proof = s.csrf; connect(); })
+    .catch(() => lost('Not logged in'));
 }
 
 window.addEventListener('hashchange', () => {
@@ -119,5 +155,5 @@ document.addEventListener('DOMContentLoaded', () => {
     });
   }
   render();
-  connect();
+  start();
 });

@@ -88,7 +88,8 @@ pub(super) fn upgrade(
                 .session(&cookie)
                 .is_some_and(|s| s.uid == session.uid)
         };
-        run(ws, Caller { uid: session.uid }, manager, alive).await;
+        let proof = session.csrf.clone();
+        run(ws, (Caller { uid: session.uid }, proof), manager, alive).await;
     });
     let mut r = super::http::respond(StatusCode::SWITCHING_PROTOCOLS, "text/plain", Bytes::new());
     let h = r.headers_mut();
@@ -127,7 +128,15 @@ fn waiting(sandbox: &str, w: &crate::waiting::Waiting) -> Value {
 }
 
 /// Everything the caller may see now; `known` becomes its sandboxes.
-fn everything(manager: &Manager, caller: Caller, known: &mut HashSet<String>) -> Value {
+/// `proof` (the session's CSRF token, which only the console's own page
+/// has read) tells the page it speaks to the console that logged it in,
+/// not to whatever listens on that port after agentd has gone.
+fn everything(
+    manager: &Manager,
+    caller: Caller,
+    known: &mut HashSet<String>,
+    proof: &str,
+) -> Value {
     let rows: Vec<Value> = manager
         .list(caller)
         .iter()
@@ -143,7 +152,7 @@ fn everything(manager: &Manager, caller: Caller, known: &mut HashSet<String>) ->
         .iter()
         .map(|(n, w)| waiting(n, w))
         .collect();
-    json!({"type": "list", "sandboxes": rows, "waiting": waits})
+    json!({"type": "list", "sandboxes": rows, "waiting": waits, "proof": proof})
 }
 
 /// The message for `change`, if the caller is to hear of it.
@@ -176,7 +185,7 @@ fn on_change(
 /// Serve the page over `ws` while `alive` (its session lives).
 async fn run<S>(
     ws: WebSocketStream<S>,
-    caller: Caller,
+    (caller, proof): (Caller, String),
     manager: Arc<Manager>,
     alive: impl Fn() -> bool,
 ) where
@@ -186,7 +195,7 @@ async fn run<S>(
     let mut changes = manager.subscribe();
     let mut waits = manager.subscribe_waiting();
     let mut known = HashSet::new();
-    let mut next = Some(everything(&manager, caller, &mut known));
+    let mut next = Some(everything(&manager, caller, &mut known, &proof));
     let mut recheck = tokio::time::interval(RECHECK);
     loop {
         if let Some(msg) = next.take() {
@@ -210,7 +219,7 @@ async fn run<S>(
             },
             c = changes.recv() => match c {
                 Ok(change) => on_change(&manager, caller, &change, &mut known),
-                Err(RecvError::Lagged(_)) => Some(everything(&manager, caller, &mut known)),
+                Err(RecvError::Lagged(_)) => Some(everything(&manager, caller, &mut known, &proof)),
                 Err(RecvError::Closed) => return,
             },
             w = waits.recv() => match w {
@@ -223,7 +232,7 @@ async fn run<S>(
                     Some(json!({"type": "answered", "sandbox": n, "session": session}))
                 }
                 Ok(_) => None,
-                Err(RecvError::Lagged(_)) => Some(everything(&manager, caller, &mut known)),
+                Err(RecvError::Lagged(_)) => Some(everything(&manager, caller, &mut known, &proof)),
                 Err(RecvError::Closed) => return,
             },
         };
