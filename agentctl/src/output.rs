@@ -128,6 +128,14 @@ pub fn rfc3339(micros: u64) -> Value {
     Value::String(humantime::format_rfc3339_seconds(t).to_string())
 }
 
+/// Now, in µs since the epoch (as agentd's timestamps).
+#[must_use]
+pub fn now_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+}
+
 /// "3 minutes ago", "never".
 #[must_use]
 pub fn ago(micros: u64) -> String {

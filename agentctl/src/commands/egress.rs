@@ -289,9 +289,7 @@ pub async fn status_json(sb: &SandboxProxy<'_>) -> Value {
         .iter()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    let now = output::now_micros();
     let recent = now.saturating_sub(RECENT_MICROS);
     let dest = |e: &Value| (e["host"].clone(), e["port"].clone());
     // (destination, times refused, the last refusal), oldest first.

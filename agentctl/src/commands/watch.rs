@@ -158,7 +158,7 @@ fn event_of(msg: &zbus::Message) -> Option<Value> {
     let path = header.path()?.as_str().to_owned();
     let from_manager = path == api::MANAGER_PATH;
     let body = msg.body();
-    let now = || output::rfc3339(now_micros());
+    let now = || output::rfc3339(output::now_micros());
     match (iface.as_str(), member.as_str()) {
         ("org.keystone.Agent1.Manager", _) if !from_manager => None,
         ("org.keystone.Agent1.Manager", "AgentWaiting") => {
@@ -206,12 +206,6 @@ fn event_of(msg: &zbus::Message) -> Option<Value> {
         }
         _ => None,
     }
-}
-
-fn now_micros() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
 /// Prints events, as text or JSON lines.

@@ -49,6 +49,33 @@ pub struct Auth {
     sessions: Mutex<HashMap<String, Kept>>,
 }
 
+/// Make room in `map` for one more entry of `uid`: its oldest goes when it
+/// has `per_uid`, then the oldest of all when there are `max`. `of` says
+/// whose an entry is and when it was made (or last used).
+fn make_room<V>(
+    map: &mut HashMap<String, V>,
+    uid: u32,
+    (per_uid, max): (usize, usize),
+    of: impl Fn(&V) -> (u32, Instant),
+) {
+    let oldest = |map: &HashMap<String, V>, only: Option<u32>| {
+        map.iter()
+            .filter(|(_, v)| only.is_none_or(|u| of(v).0 == u))
+            .min_by_key(|(_, v)| of(v).1)
+            .map(|(k, _)| k.clone())
+    };
+    if map.values().filter(|v| of(v).0 == uid).count() >= per_uid {
+        if let Some(k) = oldest(map, Some(uid)) {
+            map.remove(&k);
+        }
+    }
+    if map.len() >= max {
+        if let Some(k) = oldest(map, None) {
+            map.remove(&k);
+        }
+    }
+}
+
 /// A new random secret (244 bits, hex).
 fn secret() -> String {
     format!(
@@ -67,22 +94,9 @@ impl Auth {
     fn issue_at(&self, uid: u32, now: Instant) -> String {
         let mut tokens = self.tokens.lock().unwrap();
         tokens.retain(|_, (_, at)| now.saturating_duration_since(*at) < TOKEN_TTL);
-        let oldest = |t: &HashMap<String, (u32, Instant)>, only: Option<u32>| {
-            t.iter()
-                .filter(|(_, (u, _))| only.is_none_or(|o| *u == o))
-                .min_by_key(|(_, (_, at))| *at)
-                .map(|(k, _)| k.clone())
-        };
-        if tokens.values().filter(|(u, _)| *u == uid).count() >= TOKENS_PER_UID {
-            if let Some(k) = oldest(&tokens, Some(uid)) {
-                tokens.remove(&k);
-            }
-        }
-        if tokens.len() >= TOKENS_MAX {
-            if let Some(k) = oldest(&tokens, None) {
-                tokens.remove(&k);
-            }
-        }
+        make_room(&mut tokens, uid, (TOKENS_PER_UID, TOKENS_MAX), |(u, at)| {
+            (*u, *at)
+        });
         let t = secret();
         tokens.insert(t.clone(), (uid, now));
         t
@@ -110,22 +124,9 @@ impl Auth {
         let now = Instant::now();
         let mut sessions = self.sessions.lock().unwrap();
         sessions.retain(|_, k| now.saturating_duration_since(k.last) < SESSION_IDLE);
-        let oldest = |s: &HashMap<String, Kept>, only: Option<u32>| {
-            s.iter()
-                .filter(|(_, k)| only.is_none_or(|u| k.session.uid == u))
-                .min_by_key(|(_, k)| k.last)
-                .map(|(c, _)| c.clone())
-        };
-        if sessions.values().filter(|k| k.session.uid == uid).count() >= SESSIONS_PER_UID {
-            if let Some(c) = oldest(&sessions, Some(uid)) {
-                sessions.remove(&c);
-            }
-        }
-        if sessions.len() >= SESSIONS_MAX {
-            if let Some(c) = oldest(&sessions, None) {
-                sessions.remove(&c);
-            }
-        }
+        make_room(&mut sessions, uid, (SESSIONS_PER_UID, SESSIONS_MAX), |k| {
+            (k.session.uid, k.last)
+        });
         let cookie = secret();
         sessions.insert(
             cookie.clone(),

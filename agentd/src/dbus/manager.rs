@@ -221,15 +221,18 @@ pub async fn waiting_event(
     let (name, owner) = match event {
         WaitingEvent::Waiting(n, o, _) | WaitingEvent::Answered(n, o, _) => (n, *o),
     };
-    for e in callers.emitters(conn, owner, &api::MANAGER_PATH.try_into()?) {
-        match event {
-            WaitingEvent::Waiting(_, _, w) => {
-                let w = waiting_agent(name.clone(), w.clone());
-                ManagerObject::agent_waiting(&e, name, &w.session, &w.agent, &w.message, w.time)
+    let emitters = callers.emitters(conn, owner, &api::MANAGER_PATH.try_into()?);
+    match event {
+        WaitingEvent::Waiting(_, _, w) => {
+            let w = waiting_agent(name.clone(), w.clone());
+            for e in &emitters {
+                ManagerObject::agent_waiting(e, name, &w.session, &w.agent, &w.message, w.time)
                     .await?;
             }
-            WaitingEvent::Answered(_, _, session) => {
-                ManagerObject::agent_answered(&e, name, session).await?;
+        }
+        WaitingEvent::Answered(_, _, session) => {
+            for e in &emitters {
+                ManagerObject::agent_answered(e, name, session).await?;
             }
         }
     }

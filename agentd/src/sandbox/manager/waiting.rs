@@ -122,6 +122,16 @@ impl Board {
         }
     }
 
+    /// How many wait in sandbox `name`.
+    #[must_use]
+    pub fn count(&self, name: &str) -> usize {
+        self.map
+            .lock()
+            .unwrap()
+            .get(name)
+            .map_or(0, |l| l.waiting.len())
+    }
+
     /// What waits in sandbox `name`, oldest first.
     #[must_use]
     pub fn of(&self, name: &str) -> Vec<Waiting> {
@@ -158,7 +168,7 @@ impl Manager {
 
     /// How many agents wait in sandbox `name`.
     pub(super) fn waiting_count(&self, name: &str) -> u32 {
-        u32::try_from(self.board.of(name).len()).unwrap_or(u32::MAX)
+        u32::try_from(self.board.count(name)).unwrap_or(u32::MAX)
     }
 
     /// The board, for a session's tap (typing clears its session).
