@@ -450,7 +450,8 @@ fn agents(config: &DaemonConfig) -> Check {
             Status::Warn,
             "no cache directory (set HOME or KEYSTONE_CACHE_DIR)",
         ),
-        Some(tb) => {
+        Some(mut tb) => {
+            tb.console = config.console.enable;
             let missing = tb.missing();
             if missing.is_empty() {
                 Check::new("agents", "agent toolbox", Status::Ok, tb.describe())

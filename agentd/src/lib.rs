@@ -126,11 +126,13 @@ pub fn state_dir(opts: &Options, config: &DaemonConfig) -> PathBuf {
 
 /// The toolbox of `config` with its launchers in `bin`, and (with
 /// `download`) a background task that installs what the cache lacks.
-fn start_toolbox(config: &toolbox::ToolboxConfig, bin: &Path) -> Option<Arc<toolbox::Toolbox>> {
-    let Some(tb) = toolbox::Toolbox::new(config.clone(), tools::cache_dir()) else {
+fn start_toolbox(config: &DaemonConfig, bin: &Path) -> Option<Arc<toolbox::Toolbox>> {
+    let Some(mut tb) = toolbox::Toolbox::new(config.toolbox.clone(), tools::cache_dir()) else {
         tracing::warn!("no agent toolbox: no cache directory (set toolbox.cache_dir or HOME)");
         return None;
     };
+    tb.console = config.console.enable;
+    let config = &config.toolbox;
     let tb = Arc::new(tb);
     tb.restrict_lock();
     if let Err(e) = tb.write_launchers(bin) {
@@ -179,8 +181,9 @@ pub fn install_agents(config: Option<&Path>) -> anyhow::Result<String> {
         Some(p) => DaemonConfig::load(p)?,
         None => DaemonConfig::default(),
     };
-    let tb = toolbox::Toolbox::new(config.toolbox, tools::cache_dir())
+    let mut tb = toolbox::Toolbox::new(config.toolbox, tools::cache_dir())
         .context("no cache directory: set toolbox.cache_dir, KEYSTONE_CACHE_DIR or HOME")?;
+    tb.console = config.console.enable;
     tb.install_missing(|pkg, outcome| match outcome {
         None => eprintln!("agentd: downloading {}@{} …", pkg.name, pkg.version),
         Some(Ok(())) => eprintln!("agentd: installed {}", tb.dir.join(&pkg.dir).display()),
@@ -214,7 +217,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .ok();
     let toolbox = guest_dir
         .as_deref()
-        .and_then(|g| start_toolbox(&config.toolbox, &g.join("bin")));
+        .and_then(|g| start_toolbox(&config, &g.join("bin")));
     let local: Arc<dyn Backend> = Arc::new(LocalBackend::new(LocalSettings {
         exe: exe.clone(),
         state_dir: dir.clone(),

@@ -196,6 +196,49 @@ pub struct Package {
     pub version: String,
     /// Directory in the cache (and under `/run/keystone/agents`).
     pub dir: String,
+    /// The tarball's sha512 (base64) as the project pins it; `None`: as
+    /// the registry vouches for it.
+    pub pinned: Option<&'static str>,
+}
+
+/// The web console's terminal, which agentd serves to the browser:
+/// xterm.js and its fit add-on at the versions and digests the project
+/// pins (the registry's word is not taken for code a browser runs).
+pub const CONSOLE_PACKAGES: [(&str, &str, &str, &str); 2] = [
+    (
+        "@xterm/xterm",
+        "6.0.0",
+        "xterm-6.0.0",
+        "TQwDdQGtwwDt+2cgKDLn0IRaSxYu1tSUjgKarSDkUM0ZNiSRXFpjxEsvc/Zgc5kq5omJ+V0a8/kIM2WD3sMOYg==",
+    ),
+    (
+        "@xterm/addon-fit",
+        "0.11.0",
+        "xterm-addon-fit-0.11.0",
+        "jYcgT6xtVYhnhgxh3QgYDnnNMYTcf8ElbxxFzX0IZo+vabQqSPAjC3c1wJrKB5E19VwQei89QCiZZP86DCPF7g==",
+    ),
+];
+
+/// The console's files in the cache, by the name the console serves them
+/// under: (package directory, path in it).
+const CONSOLE_FILES: [(&str, &str, &str); 3] = [
+    ("xterm.js", "xterm-6.0.0", "lib/xterm.js"),
+    ("xterm.css", "xterm-6.0.0", "css/xterm.css"),
+    ("addon-fit.js", "xterm-addon-fit-0.11.0", "lib/addon-fit.js"),
+];
+
+/// The packages of [`CONSOLE_PACKAGES`].
+#[must_use]
+pub fn console_packages() -> Vec<Package> {
+    CONSOLE_PACKAGES
+        .iter()
+        .map(|&(name, version, dir, pin)| Package {
+            name: name.to_owned(),
+            version: version.to_owned(),
+            dir: dir.to_owned(),
+            pinned: Some(pin),
+        })
+        .collect()
 }
 
 /// The npm platform suffix of this machine (`linux-x64`, `linux-arm64`).
@@ -223,23 +266,27 @@ pub fn packages(agent: Agent, versions: &Versions) -> Vec<Package> {
             name: format!("@anthropic-ai/claude-code-{p}"),
             version: versions.claude.clone(),
             dir: format!("claude-{}", versions.claude),
+            pinned: None,
         }],
         // The platform builds are versions of @openai/codex itself.
         Agent::Codex => vec![Package {
             name: "@openai/codex".into(),
             version: format!("{}-{p}", versions.codex),
             dir: format!("codex-{}", versions.codex),
+            pinned: None,
         }],
         Agent::Gemini => vec![
             Package {
                 name: "@google/gemini-cli".into(),
                 version: versions.gemini.clone(),
                 dir: format!("gemini-{}", versions.gemini),
+                pinned: None,
             },
             Package {
                 name: format!("node-{p}"),
                 version: versions.node.clone(),
                 dir: format!("node-{}", versions.node),
+                pinned: None,
             },
         ],
     }
@@ -310,13 +357,15 @@ pub enum InstallError {
     },
     /// The tarball is not the one the registry vouches for.
     #[error(
-        "{package}: the tarball's sha512 is {got}, the registry says {want}; nothing was installed"
+        "{package}: the tarball's sha512 is {got}, {by} {want}; nothing was installed"
     )]
     Integrity {
         /// `name@version`.
         package: String,
-        /// The registry's digest (base64).
+        /// The digest wanted (base64).
         want: String,
+        /// Who wants it: the registry, or agentd's own pin.
+        by: &'static str,
         /// The download's digest (base64).
         got: String,
     },
@@ -372,6 +421,8 @@ pub struct Toolbox {
     pub config: ToolboxConfig,
     /// `<cache>/agents`, shown at [`INSIDE`].
     pub dir: PathBuf,
+    /// Whether the web console's packages are wanted too (it is on).
+    pub console: bool,
 }
 
 impl Toolbox {
@@ -383,7 +434,11 @@ impl Toolbox {
             Some(d) => d.clone(),
             None => default_cache?.join("agents"),
         };
-        Some(Self { config, dir })
+        Some(Self {
+            config,
+            dir,
+            console: true,
+        })
     }
 
     /// Whether `pkg` is in the cache (its directory only appears complete).
@@ -478,7 +533,18 @@ impl Toolbox {
         }
     }
 
-    /// Every package the configured agents need, once each.
+    /// The file the web console serves as `name` (`xterm.js`,
+    /// `xterm.css`, `addon-fit.js`), if it is one of its files.
+    #[must_use]
+    pub fn console_file(&self, name: &str) -> Option<PathBuf> {
+        CONSOLE_FILES
+            .iter()
+            .find(|(n, ..)| *n == name)
+            .map(|(_, dir, path)| self.dir.join(dir).join(path))
+    }
+
+    /// Every package the configured agents and the web console need, once
+    /// each.
     #[must_use]
     pub fn wanted(&self) -> Vec<Package> {
         let mut out: Vec<Package> = Vec::new();
@@ -488,6 +554,9 @@ impl Toolbox {
                     out.push(p);
                 }
             }
+        }
+        if self.console {
+            out.extend(console_packages());
         }
         out
     }
@@ -577,7 +646,11 @@ impl Toolbox {
         );
         let meta_file = work.join("meta.json");
         curl(&meta_url, &meta_file, MAX_METADATA)?;
-        let (tarball, want) = read_metadata(&meta_file, &id, &self.config.registry)?;
+        let (tarball, mut want) = read_metadata(&meta_file, &id, &self.config.registry)?;
+        let mut by = "the registry says";
+        if let Some(pin) = pkg.pinned {
+            (want, by) = (pin.to_owned(), "agentd pins");
+        }
         let tgz = work.join("package.tgz");
         curl(&tarball, &tgz, MAX_TARBALL)?;
         let got = sha512_base64(&tgz)?;
@@ -585,6 +658,7 @@ impl Toolbox {
             return Err(InstallError::Integrity {
                 package: id,
                 want,
+                by,
                 got,
             });
         }

@@ -137,12 +137,14 @@ fn sha512_base64(data: &[u8]) -> String {
 /// agentd's config for a toolbox of Claude `version` from `registry`, cached
 /// in `cache`.
 fn fake_config(registry: &str, cache: &Path, version: &str) -> serde_json::Value {
+    // (The console's packages are pinned to npm's own tarballs, which
+    // this registry does not serve.)
     serde_json::json!({"toolbox": {
         "agents": ["claude"],
         "versions": {"claude": version},
         "registry": registry,
         "cache_dir": cache,
-    }})
+    }, "console": {"enable": false}})
 }
 
 fn packument(base: &str, version: &str, integrity: &str) -> (String, Vec<u8>) {
@@ -258,6 +260,45 @@ fn a_package_from_the_registry_runs_in_the_sandbox_and_a_tampered_one_is_never_i
     assert_eq!(env.status("later")["agents"], "claude 9.9.8");
     let out = env.ok(&["exec", "later", "--", "claude", "--version"]);
     assert_eq!(out, "9.9.9 (stand-in Claude)\n");
+}
+
+#[test]
+fn the_consoles_terminal_code_is_installed_only_as_the_project_pins_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A registry (a mirror, a proxy) that vouches for a tarball of its
+    // own: its digest matches its metadata, not agentd's pin.
+    let evil = fake_claude_tgz(&tmp.path().join("evil"), "pwned");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let served = format!("http://{}", listener.local_addr().unwrap());
+    let meta = serde_json::json!({"dist": {
+        "tarball": format!("{served}/t/xterm-6.0.0.tgz"),
+        "integrity": format!("sha512-{}", sha512_base64(&evil)),
+    }});
+    serve(
+        listener,
+        vec![
+            ("/@xterm%2fxterm/6.0.0".into(), meta.to_string().into_bytes()),
+            ("/t/xterm-6.0.0.tgz".into(), evil),
+        ],
+    );
+    let cache = tmp.path().join("cache");
+    let config = tmp.path().join("agentd.json");
+    let cfg = serde_json::json!({"toolbox": {
+        "agents": [],
+        "registry": served,
+        "cache_dir": cache,
+    }});
+    std::fs::write(&config, cfg.to_string()).unwrap();
+    let out = install_agents(&config);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("@xterm/xterm@6.0.0: the tarball's sha512 is")
+            && err.contains("agentd pins TQwDdQGtwwDt")
+            && err.contains("nothing was installed"),
+        "{err}"
+    );
+    assert!(!cache.join("xterm-6.0.0").exists());
 }
 
 /// Serve `files` (URL path → body) over HTTP/1.1 on `listener`: a

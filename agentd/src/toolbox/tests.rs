@@ -353,7 +353,8 @@ mod attacks {
             cache_dir: Some(dir.path().join("agents")),
             ..ToolboxConfig::default()
         };
-        let tb = Toolbox::new(c, None).unwrap();
+        let mut tb = Toolbox::new(c, None).unwrap();
+        tb.console = false;
         fs::create_dir_all(&tb.dir).unwrap();
         fs::write(tb.dir.join(".lock"), "").unwrap();
         fs::set_permissions(tb.dir.join(".lock"), fs::Permissions::from_mode(0o644)).unwrap();
