@@ -320,7 +320,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     let mut door = None;
     if config.console.enable {
-        match console::start(&config.console, Arc::clone(&manager)).await {
+        match console::start(&config.console, Arc::clone(&manager), toolbox.clone()).await {
             Ok(d) => door = Some(d),
             Err(e) => tracing::warn!(
                 listen = %config.console.listen,

@@ -64,12 +64,7 @@ pub fn start(session: OwnedFd, size: (u16, u16), tap: impl Tap) -> std::io::Resu
     let mut t = nix::sys::termios::tcgetattr(&near)?;
     nix::sys::termios::cfmakeraw(&mut t);
     nix::sys::termios::tcsetattr(&near, nix::sys::termios::SetArg::TCSANOW, &t)?;
-    nonblocking(&session)?;
-    nonblocking(&near)?;
-    // SAFETY: each AsyncFd owns its descriptor until it is dropped (at
-    // the end of the relay), so it is never closed while registered.
-    let register = |fd| unsafe { AsyncFd::register(fd) }.map_err(std::io::Error::from);
-    let (session, near) = (register(session)?, register(near)?);
+    let (session, near) = (async_fd(session)?, async_fd(near)?);
     tokio::spawn(async move {
         let tap = Mutex::new(tap);
         // The tap writes files: off the runtime's workers while it does.
@@ -126,6 +121,15 @@ fn hung_up(fd: &OwnedFd) -> bool {
             .is_some_and(|r| r.intersects(PollFlags::POLLHUP | PollFlags::POLLERR))
 }
 
+/// `fd`, non-blocking, registered with the runtime for async reads and
+/// writes.
+pub(crate) fn async_fd(fd: OwnedFd) -> std::io::Result<AsyncFd<OwnedFd>> {
+    nonblocking(&fd)?;
+    // SAFETY: the AsyncFd owns its descriptor until it is dropped, so it
+    // is never closed while registered.
+    unsafe { AsyncFd::register(fd) }.map_err(std::io::Error::from)
+}
+
 fn nonblocking(fd: &OwnedFd) -> std::io::Result<()> {
     use nix::fcntl::{FcntlArg, OFlag, fcntl};
     let flags = OFlag::from_bits_truncate(fcntl(fd, FcntlArg::F_GETFL)?);
@@ -149,7 +153,8 @@ async fn copy(from: &AsyncFd<OwnedFd>, to: &AsyncFd<OwnedFd>, note: impl Fn(&[u8
     }
 }
 
-async fn read(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> std::io::Result<usize> {
+/// Read what `fd` has, waiting until it has something.
+pub(crate) async fn read(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> std::io::Result<usize> {
     loop {
         let mut ready = fd.readable().await?;
         match ready.try_io(|f| Ok(nix::unistd::read(f.get_ref().as_fd(), buf)?)) {
@@ -159,7 +164,8 @@ async fn read(fd: &AsyncFd<OwnedFd>, buf: &mut [u8]) -> std::io::Result<usize> {
     }
 }
 
-async fn write_all(fd: &AsyncFd<OwnedFd>, mut bytes: &[u8]) -> std::io::Result<()> {
+/// Write all of `bytes` to `fd`, waiting while it is full.
+pub(crate) async fn write_all(fd: &AsyncFd<OwnedFd>, mut bytes: &[u8]) -> std::io::Result<()> {
     while !bytes.is_empty() {
         let mut ready = fd.writable().await?;
         match ready.try_io(|f| Ok(nix::unistd::write(f.get_ref(), bytes)?)) {

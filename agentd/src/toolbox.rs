@@ -356,9 +356,7 @@ pub enum InstallError {
         why: String,
     },
     /// The tarball is not the one the registry vouches for.
-    #[error(
-        "{package}: the tarball's sha512 is {got}, {by} {want}; nothing was installed"
-    )]
+    #[error("{package}: the tarball's sha512 is {got}, {by} {want}; nothing was installed")]
     Integrity {
         /// `name@version`.
         package: String,

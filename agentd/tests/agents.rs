@@ -277,7 +277,10 @@ fn the_consoles_terminal_code_is_installed_only_as_the_project_pins_it() {
     serve(
         listener,
         vec![
-            ("/@xterm%2fxterm/6.0.0".into(), meta.to_string().into_bytes()),
+            (
+                "/@xterm%2fxterm/6.0.0".into(),
+                meta.to_string().into_bytes(),
+            ),
             ("/t/xterm-6.0.0.tgz".into(), evil),
         ],
     );

@@ -1,5 +1,7 @@
 // The Keystone Agent console: the live list of the caller's sandboxes and
-// the agents waiting for them, from agentd's events WebSocket.
+// the agents waiting for them, from agentd's events WebSocket, and a
+// terminal (xterm.js) on a sandbox's session or a shell, over agentd's
+// terminal WebSocket.
 //
 // Everything shown here comes from agentd, and much of it from inside a
 // sandbox (names, reasons, what an agent says): it is only ever put into
@@ -41,6 +43,17 @@ function render() {
     const n = [...waiting.values()].filter((w) => w.sandbox === name).length;
     tr.append(el('td', n ? n + ' waiting for input' : ''));
     tr.append(el('td', s.last_sync_at ? when(s.last_sync_at) + ': ' + s.last_sync_result : 'never'));
+    const open = el('td');
+    const session = el('button', 'Session');
+    session.type = 'button';
+    session.title = 'The Zellij session of the main branch (as agentctl attach)';
+    session.addEventListener('click', () => openTerminal({ sandbox: name, branch: '', shell: false }));
+    const shell = el('button', 'Shell');
+    shell.type = 'button';
+    shell.title = 'A plain shell in the sandbox (as agentctl exec -t)';
+    shell.addEventListener('click', () => openTerminal({ sandbox: name, branch: '', shell: true }));
+    open.append(session, shell);
+    tr.append(open);
     rows.append(tr);
   }
   const list = document.getElementById('waiting');
@@ -141,6 +154,137 @@ function start() {
     .catch(() => lost('Not logged in'));
 }
 
+// The terminal: one at a time, on the session of a branch (the same
+// Zellij session `agentctl attach` joins, so it can be left and joined
+// again from anywhere) or a plain shell. What the session prints goes
+// only to xterm.js, which draws it; nothing of it becomes markup.
+const term = { spec: null, xterm: null, fit: null, ws: null, ended: false, delay: 500 };
+const encoder = new TextEncoder();
+// Largest piece of typing (or paste) sent in one message: agentd reads
+// at most 16 KiB at once.
+const PIECE = 8192;
+
+function termStatus(text) {
+  document.getElementById('terminal-status').textContent = text;
+}
+
+function closeTerminal() {
+  term.ended = true;
+  if (term.ws) term.ws.close();
+  if (term.xterm) term.xterm.dispose();
+  term.spec = term.xterm = term.fit = term.ws = null;
+  document.getElementById('terminal-section').hidden = true;
+}
+
+function send(bytes) {
+  const ws = term.ws;
+  if (!ws || ws.readyState !== WebSocket.OPEN || !ws.trusted) return;
+  for (let i = 0; i < bytes.length; i += PIECE) ws.send(bytes.subarray(i, i + PIECE));
+}
+
+function openTerminal(spec) {
+  closeTerminal();
+  if (typeof Terminal === 'undefined' || typeof FitAddon === 'undefined') {
+    document.getElementById('terminal-section').hidden = false;
+    document.getElementById('terminal-title').textContent = spec.sandbox;
+    termStatus('The terminal\'s code (xterm.js) is not installed yet: agentd downloads it when it starts, or run `agentd --install-agents`; then reload.');
+    return;
+  }
+  term.spec = spec;
+  term.ended = false;
+  term.delay = 500;
+  document.getElementById('terminal-section').hidden = false;
+  document.getElementById('terminal-title').textContent =
+    spec.sandbox + (spec.shell ? ': shell' : ': session') + (spec.branch ? ' ' + spec.branch : '');
+  const xterm = new Terminal({ cursorBlink: true, scrollback: 5000, fontFamily: 'monospace' });
+  const fit = new FitAddon.FitAddon();
+  xterm.loadAddon(fit);
+  xterm.open(document.getElementById('terminal'));
+  fit.fit();
+  xterm.onData((d) => send(encoder.encode(d)));
+  xterm.onBinary((d) => send(Uint8Array.from(d, (c) => c.charCodeAt(0) & 255)));
+  xterm.onResize(({ rows, cols }) => {
+    if (term.ws && term.ws.trusted) term.ws.send(JSON.stringify({ type: 'resize', rows, cols }));
+  });
+  // Ctrl+Shift+C copies the selection (Ctrl+C goes to the session);
+  // pasting is the browser's own.
+  xterm.attachCustomKeyEventHandler((e) => {
+    if (e.type === 'keydown' && e.ctrlKey && e.shiftKey && e.code === 'KeyC') {
+      const text = xterm.getSelection();
+      if (text && navigator.clipboard) navigator.clipboard.writeText(text);
+      return false;
+    }
+    return true;
+  });
+  term.xterm = xterm;
+  term.fit = fit;
+  connectTerminal();
+  xterm.focus();
+}
+
+function connectTerminal() {
+  const spec = term.spec;
+  const xterm = term.xterm;
+  if (!spec || term.ended) return;
+  const q = new URLSearchParams({ sandbox: spec.sandbox });
+  if (spec.branch) q.set('branch', spec.branch);
+  if (spec.shell) q.set('shell', '1');
+  const ws = new WebSocket((location.protocol === 'https:' ? 'wss://' : 'ws://') + location.host + '/api/terminal?' + q);
+  ws.binaryType = 'arraybuffer';
+  ws.trusted = false;
+  term.ws = ws;
+  termStatus('connecting…');
+  ws.onopen = () => {
+    ws.send(JSON.stringify({ type: 'open', csrf: proof, rows: xterm.rows, cols: xterm.cols }));
+  };
+  ws.onmessage = (e) => {
+    if (term.ws !== ws) return;
+    if (typeof e.data !== 'string') {
+      if (ws.trusted) xterm.write(new Uint8Array(e.data));
+      return;
+    }
+    let m;
+    try { m = JSON.parse(e.data); } catch (err) { return; }
+    if (!ws.trusted) {
+      if (m.proof !== proof) {
+        term.ended = true;
+        ws.close();
+        termStatus('This is no longer the console that logged you in: run `agentctl console` again.');
+        return;
+      }
+      ws.trusted = true;
+    }
+    switch (m.type) {
+      case 'opened':
+        term.delay = 500;
+        termStatus((m.session ? 'session ' + m.session : 'shell') + (m.notices.length ? ' (' + m.notices.join('; ') + ')' : ''));
+        // The size may have changed while it opened.
+        ws.send(JSON.stringify({ type: 'resize', rows: xterm.rows, cols: xterm.cols }));
+        break;
+      case 'error':
+        term.ended = true;
+        termStatus(m.message);
+        break;
+      case 'exit':
+        term.ended = true;
+        termStatus('ended' + (m.code === null ? '' : ' (exit code ' + m.code + ')'));
+        break;
+      default:
+        break;
+    }
+  };
+  ws.onclose = () => {
+    if (term.ws !== ws || term.ended) return;
+    // A dropped connection: join again (a session is as it was left; a
+    // shell is a new one).
+    termStatus('disconnected; reconnecting…');
+    setTimeout(connectTerminal, term.delay);
+    term.delay = Math.min(term.delay * 2, 10000);
+  };
+}
+
+window.addEventListener('resize', () => { if (term.fit) term.fit.fit(); });
+
 window.addEventListener('hashchange', () => {
   selected = location.hash.slice(1);
   render();
@@ -154,6 +298,7 @@ document.addEventListener('DOMContentLoaded', () => {
       Notification.requestPermission().then(() => { button.hidden = true; });
     });
   }
+  document.getElementById('terminal-close').addEventListener('click', closeTerminal);
   render();
   start();
 });

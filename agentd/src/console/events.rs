@@ -11,14 +11,11 @@ use std::time::Duration;
 use futures_util::{SinkExt, StreamExt};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
-use hyper::header::{self, HeaderValue};
-use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper::{Request, Response};
 use serde_json::{Value, json};
 use tokio::sync::broadcast::error::RecvError;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 
 use super::auth::Session;
 use crate::auth::Caller;
@@ -28,78 +25,24 @@ use crate::sandbox::manager::{Manager, WaitingEvent};
 /// How long the page may take to take a message before it is dropped.
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Largest message or frame agentd reads from the page.
-const READ_MAX: usize = 16 << 10;
-
 /// How often an open WebSocket checks that its session still lives (a
 /// logout, or its end, closes it).
 const RECHECK: Duration = Duration::from_secs(15);
 
 /// Answer a WebSocket upgrade on `/api/events` for `session`.
 pub(super) fn upgrade(
-    mut req: Request<Incoming>,
+    req: Request<Incoming>,
     (session, cookie): (Session, String),
     door: Arc<super::Door>,
     manager: Arc<Manager>,
 ) -> Response<Full<Bytes>> {
-    let h = req.headers();
-    let is = |name: header::HeaderName, want: &str| {
-        h.get(name)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.split(',').any(|p| p.trim().eq_ignore_ascii_case(want)))
-    };
-    let (Some(key), true, true, true) = (
-        h.get(header::SEC_WEBSOCKET_KEY).cloned(),
-        is(header::UPGRADE, "websocket"),
-        is(header::CONNECTION, "upgrade"),
-        is(header::SEC_WEBSOCKET_VERSION, "13"),
-    ) else {
-        return super::http::respond(
-            StatusCode::BAD_REQUEST,
-            "text/plain; charset=utf-8",
-            Bytes::from_static(b"A WebSocket upgrade is expected here."),
-        );
-    };
-    // A slot of its own: the socket outlives the connection's.
-    let (all, by_uid) = &door.sockets;
-    let (Ok(slot), Some(mine)) = (
-        Arc::clone(all).try_acquire_owned(),
-        by_uid.take(session.uid, super::SOCKETS_PER_UID),
-    ) else {
-        return super::http::respond(
-            StatusCode::TOO_MANY_REQUESTS,
-            "text/plain; charset=utf-8",
-            Bytes::from_static(b"Too many console pages are open."),
-        );
-    };
-    let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
-    let upgraded = hyper::upgrade::on(&mut req);
-    tokio::spawn(async move {
-        let _held = (slot, mine);
-        let Ok(io) = upgraded.await else { return };
-        let config = WebSocketConfig::default()
-            .read_buffer_size(4096)
-            .max_message_size(Some(READ_MAX))
-            .max_frame_size(Some(READ_MAX));
-        let ws =
-            WebSocketStream::from_raw_socket(TokioIo::new(io), Role::Server, Some(config)).await;
-        let alive = move || {
-            door.auth
-                .session(&cookie)
-                .is_some_and(|s| s.uid == session.uid)
-        };
+    let uid = session.uid;
+    let d = Arc::clone(&door);
+    super::socket::upgrade(req, uid, &d, move |ws| async move {
+        let alive = move || door.auth.session(&cookie).is_some_and(|s| s.uid == uid);
         let proof = session.csrf.clone();
-        run(ws, (Caller { uid: session.uid }, proof), manager, alive).await;
-    });
-    let mut r = super::http::respond(StatusCode::SWITCHING_PROTOCOLS, "text/plain", Bytes::new());
-    let h = r.headers_mut();
-    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    h.insert(
-        header::SEC_WEBSOCKET_ACCEPT,
-        HeaderValue::from_str(&accept).expect("base64"),
-    );
-    r
+        run(ws, (Caller { uid }, proof), manager, alive).await;
+    })
 }
 
 /// Sandbox `name` as the page shows it, if `caller` may see it.

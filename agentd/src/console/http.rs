@@ -25,9 +25,16 @@ const CONSOLE_JS: &str = include_str!("../../share/console/console.js");
 const CONSOLE_CSS: &str = include_str!("../../share/console/console.css");
 
 /// What every answer says about itself: no script but the console's own
-/// files, no framing, no sniffing, nothing cached, no referrer.
-const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
-                   img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+/// files, no framing, no sniffing, nothing cached, no referrer. (Styles
+/// may be inline: xterm.js sizes its rows with `<style>` elements it
+/// makes. Nothing from a sandbox is ever markup, so no one else's style
+/// can get into the page.)
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; \
+                   connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; \
+                   frame-ancestors 'none'";
+
+/// Largest file of the terminal's code agentd serves.
+const FILE_MAX: u64 = 2 << 20;
 
 /// Serve one connection from a process of `uid`.
 pub(super) async fn connection(
@@ -69,6 +76,7 @@ fn answer(
         (Method::GET, "/login") => login(&req, uid, door),
         (Method::GET, "/console.js") => asset("text/javascript; charset=utf-8", CONSOLE_JS),
         (Method::GET, "/console.css") => asset("text/css; charset=utf-8", CONSOLE_CSS),
+        (Method::GET, p) if p.starts_with("/xterm/") => terminal_code(&p["/xterm/".len()..], door),
         (Method::GET, "/") => match session(&req, uid, door).map(|(s, _)| s) {
             Some(_) => asset("text/html; charset=utf-8", INDEX_HTML),
             None => page(
@@ -90,6 +98,29 @@ fn answer(
             }
             super::events::upgrade(req, (s, cookie), Arc::clone(door), Arc::clone(manager))
         }
+        (Method::GET, "/api/terminal") => {
+            let Some((s, cookie)) = session(&req, uid, door) else {
+                return page(StatusCode::UNAUTHORIZED, "Not logged in.");
+            };
+            if !own_origin(&req, door) {
+                tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused a terminal from another origin");
+                return page(StatusCode::FORBIDDEN, "Not from the console's own page.");
+            }
+            let Some(target) = super::terminal::Target::parse(req.uri().query().unwrap_or(""))
+            else {
+                return page(
+                    StatusCode::BAD_REQUEST,
+                    "Name a sandbox: /api/terminal?sandbox=NAME[&branch=BRANCH][&shell=1]",
+                );
+            };
+            super::terminal::upgrade(
+                req,
+                (s, cookie),
+                target,
+                Arc::clone(door),
+                Arc::clone(manager),
+            )
+        }
         (Method::POST, "/api/logout") => {
             let Some((s, cookie)) = session(&req, uid, door) else {
                 return page(StatusCode::UNAUTHORIZED, "Not logged in.");
@@ -110,6 +141,31 @@ fn answer(
         }
         _ => page(StatusCode::NOT_FOUND, "Not here."),
     }
+}
+
+/// `GET /xterm/NAME`: a file of the terminal's code, from the toolbox's
+/// cache (agentd downloads it with the agents, at the version and digest
+/// the project pins).
+fn terminal_code(name: &str, door: &Door) -> Response<Full<Bytes>> {
+    use std::io::Read;
+    let kind = if name.ends_with(".css") {
+        "text/css; charset=utf-8"
+    } else {
+        "text/javascript; charset=utf-8"
+    };
+    let Some(path) = door.toolbox.as_ref().and_then(|t| t.console_file(name)) else {
+        return page(StatusCode::NOT_FOUND, "Not here.");
+    };
+    let mut bytes = Vec::new();
+    let read =
+        std::fs::File::open(&path).and_then(|f| f.take(FILE_MAX + 1).read_to_end(&mut bytes));
+    if read.is_err() || bytes.len() as u64 > FILE_MAX {
+        return page(
+            StatusCode::NOT_FOUND,
+            "The terminal's code (xterm.js) is not installed yet: agentd downloads it when it starts, or run `agentd --install-agents`.",
+        );
+    }
+    respond(StatusCode::OK, kind, Bytes::from(bytes))
 }
 
 /// `GET /login?token=…`: the token becomes a session cookie when it is

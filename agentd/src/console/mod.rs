@@ -27,6 +27,8 @@ use crate::sandbox::manager::Manager;
 pub mod auth;
 mod events;
 mod http;
+mod socket;
+mod terminal;
 
 /// Most connections to the console at once, and of one uid.
 const CONNECTIONS_MAX: usize = 128;
@@ -35,7 +37,7 @@ const CONNECTIONS_PER_UID: usize = 16;
 /// Most WebSockets open at once, and of one uid (each outlives the
 /// connection it was upgraded from, and has a slot of its own).
 pub(crate) const SOCKETS_MAX: usize = 64;
-pub(crate) const SOCKETS_PER_UID: usize = 8;
+pub(crate) const SOCKETS_PER_UID: usize = 16;
 
 /// Counts of something per uid, each taken with a guard that gives it
 /// back.
@@ -83,6 +85,8 @@ pub struct Door {
     connections: Arc<PerUid>,
     /// WebSockets open: all (a semaphore), and by uid.
     pub(crate) sockets: (Arc<tokio::sync::Semaphore>, Arc<PerUid>),
+    /// Where the terminal's code (xterm.js) is kept, if anywhere.
+    toolbox: Option<Arc<crate::toolbox::Toolbox>>,
 }
 
 impl Door {
@@ -107,13 +111,15 @@ impl Door {
     }
 }
 
-/// Serve the console as `config` says; its door.
+/// Serve the console as `config` says, with the terminal's code from
+/// `toolbox`; its door.
 ///
 /// # Errors
 /// When the address cannot be bound.
 pub async fn start(
     config: &crate::config::ConsoleConfig,
     manager: Arc<Manager>,
+    toolbox: Option<Arc<crate::toolbox::Toolbox>>,
 ) -> std::io::Result<Arc<Door>> {
     let listener = TcpListener::bind(config.listen.as_str()).await?;
     let door = Arc::new(Door {
@@ -124,6 +130,7 @@ pub async fn start(
             Arc::new(tokio::sync::Semaphore::new(SOCKETS_MAX)),
             Arc::default(),
         ),
+        toolbox,
     });
     tracing::info!(url = %door.origin(), "web console listening (open it with `agentctl console`)");
     tokio::spawn(serve(listener, Arc::clone(&door), manager));
