@@ -177,6 +177,10 @@ fn a_terminal_in_the_browser_runs_what_is_typed_and_rejoins_its_session() {
     // message: nothing runs, and the socket is closed.
     let before = env.ok(&["history", "term", "--json"]);
     let (mut ws, _) = connect(&origin).expect("the upgrade");
+    let hello: serde_json::Value =
+        serde_json::from_str(ws.read().unwrap().to_text().unwrap()).unwrap();
+    assert_eq!(hello["type"], "hello");
+    assert_eq!(hello["proof"], csrf.as_str(), "agentd did not speak first");
     ws.send(Message::text(
         json!({"type": "open", "csrf": "a guess", "rows": 24, "cols": 80}).to_string(),
     ))
@@ -194,6 +198,7 @@ fn a_terminal_in_the_browser_runs_what_is_typed_and_rejoins_its_session() {
     // With it, the same connection would open one (the check is the
     // token, not something else about this client).
     let (mut ws, _) = connect(&origin).expect("the upgrade");
+    ws.read().unwrap();
     ws.send(Message::text(
         json!({"type": "open", "csrf": csrf, "rows": 24, "cols": 80}).to_string(),
     ))
@@ -201,21 +206,194 @@ fn a_terminal_in_the_browser_runs_what_is_typed_and_rejoins_its_session() {
     let first = ws.read().unwrap();
     let first: serde_json::Value = serde_json::from_str(first.to_text().unwrap()).unwrap();
     assert_eq!(first["type"], "opened", "{first}");
-    assert_eq!(first["proof"], csrf.as_str());
-    ws.send(Message::binary(b"echo raw-$((1+1)); exit\r".to_vec()))
+    // 3 MB of output to a client that says it has drawn none of it:
+    // agentd sends a window (1 MiB) and waits.
+    ws.send(Message::binary(
+        b"stty -echo; head -c 3000000 /dev/zero | tr '\\0' x; echo; echo raw-$((1+1)); exit\r"
+            .to_vec(),
+    ))
+    .unwrap();
+    ws.get_mut()
+        .set_read_timeout(Some(Duration::from_secs(3)))
         .unwrap();
     let mut got = Vec::new();
+    while let Ok(m) = ws.read() {
+        if let Message::Binary(b) = m {
+            got.extend_from_slice(&b);
+        }
+    }
+    eprintln!("sent before any acknowledgement: {} bytes", got.len());
+    assert!(
+        got.len() >= 1 << 20 && got.len() <= (1 << 20) + (64 << 10),
+        "{} bytes went ahead of the page",
+        got.len()
+    );
+    // Drawn: the rest comes.
+    ws.get_mut()
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let ack = |n: usize| Message::text(json!({"type": "ack", "bytes": n}).to_string());
+    ws.send(ack(got.len())).unwrap();
     loop {
         match ws.read() {
-            Ok(Message::Binary(b)) => got.extend_from_slice(&b),
+            Ok(Message::Binary(b)) => {
+                got.extend_from_slice(&b);
+                ws.send(ack(got.len())).unwrap();
+            }
             Ok(Message::Text(t)) if t.contains("\"exit\"") => break,
             Ok(Message::Close(_)) | Err(_) => break,
             Ok(_) => {}
         }
     }
+    let text = String::from_utf8_lossy(&got);
     assert!(
-        String::from_utf8_lossy(&got).contains("raw-2"),
+        text.contains("raw-2"),
         "{}",
-        String::from_utf8_lossy(&got)
+        &text[text.len().saturating_sub(300)..]
+    );
+    assert!(got.len() > 3_000_000, "{}", got.len());
+}
+
+#[test]
+fn the_page_shows_branches_answers_a_waiting_connection_and_plays_a_record() {
+    if !cdp::available() {
+        return;
+    }
+    let body = common::origin(
+        std::net::IpAddr::from([127, 0, 0, 1]),
+        "through-the-console",
+    );
+    let cfg = json!({"egress": {"hosts": {"origin.test": "127.0.0.1"}, "ask_seconds": 60}});
+    let env = Env::with_config(&cfg);
+    env.create_running("deck", &["--egress", "ask"]);
+    let url = env.ok(&["console", "deck", "--print"]).trim().to_owned();
+    let addr = url
+        .strip_prefix("http://")
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .to_owned();
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = Browser::start(dir.path());
+    let page = b.open(&url);
+    // The link selected the sandbox: its branches show.
+    b.wait(
+        &page,
+        "the main branch",
+        "document.querySelector('#branches tr td')?.textContent === 'main'",
+    );
+
+    // A connection waits for an answer (mode ask); the page lists it as
+    // it happens and lets it through once.
+    env.inside(
+        "deck",
+        &format!("curl -sS --max-time 50 http://origin.test:{body}/ > /tmp/held 2>&1 &"),
+    );
+    b.wait(
+        &page,
+        "the waiting connection",
+        &format!("document.getElementById('asking').textContent.includes('origin.test:{body}')"),
+    );
+    b.eval(
+        &page,
+        "[...document.querySelectorAll('#asking button')].find((x) => x.textContent === 'Allow once').click(); true",
+    );
+    let mut held = String::new();
+    common::wait_for("the held connection", Duration::from_secs(20), || {
+        held = env.inside("deck", "cat /tmp/held").1;
+        !held.is_empty()
+    });
+    assert_eq!(held, "through-the-console");
+    let show: serde_json::Value =
+        serde_json::from_str(&env.ok(&["egress", "deck", "show", "--json"])).unwrap();
+    assert_eq!(show["allow"], json!([]), "once was kept");
+    b.wait(
+        &page,
+        "the answered connection to go",
+        "document.getElementById('asking-section').hidden",
+    );
+
+    // A session from the branch's row; the list counts who is attached.
+    b.eval(
+        &page,
+        "document.querySelector('#branches tr td:last-child button').click(); true",
+    );
+    b.wait(
+        &page,
+        "the session",
+        "document.getElementById('terminal-status').textContent.startsWith('session deck-main')",
+    );
+    b.wait(
+        &page,
+        "the attached client",
+        "(detailsAt = 0, refreshDetails(), \
+         document.querySelector('#branches tr td:nth-child(4)').textContent.includes('(1 attached)'))",
+    );
+    b.eval(&page, "closeTerminal(); true");
+
+    // A shell's record plays in the browser.
+    b.eval(
+        &page,
+        "document.querySelector('#branches tr td:last-child button:nth-child(2)').click(); true",
+    );
+    b.wait(
+        &page,
+        "the shell",
+        "document.getElementById('terminal-status').textContent === 'shell'",
+    );
+    type_line(&mut b, &page, "echo rec-$((5*5))");
+    screen_has(&mut b, &page, "the shell's answer", "rec-25");
+    type_line(&mut b, &page, "exit");
+    b.wait(
+        &page,
+        "the shell's end",
+        "document.getElementById('terminal-status').textContent.startsWith('ended')",
+    );
+    b.wait(
+        &page,
+        "the record",
+        "(detailsAt = 0, refreshDetails(), \
+         [...document.querySelectorAll('#records tr')].some((r) => r.children[1].textContent === 'exec'))",
+    );
+    b.eval(
+        &page,
+        "[...document.querySelectorAll('#records tr')].find((r) => r.children[1].textContent === 'exec').querySelector('button').click(); true",
+    );
+    screen_has(&mut b, &page, "the played record", "rec-25");
+
+    // Without the page's token in its header, or from another origin,
+    // the same requests get nothing.
+    let cookie = b
+        .cookies()
+        .into_iter()
+        .find(|c| c["name"] == "keystone_console")
+        .expect("a session cookie");
+    let cookie = format!("keystone_console={}", cookie["value"].as_str().unwrap());
+    let raw = |request: String| {
+        use std::io::{Read, Write};
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
+    };
+    let got = raw(format!(
+        "GET /api/sandbox?name=deck HTTP/1.1\r\nHost: {addr}\r\nCookie: {cookie}\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(got.starts_with("HTTP/1.1 403"), "{got}");
+    assert!(!got.contains("main"), "{got}");
+    let csrf = b.eval(&page, "proof").as_str().unwrap().to_owned();
+    let got = raw(format!(
+        "POST /api/egress?sandbox=deck&id=1&decision=allow HTTP/1.1\r\nHost: {addr}\r\nCookie: {cookie}\r\nOrigin: http://127.0.0.1:1\r\nX-Keystone-CSRF: {csrf}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(got.starts_with("HTTP/1.1 403"), "{got}");
+    // With both, a sandbox that is not there is named as such.
+    let got = raw(format!(
+        "GET /api/sandbox?name=nope HTTP/1.1\r\nHost: {addr}\r\nCookie: {cookie}\r\nX-Keystone-CSRF: {csrf}\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(
+        got.starts_with("HTTP/1.1 404") && got.contains("No sandbox named 'nope'"),
+        "{got}"
     );
 }

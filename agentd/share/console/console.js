@@ -54,6 +54,9 @@ function render() {
     shell.addEventListener('click', () => openTerminal({ sandbox: name, branch: '', shell: true }));
     open.append(session, shell);
     tr.append(open);
+    tr.addEventListener('click', (e) => {
+      if (e.target.tagName !== 'BUTTON') location.hash = name;
+    });
     rows.append(tr);
   }
   const list = document.getElementById('waiting');
@@ -82,12 +85,15 @@ function take(m) {
       waiting.clear();
       for (const s of m.sandboxes) sandboxes.set(s.name, s);
       for (const w of m.waiting) waiting.set(w.sandbox + '\n' + w.session, w);
+      refreshDetails();
       break;
     case 'sandbox':
       sandboxes.set(m.sandbox.name, m.sandbox);
+      if (m.sandbox.name === selected) refreshDetails();
       break;
     case 'removed':
       sandboxes.delete(m.name);
+      if (m.name === selected) refreshDetails();
       for (const k of [...waiting.keys()]) if (waiting.get(k).sandbox === m.name) waiting.delete(k);
       break;
     case 'waiting':
@@ -97,6 +103,9 @@ function take(m) {
     case 'answered':
       waiting.delete(m.sandbox + '\n' + m.session);
       break;
+    case 'asked':
+      if (m.sandbox === selected) refreshDetails();
+      return;
     default:
       return;
   }
@@ -154,11 +163,129 @@ function start() {
     .catch(() => lost('Not logged in'));
 }
 
+// The selected sandbox's details: branches and their sessions, links,
+// connections waiting for an answer, session records. Asked for when it
+// is selected and when agentd says it changed (at most once a second).
+function api(method, path, params) {
+  return fetch(path + '?' + new URLSearchParams(params), {
+    method,
+    credentials: 'same-origin',
+    headers: { 'X-Keystone-CSRF': proof },
+  }).then((r) => r.json().then((v) => {
+    if (!r.ok) throw new Error(v.error || r.statusText);
+    return v;
+  }));
+}
+
+let detailsAt = 0;
+let detailsTimer = null;
+function refreshDetails() {
+  const wait = detailsAt + 1000 - Date.now();
+  if (wait > 0) {
+    if (!detailsTimer) detailsTimer = setTimeout(() => { detailsTimer = null; refreshDetails(); }, wait);
+    return;
+  }
+  detailsAt = Date.now();
+  const name = selected;
+  const section = document.getElementById('details-section');
+  if (!name || !sandboxes.has(name)) { section.hidden = true; return; }
+  section.hidden = false;
+  document.getElementById('details-title').textContent = name;
+  api('GET', '/api/sandbox', { name })
+    .then((d) => { if (name === selected) showDetails(d); })
+    .catch((e) => { document.getElementById('details-error').textContent = String(e.message); });
+}
+
+function button(text, title, action) {
+  const b = el('button', text);
+  b.type = 'button';
+  if (title) b.title = title;
+  b.addEventListener('click', action);
+  return b;
+}
+
+function showDetails(d) {
+  document.getElementById('details-error').textContent = '';
+  const branches = document.getElementById('branches');
+  branches.replaceChildren();
+  for (const w of d.branches) {
+    const tr = el('tr');
+    tr.append(el('td', w.branch || '(detached)'));
+    tr.append(el('td', w.head));
+    const changes = [];
+    if (w.dirty) changes.push('uncommitted changes');
+    if (w.ahead) changes.push(w.ahead + ' ahead');
+    if (w.behind) changes.push(w.behind + ' behind');
+    tr.append(el('td', changes.join(', ')));
+    tr.append(el('td', w.session ? w.session + ' (' + w.clients + ' attached)' : ''));
+    const open = el('td');
+    if (w.branch) {
+      open.append(
+        button('Session', 'The Zellij session of ' + w.branch, () => openTerminal({ sandbox: d.name, branch: w.branch, shell: false })),
+        button('Shell', 'A shell in the worktree of ' + w.branch, () => openTerminal({ sandbox: d.name, branch: w.branch, shell: true })));
+    }
+    tr.append(open);
+    branches.append(tr);
+  }
+  const links = document.getElementById('links');
+  links.replaceChildren();
+  for (const l of d.links) {
+    const li = el('li');
+    // Only a web address is a link: agentd makes them, the branch in it
+    // is the sandbox's.
+    if (/^https?:\/\//.test(l.url)) {
+      const a = el('a', l.url);
+      a.href = l.url;
+      a.target = '_blank';
+      a.rel = 'noopener noreferrer';
+      li.append(a);
+    } else {
+      li.append(el('span', l.url));
+    }
+    li.append(el('span', ' (' + l.branch + ', port ' + l.port + ')'));
+    links.append(li);
+  }
+  if (!d.links.length) links.append(el('li', 'none (a server listening in a worktree gets one)'));
+  const asking = document.getElementById('asking');
+  asking.replaceChildren();
+  document.getElementById('asking-section').hidden = d.egress_waiting.length === 0;
+  for (const w of d.egress_waiting) {
+    const li = el('li');
+    li.append(el('span', w.host + ':' + w.port + ' (' + w.protocol + ', since ' + when(w.since) + ')'));
+    li.append(el('span', w.admits ? '; allowing it allows ' + w.admits : '; no entry would allow it', 'note'));
+    const decide = (decision) => () => {
+      api('POST', '/api/egress', { sandbox: d.name, id: String(w.id), decision })
+        .then(() => { detailsAt = 0; refreshDetails(); })
+        .catch((e) => { document.getElementById('details-error').textContent = String(e.message); });
+    };
+    if (w.admits) {
+      li.append(
+        button('Allow once', 'Let the waiting connections to it through, and ask again next time', decide('once')),
+        button('Allow', 'Allow it from now on', decide('allow')));
+    }
+    li.append(button('Deny', 'Refuse it from now on', decide('deny')));
+    asking.append(li);
+  }
+  const records = document.getElementById('records');
+  records.replaceChildren();
+  for (const r of d.records) {
+    const tr = el('tr');
+    tr.append(el('td', when(r.started)));
+    tr.append(el('td', r.kind));
+    tr.append(el('td', r.detail));
+    tr.append(el('td', Math.round(r.duration_ms / 1000) + ' s'));
+    const td = el('td');
+    td.append(button('Play', 'Play this session in the browser', () => play(d.name, r.id)));
+    tr.append(td);
+    records.append(tr);
+  }
+}
+
 // The terminal: one at a time, on the session of a branch (the same
 // Zellij session `agentctl attach` joins, so it can be left and joined
 // again from anywhere) or a plain shell. What the session prints goes
 // only to xterm.js, which draws it; nothing of it becomes markup.
-const term = { spec: null, xterm: null, fit: null, ws: null, ended: false, delay: 500 };
+const term = { spec: null, xterm: null, fit: null, ws: null, ended: false, delay: 500, player: null };
 const encoder = new TextEncoder();
 // Largest piece of typing (or paste) sent in one message: agentd reads
 // at most 16 KiB at once.
@@ -170,6 +297,8 @@ function termStatus(text) {
 
 function closeTerminal() {
   term.ended = true;
+  if (term.player) clearTimeout(term.player);
+  term.player = null;
   if (term.ws) term.ws.close();
   if (term.xterm) term.xterm.dispose();
   term.spec = term.xterm = term.fit = term.ws = null;
@@ -182,14 +311,74 @@ function send(bytes) {
   for (let i = 0; i < bytes.length; i += PIECE) ws.send(bytes.subarray(i, i + PIECE));
 }
 
+// Whether xterm.js is there; if not, says so in the terminal's place.
+function haveXterm(title) {
+  if (typeof Terminal !== 'undefined' && typeof FitAddon !== 'undefined') return true;
+  document.getElementById('terminal-section').hidden = false;
+  document.getElementById('terminal-title').textContent = title;
+  termStatus('The terminal\'s code (xterm.js) is not installed yet: agentd downloads it when it starts, or run `agentd --install-agents`; then reload.');
+  return false;
+}
+
+// Play record `id` of sandbox `name` (an asciicast v2 file: a header,
+// then [seconds, "o" | "i" | "r", data] a line): what was printed, at its
+// pace, pauses cut to a second.
+function play(name, id) {
+  closeTerminal();
+  if (!haveXterm(name + ': record ' + id)) return;
+  document.getElementById('terminal-section').hidden = false;
+  document.getElementById('terminal-title').textContent = name + ': record ' + id;
+  termStatus('loading…');
+  fetch('/api/record?' + new URLSearchParams({ sandbox: name, id }), {
+    credentials: 'same-origin',
+    headers: { 'X-Keystone-CSRF': proof },
+  }).then((r) => r.text().then((t) => {
+    if (!r.ok) { let m = t; try { m = JSON.parse(t).error; } catch (e) { /* text */ } throw new Error(m); }
+    return t;
+  })).then((text) => {
+    const lines = text.split('\n').filter((l) => l);
+    const head = JSON.parse(lines.shift());
+    const xterm = new Terminal({ disableStdin: true, cols: head.width || 80, rows: head.height || 24, scrollback: 5000, fontFamily: 'monospace' });
+    xterm.open(document.getElementById('terminal'));
+    term.xterm = xterm;
+    term.ended = false;
+    const events = [];
+    for (const l of lines) {
+      try { const e = JSON.parse(l); if (Array.isArray(e) && e.length === 3) events.push(e); } catch (err) { /* a cut line */ }
+    }
+    let i = 0;
+    let prev = 0;
+    let waited = false;
+    termStatus('playing…');
+    const step = () => {
+      term.player = null;
+      if (term.xterm !== xterm) return;
+      while (i < events.length) {
+        const [t, kind, data] = events[i];
+        const gap = Math.min(Math.max(t - prev, 0), 1);
+        if (gap > 0.01 && !waited) {
+          waited = true;
+          term.player = setTimeout(step, gap * 1000);
+          return;
+        }
+        waited = false;
+        prev = t;
+        i += 1;
+        if (kind === 'o') xterm.write(String(data));
+        else if (kind === 'r') {
+          const [cols, rows] = String(data).split('x').map(Number);
+          if (cols > 0 && rows > 0 && cols <= 1000 && rows <= 500) xterm.resize(cols, rows);
+        }
+      }
+      termStatus('played');
+    };
+    step();
+  }).catch((e) => termStatus(String(e.message)));
+}
+
 function openTerminal(spec) {
   closeTerminal();
-  if (typeof Terminal === 'undefined' || typeof FitAddon === 'undefined') {
-    document.getElementById('terminal-section').hidden = false;
-    document.getElementById('terminal-title').textContent = spec.sandbox;
-    termStatus('The terminal\'s code (xterm.js) is not installed yet: agentd downloads it when it starts, or run `agentd --install-agents`; then reload.');
-    return;
-  }
+  if (!haveXterm(spec.sandbox)) return;
   term.spec = spec;
   term.ended = false;
   term.delay = 500;
@@ -222,10 +411,22 @@ function openTerminal(spec) {
   xterm.focus();
 }
 
+// A paste is text: escape and C1 control characters are taken out, so
+// that what another page put on the clipboard cannot end the terminal's
+// bracketed paste and run a command of its own.
+document.addEventListener('paste', (e) => {
+  const box = document.getElementById('terminal');
+  if (!term.xterm || !box.contains(e.target)) return;
+  e.preventDefault();
+  e.stopPropagation();
+  const text = (e.clipboardData && e.clipboardData.getData('text/plain')) || '';
+  term.xterm.paste(text.replace(/[\x1b\x80-\x9f]/g, ''));
+}, true);
+
 function connectTerminal() {
   const spec = term.spec;
   const xterm = term.xterm;
-  if (!spec || term.ended) return;
+  if (!spec || term.ended || gone) return;
   const q = new URLSearchParams({ sandbox: spec.sandbox });
   if (spec.branch) q.set('branch', spec.branch);
   if (spec.shell) q.set('shell', '1');
@@ -234,25 +435,39 @@ function connectTerminal() {
   ws.trusted = false;
   term.ws = ws;
   termStatus('connecting…');
-  ws.onopen = () => {
-    ws.send(JSON.stringify({ type: 'open', csrf: proof, rows: xterm.rows, cols: xterm.cols }));
-  };
+  // What has been drawn, told to agentd every 64 KiB: it sends at most
+  // a window ahead of it.
+  let drawn = 0;
+  let told = 0;
   ws.onmessage = (e) => {
     if (term.ws !== ws) return;
     if (typeof e.data !== 'string') {
-      if (ws.trusted) xterm.write(new Uint8Array(e.data));
+      if (!ws.trusted) return;
+      const bytes = new Uint8Array(e.data);
+      xterm.write(bytes, () => {
+        drawn += bytes.length;
+        if (drawn - told >= 65536 && ws.readyState === WebSocket.OPEN) {
+          told = drawn;
+          ws.send(JSON.stringify({ type: 'ack', bytes: drawn }));
+        }
+      });
       return;
     }
     let m;
     try { m = JSON.parse(e.data); } catch (err) { return; }
     if (!ws.trusted) {
-      if (m.proof !== proof) {
+      // agentd speaks first, showing the session's token: until it has,
+      // nothing is sent (whatever took the port after agentd went gets
+      // neither the token nor any typing).
+      if (m.type !== 'hello' || m.proof !== proof) {
         term.ended = true;
         ws.close();
         termStatus('This is no longer the console that logged you in: run `agentctl console` again.');
         return;
       }
       ws.trusted = true;
+      ws.send(JSON.stringify({ type: 'open', csrf: proof, rows: xterm.rows, cols: xterm.cols }));
+      return;
     }
     switch (m.type) {
       case 'opened':
@@ -275,8 +490,14 @@ function connectTerminal() {
   };
   ws.onclose = () => {
     if (term.ws !== ws || term.ended) return;
-    // A dropped connection: join again (a session is as it was left; a
-    // shell is a new one).
+    // A shell hangs up with its connection: say so (typing into a new one
+    // unawares would be a surprise).
+    if (spec.shell || gone) {
+      term.ended = true;
+      termStatus('disconnected: the shell has ended; open it again');
+      return;
+    }
+    // A session is as it was left: join it again.
     termStatus('disconnected; reconnecting…');
     setTimeout(connectTerminal, term.delay);
     term.delay = Math.min(term.delay * 2, 10000);
@@ -288,6 +509,8 @@ window.addEventListener('resize', () => { if (term.fit) term.fit.fit(); });
 window.addEventListener('hashchange', () => {
   selected = location.hash.slice(1);
   render();
+  detailsAt = 0;
+  refreshDetails();
 });
 
 document.addEventListener('DOMContentLoaded', () => {

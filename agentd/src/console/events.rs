@@ -20,7 +20,7 @@ use tokio_tungstenite::tungstenite::Message;
 use super::auth::Session;
 use crate::auth::Caller;
 use crate::registry::Change;
-use crate::sandbox::manager::{Manager, WaitingEvent};
+use crate::sandbox::manager::{EgressEvent, Manager, WaitingEvent};
 
 /// How long the page may take to take a message before it is dropped.
 const SEND_TIMEOUT: Duration = Duration::from_secs(10);
@@ -137,6 +137,7 @@ async fn run<S>(
     let (mut tx, mut rx) = ws.split();
     let mut changes = manager.subscribe();
     let mut waits = manager.subscribe_waiting();
+    let mut egress = manager.subscribe_egress();
     let mut known = HashSet::new();
     let mut next = Some(everything(&manager, caller, &mut known, &proof));
     let mut recheck = tokio::time::interval(RECHECK);
@@ -176,6 +177,15 @@ async fn run<S>(
                 }
                 Ok(_) => None,
                 Err(RecvError::Lagged(_)) => Some(everything(&manager, caller, &mut known, &proof)),
+                Err(RecvError::Closed) => return,
+            },
+            // A connection waits for an answer: the page asks for the
+            // sandbox's details (its own names are checked when it does).
+            e = egress.recv() => match e {
+                Ok(EgressEvent::Asked(entry)) if known.contains(&entry.sandbox) => {
+                    Some(json!({"type": "asked", "sandbox": entry.sandbox}))
+                }
+                Ok(_) | Err(RecvError::Lagged(_)) => None,
                 Err(RecvError::Closed) => return,
             },
         };

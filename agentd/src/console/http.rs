@@ -46,7 +46,7 @@ pub(super) async fn connection(
     let _ = stream.set_nodelay(true);
     let service = hyper::service::service_fn(move |req| {
         let (door, manager) = (Arc::clone(&door), Arc::clone(&manager));
-        async move { Ok::<_, Infallible>(answer(req, uid, &door, &manager)) }
+        async move { Ok::<_, Infallible>(answer(req, uid, &door, &manager).await) }
     });
     let _ = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
@@ -57,7 +57,7 @@ pub(super) async fn connection(
 }
 
 /// The answer to `req` from a process of `uid`.
-fn answer(
+async fn answer(
     req: Request<Incoming>,
     uid: u32,
     door: &Arc<Door>,
@@ -121,6 +121,20 @@ fn answer(
                 Arc::clone(manager),
             )
         }
+        (Method::GET, "/api/sandbox" | "/api/record") | (Method::POST, "/api/egress") => {
+            let Some((s, _)) = session(&req, uid, door) else {
+                return page(StatusCode::UNAUTHORIZED, "Not logged in.");
+            };
+            // The page's token in a header of its own: a page of another
+            // origin cannot send one without asking first (CORS), and is
+            // never told yes.
+            let posted = req.method() == Method::POST;
+            if !carries_csrf(&req, &s) || (posted && !own_origin(&req, door)) {
+                tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused a request without the page's origin and token");
+                return page(StatusCode::FORBIDDEN, "Not from the console's own page.");
+            }
+            sandbox_api(&path, req.uri().query().unwrap_or(""), s.uid, manager).await
+        }
         (Method::POST, "/api/logout") => {
             let Some((s, cookie)) = session(&req, uid, door) else {
                 return page(StatusCode::UNAUTHORIZED, "Not logged in.");
@@ -141,6 +155,68 @@ fn answer(
         }
         _ => page(StatusCode::NOT_FOUND, "Not here."),
     }
+}
+
+/// Largest record the page plays (a longer one: `agentctl replay`).
+const RECORD_MAX: u64 = 8 << 20;
+
+/// `/api/sandbox`, `/api/record` and `/api/egress` for `uid`, each about
+/// one of its sandboxes.
+async fn sandbox_api(
+    path: &str,
+    query: &str,
+    uid: u32,
+    manager: &Manager,
+) -> Response<Full<Bytes>> {
+    use super::api::param;
+    let caller = crate::auth::Caller { uid };
+    let name = param(query, "name")
+        .or_else(|| param(query, "sandbox"))
+        .unwrap_or_default();
+    let result = match path {
+        "/api/sandbox" => super::api::details(manager, caller, &name)
+            .await
+            .map(|v| json(&v)),
+        "/api/record" => {
+            let id = param(query, "id").unwrap_or_default();
+            manager.open_record(caller, &name, &id).map(|fd| {
+                use std::io::Read;
+                let mut text = Vec::new();
+                let read = std::fs::File::from(fd)
+                    .take(RECORD_MAX + 1)
+                    .read_to_end(&mut text);
+                if read.is_err() || text.len() as u64 > RECORD_MAX {
+                    return json_status(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        &serde_json::json!({"error": format!(
+                            "This record is larger than the console plays ({} MiB): `agentctl replay {name} {id}`",
+                            RECORD_MAX >> 20
+                        )}),
+                    );
+                }
+                respond(StatusCode::OK, "text/plain; charset=utf-8", Bytes::from(text))
+            })
+        }
+        _ => {
+            let id = param(query, "id").and_then(|i| i.parse().ok()).unwrap_or(0);
+            let decision = param(query, "decision").unwrap_or_default();
+            super::api::decide(manager, caller, (&name, id, &decision))
+                .map(|done| json(&serde_json::json!({"done": done})))
+        }
+    };
+    result.unwrap_or_else(|e| {
+        use crate::error::Error;
+        let status = match e {
+            Error::NotFound(_) | Error::Missing(_) => StatusCode::NOT_FOUND,
+            Error::Invalid(_) => StatusCode::BAD_REQUEST,
+            _ => StatusCode::CONFLICT,
+        };
+        json_status(status, &serde_json::json!({"error": e.to_string()}))
+    })
+}
+
+fn json_status(status: StatusCode, v: &serde_json::Value) -> Response<Full<Bytes>> {
+    respond(status, "application/json", Bytes::from(v.to_string()))
 }
 
 /// `GET /xterm/NAME`: a file of the terminal's code, from the toolbox's
@@ -319,11 +395,7 @@ fn asset(kind: &'static str, text: &'static str) -> Response<Full<Bytes>> {
 }
 
 fn json(v: &serde_json::Value) -> Response<Full<Bytes>> {
-    respond(
-        StatusCode::OK,
-        "application/json",
-        Bytes::from(v.to_string()),
-    )
+    json_status(StatusCode::OK, v)
 }
 
 /// A page of plain text (never markup: nothing in it is rendered).

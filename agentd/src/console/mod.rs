@@ -24,6 +24,7 @@ use tokio::net::TcpListener;
 
 use crate::sandbox::manager::Manager;
 
+mod api;
 pub mod auth;
 mod events;
 mod http;

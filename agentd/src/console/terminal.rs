@@ -7,12 +7,18 @@
 //! person types comes back in binary messages, and a text message
 //! (`{"type":"resize","rows":R,"cols":C}`) gives the terminal a new size.
 //!
-//! Nothing starts before the page's first message shows the session's
-//! CSRF token (which only the console's own page has read) with the
-//! terminal's size; agentd's first answer shows it back (`proof`), so a
-//! page never types into whatever listens on the console's port after
-//! agentd has gone. Nothing is buffered beyond one read each way: a page
-//! that stops reading stops the session's output, as a terminal would.
+//! agentd speaks first: its first message shows the session's CSRF token
+//! (`proof`), which only agentd and the console's own page know, so the
+//! page sends nothing (no token, no typing) to whatever listens on the
+//! console's port after agentd has gone. Nothing starts before the page's
+//! first message shows the token back with the terminal's size.
+//!
+//! Nothing is buffered beyond one read each way. The page tells how much
+//! of the output it has drawn (`{"type":"ack","bytes":N}`, a running
+//! total); agentd sends at most [`WINDOW`] bytes ahead of that, so a page
+//! that cannot keep up stops the session's output, as a terminal would,
+//! instead of piling it up in the browser. Typing that the session does
+//! not take within [`SEND_TIMEOUT`] closes the terminal.
 
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
@@ -44,6 +50,9 @@ const RECHECK: Duration = Duration::from_secs(15);
 
 /// What one read of the session's output moves at most.
 const CHUNK: usize = 16 << 10;
+
+/// Most output sent ahead of what the page says it has drawn.
+const WINDOW: u64 = 1 << 20;
 
 /// Largest terminal a page may ask for.
 const ROWS_MAX: u16 = 500;
@@ -139,6 +148,9 @@ async fn serve(
     alive: impl Fn() -> bool,
 ) {
     let (mut tx, mut rx) = ws.split();
+    if !say(&mut tx, json!({"type": "hello", "proof": proof})).await {
+        return;
+    }
     let first = tokio::time::timeout(OPEN_TIMEOUT, rx.next()).await;
     let Ok(Some(Ok(first))) = first else { return };
     let Some((rows, cols)) = opening(&first, &proof) else {
@@ -174,17 +186,13 @@ async fn serve(
     let (terminal, session, notices) = match opened {
         Ok(t) => t,
         Err(e) => {
-            let _ = say(
-                &mut tx,
-                json!({"type": "error", "proof": proof, "message": e.to_string()}),
-            )
-            .await;
+            let _ = say(&mut tx, json!({"type": "error", "message": e.to_string()})).await;
             let _ = tx.send(Message::Close(None)).await;
             return;
         }
     };
     tracing::info!(sandbox = %name, uid = caller.uid, shell = target.shell, "web console: terminal opened");
-    let opened = json!({"type": "opened", "proof": proof, "session": session, "notices": notices});
+    let opened = json!({"type": "opened", "session": session, "notices": notices});
     let Ok(fd) = crate::relay::async_fd(terminal.fd) else {
         return;
     };
@@ -192,8 +200,9 @@ async fn serve(
         return;
     }
     let ended = {
-        let output = output(&fd, &mut tx);
-        let input = input(&fd, &mut rx);
+        let drawn = Drawn::default();
+        let output = output(&fd, &mut tx, &drawn);
+        let input = input(&fd, &mut rx, &drawn);
         let recheck = async {
             let mut every = tokio::time::interval(RECHECK);
             loop {
@@ -227,11 +236,28 @@ async fn serve(
     let _ = tx.send(Message::Close(None)).await;
 }
 
-/// Carry what the session prints to the page; `true` when the session
-/// ended, `false` when the page stopped taking it.
-async fn output(fd: &AsyncFd<OwnedFd>, tx: &mut SplitSink<Socket, Message>) -> bool {
+/// How much output the page has drawn, as it says.
+#[derive(Default)]
+struct Drawn {
+    bytes: std::sync::atomic::AtomicU64,
+    changed: tokio::sync::Notify,
+}
+
+/// Carry what the session prints to the page, at most [`WINDOW`] bytes
+/// ahead of what it has drawn; `true` when the session ended, `false`
+/// when the page stopped taking it.
+async fn output(fd: &AsyncFd<OwnedFd>, tx: &mut SplitSink<Socket, Message>, drawn: &Drawn) -> bool {
+    use std::sync::atomic::Ordering;
     let mut buf = vec![0u8; CHUNK];
+    let mut sent = 0u64;
     loop {
+        loop {
+            let changed = drawn.changed.notified();
+            if sent.saturating_sub(drawn.bytes.load(Ordering::Relaxed)) < WINDOW {
+                break;
+            }
+            changed.await;
+        }
         let n = match crate::relay::read(fd, &mut buf).await {
             Ok(0) | Err(_) => return true,
             Ok(n) => n,
@@ -243,25 +269,36 @@ async fn output(fd: &AsyncFd<OwnedFd>, tx: &mut SplitSink<Socket, Message>) -> b
         ) {
             return false;
         }
+        sent += n as u64;
     }
 }
 
-/// Carry what the person types to the session, and the terminal's size,
+/// Carry what the person types to the session (each piece taken within
+/// [`SEND_TIMEOUT`]), the terminal's size and what the page has drawn,
 /// until the page goes.
-async fn input(fd: &AsyncFd<OwnedFd>, rx: &mut SplitStream<Socket>) {
+async fn input(fd: &AsyncFd<OwnedFd>, rx: &mut SplitStream<Socket>, drawn: &Drawn) {
     while let Some(Ok(m)) = rx.next().await {
         let typed = match &m {
-            Message::Binary(b) => crate::relay::write_all(fd, b).await,
-            _ => Ok(()),
+            Message::Binary(b) => {
+                tokio::time::timeout(SEND_TIMEOUT, crate::relay::write_all(fd, b)).await
+            }
+            _ => Ok(Ok(())),
         };
         match m {
-            _ if typed.is_err() => return,
+            _ if !matches!(typed, Ok(Ok(()))) => return,
             Message::Text(t) => {
                 let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap_or_default();
                 if v["type"] == "resize"
                     && let Some(s) = size(&v)
                 {
                     let _ = crate::pty::set_size(fd.get_ref(), s);
+                } else if v["type"] == "ack"
+                    && let Some(n) = v["bytes"].as_u64()
+                {
+                    drawn
+                        .bytes
+                        .fetch_max(n, std::sync::atomic::Ordering::Relaxed);
+                    drawn.changed.notify_waiters();
                 }
             }
             Message::Close(_) => return,

@@ -30,6 +30,8 @@ pub struct Waiting {
     /// The command that admits it (`agentctl egress NAME allow --once …`),
     /// or empty ([`super::hint`]).
     pub command: String,
+    /// The entry that command allows, or empty.
+    pub admits: String,
     /// Entries admitted for it alone (`allow --once`).
     once: Vec<Rule>,
 }
@@ -70,9 +72,13 @@ pub struct Pending {
 }
 
 impl Pending {
-    /// Record a waiting connection (`command` admits it); `None` when
-    /// [`WAITING_MAX`] already wait.
-    pub fn add(&self, protocol: &str, host: &str, port: u16, command: String) -> Option<Waiting> {
+    /// Record a waiting connection (`admits`, in `command`, admits it);
+    /// `None` when [`WAITING_MAX`] already wait.
+    pub fn add(
+        &self,
+        (protocol, host, port): (&str, &str, u16),
+        (admits, command): (String, String),
+    ) -> Option<Waiting> {
         let mut w = self.waiting.lock().unwrap();
         if w.len() >= WAITING_MAX {
             return None;
@@ -85,6 +91,7 @@ impl Pending {
             port,
             since: crate::text::micros(Some(std::time::SystemTime::now())),
             command,
+            admits,
             once: Vec::new(),
         };
         w.insert(id, waiting.clone());

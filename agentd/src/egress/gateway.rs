@@ -518,10 +518,16 @@ async fn wait_for_person(
             Vec::new(),
         )
     };
-    let command = once
-        .map(|e| hint::command(&ctx.name, &e, true))
-        .unwrap_or_default();
-    let Some(waiting) = ctx.pending.add(ask.protocol, &ask.host, ask.port, command) else {
+    let admits = once.unwrap_or_default();
+    let command = if admits.is_empty() {
+        String::new()
+    } else {
+        hint::command(&ctx.name, &admits, true)
+    };
+    let Some(waiting) = ctx
+        .pending
+        .add((ask.protocol, &ask.host, ask.port), (admits, command))
+    else {
         return refused(
             "ask",
             format!(
