@@ -516,6 +516,31 @@ in
       };
     };
 
+    console = {
+      enable = lib.mkOption {
+        type = types.bool;
+        default = d.console.enable;
+        description = ''
+          Serve the web console (docs/console.md): each user's sandboxes,
+          terminals on their sessions and the agents waiting for them, in
+          the browser; `agentctl console` opens it logged in. agentd:
+          `console.enable`.
+        '';
+      };
+      listen = lib.mkOption {
+        type = types.str;
+        default = d.console.listen;
+        example = "127.0.0.1:7681";
+        description = ''
+          Where agentd serves it: an IPv4 loopback address and a port
+          (port 0: a free one, which `agentctl console` asks agentd for).
+          It is reached from this host only; every connection's user is
+          read from the kernel and must be the session's. agentd:
+          `console.listen`.
+        '';
+      };
+    };
+
     toolbox = {
       agents = lib.mkOption {
         type = types.listOf (

@@ -199,6 +199,11 @@ let
       keepDays = 90;
       maxMib = 64;
     };
+    # The web console (docs/console.md).
+    console = {
+      enable = true;
+      listen = "127.0.0.1:0";
+    };
     # One sandboxes.<name>; project and owner have no default. Every setting
     # of `defaults` is also a per-sandbox override, null meaning "the default".
     sandbox = {
@@ -272,6 +277,7 @@ let
       proxy = section "proxy";
       network = section "network";
       audit = section "audit";
+      console = section "console";
       sandboxes = mapAttrs (_: s: d.sandbox // s) (cfg.sandboxes or { });
     };
 
@@ -546,6 +552,9 @@ let
         keep_days = c.audit.keepDays;
         max_mib = c.audit.maxMib;
       };
+      console = {
+        inherit (c.console) enable listen;
+      };
       sandboxes = mapAttrs (_: renderSandbox) c.sandboxes;
     };
 
@@ -563,6 +572,22 @@ let
       labels = filter isString (split "\\." domain);
     in
     isString domain && domain != "" && builtins.all (l: match "[a-z0-9-]{1,63}" l != null) labels;
+
+  # Same rule and wording as agentd's ConsoleConfig::problems: an IPv4
+  # loopback address and a port.
+  consoleProblems =
+    listen:
+    let
+      v4 = if isString listen then match "([0-9]{1,3})\\.([0-9]{1,3})\\.([0-9]{1,3})\\.([0-9]{1,3}):([0-9]{1,5})" listen else null;
+      v6 = if isString listen then match "\\[[0-9a-fA-F:.]+\\]:[0-9]{1,5}" listen else null;
+      inRange = v4 != null && builtins.all (i: decToInt (elemAt v4 i) <= 255) (genList (i: i) 4) && decToInt (elemAt v4 4) <= 65535;
+    in
+    if inRange && head v4 == "127" then
+      [ ]
+    else if inRange || v6 != null then
+      [ "keystone.agent.console.listen ${listen} is not an IPv4 loopback address (such as 127.0.0.1:0): the console is served there only" ]
+    else
+      [ "keystone.agent.console.listen \"${toString listen}\" is not an address and port such as 127.0.0.1:0" ];
 
   # Same checks as agentd's check_config, same wording.
   settingsProblems =
@@ -614,6 +639,7 @@ let
           "keystone.agent.microvm.shareProto: \"9p\" cannot work: QEMU opens 9p shares as user microvm, and the guest's SSH host key that agentd writes is root's, mode 0600; use \"virtiofs\""
         ++ optional (!validDomain c.proxy.domain)
           "keystone.agent.proxy.domain: '${toString c.proxy.domain}' is not a lowercase DNS name"
+        ++ consoleProblems c.console.listen
         ++ map (m: "keystone.agent.defaults: ${m}") (settingsProblems c.defaults);
 
       # microvm.nix passes the module's CPU flags (nestedVirt) to QEMU only,

@@ -3,6 +3,8 @@
 # Expected messages: tests/nix/bad-config.expected.json.
 {
   defaults.memory = 128;
+  # The console on every interface.
+  console.listen = "0.0.0.0:8443";
   sandboxes = {
     # Not a valid name (upper case, '_').
     Bad_Name = {

@@ -118,3 +118,37 @@ fn every_problem_is_listed() {
             .any(|m| m.starts_with("sandboxes.Bad_Name: owner 'no-such-user-xyz'"))
     );
 }
+
+#[test]
+fn the_console_listens_only_on_an_ipv4_loopback_address() {
+    let problems = |listen: &str| {
+        ConsoleConfig {
+            enable: true,
+            listen: listen.to_owned(),
+        }
+        .problems()
+    };
+    assert!(problems("127.0.0.1:0").is_empty());
+    assert!(problems("127.0.0.1:8443").is_empty());
+    assert!(problems("127.5.6.7:0").is_empty());
+    for (listen, says) in [
+        ("0.0.0.0:8080", "is not an IPv4 loopback address"),
+        ("192.168.1.5:80", "is not an IPv4 loopback address"),
+        ("[::1]:0", "is not an IPv4 loopback address"),
+        ("localhost:0", "is not an address and port"),
+        ("127.0.0.1", "is not an address and port"),
+        ("", "is not an address and port"),
+    ] {
+        let p = problems(listen);
+        assert!(p.len() == 1 && p[0].contains(says), "{listen}: {p:?}");
+    }
+    // Through the whole configuration, as --check-config shows it.
+    let c: DaemonConfig = serde_json::from_str(r#"{"console": {"listen": "0.0.0.0:9"}}"#).unwrap();
+    assert!(
+        c.validate()
+            .iter()
+            .any(|m| m.starts_with("console.listen 0.0.0.0:9")),
+        "{:?}",
+        c.validate()
+    );
+}
