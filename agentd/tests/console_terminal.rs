@@ -15,8 +15,12 @@ use common::cdp::{self, Browser, Page};
 use serde_json::json;
 use tokio_tungstenite::tungstenite::{self, Message, client::IntoClientRequest};
 
-/// The text on the console's terminal screen.
-const SCREEN: &str = "document.querySelector('#terminal .xterm-rows')?.textContent ?? ''";
+/// The text on the console's terminal screen (its buffer: xterm.js draws
+/// only what is in view, and the page may be taller than the browser's
+/// window).
+const SCREEN: &str = "(() => { const x = term.xterm; if (!x) return ''; const b = x.buffer.active; \
+     let t = ''; for (let i = 0; i < b.length; i++) t += b.getLine(i).translateToString(true) + '\\n'; \
+     return t; })()";
 
 /// Type `text` into the page's focused terminal, then Enter.
 fn type_line(b: &mut Browser, page: &Page, text: &str) {
@@ -238,7 +242,8 @@ fn a_terminal_in_the_browser_runs_what_is_typed_and_rejoins_its_session() {
         match ws.read() {
             Ok(Message::Binary(b)) => {
                 got.extend_from_slice(&b);
-                ws.send(ack(got.len())).unwrap();
+                // (The session may have ended and agentd closed already.)
+                let _ = ws.send(ack(got.len()));
             }
             Ok(Message::Text(t)) if t.contains("\"exit\"") => break,
             Ok(Message::Close(_)) | Err(_) => break,
@@ -295,6 +300,53 @@ fn the_page_shows_branches_answers_a_waiting_connection_and_plays_a_record() {
         "the waiting connection",
         &format!("document.getElementById('asking').textContent.includes('origin.test:{body}')"),
     );
+    let cookie = b
+        .cookies()
+        .into_iter()
+        .find(|c| c["name"] == "keystone_console")
+        .expect("a session cookie");
+    let cookie = format!("keystone_console={}", cookie["value"].as_str().unwrap());
+    let raw = |request: String| {
+        use std::io::{Read, Write};
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        out
+    };
+    let csrf = b.eval(&page, "proof").as_str().unwrap().to_owned();
+    // An answer about something other than what the page showed (its id
+    // with another entry) decides nothing.
+    let shown = b.eval(
+        &page,
+        "JSON.stringify([...document.querySelectorAll('#asking li')].map((l) => l.textContent))",
+    );
+    let id: u64 = {
+        let pending = env.ok(&["egress", "deck", "pending", "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&pending).unwrap();
+        v[0]["id"].as_u64().unwrap_or_else(|| panic!("{pending}"))
+    };
+    let origin = format!("http://{addr}");
+    let got = raw(format!(
+        "POST /api/egress?sandbox=deck&id={id}&admits=evil.example&decision=allow HTTP/1.1\r\nHost: {addr}\r\nCookie: {cookie}\r\nOrigin: {origin}\r\nX-Keystone-CSRF: {csrf}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    ));
+    assert!(
+        got.starts_with("HTTP/1.1 404") && got.contains("waiting for an answer"),
+        "{got}"
+    );
+    let show: serde_json::Value =
+        serde_json::from_str(&env.ok(&["egress", "deck", "show", "--json"])).unwrap();
+    assert_eq!(
+        show["allow"],
+        json!([]),
+        "a mismatched answer allowed something"
+    );
+    assert!(shown.as_str().unwrap().contains("origin.test"), "{shown}");
+    b.wait(
+        &page,
+        "the buttons to take clicks",
+        "[...document.querySelectorAll('#asking button')].every((x) => !x.disabled)",
+    );
     b.eval(
         &page,
         "[...document.querySelectorAll('#asking button')].find((x) => x.textContent === 'Allow once').click(); true",
@@ -327,7 +379,7 @@ fn the_page_shows_branches_answers_a_waiting_connection_and_plays_a_record() {
     b.wait(
         &page,
         "the attached client",
-        "(detailsAt = 0, refreshDetails(), \
+        "(detailsAsking || (detailsAt = 0, refreshDetails()), \
          document.querySelector('#branches tr td:nth-child(4)').textContent.includes('(1 attached)'))",
     );
     b.eval(&page, "closeTerminal(); true");
@@ -350,10 +402,20 @@ fn the_page_shows_branches_answers_a_waiting_connection_and_plays_a_record() {
         "the shell's end",
         "document.getElementById('terminal-status').textContent.startsWith('ended')",
     );
+    // (agentd writes the record's last piece as the terminal closes.)
+    common::wait_for("the shell's record", Duration::from_secs(20), || {
+        std::fs::read_dir(env.state_dir.join("recordings/deck"))
+            .unwrap()
+            .flatten()
+            .any(|f| {
+                std::fs::read_to_string(f.path())
+                    .is_ok_and(|t| t.contains("rec-25") && t.contains("logout"))
+            })
+    });
     b.wait(
         &page,
         "the record",
-        "(detailsAt = 0, refreshDetails(), \
+        "(detailsAsking || (detailsAt = 0, refreshDetails()), \
          [...document.querySelectorAll('#records tr')].some((r) => r.children[1].textContent === 'exec'))",
     );
     b.eval(
@@ -364,26 +426,11 @@ fn the_page_shows_branches_answers_a_waiting_connection_and_plays_a_record() {
 
     // Without the page's token in its header, or from another origin,
     // the same requests get nothing.
-    let cookie = b
-        .cookies()
-        .into_iter()
-        .find(|c| c["name"] == "keystone_console")
-        .expect("a session cookie");
-    let cookie = format!("keystone_console={}", cookie["value"].as_str().unwrap());
-    let raw = |request: String| {
-        use std::io::{Read, Write};
-        let mut s = TcpStream::connect(&addr).unwrap();
-        s.write_all(request.as_bytes()).unwrap();
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
-        out
-    };
     let got = raw(format!(
         "GET /api/sandbox?name=deck HTTP/1.1\r\nHost: {addr}\r\nCookie: {cookie}\r\nConnection: close\r\n\r\n"
     ));
     assert!(got.starts_with("HTTP/1.1 403"), "{got}");
     assert!(!got.contains("main"), "{got}");
-    let csrf = b.eval(&page, "proof").as_str().unwrap().to_owned();
     let got = raw(format!(
         "POST /api/egress?sandbox=deck&id=1&decision=allow HTTP/1.1\r\nHost: {addr}\r\nCookie: {cookie}\r\nOrigin: http://127.0.0.1:1\r\nX-Keystone-CSRF: {csrf}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
     ));

@@ -166,9 +166,10 @@ function start() {
 // The selected sandbox's details: branches and their sessions, links,
 // connections waiting for an answer, session records. Asked for when it
 // is selected and when agentd says it changed (at most once a second).
-function api(method, path, params) {
+function api(method, path, params, signal) {
   return fetch(path + '?' + new URLSearchParams(params), {
     method,
+    signal,
     credentials: 'same-origin',
     headers: { 'X-Keystone-CSRF': proof },
   }).then((r) => r.json().then((v) => {
@@ -191,10 +192,23 @@ function refreshDetails() {
   if (!name || !sandboxes.has(name)) { section.hidden = true; return; }
   section.hidden = false;
   document.getElementById('details-title').textContent = name;
-  api('GET', '/api/sandbox', { name })
-    .then((d) => { if (name === selected) showDetails(d); })
-    .catch((e) => { document.getElementById('details-error').textContent = String(e.message); });
+  // One question at a time: a newer one replaces an older one, whose
+  // answer is not shown.
+  if (detailsAsking) detailsAsking.abort();
+  const asking = new AbortController();
+  detailsAsking = asking;
+  api('GET', '/api/sandbox', { name }, asking.signal)
+    .then((d) => { if (detailsAsking === asking && name === selected) showDetails(d); })
+    .catch((e) => {
+      if (detailsAsking !== asking) return;
+      // Nothing stale stays to be clicked.
+      document.getElementById('asking').replaceChildren();
+      document.getElementById('asking-section').hidden = true;
+      document.getElementById('details-error').textContent = String(e.message);
+    })
+    .finally(() => { if (detailsAsking === asking) detailsAsking = null; });
 }
+let detailsAsking = null;
 
 function button(text, title, action) {
   const b = el('button', text);
@@ -205,7 +219,8 @@ function button(text, title, action) {
 }
 
 function showDetails(d) {
-  document.getElementById('details-error').textContent = '';
+  document.getElementById('details-error').textContent =
+    d.partial ? 'The sandbox did not say everything in time; some of this may be missing.' : '';
   const branches = document.getElementById('branches');
   branches.replaceChildren();
   for (const w of d.branches) {
@@ -252,9 +267,11 @@ function showDetails(d) {
   for (const w of d.egress_waiting) {
     const li = el('li');
     li.append(el('span', w.host + ':' + w.port + ' (' + w.protocol + ', since ' + when(w.since) + ')'));
-    li.append(el('span', w.admits ? '; allowing it allows ' + w.admits : '; no entry would allow it', 'note'));
+    const any = w.admits && !w.admits.includes(':');
+    li.append(el('span', w.admits ? '; allowing it allows ' + w.admits + (any ? ' on any port' : '') : '; no entry would allow it', 'note'));
     const decide = (decision) => () => {
-      api('POST', '/api/egress', { sandbox: d.name, id: String(w.id), decision })
+      // What was shown goes along: agentd decides only if it is still so.
+      api('POST', '/api/egress', { sandbox: d.name, id: String(w.id), admits: w.admits, decision })
         .then(() => { detailsAt = 0; refreshDetails(); })
         .catch((e) => { document.getElementById('details-error').textContent = String(e.message); });
     };
@@ -266,6 +283,11 @@ function showDetails(d) {
     li.append(button('Deny', 'Refuse it from now on', decide('deny')));
     asking.append(li);
   }
+  // A list that just moved takes no click for a moment: a row that moved
+  // under the pointer is not the one the person meant.
+  const buttons = [...asking.querySelectorAll('button')];
+  for (const b of buttons) b.disabled = true;
+  setTimeout(() => { for (const b of buttons) b.disabled = false; }, 600);
   const records = document.getElementById('records');
   records.replaceChildren();
   for (const r of d.records) {
@@ -285,7 +307,7 @@ function showDetails(d) {
 // Zellij session `agentctl attach` joins, so it can be left and joined
 // again from anywhere) or a plain shell. What the session prints goes
 // only to xterm.js, which draws it; nothing of it becomes markup.
-const term = { spec: null, xterm: null, fit: null, ws: null, ended: false, delay: 500, player: null };
+const term = { spec: null, xterm: null, fit: null, ws: null, ended: false, delay: 500, player: null, playing: null, refused: 0 };
 const encoder = new TextEncoder();
 // Largest piece of typing (or paste) sent in one message: agentd reads
 // at most 16 KiB at once.
@@ -297,6 +319,7 @@ function termStatus(text) {
 
 function closeTerminal() {
   term.ended = true;
+  term.playing = null;
   if (term.player) clearTimeout(term.player);
   term.player = null;
   if (term.ws) term.ws.close();
@@ -325,6 +348,8 @@ function haveXterm(title) {
 // pace, pauses cut to a second.
 function play(name, id) {
   closeTerminal();
+  const playing = {};
+  term.playing = playing;
   if (!haveXterm(name + ': record ' + id)) return;
   document.getElementById('terminal-section').hidden = false;
   document.getElementById('terminal-title').textContent = name + ': record ' + id;
@@ -336,10 +361,20 @@ function play(name, id) {
     if (!r.ok) { let m = t; try { m = JSON.parse(t).error; } catch (e) { /* text */ } throw new Error(m); }
     return t;
   })).then((text) => {
+    // Another record or terminal was opened meanwhile.
+    if (term.playing !== playing) return;
     const lines = text.split('\n').filter((l) => l);
     const head = JSON.parse(lines.shift());
-    const xterm = new Terminal({ disableStdin: true, cols: head.width || 80, rows: head.height || 24, scrollback: 5000, fontFamily: 'monospace' });
+    const within = (n, max, or) => (Number.isInteger(n) && n > 0 && n <= max ? n : or);
+    const xterm = new Terminal({
+      disableStdin: true,
+      cols: within(head.width, 1000, 80),
+      rows: within(head.height, 500, 24),
+      scrollback: 5000,
+      fontFamily: 'monospace',
+    });
     xterm.open(document.getElementById('terminal'));
+    document.getElementById('terminal-section').scrollIntoView({ block: 'start' });
     term.xterm = xterm;
     term.ended = false;
     const events = [];
@@ -382,6 +417,7 @@ function openTerminal(spec) {
   term.spec = spec;
   term.ended = false;
   term.delay = 500;
+  term.refused = 0;
   document.getElementById('terminal-section').hidden = false;
   document.getElementById('terminal-title').textContent =
     spec.sandbox + (spec.shell ? ': shell' : ': session') + (spec.branch ? ' ' + spec.branch : '');
@@ -409,6 +445,7 @@ function openTerminal(spec) {
   term.fit = fit;
   connectTerminal();
   xterm.focus();
+  document.getElementById('terminal-section').scrollIntoView({ block: 'start' });
 }
 
 // A paste is text: escape and C1 control characters are taken out, so
@@ -497,7 +534,14 @@ function connectTerminal() {
       termStatus('disconnected: the shell has ended; open it again');
       return;
     }
-    // A session is as it was left: join it again.
+    // A session is as it was left: join it again (not for ever when it is
+    // refused at once: logged out, or another agentd).
+    if (!ws.trusted && ++term.refused >= 3) {
+      term.ended = true;
+      termStatus('disconnected: the console refuses the terminal; run `agentctl console` again');
+      return;
+    }
+    if (ws.trusted) term.refused = 0;
     termStatus('disconnected; reconnecting…');
     setTimeout(connectTerminal, term.delay);
     term.delay = Math.min(term.delay * 2, 10000);

@@ -9,6 +9,14 @@ use serde_json::{Value, json};
 use crate::auth::Caller;
 use crate::sandbox::manager::{EgressChange, Manager};
 
+/// How long the page's questions to a sandbox (its worktrees, sessions,
+/// links) may take: what takes longer (the sandbox answers slowly, or
+/// not at all) is left out, and the page is told.
+const LOOK_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Most sessions whose attached clients are counted.
+const SESSIONS_MAX: usize = 16;
+
 /// The value of `name` in `query`, if it is there and at most 255 bytes.
 pub(super) fn param(query: &str, name: &str) -> Option<String> {
     form_urlencoded::parse(query.as_bytes())
@@ -26,24 +34,39 @@ pub(super) async fn details(
     let sb = manager.get(caller, name)?;
     let running = sb.state == keystone_agent_api::SandboxState::Running;
     // Branches and sessions only while it runs (they are looked for
-    // inside); links and waiting connections are agentd's own.
-    let (worktrees, sessions) = if running {
-        let w = manager
-            .list_worktrees(caller, name)
+    // inside, each within LOOK_MAX, what took longer left out); links and
+    // waiting connections are agentd's own.
+    let branches = async {
+        if !running {
+            return Some((Vec::new(), Vec::new()));
+        }
+        let worktrees = manager.list_worktrees(caller, name).await.ok()?;
+        let sessions: Vec<String> = worktrees
+            .iter()
+            .filter(|w| !w.session.is_empty())
+            .take(SESSIONS_MAX)
+            .map(|w| w.session.clone())
+            .collect();
+        let clients = manager
+            .session_clients(caller, name, &sessions)
             .await
             .unwrap_or_default();
-        let s = manager.sessions(caller, name).await.unwrap_or_default();
-        (w, s)
-    } else {
-        (Vec::new(), Vec::new())
+        Some((worktrees, sessions.into_iter().zip(clients).collect()))
     };
+    let links = async { manager.ports(caller, name).await.ok() };
+    let (branches, links) = tokio::join!(
+        tokio::time::timeout(LOOK_MAX, branches),
+        tokio::time::timeout(LOOK_MAX, links)
+    );
+    let partial = !matches!(branches, Ok(Some(_))) || !matches!(links, Ok(Some(_)));
+    let (worktrees, clients): (_, Vec<(String, u32)>) = branches.ok().flatten().unwrap_or_default();
     let branches: Vec<Value> = worktrees
         .iter()
         .map(|w| {
-            let clients = sessions
+            let clients = clients
                 .iter()
-                .find(|s| !w.session.is_empty() && s.name == w.session)
-                .map_or(0, |s| s.clients);
+                .find(|(s, _)| !w.session.is_empty() && *s == w.session)
+                .map_or(0, |(_, n)| *n);
             json!({
                 "branch": w.branch,
                 "path": w.path,
@@ -57,13 +80,14 @@ pub(super) async fn details(
             })
         })
         .collect();
-    let links: Vec<Value> = match manager.ports(caller, name).await {
-        Ok((routes, _)) => routes
-            .iter()
-            .map(|r| json!({"host": r.host, "branch": r.branch, "port": r.port, "url": r.url}))
-            .collect(),
-        Err(_) => Vec::new(),
-    };
+    let links: Vec<Value> = links
+        .ok()
+        .flatten()
+        .map(|(routes, _)| routes)
+        .unwrap_or_default()
+        .iter()
+        .map(|r| json!({"host": r.host, "branch": r.branch, "port": r.port, "url": r.url}))
+        .collect();
     let asking: Vec<Value> = manager
         .egress_pending(caller, name)?
         .iter()
@@ -91,19 +115,35 @@ pub(super) async fn details(
         "links": links,
         "egress_waiting": asking,
         "records": records,
+        "partial": partial,
     }))
 }
 
-/// Answer connection `id` of sandbox `name`, waiting in mode `ask`:
-/// `once` admits it (and what waits for the same), `allow` and `deny` keep
-/// an entry for its destination. What it did, or why not.
+/// What the page answers, about what it showed.
+pub(super) struct Decision<'a> {
+    /// The sandbox.
+    pub sandbox: &'a str,
+    /// The waiting connection's id.
+    pub id: u64,
+    /// The entry the page showed it admits (empty: none).
+    pub admits: &'a str,
+    /// `once`, `allow` or `deny`.
+    pub decision: &'a str,
+}
+
+/// Answer a connection waiting in mode `ask`: `once` admits it (and what
+/// waits for the same), `allow` and `deny` keep an entry for its
+/// destination. Only when the connection still waits and still admits
+/// what the page showed: a click never decides for something else. What
+/// it did, or why not.
 pub(super) fn decide(
     manager: &Manager,
     caller: Caller,
-    (name, id, decision): (&str, u64, &str),
+    d: &Decision<'_>,
 ) -> Result<String, crate::error::Error> {
+    let (name, id, decision) = (d.sandbox, d.id, d.decision);
     let waiting = manager.egress_pending(caller, name)?;
-    let Some(w) = waiting.iter().find(|w| w.id == id) else {
+    let Some(w) = waiting.iter().find(|w| w.id == id && w.admits == d.admits) else {
         return Err(crate::error::Error::Missing(format!(
             "sandbox '{name}' has no connection {id} waiting for an answer (it was answered, or gave up)"
         )));

@@ -178,29 +178,60 @@ async fn sandbox_api(
             .await
             .map(|v| json(&v)),
         "/api/record" => {
+            // Four records read at once at most (the body is held until
+            // the page has it), off the async workers.
+            static READING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
+            let Ok(_reading) = READING.try_acquire() else {
+                return json_status(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    &serde_json::json!({"error": "Other records are being played: try again in a moment"}),
+                );
+            };
             let id = param(query, "id").unwrap_or_default();
-            manager.open_record(caller, &name, &id).map(|fd| {
-                use std::io::Read;
-                let mut text = Vec::new();
-                let read = std::fs::File::from(fd)
-                    .take(RECORD_MAX + 1)
-                    .read_to_end(&mut text);
-                if read.is_err() || text.len() as u64 > RECORD_MAX {
-                    return json_status(
-                        StatusCode::PAYLOAD_TOO_LARGE,
-                        &serde_json::json!({"error": format!(
-                            "This record is larger than the console plays ({} MiB): `agentctl replay {name} {id}`",
-                            RECORD_MAX >> 20
-                        )}),
-                    );
+            match manager.open_record(caller, &name, &id) {
+                Ok(fd) => {
+                    let read = tokio::task::spawn_blocking(move || {
+                        use std::io::Read;
+                        let mut text = Vec::new();
+                        std::fs::File::from(fd)
+                            .take(RECORD_MAX + 1)
+                            .read_to_end(&mut text)
+                            .ok()
+                            .filter(|_| text.len() as u64 <= RECORD_MAX)
+                            .map(|_| text)
+                    })
+                    .await
+                    .ok()
+                    .flatten();
+                    Ok(match read {
+                        Some(text) => respond(
+                            StatusCode::OK,
+                            "text/plain; charset=utf-8",
+                            Bytes::from(text),
+                        ),
+                        None => json_status(
+                            StatusCode::PAYLOAD_TOO_LARGE,
+                            &serde_json::json!({"error": format!(
+                                "This record is larger than the console plays ({} MiB): `agentctl replay {name} {id}`",
+                                RECORD_MAX >> 20
+                            )}),
+                        ),
+                    })
                 }
-                respond(StatusCode::OK, "text/plain; charset=utf-8", Bytes::from(text))
-            })
+                Err(e) => Err(e),
+            }
         }
         _ => {
             let id = param(query, "id").and_then(|i| i.parse().ok()).unwrap_or(0);
             let decision = param(query, "decision").unwrap_or_default();
-            super::api::decide(manager, caller, (&name, id, &decision))
+            let admits = param(query, "admits").unwrap_or_default();
+            let d = super::api::Decision {
+                sandbox: &name,
+                id,
+                admits: &admits,
+                decision: &decision,
+            };
+            super::api::decide(manager, caller, &d)
                 .map(|done| json(&serde_json::json!({"done": done})))
         }
     };

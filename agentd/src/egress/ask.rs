@@ -17,7 +17,7 @@ pub const WAITING_MAX: usize = 64;
 /// One waiting connection.
 #[derive(Debug, Clone)]
 pub struct Waiting {
-    /// Its id (for this agentd's lifetime).
+    /// Its id (unique for this agentd's lifetime).
     pub id: u64,
     /// `connect`, `http` or `socks5`.
     pub protocol: String,
@@ -66,7 +66,6 @@ impl Waiting {
 /// The waiting connections of one sandbox.
 #[derive(Debug, Default)]
 pub struct Pending {
-    next: AtomicU64,
     waiting: Mutex<BTreeMap<u64, Waiting>>,
     changed: tokio::sync::Notify,
 }
@@ -83,7 +82,10 @@ impl Pending {
         if w.len() >= WAITING_MAX {
             return None;
         }
-        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        // Unique for agentd's lifetime, across sandboxes and their runs:
+        // an answer given to an id never reaches another connection.
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
         let waiting = Waiting {
             id,
             protocol: protocol.to_owned(),

@@ -378,31 +378,55 @@ impl Manager {
             .filter(|w| !w.branch.is_empty())
             .map(|w| (session_name(name, &w.branch), w.branch))
             .collect();
+        let counts = futures_util::future::join_all(
+            names
+                .iter()
+                .map(|(session, _)| self.clients_of(&sb, session)),
+        )
+        .await;
         let mut out = Vec::new();
-        for (session, created_at) in names {
-            let (code, text) = self
-                .zellij(&sb, &["--session", &session, "action", "list-clients"])
-                .await?;
-            let clients = if code == 0 {
-                // A header line, then one line per client.
-                u32::try_from(
-                    text.lines()
-                        .skip(1)
-                        .filter(|l| !l.trim().is_empty())
-                        .count(),
-                )
-                .unwrap_or(u32::MAX)
-            } else {
-                0
-            };
+        for ((session, created_at), clients) in names.into_iter().zip(counts) {
             out.push(SessionInfo {
                 branch: branches.get(&session).cloned().unwrap_or_default(),
                 name: session,
-                clients,
+                clients: clients?,
                 created_at,
             });
         }
         Ok(out)
+    }
+
+    /// How many clients are attached to each of `sessions` of sandbox
+    /// `name` (asked at once; 0 for one that is not there).
+    pub async fn session_clients(
+        &self,
+        caller: Caller,
+        name: &str,
+        sessions: &[String],
+    ) -> Result<Vec<u32>> {
+        let sb = self.get(caller, name)?;
+        futures_util::future::join_all(sessions.iter().map(|s| self.clients_of(&sb, s)))
+            .await
+            .into_iter()
+            .collect()
+    }
+
+    /// How many clients are attached to `session` of running sandbox `sb`.
+    async fn clients_of(&self, sb: &super::Sandbox, session: &str) -> Result<u32> {
+        let (code, text) = self
+            .zellij(sb, &["--session", session, "action", "list-clients"])
+            .await?;
+        if code != 0 {
+            return Ok(0);
+        }
+        // A header line, then one line per client.
+        Ok(u32::try_from(
+            text.lines()
+                .skip(1)
+                .filter(|l| !l.trim().is_empty())
+                .count(),
+        )
+        .unwrap_or(u32::MAX))
     }
 
     /// The session name of each worktree branch that has one running.
@@ -473,7 +497,8 @@ fn parse_list_sessions(out: &str, now: SystemTime) -> Vec<(String, u64)> {
                 known = false;
                 break;
             };
-            secs += n * match unit {
+            // (Saturating: the text comes from inside the sandbox.)
+            secs = secs.saturating_add(n.saturating_mul(match unit {
                 "s" => 1,
                 "m" => 60,
                 "h" => 3600,
@@ -482,7 +507,7 @@ fn parse_list_sessions(out: &str, now: SystemTime) -> Vec<(String, u64)> {
                     known = false;
                     0
                 }
-            };
+            }));
         }
         let created = if known {
             crate::text::micros(now.checked_sub(Duration::from_secs(secs)))
@@ -531,5 +556,10 @@ mod tests {
                 ("p-dev".to_owned(), (10_000 - 5) * 1_000_000),
             ]
         );
+        // An age no clock has: the session, with no time, not a panic.
+        let huge = "p-x [Created 99999999999999999999d 18446744073709551615d ago]\n\
+                    p-y [Created 18446744073709551615d 18446744073709551615h ago]\n";
+        let got = parse_list_sessions(huge, now);
+        assert_eq!(got, vec![("p-x".to_owned(), 0), ("p-y".to_owned(), 0)]);
     }
 }
