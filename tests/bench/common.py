@@ -1,9 +1,15 @@
 """Shared pieces of the benchmarks: a private bus, the release agentd, agentctl."""
 
+import fcntl
+import os
+import pty
+import select
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import time
 from pathlib import Path
 
@@ -110,3 +116,40 @@ def cpu_ticks(pid):
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rfind(")") + 2:].split()
     return int(fields[11]) + int(fields[12])
+
+
+def spawn(ctl, args):
+    """agentctl with `args` on a new 100x30 pseudo-terminal: (pid, master fd)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+        os.execve(ctl[0], ctl + args, dict(os.environ, TERM="xterm-256color"))
+    return pid, fd
+
+
+def echo_keys(fd, runs, clear_every=0):
+    """Type `x` into terminal `fd` `runs` times, each until its echo is read
+    back: the latencies in ms. With `clear_every`, Ctrl-U after that many
+    keys (and what it redraws read away), so that a shell's line never
+    wraps."""
+    def settle(seconds):
+        end = time.time() + seconds
+        while time.time() < end:
+            r, _, _ = select.select([fd], [], [], max(0, end - time.time()))
+            if r:
+                os.read(fd, 65536)
+    lat = []
+    for i in range(runs):
+        t0 = time.perf_counter()
+        os.write(fd, b"x")
+        got = b""
+        while b"x" not in got:
+            r, _, _ = select.select([fd], [], [], 10)
+            if not r:
+                sys.exit("no echo within 10 s")
+            got += os.read(fd, 65536)
+        lat.append((time.perf_counter() - t0) * 1000)
+        if clear_every and i % clear_every == clear_every - 1:
+            os.write(fd, b"\x15")
+            settle(0.3)
+    return lat

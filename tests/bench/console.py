@@ -23,19 +23,14 @@ Needs root (disk images) and `cargo build --release --bins`.
 """
 
 import argparse
-import fcntl
 import json
 import os
-import pty
-import select
-import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
 
-from common import Daemon, pct, small_repo
+from common import Daemon, echo_keys, pct, small_repo, spawn
 
 # Runs inside the sandbox: the baselines, a pty made there.
 INSIDE = r"""
@@ -86,15 +81,6 @@ print(t)
 """
 
 
-def spawn(ctl, args):
-    """agentctl with `args` on a new 100x30 pseudo-terminal."""
-    pid, fd = pty.fork()
-    if pid == 0:
-        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
-        os.execve(ctl[0], ctl + args, dict(os.environ, TERM="xterm-256color"))
-    return pid, fd
-
-
 def drain(fd):
     n = 0
     while True:
@@ -110,17 +96,7 @@ def drain(fd):
 def echo_through_agentd(ctl, name, runs):
     pid, fd = spawn(ctl, ["exec", "--tty", name, "--", "cat"])
     time.sleep(1.0)
-    lat = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        os.write(fd, b"x")
-        got = b""
-        while b"x" not in got:
-            r, _, _ = select.select([fd], [], [], 10)
-            if not r:
-                sys.exit("no echo within 10 s")
-            got += os.read(fd, 4096)
-        lat.append((time.perf_counter() - t0) * 1000)
+    lat = echo_keys(fd, runs)
     os.write(fd, b"\r\x04")
     drain(fd)
     os.waitpid(pid, 0)

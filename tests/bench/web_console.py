@@ -23,20 +23,17 @@ Needs root (disk images) and `cargo build --release --bins`.
 
 import argparse
 import base64
-import fcntl
 import http.client
 import json
 import os
-import pty
 import select
 import socket
 import struct
 import sys
-import termios
 import threading
 import time
 
-from common import Daemon, cpu_ticks, pct, rss_kib, small_repo
+from common import Daemon, cpu_ticks, echo_keys, pct, rss_kib, small_repo, spawn
 
 # Runs inside the sandbox: a pty made there, echoing `cat` or a Zellij
 # client attached to session argv[2].
@@ -211,37 +208,14 @@ def echo_console(ws, runs, zellij):
     return lat
 
 
-def spawn(ctl, args):
-    pid, fd = pty.fork()
-    if pid == 0:
-        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
-        os.execve(ctl[0], ctl + args, dict(os.environ, TERM="xterm-256color"))
-    return pid, fd
-
-
 def echo_pty(fd, runs, zellij):
-    def drain(t):
-        end = time.time() + t
-        while time.time() < end:
-            r, _, _ = select.select([fd], [], [], max(0, end - time.time()))
-            if r:
-                os.read(fd, 65536)
-    drain(3 if zellij else 1)
-    lat = []
-    for i in range(runs):
-        t0 = time.perf_counter()
-        os.write(fd, b"x")
-        got = b""
-        while b"x" not in got:
-            r, _, _ = select.select([fd], [], [], 10)
-            if not r:
-                sys.exit("no echo within 10 s")
-            got += os.read(fd, 65536)
-        lat.append((time.perf_counter() - t0) * 1000)
-        if zellij and i % 40 == 39:
-            os.write(fd, b"\x15")
-            drain(0.3)
-    return lat
+    """Keystroke echo on terminal `fd`, once what it first draws is read."""
+    end = time.time() + (3 if zellij else 1)
+    while time.time() < end:
+        r, _, _ = select.select([fd], [], [], max(0, end - time.time()))
+        if r:
+            os.read(fd, 65536)
+    return echo_keys(fd, runs, 40 if zellij else 0)
 
 
 def row(what, lat):

@@ -32,16 +32,13 @@ const RECHECK: Duration = Duration::from_secs(15);
 /// Answer a WebSocket upgrade on `/api/events` for `session`.
 pub(super) fn upgrade(
     req: Request<Incoming>,
-    (session, cookie): (Session, String),
+    session: (Session, String),
     door: Arc<super::Door>,
     manager: Arc<Manager>,
 ) -> Response<Full<Bytes>> {
-    let uid = session.uid;
-    let d = Arc::clone(&door);
-    super::socket::upgrade(req, uid, &d, move |ws| async move {
-        let alive = move || door.auth.session(&cookie).is_some_and(|s| s.uid == uid);
-        let proof = session.csrf.clone();
-        run(ws, (Caller { uid }, proof), manager, alive).await;
+    super::socket::upgrade(req, session, door, move |ws, who| async move {
+        let proof = who.proof.clone();
+        run(ws, (who.caller, proof), manager, move || who.alive()).await;
     })
 }
 

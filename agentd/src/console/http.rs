@@ -76,7 +76,12 @@ async fn answer(
         (Method::GET, "/login") => login(&req, uid, door),
         (Method::GET, "/console.js") => asset("text/javascript; charset=utf-8", CONSOLE_JS),
         (Method::GET, "/console.css") => asset("text/css; charset=utf-8", CONSOLE_CSS),
-        (Method::GET, p) if p.starts_with("/xterm/") => terminal_code(&p["/xterm/".len()..], door),
+        // (For the console's own pages: reading the cache is agentd's
+        // work, not anyone's to ask for.)
+        (Method::GET, p) if p.starts_with("/xterm/") => match session(&req, uid, door) {
+            Some(_) => terminal_code(&p["/xterm/".len()..], door),
+            None => page(StatusCode::UNAUTHORIZED, "Not logged in."),
+        },
         (Method::GET, "/") => match session(&req, uid, door).map(|(s, _)| s) {
             Some(_) => asset("text/html; charset=utf-8", INDEX_HTML),
             None => page(

@@ -17,21 +17,44 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 /// A WebSocket of the console.
 pub(super) type Socket = WebSocketStream<TokioIo<Upgraded>>;
 
+/// Whom a socket serves: the session's owner and token, for as long as
+/// the session lives.
+pub(super) struct Who {
+    /// The session's owner.
+    pub caller: crate::auth::Caller,
+    /// The session's CSRF token, which the page shows and is shown.
+    pub proof: String,
+    door: Arc<super::Door>,
+    cookie: String,
+}
+
+impl Who {
+    /// Whether the session still lives (not logged out, not ended).
+    pub(super) fn alive(&self) -> bool {
+        self.door
+            .auth
+            .session(&self.cookie)
+            .is_some_and(|s| s.uid == self.caller.uid)
+    }
+}
+
 /// Largest message or frame agentd reads from a page.
 pub(super) const READ_MAX: usize = 16 << 10;
 
-/// Answer `req` (of `uid`) with a WebSocket upgrade whose socket `serve`
-/// serves; a refusal when it is not one, or when too many are open.
+/// Answer `req` (of the session of `cookie`) with a WebSocket upgrade
+/// whose socket `serve` serves; a refusal when it is not one, or when too
+/// many are open.
 pub(super) fn upgrade<F, Fut>(
     mut req: Request<Incoming>,
-    uid: u32,
-    door: &super::Door,
+    (session, cookie): (super::auth::Session, String),
+    door: Arc<super::Door>,
     serve: F,
 ) -> Response<Full<Bytes>>
 where
-    F: FnOnce(Socket) -> Fut + Send + 'static,
+    F: FnOnce(Socket, Who) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + Send,
 {
+    let uid = session.uid;
     let h = req.headers();
     let is = |name: header::HeaderName, want: &str| {
         h.get(name)
@@ -64,6 +87,12 @@ where
     };
     let accept = tokio_tungstenite::tungstenite::handshake::derive_accept_key(key.as_bytes());
     let upgraded = hyper::upgrade::on(&mut req);
+    let who = Who {
+        caller: crate::auth::Caller { uid },
+        proof: session.csrf,
+        door,
+        cookie,
+    };
     tokio::spawn(async move {
         let _held = (slot, mine);
         let Ok(io) = upgraded.await else { return };
@@ -73,7 +102,7 @@ where
             .max_frame_size(Some(READ_MAX));
         let ws =
             WebSocketStream::from_raw_socket(TokioIo::new(io), Role::Server, Some(config)).await;
-        serve(ws).await;
+        serve(ws, who).await;
     });
     let mut r = super::http::respond(StatusCode::SWITCHING_PROTOCOLS, "text/plain", Bytes::new());
     let h = r.headers_mut();

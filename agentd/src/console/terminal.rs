@@ -99,16 +99,17 @@ impl Target {
 /// Answer a WebSocket upgrade on `/api/terminal` for `session`.
 pub(super) fn upgrade(
     req: Request<Incoming>,
-    (session, cookie): (Session, String),
+    session: (Session, String),
     target: Target,
     door: Arc<super::Door>,
     manager: Arc<Manager>,
 ) -> Response<Full<Bytes>> {
-    let uid = session.uid;
-    let d = Arc::clone(&door);
-    super::socket::upgrade(req, uid, &d, move |ws| async move {
-        let alive = move || door.auth.session(&cookie).is_some_and(|s| s.uid == uid);
-        serve(ws, (Caller { uid }, session.csrf), target, manager, alive).await;
+    super::socket::upgrade(req, session, door, move |ws, who| async move {
+        let proof = who.proof.clone();
+        serve(ws, (who.caller, proof), target, manager, move || {
+            who.alive()
+        })
+        .await;
     })
 }
 

@@ -156,6 +156,10 @@ pub struct Manager {
     watchers: Mutex<HashMap<String, watch::Handle>>,
     terminals: Mutex<HashMap<u32, session::TermEntry>>,
     next_terminal: std::sync::atomic::AtomicU32,
+    /// Until when each sandbox's newest attach may still be starting its
+    /// Zellij session (no session is listed before: see
+    /// `session::STARTING`).
+    starting: Mutex<HashMap<String, std::time::Instant>>,
     proxy: std::sync::OnceLock<Arc<crate::proxy::Proxy>>,
     gateways: crate::egress::Gateways,
     egress_events: broadcast::Sender<egress::EgressEvent>,
@@ -191,6 +195,7 @@ impl Manager {
             watchers: Mutex::new(HashMap::new()),
             terminals: Mutex::new(HashMap::new()),
             next_terminal: std::sync::atomic::AtomicU32::new(1),
+            starting: Mutex::new(HashMap::new()),
             proxy: std::sync::OnceLock::new(),
             gateways: crate::egress::Gateways::default(),
             egress_events: broadcast::channel(256).0,

@@ -23,6 +23,12 @@ use crate::git::refs;
 
 /// The Zellij binary inside every sandbox.
 pub const ZELLIJ: &str = "/run/keystone/bin/zellij";
+/// How long after an attach agentd leaves the sandbox's Zellij sessions
+/// unqueried: Zellij asked to list its sessions, or a session's clients,
+/// while a new session's server starts can leave that session dead, its
+/// client waiting on nothing.
+const STARTING: Duration = Duration::from_secs(3);
+
 /// agentd's Zellij configuration directory inside every sandbox
 /// (`config.kdl`, `layout.kdl`).
 pub const ZELLIJ_SHARE: &str = "/run/keystone/share/zellij";
@@ -314,6 +320,10 @@ impl Manager {
         let terminal = self
             .spawn_terminal(caller, name, req, tty, ("attach".to_owned(), branch))
             .await?;
+        self.starting
+            .lock()
+            .unwrap()
+            .insert(name.to_owned(), std::time::Instant::now() + STARTING);
         tracing::info!(sandbox = %name, %session, uid = caller.uid, "attached");
         Ok(Attached {
             terminal,
@@ -353,11 +363,28 @@ impl Manager {
         Ok((r.exit_code, text))
     }
 
+    /// Wait until no attach of sandbox `name` may still be starting its
+    /// session (at most [`STARTING`]).
+    async fn not_starting(&self, name: &str) {
+        let until = self.starting.lock().unwrap().get(name).copied();
+        if let Some(t) = until {
+            tokio::time::sleep_until(t.into()).await;
+            let mut map = self.starting.lock().unwrap();
+            if map
+                .get(name)
+                .is_some_and(|u| *u <= std::time::Instant::now())
+            {
+                map.remove(name);
+            }
+        }
+    }
+
     /// Names and ages of the Zellij sessions running in sandbox `sb`.
     async fn session_names(&self, sb: &super::Sandbox) -> Result<Vec<(String, u64)>> {
         if sb.state != SandboxState::Running || self.sessions_ready(sb).is_err() {
             return Ok(Vec::new());
         }
+        self.not_starting(&sb.name).await;
         let (_, out) = self
             .zellij(sb, &["list-sessions", "--no-formatting"])
             .await?;
@@ -413,6 +440,7 @@ impl Manager {
 
     /// How many clients are attached to `session` of running sandbox `sb`.
     async fn clients_of(&self, sb: &super::Sandbox, session: &str) -> Result<u32> {
+        self.not_starting(&sb.name).await;
         let (code, text) = self
             .zellij(sb, &["--session", session, "action", "list-clients"])
             .await?;
