@@ -366,13 +366,15 @@ fn scratch() -> tempfile::TempDir {
 }
 
 fn config_json(registry: &str, cache: &Path, version: &str) -> serde_json::Value {
+    // (The console's packages are pinned to npm's own tarballs, which
+    // these registries do not serve.)
     serde_json::json!({"toolbox": {
         "agents": ["claude"],
         "versions": {"claude": version},
         "registry": registry,
         "cache_dir": cache,
         "download": false,
-    }})
+    }, "console": {"enable": false}})
 }
 
 fn write_config(dir: &Path, registry: &str, cache: &Path, version: &str) -> PathBuf {
