@@ -196,14 +196,26 @@ pub fn mount(tree: &Path, held: &Path) -> Result<(), SnapshotError> {
         at(3)
     );
     use nix::mount::MsFlags;
-    nix::mount::mount(
-        Some("keystone-layer"),
-        at(0).as_str(),
-        Some("overlay"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
-        Some(options.as_str()),
-    )
-    .map_err(|e| SnapshotError::io_at("mount the layers of", tree)(e.into()))?;
+    let try_mount = || {
+        nix::mount::mount(
+            Some("keystone-layer"),
+            at(0).as_str(),
+            Some("overlay"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
+            Some(options.as_str()),
+        )
+    };
+    // A mount of the same layer that was just detached (lazily: a stop,
+    // then a start) holds its upper layer for a moment; a second mount
+    // that lives is refused still, after 2 s.
+    let mut tries = 0;
+    let mut done = try_mount();
+    while done == Err(nix::errno::Errno::EBUSY) && tries < 20 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        tries += 1;
+        done = try_mount();
+    }
+    done.map_err(|e| SnapshotError::io_at("mount the layers of", tree)(e.into()))?;
     tracing::debug!(tree = %tree.display(), "layers mounted");
     Ok(())
 }
