@@ -93,24 +93,15 @@ async fn answer(
             Some(s) => json(&serde_json::json!({"uid": s.uid, "csrf": s.csrf})),
             None => page(StatusCode::UNAUTHORIZED, "Not logged in."),
         },
-        (Method::GET, "/api/events") => {
-            let Some((s, cookie)) = session(&req, uid, door) else {
-                return page(StatusCode::UNAUTHORIZED, "Not logged in.");
-            };
-            if !own_origin(&req, door) {
-                tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused a WebSocket from another origin");
-                return page(StatusCode::FORBIDDEN, "Not from the console's own page.");
-            }
-            super::events::upgrade(req, (s, cookie), Arc::clone(door), Arc::clone(manager))
-        }
+        (Method::GET, "/api/events") => match socket_session(&req, uid, door, "a WebSocket") {
+            Ok(s) => super::events::upgrade(req, s, Arc::clone(door), Arc::clone(manager)),
+            Err(refused) => *refused,
+        },
         (Method::GET, "/api/terminal") => {
-            let Some((s, cookie)) = session(&req, uid, door) else {
-                return page(StatusCode::UNAUTHORIZED, "Not logged in.");
+            let (s, cookie) = match socket_session(&req, uid, door, "a terminal") {
+                Ok(s) => s,
+                Err(refused) => return *refused,
             };
-            if !own_origin(&req, door) {
-                tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused a terminal from another origin");
-                return page(StatusCode::FORBIDDEN, "Not from the console's own page.");
-            }
             let Some(target) = super::terminal::Target::parse(req.uri().query().unwrap_or(""))
             else {
                 return page(
@@ -358,6 +349,27 @@ fn session(req: &Request<Incoming>, uid: u32, door: &Door) -> Option<(Session, S
         );
     }
     None
+}
+
+/// The session of a WebSocket upgrade (`what` it opens, for the log):
+/// the cookie's, from the console's own page; else the refusal.
+fn socket_session(
+    req: &Request<Incoming>,
+    uid: u32,
+    door: &Door,
+    what: &str,
+) -> Result<(Session, String), Box<Response<Full<Bytes>>>> {
+    let Some(s) = session(req, uid, door) else {
+        return Err(Box::new(page(StatusCode::UNAUTHORIZED, "Not logged in.")));
+    };
+    if !own_origin(req, door) {
+        tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused {what} from another origin");
+        return Err(Box::new(page(
+            StatusCode::FORBIDDEN,
+            "Not from the console's own page.",
+        )));
+    }
+    Ok(s)
 }
 
 /// The name the console answers to: its address (`127.0.0.1:PORT`; not
