@@ -58,6 +58,10 @@ pub struct ConsoleConfig {
     /// Where: a loopback address and port (`127.0.0.1:0`: a free port,
     /// which `agentctl console` finds out from agentd).
     pub listen: String,
+    /// The console's name through Caddy, served over HTTPS when the links
+    /// are (`proxy.enable`, HTTPS): a name on a registrable domain of its
+    /// own, never the links' (empty: the loopback address only).
+    pub host: String,
 }
 
 impl Default for ConsoleConfig {
@@ -65,14 +69,46 @@ impl Default for ConsoleConfig {
         Self {
             enable: true,
             listen: "127.0.0.1:0".to_owned(),
+            host: "console.keystone.localhost".to_owned(),
         }
     }
 }
 
+/// Whether `name` is a lowercase DNS name.
+fn dns_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        })
+}
+
 impl ConsoleConfig {
-    /// What is wrong with these settings.
+    /// What is wrong with these settings, the links' domain being
+    /// `links`.
     #[must_use]
-    pub fn problems(&self) -> Vec<String> {
+    pub fn problems(&self, links: &str) -> Vec<String> {
+        let mut p = Vec::new();
+        if !self.host.is_empty() {
+            if !dns_name(&self.host) {
+                p.push(format!(
+                    "console.host '{}' is not a lowercase DNS name",
+                    self.host
+                ));
+            } else if same_site(&self.host, links) {
+                p.push(format!(
+                    "console.host '{}' may be the same site as the links under '{links}' (a page a sandbox serves would be same-site with the console): pick a name whose last two labels are not the links' (such as console.keystone.localhost)",
+                    self.host
+                ));
+            }
+        }
+        p.extend(self.listen_problems());
+        p
+    }
+
+    fn listen_problems(&self) -> Vec<String> {
         match self.listen.parse::<std::net::SocketAddr>() {
             Ok(a) if a.ip().is_loopback() && a.is_ipv4() => Vec::new(),
             Ok(_) => vec![format!(
@@ -85,6 +121,22 @@ impl ConsoleConfig {
             )],
         }
     }
+}
+
+/// Whether `host` may be of the same site (registrable domain) as a name
+/// of the links under `links` (`SANDBOX.LINKS`, `BRANCH.SANDBOX.LINKS`).
+/// Two names of one site share at least their last two labels, so names
+/// that do not cannot be (a name under a public suffix of two labels is
+/// refused too: safe, if stricter than needed).
+#[must_use]
+pub fn same_site(host: &str, links: &str) -> bool {
+    let tail = |n: &str, k: usize| {
+        let labels: Vec<&str> = n.split('.').collect();
+        labels[labels.len().saturating_sub(k)..].join(".")
+    };
+    // With a one-label domain, the sandbox's name is part of the site.
+    let k = links.split('.').count().min(2);
+    tail(host, k) == tail(links, k)
 }
 
 /// Dev-server link settings.
@@ -578,7 +630,7 @@ impl DaemonConfig {
         p.extend(self.toolbox.problems());
         p.extend(self.limits.problems());
         p.extend(self.audit.problems());
-        p.extend(self.console.problems());
+        p.extend(self.console.problems(&self.proxy.domain));
         if let Some(preset) = &self.egress.preset {
             validate::check_egress_entries("egress.preset", preset, &mut p);
         }
@@ -645,14 +697,7 @@ impl DaemonConfig {
                 self.vm.home_size_mib
             ));
         }
-        if self.proxy.domain.is_empty()
-            || !self.proxy.domain.split('.').all(|l| {
-                !l.is_empty()
-                    && l.len() <= 63
-                    && l.bytes()
-                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            })
-        {
+        if !dns_name(&self.proxy.domain) {
             p.push(format!(
                 "proxy.domain '{}' is not a lowercase DNS name",
                 self.proxy.domain

@@ -309,6 +309,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     manager.reconcile(&config).await?;
     manager.watch_idle();
     manager.watch_backups();
+    let mut links = None;
     if config.proxy.enable {
         let proxy = proxy::Proxy::start(
             config.proxy.clone(),
@@ -316,11 +317,19 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             dir.join("links"),
         )
         .await?;
+        links = Some(Arc::clone(&proxy));
         manager.set_proxy(proxy);
     }
     let mut door = None;
     if config.console.enable {
-        match console::start(&config.console, Arc::clone(&manager), toolbox.clone()).await {
+        match console::start(
+            &config.console,
+            Arc::clone(&manager),
+            toolbox.clone(),
+            links,
+        )
+        .await
+        {
             Ok(d) => door = Some(d),
             Err(e) => tracing::warn!(
                 listen = %config.console.listen,

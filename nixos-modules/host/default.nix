@@ -25,6 +25,8 @@
 let
   cfg = config.keystone.agent;
   pure = import ../lib/naming.nix;
+  # The console's name through Caddy, which resolves like the links.
+  consoleNames = lib.optional (cfg.console.enable && cfg.console.host != "") cfg.console.host;
 
   firewall = (import ../lib/firewall.nix).rules cfg;
 
@@ -569,9 +571,10 @@ in
       RuntimeDirectoryMode = "0700";
     };
 
-    # Browsers on this machine resolve `*.<domain>` through dnsmasq, which
-    # answers every name under the domain with the loopback address (where
-    # Caddy listens) and forwards everything else. It listens on loopback
+    # Browsers on this machine resolve `*.<domain>` (and the console's name,
+    # which Caddy serves too) through dnsmasq, which answers every name
+    # under the domain with the loopback address (where Caddy listens) and
+    # forwards everything else. It listens on loopback
     # only, beside systemd-resolved's stub listener where resolved runs.
     services.dnsmasq = lib.mkIf cfg.proxy.enable {
       enable = true;
@@ -579,6 +582,7 @@ in
       settings = pure.dnsmasqSettings {
         inherit (cfg.proxy) domain;
         inherit (config.networking) enableIPv6;
+        names = consoleNames;
       };
     };
 
@@ -588,10 +592,10 @@ in
     # configures resolved itself.
     environment.etc."systemd/resolved.conf.d/keystone-agent.conf" =
       lib.mkIf (cfg.proxy.enable && config.services.resolved.enable)
-        { text = pure.resolvedDropIn cfg.proxy.domain; };
+        { text = pure.resolvedDropIn ([ cfg.proxy.domain ] ++ consoleNames); };
     systemd.services.systemd-resolved.restartTriggers =
       lib.mkIf (cfg.proxy.enable && config.services.resolved.enable)
-        [ (pure.resolvedDropIn cfg.proxy.domain) ];
+        [ (pure.resolvedDropIn ([ cfg.proxy.domain ] ++ consoleNames)) ];
   }
   {
     # microvm@<name> of each keystone guest makes new files 0600 (home.img

@@ -539,6 +539,22 @@ in
           `console.listen`.
         '';
       };
+      host = lib.mkOption {
+        type = types.str;
+        default = d.console.host;
+        example = "console.agents.example";
+        description = ''
+          The console's name through Caddy, served over HTTPS like the
+          links when `proxy.enable` is on (`https://<host>`); the loopback
+          address of `listen` is then only where `agentctl console` logs
+          in. It must be on a registrable domain of its own, never the
+          links' (its last two labels are not the links' domain's): a page
+          a sandbox serves must not be same-site with the console. The
+          module makes the name resolve to this host's loopback address.
+          "" serves the console at its loopback address only. agentd:
+          `console.host`.
+        '';
+      };
     };
 
     toolbox = {

@@ -38,6 +38,7 @@ let
     hashString
     head
     isString
+    length
     listToAttrs
     mapAttrs
     match
@@ -203,6 +204,7 @@ let
     console = {
       enable = true;
       listen = "127.0.0.1:0";
+      host = "console.keystone.localhost";
     };
     # One sandboxes.<name>; project and owner have no default. Every setting
     # of `defaults` is also a per-sandbox override, null meaning "the default".
@@ -427,9 +429,13 @@ let
   # sandboxes' bridge as well. ::1 too when the host has IPv6, as
   # networking.resolvconf.useLocalResolver lists both in /etc/resolv.conf.
   dnsmasqSettings =
-    { domain, enableIPv6 }:
     {
-      address = [ "/${domain}/127.0.0.1" ];
+      domain,
+      enableIPv6,
+      names ? [ ],
+    }:
+    {
+      address = map (n: "/${n}/127.0.0.1") ([ domain ] ++ names);
       listen-address = [ "127.0.0.1" ] ++ optional enableIPv6 "::1";
       bind-interfaces = true;
     };
@@ -438,10 +444,10 @@ let
   # domain go to dnsmasq. resolved sends a name under .local to unicast DNS
   # only when a routing domain ("~domain") matches it, and to mDNS
   # otherwise, where it would never reach dnsmasq.
-  resolvedDropIn = domain: ''
+  resolvedDropIn = domains: ''
     [Resolve]
     DNS=127.0.0.1
-    Domains=~${domain}
+    Domains=${concatStringsSep " " (map (d: "~${d}") domains)}
   '';
 
   # Whether to tell the host that systemd-resolved runs only because the
@@ -553,7 +559,7 @@ let
         max_mib = c.audit.maxMib;
       };
       console = {
-        inherit (c.console) enable listen;
+        inherit (c.console) enable listen host;
       };
       sandboxes = mapAttrs (_: renderSandbox) c.sandboxes;
     };
@@ -588,6 +594,34 @@ let
       [ "keystone.agent.console.listen ${listen} is not an IPv4 loopback address (such as 127.0.0.1:0): the console is served there only" ]
     else
       [ "keystone.agent.console.listen \"${toString listen}\" is not an address and port such as 127.0.0.1:0" ];
+
+  # Same rule and wording as agentd's ConsoleConfig::problems for
+  # console.host: a DNS name whose last two labels are not the links'
+  # (one, when the links' domain has one label): names of one site share
+  # at least those.
+  consoleHostProblems =
+    host: links:
+    let
+      labels = n: filter isString (split "\\." n);
+      tail =
+        n: k:
+        let
+          l = labels n;
+          from = if length l > k then length l - k else 0;
+        in
+        concatStringsSep "." (genList (i: elemAt l (from + i)) (length l - from));
+      k = if length (labels links) < 2 then length (labels links) else 2;
+    in
+    if host == "" then
+      [ ]
+    else if !validDomain host then
+      [ "keystone.agent.console.host '${toString host}' is not a lowercase DNS name" ]
+    else if tail host k == tail links k then
+      [
+        "keystone.agent.console.host '${host}' may be the same site as the links under '${links}' (a page a sandbox serves would be same-site with the console): pick a name whose last two labels are not the links' (such as console.keystone.localhost)"
+      ]
+    else
+      [ ];
 
   # Same checks as agentd's check_config, same wording.
   settingsProblems =
@@ -640,6 +674,7 @@ let
         ++ optional (!validDomain c.proxy.domain)
           "keystone.agent.proxy.domain: '${toString c.proxy.domain}' is not a lowercase DNS name"
         ++ consoleProblems c.console.listen
+        ++ consoleHostProblems c.console.host c.proxy.domain
         ++ map (m: "keystone.agent.defaults: ${m}") (settingsProblems c.defaults);
 
       # microvm.nix passes the module's CPU flags (nestedVirt) to QEMU only,

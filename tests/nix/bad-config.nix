@@ -5,6 +5,8 @@
   defaults.memory = 128;
   # The console on every interface.
   console.listen = "0.0.0.0:8443";
+  # The console on the links' site.
+  console.host = "console.sandbox.local";
   sandboxes = {
     # Not a valid name (upper case, '_').
     Bad_Name = {

@@ -441,8 +441,13 @@ domain=sandbox.local
 expect "dnsmasqSettings: the domain's names are loopback; dnsmasq listens on loopback only" \
   "(import $lib).dnsmasqSettings { domain = \"$domain\"; enableIPv6 = true; }" \
   '{"address":["/sandbox.local/127.0.0.1"],"bind-interfaces":true,"listen-address":["127.0.0.1","::1"]}'
+expect "dnsmasqSettings: the console's name through Caddy is loopback too" \
+  "(import $lib).dnsmasqSettings { domain = \"$domain\"; enableIPv6 = false; names = [ \"console.agents.local\" ]; }" \
+  '{"address":["/sandbox.local/127.0.0.1","/console.agents.local/127.0.0.1"],"bind-interfaces":true,"listen-address":["127.0.0.1"]}'
 expect "resolvedDropIn: resolved routes the domain to dnsmasq (a routing domain, or .local goes to mDNS)" \
-  "(import $lib).resolvedDropIn \"$domain\"" '"[Resolve]\nDNS=127.0.0.1\nDomains=~sandbox.local\n"'
+  "(import $lib).resolvedDropIn [ \"$domain\" ]" '"[Resolve]\nDNS=127.0.0.1\nDomains=~sandbox.local\n"'
+expect "resolvedDropIn: and the console's name" \
+  "(import $lib).resolvedDropIn [ \"$domain\" \"console.agents.local\" ]" '"[Resolve]\nDNS=127.0.0.1\nDomains=~sandbox.local ~console.agents.local\n"'
 expect "resolvedOnlyByNetworkd: warned when only nixpkgs' networkd default turned resolved on" \
   "(import $lib).resolvedOnlyByNetworkd { resolved = true; priority = 1000; useNetworkd = false; }" true
 expect "resolvedOnlyByNetworkd: not when the host set services.resolved.enable itself" \

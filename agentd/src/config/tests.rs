@@ -125,8 +125,9 @@ fn the_console_listens_only_on_an_ipv4_loopback_address() {
         ConsoleConfig {
             enable: true,
             listen: listen.to_owned(),
+            host: String::new(),
         }
-        .problems()
+        .problems("sandbox.local")
     };
     assert!(problems("127.0.0.1:0").is_empty());
     assert!(problems("127.0.0.1:8443").is_empty());
@@ -151,4 +152,66 @@ fn the_console_listens_only_on_an_ipv4_loopback_address() {
         "{:?}",
         c.validate()
     );
+}
+
+#[test]
+fn the_console_is_never_named_on_the_links_site() {
+    let problems = |host: &str, links: &str| {
+        ConsoleConfig {
+            host: host.to_owned(),
+            ..ConsoleConfig::default()
+        }
+        .problems(links)
+    };
+    for (host, links) in [
+        ("console.keystone.localhost", "sandbox.local"),
+        ("console.keystone.localhost", "sandbox.localhost"),
+        ("console.example.com", "sandbox.example.org"),
+        ("", "localhost"),
+    ] {
+        assert!(problems(host, links).is_empty(), "{host} beside {links}");
+    }
+    for (host, links, says) in [
+        // Under the links' domain, or the domain itself.
+        (
+            "console.sandbox.local",
+            "sandbox.local",
+            "may be the same site",
+        ),
+        ("sandbox.local", "sandbox.local", "may be the same site"),
+        // Beside it on one site: `x.sandbox.local` and `console.local`
+        // share nothing of `sandbox.local`, but `a.b.example.com` links
+        // and `console.example.com` share `example.com`.
+        (
+            "console.example.com",
+            "links.example.com",
+            "may be the same site",
+        ),
+        // A one-label domain: every sandbox is a site of its own, so a
+        // console under that label may share one with a sandbox
+        // named like its second label.
+        (
+            "console.keystone.localhost",
+            "localhost",
+            "may be the same site",
+        ),
+        (
+            "Console.Example",
+            "sandbox.local",
+            "not a lowercase DNS name",
+        ),
+        (
+            "con sole.example",
+            "sandbox.local",
+            "not a lowercase DNS name",
+        ),
+    ] {
+        let p = problems(host, links);
+        assert!(
+            p.len() == 1 && p[0].contains(says),
+            "{host} beside {links}: {p:?}"
+        );
+    }
+    // The default is of a site of its own beside the default links.
+    assert!(DaemonConfig::default().validate().is_empty());
 }

@@ -1,6 +1,15 @@
-//! The console's one-time tokens and sessions. Both are random (244 bits,
-//! from two v4 UUIDs), kept in agentd's memory only (a restart logs
-//! everyone out), bounded in number, and tied to a uid.
+//! The console's one-time tokens and tickets, and its sessions. All are
+//! random (244 bits, from two v4 UUIDs), kept in agentd's memory only (a
+//! restart logs everyone out), bounded in number, and tied to a uid.
+//!
+//! A token (from D-Bus) is spent at the loopback door, by a process of
+//! its uid. When the console is served through Caddy, the way in starts
+//! on its HTTPS name (`/begin`), which gives the browser a nonce cookie
+//! and sends it to the door; the door's login hands it a ticket bound to
+//! that nonce instead of a session: spent once on the HTTPS name, where
+//! agentd cannot tell who connected, by the browser that holds the nonce
+//! (another user's ticket is worth nothing in the owner's browser: no
+//! login CSRF), it opens the session there.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -9,11 +18,23 @@ use std::time::{Duration, Instant};
 /// How long a login link is valid (and it is valid once).
 pub const TOKEN_TTL: Duration = Duration::from_secs(60);
 
+/// How long a ticket from the loopback door to the console's HTTPS name
+/// is valid (and it is valid once): the browser follows it at once.
+pub const TICKET_TTL: Duration = Duration::from_secs(30);
+
 /// How long a session lives without a request.
 pub const SESSION_IDLE: Duration = Duration::from_secs(12 * 3600);
 
-/// The session cookie's name.
+/// The session cookie's name at the loopback door.
 pub const COOKIE: &str = "keystone_console";
+
+/// The session cookie's name on the console's HTTPS name: the browser
+/// keeps a `__Host-` cookie only when it is `Secure`, set by that host
+/// itself for all its paths, and sends it to that host alone.
+pub const HTTPS_COOKIE: &str = "__Host-keystone_console";
+
+/// The cookie of a login under way on the HTTPS name: its nonce.
+pub const NONCE_COOKIE: &str = "__Host-keystone_login";
 
 /// Most tokens not yet used, and sessions, at once (the oldest go first).
 const TOKENS_MAX: usize = 256;
@@ -34,6 +55,10 @@ pub struct Session {
     /// What a request that changes something must carry in
     /// `X-Keystone-CSRF`.
     pub csrf: String,
+    /// Whether it was opened on the console's HTTPS name (through Caddy),
+    /// where alone it is good; else at the loopback door, where alone it
+    /// is good, and only for a process of its uid.
+    pub https: bool,
 }
 
 #[derive(Debug)]
@@ -42,10 +67,48 @@ struct Kept {
     last: Instant,
 }
 
-/// The tokens and sessions.
+/// One-time secrets of uids, each valid for a while.
+#[derive(Debug, Default)]
+struct OneTime(Mutex<HashMap<String, (u32, Instant)>>);
+
+impl OneTime {
+    /// A new one for `uid`, valid for `ttl` from `now`, kept with `tail`
+    /// after it (and found only with it).
+    fn issue_at(&self, uid: u32, tail: &str, ttl: Duration, now: Instant) -> String {
+        let mut map = self.0.lock().unwrap();
+        map.retain(|_, (_, at)| now.saturating_duration_since(*at) < ttl);
+        make_room(&mut map, uid, (TOKENS_PER_UID, TOKENS_MAX), |(u, at)| {
+            (*u, *at)
+        });
+        let t = secret();
+        map.insert(format!("{t}{tail}"), (uid, now));
+        t
+    }
+
+    /// Spend `secret` when its owner is one `may` spend: the owner, when
+    /// it was still valid. Another's is left as it was.
+    fn redeem_at(
+        &self,
+        secret: &str,
+        may: impl Fn(u32) -> bool,
+        ttl: Duration,
+        now: Instant,
+    ) -> Option<u32> {
+        let mut map = self.0.lock().unwrap();
+        match map.get(secret) {
+            Some((owner, _)) if may(*owner) => {}
+            _ => return None,
+        }
+        let (owner, at) = map.remove(secret).expect("just seen");
+        (now.saturating_duration_since(at) < ttl).then_some(owner)
+    }
+}
+
+/// The tokens, tickets and sessions.
 #[derive(Debug, Default)]
 pub struct Auth {
-    tokens: Mutex<HashMap<String, (u32, Instant)>>,
+    tokens: OneTime,
+    tickets: OneTime,
     sessions: Mutex<HashMap<String, Kept>>,
 }
 
@@ -92,14 +155,7 @@ impl Auth {
     }
 
     fn issue_at(&self, uid: u32, now: Instant) -> String {
-        let mut tokens = self.tokens.lock().unwrap();
-        tokens.retain(|_, (_, at)| now.saturating_duration_since(*at) < TOKEN_TTL);
-        make_room(&mut tokens, uid, (TOKENS_PER_UID, TOKENS_MAX), |(u, at)| {
-            (*u, *at)
-        });
-        let t = secret();
-        tokens.insert(t.clone(), (uid, now));
-        t
+        self.tokens.issue_at(uid, "", TOKEN_TTL, now)
     }
 
     /// Use `token` as `uid`: whether it is that uid's and still valid.
@@ -110,17 +166,38 @@ impl Auth {
     }
 
     fn redeem_at(&self, token: &str, uid: u32, now: Instant) -> bool {
-        let mut tokens = self.tokens.lock().unwrap();
-        match tokens.get(token) {
-            Some((owner, _)) if *owner == uid => {}
-            _ => return false,
-        }
-        let (_, at) = tokens.remove(token).expect("just seen");
-        now.saturating_duration_since(at) < TOKEN_TTL
+        self.tokens
+            .redeem_at(token, |owner| owner == uid, TOKEN_TTL, now)
+            .is_some()
     }
 
-    /// A new session for `uid`: its cookie value.
-    pub fn open(&self, uid: u32) -> String {
+    /// A new ticket for `uid`, from the loopback door to the HTTPS name,
+    /// for the browser that holds `nonce`.
+    pub fn ticket(&self, uid: u32, nonce: &str) -> String {
+        self.tickets
+            .issue_at(uid, &format!("/{nonce}"), TICKET_TTL, Instant::now())
+    }
+
+    /// Spend `ticket`, brought by a browser that holds `nonce`: its
+    /// owner, when it was one for that nonce and still valid.
+    pub fn redeem_ticket(&self, ticket: &str, nonce: &str) -> Option<u32> {
+        self.tickets.redeem_at(
+            &format!("{ticket}/{nonce}"),
+            |_| true,
+            TICKET_TTL,
+            Instant::now(),
+        )
+    }
+
+    /// A new nonce for a login under way.
+    #[must_use]
+    pub fn nonce() -> String {
+        secret()
+    }
+
+    /// A new session for `uid`, good on the HTTPS name or at the loopback
+    /// door (`https`): its cookie value.
+    pub fn open(&self, uid: u32, https: bool) -> String {
         let now = Instant::now();
         let mut sessions = self.sessions.lock().unwrap();
         sessions.retain(|_, k| now.saturating_duration_since(k.last) < SESSION_IDLE);
@@ -134,6 +211,7 @@ impl Auth {
                 session: Session {
                     uid,
                     csrf: secret(),
+                    https,
                 },
                 last: now,
             },
@@ -199,20 +277,43 @@ mod tests {
     }
 
     #[test]
+    fn a_ticket_is_valid_once_for_whoever_brings_it() {
+        let auth = Auth::default();
+        let t = auth.ticket(1000, "n1");
+        // A login token is not a ticket, nor the other way round.
+        assert!(!auth.redeem(&t, 1000));
+        let token = auth.issue(1000);
+        assert_eq!(auth.redeem_ticket(&token, "n1"), None);
+        // Only the browser with the nonce spends it.
+        assert_eq!(auth.redeem_ticket(&t, "n2"), None);
+        assert_eq!(auth.redeem_ticket(&t, ""), None);
+        assert_eq!(auth.redeem_ticket(&t, "n1"), Some(1000));
+        assert_eq!(auth.redeem_ticket(&t, "n1"), None, "a ticket went twice");
+        let now = Instant::now();
+        let old = auth.tickets.issue_at(1000, "/n", TICKET_TTL, now);
+        assert_eq!(
+            auth.tickets
+                .redeem_at(&format!("{old}/n"), |_| true, TICKET_TTL, now + TICKET_TTL),
+            None,
+            "an expired ticket"
+        );
+    }
+
+    #[test]
     fn tokens_and_sessions_are_bounded() {
         let auth = Auth::default();
         let kept = auth.issue(2);
         for _ in 0..(TOKENS_MAX * 2) {
             auth.issue(1);
         }
-        assert!(auth.tokens.lock().unwrap().len() <= TOKENS_PER_UID + 1);
+        assert!(auth.tokens.0.lock().unwrap().len() <= TOKENS_PER_UID + 1);
         assert!(auth.redeem(&kept, 2), "one uid pushed out another's token");
-        let first = auth.open(7);
+        let first = auth.open(7, false);
         for _ in 0..SESSIONS_PER_UID {
-            auth.open(7);
+            auth.open(7, false);
         }
         assert_eq!(auth.session(&first), None, "the oldest session stayed");
-        let other = auth.open(8);
+        let other = auth.open(8, true);
         assert_eq!(auth.session(&other).map(|s| s.uid), Some(8));
         assert!(auth.sessions.lock().unwrap().len() <= SESSIONS_PER_UID + 1);
         auth.close(&other);

@@ -5,16 +5,14 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::auth::{self, Session};
+use super::{Door, Via};
+use crate::sandbox::manager::Manager;
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use tokio::net::TcpStream;
-
-use super::Door;
-use super::auth::{self, Session};
-use crate::sandbox::manager::Manager;
 
 /// How long a client may take to send a request's head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
@@ -36,17 +34,14 @@ const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self' 'unsa
 /// Largest file of the terminal's code agentd serves.
 const FILE_MAX: u64 = 2 << 20;
 
-/// Serve one connection from a process of `uid`.
-pub(super) async fn connection(
-    stream: TcpStream,
-    uid: u32,
-    door: Arc<Door>,
-    manager: Arc<Manager>,
-) {
-    let _ = stream.set_nodelay(true);
+/// Serve one connection that came `via` the loopback door or Caddy.
+pub(super) async fn connection<S>(stream: S, via: Via, door: Arc<Door>, manager: Arc<Manager>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let service = hyper::service::service_fn(move |req| {
         let (door, manager) = (Arc::clone(&door), Arc::clone(&manager));
-        async move { Ok::<_, Infallible>(answer(req, uid, &door, &manager).await) }
+        async move { Ok::<_, Infallible>(answer(req, via, &door, &manager).await) }
     });
     let _ = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
@@ -56,16 +51,16 @@ pub(super) async fn connection(
         .await;
 }
 
-/// The answer to `req` from a process of `uid`.
+/// The answer to `req`, which came `via` the loopback door or Caddy.
 async fn answer(
     req: Request<Incoming>,
-    uid: u32,
+    via: Via,
     door: &Arc<Door>,
     manager: &Arc<Manager>,
 ) -> Response<Full<Bytes>> {
     // The browser must have asked for the console itself: a page of
     // another name that resolves to loopback gets nothing (DNS rebinding).
-    if !own_host(&req, door) {
+    if !own_host(&req, via, door) {
         return page(
             StatusCode::MISDIRECTED_REQUEST,
             "This is not the console's address.",
@@ -73,32 +68,33 @@ async fn answer(
     }
     let path = req.uri().path().to_owned();
     match (req.method().clone(), path.as_str()) {
-        (Method::GET, "/login") => login(&req, uid, door),
+        (Method::GET, "/login") => login(&req, via, door),
+        (Method::GET, "/begin") if via == Via::Site => begin(&req, door),
         (Method::GET, "/console.js") => asset("text/javascript; charset=utf-8", CONSOLE_JS),
         (Method::GET, "/console.css") => asset("text/css; charset=utf-8", CONSOLE_CSS),
         // (For the console's own pages: reading the cache is agentd's
         // work, not anyone's to ask for.)
-        (Method::GET, p) if p.starts_with("/xterm/") => match session(&req, uid, door) {
+        (Method::GET, p) if p.starts_with("/xterm/") => match session(&req, via, door) {
             Some(_) => terminal_code(&p["/xterm/".len()..], door),
             None => page(StatusCode::UNAUTHORIZED, "Not logged in."),
         },
-        (Method::GET, "/") => match session(&req, uid, door).map(|(s, _)| s) {
+        (Method::GET, "/") => match session(&req, via, door).map(|(s, _)| s) {
             Some(_) => asset("text/html; charset=utf-8", INDEX_HTML),
             None => page(
                 StatusCode::UNAUTHORIZED,
                 "Not logged in. Open the console with `agentctl console`: it logs you in.",
             ),
         },
-        (Method::GET, "/api/session") => match session(&req, uid, door).map(|(s, _)| s) {
+        (Method::GET, "/api/session") => match session(&req, via, door).map(|(s, _)| s) {
             Some(s) => json(&serde_json::json!({"uid": s.uid, "csrf": s.csrf})),
             None => page(StatusCode::UNAUTHORIZED, "Not logged in."),
         },
-        (Method::GET, "/api/events") => match socket_session(&req, uid, door, "a WebSocket") {
+        (Method::GET, "/api/events") => match socket_session(&req, via, door, "a WebSocket") {
             Ok(s) => super::events::upgrade(req, s, Arc::clone(door), Arc::clone(manager)),
             Err(refused) => *refused,
         },
         (Method::GET, "/api/terminal") => {
-            let (s, cookie) = match socket_session(&req, uid, door, "a terminal") {
+            let (s, cookie) = match socket_session(&req, via, door, "a terminal") {
                 Ok(s) => s,
                 Err(refused) => return *refused,
             };
@@ -118,24 +114,24 @@ async fn answer(
             )
         }
         (Method::GET, "/api/sandbox" | "/api/record") | (Method::POST, "/api/egress") => {
-            let Some((s, _)) = session(&req, uid, door) else {
+            let Some((s, _)) = session(&req, via, door) else {
                 return page(StatusCode::UNAUTHORIZED, "Not logged in.");
             };
             // The page's token in a header of its own: a page of another
             // origin cannot send one without asking first (CORS), and is
             // never told yes.
             let posted = req.method() == Method::POST;
-            if !carries_csrf(&req, &s) || (posted && !own_origin(&req, door)) {
+            if !carries_csrf(&req, &s) || (posted && !own_origin(&req, via, door)) {
                 tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused a request without the page's origin and token");
                 return page(StatusCode::FORBIDDEN, "Not from the console's own page.");
             }
             sandbox_api(&path, req.uri().query().unwrap_or(""), s.uid, manager).await
         }
         (Method::POST, "/api/logout") => {
-            let Some((s, cookie)) = session(&req, uid, door) else {
+            let Some((s, cookie)) = session(&req, via, door) else {
                 return page(StatusCode::UNAUTHORIZED, "Not logged in.");
             };
-            if !own_origin(&req, door) || !carries_csrf(&req, &s) {
+            if !own_origin(&req, via, door) || !carries_csrf(&req, &s) {
                 tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused a request without the page's origin and token");
                 return page(StatusCode::FORBIDDEN, "Not from the console's own page.");
             }
@@ -143,9 +139,7 @@ async fn answer(
             let mut r = page(StatusCode::OK, "Logged out.");
             r.headers_mut().insert(
                 header::SET_COOKIE,
-                HeaderValue::from_static(
-                    "keystone_console=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0",
-                ),
+                HeaderValue::from_str(&session_cookie(via, "", 0)).expect("a plain cookie"),
             );
             r
         }
@@ -271,9 +265,11 @@ fn terminal_code(name: &str, door: &Door) -> Response<Full<Bytes>> {
     respond(StatusCode::OK, kind, Bytes::from(bytes))
 }
 
-/// `GET /login?token=…`: the token becomes a session cookie when it is
-/// valid, unused and the connecting process's own.
-fn login(req: &Request<Incoming>, uid: u32, door: &Door) -> Response<Full<Bytes>> {
+/// `GET /login`: at the loopback door, `?token=…` (valid, unused and the
+/// connecting process's own) becomes a session cookie, or, when the
+/// console is served through Caddy, a ticket to its HTTPS name; there,
+/// `?ticket=…` becomes a session cookie of that name.
+fn login(req: &Request<Incoming>, via: Via, door: &Door) -> Response<Full<Bytes>> {
     let query = req.uri().query().unwrap_or("");
     let param = |name: &str| {
         query
@@ -282,70 +278,209 @@ fn login(req: &Request<Incoming>, uid: u32, door: &Door) -> Response<Full<Bytes>
             .find(|(k, _)| *k == name)
             .map(|(_, v)| v)
     };
-    if !param("token").is_some_and(|t| door.auth.redeem(t, uid)) {
+    // The nonce of the login under way: at the door, as `/begin` passed
+    // it on; on the HTTPS name, in the browser's cookie.
+    let nonce = match via {
+        Via::Loopback(_) => param("nonce").unwrap_or_default().to_owned(),
+        Via::Site => auth::cookies(
+            req.headers()
+                .get_all(header::COOKIE)
+                .iter()
+                .filter_map(|v| v.to_str().ok()),
+            auth::NONCE_COOKIE,
+        )
+        .next()
+        .unwrap_or_default()
+        .to_owned(),
+    };
+    let nonce_ok = nonce.len() == 64 && nonce.bytes().all(|b| b.is_ascii_hexdigit());
+    let uid = match via {
+        // Through Caddy, the way in starts on the HTTPS name.
+        Via::Loopback(_) if door.site.is_some() && !nonce_ok => None,
+        Via::Loopback(uid) => param("token")
+            .is_some_and(|t| door.auth.redeem(t, uid))
+            .then_some(uid),
+        Via::Site if !nonce_ok => None,
+        Via::Site => param("ticket").and_then(|t| door.auth.redeem_ticket(t, &nonce)),
+    };
+    let Some(uid) = uid else {
         tracing::warn!(
-            uid,
+            ?via,
             "web console: refused a login link (expired, used already, or another user's)"
         );
         return page(
             StatusCode::FORBIDDEN,
             "This console link has expired, was used already, or is not yours. Run `agentctl console` again.",
         );
-    }
-    let cookie = door.auth.open(uid);
-    // A sandbox name is [a-z0-9-]; anything else is dropped.
-    let target = match param("sandbox") {
-        Some(n)
-            if !n.is_empty()
-                && n.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') =>
-        {
-            format!("/#{n}")
-        }
-        _ => "/".to_owned(),
     };
-    tracing::info!(uid, "web console: logged in");
-    let mut r = page(StatusCode::SEE_OTHER, "Logged in.");
-    let headers = r.headers_mut();
-    headers.insert(
-        header::LOCATION,
-        HeaderValue::from_str(&target).expect("a plain path"),
-    );
-    headers.insert(
+    // A sandbox name is [a-z0-9-]; anything else is dropped.
+    let sandbox = param("sandbox").filter(|n| {
+        !n.is_empty()
+            && n.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    });
+    if let (Via::Loopback(_), Some(site)) = (via, &door.site) {
+        // On to the HTTPS name, with a ticket only this browser has: it
+        // is in no command line, only in this answer.
+        let mut to = format!("{site}/login?ticket={}", door.auth.ticket(uid, &nonce));
+        if let Some(n) = sandbox {
+            to.push_str("&sandbox=");
+            to.push_str(n);
+        }
+        let mut r = page(StatusCode::SEE_OTHER, "On to the console.");
+        r.headers_mut().insert(
+            header::LOCATION,
+            HeaderValue::from_str(&to).expect("a plain URL"),
+        );
+        return r;
+    }
+    let cookie = door.auth.open(uid, via == Via::Site);
+    let target = sandbox.map_or_else(|| "/".to_owned(), |n| format!("/#{n}"));
+    tracing::info!(uid, ?via, "web console: logged in");
+    let mut r = match via {
+        Via::Loopback(_) => {
+            let mut r = page(StatusCode::SEE_OTHER, "Logged in.");
+            r.headers_mut().insert(
+                header::LOCATION,
+                HeaderValue::from_str(&target).expect("a plain path"),
+            );
+            r
+        }
+        // The browser came here from another site (the loopback door): a
+        // redirect would still be part of that cross-site navigation, which
+        // a `SameSite=Strict` cookie is not sent with. A page of the
+        // console's own that moves on is not.
+        Via::Site => respond(
+            StatusCode::OK,
+            "text/html; charset=utf-8",
+            Bytes::from(format!(
+                "<!doctype html><meta http-equiv=\"refresh\" content=\"0;url={target}\"><title>Keystone Agent</title><p>Logged in.</p>"
+            )),
+        ),
+    };
+    r.headers_mut().insert(
         header::SET_COOKIE,
-        HeaderValue::from_str(&format!(
-            "{}={cookie}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}",
-            auth::COOKIE,
-            auth::SESSION_IDLE.as_secs()
-        ))
-        .expect("a plain cookie"),
+        HeaderValue::from_str(&session_cookie(via, &cookie, auth::SESSION_IDLE.as_secs()))
+            .expect("a plain cookie"),
+    );
+    if via == Via::Site {
+        r.headers_mut().append(
+            header::SET_COOKIE,
+            HeaderValue::from_str(&nonce_cookie("", 0)).expect("a plain cookie"),
+        );
+    }
+    r
+}
+
+/// `GET /begin?token=…` on the HTTPS name: a login starts here. The
+/// browser gets a nonce cookie of this name and goes on to the loopback
+/// door with the token and the nonce; the door's ticket comes back bound
+/// to that nonce. (The token is checked at the door, where agentd knows
+/// who connected.)
+fn begin(req: &Request<Incoming>, door: &Door) -> Response<Full<Bytes>> {
+    let query = req.uri().query().unwrap_or("");
+    // A token is hex; a sandbox name is [a-z0-9-]: only they go on.
+    let plain = |v: &&str| {
+        !v.is_empty()
+            && v.len() <= 64
+            && v.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    };
+    let param = |name: &str| {
+        query
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v)
+            .filter(plain)
+    };
+    let Some(token) = param("token") else {
+        return page(
+            StatusCode::BAD_REQUEST,
+            "Open the console with `agentctl console`: it logs you in.",
+        );
+    };
+    let nonce = auth::Auth::nonce();
+    let mut to = format!(
+        "{}/login?token={token}&nonce={nonce}",
+        door.origin_of(Via::Loopback(0))
+    );
+    if let Some(n) = param("sandbox") {
+        to.push_str("&sandbox=");
+        to.push_str(n);
+    }
+    let mut r = page(StatusCode::SEE_OTHER, "On to agentd's door.");
+    let h = r.headers_mut();
+    h.insert(
+        header::LOCATION,
+        HeaderValue::from_str(&to).expect("a plain URL"),
+    );
+    h.insert(
+        header::SET_COOKIE,
+        HeaderValue::from_str(&nonce_cookie(&nonce, auth::TOKEN_TTL.as_secs()))
+            .expect("a plain cookie"),
     );
     r
 }
 
-/// The session of `req`'s cookie and the cookie, if it is one of `uid`,
-/// the process at the other end: someone else's cookie is no one's. (Each
-/// cookie of the name is tried: another service of the host may have set
-/// one too.)
-fn session(req: &Request<Incoming>, uid: u32, door: &Door) -> Option<(Session, String)> {
+/// The `Set-Cookie` value of a login's `nonce` for `max_age` seconds (0:
+/// gone). `Lax`: the browser comes back to the HTTPS name from the door,
+/// another site, and must bring it along.
+fn nonce_cookie(nonce: &str, max_age: u64) -> String {
+    format!(
+        "{}={nonce}; Secure; HttpOnly; SameSite=Lax; Path=/; Max-Age={max_age}",
+        auth::NONCE_COOKIE
+    )
+}
+
+/// The `Set-Cookie` value of session `cookie` for `max_age` seconds (0:
+/// gone), on the loopback door or on the HTTPS name (`Secure`, and a
+/// `__Host-` name the browser keeps to that host).
+fn session_cookie(via: Via, cookie: &str, max_age: u64) -> String {
+    match via {
+        Via::Loopback(_) => format!(
+            "{}={cookie}; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age}",
+            auth::COOKIE
+        ),
+        Via::Site => format!(
+            "{}={cookie}; Secure; HttpOnly; SameSite=Strict; Path=/; Max-Age={max_age}",
+            auth::HTTPS_COOKIE
+        ),
+    }
+}
+
+/// The session of `req`'s cookie and the cookie, if it is one of the way
+/// it came: at the loopback door, a session opened there and of the
+/// process at the other end (someone else's cookie is no one's); through
+/// Caddy, one opened on the HTTPS name. (Each cookie of the name is
+/// tried: another service of the host may have set one too.)
+fn session(req: &Request<Incoming>, via: Via, door: &Door) -> Option<(Session, String)> {
+    let name = match via {
+        Via::Loopback(_) => auth::COOKIE,
+        Via::Site => auth::HTTPS_COOKIE,
+    };
     let values = auth::cookies(
         req.headers()
             .get_all(header::COOKIE)
             .iter()
             .filter_map(|v| v.to_str().ok()),
-        auth::COOKIE,
+        name,
     );
     for value in values {
         let Some(s) = door.auth.session(value) else {
             continue;
         };
-        if s.uid == uid {
+        let good = match via {
+            Via::Loopback(uid) => s.uid == uid && !s.https,
+            Via::Site => s.https,
+        };
+        if good {
             return Some((s, value.to_owned()));
         }
         tracing::debug!(
-            uid,
+            ?via,
             owner = s.uid,
-            "web console: refused a session cookie used by another uid"
+            "web console: refused a session cookie used by another uid, or another way in"
         );
     }
     None
@@ -355,14 +490,14 @@ fn session(req: &Request<Incoming>, uid: u32, door: &Door) -> Option<(Session, S
 /// the cookie's, from the console's own page; else the refusal.
 fn socket_session(
     req: &Request<Incoming>,
-    uid: u32,
+    via: Via,
     door: &Door,
     what: &str,
 ) -> Result<(Session, String), Box<Response<Full<Bytes>>>> {
-    let Some(s) = session(req, uid, door) else {
+    let Some(s) = session(req, via, door) else {
         return Err(Box::new(page(StatusCode::UNAUTHORIZED, "Not logged in.")));
     };
-    if !own_origin(req, door) {
+    if !own_origin(req, via, door) {
         tracing::warn!(origin = ?req.headers().get(header::ORIGIN), "web console: refused {what} from another origin");
         return Err(Box::new(page(
             StatusCode::FORBIDDEN,
@@ -372,27 +507,28 @@ fn socket_session(
     Ok(s)
 }
 
-/// The name the console answers to: its address (`127.0.0.1:PORT`; not
-/// `localhost`, which another uid may serve at that port over IPv6).
-fn own_name(door: &Door) -> String {
-    door.addr.to_string()
-}
-
-fn own_host(req: &Request<Incoming>, door: &Door) -> bool {
+/// Whether `req` names the console as it came (`Host`): its loopback
+/// address (`127.0.0.1:PORT`; not `localhost`, which another uid may
+/// serve at that port over IPv6), or its HTTPS name.
+fn own_host(req: &Request<Incoming>, via: Via, door: &Door) -> bool {
     let host = req
         .headers()
         .get(header::HOST)
         .and_then(|h| h.to_str().ok());
-    host.is_some_and(|h| h == own_name(door))
+    host.is_some_and(|h| {
+        let origin = door.origin_of(via);
+        origin.split_once("://").is_some_and(|(_, own)| own == h)
+    })
 }
 
-/// Whether `req` comes from one of the console's own pages (`Origin`).
-fn own_origin(req: &Request<Incoming>, door: &Door) -> bool {
+/// Whether `req` comes from one of the console's own pages (`Origin`) of
+/// the way it came.
+fn own_origin(req: &Request<Incoming>, via: Via, door: &Door) -> bool {
     let origin = req
         .headers()
         .get(header::ORIGIN)
         .and_then(|h| h.to_str().ok());
-    origin.is_some_and(|o| o == door.origin())
+    origin.is_some_and(|o| o == door.origin_of(via))
 }
 
 /// Whether `req` carries the session's CSRF token.

@@ -24,6 +24,9 @@ pub const FALLBACK_ID: &str = "keystone-agent.fallback";
 /// `@id` of the TLS automation policy (certificates on demand).
 pub const TLS_ID: &str = "keystone-agent.tls";
 
+/// The `@id` of the route of agentd's own site (the console).
+pub const SITE_ID: &str = "keystone-agent.site";
+
 /// A failed call to Caddy's admin API.
 #[derive(Debug, thiserror::Error)]
 pub enum CaddyError {
@@ -410,12 +413,23 @@ impl Caddy {
     }
 
     /// Make sure Caddy issues certificates on demand, from its internal CA,
-    /// for `domain` and the one and two labels below it, asking `ask`
-    /// (agentd's pages) before each.
-    pub async fn ensure_tls(&self, domain: &str, ask: &str) -> Result<(), CaddyError> {
+    /// for `domain` and the one and two labels below it, and for the names
+    /// in `also`, asking `ask` (agentd's pages) before each.
+    pub async fn ensure_tls(
+        &self,
+        domain: &str,
+        also: &[&str],
+        ask: &str,
+    ) -> Result<(), CaddyError> {
+        let mut subjects = vec![
+            domain.to_owned(),
+            format!("*.{domain}"),
+            format!("*.*.{domain}"),
+        ];
+        subjects.extend(also.iter().map(|n| (*n).to_owned()));
         let policy = json!({
             "@id": TLS_ID,
-            "subjects": [domain, format!("*.{domain}"), format!("*.*.{domain}")],
+            "subjects": subjects,
             "issuers": [{ "module": "internal" }],
             "on_demand": true,
         });

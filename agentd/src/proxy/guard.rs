@@ -31,7 +31,9 @@ impl Proxy {
                 ours.extend(["localhost", "127.0.0.1", "[::1]", ""].map(|h| format!("{h}:{port}")));
             }
         }
-        for path in foreign_routes(&servers, &self.cfg.server, &self.cfg.domain, &ours) {
+        let mut names = vec![self.cfg.domain.clone()];
+        names.extend(self.site_host());
+        for path in foreign_routes(&servers, &self.cfg.server, &names, &ours) {
             tracing::warn!(%path, "removing a route in Caddy that agentd did not make from the names it serves");
             self.caddy.delete(&path).await?;
         }
@@ -49,23 +51,25 @@ impl Proxy {
 /// make and that take requests for names it serves, or send requests to
 /// agentd or Caddy's admin API: every route without agentd's `@id` in its
 /// own server `own`; every route of another server whose host matcher names
-/// `domain` or a name below it, or that names an upstream `dial` in
+/// one of `names` or a name below one, or that names an upstream `dial` in
 /// `reaching` (or a path below one). Within a server the last comes first,
 /// so deleting them in order keeps the others' indices.
 #[must_use]
 pub fn foreign_routes(
     servers: &Value,
     own: &str,
-    domain: &str,
+    names: &[String],
     reaching: &[String],
 ) -> Vec<String> {
     let Some(servers) = servers.as_object() else {
         return Vec::new();
     };
-    let domain = domain.to_ascii_lowercase();
     let ours = |host: &str| {
         let host = host.trim_end_matches('.').to_ascii_lowercase();
-        host == domain || host.ends_with(&format!(".{domain}"))
+        names.iter().any(|n| {
+            let n = n.to_ascii_lowercase();
+            host == n || host.ends_with(&format!(".{n}"))
+        })
     };
     let mut out = Vec::new();
     for (name, server) in servers {
@@ -135,6 +139,7 @@ mod tests {
                 { "match": [{ "path": ["/"] }, { "host": ["*.B.Sandbox.Local"] }] },
                 { "match": [{ "host": ["sandbox.local."] }] },
                 { "match": [{ "host": ["notsandbox.local"] }] },
+                { "match": [{ "host": ["console.keystone.localhost"] }] },
             ]},
             "empty": {},
             "relay": { "routes": [
@@ -146,17 +151,30 @@ mod tests {
             ]},
         });
         let reaching = ["localhost:2019".to_owned(), "/var/lib/ka/links".to_owned()];
+        let names = [
+            "sandbox.local".to_owned(),
+            "console.keystone.localhost".to_owned(),
+        ];
         assert_eq!(
-            foreign_routes(&servers, "keystone-agent", "sandbox.local", &reaching),
+            foreign_routes(&servers, "keystone-agent", &names, &reaching),
             vec![
                 "/config/apps/http/servers/keystone-agent/routes/2",
                 "/config/apps/http/servers/keystone-agent/routes/1",
                 "/config/apps/http/servers/relay/routes/1",
                 "/config/apps/http/servers/relay/routes/0",
+                "/config/apps/http/servers/x/routes/4",
                 "/config/apps/http/servers/x/routes/2",
                 "/config/apps/http/servers/x/routes/1",
             ]
         );
-        assert!(foreign_routes(&Value::Null, "keystone-agent", "sandbox.local", &[]).is_empty());
+        assert!(
+            foreign_routes(
+                &Value::Null,
+                "keystone-agent",
+                &["sandbox.local".to_owned()],
+                &[]
+            )
+            .is_empty()
+        );
     }
 }

@@ -26,6 +26,7 @@ mod guard;
 pub mod names;
 mod pages;
 pub mod peer;
+mod site;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -51,6 +52,11 @@ pub enum ProxyError {
     /// A forwarder's loopback listener could not be opened.
     #[error("cannot open a forwarder: {0}")]
     Forwarder(#[source] std::io::Error),
+    /// agentd's own site asked for plain HTTP links.
+    #[error(
+        "the links are plain HTTP: agentd serves a site of its own through Caddy over HTTPS only (proxy.listen on port 443, or proxy.https)"
+    )]
+    Plain,
 }
 
 /// Why a connection to a dev server inside a sandbox could not be made.
@@ -148,6 +154,8 @@ pub struct Proxy {
     key: String,
     /// Where the forwarders' sockets are.
     links_dir: PathBuf,
+    /// agentd's own site through Caddy (the console), once served.
+    site: Mutex<Option<site::Site>>,
 }
 
 impl Proxy {
@@ -190,6 +198,7 @@ impl Proxy {
             redirected: Mutex::new(HashMap::new()),
             stale: std::sync::atomic::AtomicBool::new(true),
             links_dir,
+            site: Mutex::new(None),
             key: format!(
                 "{}{}",
                 uuid::Uuid::new_v4().simple(),
@@ -280,6 +289,17 @@ impl Proxy {
     /// The link to `host` of sandbox `name`, with its token when links
     /// answer only their owner.
     fn url(&self, name: &str, host: &str) -> String {
+        let (scheme, port) = self.scheme_port();
+        let token = self
+            .token(name)
+            .map(|t| format!("?{}={t}", caddy::TOKEN_PARAM))
+            .unwrap_or_default();
+        format!("{scheme}://{host}{port}/{token}")
+    }
+
+    /// The scheme of Caddy's server, and the `:PORT` a URL of it needs
+    /// (none for the scheme's own).
+    fn scheme_port(&self) -> (&'static str, String) {
         let (scheme, default) = if self.https() {
             ("https", "443")
         } else {
@@ -296,11 +316,7 @@ impl Proxy {
         } else {
             ports.first().map(|p| format!(":{p}")).unwrap_or_default()
         };
-        let token = self
-            .token(name)
-            .map(|t| format!("?{}={t}", caddy::TOKEN_PARAM))
-            .unwrap_or_default();
-        format!("{scheme}://{host}{port}/{token}")
+        (scheme, port)
     }
 
     /// Check Caddy now and then ([`guard`]); rebuild agentd's server when
@@ -326,15 +342,22 @@ impl Proxy {
     async fn apply_all(&self) -> Result<(), caddy::CaddyError> {
         let routes = self.routes.lock().await;
         let fallback = caddy::fallback(&forward::dial(&self.pages_socket.path));
+        let site = self.site_route();
         if self.https() {
             let ask = format!("http://{}/ask", self.pages);
-            self.caddy.ensure_tls(&self.cfg.domain, &ask).await?;
+            let also: Vec<String> = self.site_host().into_iter().collect();
+            let also: Vec<&str> = also.iter().map(String::as_str).collect();
+            self.caddy.ensure_tls(&self.cfg.domain, &also, &ask).await?;
         }
         let created = self
             .caddy
             .ensure_server(&self.cfg.server, &self.cfg.listen, self.https(), &fallback)
             .await?;
-        let keep: Vec<&str> = routes.values().flatten().map(|r| r.id.as_str()).collect();
+        let mut keep: Vec<&str> = routes.values().flatten().map(|r| r.id.as_str()).collect();
+        if let Some(site) = &site {
+            self.caddy.put_route(&self.cfg.server, site).await?;
+            keep.push(caddy::SITE_ID);
+        }
         // Routes of ours that Caddy has but we no longer want.
         for r in self.caddy.routes(&self.cfg.server).await? {
             if let Some(id) = r["@id"].as_str() {

@@ -135,7 +135,8 @@ async fn answer(proxy: &Arc<Proxy>, req: &Request<Incoming>) -> Response<Full<By
             .find_map(|kv| kv.strip_prefix("domain="))
             .unwrap_or_default()
             .to_ascii_lowercase();
-        let ok = names::split_host(&asked, &domain).is_some();
+        let ok = names::split_host(&asked, &domain).is_some()
+            || proxy.site_host().is_some_and(|h| h == asked);
         return Response::builder()
             .status(if ok {
                 StatusCode::OK

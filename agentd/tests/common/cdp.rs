@@ -57,8 +57,14 @@ pub fn available() -> bool {
 impl Browser {
     /// Start a headless Chromium with its profile in `dir`.
     pub fn start(dir: &Path) -> Self {
+        Self::start_with(dir, &[])
+    }
+
+    /// [`Self::start`], with `extra` arguments.
+    pub fn start_with(dir: &Path, extra: &[&str]) -> Self {
         let mut child = Command::new("chromium")
             .args(HEADLESS)
+            .args(extra)
             .args(["--remote-debugging-port=0", "--remote-allow-origins=*"])
             .arg(format!("--user-data-dir={}", dir.display()))
             .arg("about:blank")
