@@ -691,6 +691,46 @@ agentctl exec -t myproject -b feature-x -- bash   # an interactive shell in a wo
         #[arg(last = true, required = true, value_name = "CMD")]
         command: Vec<String>,
     },
+    /// Open an SSH session into a sandbox with your own `ssh`: a shell (or
+    /// COMMAND) as the sandbox's user, in a branch's worktree. The
+    /// connection goes through agentd over D-Bus (`agentctl ssh-proxy`):
+    /// no port is opened, and agentd checks who you are as for any call.
+    #[command(after_help = "Examples:
+  agentctl ssh myproject
+  agentctl ssh myproject feature-x
+  agentctl ssh myproject -- git -C /workspace status
+
+Editors: `agentctl ssh-config >> ~/.ssh/keystone.conf` (see its --help).")]
+    Ssh {
+        /// Sandbox name.
+        name: String,
+        /// Branch whose worktree the session starts in (default: the main
+        /// worktree).
+        branch: Option<String>,
+        /// A command to run instead of a shell (after `--`).
+        #[arg(last = true, value_name = "CMD")]
+        command: Vec<String>,
+    },
+    /// Print `Host` blocks for your sandboxes (`keystone-NAME`, and
+    /// `keystone-NAME-BRANCH` for each worktree) that ssh, scp, rsync, VS
+    /// Code Remote-SSH and other editors use, and pin each sandbox's host
+    /// key in agentctl's own known_hosts file.
+    #[command(after_help = "Examples:
+  agentctl ssh-config > ~/.ssh/keystone.conf   # then add `Include keystone.conf` at the top of ~/.ssh/config
+  ssh -F <(agentctl ssh-config myproject) keystone-myproject git -C /workspace status")]
+    SshConfig {
+        /// Sandboxes to include (default: all of yours).
+        names: Vec<String>,
+    },
+    /// Carry one SSH connection into a sandbox between stdin/stdout and
+    /// agentd: what the `ProxyCommand` of `agentctl ssh-config` runs.
+    SshProxy {
+        /// Sandbox name.
+        name: String,
+        /// Branch whose worktree sessions start in.
+        #[arg(long, short = 'b', value_name = "BRANCH")]
+        branch: Option<String>,
+    },
 }
 
 /// `agentctl set --default-agent`: an agent, or none.

@@ -116,6 +116,11 @@ fn main() -> std::process::ExitCode {
             cli::Command::Doctor { json, config } => {
                 return doctor::run(cli.bus.as_deref(), config.as_deref(), json, limit).await;
             }
+            c @ (cli::Command::Ssh { .. }
+            | cli::Command::SshConfig { .. }
+            | cli::Command::SshProxy { .. }) => {
+                return commands::ssh::run(cli.bus.as_deref(), c).await;
+            }
             _ => {}
         }
         let conn = bus::connect(cli.bus.as_deref()).await?;

@@ -14,7 +14,7 @@
 //! This module is a leaf: it knows sandboxes by name only.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -373,6 +373,40 @@ fn raise_nofile() -> u64 {
         }
     }
     want
+}
+
+/// Counts of something per uid (connections, sockets), each taken with
+/// a guard that gives it back.
+#[derive(Debug, Default)]
+pub struct PerUid(Mutex<HashMap<u32, usize>>);
+
+/// One of a uid's count, given back when dropped.
+#[derive(Debug)]
+pub struct Taken(Arc<PerUid>, u32);
+
+impl PerUid {
+    /// One more for `uid`, if it has fewer than `max`.
+    pub fn take(self: &Arc<Self>, uid: u32, max: usize) -> Option<Taken> {
+        let mut map = self.0.lock().unwrap();
+        let n = map.entry(uid).or_default();
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(Taken(Arc::clone(self), uid))
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        let mut map = self.0.0.lock().unwrap();
+        if let Some(n) = map.get_mut(&self.1) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.1);
+            }
+        }
+    }
 }
 
 #[cfg(test)]

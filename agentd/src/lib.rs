@@ -37,6 +37,7 @@ pub mod relay;
 pub mod sandbox;
 pub mod secrets;
 pub mod snapshots;
+pub mod ssh;
 pub mod stats;
 pub mod subid;
 pub mod text;

@@ -70,8 +70,8 @@ fn live_interfaces_match_the_committed_xml() {
     let both = introspect(&env, "/org/keystone/Agent1")
         + &introspect(&env, "/org/keystone/Agent1/sandbox/xml");
     let live = our_interfaces(&both);
-    // Manager, Records, Sandbox, Secrets and State.
-    assert_eq!(live.len(), 5);
+    // Manager, Records, Sandbox, Secrets, Ssh and State.
+    assert_eq!(live.len(), 6);
     if std::env::var_os("KEYSTONE_BLESS").is_some() {
         let doc = format!(
             "<!DOCTYPE node PUBLIC \"-//freedesktop//DTD D-BUS Object Introspection 1.0//EN\"\n \

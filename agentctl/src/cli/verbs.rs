@@ -40,6 +40,9 @@ impl Command {
             Self::Completions { .. } => "completions",
             Self::Manpages { .. } => "manpages",
             Self::Exec { .. } => "exec",
+            Self::Ssh { .. } => "ssh",
+            Self::SshConfig { .. } => "ssh-config",
+            Self::SshProxy { .. } => "ssh-proxy",
         }
     }
 

@@ -23,6 +23,7 @@ mod links;
 mod records;
 mod secrets;
 mod sessions;
+pub mod ssh;
 mod state;
 mod stats;
 mod watch;
@@ -93,7 +94,12 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             .await?;
             secrets::run(conn, path, command).await
         }
-        Command::Doctor { .. } | Command::Completions { .. } | Command::Manpages { .. } => {
+        Command::Doctor { .. }
+        | Command::Completions { .. }
+        | Command::Manpages { .. }
+        | Command::Ssh { .. }
+        | Command::SshConfig { .. }
+        | Command::SshProxy { .. } => {
             unreachable!("run without the bus by main")
         }
     }

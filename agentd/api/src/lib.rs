@@ -18,7 +18,7 @@ pub use names::{
     BUS_NAME, ERROR_PREFIX, MANAGER_INTERFACE, MANAGER_PATH, SANDBOX_INTERFACE,
     SANDBOX_PATH_PREFIX, sandbox_path,
 };
-pub use proxy::{ManagerProxy, RecordsProxy, SandboxProxy, SecretsProxy, StateProxy};
+pub use proxy::{ManagerProxy, RecordsProxy, SandboxProxy, SecretsProxy, SshProxy, StateProxy};
 pub use types::{
     Agent, AgentHome, AuditEntry, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry,
     Network, RecordInfo, RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo,

@@ -341,3 +341,20 @@ pub trait Records {
     /// terminals, oldest first.
     fn audit(&self, limit: u32) -> Result<Vec<crate::AuditEntry>, Error>;
 }
+
+/// SSH into a sandbox, on the sandbox's object
+/// (`org.keystone.Agent1.Ssh`).
+#[proxy(
+    interface = "org.keystone.Agent1.Ssh",
+    default_service = "org.keystone.Agent1"
+)]
+pub trait Ssh {
+    /// The host key SSH connections to the sandbox show
+    /// (`ssh-ed25519 AAAA…`).
+    fn host_key(&self) -> Result<String, Error>;
+
+    /// A new SSH connection into the sandbox, its sessions in `branch`'s
+    /// worktree (empty: the main one): a socket to copy `ssh`'s
+    /// connection to and from.
+    fn connect(&self, branch: &str) -> Result<zvariant::OwnedFd, Error>;
+}

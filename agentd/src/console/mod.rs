@@ -24,11 +24,12 @@
 //! cookie, and the cookie made there is `Secure`, `__Host-`, and good on
 //! that name only; a loopback session is never good through Caddy.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::net::TcpListener;
+
+use crate::budget::PerUid;
 
 use crate::sandbox::manager::Manager;
 
@@ -59,40 +60,6 @@ pub enum Via {
 /// connection it was upgraded from, and has a slot of its own).
 pub(crate) const SOCKETS_MAX: usize = 64;
 pub(crate) const SOCKETS_PER_UID: usize = 16;
-
-/// Counts of something per uid, each taken with a guard that gives it
-/// back.
-#[derive(Debug, Default)]
-pub struct PerUid(Mutex<HashMap<u32, usize>>);
-
-/// One of a uid's count, given back when dropped.
-#[derive(Debug)]
-pub struct Taken(Arc<PerUid>, u32);
-
-impl PerUid {
-    /// One more for `uid`, if it has fewer than `max`.
-    pub fn take(self: &Arc<Self>, uid: u32, max: usize) -> Option<Taken> {
-        let mut map = self.0.lock().unwrap();
-        let n = map.entry(uid).or_default();
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(Taken(Arc::clone(self), uid))
-    }
-}
-
-impl Drop for Taken {
-    fn drop(&mut self) {
-        let mut map = self.0.0.lock().unwrap();
-        if let Some(n) = map.get_mut(&self.1) {
-            *n -= 1;
-            if *n == 0 {
-                map.remove(&self.1);
-            }
-        }
-    }
-}
 
 /// The console's way in, as the manager (and D-Bus) sees it: the address
 /// it is served at, and the tokens and sessions.

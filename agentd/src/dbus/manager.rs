@@ -272,14 +272,7 @@ pub async fn removed(conn: &Connection, callers: &Arc<Callers>, name: &str) -> z
     conn.object_server()
         .remove::<sandbox::SandboxObject, _>(&path)
         .await?;
-    let server = conn.object_server();
-    let _ = server
-        .remove::<super::secrets::SecretsObject, _>(&path)
-        .await;
-    let _ = server.remove::<super::state::StateObject, _>(&path).await;
-    let _ = server
-        .remove::<super::records::RecordsObject, _>(&path)
-        .await;
+    super::ssh::remove_parts(conn.object_server(), &path).await;
     // Unknown owner: only root hears of it.
     let owner = owner.unwrap_or(0);
     for e in callers.emitters(conn, owner, &api::MANAGER_PATH.try_into()?) {

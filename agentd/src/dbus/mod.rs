@@ -7,6 +7,7 @@ mod records;
 mod sandbox;
 mod secrets;
 mod signals;
+mod ssh;
 mod state;
 
 use std::collections::HashMap;

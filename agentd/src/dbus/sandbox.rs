@@ -746,24 +746,7 @@ pub async fn export(
         announced: Mutex::new(manager.snapshot(name)),
     };
     server.at(&path, obj).await?;
-    let state = super::state::StateObject {
-        name: name.to_owned(),
-        manager: Arc::clone(manager),
-        callers: Arc::clone(callers),
-    };
-    server.at(&path, state).await?;
-    let records = super::records::RecordsObject {
-        name: name.to_owned(),
-        manager: Arc::clone(manager),
-        callers: Arc::clone(callers),
-    };
-    server.at(&path, records).await?;
-    let secrets = super::secrets::SecretsObject {
-        name: name.to_owned(),
-        manager: Arc::clone(manager),
-        callers: Arc::clone(callers),
-    };
-    server.at(&path, secrets).await.map(|_| ())
+    super::ssh::export_parts(server, &path, name, manager, callers).await
 }
 
 impl SandboxObject {

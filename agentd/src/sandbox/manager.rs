@@ -33,6 +33,7 @@ use crate::procfs;
 use crate::registry::Registry;
 use crate::validate;
 
+mod access;
 mod backup;
 mod dirs;
 mod egress;
@@ -50,6 +51,7 @@ mod snapshots;
 mod stats;
 mod volumes;
 mod waiting;
+pub use access::InUse;
 pub use egress::{EgressChange, EgressEvent, EgressView};
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 pub use snapshots::{ForkOptions, SnapshotKind};
