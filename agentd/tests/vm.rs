@@ -198,6 +198,11 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
         "{ports}"
     );
 
+    // OpenSSH into the guest through agentd (docs/ssh.md): a command, a
+    // terminal, files both ways over SFTP, a forward to the dev server on
+    // the guest's loopback; any other address refused.
+    ssh_into_the_guest(&env, "vmtest");
+
     // QEMU runs as the sandbox's uid (the workspace's owner), never as
     // root (virtiofsd too: see the hostile guest root's test below). The
     // control channel is QEMU's own virtio-serial: no device helper.
@@ -291,6 +296,67 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     env.ok(&["destroy", "--force", "vmtest"]);
     assert!(!env.state_dir.join("sandboxes/vmtest").exists());
     assert_nothing_left(&env);
+}
+
+/// `ssh`, `scp` and `sftp` into vm sandbox `name` (its dev server on port
+/// 8123 of the guest's loopback), as ssh.rs does for a local one.
+fn ssh_into_the_guest(env: &Env, name: &str) {
+    let out = env
+        .ctl_cmd(&["ssh-config", name])
+        .env("XDG_STATE_HOME", env.tmp.path().join("ssh-state"))
+        .stdout(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let config = env.tmp.path().join("ssh.conf");
+    std::fs::write(&config, &out.stdout).unwrap();
+    let conf = config.to_str().unwrap();
+    let host = format!("keystone-{name}");
+    let ssh = |args: &[&str], input: &[u8]| {
+        use std::io::Write as _;
+        let mut c = std::process::Command::new("timeout")
+            .args(["120", "ssh", "-F", conf])
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        c.stdin.take().unwrap().write_all(input).unwrap();
+        c.wait_with_output().unwrap()
+    };
+    let out = ssh(&[&host, "uname -r; pwd; git status --short | wc -l"], b"");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("-amd64\n/workspace\n"), "{text}");
+    let out = ssh(&["-tt", &host, "tty"], b"");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("/dev/pts/"));
+    let up = env.tmp.path().join("ssh-up.txt");
+    std::fs::write(&up, "over ssh\n").unwrap();
+    let scp = std::process::Command::new("timeout")
+        .args(["120", "scp", "-F", conf])
+        .arg(&up)
+        .arg(format!("{host}:/workspace/ssh-up.txt"))
+        .status()
+        .unwrap();
+    assert!(scp.success());
+    assert_eq!(env.sh(name, "cat /workspace/ssh-up.txt"), "over ssh\n");
+    let out = ssh(
+        &["-W", "127.0.0.1:8123", &host],
+        b"GET /vm.txt HTTP/1.0\r\n\r\n",
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("made in a VM"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = ssh(&["-W", "10.0.2.2:22", &host], b"");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("administratively prohibited"));
 }
 
 #[test]
