@@ -69,7 +69,7 @@ impl Default for ConsoleConfig {
         Self {
             enable: true,
             listen: "127.0.0.1:0".to_owned(),
-            host: "console.keystone.localhost".to_owned(),
+            host: "console.keystone.internal".to_owned(),
         }
     }
 }
@@ -97,9 +97,14 @@ impl ConsoleConfig {
                     "console.host '{}' is not a lowercase DNS name",
                     self.host
                 ));
+            } else if self.host == "localhost" || self.host.ends_with(".localhost") {
+                p.push(format!(
+                    "console.host '{}' is under .localhost, which browsers treat as secure over plain HTTP on any port: another local user listening on a loopback port would be sent the console's cookie; pick a name outside .localhost (such as console.keystone.internal)",
+                    self.host
+                ));
             } else if same_site(&self.host, links) {
                 p.push(format!(
-                    "console.host '{}' may be the same site as the links under '{links}' (a page a sandbox serves would be same-site with the console): pick a name whose last two labels are not the links' (such as console.keystone.localhost)",
+                    "console.host '{}' may be the same site as the links under '{links}' (a page a sandbox serves would be same-site with the console): pick a name whose last two labels are not the links' (such as console.keystone.internal)",
                     self.host
                 ));
             }

@@ -20,7 +20,7 @@ use common::Env;
 use common::caddy::{Caddy, free_port};
 use common::cdp::{self, Browser};
 
-const HOST: &str = "console.keystone.localhost";
+const HOST: &str = "console.keystone.internal";
 const DEADLINE: Duration = Duration::from_secs(60);
 
 /// A raw HTTP/1.1 GET of `path` at loopback `addr`, with `headers`: the
@@ -233,16 +233,16 @@ fn the_console_through_caddy_is_a_site_of_its_own_over_https() {
     assert_eq!(status(&cross), 401, "{cross}");
 
     // A real browser: `agentctl console`'s link ends on the HTTPS name,
-    // logged in, with the sandbox listed. (Chromium resolves *.localhost
-    // itself; it is told where the links are, and not to check Caddy's
-    // certificates, which curl checked above.)
+    // logged in, with the sandbox listed. (Chromium is told where the
+    // console and the links are, and not to check Caddy's certificates,
+    // which curl checked above.)
     let url = env.ok(&["console", "--print"]).trim().to_owned();
     let profile = env.tmp.path().join("chromium");
     let mut b = Browser::start_with(
         &profile,
         &[
             "--ignore-certificate-errors",
-            "--host-resolver-rules=MAP *.sandbox.local 127.0.0.1",
+            "--host-resolver-rules=MAP *.sandbox.local 127.0.0.1, MAP console.keystone.internal 127.0.0.1",
         ],
     );
     let page = b.open(&url);

@@ -204,7 +204,7 @@ let
     console = {
       enable = true;
       listen = "127.0.0.1:0";
-      host = "console.keystone.localhost";
+      host = "console.keystone.internal";
     };
     # One sandboxes.<name>; project and owner have no default. Every setting
     # of `defaults` is also a per-sandbox override, null meaning "the default".
@@ -616,9 +616,13 @@ let
       [ ]
     else if !validDomain host then
       [ "keystone.agent.console.host '${toString host}' is not a lowercase DNS name" ]
+    else if host == "localhost" || match ".*\\.localhost" host != null then
+      [
+        "keystone.agent.console.host '${host}' is under .localhost, which browsers treat as secure over plain HTTP on any port: another local user listening on a loopback port would be sent the console's cookie; pick a name outside .localhost (such as console.keystone.internal)"
+      ]
     else if tail host k == tail links k then
       [
-        "keystone.agent.console.host '${host}' may be the same site as the links under '${links}' (a page a sandbox serves would be same-site with the console): pick a name whose last two labels are not the links' (such as console.keystone.localhost)"
+        "keystone.agent.console.host '${host}' may be the same site as the links under '${links}' (a page a sandbox serves would be same-site with the console): pick a name whose last two labels are not the links' (such as console.keystone.internal)"
       ]
     else
       [ ];

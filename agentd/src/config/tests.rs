@@ -164,8 +164,8 @@ fn the_console_is_never_named_on_the_links_site() {
         .problems(links)
     };
     for (host, links) in [
-        ("console.keystone.localhost", "sandbox.local"),
-        ("console.keystone.localhost", "sandbox.localhost"),
+        ("console.keystone.internal", "sandbox.local"),
+        ("console.keystone.internal", "sandbox.localhost"),
         ("console.example.com", "sandbox.example.org"),
         ("", "localhost"),
     ] {
@@ -191,10 +191,17 @@ fn the_console_is_never_named_on_the_links_site() {
         // console under that label may share one with a sandbox
         // named like its second label.
         (
-            "console.keystone.localhost",
-            "localhost",
+            "console.keystone.internal",
+            "internal",
             "may be the same site",
         ),
+        // Secure cookies reach http://NAME:ANY-PORT under .localhost.
+        (
+            "console.keystone.localhost",
+            "sandbox.local",
+            "is under .localhost",
+        ),
+        ("localhost", "sandbox.local", "is under .localhost"),
         (
             "Console.Example",
             "sandbox.local",

@@ -17,6 +17,11 @@ use hyper_util::rt::TokioIo;
 /// How long a client may take to send a request's head.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long one connection (its requests and answers, not a WebSocket it
+/// became) may last: a client that stops reading an answer frees its slot
+/// by then.
+const CONNECTION_MAX: Duration = Duration::from_secs(120);
+
 /// The page and its code: the project's own, compiled into agentd.
 const INDEX_HTML: &str = include_str!("../../share/console/index.html");
 const CONSOLE_JS: &str = include_str!("../../share/console/console.js");
@@ -43,12 +48,13 @@ where
         let (door, manager) = (Arc::clone(&door), Arc::clone(&manager));
         async move { Ok::<_, Infallible>(answer(req, via, &door, &manager).await) }
     });
-    let _ = hyper::server::conn::http1::Builder::new()
+    let connection = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT)
         .serve_connection(TokioIo::new(stream), service)
-        .with_upgrades()
-        .await;
+        .with_upgrades();
+    // (A WebSocket goes its own way once upgraded, with its own bounds.)
+    let _ = tokio::time::timeout(CONNECTION_MAX, connection).await;
 }
 
 /// The answer to `req`, which came `via` the loopback door or Caddy.

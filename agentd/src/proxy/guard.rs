@@ -139,7 +139,7 @@ mod tests {
                 { "match": [{ "path": ["/"] }, { "host": ["*.B.Sandbox.Local"] }] },
                 { "match": [{ "host": ["sandbox.local."] }] },
                 { "match": [{ "host": ["notsandbox.local"] }] },
-                { "match": [{ "host": ["console.keystone.localhost"] }] },
+                { "match": [{ "host": ["console.keystone.internal"] }] },
             ]},
             "empty": {},
             "relay": { "routes": [
@@ -153,7 +153,7 @@ mod tests {
         let reaching = ["localhost:2019".to_owned(), "/var/lib/ka/links".to_owned()];
         let names = [
             "sandbox.local".to_owned(),
-            "console.keystone.localhost".to_owned(),
+            "console.keystone.internal".to_owned(),
         ];
         assert_eq!(
             foreign_routes(&servers, "keystone-agent", &names, &reaching),
