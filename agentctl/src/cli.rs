@@ -712,7 +712,7 @@ Editors: `agentctl ssh-config >> ~/.ssh/keystone.conf` (see its --help).")]
         command: Vec<String>,
     },
     /// Print `Host` blocks for your sandboxes (`keystone-NAME`, and
-    /// `keystone-NAME-BRANCH` for each worktree) that ssh, scp, rsync, VS
+    /// `keystone-NAME.BRANCH` for each worktree) that ssh, scp, rsync, VS
     /// Code Remote-SSH and other editors use, and pin each sandbox's host
     /// key in agentctl's own known_hosts file.
     #[command(after_help = "Examples:

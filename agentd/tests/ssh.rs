@@ -70,7 +70,13 @@ fn run(tool: &str, args: &[&str], input: &[u8]) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(input).unwrap();
+    // (From a thread, and its end not awaited: the tool may stop
+    // reading, as when its channel was ended.)
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_vec();
+    std::thread::spawn(move || {
+        let _ = stdin.write_all(&input);
+    });
     child.wait_with_output().unwrap()
 }
 
@@ -375,4 +381,56 @@ fn openssh_reaches_the_sandbox_through_agentd_and_nothing_else() {
     assert_eq!(mode & 0o777, 0o600);
     let (code, _) = env.inside("box", &format!("test -e '{}'", key.display()));
     assert_ne!(code, 0, "the host key is visible inside the sandbox");
+}
+
+#[test]
+fn a_hostile_sandbox_cannot_write_ssh_configuration_nor_hold_a_connection() {
+    if !available() {
+        return;
+    }
+    let env = Env::running("hb", &[]);
+    env.ok(&["worktree", "add", "hb", "feature/x"]);
+    env.ok(&["worktree", "add", "hb", "evil"]);
+    // The sandbox rewrites a worktree's HEAD with a line break and ssh
+    // configuration of its own (`Match exec` runs as the user when ssh
+    // reads the file).
+    let marker = env.tmp.path().join("pwned");
+    env.sh(
+        "hb",
+        &format!(
+            "printf 'ref: refs/heads/x\\nMatch exec \"touch {}\"\\nHostKeyAlias z\\n' > /workspace/.git/worktrees/evil/HEAD",
+            marker.display()
+        ),
+    );
+    let state = env.tmp.path().join("state");
+    let config = ssh_config(&env, "hb", &state);
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(
+        !text.lines().any(|l| l.trim_start().starts_with("Match")),
+        "{text}"
+    );
+    assert!(text.contains("Host keystone-hb.feature-x\n"), "{text}");
+    // ssh reads the whole file: nothing of the sandbox's runs.
+    let conf = config.to_str().unwrap();
+    let out = ok("ssh", &["-F", conf, "keystone-hb.feature-x", "pwd"]);
+    assert_eq!(out.trim(), "/workspace/.worktrees/feature/x");
+    assert!(!marker.exists(), "the sandbox's configuration ran");
+
+    // A command that never reads its input: the client's data cannot
+    // hold the connection; the channel ends, and agentd serves the next.
+    let started = Instant::now();
+    let out = run(
+        "ssh",
+        &["-F", conf, "keystone-hb", "sleep 600"],
+        &vec![b'x'; 8 << 20],
+    );
+    assert!(!out.status.success());
+    assert!(
+        started.elapsed() < Duration::from_secs(58),
+        "the connection was held"
+    );
+    let out = ok("ssh", &["-F", conf, "keystone-hb", "echo still-served"]);
+    assert_eq!(out.trim(), "still-served");
+    let (code, _) = env.inside("hb", "pgrep -f 'slee[p] 600'");
+    assert_ne!(code, 0, "the command outlived its channel");
 }

@@ -36,9 +36,30 @@ fn branch_label(branch: &str) -> String {
 }
 
 /// `arg` for a command line ssh hands to a shell (`ProxyCommand`):
-/// single-quoted, and `%` doubled (ssh's own token character).
+/// single-quoted, and `%` doubled (ssh's own token character). (Never
+/// given a control character: [`plain_text`] is checked first, or a line
+/// break would start a line of ssh's configuration of its own.)
 fn quoted(arg: &str) -> String {
     format!("'{}'", arg.replace('\'', r"'\''").replace('%', "%%"))
+}
+
+/// Whether `text` may go into ssh's configuration: no control
+/// characters (a sandbox chooses its branches' names).
+fn plain_text(text: &str) -> bool {
+    !text.chars().any(char::is_control)
+}
+
+/// A path as an ssh configuration value: as it is when plain, else in
+/// double quotes (which every OpenSSH reads; single ones only 8.7 on).
+fn config_path(path: &std::path::Path) -> String {
+    let p = path.display().to_string();
+    if p.bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"/._-+@".contains(&b))
+    {
+        p
+    } else {
+        format!("\"{}\"", p.replace('"', ""))
+    }
 }
 
 /// agentctl's known_hosts file.
@@ -111,7 +132,7 @@ fn options(
     [
         ("ProxyCommand", proxy),
         ("HostKeyAlias", alias(name)),
-        ("UserKnownHostsFile", quoted(&hosts.display().to_string())),
+        ("UserKnownHostsFile", config_path(hosts)),
         ("StrictHostKeyChecking", "yes".to_owned()),
         ("ForwardAgent", "no".to_owned()),
         ("ForwardX11", "no".to_owned()),
@@ -154,6 +175,12 @@ pub async fn run(bus: Option<&str>, command: Command) -> Result<i32> {
             branch,
             command,
         } => {
+            if !branch.as_deref().is_none_or(plain_text) {
+                return Err(Failure::new(
+                    ExitCode::Requirements,
+                    "a branch name has no control characters",
+                ));
+            }
             let ssh = ssh_object(&conn, &manager, &name).await?;
             let key = ssh.host_key().await?;
             let hosts = pin(&BTreeMap::from([(alias(&name), key)]))?;
@@ -192,24 +219,27 @@ pub async fn run(bus: Option<&str>, command: Command) -> Result<i32> {
                 keys.insert(alias(name), ssh.host_key().await?);
                 let sb = lookup(&conn, &manager, name).await?;
                 // A stopped sandbox has no worktrees to list: its main one.
-                let branches: Vec<String> = sb
-                    .list_worktrees()
-                    .await
-                    .map(|w| {
-                        w.into_iter()
-                            .skip(1)
-                            .map(|w| w.branch)
-                            .filter(|b| !b.is_empty())
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let worktrees = sb.list_worktrees().await.unwrap_or_default();
                 blocks.push((alias(name), name.clone(), None));
+                // A worktree's alias is `keystone-NAME.BRANCH`: no sandbox
+                // name has a dot, so no branch can take another sandbox's
+                // alias.
                 let mut taken = std::collections::BTreeSet::new();
-                for b in branches {
-                    let mut host = format!("{}-{}", alias(name), branch_label(&b));
+                for b in worktrees.into_iter().skip(1).map(|w| w.branch) {
+                    if b.is_empty() || branch_label(&b).is_empty() {
+                        continue;
+                    }
+                    if !plain_text(&b) {
+                        crate::errln!(
+                            "agentctl: sandbox '{name}' has a branch with control characters in its name ({}): left out",
+                            crate::output::escape_controls(&b)
+                        );
+                        continue;
+                    }
+                    let mut host = format!("{}.{}", alias(name), branch_label(&b));
                     let mut n = 2;
                     while !taken.insert(host.clone()) {
-                        host = format!("{}-{}-{n}", alias(name), branch_label(&b));
+                        host = format!("{}.{}-{n}", alias(name), branch_label(&b));
                         n += 1;
                     }
                     blocks.push((host, name.clone(), Some(b)));

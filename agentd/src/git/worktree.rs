@@ -165,9 +165,12 @@ fn admin_entries(repo: &Repository) -> Vec<(String, PathBuf, String)> {
             continue;
         };
         let head = fs::read_to_string(e.path().join("HEAD")).unwrap_or_default();
+        // (The sandbox writes this file: a name git would not take, a
+        // line break in it, is no branch.)
         let branch = head
             .trim()
             .strip_prefix("ref: refs/heads/")
+            .filter(|b| super::refs::valid_branch(b))
             .unwrap_or_default()
             .to_owned();
         out.push((id, e.path(), branch));

@@ -34,6 +34,16 @@ const COMMAND_MAX: usize = 64 << 10;
 /// in the background holding its output open).
 const DRAIN: Duration = Duration::from_secs(2);
 
+/// How long the sandbox may take to take one piece of what the client
+/// sends (typing, a command's stdin, a forward's bytes). The SSH library
+/// hands a channel its data from the connection's one loop, so a channel
+/// that waits holds up the whole connection: past this the channel ends
+/// (its command killed) rather than let the sandbox hold the connection.
+const TAKE_MAX: Duration = Duration::from_secs(30);
+
+/// How long a forward's other direction may go on once one has ended.
+const HALF_CLOSED: Duration = Duration::from_secs(10);
+
 /// The address `host` names if it is the sandbox's loopback
 /// (`localhost`, 127.0.0.0/8, `::1`), else `None`.
 pub(super) fn loopback(host: &str) -> Option<IpAddr> {
@@ -184,7 +194,12 @@ async fn on_terminal(
     let input = async {
         while let Some(msg) = channel.wait().await {
             match msg {
-                ChannelMsg::Data { data } if crate::relay::write_all(&fd, &data).await.is_err() => {
+                ChannelMsg::Data { data }
+                    if !matches!(
+                        tokio::time::timeout(TAKE_MAX, crate::relay::write_all(&fd, &data)).await,
+                        Ok(Ok(()))
+                    ) =>
+                {
                     return;
                 }
                 ChannelMsg::WindowChange {
@@ -270,10 +285,14 @@ async fn plain(
         while let Some(msg) = channel.wait().await {
             match msg {
                 ChannelMsg::Data { data } => {
-                    if let Some(s) = stdin.as_mut()
-                        && s.write_all(&data).await.is_err()
-                    {
-                        stdin = None;
+                    if let Some(s) = stdin.as_mut() {
+                        match tokio::time::timeout(TAKE_MAX, s.write_all(&data)).await {
+                            Ok(Ok(())) => {}
+                            // The command ended its input: the rest goes.
+                            Ok(Err(_)) => stdin = None,
+                            // It does not read: the channel ends.
+                            Err(_) => return,
+                        }
                     }
                 }
                 ChannelMsg::Eof => stdin = None,
@@ -304,23 +323,40 @@ async fn copy_out(
 }
 
 /// A local port forward: a connection to `addr:port` on the sandbox's
-/// loopback (through the backend, as a dev-server link's), joined to
-/// `channel` until either side ends.
+/// loopback (through the backend, as a dev-server link's; `localhost`
+/// tries ::1 when 127.0.0.1 refuses), joined to `channel` until either
+/// side ends, and the other then within [`HALF_CLOSED`]. It holds a
+/// descriptor of the sandbox's share while it lasts.
 pub(super) async fn forward(
     target: Arc<Target>,
     channel: Channel<Msg>,
     reply: russh::server::ChannelOpenHandle,
-    (addr, port): (IpAddr, u16),
+    (addr, port, localhost): (IpAddr, u16, bool),
     _slot: Slot,
 ) {
-    let connected = match target.manager.get(target.caller, &target.sandbox) {
-        Ok(_) => target
-            .manager
-            .connect_inside(&target.sandbox, addr, port)
-            .await
-            .map_err(|e| e.to_string()),
-        Err(e) => Err(e.to_string()),
+    let Ok(lease) = crate::budget::descriptors().take(&target.sandbox, 1) else {
+        reply
+            .reject(russh::ChannelOpenFailure::ResourceShortage)
+            .await;
+        return;
     };
+    let connect = |addr| {
+        let target = Arc::clone(&target);
+        async move {
+            match target.manager.get(target.caller, &target.sandbox) {
+                Ok(_) => target
+                    .manager
+                    .connect_inside(&target.sandbox, addr, port)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        }
+    };
+    let mut connected = connect(addr).await;
+    if connected.is_err() && localhost {
+        connected = connect(IpAddr::V6(std::net::Ipv6Addr::LOCALHOST)).await;
+    }
     let fd = match connected {
         Ok(fd) => fd,
         Err(e) => {
@@ -338,7 +374,32 @@ pub(super) async fn forward(
         return;
     };
     reply.accept().await;
-    let mut stream = channel.into_stream();
-    let mut inside = inside;
-    let _ = tokio::io::copy_bidirectional(&mut stream, &mut inside).await;
+    let _lease = lease;
+    let (mut from_client, mut to_client) = tokio::io::split(channel.into_stream());
+    let (mut from_sandbox, mut to_sandbox) = inside.into_split();
+    let up = async {
+        let mut buf = vec![0u8; 16 << 10];
+        loop {
+            match from_client.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let sent =
+                        tokio::time::timeout(TAKE_MAX, to_sandbox.write_all(&buf[..n])).await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to_sandbox.shutdown().await;
+    };
+    let down = async {
+        let _ = tokio::io::copy(&mut from_sandbox, &mut to_client).await;
+        let _ = to_client.shutdown().await;
+    };
+    tokio::pin!(up, down);
+    tokio::select! {
+        () = &mut up => { let _ = tokio::time::timeout(HALF_CLOSED, down).await; }
+        () = &mut down => { let _ = tokio::time::timeout(HALF_CLOSED, up).await; }
+    }
 }

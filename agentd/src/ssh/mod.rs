@@ -39,7 +39,7 @@ pub const HOST_KEY_FILE: &str = "ssh_host_ed25519_key";
 const HOST_KEY_MAX: u64 = 16 << 10;
 
 /// Most channels (sessions and forwards) one connection has open.
-const CHANNELS_MAX: usize = 16;
+const CHANNELS_MAX: usize = 32;
 
 /// Why a sandbox's host key could not be had.
 #[derive(Debug, thiserror::Error)]
@@ -88,9 +88,30 @@ pub fn host_key(dir: &Path) -> Result<PrivateKey, HostKeyError> {
             let text = key
                 .to_openssh(russh::keys::ssh_key::LineEnding::LF)
                 .map_err(|_| HostKeyError::Bad(path.display().to_string()))?;
-            crate::fsutil::atomic_write_mode(&path, text.as_bytes(), 0o600)
-                .map_err(|e| io(std::io::Error::other(e.to_string())))?;
-            Ok(key)
+            // Written whole beside it, then linked into place only if no
+            // one made it meanwhile: two first uses pin the same key.
+            let tmp = dir.join(format!(
+                ".{HOST_KEY_FILE}.{}",
+                uuid::Uuid::new_v4().simple()
+            ));
+            let written = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(nix::libc::O_NOFOLLOW)
+                .open(&tmp)
+                .and_then(|mut f| {
+                    use std::io::Write;
+                    f.write_all(text.as_bytes())?;
+                    f.sync_all()
+                })
+                .and_then(|()| std::fs::hard_link(&tmp, &path));
+            let _ = std::fs::remove_file(&tmp);
+            match written {
+                Ok(()) => Ok(key),
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => host_key(dir),
+                Err(e) => Err(io(e)),
+            }
         }
         Err(e) => Err(io(e)),
     }
@@ -292,11 +313,12 @@ impl russh::server::Handler for Connection {
             reply.reject(ChannelOpenFailure::ResourceShortage).await;
             return Ok(());
         };
+        let localhost = host.eq_ignore_ascii_case("localhost");
         tokio::spawn(channel::forward(
             Arc::clone(&self.target),
             channel,
             reply,
-            (addr, port),
+            (addr, port, localhost),
             slot,
         ));
         Ok(())
