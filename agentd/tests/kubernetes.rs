@@ -407,6 +407,51 @@ fn a_dev_server_in_the_pod_gets_its_link_through_port_forward() {
     let ports: serde_json::Value =
         serde_json::from_str(&env.ok(&["ports", "web", "--json"])).unwrap();
     assert!(ports.to_string().contains("8123"), "{ports}");
+
+    // OpenSSH into the Pod through agentd (docs/ssh.md): a command, and a
+    // forward to the same dev server, through the same port-forward.
+    let out = env
+        .ctl_cmd(&["ssh-config", "web"])
+        .env("XDG_STATE_HOME", tmp.path().join("state"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{:?} {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let config = tmp.path().join("ssh.conf");
+    std::fs::write(&config, &out.stdout).unwrap();
+    let ssh = |args: &[&str], input: &'static [u8]| {
+        use std::io::Write as _;
+        let mut c = std::process::Command::new("timeout")
+            .args(["60", "ssh", "-F"])
+            .arg(&config)
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = c.stdin.take().unwrap();
+        std::thread::spawn(move || {
+            let _ = stdin.write_all(input);
+        });
+        let out = c.wait_with_output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    assert_eq!(
+        ssh(&["keystone-web", "cat who.txt"], b"").trim(),
+        "from-the-pod"
+    );
+    let got = ssh(
+        &["-W", "127.0.0.1:8123", "keystone-web"],
+        b"GET /who.txt HTTP/1.0\r\n\r\n",
+    );
+    assert!(got.contains("from-the-pod"), "{got}");
 }
 
 #[test]

@@ -377,7 +377,7 @@ pub(super) async fn forward(
     let _lease = lease;
     let (mut from_client, mut to_client) = tokio::io::split(channel.into_stream());
     let (mut from_sandbox, mut to_sandbox) = inside.into_split();
-    let up = async {
+    let up = async move {
         let mut buf = vec![0u8; 16 << 10];
         loop {
             match from_client.read(&mut buf).await {
@@ -391,7 +391,7 @@ pub(super) async fn forward(
                 }
             }
         }
-        let _ = to_sandbox.shutdown().await;
+        to_sandbox
     };
     let down = async {
         let _ = tokio::io::copy(&mut from_sandbox, &mut to_client).await;
@@ -399,7 +399,16 @@ pub(super) async fn forward(
     };
     tokio::pin!(up, down);
     tokio::select! {
-        () = &mut up => { let _ = tokio::time::timeout(HALF_CLOSED, down).await; }
+        mut to_sandbox = &mut up => {
+            // The client is done sending. Its end is not passed on at
+            // once: a Kubernetes port-forward has no half-close (it would
+            // end the answer too), so the sandbox's side first has its
+            // time to answer and close; only then is it told.
+            if tokio::time::timeout(HALF_CLOSED, &mut down).await.is_err() {
+                let _ = to_sandbox.shutdown().await;
+                let _ = tokio::time::timeout(Duration::from_secs(2), down).await;
+            }
+        }
         () = &mut down => { let _ = tokio::time::timeout(HALF_CLOSED, up).await; }
     }
 }
