@@ -410,37 +410,12 @@ fn a_dev_server_in_the_pod_gets_its_link_through_port_forward() {
 
     // OpenSSH into the Pod through agentd (docs/ssh.md): a command, and a
     // forward to the same dev server, through the same port-forward.
-    let out = env
-        .ctl_cmd(&["ssh-config", "web"])
-        .env("XDG_STATE_HOME", tmp.path().join("state"))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{:?} {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let config = tmp.path().join("ssh.conf");
-    std::fs::write(&config, &out.stdout).unwrap();
-    let ssh = |args: &[&str], input: &'static [u8]| {
-        use std::io::Write as _;
-        let mut c = std::process::Command::new("timeout")
-            .args(["60", "ssh", "-F"])
-            .arg(&config)
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdin = c.stdin.take().unwrap();
-        std::thread::spawn(move || {
-            let _ = stdin.write_all(input);
-        });
-        let out = c.wait_with_output().unwrap();
+    let config = common::ssh::config(&env, "web", &tmp.path().join("state"));
+    let conf = config.to_str().unwrap();
+    let ssh = |args: &[&str], input: &[u8]| {
+        let mut all = vec!["-F", conf];
+        all.extend_from_slice(args);
+        let out = common::ssh::run("ssh", &all, input);
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
     };
     assert_eq!(

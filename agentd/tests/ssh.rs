@@ -9,12 +9,12 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::Env;
 use common::caddy::free_port;
+use common::ssh::{config as ssh_config, run};
 
 const NOBODY: u32 = 65534;
 
@@ -36,48 +36,6 @@ fn available() -> bool {
         eprintln!("skipped: the OpenSSH client or rsync is missing");
     }
     found
-}
-
-/// `agentctl ssh-config NAME` written to a file, with agentctl's
-/// known_hosts under `state`; the file.
-fn ssh_config(env: &Env, name: &str, state: &Path) -> PathBuf {
-    let out = env
-        .ctl_cmd(&["ssh-config", name])
-        .env("XDG_STATE_HOME", state)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let path = env.tmp.path().join(format!("ssh-{name}.conf"));
-    std::fs::write(&path, &out.stdout).unwrap();
-    path
-}
-
-/// Run `tool` (ssh, scp, sftp, rsync) with `args`, `input` on its stdin,
-/// within 60 s.
-fn run(tool: &str, args: &[&str], input: &[u8]) -> Output {
-    let mut child = Command::new("timeout")
-        .arg("60")
-        .arg(tool)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // (From a thread, and its end not awaited: the tool may stop
-    // reading, as when its channel was ended.)
-    let mut stdin = child.stdin.take().unwrap();
-    let input = input.to_vec();
-    std::thread::spawn(move || {
-        let _ = stdin.write_all(&input);
-    });
-    child.wait_with_output().unwrap()
 }
 
 fn ok(tool: &str, args: &[&str]) -> String {

@@ -301,29 +301,14 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
 /// `ssh`, `scp` and `sftp` into vm sandbox `name` (its dev server on port
 /// 8123 of the guest's loopback), as ssh.rs does for a local one.
 fn ssh_into_the_guest(env: &Env, name: &str) {
-    let out = env
-        .ctl_cmd(&["ssh-config", name])
-        .env("XDG_STATE_HOME", env.tmp.path().join("ssh-state"))
-        .stdout(std::process::Stdio::piped())
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let config = env.tmp.path().join("ssh.conf");
-    std::fs::write(&config, &out.stdout).unwrap();
+    use common::ssh::run;
+    let config = common::ssh::config(env, name, &env.tmp.path().join("ssh-state"));
     let conf = config.to_str().unwrap();
     let host = format!("keystone-{name}");
     let ssh = |args: &[&str], input: &[u8]| {
-        use std::io::Write as _;
-        let mut c = std::process::Command::new("timeout")
-            .args(["120", "ssh", "-F", conf])
-            .args(args)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        c.stdin.take().unwrap().write_all(input).unwrap();
-        c.wait_with_output().unwrap()
+        let mut all = vec!["-F", conf];
+        all.extend_from_slice(args);
+        run("ssh", &all, input)
     };
     let out = ssh(&[&host, "uname -r; pwd; git status --short | wc -l"], b"");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -337,13 +322,9 @@ fn ssh_into_the_guest(env: &Env, name: &str) {
     assert!(String::from_utf8_lossy(&out.stdout).contains("/dev/pts/"));
     let up = env.tmp.path().join("ssh-up.txt");
     std::fs::write(&up, "over ssh\n").unwrap();
-    let scp = std::process::Command::new("timeout")
-        .args(["120", "scp", "-F", conf])
-        .arg(&up)
-        .arg(format!("{host}:/workspace/ssh-up.txt"))
-        .status()
-        .unwrap();
-    assert!(scp.success());
+    let to = format!("{host}:/workspace/ssh-up.txt");
+    let scp = run("scp", &["-F", conf, up.to_str().unwrap(), &to], b"");
+    assert!(scp.status.success());
     assert_eq!(env.sh(name, "cat /workspace/ssh-up.txt"), "over ssh\n");
     let out = ssh(
         &["-W", "127.0.0.1:8123", &host],

@@ -277,13 +277,7 @@ fn terminal_code(name: &str, door: &Door) -> Response<Full<Bytes>> {
 /// `?ticket=…` becomes a session cookie of that name.
 fn login(req: &Request<Incoming>, via: Via, door: &Door) -> Response<Full<Bytes>> {
     let query = req.uri().query().unwrap_or("");
-    let param = |name: &str| {
-        query
-            .split('&')
-            .filter_map(|kv| kv.split_once('='))
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v)
-    };
+    let param = |name: &str| super::api::param(query, name);
     // The nonce of the login under way: at the door, as `/begin` passed
     // it on; on the HTTPS name, in the browser's cookie.
     let nonce = match via {
@@ -304,10 +298,10 @@ fn login(req: &Request<Incoming>, via: Via, door: &Door) -> Response<Full<Bytes>
         // Through Caddy, the way in starts on the HTTPS name.
         Via::Loopback(_) if door.site.is_some() && !nonce_ok => None,
         Via::Loopback(uid) => param("token")
-            .is_some_and(|t| door.auth.redeem(t, uid))
+            .is_some_and(|t| door.auth.redeem(&t, uid))
             .then_some(uid),
         Via::Site if !nonce_ok => None,
-        Via::Site => param("ticket").and_then(|t| door.auth.redeem_ticket(t, &nonce)),
+        Via::Site => param("ticket").and_then(|t| door.auth.redeem_ticket(&t, &nonce)),
     };
     let Some(uid) = uid else {
         tracing::warn!(
@@ -331,7 +325,7 @@ fn login(req: &Request<Incoming>, via: Via, door: &Door) -> Response<Full<Bytes>
         let mut to = format!("{site}/login?ticket={}", door.auth.ticket(uid, &nonce));
         if let Some(n) = sandbox {
             to.push_str("&sandbox=");
-            to.push_str(n);
+            to.push_str(&n);
         }
         let mut r = page(StatusCode::SEE_OTHER, "On to the console.");
         r.headers_mut().insert(
@@ -392,14 +386,7 @@ fn begin(req: &Request<Incoming>, door: &Door) -> Response<Full<Bytes>> {
             && v.bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
     };
-    let param = |name: &str| {
-        query
-            .split('&')
-            .filter_map(|kv| kv.split_once('='))
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v)
-            .filter(plain)
-    };
+    let param = |name: &str| super::api::param(query, name).filter(|v| plain(&v.as_str()));
     let Some(token) = param("token") else {
         return page(
             StatusCode::BAD_REQUEST,
@@ -413,7 +400,7 @@ fn begin(req: &Request<Incoming>, door: &Door) -> Response<Full<Bytes>> {
     );
     if let Some(n) = param("sandbox") {
         to.push_str("&sandbox=");
-        to.push_str(n);
+        to.push_str(&n);
     }
     let mut r = page(StatusCode::SEE_OTHER, "On to agentd's door.");
     let h = r.headers_mut();

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 pub mod caddy;
 pub mod cdp;
 pub mod dns;
+pub mod ssh;
 pub mod systemd;
 pub mod term;
 pub mod tls;
