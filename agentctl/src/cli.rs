@@ -9,7 +9,7 @@ mod duration;
 mod groups;
 mod verbs;
 use duration::duration_secs;
-pub use groups::{EgressCommand, SecretCommand};
+pub use groups::{EgressCommand, ForgeCommand, SecretCommand};
 
 /// Drive Keystone Agent sandboxes: isolated places where AI coding agents
 /// work on a clone of your repository.
@@ -198,6 +198,17 @@ pub enum Command {
         /// How many backups to keep (the oldest go first). Default: 5.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
         backup_keep: Option<u32>,
+        /// A path the agent's commits may not change without your say
+        /// (repeatable; replaces the default list): a sync holds a branch
+        /// whose new commits change it. Relative to the repository; `*`,
+        /// `?` and `**` globs; it covers everything beneath it. Default:
+        /// .git/hooks/ .husky/ .github/workflows/ .gitlab-ci.yml
+        /// .pre-commit-config.yaml.
+        #[arg(long, value_name = "PATH", conflicts_with = "no_protect")]
+        protect: Vec<String>,
+        /// Protect no path.
+        #[arg(long)]
+        no_protect: bool,
         /// The git repository (its top-level directory).
         project_path: PathBuf,
     },
@@ -357,8 +368,17 @@ touched by --into, and only as a fast-forward of a clean checkout."
         into: Option<String>,
         /// The other direction: your branches into the sandbox, as
         /// refs/remotes/host/* (no sandbox branch, index or file changes).
-        #[arg(long, conflicts_with = "into")]
+        #[arg(long, conflicts_with_all = ["into", "allow_protected", "accept_rewrite"])]
         from_host: bool,
+        /// Bring this branch although its new commits change a protected
+        /// path (repeatable): up to the tip the last sync held back, after
+        /// you looked (`git show COMMIT` in your repository).
+        #[arg(long, value_name = "BRANCH")]
+        allow_protected: Vec<String>,
+        /// Move this branch's ref in your repository although the sandbox
+        /// rewrote its history or deleted it (repeatable).
+        #[arg(long, value_name = "BRANCH")]
+        accept_rewrite: Vec<String>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -400,13 +420,15 @@ agentctl cp --links myproject:/workspace/site ./site   # keep links that stay in
         #[arg(long)]
         all: bool,
     },
-    /// Change a sandbox's settings: the sync mode at once, the default
-    /// agent for the next new session.
+    /// Change a sandbox's settings: the sync mode and the protected paths
+    /// at once, the default agent for the next new session.
     #[command(
         after_help = "Examples:\n  agentctl set myproject --sync-mode auto-commit\n  \
 agentctl set myproject --sync-mode auto-idle --sync-idle-seconds 60\n  \
 agentctl set myproject --default-agent claude   # new sessions start Claude Code\n  \
-agentctl set myproject --default-agent none"
+agentctl set myproject --default-agent none\n  \
+agentctl set myproject --protect .github/ --protect Makefile   # the whole list\n  \
+agentctl set myproject --no-protect"
     )]
     Set {
         /// Sandbox name.
@@ -432,6 +454,14 @@ agentctl set myproject --default-agent none"
         /// How many backups to keep.
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
         backup_keep: Option<u32>,
+        /// The protected paths (repeatable; the whole list, replacing the
+        /// current one): a sync holds a branch whose new commits change
+        /// one. `agentctl status` shows the list.
+        #[arg(long, value_name = "PATH", conflicts_with = "no_protect")]
+        protect: Vec<String>,
+        /// Protect no path.
+        #[arg(long)]
+        no_protect: bool,
     },
     /// Worktrees: one per branch at /workspace/.worktrees/BRANCH, so several
     /// agents can work on one repository side by side.
@@ -470,6 +500,17 @@ variable appears in the next exec, terminal or session.")]
         /// What to do.
         #[command(subcommand)]
         command: SecretCommand,
+    },
+    /// Pushes to a forge (GitHub, GitLab, Gitea, any git smart-HTTP
+    /// server) without the agent ever holding a token (docs/forges.md).
+    #[command(after_help = "Examples:\n  \
+agentctl forge allow myproject https://github.com/acme/app --token-file ~/.acme-token --branches 'agent/*'\n  \
+agentctl forge list myproject\n  agentctl forge rm myproject https://github.com/acme/app\n  \
+agentctl egress myproject log   # every push, its refs and what was decided")]
+    Forge {
+        /// What to do.
+        #[command(subcommand)]
+        command: ForgeCommand,
     },
     /// Attach your terminal to the Zellij session of a worktree
     /// (`<name>-<branch>`). Starts the sandbox if it is stopped, creates the

@@ -3,7 +3,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use keystone_agent_api::{
-    HistoryEntry, RouteInfo, SandboxSummary, SessionInfo, SyncReport, WorktreeInfo,
+    HeldBranch, HistoryEntry, RouteInfo, SandboxSummary, SessionInfo, SyncReport, WorktreeInfo,
 };
 use serde_json::{Value, json};
 
@@ -246,14 +246,104 @@ pub fn sync_json(r: &SyncReport) -> Value {
         })).collect::<Vec<_>>(),
         "skipped": r.skipped,
         "into": if r.into.is_empty() { Value::Null } else { Value::String(r.into.clone()) },
+        "held": r.held.iter().map(held_json).collect::<Vec<_>>(),
     })
+}
+
+/// The stable JSON form of a branch a sync held back.
+#[must_use]
+pub fn held_json(h: &HeldBranch) -> Value {
+    let opt = |s: &str| {
+        if s.is_empty() {
+            Value::Null
+        } else {
+            Value::String(s.to_owned())
+        }
+    };
+    json!({
+        "branch": h.branch,
+        "tip": opt(&h.tip),
+        "reason": h.reason,
+        "commit": opt(&h.commit),
+        "path": opt(&h.path),
+        "kept": opt(&h.kept),
+    })
+}
+
+/// One line on a branch a sync held back, and how to bring it (the
+/// branch, which the sandbox named, quoted for a shell and its invisible
+/// characters shown).
+#[must_use]
+pub fn held_line(name: &str, h: &HeldBranch) -> String {
+    let shown = visible(&h.branch);
+    let word = shell_word(&h.branch);
+    let tip = short(&h.tip);
+    match h.reason.as_str() {
+        "protected" => format!(
+            "{shown}  held: commit {} changes protected {}; look at every new commit with \
+             `git log -p {tip} --not --branches --remotes='sandbox/{name}/*'`, then: \
+             agentctl sync {name} --allow-protected {word}={tip}",
+            short(&h.commit),
+            visible(&h.path),
+        ),
+        "rewritten" => format!(
+            "{shown}  held: rewritten in the sandbox (not a fast-forward of sandbox/{name}/…); {}; \
+             to move it: agentctl sync {name} --accept-rewrite {word}={tip}",
+            if h.kept.is_empty() {
+                "its new tip is not kept".to_owned()
+            } else {
+                format!(
+                    "its new tip {tip} is kept as {}",
+                    visible(h.kept.trim_start_matches("refs/remotes/"))
+                )
+            },
+        ),
+        "deleted" => format!(
+            "{shown}  held: deleted in the sandbox, and no branch of yours has its commits; \
+             its ref stays; to remove it: agentctl sync {name} --accept-rewrite {word}"
+        ),
+        other => format!("{shown}  held: {}", visible(other)),
+    }
+}
+
+/// `text` with control and invisible characters (zero-width, direction
+/// overrides) shown as escapes, so that two names never look the same.
+#[must_use]
+pub fn visible(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control()
+            || matches!(c, '\u{00ad}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+        {
+            out.extend(c.escape_unicode());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `word` as one word for a POSIX shell: as it is when it holds only
+/// characters no shell treats specially, else in single quotes.
+#[must_use]
+pub fn shell_word(word: &str) -> String {
+    if !word.is_empty()
+        && word
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "._/-+@%:,".contains(c))
+    {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
 }
 
 /// Print a sync report for people.
 pub fn print_sync(name: &str, r: &SyncReport) {
     for s in &r.skipped {
-        crate::errln!("skipped: {s}");
+        crate::errln!("skipped: {}", visible(s));
     }
+    print_held(name, r);
     let verb = if r.dry_run { "Would bring" } else { "Brought" };
     if r.branches.is_empty() {
         crate::outln!(
@@ -277,7 +367,7 @@ pub fn print_sync(name: &str, r: &SyncReport) {
     crate::outln!("{verb} {} branch(es) {target}:", r.branches.len());
     for b in &r.branches {
         if b.new.is_empty() {
-            crate::outln!("  {}  removed (was {})", b.branch, short(&b.old));
+            crate::outln!("  {}  removed (was {})", visible(&b.branch), short(&b.old));
             continue;
         }
         let range = if b.old.is_empty() {
@@ -292,7 +382,7 @@ pub fn print_sync(name: &str, r: &SyncReport) {
             } else {
                 "ref moved"
             };
-            crate::outln!("  {}  {range}  {what}, no new commits", b.branch);
+            crate::outln!("  {}  {range}  {what}, no new commits", visible(&b.branch));
             continue;
         }
         let mut files = b.files.join(", ");
@@ -304,7 +394,7 @@ pub fn print_sync(name: &str, r: &SyncReport) {
         }
         crate::outln!(
             "  {}  {range}  {} commit(s), {} file(s){}",
-            b.branch,
+            visible(&b.branch),
             b.commits,
             b.files_changed,
             if files.is_empty() {
@@ -316,6 +406,21 @@ pub fn print_sync(name: &str, r: &SyncReport) {
     }
     if !r.into.is_empty() {
         crate::outln!("{}", r.into);
+    }
+}
+
+/// Print what a sync held back, if anything.
+fn print_held(name: &str, r: &SyncReport) {
+    if r.held.is_empty() {
+        return;
+    }
+    crate::outln!(
+        "{} {} branch(es) back; nothing of them reached refs/remotes/sandbox/{name}/*:",
+        if r.dry_run { "Would hold" } else { "Held" },
+        r.held.len()
+    );
+    for h in &r.held {
+        crate::outln!("  {}", held_line(name, h));
     }
 }
 
@@ -348,6 +453,15 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_the_sandbox_chose_is_one_shell_word_and_looks_like_itself() {
+        assert_eq!(shell_word("agent/fix-1"), "agent/fix-1");
+        assert_eq!(shell_word("a;rm$(x)"), "'a;rm$(x)'");
+        assert_eq!(shell_word("it's"), r"'it'\''s'");
+        assert_eq!(visible("ma\u{200b}in"), "ma\\u{200b}in");
+        assert_eq!(visible("a\nb"), "a\\u{a}b");
+    }
 
     #[test]
     fn sandbox_text_never_reaches_the_terminal_raw() {

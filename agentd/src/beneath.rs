@@ -69,6 +69,39 @@ fn walk(root: BorrowedFd<'_>, rel: &Path, flags: OFlag) -> nix::Result<OwnedFd> 
     openat(&dir, ".", flags, Mode::empty())
 }
 
+/// Open `rel` below `root` as `O_PATH`, whatever it is (a directory, a
+/// file) but a symlink, anywhere on the way or at the end: the same
+/// refusals as [`open_dir`] (`ELOOP` for a final symlink too).
+pub fn open_path(root: BorrowedFd<'_>, rel: &Path) -> nix::Result<OwnedFd> {
+    if rel.as_os_str().is_empty() || !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(Errno::EINVAL);
+    }
+    let flags = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let how = OpenHow::new().flags(flags).resolve(
+        ResolveFlag::RESOLVE_BENEATH
+            | ResolveFlag::RESOLVE_NO_SYMLINKS
+            | ResolveFlag::RESOLVE_NO_XDEV,
+    );
+    let fd = match openat2(root, rel, how) {
+        Err(Errno::ENOSYS) => {
+            let parent = rel.parent().unwrap_or(Path::new(""));
+            let dir = walk(
+                root,
+                parent,
+                OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            )?;
+            let name = rel.file_name().ok_or(Errno::EINVAL)?;
+            openat(&dir, name, flags, Mode::empty())?
+        }
+        r => r?,
+    };
+    // `O_PATH | O_NOFOLLOW` opens a final symlink itself.
+    if SFlag::from_bits_truncate(fstat(&fd)?.st_mode) & SFlag::S_IFMT == SFlag::S_IFLNK {
+        return Err(Errno::ELOOP);
+    }
+    Ok(fd)
+}
+
 /// Whether `rel` below `root` is a real directory: no symlink on the way,
 /// none at the end.
 #[must_use]
@@ -134,6 +167,13 @@ mod tests {
         let root = open_root(&ws).unwrap();
         assert!(open_dir(root.as_fd(), Path::new("")).is_ok());
         assert!(open_dir(root.as_fd(), Path::new("a/b")).is_ok());
+        assert!(open_path(root.as_fd(), Path::new("file")).is_ok());
+        assert!(open_path(root.as_fd(), Path::new("a/b")).is_ok());
+        for bad in [
+            "link", "link/ssh", "alias/b", "a/../a", "/etc", "missing", "",
+        ] {
+            assert!(open_path(root.as_fd(), Path::new(bad)).is_err(), "{bad}");
+        }
         for bad in [
             "link", "link/ssh", "alias/b", "file", "a/../a", "/etc", "missing",
         ] {

@@ -447,6 +447,9 @@ pub struct DeclaredSandbox {
     /// Override of `defaults.env_files`.
     #[serde(default)]
     pub env_files: Option<Vec<String>>,
+    /// Override of `defaults.protect`.
+    #[serde(default)]
+    pub protect: Option<Vec<String>>,
     /// Override of `defaults.persist`.
     #[serde(default)]
     pub persist: Option<bool>,
@@ -475,6 +478,10 @@ pub struct DeclaredSandbox {
     /// `sandboxes.<name>.secrets.<VAR>`, agenix or sops-nix), by variable.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub secrets: BTreeMap<String, DeclaredSecret>,
+    /// Repositories it may push to, their tokens read from files at each
+    /// start (NixOS `sandboxes.<name>.forges`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forges: Vec<crate::forges::Declared>,
 }
 
 /// A secret of a declared sandbox: its value is read from `file` at each
@@ -563,6 +570,7 @@ impl DeclaredSandbox {
             idle_stop_seconds: self.idle_stop_seconds.unwrap_or(d.idle_stop_seconds),
             backup_every_seconds: self.backup_every_seconds.unwrap_or(d.backup_every_seconds),
             backup_keep: self.backup_keep.unwrap_or(d.backup_keep),
+            protect: self.protect.clone().unwrap_or(d.protect),
         }
     }
 }
@@ -745,6 +753,15 @@ impl DaemonConfig {
                 crate::validate::agent_home_problem(s.config(&self.defaults).agent_home, backend)
             {
                 sp.push(p);
+            }
+            for f in &s.forges {
+                sp.extend(f.problems());
+            }
+            if s.forges.len() > crate::forges::PER_SANDBOX_MAX {
+                sp.push(format!(
+                    "forges: at most {} per sandbox",
+                    crate::forges::PER_SANDBOX_MAX
+                ));
             }
             if s.secrets.len() > crate::secrets::PER_SANDBOX_MAX {
                 sp.push(format!(

@@ -19,6 +19,7 @@ pub mod disk;
 pub mod doctor;
 pub mod egress;
 pub mod error;
+pub mod forges;
 pub mod fsutil;
 pub mod git;
 pub mod guest;
@@ -301,6 +302,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
                 .sandboxes
                 .iter()
                 .map(|(name, d)| (name.clone(), d.secrets.clone()))
+                .collect(),
+            declared_forges: config
+                .sandboxes
+                .iter()
+                .filter(|(_, d)| !d.forges.is_empty())
+                .map(|(name, d)| (name.clone(), d.forges.clone()))
                 .collect(),
             audit: config.audit,
         },

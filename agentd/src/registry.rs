@@ -276,6 +276,11 @@ pub struct Sandbox {
     /// One line on the last sync's result.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub last_sync_result: String,
+    /// What the last sync to the host held back (see
+    /// [`crate::git::guard`]): `--allow-protected` brings a branch up to
+    /// the tip recorded here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub held: Vec<keystone_agent_api::HeldBranch>,
     /// What the backend recorded while the sandbox runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime: Option<Runtime>,
@@ -310,6 +315,7 @@ impl Sandbox {
             idle_stopped: false,
             last_sync_at: None,
             last_sync_result: String::new(),
+            held: Vec::new(),
             runtime: None,
         }
     }
@@ -397,6 +403,13 @@ pub enum Change {
         /// Units in all (0 = unknown).
         total: u64,
     },
+    /// A sync to the host held a branch back (newly).
+    Held {
+        /// Sandbox name.
+        name: String,
+        /// The branch and why.
+        held: keystone_agent_api::HeldBranch,
+    },
     /// A sync finished.
     Synced {
         /// Sandbox name.
@@ -436,6 +449,7 @@ pub(crate) mod tests {
             idle_stopped: false,
             last_sync_at: None,
             last_sync_result: String::new(),
+            held: Vec::new(),
             runtime: None,
         }
     }

@@ -210,7 +210,7 @@ impl Store {
         }
     }
 
-    fn ensure_dir(&self) -> Result<(), SecretError> {
+    pub(crate) fn ensure_dir(&self) -> Result<(), SecretError> {
         match fs::create_dir(&self.dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -300,7 +300,7 @@ impl Store {
 }
 
 /// Write `data` to `path` through a temporary file of mode 0600.
-fn write_private(path: &Path, data: &[u8]) -> Result<(), SecretError> {
+pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<(), SecretError> {
     let tmp = path.with_extension("tmp");
     let _ = fs::remove_file(&tmp);
     let mut f = fs::OpenOptions::new()

@@ -165,6 +165,7 @@ pub fn check_config(config: &SandboxConfig, problems: &mut Vec<String>) {
     }
     check_egress_entries("egress_allow", &config.egress_allow, problems);
     check_egress_entries("egress_deny", &config.egress_deny, problems);
+    problems.extend(crate::git::guard::problems(&config.protect));
     for pattern in &config.env_files {
         if pattern.is_empty() || pattern.contains('/') || pattern == "." || pattern == ".." {
             problems.push(format!(

@@ -317,12 +317,20 @@ fn a_hostile_workspace_cannot_hurt_the_host() {
         "evil",
         &format!(
             "mkdir -p /workspace/.hooks; printf '{}' > /workspace/.hooks/post-merge; chmod +x /workspace/.hooks/*; \
-         cp /workspace/.hooks/post-merge /workspace/.git/hooks/reference-transaction; chmod +x /workspace/.git/hooks/*; \
          git config core.hooksPath /workspace/.hooks; git config core.fsmonitor /workspace/.hooks/post-merge; \
          echo ok > ok.txt; git add ok.txt; git commit -qm ok",
             hook.replace('\n', "\\n")
         ),
     );
+    // A hook in `.git/hooks` too (read-only inside, a protected path: put
+    // there as by an agent with the protection off).
+    let hooks = env.state_dir.join("sandboxes/evil/workspace/.git/hooks");
+    fs::write(hooks.join("reference-transaction"), &hook).unwrap();
+    fs::set_permissions(
+        hooks.join("reference-transaction"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
     // Refs the sandbox planted: a symlink, garbage, names git forbids.
     let refs_dir = env
         .state_dir
@@ -524,6 +532,9 @@ fn one_bad_ref_name_skips_only_that_branch() {
 fn into_changes_nothing_when_the_tree_is_refused() {
     let env = Env::new();
     let repo = setup(&env, "dup");
+    // (With protected paths, the default, such a tree is held back before
+    // `--into` looks at it: tests/guard.rs. Here, what `--into` does.)
+    env.ok(&["set", "dup", "--no-protect"]);
     // A commit whose tree git would refuse: one name twice.
     sh(
         &env,

@@ -232,6 +232,22 @@ let
         `backup_keep`.
       '';
     };
+    protect = {
+      type = types.listOf types.str;
+      example = [
+        ".github/"
+        "Makefile"
+        "**/*.nix"
+      ];
+      description = ''
+        Paths (relative to the repository; `*`, `?` and `**` globs; each
+        covers everything beneath it) that the agent's commits may not
+        change without the person's say: a sync to the host holds a branch
+        whose new commits change one until `agentctl sync NAME
+        --allow-protected BRANCH`. `[ ]` protects nothing. agentd:
+        `protect`.
+      '';
+    };
   };
 
   defaultOption =
@@ -370,6 +386,62 @@ let
             requests to the host. A new value in the file takes effect at the
             sandbox's next start.
             agentd: `sandboxes.<name>.secrets`.
+          '';
+        };
+        forges = lib.mkOption {
+          type = types.listOf (
+            types.submodule {
+              options = {
+                url = lib.mkOption {
+                  type = types.str;
+                  example = "https://github.com/acme/app";
+                  description = "The repository: `https://HOST/OWNER/REPO`.";
+                };
+                tokenFile = lib.mkOption {
+                  type = types.str;
+                  example = "/run/agenix/acme-push-token";
+                  description = ''
+                    Absolute path of the file that holds the token (one line),
+                    read by agentd at each start of the sandbox: an agenix or
+                    sops-nix secret readable by root. Never in the Nix store,
+                    the sandbox or agentd's configuration.
+                  '';
+                };
+                branches = lib.mkOption {
+                  type = types.listOf types.str;
+                  default = [ "agent/*" ];
+                  description = "Branches a push may update (`*` matches anything, `/` included).";
+                };
+                tags = lib.mkOption {
+                  type = types.bool;
+                  default = false;
+                  description = "Also let the agent push new tags (never delete one).";
+                };
+                user = lib.mkOption {
+                  type = types.nullOr types.str;
+                  default = null;
+                  description = "The user name sent with the token; `null`: `x-access-token` (GitHub's; GitLab, Gitea and Forgejo take any).";
+                };
+              };
+            }
+          );
+          default = [ ];
+          example = lib.literalExpression ''
+            [
+              {
+                url = "https://github.com/acme/app";
+                tokenFile = config.age.secrets.acme-push.path;
+                branches = [ "agent/*" ];
+              }
+            ]
+          '';
+          description = ''
+            Repositories the sandbox may push to without holding their token
+            (docs/forges.md): inside, git's password for the URL is a
+            placeholder; agentd's egress gateway swaps the token in for that
+            repository's git requests only, and refuses a push of a ref
+            outside {option}`branches`, a deletion, or a tag unless
+            {option}`tags`.
           '';
         };
         guestConfig = lib.mkOption {

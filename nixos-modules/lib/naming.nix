@@ -81,6 +81,16 @@ let
 
   hasPrefix = prefix: s: substring 0 (stringLength prefix) s == prefix;
 
+  hasSuffix =
+    suffix: s:
+    let
+      n = stringLength s - stringLength suffix;
+    in
+    n >= 0 && substring n (stringLength suffix) s == suffix;
+
+  # The pieces of `s` between each `sep` (a single character).
+  splitString = sep: s: filter isString (split "[${sep}]" s);
+
   optional = cond: x: if cond then [ x ] else [ ];
 
   optionalAttrs = cond: set: if cond then set else { };
@@ -154,6 +164,13 @@ let
       idleStopSeconds = 0;
       backupEverySeconds = 0;
       backupKeep = 5;
+      protect = [
+        ".git/hooks/"
+        ".husky/"
+        ".github/workflows/"
+        ".gitlab-ci.yml"
+        ".pre-commit-config.yaml"
+      ];
     };
     microvm = {
       shareProto = "virtiofs";
@@ -232,7 +249,9 @@ let
       idleStopSeconds = null;
       backupEverySeconds = null;
       backupKeep = null;
+      protect = null;
       secrets = { };
+      forges = [ ];
     };
   };
 
@@ -258,6 +277,7 @@ let
     idleStopSeconds = "idle_stop_seconds";
     backupEverySeconds = "backup_every_seconds";
     backupKeep = "backup_keep";
+    protect = "protect";
   };
 
   # Fill in the defaults of a (possibly partial) keystone.agent attrset. The
@@ -499,6 +519,18 @@ let
         // optionalAttrs ((x.header or null) != null) { inherit (x) header; }
       ) s.secrets;
     }
+    // optionalAttrs ((s.forges or [ ]) != [ ]) {
+      forges = map (
+        f:
+        {
+          inherit (f) url;
+          branches = f.branches or [ "agent/*" ];
+          token_file = toString f.tokenFile;
+          tags = f.tags or false;
+        }
+        // optionalAttrs ((f.user or null) != null) { inherit (f) user; }
+      ) s.forges;
+    }
     // listToAttrs (
       map (key: {
         name = settingFields.${key};
@@ -636,7 +668,39 @@ let
     ++ optional (s.pids < 16 || s.pids > 4194304) "pids ${toString s.pids} is out of range: from 16 to 4194304"
     ++ map (p: "env_files pattern '${p}' must be a file-name glob at the project root (no '/')") (
       filter (p: p == "" || p == "." || p == ".." || match ".*/.*" p != null) s.envFiles
-    );
+    )
+    ++ optional (length s.protect > 64) "protect has ${toString (length s.protect)} patterns; at most 64"
+    ++ concatMap (
+      p:
+      let
+        why = protectProblem p;
+      in
+      optional (why != null) "protect pattern '${p}': ${why}"
+    ) s.protect;
+
+  # Why agentd refuses a `protect` pattern (null: it does not), in its words.
+  protectProblem =
+    p:
+    let
+      body = if hasSuffix "/" p then substring 0 (stringLength p - 1) p else p;
+      comps = splitString "/" body;
+    in
+    if p == "" then
+      "is empty"
+    else if stringLength p > 256 then
+      "is longer than 256 bytes"
+    else if match ".*[[:cntrl:]].*" p != null then
+      "has a control character"
+    else if hasPrefix "/" p then
+      "must be relative to the repository (no leading '/')"
+    else if any (c: c == "") comps then
+      "has an empty path component ('//')"
+    else if any (c: c == "." || c == "..") comps then
+      "may not have '.' or '..' components"
+    else if any (c: c != "**" && match ".*[*][*].*" c != null) comps then
+      "'**' must be a whole path component"
+    else
+      null;
 
   # Every problem of a keystone.agent configuration, as assertion messages.
   # Per-sandbox messages start with "keystone.agent.sandboxes.<name>: ".
@@ -738,6 +802,13 @@ let
               ) "secrets.${var}: bearer goes with the authorization header only"
             ) (attrNames (s.secrets or { }))
           )
+          ++ concatMap (
+            f:
+            optional (!hasPrefix "/" (toString (f.tokenFile or ""))) "forges: ${f.url}: tokenFile must be an absolute path"
+            ++ optional (hasPrefix "/nix/store" (toString (f.tokenFile or "")))
+              "forges: ${f.url}: tokenFile is in the Nix store, which everyone can read; use agenix or sops-nix"
+            ++ optional (!hasPrefix "https://" f.url) "forges: ${f.url}: not https://"
+          ) (s.forges or [ ])
           ++ optional (
             (sandboxSettings c name).agentHome == "shared"
             && builtins.elem (sandboxBackend c name) [

@@ -31,6 +31,13 @@
       memory = 1024;
       disk = 8;
       envFiles = [ "config/.env" ];
+      # Patterns agentd refuses.
+      protect = [
+        "/etc/passwd"
+        "a//b"
+        "src/../.git"
+        "a**/b"
+      ];
     };
     # A secret from a relative file, with no header; a shared agent home on
     # the (default) microvm backend.
@@ -43,6 +50,13 @@
         file = "run/token";
         host = "api.example.com";
       };
+      # A push token from a relative file.
+      forges = [
+        {
+          url = "https://github.com/acme/keys";
+          tokenFile = "run/push-token";
+        }
+      ];
     };
   };
 }

@@ -108,3 +108,50 @@ pub enum EgressCommand {
         follow: bool,
     },
 }
+
+/// `agentctl forge …`: repositories a sandbox may push to without a token.
+#[derive(Debug, Subcommand)]
+pub enum ForgeCommand {
+    /// Let sandbox NAME push to the repository at URL. The token stays on
+    /// this host: inside, git's password for URL is a placeholder that
+    /// agentd's gateway swaps for the token in that repository's requests
+    /// only, after checking every ref a push updates.
+    Allow {
+        /// Sandbox name.
+        name: String,
+        /// The repository: https://HOST/OWNER/REPO.
+        url: String,
+        /// The file that holds the token (one line); standard input
+        /// without it (a terminal does not echo it).
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<std::path::PathBuf>,
+        /// A branch the agent may push to (repeatable; `*` matches
+        /// anything, `/` included).
+        #[arg(long = "branches", value_name = "PATTERN", default_value = "agent/*")]
+        branches: Vec<String>,
+        /// Also let it push new tags (never delete one).
+        #[arg(long)]
+        tags: bool,
+        /// The user name sent with the token (GitLab, Gitea and Forgejo
+        /// take any; GitHub x-access-token).
+        #[arg(long, default_value = "x-access-token")]
+        user: String,
+    },
+    /// List the repositories sandbox NAME may push to (never a token).
+    #[command(visible_alias = "ls")]
+    List {
+        /// Sandbox name.
+        name: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop letting sandbox NAME push to URL.
+    #[command(visible_alias = "rm")]
+    Remove {
+        /// Sandbox name.
+        name: String,
+        /// The repository.
+        url: String,
+    },
+}

@@ -26,6 +26,7 @@ impl Command {
             Self::Set { .. } => "set",
             Self::Egress { .. } => "egress",
             Self::Secret { .. } => "secret",
+            Self::Forge { .. } => "forge",
             Self::Attach { .. } => "attach",
             Self::Sessions { .. } => "sessions",
             Self::Replay { .. } => "replay",
@@ -63,6 +64,7 @@ impl Command {
             | Self::Sync { .. }
             | Self::Cp { .. }
             | Self::Secret { .. }
+            | Self::Forge { .. }
             | Self::Attach { .. }
             | Self::Exec { .. }
             | Self::Replay { .. }

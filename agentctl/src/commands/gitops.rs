@@ -14,6 +14,8 @@ pub(super) async fn run(
             dry_run,
             into,
             from_host,
+            allow_protected,
+            accept_rewrite,
             json,
         } => {
             let sb = lookup(conn, manager, &name).await?;
@@ -22,6 +24,8 @@ pub(super) async fn run(
                 into,
                 dry_run,
                 from_host,
+                allow_protected,
+                accept_rewrite,
             };
             let r = sb.sync(opts.to_dict()).await?;
             if json {
@@ -29,8 +33,11 @@ pub(super) async fn run(
             } else {
                 output::print_sync(&name, &r);
             }
-            // Scripts tell "nothing new" apart from success.
-            Ok(if r.branches.is_empty() && r.into.is_empty() {
+            // Scripts tell "something waits for you" and "nothing new"
+            // apart from success.
+            Ok(if !r.held.is_empty() {
+                3
+            } else if r.branches.is_empty() && r.into.is_empty() {
                 2
             } else {
                 0

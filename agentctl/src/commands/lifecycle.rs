@@ -26,6 +26,8 @@ pub(super) async fn run(
             idle_stop,
             backup_every,
             backup_keep,
+            protect,
+            no_protect,
             project_path,
         } => {
             let abs = std::path::absolute(&project_path).map_err(|e| {
@@ -51,6 +53,7 @@ pub(super) async fn run(
                 idle_stop_seconds: idle_stop,
                 backup_every_seconds: backup_every,
                 backup_keep,
+                protect: (no_protect || !protect.is_empty()).then_some(protect),
             };
             // Show the workspace being prepared while the call runs.
             let mut progress = manager
@@ -210,6 +213,11 @@ pub(super) async fn run(
                 "agents": sb.agents().await.map_err(z)?,
                 "last_sync_at": output::rfc3339(sb.last_sync_at().await.map_err(z)?),
                 "last_sync_result": sb.last_sync_result().await.map_err(z)?,
+                "held": serde_json::from_str::<Vec<api::HeldBranch>>(&sb.held_branches().await.map_err(z)?)
+                    .unwrap_or_default()
+                    .iter()
+                    .map(output::held_json)
+                    .collect::<Vec<_>>(),
                 "ports": ports(sb.ports().await.map_err(z)?, &routes),
                 "config": config,
                 "routes": routes.iter().map(output::route_json).collect::<Vec<_>>(),
@@ -237,6 +245,8 @@ pub(super) async fn run(
             idle_stop,
             backup_every,
             backup_keep,
+            protect,
+            no_protect,
         } => {
             let sb = lookup(conn, manager, &name).await?;
             let settings = ConfigureOptions {
@@ -246,6 +256,7 @@ pub(super) async fn run(
                 idle_stop_seconds: idle_stop,
                 backup_every_seconds: backup_every,
                 backup_keep,
+                protect: (no_protect || !protect.is_empty()).then_some(protect),
             };
             if settings == ConfigureOptions::default() {
                 return Err(Failure::new(

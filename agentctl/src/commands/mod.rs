@@ -94,6 +94,18 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
             .await?;
             secrets::run(conn, path, command).await
         }
+        Command::Forge { command } => {
+            let name = match &command {
+                crate::cli::ForgeCommand::Allow { name, .. }
+                | crate::cli::ForgeCommand::List { name, .. }
+                | crate::cli::ForgeCommand::Remove { name, .. } => name.clone(),
+            };
+            let path = crate::bus::quick("GetSandbox", crate::bus::limit(), async {
+                Ok(manager.get_sandbox(&name).await?)
+            })
+            .await?;
+            secrets::forge(conn, path, command).await
+        }
         Command::Doctor { .. }
         | Command::Completions { .. }
         | Command::Manpages { .. }
@@ -173,6 +185,37 @@ fn print_status(v: &serde_json::Value) {
     crate::outln!("Sync:       {}", c["sync_mode"].as_str().unwrap_or("?"));
     if let Some(at) = v["last_sync_at"].as_str() {
         crate::outln!("Last sync:  {at} ({})", s("last_sync_result"));
+    }
+    for (i, h) in v["held"].as_array().into_iter().flatten().enumerate() {
+        let f = |k: &str| h[k].as_str().unwrap_or_default().to_owned();
+        let held = keystone_agent_api::HeldBranch {
+            branch: f("branch"),
+            tip: f("tip"),
+            reason: f("reason"),
+            commit: f("commit"),
+            path: f("path"),
+            kept: f("kept"),
+        };
+        crate::outln!(
+            "{}{}",
+            if i == 0 {
+                "Held:       "
+            } else {
+                "            "
+            },
+            crate::output::held_line(&s("name"), &held)
+        );
+    }
+    if let Some(p) = c["protect"].as_array() {
+        let list: Vec<&str> = p.iter().filter_map(|x| x.as_str()).collect();
+        crate::outln!(
+            "Protected:  {}",
+            if list.is_empty() {
+                "nothing".to_owned()
+            } else {
+                list.join(" ")
+            }
+        );
     }
     if v["declared"].as_bool() == Some(true) {
         crate::outln!("Declared:   yes (managed by agentd's configuration)");

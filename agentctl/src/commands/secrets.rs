@@ -6,7 +6,7 @@ use keystone_agent_api::{self as api, SecretsProxy};
 use zbus::Connection;
 
 use crate::Result;
-use crate::cli::SecretCommand;
+use crate::cli::{ForgeCommand, SecretCommand};
 use crate::output;
 
 /// The value: from `file`, else standard input (a terminal does not echo
@@ -62,19 +62,95 @@ fn read_value(file: Option<&std::path::Path>) -> Result<Vec<u8>> {
     Ok(data)
 }
 
+async fn proxy<'a>(conn: &Connection, path: zvariant::OwnedObjectPath) -> Result<SecretsProxy<'a>> {
+    Ok(SecretsProxy::builder(conn)
+        .path(path)
+        .map_err(api::Error::ZBus)?
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .map_err(api::Error::ZBus)?)
+}
+
+/// Run one `forge` verb.
+pub async fn forge(
+    conn: &Connection,
+    path: zvariant::OwnedObjectPath,
+    command: ForgeCommand,
+) -> Result<i32> {
+    let proxy = proxy(conn, path).await?;
+    match command {
+        ForgeCommand::Allow {
+            name,
+            url,
+            token_file,
+            branches,
+            tags,
+            user,
+        } => {
+            let token = read_value(token_file.as_deref())?;
+            proxy
+                .allow_forge(&url, &user, &branches, tags, &token)
+                .await?;
+            crate::outln!(
+                "Sandbox '{name}' may push to {url}: branches {}{}, no deletions. From its next command \
+                 on, git's password for it inside is a placeholder; every push is in `agentctl egress {name} log`.",
+                branches.join(", "),
+                if tags { ", new tags" } else { "" }
+            );
+            Ok(0)
+        }
+        ForgeCommand::List { name, json } => {
+            let list = proxy.forges().await?;
+            if json {
+                let v: Vec<_> = list
+                    .iter()
+                    .map(|(url, user, branches, tags)| {
+                        serde_json::json!({"url": url, "user": user, "branches": branches, "tags": tags})
+                    })
+                    .collect();
+                println!("{}", output::json(&serde_json::Value::Array(v)));
+            } else if list.is_empty() {
+                crate::outln!(
+                    "Sandbox '{name}' may push to no repository; `agentctl forge allow {name} URL --token-file F` adds one."
+                );
+            } else {
+                let rows: Vec<Vec<String>> = list
+                    .into_iter()
+                    .map(|(url, user, branches, tags)| {
+                        vec![
+                            url,
+                            user,
+                            branches.join(" "),
+                            if tags { "yes" } else { "no" }.to_owned(),
+                        ]
+                    })
+                    .collect();
+                output::table(&["REPOSITORY", "USER", "BRANCHES", "TAGS"], &rows);
+            }
+            Ok(0)
+        }
+        ForgeCommand::Remove { name, url } => {
+            if proxy.remove_forge(&url).await? {
+                crate::outln!("Sandbox '{name}' may no longer push to {url}.");
+                Ok(0)
+            } else {
+                crate::errln!(
+                    "Sandbox '{name}' may not push to {url} anyway; `agentctl forge list {name}` shows where it may."
+                );
+                Ok(1)
+            }
+        }
+    }
+}
+
 /// Run one `secret` verb.
 pub async fn run(
     conn: &Connection,
     path: zvariant::OwnedObjectPath,
     command: SecretCommand,
 ) -> Result<i32> {
-    let proxy = SecretsProxy::builder(conn)
-        .path(path)
-        .map_err(api::Error::ZBus)?
-        .cache_properties(zbus::proxy::CacheProperties::No)
-        .build()
-        .await
-        .map_err(api::Error::ZBus)?;
+    let proxy = proxy(conn, path).await?;
     match command {
         SecretCommand::Set {
             name,

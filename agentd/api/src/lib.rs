@@ -20,7 +20,7 @@ pub use names::{
 };
 pub use proxy::{ManagerProxy, RecordsProxy, SandboxProxy, SecretsProxy, SshProxy, StateProxy};
 pub use types::{
-    Agent, AgentHome, AuditEntry, BackendKind, BranchSync, Egress, ExecResult, HistoryEntry,
-    Network, RecordInfo, RouteInfo, SandboxConfig, SandboxState, SandboxSummary, SessionInfo,
-    SnapshotInfo, SyncMode, SyncReport, WaitingAgent, WorktreeInfo,
+    Agent, AgentHome, AuditEntry, BackendKind, BranchSync, DEFAULT_PROTECT, Egress, ExecResult,
+    HeldBranch, HistoryEntry, Network, RecordInfo, RouteInfo, SandboxConfig, SandboxState,
+    SandboxSummary, SessionInfo, SnapshotInfo, SyncMode, SyncReport, WaitingAgent, WorktreeInfo,
 };

@@ -165,6 +165,8 @@ pub struct CreateOptions {
     pub backup_every_seconds: Option<u32>,
     /// How many backups to keep.
     pub backup_keep: Option<u32>,
+    /// Protected paths (replacing the defaults; empty: none).
+    pub protect: Option<Vec<String>>,
 }
 
 impl CreateOptions {
@@ -186,6 +188,7 @@ impl CreateOptions {
         "idle_stop_seconds",
         "backup_every_seconds",
         "backup_keep",
+        "protect",
     ];
 
     /// Read `dict`.
@@ -211,6 +214,7 @@ impl CreateOptions {
             idle_stop_seconds: r.u32("idle_stop_seconds"),
             backup_every_seconds: r.u32("backup_every_seconds"),
             backup_keep: r.u32("backup_keep"),
+            protect: r.strings("protect"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -243,6 +247,7 @@ impl CreateOptions {
         put(&mut d, "idle_stop_seconds", self.idle_stop_seconds);
         put(&mut d, "backup_every_seconds", self.backup_every_seconds);
         put(&mut d, "backup_keep", self.backup_keep);
+        put(&mut d, "protect", self.protect.clone());
         d
     }
 }
@@ -258,11 +263,24 @@ pub struct SyncOptions {
     pub dry_run: bool,
     /// The other direction: host branches into the workspace.
     pub from_host: bool,
+    /// Bring these held branches' protected changes (up to the tip last
+    /// held).
+    pub allow_protected: Vec<String>,
+    /// Move these branches' host refs though the sandbox rewrote (or
+    /// deleted) them.
+    pub accept_rewrite: Vec<String>,
 }
 
 impl SyncOptions {
     /// The keys it knows.
-    pub const KEYS: &'static [&'static str] = &["branch", "into", "dry_run", "from_host"];
+    pub const KEYS: &'static [&'static str] = &[
+        "branch",
+        "into",
+        "dry_run",
+        "from_host",
+        "allow_protected",
+        "accept_rewrite",
+    ];
 
     /// Read `dict`.
     ///
@@ -275,6 +293,8 @@ impl SyncOptions {
             into: r.string("into"),
             dry_run: r.bool("dry_run").unwrap_or_default(),
             from_host: r.bool("from_host").unwrap_or_default(),
+            allow_protected: r.strings("allow_protected").unwrap_or_default(),
+            accept_rewrite: r.strings("accept_rewrite").unwrap_or_default(),
         };
         r.finish(Self::KEYS, o)
     }
@@ -287,6 +307,16 @@ impl SyncOptions {
         put(&mut d, "into", self.into.as_deref());
         d.insert("dry_run", self.dry_run.into());
         d.insert("from_host", self.from_host.into());
+        if !self.allow_protected.is_empty() {
+            put(
+                &mut d,
+                "allow_protected",
+                Some(self.allow_protected.clone()),
+            );
+        }
+        if !self.accept_rewrite.is_empty() {
+            put(&mut d, "accept_rewrite", Some(self.accept_rewrite.clone()));
+        }
         d
     }
 }
@@ -448,6 +478,8 @@ pub struct ConfigureOptions {
     pub backup_every_seconds: Option<u32>,
     /// How many backups to keep.
     pub backup_keep: Option<u32>,
+    /// Protected paths (the whole list; empty: none).
+    pub protect: Option<Vec<String>>,
 }
 
 impl ConfigureOptions {
@@ -459,6 +491,7 @@ impl ConfigureOptions {
         "idle_stop_seconds",
         "backup_every_seconds",
         "backup_keep",
+        "protect",
     ];
 
     /// Read `dict`.
@@ -474,6 +507,7 @@ impl ConfigureOptions {
             idle_stop_seconds: r.u32("idle_stop_seconds"),
             backup_every_seconds: r.u32("backup_every_seconds"),
             backup_keep: r.u32("backup_keep"),
+            protect: r.strings("protect"),
         };
         r.finish(Self::KEYS, o)
     }
@@ -492,6 +526,7 @@ impl ConfigureOptions {
         put(&mut d, "idle_stop_seconds", self.idle_stop_seconds);
         put(&mut d, "backup_every_seconds", self.backup_every_seconds);
         put(&mut d, "backup_keep", self.backup_keep);
+        put(&mut d, "protect", self.protect.clone());
         d
     }
 }
@@ -531,6 +566,7 @@ mod tests {
             idle_stop_seconds: Some(1800),
             backup_every_seconds: Some(3600),
             backup_keep: Some(3),
+            protect: Some(vec![".github/".into(), "**/Makefile".into()]),
         };
         assert_eq!(
             CreateOptions::from_dict(&wire(&create.to_dict())),
@@ -541,6 +577,8 @@ mod tests {
             into: None,
             dry_run: true,
             from_host: false,
+            allow_protected: vec!["ci".into()],
+            accept_rewrite: vec!["main".into(), "topic".into()],
         };
         assert_eq!(SyncOptions::from_dict(&wire(&sync.to_dict())), Ok(sync));
         let exec = ExecOptions {
@@ -572,6 +610,8 @@ mod tests {
                 idle_stop_seconds: Some(0),
                 backup_every_seconds: Some(0),
                 backup_keep: Some(1),
+                // `--no-protect`: an empty list is a value, not a default.
+                protect: Some(Vec::new()),
             };
             assert_eq!(
                 ConfigureOptions::from_dict(&wire(&conf.to_dict())),

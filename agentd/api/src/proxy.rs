@@ -157,9 +157,17 @@ pub trait Sandbox {
     #[zbus(signal)]
     fn egress_denied(&self, host: &str, port: u16, rule: &str, reason: &str) -> zbus::Result<()>;
 
+    /// A sync to the host held a branch back.
+    #[zbus(signal)]
+    fn sync_held(&self, held: crate::HeldBranch) -> zbus::Result<()>;
+
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
     fn synced(&self, direction: &str, branches: u32, commits: u32) -> zbus::Result<()>;
+
+    /// What the last sync to the host held back, as JSON.
+    #[zbus(property)]
+    fn held_branches(&self) -> zbus::Result<String>;
 
     /// Time of the last sync, µs since the epoch; 0 = never.
     #[zbus(property)]
@@ -286,6 +294,23 @@ pub trait Secrets {
 
     /// Remove the secret of `var`; whether there was one.
     fn remove(&self, var: &str) -> Result<bool, Error>;
+
+    /// Let the sandbox push to `url` with `token`, which it never holds.
+    fn allow_forge(
+        &self,
+        url: &str,
+        user: &str,
+        branches: &[String],
+        tags: bool,
+        token: &[u8],
+    ) -> Result<(), Error>;
+
+    /// The repositories the sandbox may push to: (url, user, branches,
+    /// tags) each.
+    fn forges(&self) -> Result<Vec<(String, String, Vec<String>, bool)>, Error>;
+
+    /// Stop letting the sandbox push to `url`; whether it could.
+    fn remove_forge(&self, url: &str) -> Result<bool, Error>;
 }
 
 /// A sandbox's state kept and put back, on the sandbox's object

@@ -286,7 +286,23 @@ pub struct SandboxConfig {
     pub backup_every_seconds: u32,
     /// How many backups to keep: the oldest go first (at least 1).
     pub backup_keep: u32,
+    /// Paths, relative to the repository (globs: `*`, `?`, `**`), that a
+    /// branch's new commits may not change without the person's say: a
+    /// sync to the host holds such a branch back (`allow_protected` brings
+    /// it). A pattern covers its path and everything beneath it.
+    pub protect: Vec<String>,
 }
+
+/// The `protect` list a sandbox gets unless told otherwise: hooks and CI
+/// configuration, which run code wherever the branch is checked out or
+/// pushed.
+pub const DEFAULT_PROTECT: &[&str] = &[
+    ".git/hooks/",
+    ".husky/",
+    ".github/workflows/",
+    ".gitlab-ci.yml",
+    ".pre-commit-config.yaml",
+];
 
 impl Default for SandboxConfig {
     fn default() -> Self {
@@ -311,6 +327,7 @@ impl Default for SandboxConfig {
             idle_stop_seconds: 0,
             backup_every_seconds: 0,
             backup_keep: 5,
+            protect: DEFAULT_PROTECT.iter().map(|p| (*p).to_owned()).collect(),
         }
     }
 }
@@ -525,6 +542,28 @@ pub struct SyncReport {
     pub skipped: Vec<String>,
     /// What `into` did to the host branch, or empty.
     pub into: String,
+    /// Branches held back: they wait for the person (`allow_protected`,
+    /// `accept_rewrite`).
+    pub held: Vec<HeldBranch>,
+}
+
+/// A branch a sync to the host held back, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Type)]
+pub struct HeldBranch {
+    /// The sandbox's branch.
+    pub branch: String,
+    /// Its tip in the sandbox (empty when it was deleted there).
+    pub tip: String,
+    /// `protected` (a new commit changes a protected path), `rewritten`
+    /// (not a fast-forward of what the host has) or `deleted` (gone from
+    /// the sandbox while the host's copy is in no branch of the host).
+    pub reason: String,
+    /// `protected`: the commit that changes the path.
+    pub commit: String,
+    /// `protected`: the path it changes (and the pattern, after ` by `).
+    pub path: String,
+    /// `rewritten`: the ref that keeps the new tip on the host, or empty.
+    pub kept: String,
 }
 
 /// Ports of a sandbox by name (`ssh`, `web`, …).

@@ -256,6 +256,7 @@ impl LocalBackend {
             cgroups: groups.dirs,
             memory_mib: spec.config.memory,
             agent_home: spec.agent_home.clone(),
+            protect: crate::git::guard::literal_paths(&spec.config.protect),
         };
         let mut supervisor = tokio::process::Command::new(&self.settings.exe);
         supervisor

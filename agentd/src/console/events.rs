@@ -118,7 +118,7 @@ fn on_change(
         Change::Removed(n) => known
             .remove(n)
             .then(|| json!({"type": "removed", "name": n})),
-        Change::Progress { .. } => None,
+        Change::Progress { .. } | Change::Held { .. } => None,
     }
 }
 

@@ -358,6 +358,9 @@ async fn follow_changes(
                 done,
                 total,
             } => manager::progress(&conn, &manager, &callers, name, stage, *done, *total).await,
+            Change::Held { name, held } => {
+                signals::held(&conn, &manager, &callers, name, held).await
+            }
             Change::Synced {
                 name,
                 direction,
@@ -374,6 +377,30 @@ async fn follow_changes(
             tracing::warn!(?change, error = %e, "cannot publish a sandbox change on the bus");
         }
     }
+}
+
+/// Resolves when the sender of `header` leaves the bus (never, if that
+/// cannot be watched).
+pub(super) async fn caller_gone(conn: &Connection, header: &Header<'_>) {
+    use futures_lite::StreamExt as _;
+    let Some(sender) = header.sender().map(|s| s.to_owned()) else {
+        return std::future::pending().await;
+    };
+    let Ok(dbus) = zbus::fdo::DBusProxy::new(conn).await else {
+        return std::future::pending().await;
+    };
+    let Ok(mut changes) = dbus
+        .receive_name_owner_changed_with_args(&[(0, sender.as_str())])
+        .await
+    else {
+        return std::future::pending().await;
+    };
+    while let Some(c) = changes.next().await {
+        if c.args().is_ok_and(|a| a.new_owner().is_none()) {
+            return;
+        }
+    }
+    std::future::pending().await
 }
 
 #[cfg(test)]

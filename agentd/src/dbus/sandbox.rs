@@ -11,7 +11,7 @@ use zbus::{Connection, fdo, interface};
 use zvariant::OwnedValue;
 
 use super::options::{attach_options, configure_options, exec_options, sync_options};
-use super::{Callers, check_strings, to_dbus};
+use super::{Callers, caller_gone, check_strings, to_dbus};
 use crate::sandbox::Sandbox;
 use crate::sandbox::manager::{EgressChange, ExecCall, Manager, TtyOptions};
 use crate::text::micros;
@@ -137,7 +137,10 @@ impl SandboxObject {
     /// `refs/remotes/sandbox/<name>/*` (or, with `from_host`, the host's
     /// branches into the workspace as `refs/remotes/host/*`). Options:
     /// `branch` (s), `dry_run` (b), `into` (s: fast-forward this host
-    /// branch), `from_host` (b).
+    /// branch), `from_host` (b), `allow_protected` (as: bring these held
+    /// branches' protected changes, up to the tip last held),
+    /// `accept_rewrite` (as: move these branches' host refs though the
+    /// sandbox rewrote or deleted them).
     async fn sync(
         &self,
         options: HashMap<String, OwnedValue>,
@@ -203,8 +206,9 @@ impl SandboxObject {
     }
 
     /// Change settings: `sync_mode` (s: manual, auto-commit, auto-idle) and
-    /// `sync_idle_seconds` (u) at once, `default_agent` (s: claude, codex,
-    /// gemini, or "" for none) for the next new session.
+    /// `sync_idle_seconds` (u) at once, `protect` (as: the protected
+    /// paths, the whole list) from the next sync, `default_agent` (s:
+    /// claude, codex, gemini, or "" for none) for the next new session.
     async fn configure(
         &self,
         settings: HashMap<String, OwnedValue>,
@@ -354,6 +358,15 @@ impl SandboxObject {
         reason: &str,
     ) -> zbus::Result<()>;
 
+    /// A sync to the host held a branch back (a protected path changed,
+    /// history rewritten or a branch deleted): what, and why. The person
+    /// brings it with `Sync`'s `allow_protected` or `accept_rewrite`.
+    #[zbus(signal)]
+    pub(super) async fn sync_held(
+        emitter: &SignalEmitter<'_>,
+        held: api::HeldBranch,
+    ) -> zbus::Result<()>;
+
     /// A sync finished: its direction, how many branches and commits moved.
     #[zbus(signal)]
     pub(super) async fn synced(
@@ -373,6 +386,21 @@ impl SandboxObject {
         self.visible(conn, header)
             .await
             .map(|s| micros(s.last_sync_at))
+    }
+
+    /// What the last sync to the host held back (a branch each), until
+    /// the person brings it (`Sync`'s `allow_protected`, `accept_rewrite`)
+    /// or it changes: a JSON array of objects with the fields of
+    /// `SyncHeld`'s argument.
+    #[zbus(property)]
+    async fn held_branches(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header)
+            .await
+            .map(|s| serde_json::to_string(&s.held).unwrap_or_default())
     }
 
     /// One line on the last sync's result.
@@ -754,28 +782,4 @@ impl SandboxObject {
     pub fn announced_owner(&self) -> Option<u32> {
         self.announced.lock().unwrap().as_ref().map(|s| s.owner)
     }
-}
-
-/// Resolves when the sender of `header` leaves the bus (never, if that
-/// cannot be watched).
-async fn caller_gone(conn: &Connection, header: &Header<'_>) {
-    use futures_lite::StreamExt as _;
-    let Some(sender) = header.sender().map(|s| s.to_owned()) else {
-        return std::future::pending().await;
-    };
-    let Ok(dbus) = zbus::fdo::DBusProxy::new(conn).await else {
-        return std::future::pending().await;
-    };
-    let Ok(mut changes) = dbus
-        .receive_name_owner_changed_with_args(&[(0, sender.as_str())])
-        .await
-    else {
-        return std::future::pending().await;
-    };
-    while let Some(c) = changes.next().await {
-        if c.args().is_ok_and(|a| a.new_owner().is_none()) {
-            return;
-        }
-    }
-    std::future::pending().await
 }

@@ -69,6 +69,75 @@ impl SecretsObject {
             .collect())
     }
 
+    /// Let the sandbox push to the repository at `url`
+    /// (`https://host/owner/repo`) without holding `token`: from its next
+    /// command on, git's credential for the URL inside is a placeholder,
+    /// and the egress gateway swaps `token` in (sent as `user`'s, empty for
+    /// `x-access-token`) for that repository's git requests only, refusing
+    /// any push of a ref that is not a branch of `branches` (`*` matches
+    /// anything), a deletion, or a tag unless `tags`. Replaces the
+    /// repository's earlier settings (keeping its placeholder). `token`: 1
+    /// to 16384 bytes of text on one line.
+    #[allow(clippy::too_many_arguments)]
+    async fn allow_forge(
+        &self,
+        url: String,
+        user: String,
+        branches: Vec<String>,
+        tags: bool,
+        token: Vec<u8>,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] msg: Header<'_>,
+    ) -> Result<(), api::Error> {
+        let caller = self.callers.caller(conn, &msg).await?;
+        check_strings(&[("url", &url), ("user", &user)])?;
+        if token.len() > crate::secrets::VALUE_MAX || branches.len() > crate::forges::PATTERNS_MAX {
+            return Err(api::Error::InvalidArgument(format!(
+                "the token is larger than {} bytes, or more than {} branch patterns were given",
+                crate::secrets::VALUE_MAX,
+                crate::forges::PATTERNS_MAX
+            )));
+        }
+        for b in &branches {
+            check_strings(&[("branch pattern", b)])?;
+        }
+        self.manager
+            .allow_forge(caller, &self.name, &url, &user, &branches, tags, &token)
+            .map(|_| ())
+            .map_err(to_dbus)
+    }
+
+    /// The repositories the sandbox may push to: (url, user, branch
+    /// patterns, tags) each, never a token.
+    async fn forges(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] msg: Header<'_>,
+    ) -> Result<Vec<(String, String, Vec<String>, bool)>, api::Error> {
+        let caller = self.callers.caller(conn, &msg).await?;
+        Ok(self
+            .manager
+            .list_forges(caller, &self.name)
+            .map_err(to_dbus)?
+            .into_iter()
+            .map(|f| (f.url, f.user, f.branches, f.tags))
+            .collect())
+    }
+
+    /// Stop letting the sandbox push to `url`; whether it could.
+    async fn remove_forge(
+        &self,
+        url: String,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] msg: Header<'_>,
+    ) -> Result<bool, api::Error> {
+        let caller = self.callers.caller(conn, &msg).await?;
+        check_strings(&[("url", &url)])?;
+        self.manager
+            .remove_forge(caller, &self.name, &url)
+            .map_err(to_dbus)
+    }
+
     /// Remove the secret of `var`; whether there was one.
     async fn remove(
         &self,

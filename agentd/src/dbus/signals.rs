@@ -125,6 +125,23 @@ pub async fn synced(
     Ok(())
 }
 
+/// Emit `SyncHeld` on the sandbox's object, to its owner and root.
+pub async fn held(
+    conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
+    name: &str,
+    held: &api::HeldBranch,
+) -> zbus::Result<()> {
+    let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
+        return Ok(());
+    };
+    for e in callers.emitters(conn, sb.owner, &path) {
+        SandboxObject::sync_held(&e, held.clone()).await?;
+    }
+    Ok(())
+}
+
 /// Tell a sandbox's owner (and root) what its gateway reports.
 pub async fn egress_event(
     conn: &Connection,

@@ -81,17 +81,35 @@ impl std::fmt::Debug for Swap {
     }
 }
 
+/// What the gateway calls with each push to a forge's repository: the
+/// repository, whether it went on, and the refs with what was decided.
+pub type Pushed = Box<dyn Fn(&super::forge::Rule, bool, String) + Send + Sync>;
+
 /// How to intercept one connection.
-#[derive(Debug)]
 pub struct Plan {
     /// The host (the certificate's name, and the one checked upstream).
     pub host: String,
     /// The secrets for it.
     pub swaps: Vec<Swap>,
+    /// The repositories on it the sandbox may push to
+    /// ([`super::forge`]).
+    pub forges: Vec<super::forge::Rule>,
+    /// Told of every push to one of them.
+    pub pushed: Option<Pushed>,
     /// The certificate chain and key shown to the sandbox.
     pub leaf: (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>),
     /// Roots the host's certificate is checked against.
     pub roots: Arc<rustls::RootCertStore>,
+}
+
+impl std::fmt::Debug for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plan")
+            .field("host", &self.host)
+            .field("swaps", &self.swaps)
+            .field("forges", &self.forges)
+            .finish_non_exhaustive()
+    }
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -171,12 +189,29 @@ where
     let (ur, mut uw) = tokio::io::split(outside);
     let (sent_tx, sent_rx) = tokio::sync::mpsc::unbounded_channel();
     let swaps = plan.swaps;
-    let masks: Vec<Vec<u8>> = swaps
+    let mut masks: Vec<Vec<u8>> = swaps
         .iter()
         .flat_map(|s| mask_forms(s.value.as_bytes()))
         .collect();
+    for f in &plan.forges {
+        for form in super::forge::secret_forms(f) {
+            masks.extend(mask_forms(&form));
+        }
+    }
+    let forges = Forges {
+        rules: plan.forges,
+        pushed: plan.pushed,
+    };
     let up = async {
-        let r = requests(BufReader::new(cr), &mut uw, &plan.host, &swaps, sent_tx).await;
+        let r = requests(
+            BufReader::new(cr),
+            &mut uw,
+            &plan.host,
+            &swaps,
+            &forges,
+            sent_tx,
+        )
+        .await;
         let _ = uw.shutdown().await;
         r
     };
@@ -222,10 +257,19 @@ async fn read_head<R: AsyncBufReadExt + Unpin>(
 
 /// What the responses' side needs of a request sent to the host: its
 /// method, and for one that asked for an upgrade, where to tell whether
-/// the host switched protocols (answered 101).
+/// the host switched protocols (answered 101); or, for a request the
+/// gateway answered itself (a refused push), that answer, after which the
+/// connection ends.
 struct Sent {
     method: String,
     upgrade: Option<tokio::sync::oneshot::Sender<bool>>,
+    answer: Option<Vec<u8>>,
+}
+
+/// The forge rules of a connection, and whom to tell of pushes.
+struct Forges {
+    rules: Vec<super::forge::Rule>,
+    pushed: Option<Pushed>,
 }
 
 /// The sandbox's requests to the host, the placeholders swapped; (bytes
@@ -235,6 +279,7 @@ async fn requests<R, W>(
     w: &mut W,
     host: &str,
     swaps: &[Swap],
+    forges: &Forges,
     sent: tokio::sync::mpsc::UnboundedSender<Sent>,
 ) -> (u64, Option<InterceptError>)
 where
@@ -268,7 +313,44 @@ where
             Ok(b) => b.unwrap_or(Body::None),
             Err(e) => return (total, Some(e.into())),
         };
-        let out = rewrite_request(&req, swaps);
+        let target = req.path.unwrap_or("/");
+        let forge = forges
+            .rules
+            .iter()
+            .find_map(|f| super::forge::endpoint(&method, target, f).map(|e| (f, e)));
+        let out = rewrite_request(&req, swaps, forge.map(|(f, _)| f));
+        if let Some((rule, super::forge::Endpoint::ReceivePack)) = forge {
+            // Its commands are read as they are sent: a compressed body
+            // would be read one way here and another by the forge.
+            let encoded = req.headers.iter().any(|h| {
+                h.name.eq_ignore_ascii_case("content-encoding")
+                    && !h.value.trim_ascii().eq_ignore_ascii_case(b"identity")
+            });
+            let push = push::Push {
+                head: &out,
+                body,
+                rule,
+                encoded,
+                pushed: forges.pushed.as_ref(),
+            };
+            let answer = match push::inspect(&mut r, w, push).await {
+                Ok((n, answer)) => {
+                    total += n;
+                    answer
+                }
+                Err(e) => return (total, Some(e.into())),
+            };
+            let refused = answer.is_some();
+            let _ = sent.send(Sent {
+                method,
+                upgrade: None,
+                answer,
+            });
+            if refused {
+                return (total, None);
+            }
+            continue;
+        }
         let (switched_tx, switched) = if upgrade {
             let (tx, rx) = tokio::sync::oneshot::channel();
             (Some(tx), Some(rx))
@@ -278,6 +360,7 @@ where
         let _ = sent.send(Sent {
             method,
             upgrade: switched_tx,
+            answer: None,
         });
         if let Err(e) = w.write_all(&out).await {
             return (total, Some(e.into()));
@@ -305,8 +388,13 @@ where
 }
 
 /// The request head again, with the placeholder of each secret replaced by
-/// its value in that secret's header only.
-fn rewrite_request(req: &httparse::Request<'_, '_>, swaps: &[Swap]) -> Vec<u8> {
+/// its value in that secret's header only, and for a request of a forge's
+/// repository (`forge`), its token in `Authorization: Basic`.
+fn rewrite_request(
+    req: &httparse::Request<'_, '_>,
+    swaps: &[Swap],
+    forge: Option<&super::forge::Rule>,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(512);
     out.extend_from_slice(req.method.unwrap_or("GET").as_bytes());
     out.push(b' ');
@@ -326,6 +414,11 @@ fn rewrite_request(req: &httparse::Request<'_, '_>, swaps: &[Swap]) -> Vec<u8> {
         for s in swaps {
             if h.name.eq_ignore_ascii_case(&s.header) {
                 value = swapped(&value, s);
+            }
+        }
+        if let Some(f) = forge.filter(|_| h.name.eq_ignore_ascii_case("authorization")) {
+            if let Some(v) = super::forge::swap_basic(&value, f) {
+                value = v;
             }
         }
         out.extend_from_slice(&value);
@@ -390,7 +483,28 @@ where
     let mut total = 0u64;
     let mut head = Vec::new();
     let mut out = Masked::new(w, masks);
+    // The next request's, once known: an answer of the gateway's own is
+    // given in its turn, without waiting for the host.
+    let mut next: Option<Sent> = None;
+    let mut requests_done = false;
     loop {
+        if next.is_none() && !requests_done {
+            tokio::select! {
+                biased;
+                s = sent.recv() => match s {
+                    Some(s) => next = Some(s),
+                    None => requests_done = true,
+                },
+                _ = r.fill_buf() => {}
+            }
+        }
+        if let Some(answer) = next.as_mut().and_then(|s| s.answer.take()) {
+            let wrote = match out.write(&answer).await {
+                Ok(()) => out.flush().await,
+                Err(e) => Err(e),
+            };
+            return (total + answer.len() as u64, wrote.err().map(Into::into));
+        }
         match read_head(&mut r, &mut head).await {
             Ok(false) => {
                 let _ = out.flush().await;
@@ -411,7 +525,10 @@ where
         total += head.len() as u64;
         // The request a final answer (or a 101) is for.
         let mut request = if code == 101 || code >= 200 {
-            sent.recv().await
+            match next.take() {
+                Some(s) => Some(s),
+                None => sent.recv().await,
+            }
         } else {
             None
         };
@@ -504,7 +621,7 @@ where
 }
 
 /// Copy one body of `framing` from `r` to `w`, masking `masks`; its bytes.
-async fn copy_body<R, W>(
+pub(super) async fn copy_body<R, W>(
     r: &mut BufReader<R>,
     w: &mut W,
     framing: Body,
@@ -629,7 +746,7 @@ mod tests {
         let mut headers = [httparse::EMPTY_HEADER; 16];
         let mut req = httparse::Request::new(&mut headers);
         req.parse(head).unwrap();
-        let out = String::from_utf8(rewrite_request(&req, &[swap()])).unwrap();
+        let out = String::from_utf8(rewrite_request(&req, &[swap()], None)).unwrap();
         assert!(out.contains("x-api-key: sk-real-value-123\r\n"), "{out}");
         assert!(
             out.contains("x-other: keystone-placeholder-abc\r\n"),
@@ -662,3 +779,4 @@ mod tests {
 
 #[cfg(test)]
 mod attacks;
+mod push;

@@ -16,6 +16,7 @@
 //! to its gateway ([`Socket::Handed`]).
 
 pub mod ask;
+pub mod forge;
 pub mod gateway;
 mod head;
 pub mod hint;

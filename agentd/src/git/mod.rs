@@ -1,5 +1,6 @@
 //! Git: checking a project and preparing a sandbox's workspace from it.
 
+pub mod guard;
 pub mod identity;
 mod into;
 pub mod mirror;

@@ -47,13 +47,21 @@ pub fn shown(name: &str) -> String {
             out.push_str(&format!("… ({} bytes in all)", name.len()));
             break;
         }
-        if c.is_control() {
-            out.extend(c.escape_debug());
+        if c.is_control() || invisible(c) {
+            out.extend(c.escape_unicode());
         } else {
             out.push(c);
         }
     }
     out
+}
+
+/// Whether `c` is one of the invisible characters (zero-width, direction
+/// marks and overrides, the byte-order mark) that would make two names
+/// look the same, or text read in another order than it runs.
+#[must_use]
+pub fn invisible(c: char) -> bool {
+    matches!(c, '\u{00ad}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
 }
 
 /// Why `branch` is not a valid name, for a notice.

@@ -47,7 +47,13 @@ pub async fn run(exe: &Path, t: Transfer) -> Result<WriteReport, HelperError> {
         })?
 }
 
-async fn run_inner(exe: &Path, t: Transfer) -> Result<WriteReport, HelperError> {
+async fn run_inner(exe: &Path, mut t: Transfer) -> Result<WriteReport, HelperError> {
+    // What a guard holds back is known only from the objects themselves:
+    // a guarded dry run brings them (and moves no ref).
+    if t.dry_run && t.spec.guard.is_some() {
+        t.dry_run = false;
+        t.spec.dry_run = true;
+    }
     let mut writer = helper::start::<SyncWrite>(exe, &t.to.run_as, &t.spec).await?;
     let Some(line) = writer.next_line().await? else {
         return Err(writer.finish().await.err().unwrap_or_else(|| {

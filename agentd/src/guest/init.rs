@@ -4,7 +4,6 @@
 //! inside agentd's tokio runtime: `clone` and the id-map handshake need a
 //! process with one thread.
 
-use std::ffi::CString;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -23,6 +22,7 @@ use nix::unistd::{ForkResult, Gid, Pid, Uid};
 use serde::{Deserialize, Serialize};
 
 use super::init_error::{InitError, sys};
+use super::readonly::{make_readonly, protect_inside};
 use super::tmpfs::tmpfs_options;
 use crate::fsutil::{idmapped_tree, move_mount_to, open_tree_clone};
 
@@ -71,6 +71,11 @@ pub struct InitSpec {
     /// [`crate::toolbox::SHARED_HOME`] (`agent_home = "shared"`).
     #[serde(default)]
     pub agent_home: Option<PathBuf>,
+    /// Paths relative to `/workspace` (the sandbox's protected paths that
+    /// name one path) shown read-only, where they are a file or a
+    /// directory reached without a symlink when the sandbox starts.
+    #[serde(default)]
+    pub protect: Vec<PathBuf>,
 }
 
 /// The first line the supervisor prints on stdout.
@@ -568,6 +573,7 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), InitError> {
         }
     };
     bind_fd(&handles.workspace, "/workspace")?;
+    protect_inside(&at("/workspace"), &spec.protect)?;
     bind_fd(&handles.home, "/root")?;
 
     for (dir, mode) in [("/tmp", "1777"), ("/var/tmp", "1777"), ("/run", "0755")] {
@@ -682,48 +688,6 @@ fn build_root(spec: &InitSpec, handles: &Handles) -> Result<(), InitError> {
     umount2(".", MntFlags::MNT_DETACH).map_err(sys("detach the old root"))?;
     chdir(Path::new("/workspace"))?;
     Ok(())
-}
-
-/// Make the mount at `path` (and, with `recursive`, every mount below it)
-/// read-only without touching its other flags, which the kernel may have
-/// locked.
-fn make_readonly(path: &Path, recursive: bool) -> Result<(), InitError> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes())?;
-    let attr = crate::fsutil::MountAttr {
-        attr_set: crate::fsutil::MountAttr::RDONLY,
-        ..Default::default()
-    };
-    let r = crate::fsutil::set_mount_attr(nix::libc::AT_FDCWD, &c, recursive, attr);
-    if r.is_ok() {
-        return Ok(());
-    }
-    // Kernels before 5.12: a plain remount, keeping the source's flags.
-    let st = nix::sys::statvfs::statvfs(path).map_err(|source| InitError::Statvfs {
-        path: path.to_owned(),
-        source,
-    })?;
-    let mut flags = MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY;
-    let f = st.flags();
-    for (vfs, ms) in [
-        (nix::sys::statvfs::FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
-        (nix::sys::statvfs::FsFlags::ST_NODEV, MsFlags::MS_NODEV),
-        (nix::sys::statvfs::FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
-        (nix::sys::statvfs::FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
-        (
-            nix::sys::statvfs::FsFlags::ST_RELATIME,
-            MsFlags::MS_RELATIME,
-        ),
-    ] {
-        if f.contains(vfs) {
-            flags |= ms;
-        }
-    }
-    mount(None::<&str>, path, None::<&str>, flags, None::<&str>).map_err(|source| {
-        InitError::Remount {
-            path: path.to_owned(),
-            source,
-        }
-    })
 }
 
 /// Bring up `lo` in a fresh network namespace.

@@ -11,6 +11,7 @@
 pub mod init;
 mod init_error;
 pub mod proto;
+mod readonly;
 pub mod server;
 mod tmpfs;
 

@@ -38,6 +38,7 @@ mod backup;
 mod dirs;
 mod egress;
 mod exec;
+mod forges;
 mod gitops;
 mod idle;
 mod lifecycle;
@@ -92,6 +93,9 @@ pub struct ManagerSettings {
     /// The secrets of declared sandboxes, read from their files at each
     /// start: by sandbox, then variable.
     pub declared_secrets: BTreeMap<String, BTreeMap<String, crate::config::DeclaredSecret>>,
+    /// The repositories declared sandboxes may push to, their tokens read
+    /// from files at each start: by sandbox.
+    pub declared_forges: BTreeMap<String, Vec<crate::forges::Declared>>,
     /// The audit log's retention.
     pub audit: crate::audit::AuditConfig,
 }
@@ -366,8 +370,8 @@ impl Manager {
         self.store.transition(name, event, f)
     }
 
-    /// Change settings that apply at once (sync mode and idle time) or at
-    /// the next new session (the default agent).
+    /// Change settings that apply at once (sync mode and idle time, the
+    /// protected paths) or at the next new session (the default agent).
     pub async fn configure(
         self: &Arc<Self>,
         caller: Caller,
@@ -402,7 +406,16 @@ impl Manager {
                 validate::BACKUP_KEEP_MAX
             )]));
         }
+        if let Some(p) = &o.protect {
+            let problems = crate::git::guard::problems(p);
+            if !problems.is_empty() {
+                return Err(Error::Invalid(problems));
+            }
+        }
         let sb = self.update(name, |s| {
+            if let Some(p) = &o.protect {
+                s.config.protect.clone_from(p);
+            }
             if let Some(m) = o.sync_mode {
                 s.config.sync_mode = m;
             }

@@ -28,7 +28,11 @@ async fn exchange(
     }];
     let masks = mask_forms(b"sk-real-value-123");
     let up = async {
-        let r = requests(BufReader::new(cr), &mut uw, "h.test", &swaps, tx).await;
+        let forges = Forges {
+            rules: Vec::new(),
+            pushed: None,
+        };
+        let r = requests(BufReader::new(cr), &mut uw, "h.test", &swaps, &forges, tx).await;
         let _ = uw.shutdown().await;
         r
     };

@@ -173,13 +173,7 @@ impl Manager {
                         return;
                     };
                     m.gateways.count(&log_name, &entry);
-                    if let Err(e) = egress::log::append(&m.egress_log_path(&log_name), &entry) {
-                        tracing::warn!(sandbox = %log_name, error = %e, "cannot log a connection");
-                    }
-                    if entry.decision != "allow" {
-                        tracing::info!(sandbox = %log_name, host = %entry.host, port = entry.port, rule = %entry.rule, "egress refused");
-                    }
-                    let _ = m.egress_events.send(EgressEvent::Logged(Arc::new(entry)));
+                    m.log_egress(&log_name, entry);
                 }),
                 pending: this.pending_of(&name),
                 ask_timeout: std::time::Duration::from_secs(u64::from(
@@ -199,7 +193,7 @@ impl Manager {
                 intercept: {
                     let weak = Arc::downgrade(&this);
                     let name = name.clone();
-                    Box::new(move |host, _port| weak.upgrade()?.intercept_plan(&name, host))
+                    Box::new(move |host, port| weak.upgrade()?.intercept_plan(&name, host, port))
                 },
             };
             match this.gateways.start(socket, ctx) {
@@ -209,6 +203,19 @@ impl Manager {
                 }
             }
         });
+    }
+
+    /// Put `entry` in sandbox `name`'s egress log, and tell its watchers.
+    pub(super) fn log_egress(&self, name: &str, entry: egress::log::Entry) {
+        if let Err(e) = egress::log::append(&self.egress_log_path(name), &entry) {
+            tracing::warn!(sandbox = %name, error = %e, "cannot log a connection");
+        }
+        if entry.decision != "allow" {
+            tracing::info!(sandbox = %name, host = %entry.host, port = entry.port, rule = %entry.rule, "egress refused");
+        }
+        let _ = self
+            .egress_events
+            .send(EgressEvent::Logged(Arc::new(entry)));
     }
 
     /// End what serves running sandbox `name` from outside (it stops or

@@ -2,7 +2,12 @@
 //! of uncommitted work, and worktrees; under the sandbox's `sync` and
 //! `worktrees` locks.
 
+use std::collections::BTreeMap;
+
+use keystone_agent_api::HeldBranch;
+
 use super::*;
+use crate::git::guard::Guard;
 
 impl Manager {
     /// Move branches between the host repository and sandbox `name`.
@@ -17,6 +22,28 @@ impl Manager {
                         b.escape_debug()
                     ));
                 }
+            }
+        }
+        for (what, list) in [
+            ("allow-protected", &opts.allow_protected),
+            ("accept-rewrite", &opts.accept_rewrite),
+        ] {
+            if list.len() > GUARD_BRANCHES_MAX {
+                problems.push(format!(
+                    "--{what} names {} branches; at most {GUARD_BRANCHES_MAX}",
+                    list.len()
+                ));
+            }
+            for b in list.iter().filter(|b| !refs::valid_branch(&branch_at(b).0)) {
+                problems.push(format!(
+                    "--{what} '{}' is not a valid git branch name (BRANCH, or BRANCH=COMMIT)",
+                    b.escape_debug()
+                ));
+            }
+            if opts.from_host && !list.is_empty() {
+                problems.push(format!(
+                    "--{what} applies to syncs to the host; it cannot be combined with --from-host"
+                ));
             }
         }
         if opts.from_host && opts.into.is_some() {
@@ -91,6 +118,11 @@ impl Manager {
                 e.message()
             )),
         })?;
+        let guard = if opts.from_host {
+            None
+        } else {
+            Some(guard_of(&sb, &opts)?)
+        };
         let direction = if opts.from_host {
             "from-host"
         } else {
@@ -112,6 +144,8 @@ impl Manager {
                     remote: None,
                     prune: opts.branch.is_none(),
                     into: None,
+                    guard: None,
+                    dry_run: false,
                 },
                 branch: opts.branch.clone(),
                 dry_run: opts.dry_run,
@@ -135,6 +169,8 @@ impl Manager {
                     )),
                     prune: opts.branch.is_none(),
                     into: opts.into.clone(),
+                    guard,
+                    dry_run: false,
                 },
                 branch: opts.branch.clone(),
                 dry_run: opts.dry_run,
@@ -186,13 +222,24 @@ impl Manager {
         }
         let branches = u32::try_from(report.read.updates.len()).unwrap_or(u32::MAX);
         let commits: u32 = report.read.updates.iter().map(|u| u.commits).sum();
+        // (A dry run that allows or accepts shows what would happen; what
+        // is held stays as it was, for the real one.)
+        let trial =
+            opts.dry_run && (!opts.allow_protected.is_empty() || !opts.accept_rewrite.is_empty());
+        if !opts.from_host && !trial {
+            self.record_held(name, opts.branch.as_deref(), &report.held)?;
+        }
         if !opts.dry_run {
-            let summary = match &report.diverged {
-                Some(_) => format!(
-                    "{direction}: {branches} branch(es), {commits} commit(s); --into refused"
-                ),
-                None => format!("{direction}: {branches} branch(es), {commits} commit(s)"),
-            };
+            let mut summary = format!("{direction}: {branches} branch(es), {commits} commit(s)");
+            if report.diverged.is_some() {
+                summary.push_str("; --into refused");
+            }
+            if !report.held.is_empty() {
+                summary.push_str(&format!(
+                    "; {} held back (agentctl sync {name} --dry-run)",
+                    report.held.len()
+                ));
+            }
             self.update(name, |s| {
                 s.last_sync_at = Some(SystemTime::now());
                 s.last_sync_result = summary;
@@ -214,7 +261,42 @@ impl Manager {
             branches: report.read.updates,
             skipped: report.read.skipped,
             into: report.into.unwrap_or_default(),
+            held: report.held,
         })
+    }
+
+    /// Record what a sync to the host of sandbox `name` (of `branch` only,
+    /// or of all) held back, and announce what was not held before.
+    fn record_held(&self, name: &str, branch: Option<&str>, held: &[HeldBranch]) -> Result<()> {
+        let mut new = Vec::new();
+        // Of a sync of one branch, only that branch's; at most HELD_MAX
+        // in all.
+        let held: Vec<&HeldBranch> = held
+            .iter()
+            .filter(|h| branch.is_none_or(|b| h.branch == b))
+            .take(HELD_MAX)
+            .collect();
+        self.update(name, |s| {
+            new = held
+                .iter()
+                .filter(|h| !s.held.contains(h))
+                .map(|h| (*h).clone())
+                .collect();
+            match branch {
+                Some(b) => s.held.retain(|h| h.branch != b),
+                None => s.held.clear(),
+            }
+            s.held.extend(held.iter().map(|h| (*h).clone()));
+            s.held.truncate(HELD_MAX);
+        })?;
+        for h in new {
+            tracing::warn!(sandbox = %name, branch = %h.branch, reason = %h.reason, tip = %h.tip, path = %h.path, "sync held a branch back");
+            self.store.announce(Change::Held {
+                name: name.to_owned(),
+                held: h,
+            });
+        }
+        Ok(())
     }
 
     /// Watch sandbox `name`'s workspace as its sync mode asks (or stop).
@@ -547,6 +629,79 @@ fn into_mismatch(name: &str, branch: &str, into: &str) -> String {
          agentctl sync {name} -b {branch}, then in your repository: git switch {into} && git merge \
          sandbox/{name}/{branch}"
     )
+}
+
+/// Most held branches a sandbox's record keeps (and announces).
+const HELD_MAX: usize = 100;
+
+/// Most branches `--allow-protected` or `--accept-rewrite` may name.
+const GUARD_BRANCHES_MAX: usize = 100;
+
+/// The guard of a sync to the host of `sb`: its `protect` list, and the
+/// person's say on what it held before. `--allow-protected B` allows B's
+/// protected changes only up to the tip the last sync held (what the
+/// person could look at); a branch not held for that is refused.
+fn guard_of(sb: &Sandbox, opts: &SyncOptions) -> Result<Guard> {
+    let mut allow = BTreeMap::new();
+    let mut problems = Vec::new();
+    for item in &opts.allow_protected {
+        let (b, at) = branch_at(item);
+        match sb
+            .held
+            .iter()
+            .find(|h| h.branch == b && h.reason == "protected")
+        {
+            // Bound to what the person looked at: the tip they name (or
+            // the one last held).
+            Some(h) if at.as_ref().is_none_or(|t| h.tip.starts_with(t.as_str())) => {
+                allow.insert(b, h.tip.clone());
+            }
+            Some(h) => problems.push(format!(
+                "Sandbox '{}': branch '{b}' is held at {} now, not at {}: it moved since; \
+                 look again (`agentctl sync {} --dry-run`)",
+                sb.name,
+                &h.tip[..h.tip.len().min(12)],
+                at.unwrap_or_default(),
+                sb.name
+            )),
+            None => problems.push(format!(
+                "Sandbox '{}': branch '{b}' is not held back for a protected path; \
+                 `agentctl sync {} --dry-run` shows what is",
+                sb.name, sb.name
+            )),
+        }
+    }
+    if !problems.is_empty() {
+        return Err(Error::Invalid(problems));
+    }
+    Ok(Guard {
+        protect: sb.config.protect.clone(),
+        allow,
+        accept: opts.accept_rewrite.iter().map(|a| branch_at(a)).collect(),
+        prefix: format!("refs/remotes/sandbox/{}/", sb.name),
+        kept_prefix: format!("refs/remotes/sandbox/{}@rewritten/", sb.name),
+        held: sb
+            .held
+            .iter()
+            .filter(|h| !h.tip.is_empty())
+            .map(|h| h.tip.clone())
+            .collect(),
+    })
+}
+
+/// `BRANCH` or `BRANCH=COMMIT` (the start of a commit id, 7 to 64 hex
+/// digits, lowercase) of `--allow-protected` and `--accept-rewrite`.
+fn branch_at(item: &str) -> (String, Option<String>) {
+    match item.rsplit_once('=') {
+        Some((b, t))
+            if (7..=64).contains(&t.len())
+                && t.bytes()
+                    .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)) =>
+        {
+            (b.to_owned(), Some(t.to_owned()))
+        }
+        _ => (item.to_owned(), None),
+    }
 }
 
 /// Longest a snapshot or worktree operation may take.

@@ -60,6 +60,7 @@ impl Manager {
             idle_stop_seconds: opts.idle_stop_seconds.unwrap_or(d.idle_stop_seconds),
             backup_every_seconds: opts.backup_every_seconds.unwrap_or(d.backup_every_seconds),
             backup_keep: opts.backup_keep.unwrap_or(d.backup_keep),
+            protect: opts.protect.unwrap_or_else(|| d.protect.clone()),
             ..d.clone()
         };
         validate::check_config(&config, &mut problems);

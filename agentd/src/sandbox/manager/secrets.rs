@@ -89,13 +89,13 @@ fn ca_paths(sb: &Sandbox) -> (String, String) {
 /// would lose one or mix two CAs.
 static CHANGING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn changing() -> std::sync::MutexGuard<'static, ()> {
+pub(super) fn changing() -> std::sync::MutexGuard<'static, ()> {
     CHANGING
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn secret_error(name: &str, e: SecretError) -> Error {
+pub(super) fn secret_error(name: &str, e: SecretError) -> Error {
     match e {
         SecretError::Invalid(p) => Error::Invalid(
             p.into_iter()
@@ -110,7 +110,7 @@ fn secret_error(name: &str, e: SecretError) -> Error {
 }
 
 impl Manager {
-    fn secret_store(&self) -> Store {
+    pub(super) fn secret_store(&self) -> Store {
         Store::new(self.store.registry().dir())
     }
 
@@ -167,7 +167,7 @@ impl Manager {
     /// `<state>/guest/ca/` (local and vm sandboxes), and for a `microvm`
     /// guest in its `ssh/` share too (once the share exists; every start
     /// writes them again).
-    fn write_ca_files(&self, sb: &Sandbox, cert_pem: &str) -> Result<()> {
+    pub(super) fn write_ca_files(&self, sb: &Sandbox, cert_pem: &str) -> Result<()> {
         use std::os::unix::fs::PermissionsExt;
         let (name, id) = (sb.name.as_str(), sb.id.as_str());
         let dir = self.ca_dir();
@@ -302,7 +302,8 @@ impl Manager {
         Ok(())
     }
 
-    /// Read the secrets that agentd's configuration declares for `sb` from
+    /// Read the secrets (and repositories, [`Manager::read_declared_forges`])
+    /// that agentd's configuration declares for `sb` from
     /// their files into the store (a changed file takes effect at this
     /// start; the placeholder stays), and drop declared ones that are no
     /// longer declared. A file that cannot be read, or holds no usable
@@ -323,6 +324,9 @@ impl Manager {
                 tracing::info!(sandbox = %name, var = %s.var, "declared secret removed");
             }
         }
+        drop(_changing);
+        self.read_declared_forges(sb)?;
+        let _changing = changing();
         let Some(declared) = declared.filter(|d| !d.is_empty()) else {
             return Ok(());
         };
@@ -363,12 +367,15 @@ impl Manager {
         Ok(())
     }
 
-    /// After a start: the CA files of a sandbox with secrets, where its
-    /// guest reads them (a `microvm` guest's share is made by its start).
+    /// After a start: the CA files of a sandbox with secrets (or forges),
+    /// where its guest reads them (a `microvm` guest's share is made by
+    /// its start).
     pub(super) fn place_ca_files(&self, sb: &Sandbox) {
         let store = self.secret_store();
         let _changing = changing();
-        if store.load(&sb.name).map_or(true, |l| l.is_empty()) {
+        if store.load(&sb.name).map_or(true, |l| l.is_empty())
+            && self.forges_of(&sb.name).is_empty()
+        {
             return;
         }
         if let Err(e) = store
@@ -384,6 +391,7 @@ impl Manager {
     pub(super) fn forget_secrets(&self, sb: &Sandbox) {
         let _changing = changing();
         self.secret_store().remove_all(&sb.name);
+        crate::forges::remove_all(self.store.registry().dir(), &sb.name);
         for f in [format!("{}.ca.pem", sb.id), format!("{}.pem", sb.id)] {
             let _ = std::fs::remove_file(self.ca_dir().join(f));
         }
@@ -403,10 +411,9 @@ impl Manager {
                 env.entry(k.to_owned()).or_insert(v);
             }
         }
-        let Ok(list) = self.secret_store().load(&sb.name) else {
-            return;
-        };
-        if list.is_empty() {
+        let list = self.secret_store().load(&sb.name).unwrap_or_default();
+        let forges = self.forges_of(&sb.name);
+        if list.is_empty() && forges.is_empty() {
             return;
         }
         let mut add = |k: &str, v: String| {
@@ -415,9 +422,24 @@ impl Manager {
         for s in list {
             add(&s.var, s.placeholder);
         }
+        // git's own configuration through its environment: all of it, or
+        // none (the caller's count would not name ours).
+        if !forges.is_empty() && !env.contains_key("GIT_CONFIG_COUNT") {
+            for (k, v) in crate::forges::git_env(&forges) {
+                env.insert(k, v);
+            }
+        }
+        let mut add = |k: &str, v: String| {
+            env.entry(k.to_owned()).or_insert(v);
+        };
         let (ca, bundle) = ca_paths(sb);
         add("NODE_EXTRA_CA_CERTS", ca);
-        for var in ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"] {
+        for var in [
+            "SSL_CERT_FILE",
+            "REQUESTS_CA_BUNDLE",
+            "CURL_CA_BUNDLE",
+            "GIT_SSL_CAINFO",
+        ] {
             add(var, bundle.clone());
         }
     }
@@ -425,9 +447,10 @@ impl Manager {
     /// The gateway's plan for sandbox `name`'s CONNECT to `host`: its
     /// secrets for that host, a certificate for it from the sandbox's CA.
     pub(super) fn intercept_plan(
-        &self,
+        self: &Arc<Self>,
         name: &str,
         host: &str,
+        port: u16,
     ) -> Option<crate::egress::intercept::Plan> {
         let store = self.secret_store();
         let swaps: Vec<_> = store
@@ -443,7 +466,8 @@ impl Manager {
                 value: s.value,
             })
             .collect();
-        if swaps.is_empty() {
+        let forges = self.forge_rules(name, host, port);
+        if swaps.is_empty() && forges.is_empty() {
             return None;
         }
         let ca = {
@@ -461,9 +485,12 @@ impl Manager {
             self.secret_roots
                 .get_or_init(crate::egress::intercept::system_roots),
         );
+        let pushed = (!forges.is_empty()).then(|| self.push_logger(name, host, port));
         Some(crate::egress::intercept::Plan {
             host: host.to_ascii_lowercase(),
             swaps,
+            forges,
+            pushed,
             leaf,
             roots,
         })

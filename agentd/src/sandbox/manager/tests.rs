@@ -205,8 +205,7 @@ impl Helpers for FakeHelpers {
                 Some(m) => Err(HelperError::Failed(m)),
                 None => Ok(WriteReport {
                     read: ReadReport::default(),
-                    into: None,
-                    diverged: None,
+                    ..WriteReport::default()
                 }),
             }
         })
@@ -242,6 +241,7 @@ fn fixture() -> Fixture {
             defaults: SandboxConfig::default(),
             egress: crate::config::EgressConfig::default(),
             declared_secrets: std::collections::BTreeMap::new(),
+            declared_forges: std::collections::BTreeMap::new(),
             audit: crate::audit::AuditConfig::default(),
         },
         vec![Arc::clone(&backend) as Arc<dyn Backend>],
