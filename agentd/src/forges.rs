@@ -87,7 +87,7 @@ impl Declared {
     #[must_use]
     pub fn problems(&self) -> Vec<String> {
         let user = self.user.as_deref().unwrap_or(DEFAULT_USER);
-        let mut p: Vec<String> = problems(&self.branches, user, b"t")
+        let mut p: Vec<String> = problems(&self.branches, user, b"tokentok")
             .into_iter()
             .map(|m| format!("forges: {}: {m}", self.url))
             .collect();
@@ -138,16 +138,7 @@ pub fn parse_url(url: &str) -> Result<(String, String, u16, String), String> {
         None => (authority, 443),
     };
     let host = host.to_ascii_lowercase();
-    let host_ok = host.len() <= 253
-        && host.contains('.')
-        && host.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-        });
-    if !host_ok {
+    if !crate::secrets::is_dns_name(&host) {
         return Err(bad("the host is not a DNS name"));
     }
     let path = path.trim_end_matches('/');
@@ -206,9 +197,9 @@ pub fn problems(branches: &[String], user: &str, token: &[u8]) -> Vec<String> {
             crate::text::clamp_text(user)
         ));
     }
-    if token.is_empty() || token.len() > crate::secrets::VALUE_MAX {
+    if token.len() < 8 || token.len() > crate::secrets::VALUE_MAX {
         p.push(format!(
-            "the token must be 1 to {} bytes (it was {})",
+            "the token must be 8 to {} bytes (it was {})",
             crate::secrets::VALUE_MAX,
             token.len()
         ));
@@ -323,10 +314,10 @@ mod tests {
 
     #[test]
     fn settings_are_checked() {
-        assert!(problems(&["agent/*".into()], DEFAULT_USER, b"ghp_x").is_empty());
-        assert_eq!(problems(&[], DEFAULT_USER, b"t").len(), 1);
-        assert_eq!(problems(&["a b".into()], "me", b"t").len(), 1);
-        assert_eq!(problems(&["a".into()], "m e", b"t").len(), 1);
+        assert!(problems(&["agent/*".into()], DEFAULT_USER, b"ghp_x123456").is_empty());
+        assert_eq!(problems(&[], DEFAULT_USER, b"tokentok").len(), 1);
+        assert_eq!(problems(&["a b".into()], "me", b"tokentok").len(), 1);
+        assert_eq!(problems(&["a".into()], "m e", b"tokentok").len(), 1);
         assert_eq!(problems(&["a".into()], "me", b"two words").len(), 1);
         assert_eq!(problems(&["a".into()], "me", b"").len(), 1);
     }

@@ -101,6 +101,22 @@ fn file_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> S
     move |source| SecretError::File { what, path, source }
 }
 
+/// Whether `host` is a DNS name with a dot (`api.anthropic.com`): labels
+/// of letters, digits and `-`, none empty, none starting or ending with `-`.
+#[must_use]
+pub fn is_dns_name(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 253
+        && host.contains('.')
+        && host.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        })
+}
+
 /// Check a new secret's fields; every problem, named.
 #[must_use]
 pub fn problems(var: &str, host: &str, header: &str, value: &[u8]) -> Vec<String> {
@@ -117,17 +133,7 @@ pub fn problems(var: &str, host: &str, header: &str, value: &[u8]) -> Vec<String
             crate::text::clamp_text(var)
         ));
     }
-    let host_ok = !host.is_empty()
-        && host.len() <= 253
-        && host.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-        })
-        && host.contains('.');
-    if !host_ok {
+    if !is_dns_name(host) {
         p.push(format!(
             "host '{}' is not a DNS name (such as api.anthropic.com)",
             crate::text::clamp_text(host)

@@ -98,6 +98,11 @@ fn to_host_brings_branches_and_leaves_the_work_tree_alone() {
         "the host's HEAD, index or files changed"
     );
     // A real remote, so `git fetch sandbox/proj` knows where to go.
+    // (Not fetched by `git fetch --all`, past the guards.)
+    assert_eq!(
+        git(&repo, &["config", "remote.sandbox/proj.skipFetchAll"]).trim(),
+        "true"
+    );
     let url = git(&repo, &["config", "remote.sandbox/proj.url"]);
     assert!(url.trim().ends_with("sandboxes/proj/workspace"), "{url}");
 

@@ -88,11 +88,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 | crate::cli::SecretCommand::List { name, .. }
                 | crate::cli::SecretCommand::Remove { name, .. } => name.clone(),
             };
-            let path = crate::bus::quick("GetSandbox", crate::bus::limit(), async {
-                Ok(manager.get_sandbox(&name).await?)
-            })
-            .await?;
-            secrets::run(conn, path, command).await
+            secrets::run(conn, object_path(&manager, &name).await?, command).await
         }
         Command::Forge { command } => {
             let name = match &command {
@@ -100,11 +96,7 @@ pub async fn run(conn: &Connection, command: Command) -> Result<i32> {
                 | crate::cli::ForgeCommand::List { name, .. }
                 | crate::cli::ForgeCommand::Remove { name, .. } => name.clone(),
             };
-            let path = crate::bus::quick("GetSandbox", crate::bus::limit(), async {
-                Ok(manager.get_sandbox(&name).await?)
-            })
-            .await?;
-            secrets::forge(conn, path, command).await
+            secrets::forge(conn, object_path(&manager, &name).await?, command).await
         }
         Command::Doctor { .. }
         | Command::Completions { .. }
@@ -235,6 +227,14 @@ fn print_status(v: &serde_json::Value) {
         );
     }
     egress::print_status(&v["egress"]);
+}
+
+/// The object path of sandbox `name` (`GetSandbox`).
+async fn object_path(manager: &ManagerProxy<'_>, name: &str) -> Result<zvariant::OwnedObjectPath> {
+    crate::bus::quick("GetSandbox", crate::bus::limit(), async {
+        Ok(manager.get_sandbox(name).await?)
+    })
+    .await
 }
 
 async fn sandbox<'a>(

@@ -76,7 +76,7 @@ impl SecretsObject {
     /// `x-access-token`) for that repository's git requests only, refusing
     /// any push of a ref that is not a branch of `branches` (`*` matches
     /// anything), a deletion, or a tag unless `tags`. Replaces the
-    /// repository's earlier settings (keeping its placeholder). `token`: 1
+    /// repository's earlier settings (keeping its placeholder). `token`: 8
     /// to 16384 bytes of text on one line.
     #[allow(clippy::too_many_arguments)]
     async fn allow_forge(

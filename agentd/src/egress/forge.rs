@@ -115,6 +115,35 @@ pub struct Command {
     pub name: String,
 }
 
+/// What is not a push's pkt-lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotPktLines;
+
+/// The length of the pkt-lines at the start of `data` up to and with the
+/// flush that ends a push's commands, once it is there (reading on from
+/// `from`, where the last call stopped: each byte is looked at once);
+/// `Err` for what is not a pkt-line.
+///
+/// # Errors
+/// A length that is not four hex digits, or less than 4.
+pub fn commands_end(data: &[u8], from: &mut usize) -> Result<Option<usize>, NotPktLines> {
+    while let Some(len) = data.get(*from..*from + 4) {
+        if !len.iter().all(u8::is_ascii_hexdigit) {
+            return Err(NotPktLines);
+        }
+        let len = usize::from_str_radix(std::str::from_utf8(len).map_err(|_| NotPktLines)?, 16)
+            .map_err(|_| NotPktLines)?;
+        if len == 0 {
+            return Ok(Some(*from + 4));
+        }
+        if len < 4 || data.len() < *from + len {
+            return if len < 4 { Err(NotPktLines) } else { Ok(None) };
+        }
+        *from += len;
+    }
+    Ok(None)
+}
+
 /// A push's commands and the capabilities its client asked for.
 pub type Commands = (Vec<Command>, Vec<String>);
 
@@ -157,11 +186,22 @@ pub fn commands(data: &[u8]) -> Result<Option<Commands>, String> {
             Some(nul) => (&line[..nul], Some(&line[nul + 1..])),
             None => (line, None),
         };
-        if let Some(c) = more.filter(|_| list.is_empty() && caps.is_empty()) {
-            caps = String::from_utf8_lossy(c)
+        if let Some(c) = more {
+            let words: Vec<String> = String::from_utf8_lossy(c)
                 .split(' ')
                 .map(str::to_owned)
                 .collect();
+            // Push options reach the forge's own handling (GitLab's
+            // `merge_request.*`, Gitea's `repo.private`): none is passed on.
+            if words
+                .iter()
+                .any(|w| w.split('=').next() == Some("push-options"))
+            {
+                return Err("push options (git push -o) are not passed on".to_owned());
+            }
+            if caps.is_empty() {
+                caps = words;
+            }
         }
         let text = std::str::from_utf8(line).map_err(|_| "a push command that is not text")?;
         if text.starts_with("shallow ") {
@@ -378,8 +418,37 @@ mod tests {
         tags.tags = true;
         assert_eq!(refusal(&c("refs/tags/v1"), &tags), None);
         assert!(commands(&line("push-cert\0caps\n")).is_err());
+        // Push options reach the forge's own handling: refused, on any line.
+        let opts = format!("{z} {a} refs/heads/agent/x\0report-status push-options\n");
+        assert!(commands(&[line(&opts), b"0000".to_vec()].concat()).is_err());
+        let later = [
+            line(&format!("{z} {a} refs/heads/agent/x\0report-status\n")),
+            line(&format!("{z} {a} refs/heads/agent/y\0push-options\n")),
+            b"0000".to_vec(),
+        ]
+        .concat();
+        assert!(commands(&later).is_err());
+        // The end of the commands, found reading each byte once.
+        let mut at = 0;
+        let whole = [line("x"), line("y"), b"0000PACK".to_vec()].concat();
+        assert_eq!(commands_end(&whole[..3], &mut at), Ok(None));
+        assert_eq!(commands_end(&whole[..7], &mut at), Ok(None));
+        assert_eq!(at, 5);
+        assert_eq!(commands_end(&whole, &mut at), Ok(Some(14)));
+        assert_eq!(commands_end(b"00zz", &mut 0), Err(NotPktLines));
         assert!(commands(b"zzzz").is_err());
         assert!(commands(&line("x y z\n")).is_err());
+    }
+
+    #[test]
+    fn only_whole_forms_of_the_token_are_masked() {
+        // A run of the token (or of its Authorization form, which starts
+        // with what everyone knows) masked would answer the sandbox's
+        // guesses, one byte at a time.
+        for form in secret_forms(&rule()) {
+            let masks = super::super::mask::whole_forms(&form);
+            assert!(masks.iter().all(|m| m.len() >= form.len()), "{masks:?}");
+        }
     }
 
     #[test]

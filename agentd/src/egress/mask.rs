@@ -151,9 +151,11 @@ impl<'a, W: AsyncWrite + Unpin> Masked<'a, W> {
     }
 }
 
-/// What is masked of `value`: its bytes, and the forms a host may reflect
-/// them in (JSON-escaped, with `/` escaped as PHP does, percent-encoded).
-pub(super) fn mask_forms(value: &[u8]) -> Vec<Vec<u8>> {
+/// `value` and the forms a host may reflect it in whole (JSON-escaped,
+/// with `/` escaped as PHP does, percent-encoded), without the runs of
+/// [`mask_forms`]: a mask hit on a run the sandbox can guess the rest of
+/// would tell it one byte at a time.
+pub(super) fn whole_forms(value: &[u8]) -> Vec<Vec<u8>> {
     let (mut json, mut upper, mut lower) = (Vec::new(), Vec::new(), Vec::new());
     for &b in value {
         match b {
@@ -175,8 +177,14 @@ pub(super) fn mask_forms(value: &[u8]) -> Vec<Vec<u8>> {
             forms.push(f);
         }
     }
-    // A host may show part of a key (an error message that shortens it):
-    // every run of PARTIAL of its bytes is masked too.
+    forms
+}
+
+/// What is masked of `value`: its whole forms ([`whole_forms`]), and,
+/// since a host may show part of a key (an error message that shortens
+/// it), every run of PARTIAL of its bytes.
+pub(super) fn mask_forms(value: &[u8]) -> Vec<Vec<u8>> {
+    let mut forms = whole_forms(value);
     if value.len() > PARTIAL {
         for w in value.windows(PARTIAL) {
             if !forms.iter().any(|f| f.as_slice() == w) {

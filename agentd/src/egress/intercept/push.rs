@@ -14,6 +14,12 @@ const AHEAD_MAX: usize = 4 * COMMANDS_MAX;
 /// Read buffer.
 const STEP: usize = 64 * 1024;
 
+/// Most chunks the commands may come in.
+const CHUNKS_MAX: usize = 65_536;
+
+/// Most refs a log entry names (the others are counted).
+const LOGGED_REFS: usize = 20;
+
 /// A push request, its head read.
 pub(super) struct Push<'a> {
     /// The head to send (rewritten, the token in).
@@ -62,17 +68,21 @@ where
     let (data, raw, rest, chunked) = read_ahead(r, body).await?;
     let verdict = match forge::commands(&data) {
         Ok(Some((cmds, caps))) => {
-            let refs: Vec<String> = cmds
+            let mut refs: Vec<String> = cmds
                 .iter()
+                .take(LOGGED_REFS)
                 .map(|c| {
                     format!(
                         "{} {}..{}",
-                        crate::text::clamp_text(&c.name),
+                        crate::git::refs::shown(&c.name),
                         &c.old[..12],
                         &c.new[..12]
                     )
                 })
                 .collect();
+            if cmds.len() > LOGGED_REFS {
+                refs.push(format!("… and {} more", cmds.len() - LOGGED_REFS));
+            }
             let refused: Vec<(String, String)> = cmds
                 .iter()
                 .filter_map(|c| forge::refusal(c, rule).map(|why| (c.name.clone(), why)))
@@ -87,7 +97,11 @@ where
     };
     let tell = |allowed: bool, what: String| {
         if let Some(p) = pushed {
-            p(rule, allowed, what);
+            p(
+                rule,
+                allowed,
+                crate::text::clamp_to(&what, 4096).into_owned(),
+            );
         }
     };
     match verdict {
@@ -108,10 +122,14 @@ where
             Ok((raw + n, None))
         }
         Ok((refs, refused, caps)) => {
-            let why: Vec<String> = refused
+            let mut why: Vec<String> = refused
                 .iter()
-                .map(|(name, why)| format!("{}: {why}", crate::text::clamp_text(name)))
+                .take(LOGGED_REFS)
+                .map(|(name, why)| format!("{}: {why}", crate::git::refs::shown(name)))
                 .collect();
+            if refused.len() > LOGGED_REFS {
+                why.push(format!("… and {} more", refused.len() - LOGGED_REFS));
+            }
             tell(
                 false,
                 format!("push of {refs}: refused ({})", why.join("; ")),
@@ -148,7 +166,10 @@ where
     R: AsyncRead + Unpin,
 {
     let mut data = Vec::new();
-    let done = |d: &[u8]| !matches!(forge::commands(d), Ok(None));
+    // Where the pkt-lines were read to: each byte is looked at once, however
+    // small the pieces it comes in.
+    let mut at = 0;
+    let mut done = |d: &[u8]| !matches!(forge::commands_end(d, &mut at), Ok(None));
     match body {
         Body::Length(mut left) => {
             let mut buf = vec![0u8; STEP];
@@ -169,7 +190,14 @@ where
         }
         Body::Chunked => {
             let mut raw = 0u64;
+            let mut chunks = 0usize;
             while !done(&data) {
+                chunks += 1;
+                if chunks > CHUNKS_MAX {
+                    return Err(std::io::Error::other(format!(
+                        "a push whose commands come in more than {CHUNKS_MAX} chunks"
+                    )));
+                }
                 let mut line = Vec::new();
                 let n = (&mut *r).take(1024).read_until(b'\n', &mut line).await?;
                 if n == 0 || !line.ends_with(b"\n") {
@@ -177,14 +205,19 @@ where
                 }
                 raw += n as u64;
                 let text = String::from_utf8_lossy(&line);
-                let size = usize::from_str_radix(text.trim().split(';').next().unwrap_or(""), 16)
-                    .map_err(|_| std::io::Error::other("a chunk size is not hex"))?;
+                let hex = text.trim().split(';').next().unwrap_or("").trim();
+                let size = (!hex.is_empty()
+                    && hex.len() <= 8
+                    && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+                .then(|| usize::from_str_radix(hex, 16).ok())
+                .flatten()
+                .ok_or_else(|| std::io::Error::other("a chunk size is not hex"))?;
                 if size == 0 {
                     return Err(std::io::Error::other(
                         "the push ended before its commands did",
                     ));
                 }
-                if data.len() + size > AHEAD_MAX {
+                if data.len().saturating_add(size) > AHEAD_MAX {
                     return Err(std::io::Error::other(format!(
                         "a push whose commands do not end within its first {} MiB",
                         AHEAD_MAX >> 20

@@ -270,12 +270,15 @@ fn ensure_remote(repo: &Repository, name: &str, url: &str, prefix: &str) -> Resu
         Ok(_) => repo.remote_set_url(name, url)?,
         Err(_) => {
             repo.remote_with_fetch(name, url, &refspec)?;
-            // `git fetch --all` (and an editor's fetch in the background)
-            // would bring the branches past the guards: only a fetch that
-            // names the remote goes there.
-            repo.config()?
-                .set_bool(&format!("remote.{name}.skipFetchAll"), true)?;
         }
+    }
+    // `git fetch --all` (and an editor's fetch in the background) would
+    // bring the branches past the guards: only a fetch that names the
+    // remote goes there.
+    let key = format!("remote.{name}.skipFetchAll");
+    let mut config = repo.config()?;
+    if config.get_bool(&key).ok() != Some(true) {
+        config.set_bool(&key, true)?;
     }
     Ok(())
 }
