@@ -164,6 +164,28 @@ pub fn parse_url(url: &str) -> Result<(String, String, u16, String), String> {
     Ok((format!("https://{host}{port_part}{path}"), host, port, path))
 }
 
+/// A repository's URL parsed (as [`parse_url`]) and its other settings
+/// checked: every problem.
+///
+/// # Errors
+/// Every problem found.
+pub fn check(
+    url: &str,
+    branches: &[String],
+    user: &str,
+    token: &[u8],
+) -> Result<(String, String, u16, String), Vec<String>> {
+    let mut found = problems(branches, user, token);
+    match parse_url(url) {
+        Ok(parsed) if found.is_empty() => Ok(parsed),
+        Ok(_) => Err(found),
+        Err(e) => {
+            found.push(e);
+            Err(found)
+        }
+    }
+}
+
 /// The problems of a repository's other settings (branch patterns, user,
 /// token).
 #[must_use]

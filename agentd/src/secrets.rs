@@ -101,6 +101,14 @@ fn file_err(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> S
     move |source| SecretError::File { what, path, source }
 }
 
+/// `value` without one trailing line end (`\n` or `\r\n`), as a value
+/// read from a file or a terminal ends.
+#[must_use]
+pub fn one_line(value: &[u8]) -> &[u8] {
+    let value = value.strip_suffix(b"\n").unwrap_or(value);
+    value.strip_suffix(b"\r").unwrap_or(value)
+}
+
 /// Whether `host` is a DNS name with a dot (`api.anthropic.com`): labels
 /// of letters, digits and `-`, none empty, none starting or ending with `-`.
 #[must_use]

@@ -46,21 +46,14 @@ impl Manager {
         token: &[u8],
     ) -> Result<ForgeInfo> {
         let sb = self.get(caller, name)?;
-        let token = token.strip_suffix(b"\n").unwrap_or(token);
-        let token = token.strip_suffix(b"\r").unwrap_or(token);
+        let token = crate::secrets::one_line(token);
         let user = if user.is_empty() {
             crate::forges::DEFAULT_USER
         } else {
             user
         };
-        let mut problems = crate::forges::problems(branches, user, token);
-        let parsed = crate::forges::parse_url(url).map_err(|e| problems.push(e));
-        if !problems.is_empty() {
-            return Err(secret_error(name, SecretError::Invalid(problems)));
-        }
-        let Ok((url, host, port, path)) = parsed else {
-            unreachable!("refused above");
-        };
+        let (url, host, port, path) = crate::forges::check(url, branches, user, token)
+            .map_err(|p| secret_error(name, SecretError::Invalid(p)))?;
         let dir = self.store.registry().dir();
         let _changing = changing();
         let mut list = crate::forges::load(dir, name).map_err(|e| secret_error(name, e))?;
@@ -213,20 +206,17 @@ impl Manager {
         list.retain(|f| !f.declared || declared.is_some_and(|d| d.iter().any(|x| x.url == f.url)));
         for d in declared.into_iter().flatten() {
             let raw = crate::secrets::read_value_file(&d.url, &d.token_file).map_err(err)?;
-            let token = raw.strip_suffix(b"\n").unwrap_or(&raw);
-            let token = token.strip_suffix(b"\r").unwrap_or(token);
+            let token = crate::secrets::one_line(&raw);
             let user = d.user.as_deref().unwrap_or(crate::forges::DEFAULT_USER);
-            let mut problems = crate::forges::problems(&d.branches, user, token);
-            let parsed = crate::forges::parse_url(&d.url).map_err(|e| problems.push(e));
-            let Ok((url, host, port, path)) = parsed.ok().filter(|_| problems.is_empty()).ok_or(())
-            else {
-                return Err(Error::Invalid(
-                    problems
-                        .into_iter()
-                        .map(|m| format!("sandbox '{name}': forge {}: {m}", d.url))
-                        .collect(),
-                ));
-            };
+            let (url, host, port, path) = crate::forges::check(&d.url, &d.branches, user, token)
+                .map_err(|problems| {
+                    Error::Invalid(
+                        problems
+                            .into_iter()
+                            .map(|m| format!("sandbox '{name}': forge {}: {m}", d.url))
+                            .collect(),
+                    )
+                })?;
             let placeholder = list
                 .iter()
                 .find(|f| f.url == url)

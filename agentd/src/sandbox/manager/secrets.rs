@@ -136,8 +136,7 @@ impl Manager {
     ) -> Result<()> {
         let sb = self.get(caller, name)?;
         self.refuse_declared(name, var)?;
-        let value = value.strip_suffix(b"\n").unwrap_or(value);
-        let value = value.strip_suffix(b"\r").unwrap_or(value);
+        let value = crate::secrets::one_line(value);
         let host = host.to_ascii_lowercase();
         let header = header.to_ascii_lowercase();
         let problems = crate::secrets::problems(var, &host, &header, value);
@@ -332,8 +331,7 @@ impl Manager {
         };
         for (var, d) in declared {
             let raw = crate::secrets::read_value_file(var, &d.file).map_err(err)?;
-            let value = raw.strip_suffix(b"\n").unwrap_or(&raw);
-            let value = value.strip_suffix(b"\r").unwrap_or(value);
+            let value = crate::secrets::one_line(&raw);
             let host = d.host.to_ascii_lowercase();
             let header = d.header();
             let problems = crate::secrets::problems(var, &host, &header, value);
