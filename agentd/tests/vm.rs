@@ -37,6 +37,14 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
     let caddy = Caddy::start(dir.path());
     let proxy: serde_json::Value = serde_json::from_str(&caddy.agentd_config(false)).unwrap();
     let env = env_with(&image(), proxy);
+    // Protected paths (the default list), and a symlink where one would be.
+    let repo = env.repo("vmtest");
+    std::fs::create_dir_all(repo.join(".github/workflows")).unwrap();
+    std::fs::write(repo.join(".github/workflows/ci.yml"), "on: push\n").unwrap();
+    std::fs::write(repo.join(".gitlab-ci.yml"), "job: {}\n").unwrap();
+    std::os::unix::fs::symlink("/etc", repo.join(".husky")).unwrap();
+    common::git(&repo, &["add", "-A"]);
+    common::commit(&repo, "ci");
     create_vm_with(&env, "vmtest", "none", &["--agent-home", "shared"]);
     env.ok(&["start", "vmtest"]);
     let st = env.status("vmtest");
@@ -74,6 +82,27 @@ fn a_vm_sandbox_boots_runs_git_syncs_serves_and_stops_without_leftovers() {
         out.contains("nothing to commit, working tree clean"),
         "{out}"
     );
+
+    // The protected paths are read-only inside (the guest's own mounts:
+    // advisory, the sync holds their changes), the rest is the agent's,
+    // and the symlink was not followed.
+    for attack in [
+        "echo 'run: evil' >> .github/workflows/ci.yml",
+        "echo evil > .github/workflows/new.yml",
+        "rm -rf .github/workflows",
+        "echo evil > .gitlab-ci.yml",
+        "rm -f .gitlab-ci.yml",
+        "umount .gitlab-ci.yml",
+    ] {
+        let (code, out) = env.inside("vmtest", &format!("cd /workspace && {attack}"));
+        assert_ne!(code, 0, "`{attack}` worked inside the guest: {out}");
+    }
+    let out = env.sh(
+        "vmtest",
+        "cd /workspace && cat .gitlab-ci.yml && echo ok > ok.txt && rm ok.txt && test -L .husky && \
+         grep -c -e ' /workspace/.husky ' -e ' /etc ' /proc/self/mountinfo || true",
+    );
+    assert_eq!(out, "job: {}\n0\n", "nothing mounted through the symlink");
 
     // The agent toolbox, shared read-only from the host's cache (.ci/run
     // fills it with `agentd --install-agents`): the pinned CLIs run in the

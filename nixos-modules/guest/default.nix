@@ -39,6 +39,10 @@ let
 
   # Where the read-only share with the SSH keys is mounted in the guest.
   sshDir = "/var/lib/keystone-agent/ssh";
+  # agentd's own script (also run by agentd in `vm` guests).
+  protectScript = pkgs.writeShellScriptBin "keystone-protect" (
+    builtins.readFile ../../agentd/share/keystone-protect
+  );
 
   # The agent CLIs this module can install, by nixpkgs attribute name.
   agentCLIs = {
@@ -407,6 +411,42 @@ in
         PermitRootLogin = "no";
         AllowUsers = [ "agent" ];
       };
+    };
+
+    # The sandbox's protected paths that name one path, read-only before
+    # anyone logs in: agentd writes them to ${sshDir}/protect at each start
+    # (one per line). The guest is the agent's (and `sudo` may be on): a
+    # warning sign for the agent, not the guard; the sync to the host holds
+    # changes of them (docs/git.md, "Protected paths").
+    systemd.services.keystone-protect = {
+      description = "Make the sandbox's protected paths read-only";
+      wantedBy = [ "multi-user.target" ];
+      # Early (no default dependencies): before either sshd, the one on the
+      # network and the socket systemd's ssh-generator puts on vsock.
+      before = [
+        "sshd.service"
+        "sshd-vsock.socket"
+      ];
+      conflicts = [ "shutdown.target" ];
+      unitConfig = {
+        DefaultDependencies = false;
+        RequiresMountsFor = [
+          "/workspace"
+          sshDir
+        ];
+      };
+      path = [ pkgs.util-linux ];
+      serviceConfig = {
+        Type = "oneshot";
+        RemainAfterExit = true;
+      };
+      script = ''
+        paths=()
+        if [ -r ${sshDir}/protect ]; then
+          while IFS= read -r p; do [ -z "$p" ] || paths+=("$p"); done < ${sshDir}/protect
+        fi
+        exec ${protectScript}/bin/keystone-protect /workspace "''${paths[@]}"
+      '';
     };
 
     # --- Tools -------------------------------------------------------------------

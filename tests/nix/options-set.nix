@@ -296,6 +296,7 @@ let
     "socat"
     "git"
     "nftables"
+    "util-linux"
     "claude-code"
     "codex"
     "gemini-cli"

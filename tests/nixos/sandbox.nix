@@ -214,6 +214,11 @@ pkgs.testers.runNixOSTest {
         out = host.succeed(alice("agentctl --bus system exec demo -- cat /etc/keystone-agent-sandbox"))
         assert out.strip() == "demo", out
 
+    with subtest("the guest makes its protected paths read-only (advisory)"):
+        out = host.succeed(alice("agentctl --bus system exec demo -- grep -c ' /workspace/.git/hooks ' /proc/self/mountinfo"))
+        assert out.strip() != "0", out
+        host.fail(alice("agentctl --bus system exec demo -- touch /workspace/.git/hooks/pre-commit"))
+
     with subtest("a commit made in the sandbox comes back with agentctl sync"):
         host.succeed(alice(
             "agentctl --bus system exec demo -- sh -c"

@@ -66,6 +66,40 @@ fn volume_dirs(
     out
 }
 
+/// `sub` under the volume's `dir`, as the kubelet takes a `subPath`: a
+/// path that leaves the volume, or a file on its way, is refused (the
+/// container does not start, `CreateContainerError`). Stricter than the
+/// kubelet, which follows a symlink that stays in the volume: this double
+/// refuses every symlink on the way.
+fn sub_path(dir: &Path, sub: &str) -> std::io::Result<PathBuf> {
+    let mut at = dir.to_path_buf();
+    let parts: Vec<&str> = sub.split('/').filter(|p| !p.is_empty()).collect();
+    for (i, part) in parts.iter().enumerate() {
+        if *part == ".." || *part == "." {
+            return Err(std::io::Error::other(format!(
+                "subPath {sub} leaves the volume"
+            )));
+        }
+        at.push(part);
+        match std::fs::symlink_metadata(&at) {
+            Ok(m) if m.file_type().is_symlink() => {
+                return Err(std::io::Error::other(format!(
+                    "subPath {sub}: {} is a symlink",
+                    at.display()
+                )));
+            }
+            Ok(m) if !m.is_dir() && i + 1 < parts.len() => {
+                return Err(std::io::Error::other(format!(
+                    "subPath {sub}: {} is not a directory",
+                    at.display()
+                )));
+            }
+            _ => {}
+        }
+    }
+    Ok(at)
+}
+
 /// Shell-quote `s`.
 fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', r"'\''"))
@@ -120,15 +154,21 @@ impl Container {
                 continue;
             };
             let src = match m["subPath"].as_str() {
-                Some(sub) if !sub.is_empty() => dir.join(sub),
+                Some(sub) if !sub.is_empty() => sub_path(dir, sub)?,
                 _ => dir.clone(),
             };
-            std::fs::create_dir_all(&src)?;
+            if !src.exists() {
+                std::fs::create_dir_all(&src)?;
+            }
             let at = quote(at.trim_start_matches('/'));
+            let make = if src.is_dir() { "mkdir -p" } else { "touch" };
             script.push_str(&format!(
-                "mkdir -p {at}\nmount --bind {} {at}\n",
+                "{make} {at}\nmount --bind {} {at}\n",
                 quote(&src.to_string_lossy())
             ));
+            if m["readOnly"].as_bool() == Some(true) {
+                script.push_str(&format!("mount -o remount,bind,ro {at}\n"));
+            }
         }
         // /proc of the new PID namespace, then the pause.
         script.push_str(

@@ -18,7 +18,8 @@
 //!   namespace's `events`.
 //! - A running Pod has a container ([`container`]): namespaces of its own
 //!   with a root made of this host's `/usr` and `/etc` and the Pod's
-//!   volumes (`emptyDir`, `persistentVolumeClaim`, with `subPath`) where
+//!   volumes (`emptyDir`, `persistentVolumeClaim`, with `subPath` and
+//!   `readOnly`; a `subPath` through a symlink or a file is refused) where
 //!   its `volumeMounts` say; its network is its own (as if a NetworkPolicy
 //!   denied everything) unless started [`FakeKube::without_network_policies`].
 //!   An image whose name contains `does-not-exist` is never pulled: the Pod

@@ -73,10 +73,63 @@ fn typed<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
 /// runs by name there (`env`, `tar`, `git`, `sh`) must stay the image's.
 const PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/run/keystone/bin";
 
-/// The sandbox's Pod; with `agents`, the claim's `agents/` holds the
-/// agent toolbox at [`crate::toolbox::INSIDE`].
+/// The annotation on a claim whose workspace was seeded. The Pods of
+/// later starts mount the sandbox's protected directories read-only: a
+/// Pod's mounts are fixed when it is made, and at the first start the
+/// kubelet would make them (empty, root's) before the seed could write
+/// them.
+pub const SEEDED: &str = "keystone-agent/seeded";
+
+/// The protected paths a Pod mounts read-only: the patterns that name
+/// one directory (no wildcard, a trailing `/`). A file pattern is not:
+/// the kubelet makes a missing path a directory, which would stand where
+/// the file belongs.
 #[must_use]
-pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str, agents: bool) -> Pod {
+pub fn protected_dirs(patterns: &[String]) -> Vec<std::path::PathBuf> {
+    let dirs: Vec<String> = patterns
+        .iter()
+        .filter(|p| p.ends_with('/'))
+        .cloned()
+        .collect();
+    crate::git::guard::literal_paths(&dirs)
+}
+
+/// What a sandbox's Pod is made of.
+#[derive(Debug)]
+pub struct PodPlan<'a> {
+    /// The sandbox.
+    pub spec: &'a SandboxSpec,
+    /// The backend's settings.
+    pub config: &'a KubeConfig,
+    /// This agentd's instance label.
+    pub instance: &'a str,
+    /// The image.
+    pub image: &'a str,
+    /// Whether the claim's `agents/` holds the agent toolbox at
+    /// [`crate::toolbox::INSIDE`].
+    pub agents: bool,
+    /// Paths under the workspace mounted read-only ([`protected_dirs`]),
+    /// made by the agent's uid first when missing.
+    pub protect: &'a [std::path::PathBuf],
+}
+
+impl PodPlan<'_> {
+    /// The sandbox's Pod.
+    #[must_use]
+    pub fn make(&self) -> Pod {
+        pod(self)
+    }
+}
+
+fn pod(plan: &PodPlan<'_>) -> Pod {
+    let PodPlan {
+        spec,
+        config: c,
+        instance,
+        image,
+        agents,
+        protect,
+    } = *plan;
     let name = object_name(&spec.name);
     let cpu = spec.config.vcpus.max(1).to_string();
     let memory = format!("{}Mi", spec.config.memory.max(64));
@@ -104,6 +157,25 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str, agen
         mounts.push(
             json!({"name": "data", "mountPath": crate::toolbox::INSIDE, "subPath": "agents"}),
         );
+    }
+    let mut mkdir: Vec<String> = [
+        "mkdir",
+        "-p",
+        "/data/workspace",
+        "/data/home",
+        "/data/agents",
+    ]
+    .map(String::from)
+    .into();
+    for p in protect {
+        let p = p.display();
+        mkdir.push(format!("/data/workspace/{p}"));
+        mounts.push(json!({
+            "name": "data",
+            "mountPath": format!("{WORKSPACE}/{p}"),
+            "subPath": format!("workspace/{p}"),
+            "readOnly": true,
+        }));
     }
     let mut env = vec![
         json!({"name": "HOME", "value": HOME}),
@@ -146,7 +218,7 @@ pub fn pod(spec: &SandboxSpec, c: &KubeConfig, instance: &str, image: &str, agen
                 "name": "dirs",
                 "image": image,
                 "imagePullPolicy": "IfNotPresent",
-                "command": ["mkdir", "-p", "/data/workspace", "/data/home", "/data/agents"],
+                "command": mkdir,
                 "resources": resources,
                 "securityContext": unprivileged,
                 "volumeMounts": [{"name": "data", "mountPath": "/data"}],
@@ -233,13 +305,62 @@ mod tests {
         s
     }
 
+    fn plan<'a>(spec: &'a SandboxSpec, c: &'a KubeConfig, agents: bool) -> PodPlan<'a> {
+        PodPlan {
+            spec,
+            config: c,
+            instance: "abc",
+            image: "img:1",
+            agents,
+            protect: &[],
+        }
+    }
+
+    #[test]
+    fn protected_directories_are_read_only_mounts_made_by_the_agent_first() {
+        let patterns: Vec<String> = [".git/hooks/", ".gitlab-ci.yml", "ci/*/", ".husky/"]
+            .map(String::from)
+            .into();
+        let dirs = protected_dirs(&patterns);
+        assert_eq!(
+            dirs,
+            [".git/hooks", ".husky"].map(std::path::PathBuf::from),
+            "directories named whole only"
+        );
+        let (s, c) = (spec(false), KubeConfig::default());
+        let mut p = plan(&s, &c, false);
+        p.protect = &dirs;
+        let v = serde_json::to_value(p.make()).unwrap();
+        let mounts = v["spec"]["containers"][0]["volumeMounts"]
+            .as_array()
+            .unwrap();
+        let hooks = mounts
+            .iter()
+            .find(|m| m["mountPath"] == "/workspace/.git/hooks")
+            .unwrap();
+        assert_eq!(hooks["subPath"], "workspace/.git/hooks");
+        assert_eq!(hooks["readOnly"], true);
+        let at = |path: &str| mounts.iter().position(|m| m["mountPath"] == path).unwrap();
+        assert!(
+            at("/workspace") < at("/workspace/.husky"),
+            "the workspace first"
+        );
+        let init = &v["spec"]["initContainers"][0]["command"];
+        assert_eq!(init[0], "mkdir");
+        assert!(
+            init.as_array()
+                .unwrap()
+                .contains(&"/data/workspace/.husky".into())
+        );
+    }
+
     /// The shapes a real API server would take without complaint but that
     /// decide what the sandbox can do: checked here, as the fake server
     /// does not judge them.
     #[test]
     fn the_pod_runs_unprivileged_with_its_workspace_on_the_claim() {
         let c = KubeConfig::default();
-        let p = serde_json::to_value(pod(&spec(false), &c, "abc", "img:1", false)).unwrap();
+        let p = serde_json::to_value(plan(&spec(false), &c, false).make()).unwrap();
         assert_eq!(p["metadata"]["name"], "ks-demo");
         assert_eq!(p["metadata"]["labels"][SANDBOX_LABEL], "demo");
         assert_eq!(p["metadata"]["labels"][AGENTD_LABEL], "abc");
@@ -277,7 +398,7 @@ mod tests {
                 .iter()
                 .all(|m| m["mountPath"] != crate::toolbox::INSIDE)
         );
-        let p = serde_json::to_value(pod(&spec(true), &c, "abc", "img:1", true)).unwrap();
+        let p = serde_json::to_value(plan(&spec(true), &c, true).make()).unwrap();
         let mounts = p["spec"]["containers"][0]["volumeMounts"]
             .as_array()
             .unwrap();
@@ -302,7 +423,7 @@ mod tests {
         // Every command finds the gateway's relay, unless there is no
         // network at all.
         let proxy = |s: &SandboxSpec| {
-            let p = serde_json::to_value(pod(s, &c, "abc", "img:1", false)).unwrap();
+            let p = serde_json::to_value(plan(s, &c, false).make()).unwrap();
             p["spec"]["containers"][0]["env"]
                 .as_array()
                 .unwrap()

@@ -377,6 +377,27 @@ pub fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))
 }
 
+/// Write the paths a `microvm` guest makes read-only when it boots:
+/// `ssh/protect` under the sandbox's `dir` (shared read-only with the
+/// guest; its `keystone-protect` unit reads it), the literal paths of
+/// `patterns`, one per line (a pattern has no control character).
+///
+/// # Errors
+/// When the file cannot be written.
+pub fn write_protect_list(dir: &Path, patterns: &[String]) -> Result<(), BackendError> {
+    let mut text = String::new();
+    for p in crate::git::guard::literal_paths(patterns) {
+        text.push_str(&p.to_string_lossy());
+        text.push('\n');
+    }
+    let at = dir.join("ssh").join("protect");
+    Ok(crate::fsutil::atomic_write_mode(
+        &at,
+        text.as_bytes(),
+        0o644,
+    )?)
+}
+
 /// Make the keys of a sandbox under `dir` unless they exist: `ssh/`
 /// (`ssh_host_ed25519_key`, `.pub`, `authorized_keys`; for the guest) and
 /// `client/` (`id_ed25519`, `known_hosts` pinning the host key as `alias`).

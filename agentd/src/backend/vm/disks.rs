@@ -141,6 +141,44 @@ impl VmBackend {
     }
 }
 
+impl VmBackend {
+    /// Make `spec`'s protected paths read-only inside its guest, which has
+    /// just booted (no process of the agent's runs yet): [`PROTECT`] as
+    /// the guest's root. Advisory (the guest is the agent's): a failure is
+    /// logged, never the start's.
+    pub(super) async fn protect_inside(&self, spec: &SandboxSpec) {
+        let paths = crate::git::guard::literal_paths(&spec.config.protect);
+        if paths.is_empty() {
+            return;
+        }
+        let mut argv = vec!["sh", "-c", PROTECT, "keystone-protect", "/workspace"];
+        let texts: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+        argv.extend(texts.iter().map(String::as_str));
+        let root = self.target(spec, "root");
+        match root.capture(&argv, PROTECT_LIMIT).await {
+            Ok(r) if r.exit_code == 0 => {}
+            Ok(r) => tracing::warn!(
+                sandbox = %spec.name,
+                exit = r.exit_code,
+                stderr = %String::from_utf8_lossy(&r.stderr).trim(),
+                "cannot make every protected path read-only inside the guest"
+            ),
+            Err(e) => tracing::warn!(
+                sandbox = %spec.name,
+                error = %e,
+                "cannot make the protected paths read-only inside the guest"
+            ),
+        }
+    }
+}
+
+/// The guest's side of [`VmBackend::protect_inside`] (also the
+/// `keystone-protect` unit of `microvm` guests).
+pub const PROTECT: &str = include_str!("../../../share/keystone-protect");
+
+/// How long a guest may take to make its protected paths read-only.
+const PROTECT_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// What of agentd's tools directory a guest gets copied in: all but the
 /// CA files (only the sandbox's own go), the toolbox (a disk of its own)
 /// and Zellij (the image has its own, and it is the largest by far: a

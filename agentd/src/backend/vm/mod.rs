@@ -666,11 +666,13 @@ impl VmBackend {
                     self.wait_answer(spec, &rt, &p).await?;
                     self.refresh(spec).await;
                 }
+                // A fresh guest: nothing of the agent's runs yet.
                 _ => {
                     self.wait_answer(spec, &rt, &p).await?;
                     if disk {
                         self.bring_tools(spec, true).await?;
                     }
+                    self.protect_inside(spec).await;
                 }
             }
             Ok::<_, BackendError>(())
