@@ -91,8 +91,36 @@ pub fn protected_dirs(patterns: &[String]) -> Vec<std::path::PathBuf> {
         .filter(|p| p.ends_with('/'))
         .cloned()
         .collect();
+    let mut seen = std::collections::HashSet::new();
     crate::git::guard::literal_paths(&dirs)
+        .into_iter()
+        .filter(|p| seen.insert(p.clone()))
+        .collect()
 }
+
+/// The init container's command when the Pod mounts protected
+/// directories (`sh -c PROTECTED_DIRS dirs DATA PATH...`): the claim's
+/// directories, and each protected directory under `DATA/workspace`,
+/// made where missing, one component at a time. A component that is a
+/// symlink or not a directory fails it (exit 3), and with it the Pod,
+/// which agentd then makes again without the read-only mounts: followed,
+/// the link would put the mount elsewhere in the claim, or (resolved by
+/// the runtime in the container) over another of the Pod's mounts.
+pub const PROTECTED_DIRS: &str = r#"set -eu
+data=$1
+shift
+mkdir -p "$data/workspace" "$data/home" "$data/agents"
+for p in "$@"; do
+  at=$data/workspace rest=$p
+  while [ -n "$rest" ]; do
+    part=${rest%%/*}
+    if [ "$part" = "$rest" ]; then rest=; else rest=${rest#*/}; fi
+    at=$at/$part
+    if [ -L "$at" ]; then echo "keystone: protected $p: $at is a symlink" >&2; exit 3; fi
+    if [ -e "$at" ] && [ ! -d "$at" ]; then echo "keystone: protected $p: $at is not a directory" >&2; exit 3; fi
+    [ -d "$at" ] || mkdir "$at"
+  done
+done"#;
 
 /// What a sandbox's Pod is made of.
 #[derive(Debug)]
@@ -158,7 +186,7 @@ fn pod(plan: &PodPlan<'_>) -> Pod {
             json!({"name": "data", "mountPath": crate::toolbox::INSIDE, "subPath": "agents"}),
         );
     }
-    let mut mkdir: Vec<String> = [
+    let mut dirs: Vec<String> = [
         "mkdir",
         "-p",
         "/data/workspace",
@@ -167,9 +195,14 @@ fn pod(plan: &PodPlan<'_>) -> Pod {
     ]
     .map(String::from)
     .into();
+    if !protect.is_empty() {
+        dirs = ["sh", "-c", PROTECTED_DIRS, "dirs", "/data"]
+            .map(String::from)
+            .into();
+    }
     for p in protect {
         let p = p.display();
-        mkdir.push(format!("/data/workspace/{p}"));
+        dirs.push(p.to_string());
         mounts.push(json!({
             "name": "data",
             "mountPath": format!("{WORKSPACE}/{p}"),
@@ -218,7 +251,7 @@ fn pod(plan: &PodPlan<'_>) -> Pod {
                 "name": "dirs",
                 "image": image,
                 "imagePullPolicy": "IfNotPresent",
-                "command": mkdir,
+                "command": dirs,
                 "resources": resources,
                 "securityContext": unprivileged,
                 "volumeMounts": [{"name": "data", "mountPath": "/data"}],
@@ -346,12 +379,54 @@ mod tests {
             "the workspace first"
         );
         let init = &v["spec"]["initContainers"][0]["command"];
-        assert_eq!(init[0], "mkdir");
-        assert!(
-            init.as_array()
-                .unwrap()
-                .contains(&"/data/workspace/.husky".into())
+        assert_eq!(init[2], PROTECTED_DIRS);
+        assert_eq!(
+            init.as_array().unwrap()[3..],
+            ["dirs", "/data", ".git/hooks", ".husky"]
         );
+    }
+
+    /// The init container's script, run by the real `sh` on a claim.
+    #[test]
+    fn the_init_container_makes_protected_directories_and_refuses_links_and_files() {
+        use std::os::unix::fs::symlink;
+        let run = |data: &std::path::Path, paths: &[&str]| {
+            std::process::Command::new("sh")
+                .args(["-c", PROTECTED_DIRS, "dirs"])
+                .arg(data)
+                .args(paths)
+                .output()
+                .unwrap()
+        };
+        let t = tempfile::tempdir().unwrap();
+        let ws = t.path().join("workspace");
+        let out = run(t.path(), &[".git/hooks", ".github/workflows"]);
+        assert!(out.status.success(), "{out:?}");
+        assert!(ws.join(".git/hooks").is_dir() && ws.join(".github/workflows").is_dir());
+        assert!(t.path().join("home").is_dir() && t.path().join("agents").is_dir());
+        // Made before: as it is.
+        assert!(run(t.path(), &[".git/hooks"]).status.success());
+        let outside = t.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        symlink(&outside, ws.join(".husky")).unwrap();
+        symlink("../home", ws.join("ci")).unwrap();
+        std::fs::write(ws.join("file"), "").unwrap();
+        for bad in [".husky", ".husky/x", "ci/x", "file/x", "file"] {
+            let out = run(t.path(), &[bad]);
+            assert_eq!(out.status.code(), Some(3), "{bad}: {out:?}");
+        }
+        assert_eq!(
+            std::fs::read_dir(&outside).unwrap().count(),
+            0,
+            "nothing made through a link"
+        );
+        assert!(!t.path().join("home/x").exists());
+    }
+
+    #[test]
+    fn a_protected_directory_listed_twice_is_mounted_once() {
+        let twice: Vec<String> = [".husky/", ".husky/"].map(String::from).into();
+        assert_eq!(protected_dirs(&twice).len(), 1);
     }
 
     /// The shapes a real API server would take without complaint but that

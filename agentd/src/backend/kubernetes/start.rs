@@ -216,10 +216,11 @@ impl KubeBackend {
         let (uid, agents) = match self.pod_up(c, spec, &name, &protect, seeded).await {
             Err(KubeError::PodFailed {
                 reason, message, ..
-            }) if !protect.is_empty() => {
-                // The kubelet refuses a protected path that a file or a
-                // symlink out of the claim stands on: the agent's own
-                // doing, which must not keep its sandbox from starting.
+            }) if !protect.is_empty() && !image_trouble(&reason) => {
+                // A file or a symlink on a protected path's way (the init
+                // container refuses it, as the kubelet does one out of the
+                // claim): the agent's own doing, which must not keep its
+                // sandbox from starting.
                 tracing::warn!(
                     sandbox = %spec.name,
                     reason,
@@ -293,8 +294,14 @@ impl KubeBackend {
                 let _ = self
                     .delete::<Pod>(c, "cannot delete the Pod", name, Some(KILL_GRACE))
                     .await;
-                if matches!(e, KubeError::PodFailed { .. }) {
-                    self.gone(c, name, Duration::from_secs(60)).await;
+                // Made again at once (without the protected mounts): the
+                // old one must be gone, or the apply would change it.
+                if matches!(e, KubeError::PodFailed { .. })
+                    && !self.gone(c, name, Duration::from_secs(60)).await
+                {
+                    return Err(KubeError::Exec(format!(
+                        "Pod {name} failed ({e}) and was still there 60 s after its deletion"
+                    )));
                 }
                 Err(e)
             }
@@ -315,4 +322,13 @@ impl KubeBackend {
             .map_err(self.api_error("cannot annotate the claim", name))?;
         Ok(())
     }
+}
+
+/// Whether a Pod's failure `reason` is its image's: nothing a Pod without
+/// the protected mounts would do better.
+fn image_trouble(reason: &str) -> bool {
+    matches!(
+        reason,
+        "ErrImagePull" | "ImagePullBackOff" | "InvalidImageName"
+    )
 }

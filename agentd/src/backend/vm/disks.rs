@@ -143,9 +143,9 @@ impl VmBackend {
 
 impl VmBackend {
     /// Make `spec`'s protected paths read-only inside its guest, which has
-    /// just booted (no process of the agent's runs yet): [`PROTECT`] as
-    /// the guest's root. Advisory (the guest is the agent's): a failure is
-    /// logged, never the start's.
+    /// just booted or been restored: [`PROTECT`] as the guest's root (a
+    /// restored guest keeps the mounts it had). Advisory (the guest is the
+    /// agent's): a failure is logged, never the start's.
     pub(super) async fn protect_inside(&self, spec: &SandboxSpec) {
         let paths = crate::git::guard::literal_paths(&spec.config.protect);
         if paths.is_empty() {

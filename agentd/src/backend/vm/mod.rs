@@ -660,13 +660,14 @@ impl VmBackend {
                     self.reidentify(spec, &p).await?;
                     self.wait_answer(spec, &rt, &p).await?;
                     self.bring_tools(spec, false).await?;
+                    self.protect_inside(spec).await;
                 }
                 // Its clock and random state are those it was saved with.
                 memory::Origin::Memory { .. } => {
                     self.wait_answer(spec, &rt, &p).await?;
                     self.refresh(spec).await;
+                    self.protect_inside(spec).await;
                 }
-                // A fresh guest: nothing of the agent's runs yet.
                 _ => {
                     self.wait_answer(spec, &rt, &p).await?;
                     if disk {
