@@ -69,7 +69,7 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> DiskErr
 /// Whether `path` is a mount point (of anything).
 #[must_use]
 pub fn is_mount_point(path: &Path) -> bool {
-    mount_points().contains(path)
+    crate::loopdev::is_mount_point(path).unwrap_or_else(|| mount_points().contains(path))
 }
 
 /// Every mount point of agentd's mount namespace, read once (for a
@@ -139,6 +139,15 @@ impl Disk {
             self.make_image(size_mib)?;
         }
         fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
+        match self.mount_loop() {
+            Ok(()) => {
+                tracing::info!(image = %self.image.display(), dir = %self.dir.display(), "disk image mounted");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::debug!(image = %self.image.display(), error = %e, "no loop device of agentd's own; trying mount -o loop");
+            }
+        }
         let out = crate::child::end_with_us(&mut Command::new("mount"))
             .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime"])
             .arg(&self.image)
@@ -158,6 +167,24 @@ impl Disk {
         // The image's root belongs to root; the sandbox's own directories
         // below get their owners and modes as before.
         tracing::info!(image = %self.image.display(), dir = %self.dir.display(), "disk image mounted");
+        Ok(())
+    }
+
+    /// Mount the image on the sandbox's directory through a loop device
+    /// of agentd's own ([`crate::loopdev`]), as `mount -o
+    /// loop,nosuid,nodev,noatime` would.
+    fn mount_loop(&self) -> std::io::Result<()> {
+        use nix::mount::{MsFlags, mount};
+        let dev = crate::loopdev::attach(&self.image)?;
+        mount(
+            Some(&dev.path),
+            &self.dir,
+            Some("ext4"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOATIME,
+            None::<&str>,
+        )?;
+        // The mount holds the device now; its last unmount frees it.
+        drop(dev);
         Ok(())
     }
 

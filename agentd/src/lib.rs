@@ -26,6 +26,7 @@ pub mod guest;
 pub mod held;
 pub mod helper;
 pub mod layers;
+pub mod loopdev;
 pub mod memory;
 pub mod naming;
 pub mod overlay;
