@@ -121,12 +121,33 @@ pub fn is_real_dir(path: &Path) -> bool {
     fs::symlink_metadata(path).is_ok_and(|m| m.is_dir())
 }
 
+/// The whole of a `/proc` table such as `/proc/net/tcp`, read in large
+/// pieces: each `read` of it walks the kernel's socket tables again (about
+/// 2 ms here), and `fs::read_to_string` begins with 32-byte reads, as a
+/// `/proc` file says it is empty.
+///
+/// # Errors
+/// When the file cannot be opened or read, or is not UTF-8.
+pub fn read_table(path: impl AsRef<Path>) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let mut f = fs::File::open(path)?;
+    let (mut all, mut chunk) = (Vec::new(), vec![0u8; 64 * 1024]);
+    loop {
+        let n = f.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        all.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8(all).map_err(std::io::Error::other)
+}
+
 /// TCP sockets in state LISTEN in the network namespace of `pid`, by inode.
 #[must_use]
 pub fn tcp_listeners(pid: i32) -> HashMap<u64, (std::net::IpAddr, u16)> {
     let mut out = HashMap::new();
     for file in ["tcp", "tcp6"] {
-        let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")) else {
+        let Ok(text) = read_table(format!("/proc/{pid}/net/{file}")) else {
             continue;
         };
         out.extend(text.lines().skip(1).filter_map(parse_tcp_line));

@@ -33,7 +33,7 @@ fn find_uid(table: &str, pick: impl Fn(&str, &str, &str) -> bool) -> Option<u32>
 }
 
 fn table() -> String {
-    std::fs::read_to_string("/proc/net/tcp").unwrap_or_default()
+    crate::procfs::read_table("/proc/net/tcp").unwrap_or_default()
 }
 
 /// The uid owning the socket that listens on `addr` (or on every address
