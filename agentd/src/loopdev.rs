@@ -190,10 +190,13 @@ mod tests {
         }
         let t = tempfile::tempdir().unwrap();
         let image = t.path().join("d.img");
+        std::fs::File::create(&image)
+            .unwrap()
+            .set_len(8 << 20)
+            .unwrap();
         let made = std::process::Command::new("mke2fs")
             .args(["-q", "-F", "-t", "ext4"])
             .arg(&image)
-            .arg("8M")
             .status()
             .unwrap();
         assert!(made.success());

@@ -264,7 +264,40 @@ fn a_stopped_sandbox_says_so_and_another_user_reads_nothing() {
     } else {
         eprintln!("skipped the other-user part: needs root to run as another uid");
     }
+    // What it holds on the host: its processes while it runs, and only
+    // its directory, registry entry and disk image once stopped.
+    let image = if common::is_root() {
+        "its disk image, mounted through a loop device"
+    } else {
+        "no disk image"
+    };
+    let holds = env.status("own")["holds"].as_str().unwrap().to_owned();
+    for part in [image, "its supervisor (pid ", "its init (pid "] {
+        assert!(holds.contains(part), "{part} missing: {holds}");
+    }
+    if common::is_root() {
+        let get = std::process::Command::new("busctl")
+            .arg(format!("--address={}", env.address))
+            .args([
+                "get-property",
+                "org.keystone.Agent1",
+                "/org/keystone/Agent1/sandbox/own",
+                "org.keystone.Agent1.Sandbox",
+                "Holds",
+            ])
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .output()
+            .unwrap();
+        assert!(!get.status.success(), "{get:?}");
+    }
     env.ok(&["stop", "own"]);
+    assert_eq!(
+        env.status("own")["holds"],
+        format!("its directory and registry entry; {image}; no process, no listener")
+    );
+    let text = env.ok(&["status", "own"]);
+    assert!(text.contains("Holds:      its directory"), "{text}");
     let v = stats(&env, "own");
     assert_eq!(v["state"], "stopped", "{v}");
     assert!(

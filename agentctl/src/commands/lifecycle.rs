@@ -210,6 +210,7 @@ pub(super) async fn run(
                 "created_at": output::rfc3339(sb.created_at().await.map_err(z)?),
                 "started_at": output::rfc3339(sb.started_at().await.map_err(z)?),
                 "limits": sb.limits().await.map_err(z)?,
+                "holds": sb.holds().await.map_err(z)?,
                 "agents": sb.agents().await.map_err(z)?,
                 "last_sync_at": output::rfc3339(sb.last_sync_at().await.map_err(z)?),
                 "last_sync_result": sb.last_sync_result().await.map_err(z)?,

@@ -164,6 +164,9 @@ fn print_status(v: &serde_json::Value) {
     if !s("limits").is_empty() {
         crate::outln!("Limits:     {}", s("limits"));
     }
+    if !s("holds").is_empty() {
+        crate::outln!("Holds:      {}", s("holds"));
+    }
     if !s("agents").is_empty() {
         crate::outln!("Agents:     {}", s("agents"));
     }

@@ -267,6 +267,9 @@ pub trait Sandbox {
     /// Resource limits in force while running, or why there are none.
     #[zbus(property)]
     fn limits(&self) -> zbus::Result<String>;
+    /// What the sandbox holds on the host now, in words.
+    #[zbus(property(emits_changed_signal = "false"))]
+    fn holds(&self) -> zbus::Result<String>;
 
     /// The agent CLIs and versions the running sandbox was started with.
     #[zbus(property)]

@@ -740,6 +740,19 @@ impl SandboxObject {
             .map(|s| self.manager.agents_of(&s))
     }
 
+    /// What the sandbox holds on the host now (processes, mounts), in
+    /// words; read when asked (no change signal).
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn holds(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Option<Header<'_>>,
+    ) -> fdo::Result<String> {
+        self.visible(conn, header)
+            .await
+            .map(|s| self.manager.holds(&s))
+    }
+
     /// Resource limits in force while running, or why there are none.
     #[zbus(property)]
     async fn limits(

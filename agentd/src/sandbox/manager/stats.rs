@@ -5,6 +5,48 @@ use super::*;
 use crate::stats::Stats;
 
 impl Manager {
+    /// What sandbox `sb` holds on the host now, in words (the `Holds`
+    /// property): its directory and registry entry, its disk image and
+    /// whether it is mounted, and while it runs its processes on the host,
+    /// its Pod or unit, and its share of the egress gateway.
+    #[must_use]
+    pub fn holds(&self, sb: &Sandbox) -> String {
+        let mut parts = vec!["its directory and registry entry".to_owned()];
+        if Self::has_disk_image(sb.backend) {
+            let disk = self.disk(&sb.name);
+            parts.push(if crate::disk::is_mount_point(&disk.dir) {
+                "its disk image, mounted through a loop device".to_owned()
+            } else if disk.image.is_file() {
+                "its disk image, not mounted".to_owned()
+            } else {
+                "no disk image".to_owned()
+            });
+        }
+        let Some(rt) = sb.runtime.as_ref().filter(|_| sb.state.is_up()) else {
+            parts.push("no process, no listener".to_owned());
+            return parts.join("; ");
+        };
+        if rt.supervisor_pid > 0 {
+            parts.push(format!("its supervisor (pid {})", rt.supervisor_pid));
+        }
+        if rt.init_pid > 0 && rt.init_pid != rt.supervisor_pid {
+            parts.push(format!(
+                "its init (pid {}) and what runs in it",
+                rt.init_pid
+            ));
+        }
+        if !rt.unit.is_empty() {
+            parts.push(format!("the systemd unit {}", rt.unit));
+        }
+        if let Some(pod) = &rt.pod {
+            parts.push(format!("the Pod {} on the cluster", pod.name));
+        }
+        if self.gateways.traffic(&sb.name).is_some() {
+            parts.push("a share of agentd's egress gateway".to_owned());
+        }
+        parts.join("; ")
+    }
+
     /// The figures of sandbox `name` now; for a sandbox that is not
     /// running, only its state.
     ///
