@@ -132,20 +132,30 @@ impl Disk {
         if is_mount_point(&self.dir) {
             return Ok(());
         }
+        let mut new = false;
         if !self.image.is_file() {
             if self.dir.join("workspace").exists() {
                 return Err(DiskError::Predates);
             }
             self.make_image(size_mib)?;
+            new = true;
         }
         fs::create_dir_all(&self.dir).map_err(io("create", &self.dir))?;
-        match self.mount_loop() {
-            Ok(()) => {
-                tracing::info!(image = %self.image.display(), dir = %self.dir.display(), "disk image mounted");
-                return Ok(());
-            }
-            Err(e) => {
-                tracing::debug!(image = %self.image.display(), error = %e, "no loop device of agentd's own; trying mount -o loop");
+        // An image made just now is bound to nothing: a loop device of
+        // agentd's own. One made before may still be bound and mounted
+        // elsewhere (a running sandbox's mount namespace keeps its mount
+        // when agentd starts again in a new one): `mount -o loop` finds
+        // that device and mounts the same file system, where a second
+        // device would be a second ext4 writing the same image.
+        if new {
+            match self.mount_loop() {
+                Ok(()) => {
+                    tracing::info!(image = %self.image.display(), dir = %self.dir.display(), "disk image mounted");
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::debug!(image = %self.image.display(), error = %e, "no loop device of agentd's own; trying mount -o loop");
+                }
             }
         }
         let out = crate::child::end_with_us(&mut Command::new("mount"))
@@ -226,7 +236,8 @@ impl Disk {
     /// delete it. Blocking.
     pub fn release(&self) {
         if is_mount_point(&self.dir) {
-            if let Err(e) = nix::mount::umount2(&self.dir, nix::mount::MntFlags::MNT_DETACH) {
+            let flags = nix::mount::MntFlags::MNT_DETACH | nix::mount::MntFlags::UMOUNT_NOFOLLOW;
+            if let Err(e) = nix::mount::umount2(&self.dir, flags) {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot unmount the disk image");
                 return;
             }
@@ -280,6 +291,48 @@ mod tests {
             assert!(d.describe(16).contains("created before disk limits"));
         }
         assert!(images(tmp.path()).is_empty());
+    }
+
+    /// The loop devices bound to `image`.
+    fn bound_to(image: &Path) -> usize {
+        let want = format!("{}\n", image.display());
+        fs::read_dir("/sys/block")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                fs::read_to_string(e.path().join("loop/backing_file")).is_ok_and(|b| b == want)
+            })
+            .count()
+    }
+
+    /// An image still mounted in another mount namespace (a running
+    /// sandbox's, when agentd starts again in a new one) is mounted again
+    /// through the same loop device, never a second ext4 on the same file.
+    #[test]
+    fn an_image_mounted_elsewhere_is_mounted_through_its_own_device_again() {
+        if !nix::unistd::Uid::effective().is_root() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let d = Disk::new(tmp.path(), "again");
+        d.ensure(16).unwrap();
+        assert!(is_mount_point(&d.dir));
+        assert_eq!(bound_to(&d.image), 1);
+        // Another mount namespace keeps a copy of the mount.
+        let mut other = Command::new("unshare")
+            .args(["-m", "--propagation", "private", "sleep", "60"])
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        nix::mount::umount2(&d.dir, nix::mount::MntFlags::MNT_DETACH).unwrap();
+        assert!(!is_mount_point(&d.dir));
+        assert_eq!(bound_to(&d.image), 1, "the other namespace holds it");
+        d.ensure(16).unwrap();
+        assert!(is_mount_point(&d.dir));
+        assert_eq!(bound_to(&d.image), 1, "the same device, not a second");
+        let _ = other.kill();
+        let _ = other.wait();
+        d.release();
     }
 
     #[test]

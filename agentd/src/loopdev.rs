@@ -99,8 +99,6 @@ pub fn attach(image: &Path) -> io::Result<Attached> {
             .open(&path)
         {
             Ok(d) => d.into(),
-            // Not made yet by devtmpfs, or gone again: another one.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
             Err(e) => return Err(e),
         };
         let config = LoopConfig {
@@ -148,30 +146,27 @@ pub fn attach(image: &Path) -> io::Result<Attached> {
     Err(io::Error::other("no free loop device after 16 tries"))
 }
 
-/// Whether `path` is a mount point: its mount differs from its parent's
-/// (`statx`'s mount id, not following a last symlink); `None` where the
-/// kernel does not say (before Linux 5.8).
+/// Whether `path` itself (a last symlink not followed: a symlink is never
+/// a mount point) is the root of a mount: `statx`'s
+/// `STATX_ATTR_MOUNT_ROOT`; `None` where the kernel does not say (before
+/// Linux 5.8) or `path` cannot be looked at.
 #[must_use]
 pub fn is_mount_point(path: &Path) -> Option<bool> {
-    let id = |p: &Path, flags: libc::c_int| -> Option<u64> {
-        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok()?;
-        // SAFETY: zeroes are a valid statx buffer.
-        let mut st: libc::statx = unsafe { std::mem::zeroed() };
-        // SAFETY: a NUL-terminated path and a statx buffer of the right size.
-        let r = unsafe {
-            libc::statx(
-                libc::AT_FDCWD,
-                c.as_ptr(),
-                flags,
-                libc::STATX_MNT_ID,
-                &raw mut st,
-            )
-        };
-        (r == 0 && st.stx_mask & libc::STATX_MNT_ID != 0).then_some(st.stx_mnt_id)
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: zeroes are a valid statx buffer.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a statx buffer of the right size.
+    let r = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+            libc::STATX_BASIC_STATS,
+            &raw mut st,
+        )
     };
-    let own = id(path, libc::AT_SYMLINK_NOFOLLOW)?;
-    let parent = id(&path.join(".."), 0)?;
-    Some(own != parent)
+    let root = u64::try_from(libc::STATX_ATTR_MOUNT_ROOT).ok()?;
+    (r == 0 && st.stx_attributes_mask & root != 0).then_some(st.stx_attributes & root != 0)
 }
 
 #[cfg(test)]
@@ -236,6 +231,11 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         assert!(!bound(), "{} still bound after the unmount", path.display());
+        // `/` is a mount point; a symlink to one is not.
+        assert_eq!(is_mount_point(Path::new("/")), Some(true));
+        std::os::unix::fs::symlink("/proc", t.path().join("to-proc")).unwrap();
+        assert_eq!(is_mount_point(Path::new("/proc")), Some(true));
+        assert_eq!(is_mount_point(&t.path().join("to-proc")), Some(false));
         // A symlink is not followed to an image.
         std::os::unix::fs::symlink(&image, t.path().join("link.img")).unwrap();
         assert!(attach(&t.path().join("link.img")).is_err());

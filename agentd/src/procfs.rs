@@ -121,10 +121,16 @@ pub fn is_real_dir(path: &Path) -> bool {
     fs::symlink_metadata(path).is_ok_and(|m| m.is_dir())
 }
 
-/// The whole of a `/proc` table such as `/proc/net/tcp`, read in large
-/// pieces: each `read` of it walks the kernel's socket tables again (about
-/// 2 ms here), and `fs::read_to_string` begins with 32-byte reads, as a
-/// `/proc` file says it is empty.
+/// At most this much of a `/proc` table is read ([`read_table`]): about
+/// 100,000 sockets, which a sandbox could pass in its own network
+/// namespace to make agentd hold them all.
+pub const TABLE_MAX: usize = 16 << 20;
+
+/// A `/proc` table such as `/proc/net/tcp`, read in large pieces, up to
+/// [`TABLE_MAX`] bytes (cut at a line's end): each `read` of it walks the
+/// kernel's socket tables again (about 2 ms here), and
+/// `fs::read_to_string` begins with 32-byte reads, as a `/proc` file says
+/// it is empty.
 ///
 /// # Errors
 /// When the file cannot be opened or read, or is not UTF-8.
@@ -138,6 +144,12 @@ pub fn read_table(path: impl AsRef<Path>) -> std::io::Result<String> {
             break;
         }
         all.extend_from_slice(&chunk[..n]);
+        if all.len() >= TABLE_MAX {
+            all.truncate(TABLE_MAX);
+            let end = all.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+            all.truncate(end);
+            break;
+        }
     }
     String::from_utf8(all).map_err(std::io::Error::other)
 }
