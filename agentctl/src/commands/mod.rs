@@ -244,8 +244,17 @@ async fn sandbox<'a>(
     conn: &Connection,
     path: &zvariant::OwnedObjectPath,
 ) -> Result<SandboxProxy<'a>> {
-    Ok(SandboxProxy::builder(conn)
-        .path(path.clone())
+    uncached(conn, path.clone()).await
+}
+
+/// Interface `P` at the object `path`, its properties read when asked
+/// (agentctl asks once; a cache would subscribe to their changes).
+async fn uncached<'a, P>(conn: &Connection, path: zvariant::OwnedObjectPath) -> Result<P>
+where
+    P: From<zbus::Proxy<'a>> + zbus::proxy::Defaults,
+{
+    Ok(zbus::proxy::Builder::<P>::new(conn)
+        .path(path)
         .map_err(api::Error::ZBus)?
         .cache_properties(zbus::proxy::CacheProperties::No)
         .build()

@@ -132,14 +132,7 @@ async fn records_of<'a>(
     name: &str,
 ) -> Result<api::RecordsProxy<'a>> {
     let sb = lookup(conn, manager, name).await?;
-    let proxy = api::RecordsProxy::builder(sb.inner().connection())
-        .path(sb.inner().path().to_owned())
-        .map_err(api::Error::ZBus)?
-        .cache_properties(zbus::proxy::CacheProperties::No)
-        .build()
-        .await
-        .map_err(api::Error::ZBus)?;
-    Ok(proxy)
+    super::uncached(conn, sb.inner().path().to_owned().into()).await
 }
 
 fn record_json(r: &api::RecordInfo) -> Value {

@@ -63,13 +63,7 @@ fn read_value(file: Option<&std::path::Path>) -> Result<Vec<u8>> {
 }
 
 async fn proxy<'a>(conn: &Connection, path: zvariant::OwnedObjectPath) -> Result<SecretsProxy<'a>> {
-    Ok(SecretsProxy::builder(conn)
-        .path(path)
-        .map_err(api::Error::ZBus)?
-        .cache_properties(zbus::proxy::CacheProperties::No)
-        .build()
-        .await
-        .map_err(api::Error::ZBus)?)
+    super::uncached(conn, path).await
 }
 
 /// Run one `forge` verb.

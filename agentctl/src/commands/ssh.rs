@@ -151,13 +151,7 @@ async fn ssh_object<'a>(
     name: &str,
 ) -> Result<SshProxy<'a>> {
     let path = manager.get_sandbox(name).await?;
-    Ok(SshProxy::builder(conn)
-        .path(path)
-        .map_err(api::Error::ZBus)?
-        .cache_properties(zbus::proxy::CacheProperties::No)
-        .build()
-        .await
-        .map_err(api::Error::ZBus)?)
+    super::uncached(conn, path).await
 }
 
 /// Run `agentctl ssh`, `ssh-config` or `ssh-proxy` on `bus`.

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 pub const LOG_MAX: u64 = 4 * 1024 * 1024;
 
 /// One connection, as logged and as `agentctl egress NAME log --json` shows.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Entry {
     /// When it was accepted, µs since the epoch.
     pub at: u64,

@@ -23,17 +23,15 @@ impl KubeBackend {
                     }
                     let fatal = matches!(p.phase.as_str(), "Failed" | "Succeeded")
                         || p.trouble.as_ref().is_some_and(|(r, _)| {
-                            matches!(
-                                r.as_str(),
-                                "ErrImagePull"
-                                    | "ImagePullBackOff"
-                                    | "InvalidImageName"
-                                    | "CreateContainerError"
-                                    | "CreateContainerConfigError"
-                                    | "CrashLoopBackOff"
-                                    | "Error"
-                                    | "Completed"
-                            )
+                            image_trouble(r)
+                                || matches!(
+                                    r.as_str(),
+                                    "CreateContainerError"
+                                        | "CreateContainerConfigError"
+                                        | "CrashLoopBackOff"
+                                        | "Error"
+                                        | "Completed"
+                                )
                         });
                     if fatal {
                         let (reason, message) = p

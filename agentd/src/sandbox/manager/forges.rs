@@ -173,16 +173,10 @@ impl Manager {
                     protocol: "git-push".to_owned(),
                     host: host.clone(),
                     port,
-                    addr: String::new(),
                     decision: if allowed { "allow" } else { "deny" }.to_owned(),
                     rule: format!("forge {}", rule.url),
                     reason: what,
-                    command: String::new(),
-                    sent: 0,
-                    received: 0,
-                    duration_ms: 0,
-                    error: String::new(),
-                    open: false,
+                    ..Default::default()
                 },
             );
         })
