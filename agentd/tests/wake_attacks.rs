@@ -6,6 +6,9 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::caddy::{Caddy, free_port};
@@ -16,11 +19,18 @@ const DEADLINE: Duration = Duration::from_secs(30);
 /// agentd behind a fresh Caddy whose links answer their owner only, a
 /// running sandbox `name` with a dev server, and its link's token.
 fn setup(name: &str) -> (Env, Caddy, String) {
-    let mut env = Env::bus_only();
+    let env = Env::bus_only();
     let caddy = Caddy::start(env.tmp.path());
-    let config = env.tmp.path().join("agentd.json");
-    std::fs::write(&config, caddy.agentd_config_auth(false, "owner")).unwrap();
-    env.config = Some(config);
+    let config = caddy.agentd_config_auth(false, "owner");
+    let (env, token) = setup_with(env, name, &config);
+    (env, caddy, token)
+}
+
+/// [`setup`] with agentd's configuration `config`.
+fn setup_with(mut env: Env, name: &str, config: &str) -> (Env, String) {
+    let path = env.tmp.path().join("agentd.json");
+    std::fs::write(&path, config).unwrap();
+    env.config = Some(path);
     env.start_agentd();
     let repo = env.repo(name);
     env.ok(&["create", repo.to_str().unwrap()]);
@@ -36,7 +46,7 @@ fn setup(name: &str) -> (Env, Caddy, String) {
     ]);
     let url = env.link_url(name);
     let token = url.split_once("keystone_token=").unwrap().1.to_owned();
-    (env, caddy, token)
+    (env, token)
 }
 
 fn idle_stop(env: &Env, name: &str) {
@@ -173,4 +183,102 @@ fn two_requests_at_once_both_see_the_woken_sandbox() {
         "{statuses:?}\n{}",
         env.log()
     );
+}
+
+/// A relay in front of Caddy's admin socket that holds what agentd sends
+/// while `hold` is set: meanwhile Caddy keeps its routes as they were.
+struct AdminRelay {
+    socket: std::path::PathBuf,
+    hold: Arc<AtomicBool>,
+}
+
+impl AdminRelay {
+    fn start(dir: &std::path::Path, admin: std::path::PathBuf) -> Self {
+        let socket = dir.join("admin-relay.sock");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let hold = Arc::new(AtomicBool::new(false));
+        let held = Arc::clone(&hold);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let (Ok(client), Ok(caddy)) = (client, UnixStream::connect(&admin)) else {
+                    continue;
+                };
+                let (back_from, back_to) =
+                    (caddy.try_clone().unwrap(), client.try_clone().unwrap());
+                let held = Arc::clone(&held);
+                std::thread::spawn(move || relay(client, caddy, Some(&held)));
+                std::thread::spawn(move || relay(back_from, back_to, None));
+            }
+        });
+        Self { socket, hold }
+    }
+}
+
+/// Copy `from` to `to` until `from` ends, waiting while `hold` is set.
+fn relay(mut from: UnixStream, mut to: UnixStream, hold: Option<&AtomicBool>) {
+    let mut buf = [0u8; 16 * 1024];
+    while let Ok(n @ 1..) = from.read(&mut buf) {
+        while hold.is_some_and(|h| h.load(Ordering::SeqCst)) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Write);
+}
+
+/// Caddy still has the route of a sandbox just stopped when idle (agentd
+/// removes it a moment after the stop, here held back): the owner's request
+/// on it still starts the sandbox, as one on the catch-all does, never a
+/// 502 from a forwarder with nothing behind it.
+#[test]
+fn a_request_on_a_route_not_yet_removed_wakes_the_sandbox() {
+    let env = Env::bus_only();
+    let caddy = Caddy::start_unix(env.tmp.path());
+    let admin = caddy.admin_socket.clone().unwrap();
+    let relay = AdminRelay::start(env.tmp.path(), admin.clone());
+    let config = caddy.agentd_config_auth(false, "owner").replace(
+        &admin.display().to_string(),
+        &relay.socket.display().to_string(),
+    );
+    let (env, token) = setup_with(env, "nap", &config);
+    let before = caddy.route_ids();
+    env.ok(&["set", "nap", "--idle-stop", "2s"]);
+    relay.hold.store(true, Ordering::SeqCst);
+    // (The registry, not agentctl: status waits for the routes, which wait
+    // for Caddy; and Caddy ends a held request after 5 s.)
+    wait_for("the idle sandbox to stop", DEADLINE, || {
+        registry_state(&env, "nap") == "stopped"
+    });
+    assert_eq!(caddy.route_ids(), before, "the route went first");
+    let s = begin(
+        &caddy,
+        "nap.sandbox.local",
+        &format!("Cookie: keystone_link={token}\r\n"),
+    );
+    let woken = wait_until(|| registry_state(&env, "nap") != "stopped");
+    relay.hold.store(false, Ordering::SeqCst);
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut raw = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut &s, &mut raw);
+    let answer = String::from_utf8_lossy(&raw);
+    assert!(woken, "not started; the answer: {answer}\n{}", env.log());
+    let status = answer.split_whitespace().nth(1).unwrap_or("0");
+    assert!(!matches!(status, "502" | "503" | "0"), "{answer}");
+    wait_for("the sandbox to run", DEADLINE, || {
+        env.state("nap") == "running"
+    });
+}
+
+/// Whether `cond` holds within [`DEADLINE`].
+fn wait_until(mut cond: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while !cond() {
+        if start.elapsed() > DEADLINE {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
 }

@@ -133,6 +133,15 @@ pub(super) async fn serve(
                     let _ = inside.set_nodelay(true);
                     join(outside, inside).await;
                 }
+                Err(super::ConnectError::NotRunning(_)) => {
+                    // Stopped since Caddy took this route (the route goes a
+                    // moment after the stop): agentd's pages answer, as
+                    // they will once it is gone. They start a sandbox
+                    // stopped when idle for its owner, or say it is not
+                    // running.
+                    let _ = proxy.recheck.send(name);
+                    super::pages::take_over(outside, proxy).await;
+                }
                 Err(e) => {
                     // The dev server went away: look again.
                     tracing::info!(sandbox = %name, port = target.1, error = %e, "dev server gone");

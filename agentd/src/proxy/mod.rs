@@ -78,8 +78,7 @@ const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Most routes (each a forwarder and a Caddy route) one sandbox's
 /// listeners make; the ports past them are logged as not linked. A
-/// worktree's own link and declared ports come first, then the lowest
-/// ports.
+/// worktree's own link and declared ports come first, then the lowest.
 pub const ROUTES_MAX: usize = 32;
 
 /// A route agentd keeps: one port of one worktree.
@@ -154,6 +153,8 @@ pub struct Proxy {
     key: String,
     /// Where the forwarders' sockets are.
     links_dir: PathBuf,
+    /// The connections agentd's pages may hold at once.
+    page_slots: Arc<tokio::sync::Semaphore>,
     /// agentd's own site through Caddy (the console), once served.
     site: Mutex<Option<site::Site>>,
 }
@@ -198,6 +199,7 @@ impl Proxy {
             redirected: Mutex::new(HashMap::new()),
             stale: std::sync::atomic::AtomicBool::new(true),
             links_dir,
+            page_slots: Arc::new(tokio::sync::Semaphore::new(pages::CONNECTIONS_MAX)),
             site: Mutex::new(None),
             key: format!(
                 "{}{}",

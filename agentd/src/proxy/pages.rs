@@ -13,13 +13,14 @@ use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use keystone_agent_api::SandboxState;
-use tokio::net::{TcpListener, UnixListener};
+use tokio::net::{TcpListener, UnixListener, UnixStream};
 
 use super::{Proxy, names};
+use crate::backend::BoxFut;
 
 /// Most connections the pages hold at once; past it a new one is closed
 /// at once.
-const CONNECTIONS_MAX: usize = 256;
+pub(super) const CONNECTIONS_MAX: usize = 256;
 
 /// Most connections the `/ask` port holds at once (anyone on the machine,
 /// or a page in a browser, can open them; Caddy asks one at a time).
@@ -38,7 +39,6 @@ const CONNECTION_TIMEOUT: Duration = Duration::from_secs(300);
 /// Serve Caddy on `listener` (a unix socket in the links directory) for
 /// ever: connections from any other uid are closed at once.
 pub(super) async fn serve(listener: UnixListener, proxy: Arc<Proxy>) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
     let mut full = false;
     loop {
         let Ok((stream, _)) = listener.accept().await else {
@@ -48,7 +48,7 @@ pub(super) async fn serve(listener: UnixListener, proxy: Arc<Proxy>) {
         if !super::forward::from_caddy(&proxy, &stream, "agentd's pages") {
             continue;
         }
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+        let Ok(slot) = Arc::clone(&proxy.page_slots).try_acquire_owned() else {
             if !full {
                 tracing::warn!(
                     "agentd's pages hold {CONNECTIONS_MAX} connections; closing new ones until some end"
@@ -60,6 +60,17 @@ pub(super) async fn serve(listener: UnixListener, proxy: Arc<Proxy>) {
         full = false;
         tokio::spawn(connection(stream, Arc::clone(&proxy), slot, false));
     }
+}
+
+/// Answer Caddy's connection `stream`, which a forwarder accepted, as the
+/// pages would have (within their connections' limit). (Boxed: the pages
+/// make routes, whose forwarders call this.)
+pub(super) fn take_over(stream: UnixStream, proxy: Arc<Proxy>) -> BoxFut<'static, ()> {
+    Box::pin(async move {
+        if let Ok(slot) = Arc::clone(&proxy.page_slots).try_acquire_owned() {
+            connection(stream, proxy, slot, false).await;
+        }
+    })
 }
 
 /// Answer Caddy's `/ask` (whether to make a certificate for a name) on
