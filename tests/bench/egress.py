@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Egress gateway benchmarks with the release agentd and a real local sandbox.
 
-The same client program runs twice in one run: on the host straight to an
-HTTP origin on this machine (the baseline), and inside a sandbox through
-agentd's gateway (CONNECT, as HTTPS clients do; the origin is admitted by an
+The same client program runs three times in one run: on the host straight to
+an HTTP origin on this machine and through Squid (Debian's, a well-known
+CONNECT proxy; the two baselines), and inside a sandbox through agentd's
+gateway (CONNECT, as HTTPS clients do; the origin is admitted by an
 address-range entry). It prints:
 
 1. latency per request, p50/p99, on one keep-alive connection and with a
@@ -19,7 +20,7 @@ address-range entry). It prints:
 4. agentd's CPU over 10 s with --idle sandboxes (default 20) running and no
    traffic.
 
-Needs `cargo build --release --bins`.
+Needs `cargo build --release --bins` and Squid (`apt-get install squid`).
 
     python3 tests/bench/egress.py [--requests 2000] [--size 1024] [--idle 20]
                                   [--burst 300] [--dns-ms 20]
@@ -58,14 +59,15 @@ h.ThreadingHTTPServer.request_queue_size = 1024  # the burst connects all at onc
 h.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
-# argv: mode (direct|gateway) host port requests size_bytes. Prints JSON.
+# argv: mode (direct, or the port of a proxy on 127.0.0.1 to CONNECT
+# through) host port requests size_bytes. Prints JSON.
 CLIENT = r"""
 import http.client, json, sys, time
 mode, host, port, n, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 def conn():
     if mode == "direct":
         return http.client.HTTPConnection(host, port)
-    c = http.client.HTTPConnection("127.0.0.1", 3128)
+    c = http.client.HTTPConnection("127.0.0.1", int(mode))
     c.set_tunnel(host, port)
     return c
 def get(c, path="/small"):
@@ -85,7 +87,7 @@ new = []
 for _ in range(n // 4):
     t0 = time.perf_counter(); c = conn(); get(c); c.close(); new.append((time.perf_counter() - t0) * 1000)
 c = conn()
-t0 = time.perf_counter()
+t0, cpu0 = time.perf_counter(), time.process_time()
 c.request("GET", "/big/%d" % size)
 r = c.getresponse()
 got = 0
@@ -94,9 +96,9 @@ while True:
     if not b:
         break
     got += len(b)
-secs = time.perf_counter() - t0
+secs, cpu = time.perf_counter() - t0, time.process_time() - cpu0
 assert got == size, got
-print(json.dumps({"keep": keep, "new": new, "secs": secs}))
+print(json.dumps({"keep": keep, "new": new, "secs": secs, "cpu": cpu}))
 """
 
 
@@ -185,6 +187,38 @@ def free_port():
         return s.getsockname()[1]
 
 
+SQUID_CONF = """http_port 127.0.0.1:{port}
+http_access allow localhost
+http_access deny all
+cache deny all
+access_log none
+cache_log {dir}/cache.log
+pid_filename {dir}/squid.pid
+coredump_dir {dir}
+"""
+
+
+def squid(tmp):
+    """Squid (Debian's, as it comes) on a free loopback port, for CONNECT
+    tunnels from this host; (process, port)."""
+    port = free_port()
+    d = tmp / "squid"
+    d.mkdir()
+    os.chmod(d, 0o777)  # Squid drops to its own user
+    (d / "squid.conf").write_text(SQUID_CONF.format(port=port, dir=d))
+    proc = subprocess.Popen(["squid", "-N", "-f", str(d / "squid.conf")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    sys.exit(f"Squid did not listen on {port}: {(d / 'cache.log').read_text()[-2000:]}")
+
+
 def cpu_seconds(pid):
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -227,24 +261,59 @@ def main():
             direct = json.loads(subprocess.run(
                 [sys.executable, str(tmp / "client.py"), "direct", "127.0.0.1", str(port),
                  str(args.requests), str(size)], check=True, capture_output=True, text=True).stdout)
+            squid_proc, squid_port = squid(tmp)
+            try:
+                sq = json.loads(subprocess.run(
+                    [sys.executable, str(tmp / "client.py"), str(squid_port), "127.0.0.1", str(port),
+                     str(args.requests), str(size)], check=True, capture_output=True, text=True).stdout)
+            finally:
+                squid_proc.terminate()
+                squid_proc.wait()
             cpu0 = cpu_seconds(d.agentd.pid)
-            via = json.loads(d.run("exec", "eg", "--", "python3", "/tmp/client.py", "gateway",
+            via = json.loads(d.run("exec", "eg", "--", "python3", "/tmp/client.py", "3128",
                                    "origin.test", str(port), str(args.requests), str(size)))
             cpu = cpu_seconds(d.agentd.pid) - cpu0
             print(f"HTTP over CONNECT through the gateway vs straight to the origin on the host "
                   f"({args.requests} keep-alive requests, {args.requests // 4} new connections):")
             row("baseline: keep-alive, straight", direct["keep"])
+            row("baseline: keep-alive, through Squid", sq["keep"])
             row("keep-alive, through the gateway", via["keep"])
             row("baseline: new connection, straight", direct["new"])
+            row("baseline: new tunnel each, through Squid", sq["new"])
             row("new tunnel each, through the gateway", via["new"])
+            print(f"  added p50 by a new tunnel: gateway {pct(via['new'], 50) - pct(direct['new'], 50):+.3f} ms, "
+                  f"Squid {pct(sq['new'], 50) - pct(direct['new'], 50):+.3f} ms")
             mib = size / (1 << 20)
-            d_rate, v_rate = mib / direct["secs"], mib / via["secs"]
+            d_rate, s_rate, v_rate = mib / direct["secs"], mib / sq["secs"], mib / via["secs"]
             print(f"Download of {args.size} MiB:")
             print(f"  baseline: straight                           {d_rate:9.1f} MiB/s")
+            print(f"  baseline: through Squid                      {s_rate:9.1f} MiB/s "
+                  f"({100 * s_rate / d_rate:.0f}% of straight)")
             print(f"  through the gateway                          {v_rate:9.1f} MiB/s "
-                  f"({100 * v_rate / d_rate:.0f}% of straight)")
+                  f"({100 * v_rate / d_rate:.0f}% of straight, {v_rate / s_rate:.2f}x Squid)")
             print(f"  agentd CPU during the gateway run (incl. {args.requests} requests): "
                   f"{cpu:.2f} s, {cpu / (size / (1 << 30)):.2f} s per GiB")
+            # The download again, alone (no requests before it), with the
+            # CPU time of each process it goes through: on a machine of few
+            # CPUs, what they need together bounds the rate.
+            def alone(*cmd):
+                o0, a0 = cpu_seconds(origin.pid), cpu_seconds(d.agentd.pid)
+                out = json.loads(subprocess.run(cmd, check=True, capture_output=True,
+                                                text=True).stdout)
+                gib = size / (1 << 30)
+                return [out["cpu"] / gib, (cpu_seconds(origin.pid) - o0) / gib,
+                        (cpu_seconds(d.agentd.pid) - a0) / gib, mib / out["secs"]]
+            straight = alone(sys.executable, str(tmp / "client.py"), "direct", "127.0.0.1",
+                             str(port), "0", str(size))
+            gated = alone(*d.ctl, "exec", "eg", "--", "python3", "/tmp/client.py", "3128",
+                          "origin.test", str(port), "0", str(size))
+            cpus = len(os.sched_getaffinity(0))
+            print(f"  CPU s per GiB, a download alone: straight: client {straight[0]:.2f}, origin "
+                  f"{straight[1]:.2f} ({straight[3]:.0f} MiB/s); through the gateway: client "
+                  f"{gated[0]:.2f}, origin {gated[1]:.2f}, agentd {gated[2]:.2f} ({gated[3]:.0f} MiB/s)")
+            ceiling = cpus / sum(gated[:3]) * 1024
+            print(f"  with {cpus} CPUs, the three processes can move at most {ceiling:.0f} MiB/s "
+                  f"together: {100 * ceiling / straight[3]:.0f}% of straight")
             d.run("cp", str(tmp / "burst.py"), "eg:/tmp/burst.py")
             base_secs, answered = direct_lookups(dns.port, args.burst)
             q0 = dns.queries

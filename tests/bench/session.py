@@ -7,9 +7,13 @@
    in the same run: `zellij attach` started directly inside the same sandbox
    on a pseudo-terminal there (no D-Bus, no agentd, no hand-over).
 2. `agentctl exec NAME -- true` round trip, p50/p95, beside `busctl` calling
-   the same Exec method (the D-Bus tooling baseline).
+   the same Exec method (the D-Bus tooling baseline) and beside a fresh
+   bubblewrap sandbox running `true` (the engine of Anthropic's
+   sandbox-runtime: new namespaces, the host's root read-only, its own /dev,
+   /proc and /tmp).
 
-Needs `cargo build --release --bins` and Zellij (tests/install-zellij.sh).
+Needs `cargo build --release --bins`, Zellij (tests/install-zellij.sh) and
+bubblewrap (`apt-get install bubblewrap`).
 
     python3 tests/bench/session.py [--runs N]
 """
@@ -24,6 +28,11 @@ import sys
 import time
 
 from common import Daemon, pct, small_repo, timed
+
+# A new bubblewrap sandbox as sandbox-runtime makes one: every namespace new,
+# the host's root read-only, a /dev, /proc and /tmp of its own.
+BWRAP = ["bwrap", "--new-session", "--die-with-parent", "--unshare-all", "--ro-bind", "/", "/",
+         "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
 
 DETACH = b"\x0fd"  # Ctrl+o d
 TITLE_END = b"\x07"  # agentctl names the window first (OSC … BEL); not screen
@@ -134,9 +143,12 @@ def main():
         bus = [timed(["busctl", f"--address={d.addr}", "call", "org.keystone.Agent1", path,
                       "org.keystone.Agent1.Sandbox", "Exec", "asa{ss}su", "1", "true", "0", "", "0"])
                for _ in range(n)]
+        bwrap = [timed(BWRAP + ["--", "true"]) for _ in range(n)]
         print(f"Exec round trip of `true` ({n} runs):")
         row("agentctl exec bench -- true", ex)
         row("baseline: busctl call …Sandbox.Exec true", bus)
+        row("baseline: a fresh bubblewrap sandbox, true", bwrap)
+        print(f"  agentctl exec / bubblewrap, p50: {pct(ex, 50) / pct(bwrap, 50):.2f}x")
 
 
 if __name__ == "__main__":

@@ -117,10 +117,14 @@ pub(super) async fn run(
 /// Say so when sandbox `name` is stopped because it was idle: agentd
 /// starts it again for the command, which then takes a start's time.
 async fn say_if_idle_stopped(sb: &SandboxProxy<'_>, name: &str) {
-    let (Ok(state), Ok(reason)) = (sb.state().await, sb.state_reason().await) else {
+    // (The reason only when stopped: a round trip less for a running one.)
+    if sb.state().await.ok().as_deref() != Some("stopped") {
+        return;
+    }
+    let Ok(reason) = sb.state_reason().await else {
         return;
     };
-    if state == "stopped" && reason.contains(" idle;") {
+    if reason.contains(" idle;") {
         let kept = if reason.contains("memory is kept") {
             " where it was (its memory was kept)"
         } else {

@@ -2,7 +2,7 @@
 //! work to the host as the sandbox's `sync_mode` says.
 //!
 //! - `auto-commit`: any change under `.git/refs` or to `.git/packed-refs`
-//!   (a commit, a new branch) starts a sync 50 ms after the last such event.
+//!   (a commit, a new branch) starts a sync 5 ms after the last such event.
 //! - `auto-idle`: the same, and a worktree whose files changed is
 //!   snapshotted (see [`crate::git::snapshot`]) once no file in it has
 //!   changed for `sync_idle_seconds`; the snapshot then syncs as
@@ -39,8 +39,11 @@ use tokio::time::Instant;
 use crate::beneath;
 use crate::git::worktree::WORKTREES_DIR;
 
-/// Quiet time after a ref change before syncing.
-const REFS_DEBOUNCE: Duration = Duration::from_millis(50);
+/// Quiet time after a ref change before syncing: git moves a ref into
+/// place as its update's last step, so this only gathers a burst (a fetch,
+/// a rebase of several branches) into one sync; those that come while a
+/// sync runs are gathered by the manager.
+const REFS_DEBOUNCE: Duration = Duration::from_millis(5);
 
 /// Most directories one sandbox's watcher watches (one inotify watch each).
 pub const MAX_WATCHES: usize = 8192;

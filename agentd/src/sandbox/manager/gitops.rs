@@ -336,18 +336,26 @@ impl Manager {
         let this = Arc::downgrade(self);
         let sandbox = name.to_owned();
         tokio::spawn(async move {
-            while let Some(event) = todo.recv().await {
+            while let Some(first) = todo.recv().await {
                 let Some(manager) = this.upgrade() else {
                     return;
                 };
-                match event {
-                    watch::Event::Sync => manager.auto_sync(&sandbox).await,
-                    watch::Event::Snapshot(wt) => {
-                        if manager.take_snapshot(&sandbox, &wt).await {
-                            manager.auto_sync(&sandbox).await;
+                // What came meanwhile (a sync was running) is done in order,
+                // with one sync at the end for all: a sync brings every
+                // branch as it is then.
+                let mut sync = false;
+                let mut event = Some(first);
+                while let Some(e) = event.take().or_else(|| todo.try_recv().ok()) {
+                    match e {
+                        watch::Event::Sync => sync = true,
+                        watch::Event::Snapshot(wt) => {
+                            sync |= manager.take_snapshot(&sandbox, &wt).await;
                         }
+                        watch::Event::Limit(n) => manager.watch_limit_reached(&sandbox, n),
                     }
-                    watch::Event::Limit(n) => manager.watch_limit_reached(&sandbox, n),
+                }
+                if sync {
+                    manager.auto_sync(&sandbox).await;
                 }
             }
         });
