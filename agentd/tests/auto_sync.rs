@@ -131,3 +131,40 @@ fn auto_idle_snapshots_uncommitted_work_without_touching_it() {
         serde_json::from_str(&env.ok(&["status", "ai", "--json"])).unwrap();
     assert!(sync["last_sync_at"].is_string(), "{sync}");
 }
+
+/// A sandbox that moves its refs without end (here: 1,000 commits as fast
+/// as git makes them) gets at most ten automatic syncs a second, and its
+/// last commit still comes home.
+#[test]
+fn a_sandbox_that_commits_without_end_gets_ten_syncs_a_second() {
+    let env = Env::new();
+    let repo = env.repo("busy");
+    env.ok(&[
+        "create",
+        "--sync-mode",
+        "auto-commit",
+        repo.to_str().unwrap(),
+    ]);
+    env.ok(&["start", "busy"]);
+    let synced = |env: &Env| env.log().matches("sandbox=busy direction").count();
+    let before = synced(&env);
+    let start = std::time::Instant::now();
+    let head = env.ok(&["exec", "busy", "--", "sh", "-c",
+        "for i in $(seq 1000); do git -c user.name=A -c user.email=a@example.com commit -q --allow-empty -m $i; done; git rev-parse HEAD"]);
+    let head = head.trim().to_owned();
+    wait_for(
+        "the last commit on the host",
+        Duration::from_secs(20),
+        || host_ref(&repo, "refs/remotes/sandbox/busy/main").as_deref() == Some(head.as_str()),
+    );
+    let secs = start.elapsed().as_secs_f64();
+    let syncs = synced(&env) - before;
+    // At most ten in any second (unbounded, they come as fast as a sync
+    // ends: about 17 a second on a 2-core machine).
+    let most = secs.ceil() as usize * 10;
+    assert!(
+        syncs <= most,
+        "{syncs} syncs in {secs:.1} s (at most {most})"
+    );
+    assert!(syncs >= 2, "{syncs} syncs in {secs:.1} s");
+}

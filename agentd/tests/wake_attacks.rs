@@ -22,12 +22,13 @@ fn setup(name: &str) -> (Env, Caddy, String) {
     let env = Env::bus_only();
     let caddy = Caddy::start(env.tmp.path());
     let config = caddy.agentd_config_auth(false, "owner");
-    let (env, token) = setup_with(env, name, &config);
+    let (env, token, _) = setup_with(env, name, &config);
     (env, caddy, token)
 }
 
-/// [`setup`] with agentd's configuration `config`.
-fn setup_with(mut env: Env, name: &str, config: &str) -> (Env, String) {
+/// [`setup`] with agentd's configuration `config`; also the dev server's
+/// port.
+fn setup_with(mut env: Env, name: &str, config: &str) -> (Env, String, u16) {
     let path = env.tmp.path().join("agentd.json");
     std::fs::write(&path, config).unwrap();
     env.config = Some(path);
@@ -36,6 +37,14 @@ fn setup_with(mut env: Env, name: &str, config: &str) -> (Env, String) {
     env.ok(&["create", repo.to_str().unwrap()]);
     env.ok(&["start", name]);
     let port = free_port();
+    serve(&env, name, port);
+    let url = env.link_url(name);
+    let token = url.split_once("keystone_token=").unwrap().1.to_owned();
+    (env, token, port)
+}
+
+/// Start a dev server on `port` in sandbox `name`.
+fn serve(env: &Env, name: &str, port: u16) {
     env.ok(&[
         "exec",
         name,
@@ -44,9 +53,6 @@ fn setup_with(mut env: Env, name: &str, config: &str) -> (Env, String) {
         "-c",
         &format!("python3 -m http.server {port} --bind 127.0.0.1 >/dev/null 2>&1 &"),
     ]);
-    let url = env.link_url(name);
-    let token = url.split_once("keystone_token=").unwrap().1.to_owned();
-    (env, token)
 }
 
 fn idle_stop(env: &Env, name: &str) {
@@ -185,11 +191,14 @@ fn two_requests_at_once_both_see_the_woken_sandbox() {
     );
 }
 
-/// A relay in front of Caddy's admin socket that holds what agentd sends
-/// while `hold` is set: meanwhile Caddy keeps its routes as they were.
+/// A relay in front of Caddy's admin socket that holds what agentd asks
+/// while held: meanwhile Caddy keeps its routes as they were. (Held
+/// requests reach Caddy on connections made after the hold ends, so no
+/// timer of Caddy's runs out on them.)
 struct AdminRelay {
     socket: std::path::PathBuf,
     hold: Arc<AtomicBool>,
+    clients: Arc<std::sync::Mutex<Vec<UnixStream>>>,
 }
 
 impl AdminRelay {
@@ -197,34 +206,49 @@ impl AdminRelay {
         let socket = dir.join("admin-relay.sock");
         let listener = UnixListener::bind(&socket).unwrap();
         let hold = Arc::new(AtomicBool::new(false));
-        let held = Arc::clone(&hold);
+        let clients = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (held, open) = (Arc::clone(&hold), Arc::clone(&clients));
         std::thread::spawn(move || {
             for client in listener.incoming() {
-                let (Ok(client), Ok(caddy)) = (client, UnixStream::connect(&admin)) else {
+                let Ok(client) = client else {
                     continue;
                 };
-                let (back_from, back_to) =
-                    (caddy.try_clone().unwrap(), client.try_clone().unwrap());
-                let held = Arc::clone(&held);
-                std::thread::spawn(move || relay(client, caddy, Some(&held)));
-                std::thread::spawn(move || relay(back_from, back_to, None));
+                let (held, open, admin) = (Arc::clone(&held), Arc::clone(&open), admin.clone());
+                std::thread::spawn(move || {
+                    while held.load(Ordering::SeqCst) {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                    let Ok(caddy) = UnixStream::connect(&admin) else {
+                        return;
+                    };
+                    open.lock().unwrap().push(client.try_clone().unwrap());
+                    let (back_from, back_to) =
+                        (caddy.try_clone().unwrap(), client.try_clone().unwrap());
+                    std::thread::spawn(move || relay(back_from, back_to));
+                    relay(client, caddy);
+                });
             }
         });
-        Self { socket, hold }
+        Self {
+            socket,
+            hold,
+            clients,
+        }
+    }
+
+    /// Hold from now on: the connections agentd has open are closed (it
+    /// makes new ones, which wait).
+    fn hold(&self) {
+        self.hold.store(true, Ordering::SeqCst);
+        for c in self.clients.lock().unwrap().drain(..) {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
     }
 }
 
-/// Copy `from` to `to` until `from` ends, waiting while `hold` is set.
-fn relay(mut from: UnixStream, mut to: UnixStream, hold: Option<&AtomicBool>) {
-    let mut buf = [0u8; 16 * 1024];
-    while let Ok(n @ 1..) = from.read(&mut buf) {
-        while hold.is_some_and(|h| h.load(Ordering::SeqCst)) {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        if to.write_all(&buf[..n]).is_err() {
-            break;
-        }
-    }
+/// Copy `from` to `to` until `from` ends.
+fn relay(mut from: UnixStream, mut to: UnixStream) {
+    let _ = std::io::copy(&mut from, &mut to);
     let _ = to.shutdown(std::net::Shutdown::Write);
 }
 
@@ -242,10 +266,10 @@ fn a_request_on_a_route_not_yet_removed_wakes_the_sandbox() {
         &admin.display().to_string(),
         &relay.socket.display().to_string(),
     );
-    let (env, token) = setup_with(env, "nap", &config);
+    let (env, token, port) = setup_with(env, "nap", &config);
     let before = caddy.route_ids();
     env.ok(&["set", "nap", "--idle-stop", "2s"]);
-    relay.hold.store(true, Ordering::SeqCst);
+    relay.hold();
     // (The registry, not agentctl: status waits for the routes, which wait
     // for Caddy; and Caddy ends a held request after 5 s.)
     wait_for("the idle sandbox to stop", DEADLINE, || {
@@ -269,6 +293,15 @@ fn a_request_on_a_route_not_yet_removed_wakes_the_sandbox() {
     wait_for("the sandbox to run", DEADLINE, || {
         env.state("nap") == "running"
     });
+    // Once the dev server runs again, its link reaches it.
+    serve(&env, "nap", port);
+    let cookie = format!("keystone_link={token}");
+    let mut last = (0, String::new(), String::new());
+    let served = wait_until(|| {
+        last = caddy.get_with_cookie("nap.sandbox.local", "/", &cookie);
+        last.0 == 200 && last.2.contains("Directory listing")
+    });
+    assert!(served, "the dev server is not reached: {last:?}");
 }
 
 /// Whether `cond` holds within [`DEADLINE`].

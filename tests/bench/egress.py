@@ -195,6 +195,7 @@ access_log none
 cache_log {dir}/cache.log
 pid_filename {dir}/squid.pid
 coredump_dir {dir}
+shutdown_lifetime 0 seconds
 """
 
 
@@ -216,7 +217,8 @@ def squid(tmp):
         except OSError:
             time.sleep(0.1)
     proc.kill()
-    sys.exit(f"Squid did not listen on {port}: {(d / 'cache.log').read_text()[-2000:]}")
+    log = d / "cache.log"
+    sys.exit(f"Squid did not listen on {port}: {log.read_text()[-2000:] if log.exists() else 'no log'}")
 
 
 def cpu_seconds(pid):

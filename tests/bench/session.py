@@ -143,12 +143,17 @@ def main():
         bus = [timed(["busctl", f"--address={d.addr}", "call", "org.keystone.Agent1", path,
                       "org.keystone.Agent1.Sandbox", "Exec", "asa{ss}su", "1", "true", "0", "", "0"])
                for _ in range(n)]
-        bwrap = [timed(BWRAP + ["--", "true"]) for _ in range(n)]
+        try:
+            bwrap = [timed(BWRAP + ["--", "true"]) for _ in range(n)]
+        except (OSError, subprocess.CalledProcessError) as e:
+            bwrap = None
+            print(f"(no bubblewrap baseline: {e})")
         print(f"Exec round trip of `true` ({n} runs):")
         row("agentctl exec bench -- true", ex)
         row("baseline: busctl call …Sandbox.Exec true", bus)
-        row("baseline: a fresh bubblewrap sandbox, true", bwrap)
-        print(f"  agentctl exec / bubblewrap, p50: {pct(ex, 50) / pct(bwrap, 50):.2f}x")
+        if bwrap:
+            row("baseline: a fresh bubblewrap sandbox, true", bwrap)
+            print(f"  agentctl exec / bubblewrap, p50: {pct(ex, 50) / pct(bwrap, 50):.2f}x")
 
 
 if __name__ == "__main__":

@@ -116,7 +116,6 @@ pub(super) async fn serve(
         let proxy = Arc::clone(&proxy);
         let name = name.clone();
         tokio::spawn(async move {
-            let _lease = lease;
             match proxy
                 .sandboxes
                 .connect_inside(&name, target.0, target.1)
@@ -132,13 +131,16 @@ pub(super) async fn serve(
                     };
                     let _ = inside.set_nodelay(true);
                     join(outside, inside).await;
+                    drop(lease);
                 }
                 Err(super::ConnectError::NotRunning(_)) => {
                     // Stopped since Caddy took this route (the route goes a
                     // moment after the stop): agentd's pages answer, as
                     // they will once it is gone. They start a sandbox
                     // stopped when idle for its owner, or say it is not
-                    // running.
+                    // running. (Nothing of the sandbox's is held
+                    // meanwhile: the pages' own limit bounds these.)
+                    drop(lease);
                     let _ = proxy.recheck.send(name);
                     super::pages::take_over(outside, proxy).await;
                 }

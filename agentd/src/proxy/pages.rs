@@ -58,7 +58,7 @@ pub(super) async fn serve(listener: UnixListener, proxy: Arc<Proxy>) {
             continue;
         };
         full = false;
-        tokio::spawn(connection(stream, Arc::clone(&proxy), slot, false));
+        tokio::spawn(connection(stream, Arc::clone(&proxy), slot, Serve::Pages));
     }
 }
 
@@ -68,7 +68,7 @@ pub(super) async fn serve(listener: UnixListener, proxy: Arc<Proxy>) {
 pub(super) fn take_over(stream: UnixStream, proxy: Arc<Proxy>) -> BoxFut<'static, ()> {
     Box::pin(async move {
         if let Ok(slot) = Arc::clone(&proxy.page_slots).try_acquire_owned() {
-            connection(stream, proxy, slot, false).await;
+            connection(stream, proxy, slot, Serve::Once).await;
         }
     })
 }
@@ -85,17 +85,29 @@ pub(super) async fn serve_ask(listener: TcpListener, proxy: Arc<Proxy>) {
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             continue;
         };
-        tokio::spawn(connection(stream, Arc::clone(&proxy), slot, true));
+        tokio::spawn(connection(stream, Arc::clone(&proxy), slot, Serve::AskOnly));
     }
 }
 
-/// One connection to the pages (only `/ask` when `ask_only`), bounded in
-/// time, holding `slot` while it lasts.
+/// What one connection to the pages is answered.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Serve {
+    /// Every request, as long as Caddy keeps it.
+    Pages,
+    /// `/ask` only.
+    AskOnly,
+    /// One request, then closed: a connection Caddy made to a forwarder
+    /// (which it would send that route's later requests on).
+    Once,
+}
+
+/// One connection to the pages, as `serve` says, bounded in time, holding
+/// `slot` while it lasts.
 async fn connection<S>(
     stream: S,
     proxy: Arc<Proxy>,
     slot: tokio::sync::OwnedSemaphorePermit,
-    ask_only: bool,
+    serve: Serve,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -103,7 +115,7 @@ async fn connection<S>(
     let service = hyper::service::service_fn(move |req| {
         let proxy = Arc::clone(&proxy);
         async move {
-            Ok::<_, Infallible>(if ask_only && req.uri().path() != "/ask" {
+            Ok::<_, Infallible>(if serve == Serve::AskOnly && req.uri().path() != "/ask" {
                 page(StatusCode::NOT_FOUND, "Not here", "")
             } else {
                 answer(&proxy, &req).await
@@ -113,6 +125,7 @@ async fn connection<S>(
     let connection = hyper::server::conn::http1::Builder::new()
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT)
+        .keep_alive(serve != Serve::Once)
         .serve_connection(TokioIo::new(stream), service);
     let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
 }

@@ -2,7 +2,9 @@
 //! work to the host as the sandbox's `sync_mode` says.
 //!
 //! - `auto-commit`: any change under `.git/refs` or to `.git/packed-refs`
-//!   (a commit, a new branch) starts a sync 5 ms after the last such event.
+//!   (a commit, a new branch) starts a sync 5 ms after the last such event
+//!   (at most 100 ms after the first), at most [`SYNCS_PER_SECOND`] a
+//!   second.
 //! - `auto-idle`: the same, and a worktree whose files changed is
 //!   snapshotted (see [`crate::git::snapshot`]) once no file in it has
 //!   changed for `sync_idle_seconds`; the snapshot then syncs as
@@ -44,6 +46,13 @@ use crate::git::worktree::WORKTREES_DIR;
 /// a rebase of several branches) into one sync; those that come while a
 /// sync runs are gathered by the manager.
 const REFS_DEBOUNCE: Duration = Duration::from_millis(5);
+
+/// Longest a stream of ref changes puts its sync off.
+const REFS_WAIT_MAX: Duration = Duration::from_millis(100);
+
+/// Most syncs a sandbox's ref changes start in one second: one that
+/// rewrites its refs without end keeps agentd no busier than this.
+const SYNCS_PER_SECOND: usize = 10;
 
 /// Most directories one sandbox's watcher watches (one inotify watch each).
 pub const MAX_WATCHES: usize = 8192;
@@ -147,6 +156,8 @@ pub fn start(
         .map_err(WatchError::Thread)?;
     let task = tokio::spawn(async move {
         let mut refs_due: Option<Instant> = None;
+        let mut refs_first: Option<Instant> = None;
+        let mut synced: std::collections::VecDeque<Instant> = std::collections::VecDeque::new();
         let mut idle_due: HashMap<PathBuf, Instant> = HashMap::new();
         loop {
             let next = refs_due.into_iter().chain(idle_due.values().copied()).min();
@@ -154,7 +165,15 @@ pub fn start(
                 msg = rx.recv() => {
                     match msg {
                         None => return,
-                        Some(Msg::Change(Kind::Refs)) => refs_due = Some(Instant::now() + REFS_DEBOUNCE),
+                        Some(Msg::Change(Kind::Refs)) => {
+                            let now = Instant::now();
+                            let first = *refs_first.get_or_insert(now);
+                            let allowed = match synced.front() {
+                                Some(t) if synced.len() >= SYNCS_PER_SECOND => *t + Duration::from_secs(1),
+                                _ => now,
+                            };
+                            refs_due = Some((now + REFS_DEBOUNCE).min(first + REFS_WAIT_MAX).max(allowed));
+                        }
                         Some(Msg::Change(Kind::File(wt))) if mode == SyncMode::AutoIdle => {
                             idle_due.insert(wt, Instant::now() + idle);
                         }
@@ -183,6 +202,11 @@ pub fn start(
             }
             if refs_due.is_some_and(|t| t <= now) {
                 refs_due = None;
+                refs_first = None;
+                if synced.len() >= SYNCS_PER_SECOND {
+                    synced.pop_front();
+                }
+                synced.push_back(now);
                 if events.send(Event::Sync).is_err() {
                     return;
                 }

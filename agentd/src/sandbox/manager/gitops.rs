@@ -342,10 +342,13 @@ impl Manager {
                 };
                 // What came meanwhile (a sync was running) is done in order,
                 // with one sync at the end for all: a sync brings every
-                // branch as it is then.
+                // branch as it is then. (Only what is queued now: events
+                // that keep coming do not put the sync off.)
                 let mut sync = false;
-                let mut event = Some(first);
-                while let Some(e) = event.take().or_else(|| todo.try_recv().ok()) {
+                let queued = todo.len();
+                let batch = std::iter::once(first)
+                    .chain(std::iter::from_fn(|| todo.try_recv().ok()).take(queued));
+                for e in batch.collect::<Vec<_>>() {
                     match e {
                         watch::Event::Sync => sync = true,
                         watch::Event::Snapshot(wt) => {
