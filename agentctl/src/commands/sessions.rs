@@ -92,8 +92,15 @@ pub(super) async fn run(
                 })?;
                 vars.insert(k, v);
             }
-            let sb = lookup(conn, manager, &name).await?;
-            say_if_idle_stopped(&sb, &name).await;
+            let (sb, state) = match at_its_path(conn, &name).await? {
+                Some(found) => found,
+                None => {
+                    let sb = lookup(conn, manager, &name).await?;
+                    let state = sb.state().await.unwrap_or_default();
+                    (sb, state)
+                }
+            };
+            say_if_idle_stopped(&sb, &name, &state).await;
             let exec = ExecOptions {
                 cwd: workdir,
                 worktree,
@@ -116,9 +123,9 @@ pub(super) async fn run(
 
 /// Say so when sandbox `name` is stopped because it was idle: agentd
 /// starts it again for the command, which then takes a start's time.
-async fn say_if_idle_stopped(sb: &SandboxProxy<'_>, name: &str) {
+async fn say_if_idle_stopped(sb: &SandboxProxy<'_>, name: &str, state: &str) {
     // (The reason only when stopped: a round trip less for a running one.)
-    if sb.state().await.ok().as_deref() != Some("stopped") {
+    if state != "stopped" {
         return;
     }
     let Ok(reason) = sb.state_reason().await else {
@@ -132,4 +139,26 @@ async fn say_if_idle_stopped(sb: &SandboxProxy<'_>, name: &str) {
         };
         crate::errln!("note: sandbox '{name}' was stopped when idle; starting it again{kept}");
     }
+}
+
+/// Sandbox `name` at the object path agentd gives it, with its state: one
+/// round trip where `GetSandbox` and a read would be two. `None` when the
+/// read fails (no such sandbox, not the caller's): [`lookup`] then says
+/// why.
+/// A call that does not answer in time is the error.
+async fn at_its_path<'a>(
+    conn: &Connection,
+    name: &str,
+) -> Result<Option<(SandboxProxy<'a>, String)>> {
+    let Some(path) = api::sandbox_path(name) else {
+        return Ok(None);
+    };
+    let Ok(sb) = sandbox(conn, &path.into()).await else {
+        return Ok(None);
+    };
+    let state = crate::bus::quick("Get State", crate::bus::limit(), async {
+        Ok(sb.state().await.ok())
+    })
+    .await?;
+    Ok(state.map(|state| (sb, state)))
 }
