@@ -153,7 +153,7 @@ async fn at_its_path<'a>(
     let Some(path) = api::sandbox_path(name) else {
         return Ok(None);
     };
-    let Ok(sb) = sandbox(conn, &path.into()).await else {
+    let Ok(sb) = sandbox(conn, &path).await else {
         return Ok(None);
     };
     let state = crate::bus::quick("Get State", crate::bus::limit(), async {
