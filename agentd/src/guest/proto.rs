@@ -188,29 +188,44 @@ pub fn send_response_with_fds(sock: &UnixStream, resp: &Response, fds: &[RawFd])
     send_with_fds(sock, &line, fds)
 }
 
-/// Read the first response line byte by byte (so nothing after it is
-/// consumed), with any descriptors attached to it.
+/// Read the first response line, with any descriptors attached to it, and
+/// nothing after it: what has arrived is looked at first (`MSG_PEEK`, which
+/// takes no descriptors), then read up to the line's end.
 pub fn read_first_response(sock: &UnixStream) -> io::Result<(Response, Vec<OwnedFd>)> {
     let mut line = Vec::new();
     let mut fds = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    let closed = || {
+        io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the sandbox closed the control connection",
+        )
+    };
     loop {
-        let mut byte = [0u8; 1];
-        let n = recv_with_fds(sock, &mut byte, &mut fds)?;
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the sandbox closed the control connection",
-            ));
+        let seen = nix::sys::socket::recv(sock.as_raw_fd(), &mut buf, MsgFlags::MSG_PEEK)?;
+        if seen == 0 {
+            return Err(closed());
         }
-        if byte[0] == b'\n' {
-            break;
+        let end = buf[..seen].iter().position(|b| *b == b'\n');
+        let take = end.map_or(seen, |i| i + 1);
+        let mut got = 0;
+        while got < take {
+            let n = recv_with_fds(sock, &mut buf[got..take], &mut fds)?;
+            if n == 0 {
+                return Err(closed());
+            }
+            got += n;
         }
-        line.push(byte[0]);
+        line.extend_from_slice(&buf[..take]);
         if line.len() > MAX_REQUEST {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "response too large",
             ));
+        }
+        if end.is_some() {
+            line.pop();
+            break;
         }
     }
     let resp =
@@ -268,6 +283,32 @@ mod tests {
             read_response(&mut r).unwrap(),
             Some(Response::Started { pid: 7 })
         );
+        assert_eq!(
+            read_response(&mut r).unwrap(),
+            Some(Response::Exit { code: 3 })
+        );
+        assert_eq!(read_response(&mut r).unwrap(), None);
+    }
+
+    #[test]
+    fn a_first_response_in_pieces_is_read_whole_and_nothing_after_it() {
+        use std::io::Write;
+        let (mut a, b) = UnixStream::pair().unwrap();
+        let writer = std::thread::spawn(move || {
+            for piece in [
+                &b"{\"started\":"[..],
+                b"{\"pid\"",
+                b":7}}\n{\"exit\":{\"code\":3}}\n",
+            ] {
+                a.write_all(piece).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        });
+        let (first, fds) = read_first_response(&b).unwrap();
+        writer.join().unwrap();
+        assert_eq!(first, Response::Started { pid: 7 });
+        assert!(fds.is_empty());
+        let mut r = BufReader::new(b);
         assert_eq!(
             read_response(&mut r).unwrap(),
             Some(Response::Exit { code: 3 })
