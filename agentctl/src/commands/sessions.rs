@@ -144,8 +144,7 @@ async fn say_if_idle_stopped(sb: &SandboxProxy<'_>, name: &str, state: &str) {
 /// Sandbox `name` at the object path agentd gives it, with its state: one
 /// round trip where `GetSandbox` and a read would be two. `None` when the
 /// read fails (no such sandbox, not the caller's): [`lookup`] then says
-/// why.
-/// A call that does not answer in time is the error.
+/// why; a read that does not answer in time is the error.
 async fn at_its_path<'a>(
     conn: &Connection,
     name: &str,
