@@ -97,13 +97,13 @@ fn a_wake_whose_request_goes_away_still_ends() {
     );
     // (A start may be over before the registry is read: then the drop
     // comes after it, and the state is checked all the same.)
-    let start = Instant::now();
     let mut seen = String::new();
-    while !matches!(seen.as_str(), "starting" | "running") && start.elapsed() < DEADLINE {
-        std::thread::sleep(Duration::from_millis(2));
+    // (Every 2 ms: a state the start passes through is seen.)
+    let woken = wait_until(Duration::from_millis(2), || {
         seen = registry_state(&env, "nap");
-    }
-    if !matches!(seen.as_str(), "starting" | "running") {
+        matches!(seen.as_str(), "starting" | "running")
+    });
+    if !woken {
         // What the request got, and what agentd says, for the report.
         let mut s = s;
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -281,7 +281,9 @@ fn a_request_on_a_route_not_yet_removed_wakes_the_sandbox() {
         "nap.sandbox.local",
         &format!("Cookie: keystone_link={token}\r\n"),
     );
-    let woken = wait_until(|| registry_state(&env, "nap") != "stopped");
+    let woken = wait_until(Duration::from_millis(20), || {
+        registry_state(&env, "nap") != "stopped"
+    });
     relay.hold.store(false, Ordering::SeqCst);
     s.set_read_timeout(Some(DEADLINE)).unwrap();
     let mut raw = Vec::new();
@@ -297,21 +299,21 @@ fn a_request_on_a_route_not_yet_removed_wakes_the_sandbox() {
     serve(&env, "nap", port);
     let cookie = format!("keystone_link={token}");
     let mut last = (0, String::new(), String::new());
-    let served = wait_until(|| {
+    let served = wait_until(Duration::from_millis(20), || {
         last = caddy.get_with_cookie("nap.sandbox.local", "/", &cookie);
         last.0 == 200 && last.2.contains("Directory listing")
     });
     assert!(served, "the dev server is not reached: {last:?}");
 }
 
-/// Whether `cond` holds within [`DEADLINE`].
-fn wait_until(mut cond: impl FnMut() -> bool) -> bool {
+/// Whether `cond` holds within [`DEADLINE`], looked at `every` so often.
+fn wait_until(every: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
     while !cond() {
         if start.elapsed() > DEADLINE {
             return false;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(every);
     }
     true
 }

@@ -155,25 +155,15 @@ pub fn start(
         .spawn(move || w.run(&stop_rx))
         .map_err(WatchError::Thread)?;
     let task = tokio::spawn(async move {
-        let mut refs_due: Option<Instant> = None;
-        let mut refs_first: Option<Instant> = None;
-        let mut synced: std::collections::VecDeque<Instant> = std::collections::VecDeque::new();
+        let mut refs = RefsPace::default();
         let mut idle_due: HashMap<PathBuf, Instant> = HashMap::new();
         loop {
-            let next = refs_due.into_iter().chain(idle_due.values().copied()).min();
+            let next = refs.due.into_iter().chain(idle_due.values().copied()).min();
             tokio::select! {
                 msg = rx.recv() => {
                     match msg {
                         None => return,
-                        Some(Msg::Change(Kind::Refs)) => {
-                            let now = Instant::now();
-                            let first = *refs_first.get_or_insert(now);
-                            let allowed = match synced.front() {
-                                Some(t) if synced.len() >= SYNCS_PER_SECOND => *t + Duration::from_secs(1),
-                                _ => now,
-                            };
-                            refs_due = Some((now + REFS_DEBOUNCE).min(first + REFS_WAIT_MAX).max(allowed));
-                        }
+                        Some(Msg::Change(Kind::Refs)) => refs.changed(Instant::now()),
                         Some(Msg::Change(Kind::File(wt))) if mode == SyncMode::AutoIdle => {
                             idle_due.insert(wt, Instant::now() + idle);
                         }
@@ -200,16 +190,8 @@ pub fn start(
                     return;
                 }
             }
-            if refs_due.is_some_and(|t| t <= now) {
-                refs_due = None;
-                refs_first = None;
-                if synced.len() >= SYNCS_PER_SECOND {
-                    synced.pop_front();
-                }
-                synced.push_back(now);
-                if events.send(Event::Sync).is_err() {
-                    return;
-                }
+            if refs.fire(now) && events.send(Event::Sync).is_err() {
+                return;
             }
         }
     });
@@ -217,6 +199,49 @@ pub fn start(
         task,
         _stop: Some(stop_tx),
     })
+}
+
+/// When the ref changes seen start their sync.
+#[derive(Default)]
+struct RefsPace {
+    /// When the next sync starts (none pending: `None`).
+    due: Option<Instant>,
+    /// The first change the pending sync is for.
+    first: Option<Instant>,
+    /// When the last [`SYNCS_PER_SECOND`] syncs started.
+    started: std::collections::VecDeque<Instant>,
+}
+
+impl RefsPace {
+    /// A ref changed at `now`: [`REFS_DEBOUNCE`] after it, at most
+    /// [`REFS_WAIT_MAX`] after the first pending one, never more than
+    /// [`SYNCS_PER_SECOND`] in a second.
+    fn changed(&mut self, now: Instant) {
+        let first = *self.first.get_or_insert(now);
+        let allowed = match self.started.front() {
+            Some(t) if self.started.len() >= SYNCS_PER_SECOND => *t + Duration::from_secs(1),
+            _ => now,
+        };
+        self.due = Some(
+            (now + REFS_DEBOUNCE)
+                .min(first + REFS_WAIT_MAX)
+                .max(allowed),
+        );
+    }
+
+    /// Whether the pending sync starts at `now`; if so it is counted.
+    fn fire(&mut self, now: Instant) -> bool {
+        if self.due.is_none_or(|t| t > now) {
+            return false;
+        }
+        self.due = None;
+        self.first = None;
+        if self.started.len() >= SYNCS_PER_SECOND {
+            self.started.pop_front();
+        }
+        self.started.push_back(now);
+        true
+    }
 }
 
 async fn sleep_until(t: Option<Instant>) {
