@@ -276,6 +276,25 @@ fn a_request_on_a_route_not_yet_removed_wakes_the_sandbox() {
         registry_state(&env, "nap") == "stopped"
     });
     assert_eq!(caddy.route_ids(), before, "the route went first");
+    // A page of another site sends the owner's browser down that route
+    // meanwhile (its cookie goes along): agentd's pages answer, and do not
+    // start the sandbox for it.
+    let (code, _, body) = common::caddy::request(
+        caddy.http,
+        "nap.sandbox.local",
+        "GET",
+        "/",
+        &format!(
+            "Cookie: keystone_link={token}\r\nSec-Fetch-Site: cross-site\r\n\
+             Sec-Fetch-Mode: navigate\r\nSec-Fetch-Dest: document\r\n"
+        ),
+    );
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(
+        registry_state(&env, "nap"),
+        "stopped",
+        "another site woke it"
+    );
     let s = begin(
         &caddy,
         "nap.sandbox.local",
