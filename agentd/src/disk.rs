@@ -3,7 +3,9 @@
 //! sparse ext4 image, `disks/<name>.img`, of the sandbox's `disk` MiB. A
 //! write past it fails with ENOSPC inside the sandbox; the host's file system
 //! only ever holds the image. The workspace stays a directory path on the
-//! host, so agentd's git sync reads it as before.
+//! host, so agentd's git sync reads it as before, while the image is
+//! mounted: the manager mounts it only while something uses the
+//! directory (`sandbox::manager::Mounted`).
 //!
 //! This needs root (a loop mount) and `mke2fs` (e2fsprogs). Where either is
 //! missing, or for a sandbox made before disk limits existed, the sandbox's
@@ -100,6 +102,13 @@ impl Disk {
             image: state.join("disks").join(format!("{name}.img")),
             dir: state.join("sandboxes").join(name),
         }
+    }
+
+    /// Where the tokens of the held files the sandbox names are listed
+    /// while its image is not mounted (`disks/<name>.held`).
+    #[must_use]
+    pub fn held_list(&self) -> PathBuf {
+        self.image.with_extension("held")
     }
 
     fn why_file(&self) -> PathBuf {
@@ -232,26 +241,39 @@ impl Disk {
         fs::rename(&tmp, &self.image).map_err(io("create", &self.image))
     }
 
-    /// Unmount the image (lazily: a dying sandbox may still hold it) and
-    /// delete it. Blocking.
-    pub fn release(&self) {
+    /// Unmount the image, and what is mounted below it (lazily: a dying
+    /// sandbox may still hold it). Blocking. Whether it is not mounted
+    /// now.
+    pub fn unmount(&self) -> bool {
         if is_mount_point(&self.dir) {
             let flags = nix::mount::MntFlags::MNT_DETACH | nix::mount::MntFlags::UMOUNT_NOFOLLOW;
             if let Err(e) = nix::mount::umount2(&self.dir, flags) {
                 tracing::warn!(dir = %self.dir.display(), error = %e, "cannot unmount the disk image");
-                return;
+                return false;
             }
+        }
+        true
+    }
+
+    /// Unmount the image and delete it. Blocking.
+    pub fn release(&self) {
+        if !self.unmount() {
+            return;
         }
         let _ = fs::remove_file(&self.image);
         let _ = fs::remove_file(self.why_file());
+        let _ = fs::remove_file(self.held_list());
     }
 
     /// The disk limit as shown in the limits text.
     #[must_use]
     pub fn describe(&self, size_mib: u32) -> String {
+        let size = || fs::metadata(&self.image).map_or(u64::from(size_mib), |m| m.len() >> 20);
         if is_mount_point(&self.dir) {
-            let size = fs::metadata(&self.image).map_or(u64::from(size_mib), |m| m.len() >> 20);
-            return format!("disk {size} MiB (ext4 image)");
+            return format!("disk {} MiB (ext4 image)", size());
+        }
+        if self.image.is_file() && !self.why_file().exists() {
+            return format!("disk {} MiB (ext4 image, not mounted now)", size());
         }
         let why = fs::read_to_string(self.why_file())
             .unwrap_or_else(|_| "the sandbox's disk image is not mounted".to_owned());

@@ -89,10 +89,10 @@ pub fn release(named: &Path, held: &Path) {
     let _ = std::fs::remove_file(named);
 }
 
-/// Remove the held files under `held` that none of the token files
-/// `named` (every one agentd keeps for its sandboxes) names.
-pub fn prune(held: &Path, named: impl IntoIterator<Item = PathBuf>) {
-    let named: HashSet<String> = named.into_iter().filter_map(|n| token(&n)).collect();
+/// Remove the held files under `held` whose tokens are not `named`
+/// (every token agentd's sandboxes name).
+pub fn prune(held: &Path, named: impl IntoIterator<Item = String>) {
+    let named: HashSet<String> = named.into_iter().collect();
     let Ok(entries) = std::fs::read_dir(held) else {
         return;
     };
@@ -132,7 +132,8 @@ mod tests {
         assert!(hold(&f, &held, &a).unwrap());
         assert!(hold(&f, &held, &b).unwrap());
         std::fs::write(held.join("0".repeat(32)), b"orphan").unwrap();
-        prune(&held, [a.clone(), t.path().join("nothing")]);
+        let named = [&a, &t.path().join("nothing")].map(|n| token(n));
+        prune(&held, named.into_iter().flatten());
         assert_eq!(std::fs::read(file(&a, &held).unwrap()).unwrap(), b"data");
         assert_eq!(file(&b, &held), None);
         assert_eq!(std::fs::read_dir(&held).unwrap().count(), 1);

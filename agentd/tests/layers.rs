@@ -121,12 +121,15 @@ fn forks_of_a_local_snapshot_share_its_files_and_write_only_their_own() {
     assert!(is_mount_point(&lc));
     nix::mount::umount2(&lc, nix::mount::MntFlags::MNT_DETACH).unwrap();
     env.start_agentd();
+    // Stopped, it holds no mount; its start mounts its image and layers.
+    let lc_dir = env.state_dir.join("sandboxes/lc");
+    assert!(!is_mount_point(&lc_dir) && !is_mount_point(&lc));
+    env.ok(&["start", "lc"]);
     assert!(
         is_mount_point(&lc),
         "agentd did not mount lc's layers again"
     );
     assert_eq!(std::fs::read_to_string(lc.join("f.txt")).unwrap(), "base\n");
-    env.ok(&["start", "lc"]);
     assert_eq!(env.sh("lc", "sha256sum < /workspace/big"), sum);
 
     // A snapshot of a fork holds its merged files; restoring it puts them

@@ -158,6 +158,7 @@ fn half_created_sandbox_is_rolled_back() {
     assert_eq!(names, ["keep"]);
     assert!(!env.state_dir.join("sandboxes/half").exists());
     assert!(!env.state_dir.join("sandboxes/orphan").exists());
+    env.ok(&["start", "keep"]);
     assert!(
         env.state_dir
             .join("sandboxes/keep/workspace/README.md")

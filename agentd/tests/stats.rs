@@ -270,21 +270,33 @@ fn a_stopped_sandbox_says_so_and_another_user_reads_nothing() {
     } else {
         eprintln!("skipped the other-user part: needs root to run as another uid");
     }
-    // What it holds on the host: its processes while it runs, and only
-    // its directory, registry entry and disk image once stopped.
-    let image = if common::is_root() {
-        "its disk image, mounted through a loop device"
+    // What it holds on the host: its processes and its mounted image while
+    // it runs, and only its directory, registry entry and disk image,
+    // not mounted, once stopped.
+    let (running, stopped) = if common::is_root() {
+        (
+            "its disk image, mounted through a loop device",
+            "its disk image, not mounted",
+        )
     } else {
-        "no disk image"
+        ("no disk image", "no disk image")
     };
     let holds = env.status("own")["holds"].as_str().unwrap().to_owned();
-    for part in [image, "its supervisor (pid ", "its init (pid "] {
+    for part in [running, "its supervisor (pid ", "its init (pid "] {
         assert!(holds.contains(part), "{part} missing: {holds}");
     }
     env.ok(&["stop", "own"]);
+    // Unmounted once nothing uses it (`status` reads Holds before the
+    // egress log, whose read mounts it for a moment).
+    let dir = env.state_dir.join("sandboxes/own");
+    common::wait_for(
+        "the image unmounted",
+        std::time::Duration::from_secs(20),
+        || !agentd::disk::is_mount_point(&dir),
+    );
     assert_eq!(
         env.status("own")["holds"],
-        format!("its directory and registry entry; {image}; no process, no listener")
+        format!("its directory and registry entry; {stopped}; no process, no listener")
     );
     let text = env.ok(&["status", "own"]);
     assert!(text.contains("Holds:      its directory"), "{text}");

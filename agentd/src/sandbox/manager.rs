@@ -42,6 +42,7 @@ mod forges;
 mod gitops;
 mod idle;
 mod lifecycle;
+mod mounts;
 mod pause;
 mod reconcile;
 mod records;
@@ -52,8 +53,10 @@ mod snapshots;
 mod stats;
 mod volumes;
 mod waiting;
+mod worktrees;
 pub use access::InUse;
 pub use egress::{EgressChange, EgressEvent, EgressView};
+pub use mounts::Mounted;
 pub use session::{Attached, Terminal, TtyOptions, session_name};
 pub use snapshots::{ForkOptions, SnapshotKind};
 pub use waiting::{Board, WaitingEvent};
@@ -178,6 +181,10 @@ pub struct Manager {
     board: Arc<Board>,
     /// The listener of each running sandbox's agents' hooks.
     listeners: Mutex<HashMap<String, watch::Handle>>,
+    /// The uses of each sandbox's directory ([`mounts`]).
+    mounts: Mutex<HashMap<String, Arc<Mutex<mounts::Uses>>>>,
+    /// The use each running sandbox keeps of its directory.
+    running: Mutex<HashMap<String, Mounted>>,
 }
 
 impl Manager {
@@ -210,6 +217,8 @@ impl Manager {
             secret_roots: std::sync::OnceLock::new(),
             board: Arc::default(),
             listeners: Mutex::new(HashMap::new()),
+            mounts: Mutex::new(HashMap::new()),
+            running: Mutex::new(HashMap::new()),
         })
     }
 
@@ -367,7 +376,18 @@ impl Manager {
         event: Event,
         f: impl FnOnce(&mut Sandbox),
     ) -> Result<Sandbox> {
-        self.store.transition(name, event, f)
+        let sb = self.store.transition(name, event, f)?;
+        // Nothing of it runs any more: its workspace is not watched (the
+        // watch holds it open), and its directory may be unmounted.
+        if sb.runtime.is_none() {
+            let mut watchers = self.watchers.lock().unwrap();
+            if watchers.get(name).is_some_and(watch::Handle::on_host) {
+                watchers.remove(name);
+            }
+            drop(watchers);
+            self.let_go(name);
+        }
+        Ok(sb)
     }
 
     /// Change settings that apply at once (sync mode and idle time, the
@@ -412,6 +432,8 @@ impl Manager {
                 return Err(Error::Invalid(problems));
             }
         }
+        // (Mounted first: nothing changes where `config.json` cannot.)
+        let dir = self.mounted(&current).await?;
         let sb = self.update(name, |s| {
             if let Some(p) = &o.protect {
                 s.config.protect.clone_from(p);
@@ -440,6 +462,7 @@ impl Manager {
             }
         })?;
         self.store.registry().save_config(&sb)?;
+        drop(dir);
         self.apply_sync_mode(name);
         tracing::info!(sandbox = %name, mode = %sb.config.sync_mode, idle = sb.config.sync_idle_seconds, "configured");
         Ok(sb)

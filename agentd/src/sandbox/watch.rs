@@ -92,6 +92,13 @@ impl Handle {
     pub fn of_task(task: tokio::task::JoinHandle<()>) -> Self {
         Self { task, _stop: None }
     }
+
+    /// Whether it watches the sandbox's directory on the host (a watch
+    /// thread), not the backend's word.
+    #[must_use]
+    pub fn on_host(&self) -> bool {
+        self._stop.is_some()
+    }
 }
 
 impl Drop for Handle {

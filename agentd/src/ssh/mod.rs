@@ -136,7 +136,7 @@ static ALL: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(CONNECTIO
 /// The host key of sandbox `name` for `caller` (made on first use).
 fn key_of(manager: &Manager, caller: Caller, name: &str) -> Result<PrivateKey> {
     let dir = manager.private_dir(caller, name)?;
-    host_key(&dir).map_err(|e| Error::Conflict(format!("Sandbox '{name}': {e}")))
+    host_key(dir.dir()).map_err(|e| Error::Conflict(format!("Sandbox '{name}': {e}")))
 }
 
 /// The public host key SSH connections to sandbox `name` show

@@ -15,10 +15,10 @@ impl std::fmt::Debug for InUse {
 
 impl Manager {
     /// The directory of sandbox `name` in agentd's state (agentd's own
-    /// files of it, never the sandbox's), for `caller`.
-    pub fn private_dir(&self, caller: Caller, name: &str) -> Result<std::path::PathBuf> {
-        self.get(caller, name)?;
-        Ok(self.store.registry().sandbox_dir(name))
+    /// files of it, never the sandbox's), for `caller`, mounted while the
+    /// answer lives.
+    pub fn private_dir(&self, caller: Caller, name: &str) -> Result<Mounted> {
+        self.mounted_now(&self.get(caller, name)?)
     }
 
     /// Sandbox `name` counts as active (not idle) while the guard lives.

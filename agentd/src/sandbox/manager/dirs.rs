@@ -21,21 +21,6 @@ impl Manager {
         )
     }
 
-    /// Make and mount sandbox `sb`'s disk image if it has none mounted; a
-    /// failure only means that the limit is not enforced (the limits text
-    /// says why).
-    pub(super) async fn ensure_disk(&self, sb: &Sandbox) {
-        if !Self::has_disk_image(sb.backend) {
-            return;
-        }
-        let disk = self.disk(&sb.name);
-        let size = sb.config.disk;
-        let done = tokio::task::spawn_blocking(move || disk.ensure(size)).await;
-        if let Ok(Err(e)) = done {
-            tracing::warn!(sandbox = %sb.name, error = %e, "disk limit not enforced");
-        }
-    }
-
     /// Mount sandbox `name`'s layered trees ([`crate::layers`]) where
     /// they are not: a sandbox whose trees cannot be does not start (its
     /// directory would show an empty place instead of its files).
@@ -87,8 +72,8 @@ impl Manager {
     /// workspace: cloned by a helper running as the project's owner (so the
     /// owner's read access is what counts), then handed to the sandbox's uid.
     /// Returns notices for the person.
+    /// The caller holds its directory [`Mounted`].
     pub(super) async fn prepare_dirs(&self, sb: &Sandbox) -> Result<Vec<String>> {
-        self.ensure_disk(sb).await;
         self.mount_layers(&sb.name).await?;
         let spec = self.spec(sb);
         let dir = self.store.registry().sandbox_dir(&sb.name);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use keystone_agent_api::{Egress, SandboxConfig, SandboxState};
 use tokio::sync::broadcast;
 
-use super::Manager;
+use super::{Manager, Mounted};
 use crate::auth::Caller;
 use crate::egress::{self, Policy, Rule, gateway, log::Entry, policy::ENTRIES_MAX};
 use crate::error::{Error, Result, WorkspaceError};
@@ -93,11 +93,11 @@ impl Manager {
         )
     }
 
-    fn egress_log_path(&self, name: &str) -> std::path::PathBuf {
-        self.store
-            .registry()
-            .sandbox_dir(name)
-            .join("logs/egress.jsonl")
+    /// Sandbox `name`'s egress log, and its directory mounted.
+    fn egress_log_path(&self, name: &str) -> Result<(Mounted, std::path::PathBuf)> {
+        let dir = self.mounted_by_name(name)?;
+        let path = dir.dir().join("logs/egress.jsonl");
+        Ok((dir, path))
     }
 
     /// What any sandbox's gateway reports, as it happens.
@@ -207,7 +207,11 @@ impl Manager {
 
     /// Put `entry` in sandbox `name`'s egress log, and tell its watchers.
     pub(super) fn log_egress(&self, name: &str, entry: egress::log::Entry) {
-        if let Err(e) = egress::log::append(&self.egress_log_path(name), &entry) {
+        let logged = match self.egress_log_path(name) {
+            Ok((_dir, path)) => egress::log::append(&path, &entry).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = logged {
             tracing::warn!(sandbox = %name, error = %e, "cannot log a connection");
         }
         if entry.decision != "allow" {
@@ -247,7 +251,7 @@ impl Manager {
         name: &str,
         change: EgressChange,
     ) -> Result<EgressView> {
-        self.get(caller, name)?;
+        let current = self.get(caller, name)?;
         let parsed = match &change {
             EgressChange::Allow(e) | EgressChange::Deny(e) | EgressChange::Remove(e) => Some(
                 Rule::parse(e)
@@ -262,6 +266,8 @@ impl Manager {
             }
             EgressChange::Mode(_) => None,
         };
+        // (Mounted first: nothing changes where `config.json` cannot.)
+        let dir = self.mounted_now(&current)?;
         let mut full = None;
         let sb = self.update(name, |s| {
             let c = &mut s.config;
@@ -290,6 +296,7 @@ impl Manager {
             )]));
         }
         self.store.registry().save_config(&sb)?;
+        drop(dir);
         tracing::info!(sandbox = %name, ?change, "egress policy changed");
         self.pending_of(name).wake();
         self.egress_view(caller, name)
@@ -299,7 +306,7 @@ impl Manager {
     /// the ones waiting for an answer now (decision `wait`, mode `ask`).
     pub fn egress_log(&self, caller: Caller, name: &str, limit: usize) -> Result<Vec<Entry>> {
         self.get(caller, name)?;
-        let path = self.egress_log_path(name);
+        let (_dir, path) = self.egress_log_path(name)?;
         let mut entries = egress::log::tail(&path, limit).map_err(|source| Error::Workspace {
             name: name.to_owned(),
             source: WorkspaceError::Read {

@@ -61,11 +61,14 @@ impl Manager {
     /// Append `entry` to sandbox `name`'s history (`logs/history.jsonl`,
     /// append-only, one JSON object per line).
     pub(super) fn record(&self, name: &str, entry: HistoryEntry) {
-        let path = self
-            .store
-            .registry()
-            .sandbox_dir(name)
-            .join("logs/history.jsonl");
+        let dir = match self.mounted_by_name(name) {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(sandbox = %name, error = %e, "cannot record history");
+                return;
+            }
+        };
+        let path = dir.dir().join("logs/history.jsonl");
         if let Err(e) = crate::fsutil::append_json_line(&path, &entry) {
             tracing::warn!(sandbox = %name, error = %e, "cannot record history");
         }
@@ -73,12 +76,8 @@ impl Manager {
 
     /// The last `limit` entries (0 = all) of sandbox `name`'s history.
     pub fn history(&self, caller: Caller, name: &str, limit: usize) -> Result<Vec<HistoryEntry>> {
-        self.get(caller, name)?;
-        let path = self
-            .store
-            .registry()
-            .sandbox_dir(name)
-            .join("logs/history.jsonl");
+        let dir = self.mounted_now(&self.get(caller, name)?)?;
+        let path = dir.dir().join("logs/history.jsonl");
         let all: Vec<HistoryEntry> =
             crate::fsutil::read_json_lines(&path).map_err(|source| Error::Workspace {
                 name: name.to_owned(),

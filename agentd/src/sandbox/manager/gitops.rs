@@ -1,6 +1,6 @@
-//! Git between host and sandbox: syncs (manual and automatic), snapshots
-//! of uncommitted work, and worktrees; under the sandbox's `sync` and
-//! `worktrees` locks.
+//! Git between host and sandbox: syncs (manual and automatic) and
+//! snapshots of uncommitted work, under the sandbox's `sync` lock (its
+//! worktrees are in `worktrees.rs`).
 
 use std::collections::BTreeMap;
 
@@ -76,6 +76,7 @@ impl Manager {
         let sb = self
             .snapshot(name)
             .ok_or_else(|| Error::NotFound(name.to_owned()))?;
+        let _mounted = self.mounted(&sb).await?;
         let spec = self.spec(&sb);
         // A Pod's (or a workspace disk's) branches are there: a copy made
         // while it is stopped would be overwritten by the next one that
@@ -330,11 +331,16 @@ impl Manager {
             watchers.insert(name.to_owned(), watch::Handle::of_task(task));
             return;
         }
+        // The workspace is watched while the sandbox runs (its start
+        // applies the mode again): nothing else changes it.
+        if sb.runtime.is_none() {
+            return;
+        }
         // The watcher says what to do; this task does it, one event at a
         // time, and ends with the watcher (its sender).
         let (events, mut todo) = tokio::sync::mpsc::unbounded_channel();
         let this = Arc::downgrade(self);
-        let sandbox = name.to_owned();
+        let (sandbox, id) = (name.to_owned(), sb.id.clone());
         tokio::spawn(async move {
             while let Some(first) = todo.recv().await {
                 let Some(manager) = this.upgrade() else {
@@ -358,6 +364,17 @@ impl Manager {
                     }
                 }
                 if sync {
+                    manager.auto_sync(&sandbox).await;
+                }
+            }
+            // The watch ended with a stop: what it had not synced yet is
+            // synced once, outside the stop's locks. (Not when the mode
+            // changed: `manual` syncs only when asked.)
+            if let Some(manager) = this.upgrade() {
+                let stopped = manager
+                    .snapshot(&sandbox)
+                    .is_some_and(|s| s.id == id && s.runtime.is_none());
+                if stopped {
                     manager.auto_sync(&sandbox).await;
                 }
             }
@@ -410,6 +427,9 @@ impl Manager {
     /// empty = main) of sandbox `name`. True when a snapshot was recorded.
     pub(super) async fn take_snapshot(&self, name: &str, wt: &Path) -> bool {
         let Some(sb) = self.snapshot(name) else {
+            return false;
+        };
+        let Ok(_mounted) = self.mounted(&sb).await else {
             return false;
         };
         let spec = self.spec(&sb);
@@ -503,130 +523,6 @@ impl Manager {
         }
         Ok(None)
     }
-
-    /// Run the worktree helper for sandbox `name` as the sandbox's uid.
-    pub(super) async fn worktree_op(
-        &self,
-        caller: Caller,
-        name: &str,
-        req: impl FnOnce(PathBuf) -> worktree::Request,
-    ) -> Result<worktree::Reply> {
-        let sb = self.get(caller, name)?;
-        let spec = self.spec(&sb);
-        let locks = self.locks(name);
-        let _guard = locks.worktrees.lock().await;
-        if self.snapshot(name).is_none() {
-            return Err(Error::NotFound(name.to_owned()));
-        }
-        let req = req(spec.workspace.clone());
-        // Where the workspace is not the host directory, the backend does it.
-        let backend = Arc::clone(self.backend(sb.backend)?);
-        if let Some(remote) = backend.worktree(&spec, req.clone()) {
-            if let worktree::Request::Add { from: Some(f), .. } = &req {
-                if f.starts_with('-') {
-                    return Err(Error::Invalid(vec![format!(
-                        "--from '{f}' is not a branch or commit"
-                    )]));
-                }
-            }
-            return tokio::select! {
-                done = remote => done.map_err(|source| Error::Backend {
-                    name: name.to_owned(),
-                    source,
-                }),
-                () = locks.destroyed() => Err(Error::Workspace {
-                    name: name.to_owned(),
-                    source: HelperError::Cancelled { what: "worktree operation" }.into(),
-                }),
-            };
-        }
-        let run_as = RunAs::confined(spec.uid, &spec.workspace);
-        let done = tokio::select! {
-            done = helpers::call::<worktree::Worktree>(&*self.helpers, run_as, &req, HELPER_TIMEOUT) => done,
-            () = locks.destroyed() => Err(HelperError::Cancelled { what: "worktree operation" }),
-        };
-        done.map_err(|e| match e {
-            HelperError::Conflict(m) => Error::Conflict(format!("Sandbox '{name}': {m}")),
-            HelperError::Invalid(m) => Error::Invalid(vec![m]),
-            e => Error::Workspace {
-                name: name.to_owned(),
-                source: e.into(),
-            },
-        })
-    }
-
-    /// Create the worktree of `branch` in sandbox `name`.
-    pub async fn add_worktree(
-        &self,
-        caller: Caller,
-        name: &str,
-        branch: &str,
-        from: Option<String>,
-    ) -> Result<WorktreeInfo> {
-        let branch_owned = branch.to_owned();
-        let reply = self
-            .worktree_op(caller, name, |workspace| worktree::Request::Add {
-                workspace,
-                branch: branch_owned,
-                from,
-            })
-            .await?;
-        let worktree::Reply::Added(i) = reply else {
-            return Err(unexpected(name, &reply));
-        };
-        tracing::info!(sandbox = %name, branch, path = %i.path, "worktree added");
-        Ok(i)
-    }
-
-    /// The worktrees of sandbox `name`, the main one first, each with its
-    /// running session.
-    pub async fn list_worktrees(&self, caller: Caller, name: &str) -> Result<Vec<WorktreeInfo>> {
-        let mut list = self.list_worktrees_raw(caller, name).await?;
-        let sb = self.get(caller, name)?;
-        let running = self.running_sessions(&sb).await;
-        for w in list.iter_mut().filter(|w| !w.branch.is_empty()) {
-            let s = session_name(name, &w.branch);
-            if running.contains(&s) {
-                w.session = s;
-            }
-        }
-        Ok(list)
-    }
-
-    pub(super) async fn list_worktrees_raw(
-        &self,
-        caller: Caller,
-        name: &str,
-    ) -> Result<Vec<WorktreeInfo>> {
-        let reply = self
-            .worktree_op(caller, name, |workspace| worktree::Request::List {
-                workspace,
-            })
-            .await?;
-        match reply {
-            worktree::Reply::Listed { worktrees } => Ok(worktrees),
-            other => Err(unexpected(name, &other)),
-        }
-    }
-
-    /// Remove the worktree of `branch` in sandbox `name`.
-    pub async fn remove_worktree(
-        &self,
-        caller: Caller,
-        name: &str,
-        branch: &str,
-        force: bool,
-    ) -> Result<()> {
-        let branch_owned = branch.to_owned();
-        self.worktree_op(caller, name, |workspace| worktree::Request::Remove {
-            workspace,
-            branch: branch_owned,
-            force,
-        })
-        .await?;
-        tracing::info!(sandbox = %name, branch, force, "worktree removed");
-        Ok(())
-    }
 }
 
 /// Why `--branch B --into I` is refused when `B` and `I` differ: `--into`
@@ -716,10 +612,10 @@ fn branch_at(item: &str) -> (String, Option<String>) {
 }
 
 /// Longest a snapshot or worktree operation may take.
-const HELPER_TIMEOUT: Duration = Duration::from_secs(10 * 60);
+pub(super) const HELPER_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
 /// The worktree helper answered `reply` to a request that expects another.
-fn unexpected(name: &str, reply: &worktree::Reply) -> Error {
+pub(super) fn unexpected(name: &str, reply: &worktree::Reply) -> Error {
     Error::Workspace {
         name: name.to_owned(),
         source: HelperError::Failed(format!(

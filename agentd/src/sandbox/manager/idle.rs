@@ -252,48 +252,14 @@ impl Manager {
         crate::memory::remove(&self.saved_memory(name), &self.held());
     }
 
-    /// The token files of what sandbox `name` holds: its saved memory's
-    /// state, its disks' bases and its trees' lower layers.
-    pub(super) fn held_names(&self, name: &str) -> Vec<std::path::PathBuf> {
-        let dir = self.store.registry().sandbox_dir(name);
-        let mut named = vec![self.saved_memory(name).join(crate::memory::HELD)];
-        named.extend(
-            crate::snapshots::DISKS
-                .iter()
-                .map(|d| crate::overlay::token_file(&dir.join(d))),
-        );
-        named.extend(
-            crate::snapshots::TREES
-                .iter()
-                .map(|t| crate::layers::token_file(&dir.join(t))),
-        );
-        named
-    }
-
     /// Whether a sandbox other than `name` names held tree `token` for one
-    /// of its trees, or might: one whose token files cannot be read counts
-    /// as naming every one.
+    /// of its trees, or might: one whose tokens are not known counts as
+    /// naming every one.
     pub(super) fn layer_in_use(&self, name: &str, token: &str) -> bool {
-        let mounts = crate::disk::mount_points();
         self.names().iter().filter(|n| n.as_str() != name).any(|n| {
-            let dir = self.store.registry().sandbox_dir(n);
-            self.tokens_unreadable(n, &mounts)
-                || crate::snapshots::TREES.iter().any(|t| {
-                    crate::held::token(&crate::layers::token_file(&dir.join(t))).as_deref()
-                        == Some(token)
-                })
+            self.named_tokens(n)
+                .is_none_or(|t| t.iter().any(|t| t == token))
         })
-    }
-
-    /// Whether sandbox `name`'s token files are out of reach: its disk
-    /// image (which holds them) is not among the `mounts`.
-    pub(super) fn tokens_unreadable(
-        &self,
-        name: &str,
-        mounts: &std::collections::HashSet<std::path::PathBuf>,
-    ) -> bool {
-        self.disk(name).image.is_file()
-            && !mounts.contains(&self.store.registry().sandbox_dir(name))
     }
 
     /// Let go of everything sandbox `name` holds, before its directory

@@ -109,7 +109,13 @@ impl Manager {
         // destroyed may have made its directory again).
         self.forget_secrets(&sb);
         self.remove_records(&name);
-        self.ensure_disk(&sb).await;
+        let mounted = match self.mounted_new(&sb).await {
+            Ok(m) => m,
+            Err(e) => {
+                self.forget(&name);
+                return Err(e);
+            }
+        };
         let seeded = seed(&sb).await;
         let prepared = match seeded {
             Ok(()) => self.prepare_dirs(&sb).await,
@@ -124,10 +130,13 @@ impl Manager {
                 let _ = self
                     .remove_tree(&self.store.registry().sandbox_dir(&name))
                     .await;
+                drop(mounted);
+                self.forget_uses(&sb);
                 return Err(e);
             }
         };
         let done = self.update(&name, |s| s.creating = false)?;
+        drop(mounted);
         self.apply_sync_mode(&name);
         self.store.announce(Change::Added(name.clone()));
         tracing::info!(sandbox = %name, project = %done.project_path.display(), owner = done.owner, "sandbox created");
@@ -144,6 +153,7 @@ impl Manager {
         }
         tracing::warn!(sandbox = %name, "removing a directory an earlier sandbox of this name left");
         self.remove_records(name);
+        self.mount_leftover(name).await;
         self.remove_remotes(name, None).await;
         self.release_held(name);
         self.release_disk(name).await;
@@ -183,6 +193,15 @@ impl Manager {
             s.idle_stopped = false;
         })?;
         tracing::info!(sandbox = %name, "starting");
+        // Its directory stays mounted while it runs (a declared sandbox's
+        // image is made at its first start).
+        let mounted = match self.mounted_new(&sb).await {
+            Ok(m) => m,
+            Err(e) => {
+                self.transition(name, Event::StartFailed, |s| s.state_reason = e.to_string())?;
+                return Err(e);
+            }
+        };
         // Declared sandboxes get their workspace on first start.
         match self.prepare_dirs(&sb).await {
             Ok(notices) => {
@@ -218,10 +237,14 @@ impl Manager {
                     };
                 }
                 tracing::info!(sandbox = %name, init_pid = rt.init_pid, limits = %rt.limits, "running");
+                self.keep_mounted(name, mounted);
                 let sb = self.transition(name, Event::Started, |s| {
                     s.started_at = Some(SystemTime::now());
                     s.runtime = Some(rt);
                 })?;
+                if !self.watchers.lock().unwrap().contains_key(name) {
+                    self.apply_sync_mode(name);
+                }
                 self.monitor(name);
                 self.place_ca_files(&sb);
                 Ok(sb)
@@ -354,6 +377,12 @@ impl Manager {
         locks.gone.send_replace(true);
         let _sync = locks.sync.lock().await;
         let _worktrees = locks.worktrees.lock().await;
+        // Mounted, so that what its directory names is let go (and where
+        // it cannot be, what is left is removed at agentd's next start).
+        let mounted = self.mounted(&sb).await;
+        if let Err(e) = &mounted {
+            tracing::warn!(sandbox = %name, error = %e, "destroying a sandbox whose directory cannot be mounted");
+        }
         if let Ok(backend) = self.backend(sb.backend) {
             // What the backend keeps elsewhere goes first: if it cannot,
             // nothing has changed yet and the error says why.
@@ -393,6 +422,8 @@ impl Manager {
             tracing::warn!(sandbox = %name, error = %e, "cannot remove the sandbox's snapshots; they are removed at next start");
         }
         self.locks.lock().unwrap().remove(name);
+        drop(mounted);
+        self.forget_uses(&sb);
         self.store.announce(Change::Removed(name.to_owned()));
         tracing::info!(sandbox = %name, "destroyed");
         Ok(())

@@ -123,6 +123,7 @@ impl Manager {
         backend: &Arc<dyn Backend>,
     ) -> Result<Sandbox> {
         let name = sb.name.as_str();
+        let mounted = self.mounted(sb).await?;
         let rt = backend
             .start(&self.spec(sb))
             .await
@@ -130,6 +131,7 @@ impl Manager {
                 name: name.to_owned(),
                 source,
             })?;
+        self.keep_mounted(name, mounted);
         let sb = self.transition(name, Event::Resume, |s| {
             s.started_at = Some(SystemTime::now());
             s.runtime = Some(rt);
@@ -137,6 +139,9 @@ impl Manager {
         })?;
         self.monitor(name);
         self.place_ca_files(&sb);
+        if !self.watchers.lock().unwrap().contains_key(name) {
+            self.apply_sync_mode(name);
+        }
         tracing::info!(sandbox = %name, "resumed (started again)");
         Ok(sb)
     }

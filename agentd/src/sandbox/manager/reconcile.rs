@@ -68,6 +68,7 @@ impl Manager {
         for dir in self.store.registry().sandbox_dirs() {
             if !known.contains(&dir) || rolled_back.contains(&dir) {
                 tracing::info!(sandbox = %dir, "removing a leftover sandbox directory");
+                self.mount_leftover(&dir).await;
                 self.remove_remotes(&dir, None).await;
                 self.disk(&dir).release();
                 let _ = self
@@ -92,50 +93,39 @@ impl Manager {
                 self.disk(&name).release();
             }
         }
-        // Images mounted by an earlier agentd may be gone (a reboot, a new
-        // mount namespace): the host reads workspaces from here on.
+        // A sandbox that runs keeps its directory mounted (mounted again
+        // where an earlier agentd's mount is gone: a reboot, a new mount
+        // namespace); the others hold none (see `mounts`).
         for name in self.names() {
-            let Some(sb) = self.snapshot(&name) else {
+            let Some(sb) = self.snapshot(&name).filter(|s| s.runtime.is_some()) else {
                 continue;
             };
-            let disk = self.disk(&name);
-            if Self::has_disk_image(sb.backend) && disk.image.is_file() {
-                if let Err(e) = disk.ensure(sb.config.disk) {
-                    tracing::warn!(sandbox = %name, error = %e, "cannot mount the disk image");
+            match self.mounted(&sb).await {
+                Ok(m) => self.keep_mounted(&name, m),
+                Err(e) => {
+                    tracing::warn!(sandbox = %name, error = %e, "cannot mount the directory of a running sandbox");
                 }
             }
         }
-        for name in self.names() {
-            let dir = self.store.registry().sandbox_dir(&name);
-            crate::snapshots::finish_restore(&dir);
-            // Layers mounted again (after a reboot), and those an
-            // interrupted fork left removed.
-            crate::layers::prune(&dir, &crate::snapshots::TREES);
-            for tree in crate::snapshots::TREES {
-                if let Err(e) = crate::layers::mount(&dir.join(tree), &self.held()) {
-                    tracing::warn!(sandbox = %name, error = %e, "cannot mount the layers");
-                }
-            }
-        }
+        self.unmount_stopped();
         // Saved states held for sandboxes that are gone, or whose memory
-        // went without them (an agentd that died in between). Not while
-        // a sandbox's image is not mounted: the token files on it, which
-        // name what it holds, cannot be read.
-        let mounts = crate::disk::mount_points();
-        let unreadable: Vec<String> = self
-            .names()
-            .into_iter()
-            .filter(|n| self.tokens_unreadable(n, &mounts))
-            .collect();
-        if unreadable.is_empty() {
-            let named: Vec<_> = self
-                .names()
-                .iter()
-                .flat_map(|n| self.held_names(n))
-                .collect();
-            crate::held::prune(&self.held(), named);
-        } else {
-            tracing::warn!(sandboxes = ?unreadable, "their disk images are not mounted: held files are kept until they are");
+        // went without them (an agentd that died in between). What each
+        // sandbox names is read on its image, or from the list its last
+        // unmount wrote (an image whose mount was lost with its list is
+        // mounted for the time).
+        let known = self
+            .with_tokens_known(async || {
+                self.names()
+                    .iter()
+                    .map(|n| self.named_tokens(n).ok_or_else(|| n.clone()))
+                    .collect::<std::result::Result<Vec<_>, String>>()
+            })
+            .await;
+        match known {
+            Ok(named) => crate::held::prune(&self.held(), named.into_iter().flatten()),
+            Err(name) => {
+                tracing::warn!(sandbox = %name, "what it holds is not known: held files are kept until it is");
+            }
         }
         for name in self.names() {
             let Some(sb) = self.snapshot(&name) else {
@@ -275,5 +265,7 @@ impl Manager {
         for s in stops {
             s.await;
         }
+        // Their unmounts would wait two seconds, longer than agentd does.
+        self.unmount_stopped();
     }
 }

@@ -169,6 +169,7 @@ impl Manager {
     pub(super) fn write_ca_files(&self, sb: &Sandbox, cert_pem: &str) -> Result<()> {
         use std::os::unix::fs::PermissionsExt;
         let (name, id) = (sb.name.as_str(), sb.id.as_str());
+        let _mounted = self.mounted_now(sb)?;
         let dir = self.ca_dir();
         let io = |what: &'static str, path: &std::path::Path| {
             let path = path.to_owned();

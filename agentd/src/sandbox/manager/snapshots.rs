@@ -62,6 +62,7 @@ impl Manager {
         // Again, under the locks: the sandbox may have gone (or another
         // of the same name come) while they were waited for.
         let sb = self.get(caller, name)?;
+        let _mounted = self.mounted(&sb).await?;
         let label = snapshots::clean_label(label);
         let dest = {
             let store = self.snapshot_store();
@@ -193,6 +194,8 @@ impl Manager {
         // Again, under the locks: the sandbox may have gone (or another
         // of the same name come) while they were waited for.
         let sb = self.get(caller, name)?;
+        // (Mounted across the stop and start around it.)
+        let _mounted = self.mounted(&sb).await?;
         let (meta, snap_dir) = self.load_own_snapshot(&sb, &sb, id).await?;
         let backend = Arc::clone(self.backend(sb.backend)?);
         self.check_settled(&sb, "restore")?;
@@ -272,6 +275,8 @@ impl Manager {
         if !problems.is_empty() {
             return Err(Error::Invalid(problems));
         }
+        // What is copied from its directory, mounted till the fork is made.
+        let _src_mounted = self.mounted(&src).await?;
         let from = match &opts.from {
             Some(id) => Some(self.load_own_snapshot(&src, &src, id).await?),
             None => None,
