@@ -165,3 +165,31 @@ fn an_auto_commit_sandbox_is_watched_while_it_runs_and_synced_at_its_stop() {
         common::host_ref(&repo, "refs/remotes/sandbox/auto/main").as_deref() == Some(head.as_str())
     });
 }
+
+/// An `auto-idle` sandbox stopped before its quiet time is over: the
+/// snapshot of its uncommitted work that was due is taken at the stop
+/// (its watch asks for what was due as it ends), and reaches the host.
+#[test]
+fn an_auto_idle_sandbox_stopped_early_keeps_its_uncommitted_work() {
+    let env = Env::new();
+    let repo = env.repo("idle");
+    env.ok(&["create", "--sync-mode", "auto-idle", repo.to_str().unwrap()]);
+    env.ok(&["set", "idle", "--sync-idle-seconds", "600"]);
+    env.ok(&["start", "idle"]);
+    // Watched (its start applied the mode) before the edit.
+    let pid = env.agentd_pid();
+    wait_for("the workspace watched", Duration::from_secs(10), || {
+        common::inotify_watches(pid) > 0
+    });
+    env.sh("idle", "echo draft > /workspace/draft.txt");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(common::host_ref(&repo, "refs/remotes/sandbox/idle/wip/main").is_none());
+    env.ok(&["stop", "idle"]);
+    wait_for("the snapshot on the host", Duration::from_secs(20), || {
+        common::host_ref(&repo, "refs/remotes/sandbox/idle/wip/main").is_some()
+    });
+    assert_eq!(
+        common::git(&repo, &["show", "sandbox/idle/wip/main:draft.txt"]),
+        "draft\n"
+    );
+}

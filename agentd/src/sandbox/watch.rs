@@ -83,27 +83,32 @@ pub struct Handle {
     task: tokio::task::JoinHandle<()>,
     /// Write end of the watch thread's stop pipe: closing it ends the thread
     /// (and with it the inotify instance and all its watches).
-    _stop: Option<OwnedFd>,
+    stop: Option<OwnedFd>,
 }
 
 impl Handle {
     /// A watcher that is only `task` (the backend watches, elsewhere).
     #[must_use]
     pub fn of_task(task: tokio::task::JoinHandle<()>) -> Self {
-        Self { task, _stop: None }
+        Self { task, stop: None }
     }
 
     /// Whether it watches the sandbox's directory on the host (a watch
     /// thread), not the backend's word.
     #[must_use]
     pub fn on_host(&self) -> bool {
-        self._stop.is_some()
+        self.stop.is_some()
     }
 }
 
 impl Drop for Handle {
     fn drop(&mut self) {
-        self.task.abort();
+        // A watch of the host's directory ends with its thread (its stop
+        // pipe closes with this handle), and its task with it, once it has
+        // asked for what was due: only a backend's task is cut short.
+        if self.stop.is_none() {
+            self.task.abort();
+        }
     }
 }
 
@@ -169,7 +174,17 @@ pub fn start(
             tokio::select! {
                 msg = rx.recv() => {
                     match msg {
-                        None => return,
+                        // The watch ended (its handle dropped: a stop, another
+                        // mode): what was due later is asked for now.
+                        None => {
+                            for wt in idle_due.into_keys() {
+                                let _ = events.send(Event::Snapshot(wt));
+                            }
+                            if refs.due.is_some() {
+                                let _ = events.send(Event::Sync);
+                            }
+                            return;
+                        }
                         Some(Msg::Change(Kind::Refs)) => refs.changed(Instant::now()),
                         Some(Msg::Change(Kind::File(wt))) if mode == SyncMode::AutoIdle => {
                             idle_due.insert(wt, Instant::now() + idle);
@@ -204,7 +219,7 @@ pub fn start(
     });
     Ok(Handle {
         task,
-        _stop: Some(stop_tx),
+        stop: Some(stop_tx),
     })
 }
 

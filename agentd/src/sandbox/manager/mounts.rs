@@ -31,11 +31,27 @@ use crate::disk::Disk;
 pub(super) const GRACE: Duration = Duration::from_secs(2);
 
 /// How many uses a sandbox's directory has now; `epoch` tells an
-/// unmount that waited [`GRACE`] whether a use came and went meanwhile.
+/// unmount that waited [`GRACE`] whether a use came and went meanwhile;
+/// `mounted`, which image file the uses mounted (none: its directory is
+/// a plain one, or its image is not made yet); `retired`, that the
+/// sandbox was destroyed (no use is taken, nothing is unmounted).
 #[derive(Debug, Default)]
 pub(super) struct Uses {
     count: usize,
     epoch: u64,
+    mounted: Option<Identity>,
+    retired: bool,
+}
+
+/// The device, inode and birth time of an image file: a file made later
+/// in its place (a new sandbox of the same name) is another.
+type Identity = (u64, u64, Option<std::time::SystemTime>);
+
+/// The uses of one sandbox, locked (a panic elsewhere under the lock
+/// does not make every later use panic too).
+fn lock(uses: &Mutex<Uses>) -> std::sync::MutexGuard<'_, Uses> {
+    uses.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// A sandbox's directory, mounted while this lives.
@@ -53,22 +69,22 @@ impl Mounted {
     }
 }
 
-/// One use of a sandbox's image (`image`: the device and inode of the
-/// file it mounted): its end may unmount it.
+/// One use of a sandbox's image (`image`: the file it mounted): its end
+/// may unmount it.
 #[derive(Debug)]
 struct Use {
     uses: Arc<Mutex<Uses>>,
     disk: Disk,
-    image: Option<(u64, u64)>,
+    image: Option<Identity>,
 }
 
 impl Drop for Use {
     fn drop(&mut self) {
         let (uses, disk, image) = (Arc::clone(&self.uses), self.disk.clone(), self.image);
         let epoch = {
-            let mut u = uses.lock().unwrap();
+            let mut u = lock(&uses);
             u.count -= 1;
-            if u.count > 0 {
+            if u.count > 0 || u.retired {
                 return;
             }
             u.epoch += 1;
@@ -82,30 +98,32 @@ impl Drop for Use {
                 rt.spawn(async move {
                     tokio::time::sleep(GRACE).await;
                     let _ = tokio::task::spawn_blocking(move || {
-                        let u = uses.lock().unwrap();
-                        if u.count == 0 && u.epoch == epoch && identity(&disk) == image {
-                            unmount(&disk);
-                        }
+                        unmount_unused(&uses, &disk, epoch, image);
                     })
                     .await;
                 });
             }
-            Err(_) => {
-                let u = uses.lock().unwrap();
-                if u.count == 0 && u.epoch == epoch && identity(&disk) == image {
-                    unmount(&disk);
-                }
-            }
+            Err(_) => unmount_unused(&uses, &disk, epoch, image),
         }
     }
 }
 
-/// The device and inode of `disk`'s image file, if it has one.
-fn identity(disk: &Disk) -> Option<(u64, u64)> {
+/// Unmount `disk` if nothing used it since the use that ended at `epoch`,
+/// and it is still the `image` that use mounted.
+fn unmount_unused(uses: &Mutex<Uses>, disk: &Disk, epoch: u64, image: Option<Identity>) {
+    let mut u = lock(uses);
+    if u.count == 0 && u.epoch == epoch && !u.retired && identity(disk) == image {
+        unmount(disk);
+        u.mounted = None;
+    }
+}
+
+/// The identity of `disk`'s image file, if it has one.
+fn identity(disk: &Disk) -> Option<Identity> {
     std::fs::symlink_metadata(&disk.image)
         .ok()
         .filter(std::fs::Metadata::is_file)
-        .map(|m| (m.dev(), m.ino()))
+        .map(|m| (m.dev(), m.ino(), m.created().ok()))
 }
 
 /// The token files in sandbox directory `dir` that name held files: its
@@ -177,27 +195,24 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
 }
 
 impl Manager {
-    /// The uses of the directory of the sandbox with id `id`.
-    fn uses(&self, id: &str) -> Arc<Mutex<Uses>> {
-        Arc::clone(
-            self.mounts
-                .lock()
-                .unwrap()
-                .entry(id.to_owned())
-                .or_default(),
-        )
+    /// The uses of the directory of sandbox `sb`, while it is the sandbox
+    /// of its name (checked under the map's lock, which `forget_uses`
+    /// takes too: a sandbox destroyed meanwhile gets none).
+    fn uses(&self, sb: &Sandbox) -> Result<Arc<Mutex<Uses>>> {
+        let mut mounts = self.mounts.lock().unwrap();
+        if self.snapshot(&sb.name).is_none_or(|now| now.id != sb.id) {
+            return Err(Error::NotFound(sb.name.clone()));
+        }
+        Ok(Arc::clone(mounts.entry(sb.id.clone()).or_default()))
     }
 
-    /// Forget the uses of destroyed sandbox `sb` (kept while one is still
-    /// held; its end finds the image gone).
+    /// Forget the uses of destroyed sandbox `sb` (after it left the
+    /// store): a use still held ends without unmounting anything.
     pub(super) fn forget_uses(&self, sb: &Sandbox) {
         self.let_go(&sb.name);
         let mut mounts = self.mounts.lock().unwrap();
-        if mounts
-            .get(&sb.id)
-            .is_some_and(|u| Arc::strong_count(u) == 1)
-        {
-            mounts.remove(&sb.id);
+        if let Some(uses) = mounts.remove(&sb.id) {
+            lock(&uses).retired = true;
         }
     }
 
@@ -219,7 +234,7 @@ impl Manager {
         if !Self::has_disk_image(sb.backend) {
             return self.still_there(sb, None);
         }
-        let (uses, disk, held) = (self.uses(&sb.id), self.disk(&sb.name), self.held());
+        let (uses, disk, held) = (self.uses(sb)?, self.disk(&sb.name), self.held());
         let size = new.then_some(sb.config.disk);
         let used = tokio::task::spawn_blocking(move || take_use(&uses, &disk, size, &held))
             .await
@@ -237,7 +252,7 @@ impl Manager {
         if !Self::has_disk_image(sb.backend) {
             return self.still_there(sb, None);
         }
-        let (uses, disk) = (self.uses(&sb.id), self.disk(&sb.name));
+        let (uses, disk) = (self.uses(sb)?, self.disk(&sb.name));
         // Mounted already (it runs): no need to leave the async worker.
         let used = match one_more(&uses, &disk) {
             Some(used) => used,
@@ -301,8 +316,8 @@ impl Manager {
     /// [`named_tokens`]), read while nothing mounts or unmounts it.
     pub(super) fn named_tokens(&self, name: &str) -> Option<Vec<String>> {
         let sb = self.snapshot(name)?;
-        let uses = self.uses(&sb.id);
-        let _u = uses.lock().unwrap();
+        let uses = self.uses(&sb).ok()?;
+        let _u = lock(&uses);
         named_tokens(&self.disk(name))
     }
 
@@ -340,10 +355,13 @@ impl Manager {
             if sb.runtime.is_some() || !Self::has_disk_image(sb.backend) {
                 continue;
             }
-            let uses = self.uses(&sb.id);
-            let u = uses.lock().unwrap();
+            let Ok(uses) = self.uses(&sb) else {
+                continue;
+            };
+            let mut u = lock(&uses);
             if u.count == 0 {
                 unmount(&self.disk(&name));
+                u.mounted = None;
             }
         }
     }
@@ -353,6 +371,7 @@ impl Manager {
 enum Taken {
     Disk(crate::disk::DiskError),
     Layers(crate::snapshots::SnapshotError),
+    Gone,
 }
 
 impl Taken {
@@ -367,19 +386,21 @@ impl Taken {
                 name: name.to_owned(),
                 source,
             },
+            Self::Gone => Error::NotFound(name.to_owned()),
         }
     }
 }
 
-/// Another use of `disk` where it has one already.
+/// Another use of `disk` where its image is mounted for the uses it has
+/// (without waiting for one being mounted now).
 fn one_more(uses: &Arc<Mutex<Uses>>, disk: &Disk) -> Option<Use> {
-    let mut u = uses.lock().unwrap();
-    (u.count > 0).then(|| {
+    let mut u = uses.try_lock().ok()?;
+    (u.count > 0 && u.mounted.is_some() && !u.retired).then(|| {
         u.count += 1;
         Use {
             uses: Arc::clone(uses),
             disk: disk.clone(),
-            image: identity(disk),
+            image: u.mounted,
         }
     })
 }
@@ -393,8 +414,14 @@ fn take_use(
     new: Option<u32>,
     held: &Path,
 ) -> std::result::Result<Use, Taken> {
-    let mut u = uses.lock().unwrap();
-    if u.count == 0 {
+    let mut u = lock(uses);
+    if u.retired {
+        return Err(Taken::Gone);
+    }
+    // The image is mounted by the first use, or by the first that comes
+    // once there is one (a use taken while a new sandbox's image was not
+    // made yet mounted nothing).
+    if u.mounted.is_none() || !crate::disk::is_mount_point(&disk.dir) {
         if disk.image.is_file() {
             // (An image that exists keeps its size.)
             disk.ensure(0).map_err(Taken::Disk)?;
@@ -409,16 +436,23 @@ fn take_use(
                 }
             }
         }
-        // Known from the image itself from now on (see the module's text).
         if crate::disk::is_mount_point(&disk.dir) {
+            u.mounted = identity(disk);
+            // Known from the image itself from now on (see the module's
+            // text).
             let _ = std::fs::remove_file(disk.held_list());
         }
+    }
+    // What an interrupted restore or fork left is finished, and the
+    // layered trees mounted, while nothing else uses the directory.
+    if u.count == 0 {
         let dir = &disk.dir;
         crate::snapshots::finish_restore(dir);
         crate::layers::prune(dir, &crate::snapshots::TREES);
         for tree in crate::snapshots::TREES {
             if let Err(e) = crate::layers::mount(&dir.join(tree), held) {
                 unmount(disk);
+                u.mounted = None;
                 return Err(Taken::Layers(e));
             }
         }
@@ -427,6 +461,6 @@ fn take_use(
     Ok(Use {
         uses: Arc::clone(uses),
         disk: disk.clone(),
-        image: identity(disk),
+        image: u.mounted,
     })
 }
