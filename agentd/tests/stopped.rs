@@ -38,6 +38,22 @@ fn wait_unmounted(dir: &Path) {
     });
 }
 
+/// Wait until sandbox `name` holds no mount and no loop device, then
+/// check that nothing of it is on the host's file system outside its
+/// image (`dir` is empty) and that what it names of the held files is
+/// written beside the image.
+fn wait_holding_nothing(env: &Env, name: &str) {
+    let dir = env.state_dir.join("sandboxes").join(name);
+    let image = env.state_dir.join(format!("disks/{name}.img"));
+    wait_unmounted(&dir);
+    wait_for("the loop device freed", Duration::from_secs(10), || {
+        loop_devices_of(&image).is_empty()
+    });
+    let shown: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert!(shown.is_empty(), "{shown:?}");
+    assert!(env.state_dir.join(format!("disks/{name}.held")).is_file());
+}
+
 #[test]
 fn a_stopped_sandbox_holds_no_mount_and_what_reads_it_mounts_it_for_the_time() {
     if !common::is_root() {
@@ -56,15 +72,7 @@ fn a_stopped_sandbox_holds_no_mount_and_what_reads_it_mounts_it_for_the_time() {
     );
 
     env.ok(&["stop", "cold"]);
-    wait_unmounted(&dir);
-    wait_for("the loop device freed", Duration::from_secs(10), || {
-        loop_devices_of(&image).is_empty()
-    });
-    // Nothing of it is on the host's file system outside its image.
-    let shown: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
-    assert!(shown.is_empty(), "{shown:?}");
-    // What it names of the held files is written beside the image.
-    assert!(env.state_dir.join("disks/cold.held").is_file());
+    wait_holding_nothing(&env, "cold");
     // (`status` reads Holds first; its egress log part mounts the image.)
     assert_eq!(
         env.status("cold")["holds"],
@@ -86,13 +94,7 @@ fn a_stopped_sandbox_holds_no_mount_and_what_reads_it_mounts_it_for_the_time() {
     env.ok(&["set", "cold", "--sync-idle-seconds", "45"]);
     // ... and lets go of it once nothing reads it, with nothing written
     // outside the image meanwhile.
-    wait_unmounted(&dir);
-    wait_for("the loop device freed", Duration::from_secs(10), || {
-        loop_devices_of(&image).is_empty()
-    });
-    let shown: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
-    assert!(shown.is_empty(), "{shown:?}");
-    assert!(env.state_dir.join("disks/cold.held").is_file());
+    wait_holding_nothing(&env, "cold");
 
     // An agentd killed and started again leaves it unmounted; its start
     // mounts it, with what was written on it while it was stopped.
