@@ -255,3 +255,102 @@ fn bad_forges_are_refused_with_every_problem() {
         Some(1)
     );
 }
+
+/// Another local user can neither list, add nor remove a sandbox's
+/// forges: each call is refused as another user's, and nothing changes.
+#[test]
+fn another_user_can_neither_see_nor_change_a_sandbox_s_forges() {
+    if !common::is_root() {
+        eprintln!("skipped: needs root to run as another uid");
+        return;
+    }
+    let env = Env::running("theirs", &[]);
+    let token = std::env::temp_dir().join(format!("ks-forge-token-{}", std::process::id()));
+    std::fs::write(&token, "tok-0123456789abcdef\n").unwrap();
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let t = token.to_str().unwrap();
+    let url = format!("https://{HOST}/acme/app");
+    env.ok(&[
+        "forge",
+        "allow",
+        "theirs",
+        &url,
+        "--token-file",
+        t,
+        "--branches",
+        "agent/*",
+    ]);
+    let before = env.ok(&["forge", "list", "theirs", "--json"]);
+    let other = format!("https://{HOST}/acme/other");
+    for args in [
+        vec!["forge", "list", "theirs", "--json"],
+        vec![
+            "forge",
+            "allow",
+            "theirs",
+            &other,
+            "--token-file",
+            t,
+            "--branches",
+            "*",
+        ],
+        vec!["forge", "rm", "theirs", &url],
+    ] {
+        let out = env.ctl_as(Some(65534), &args);
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert_eq!(out.status.code(), Some(4), "{args:?}: {stdout} {stderr}");
+        assert!(stderr.contains("another user"), "{args:?}: {stderr}");
+        assert!(!stdout.contains("acme"), "{args:?}: {stdout}");
+    }
+    // The methods themselves refuse, not only agentctl's lookup.
+    let busctl = |member: &str, args: &[&str]| {
+        use std::os::unix::process::CommandExt;
+        std::process::Command::new("busctl")
+            .arg(format!("--address={}", env.address))
+            .args([
+                "call",
+                "org.keystone.Agent1",
+                "/org/keystone/Agent1/sandbox/theirs",
+                "org.keystone.Agent1.Secrets",
+                member,
+            ])
+            .args(args)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap()
+    };
+    for (member, args) in [
+        ("Forges", vec![]),
+        ("RemoveForge", vec!["s", url.as_str()]),
+        (
+            "AllowForge",
+            vec![
+                "ssasbay",
+                other.as_str(),
+                "",
+                "1",
+                "*",
+                "false",
+                "3",
+                "97",
+                "98",
+                "99",
+            ],
+        ),
+    ] {
+        let out = busctl(member, &args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{member}: {out:?}");
+        assert!(stderr.contains("another user"), "{member}: {stderr}");
+    }
+    std::fs::remove_file(&token).unwrap();
+    assert_eq!(env.ok(&["forge", "list", "theirs", "--json"]), before);
+    assert!(
+        before.contains("acme/app") && !before.contains("acme/other"),
+        "{before}"
+    );
+}
