@@ -137,15 +137,8 @@ fn auto_idle_snapshots_uncommitted_work_without_touching_it() {
 /// last commit still comes home.
 #[test]
 fn a_sandbox_that_commits_without_end_gets_ten_syncs_a_second() {
-    let env = Env::new();
+    let env = Env::running("busy", &["--sync-mode", "auto-commit"]);
     let repo = env.repo("busy");
-    env.ok(&[
-        "create",
-        "--sync-mode",
-        "auto-commit",
-        repo.to_str().unwrap(),
-    ]);
-    env.ok(&["start", "busy"]);
     let synced = |env: &Env| env.log().matches("sandbox=busy direction").count();
     let before = synced(&env);
     let start = std::time::Instant::now();

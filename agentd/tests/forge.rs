@@ -306,23 +306,6 @@ fn another_user_can_neither_see_nor_change_a_sandbox_s_forges() {
         assert!(!stdout.contains("acme"), "{args:?}: {stdout}");
     }
     // The methods themselves refuse, not only agentctl's lookup.
-    let busctl = |member: &str, args: &[&str]| {
-        use std::os::unix::process::CommandExt;
-        std::process::Command::new("busctl")
-            .arg(format!("--address={}", env.address))
-            .args([
-                "call",
-                "org.keystone.Agent1",
-                "/org/keystone/Agent1/sandbox/theirs",
-                "org.keystone.Agent1.Secrets",
-                member,
-            ])
-            .args(args)
-            .uid(65534)
-            .gid(65534)
-            .output()
-            .unwrap()
-    };
     for (member, args) in [
         ("Forges", vec![]),
         ("RemoveForge", vec!["s", url.as_str()]),
@@ -342,7 +325,7 @@ fn another_user_can_neither_see_nor_change_a_sandbox_s_forges() {
             ],
         ),
     ] {
-        let out = busctl(member, &args);
+        let out = env.busctl_as(Some(65534), "call", ("theirs", "Secrets", member), &args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{member}: {out:?}");
         assert!(stderr.contains("another user"), "{member}: {stderr}");

@@ -522,20 +522,7 @@ fn a_partial_reflection_is_masked() {
 /// `busctl call` of the sandbox's Secrets `method` as `uid`; whether it
 /// succeeded, and what it printed.
 fn bus(env: &Env, uid: Option<u32>, method: &str, args: &[&str]) -> (bool, String) {
-    let mut c = Command::new("busctl");
-    c.arg(format!("--address={}", env.address))
-        .args([
-            "call",
-            "org.keystone.Agent1",
-            "/org/keystone/Agent1/sandbox/sec",
-            "org.keystone.Agent1.Secrets",
-            method,
-        ])
-        .args(args);
-    if let Some(u) = uid {
-        c.uid(u).gid(u);
-    }
-    let out = c.output().unwrap();
+    let out = env.busctl_as(uid, "call", ("sec", "Secrets", method), args);
     (
         out.status.success(),
         format!(

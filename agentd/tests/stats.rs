@@ -10,7 +10,6 @@ mod common;
 
 use std::io::BufRead;
 use std::net::IpAddr;
-use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -243,19 +242,7 @@ fn a_stopped_sandbox_says_so_and_another_user_reads_nothing() {
         // The method itself checks, not only GetSandbox; and the Holds
         // property.
         let as_nobody = |verb: &str, member: &str| {
-            std::process::Command::new("busctl")
-                .arg(format!("--address={}", env.address))
-                .args([
-                    verb,
-                    "org.keystone.Agent1",
-                    "/org/keystone/Agent1/sandbox/own",
-                    "org.keystone.Agent1.Sandbox",
-                    member,
-                ])
-                .uid(NOBODY)
-                .gid(NOBODY)
-                .output()
-                .unwrap()
+            env.busctl_as(Some(NOBODY), verb, ("own", "Sandbox", member), &[])
         };
         let call = as_nobody("call", "GetStats");
         let err = String::from_utf8_lossy(&call.stderr);

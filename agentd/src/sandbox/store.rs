@@ -73,6 +73,16 @@ impl SandboxStore {
         self.map.lock().unwrap().get(name).cloned()
     }
 
+    /// Whether sandbox `name` is the one with id `id` (no copy made).
+    #[must_use]
+    pub fn is_current(&self, name: &str, id: &str) -> bool {
+        self.map
+            .lock()
+            .unwrap()
+            .get(name)
+            .is_some_and(|s| s.id == id)
+    }
+
     /// Names of all sandboxes.
     #[must_use]
     pub fn names(&self) -> Vec<String> {

@@ -360,6 +360,33 @@ impl Env {
         cmd.output().unwrap()
     }
 
+    /// `busctl VERB` (`call`, `get-property`) of `member` of interface
+    /// `org.keystone.Agent1.IFACE` on sandbox `name`'s object, with
+    /// `args`, as `uid` when given (root only).
+    pub fn busctl_as(
+        &self,
+        uid: Option<u32>,
+        verb: &str,
+        (name, iface, member): (&str, &str, &str),
+        args: &[&str],
+    ) -> Output {
+        let mut cmd = Command::new("busctl");
+        cmd.arg(format!("--address={}", self.address))
+            .args([
+                verb,
+                "org.keystone.Agent1",
+                &format!("/org/keystone/Agent1/sandbox/{name}"),
+                &format!("org.keystone.Agent1.{iface}"),
+                member,
+            ])
+            .args(args)
+            .stdin(Stdio::null());
+        if let Some(uid) = uid {
+            cmd.uid(uid).gid(uid);
+        }
+        cmd.output().unwrap()
+    }
+
     /// agentctl that must succeed; returns stdout.
     pub fn ok(&self, args: &[&str]) -> String {
         let out = self.ctl(args);

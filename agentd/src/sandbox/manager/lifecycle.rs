@@ -242,11 +242,7 @@ impl Manager {
                     s.started_at = Some(SystemTime::now());
                     s.runtime = Some(rt);
                 })?;
-                if !self.watchers.lock().unwrap().contains_key(name) {
-                    self.apply_sync_mode(name);
-                }
-                self.monitor(name);
-                self.place_ca_files(&sb);
+                self.now_running(&sb);
                 Ok(sb)
             }
             Err(e) => {
@@ -261,6 +257,17 @@ impl Manager {
                 })
             }
         }
+    }
+
+    /// What sandbox `sb`, just started (or resumed from parked), gets from
+    /// agentd: its workspace watched as its sync mode says, its end
+    /// watched, its CA files placed.
+    pub(super) fn now_running(self: &Arc<Self>, sb: &Sandbox) {
+        if !self.watchers.lock().unwrap().contains_key(&sb.name) {
+            self.apply_sync_mode(&sb.name);
+        }
+        self.monitor(&sb.name);
+        self.place_ca_files(sb);
     }
 
     /// Watch a running sandbox and record it as stopped if its processes

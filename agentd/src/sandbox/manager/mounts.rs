@@ -200,7 +200,7 @@ impl Manager {
     /// takes too: a sandbox destroyed meanwhile gets none).
     fn uses(&self, sb: &Sandbox) -> Result<Arc<Mutex<Uses>>> {
         let mut mounts = self.mounts.lock().unwrap();
-        if self.snapshot(&sb.name).is_none_or(|now| now.id != sb.id) {
+        if !self.store.is_current(&sb.name, &sb.id) {
             return Err(Error::NotFound(sb.name.clone()));
         }
         Ok(Arc::clone(mounts.entry(sb.id.clone()).or_default()))
@@ -265,7 +265,7 @@ impl Manager {
     /// `used` as [`Mounted`] while sandbox `sb` is still the one of its
     /// name (a destroy may have come meanwhile: its use then ends here).
     fn still_there(&self, sb: &Sandbox, used: Option<Use>) -> Result<Mounted> {
-        if self.snapshot(&sb.name).is_none_or(|now| now.id != sb.id) {
+        if !self.store.is_current(&sb.name, &sb.id) {
             return Err(Error::NotFound(sb.name.clone()));
         }
         Ok(Mounted {

@@ -137,11 +137,7 @@ impl Manager {
             s.runtime = Some(rt);
             s.state_reason.clear();
         })?;
-        self.monitor(name);
-        self.place_ca_files(&sb);
-        if !self.watchers.lock().unwrap().contains_key(name) {
-            self.apply_sync_mode(name);
-        }
+        self.now_running(&sb);
         tracing::info!(sandbox = %name, "resumed (started again)");
         Ok(sb)
     }
