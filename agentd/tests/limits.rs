@@ -142,9 +142,11 @@ fn a_new_sandbox_s_disk_takes_almost_nothing_on_the_host() {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(&image).unwrap();
     assert_eq!(m.len(), 10240 << 20);
+    // Its file system's metadata, written at once, and the workspace:
+    // about 0.4 MiB (4.3 MiB more with blocks kept for growing it online).
     let allocated = m.blocks() * 512;
     assert!(
-        allocated < 16 << 20,
+        allocated < 2 << 20,
         "a new sandbox's image takes {} MiB on the host",
         allocated >> 20
     );

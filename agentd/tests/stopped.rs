@@ -12,15 +12,19 @@ use std::time::Duration;
 
 use common::{Env, json, wait_for};
 
-/// The loop devices bound to `image` now.
+/// The loop devices bound to `image` now (or to the file it named, once
+/// deleted).
 fn loop_devices_of(image: &Path) -> Vec<String> {
     let Ok(dir) = std::fs::read_dir("/sys/block") else {
         return Vec::new();
     };
+    let deleted = format!("{} (deleted)", image.display());
     dir.flatten()
         .filter(|e| {
-            std::fs::read_to_string(e.path().join("loop/backing_file"))
-                .is_ok_and(|b| Path::new(b.trim_end_matches('\n')) == image)
+            std::fs::read_to_string(e.path().join("loop/backing_file")).is_ok_and(|b| {
+                let b = b.trim_end_matches('\n');
+                Path::new(b) == image || b == deleted
+            })
         })
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect()
@@ -121,6 +125,13 @@ fn a_stopped_sandbox_holds_no_mount_and_what_reads_it_mounts_it_for_the_time() {
     env.ok(&["stop", "cold"]);
     env.ok(&["destroy", "--force", "cold"]);
     assert!(!image.exists() && !dir.exists());
+    // Its file system ends after the destroy has answered; then its loop
+    // device is freed.
+    wait_for(
+        "the destroyed image's loop device freed",
+        Duration::from_secs(10),
+        || loop_devices_of(&image).is_empty(),
+    );
     let repo = env.repo("cold");
     env.ok(&["create", "--name", "cold", repo.to_str().unwrap()]);
     env.ok(&["start", "cold"]);

@@ -42,7 +42,10 @@ impl Manager {
     /// Unmount and delete sandbox `name`'s disk image.
     pub(super) async fn release_disk(&self, name: &str) {
         let disk = self.disk(name);
-        let _ = tokio::task::spawn_blocking(move || disk.release()).await;
+        if let Ok(Some(ending)) = tokio::task::spawn_blocking(move || disk.release_ending()).await {
+            // Its file system ends off the caller's path.
+            tokio::task::spawn_blocking(move || drop(ending));
+        }
     }
 
     /// Check, as `uid`, that `path` is a readable git repository; its
@@ -210,10 +213,15 @@ impl Manager {
                     notices.lock().unwrap().push(message);
                 }
             };
-            self.helpers
-                .prepare(owner, &prep, &events)
-                .await
-                .map_err(|e| wsfail(e.into()))?;
+            // Its settings are written while the clone runs (the save
+            // below then finds them there).
+            let config = {
+                let (registry, sb) = (self.store.registry().clone(), sb.clone());
+                tokio::task::spawn_blocking(move || registry.save_config(&sb))
+            };
+            let prepared = self.helpers.prepare(owner, &prep, &events).await;
+            let _ = config.await;
+            prepared.map_err(|e| wsfail(e.into()))?;
             {
                 let partial = partial.clone();
                 blocking(Box::new(move || {
