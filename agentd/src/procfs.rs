@@ -72,20 +72,29 @@ pub fn cmdline(pid: i32) -> Option<Vec<String>> {
 /// Every live (non-zombie) pid on the host.
 #[must_use]
 pub fn pids() -> Vec<i32> {
-    let Ok(dir) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-        .filter(|pid| state(*pid).is_some_and(|s| s != 'Z'))
-        .collect()
+    every_pid().filter(|pid| is_live(*pid)).collect()
+}
+
+/// Every pid on the host, zombies included.
+fn every_pid() -> impl Iterator<Item = i32> {
+    fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+}
+
+/// Whether `pid` is there and not a zombie. (Reading `stat` costs the
+/// kernel more than the other files here: the scans below look at it last,
+/// for the few pids that matched.)
+fn is_live(pid: i32) -> bool {
+    state(pid).is_some_and(|s| s != 'Z')
 }
 
 /// Live processes whose PID namespace is `ns`.
 #[must_use]
 pub fn pids_in_ns(ns: u64) -> Vec<i32> {
-    pids()
-        .into_iter()
-        .filter(|p| pid_ns(*p) == Some(ns))
+    every_pid()
+        .filter(|p| pid_ns(*p) == Some(ns) && is_live(*p))
         .collect()
 }
 
@@ -93,12 +102,13 @@ pub fn pids_in_ns(ns: u64) -> Vec<i32> {
 /// the given leading arguments (argv[0] is ignored).
 #[must_use]
 pub fn pids_with_args(args: &[&str]) -> Vec<(i32, Vec<String>)> {
-    pids()
-        .into_iter()
+    every_pid()
         .filter_map(|p| {
             let cl = cmdline(p)?;
-            (cl.len() > args.len() && cl[1..=args.len()].iter().zip(args).all(|(a, b)| a == b))
-                .then_some((p, cl))
+            (cl.len() > args.len()
+                && cl[1..=args.len()].iter().zip(args).all(|(a, b)| a == b)
+                && is_live(p))
+            .then_some((p, cl))
         })
         .collect()
 }

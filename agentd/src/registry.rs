@@ -182,15 +182,34 @@ impl Registry {
         Ok(atomic_write(&self.file(), &body)?)
     }
 
-    /// Write `sandboxes/<name>/config.json` atomically.
+    /// Write `sandboxes/<name>/config.json` atomically, unless it holds
+    /// that already (every start saves it).
     pub fn save_config(&self, sandbox: &Sandbox) -> Result<(), RegistryError> {
         let mut body = serde_json::to_vec_pretty(&sandbox.config).expect("config serializes");
         body.push(b'\n');
-        Ok(atomic_write(
-            &self.sandbox_dir(&sandbox.name).join("config.json"),
-            &body,
-        )?)
+        let path = self.sandbox_dir(&sandbox.name).join("config.json");
+        if holds(&path, &body) {
+            return Ok(());
+        }
+        Ok(atomic_write(&path, &body)?)
     }
+}
+
+/// Whether the file at `path` (not a link) holds exactly `bytes`.
+fn holds(path: &Path, bytes: &[u8]) -> bool {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(f) = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(path)
+    else {
+        return false;
+    };
+    let mut held = Vec::with_capacity(bytes.len());
+    f.take(bytes.len() as u64 + 1)
+        .read_to_end(&mut held)
+        .is_ok_and(|_| held == bytes)
 }
 
 fn parse(path: &Path, bytes: &[u8]) -> Result<Vec<Sandbox>, RegistryError> {

@@ -64,6 +64,16 @@ class Daemon:
                 sys.exit(f"agentd did not come up; see {self.tmp / 'agentd.log'}")
             time.sleep(0.05)
 
+    def wait_unmounted(self, limit=60):
+        """Wait until no sandbox's disk image is mounted (stopped sandboxes'
+        images are unmounted two seconds after their last use)."""
+        prefix = str(self.state / "sandboxes") + "/"
+        deadline = time.time() + limit
+        while any(line.split()[4].startswith(prefix) for line in open("/proc/self/mountinfo")):
+            if time.time() > deadline:
+                sys.exit(f"sandbox images still mounted after {limit} s")
+            time.sleep(0.1)
+
     def run(self, *args, **kw):
         p = subprocess.run(self.ctl + list(args), capture_output=True, text=True, **kw)
         if p.returncode:

@@ -390,7 +390,8 @@ impl Manager {
         if let Err(e) = &mounted {
             tracing::warn!(sandbox = %name, error = %e, "destroying a sandbox whose directory cannot be mounted");
         }
-        if let Ok(backend) = self.backend(sb.backend) {
+        let backend = self.backend(sb.backend).ok().map(Arc::clone);
+        if let Some(backend) = &backend {
             // What the backend keeps elsewhere goes first: if it cannot,
             // nothing has changed yet and the error says why.
             backend
@@ -400,20 +401,26 @@ impl Manager {
                     name: name.to_owned(),
                     source,
                 })?;
-            backend.kill_strays(&self.live_runtimes_except(name));
         }
         self.watchers.lock().unwrap().remove(name);
         self.stop_listening(name);
-        // The remote it added to the host repository, while the registry
-        // still says where that is (the refs stay).
-        self.remove_remotes(name, Some(&sb)).await;
-        // Its secrets before the registry: a crash in between leaves a
-        // sandbox without secrets, never secrets without their sandbox.
-        self.forget_secrets(&sb);
-        // Registry first: a crash after this leaves only a directory, which
-        // the next start removes.
-        self.forget(name);
-        self.release_held(name);
+        let forget = async {
+            if let Some(backend) = backend {
+                let keep = self.live_runtimes_except(name);
+                let _ = tokio::task::spawn_blocking(move || backend.kill_strays(&keep)).await;
+            }
+            // Its secrets before the registry: a crash in between leaves a
+            // sandbox without secrets, never secrets without their sandbox.
+            self.forget_secrets(&sb);
+            // Registry first: a crash after this leaves only a directory
+            // (which still says which remote it added), and the next start
+            // removes both.
+            self.forget(name);
+            self.release_held(name);
+        };
+        // Meanwhile, the remote it added to the host repository (the refs
+        // stay): its record is in the directory, which stays until both end.
+        tokio::join!(self.remove_remotes(name, Some(&sb)), forget);
         self.release_disk(name).await;
         self.remove_records(name);
         let removed = self
