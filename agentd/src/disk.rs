@@ -209,48 +209,13 @@ impl Disk {
 
     fn make_image(&self, size_mib: u32) -> Result<(), DiskError> {
         let disks = self.image.parent().expect("the image is in disks/");
-        fs::create_dir_all(disks).map_err(io("create", disks))?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            fs::set_permissions(disks, fs::Permissions::from_mode(0o700))
-                .map_err(io("restrict", disks))?;
+        make_disks_dir(disks)?;
+        // The spare made for the next sandbox of this size, if there is one.
+        if fs::rename(spare(disks, size_mib), &self.image).is_ok() {
+            return Ok(());
         }
         let tmp = self.image.with_extension("img.tmp");
-        let _ = fs::remove_file(&tmp);
-        // A new file, sparse: its journal reads as zeros already, and
-        // writing them (64 MiB for 10 GiB) would cost every sandbox that
-        // much of the host's disk before it holds anything.
-        // No blocks kept for growing it online (`resize_inode`): agentd
-        // never grows an image, and they are 4 MiB of the host's disk for
-        // 10 GiB and half the time mke2fs takes.
-        let out = crate::child::end_with_us(&mut Command::new("mke2fs"))
-            .args([
-                "-q",
-                "-F",
-                "-t",
-                "ext4",
-                "-m",
-                "1",
-                "-O",
-                "^resize_inode",
-                "-E",
-            ])
-            .arg("root_owner=0:0,lazy_journal_init=1")
-            .arg(&tmp)
-            .arg(format!("{size_mib}M"))
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| DiskError::Tool {
-                tool: "mke2fs",
-                message: format!("{e} (install e2fsprogs)"),
-            })?;
-        if !out.status.success() {
-            let _ = fs::remove_file(&tmp);
-            return Err(DiskError::Tool {
-                tool: "mke2fs",
-                message: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            });
-        }
+        format(&tmp, size_mib)?;
         fs::rename(&tmp, &self.image).map_err(io("create", &self.image))
     }
 
@@ -318,6 +283,87 @@ impl Disk {
     }
 }
 
+/// `disks/`, made if need be, agentd's alone.
+fn make_disks_dir(disks: &Path) -> Result<(), DiskError> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::create_dir_all(disks).map_err(io("create", disks))?;
+    fs::set_permissions(disks, fs::Permissions::from_mode(0o700)).map_err(io("restrict", disks))
+}
+
+/// Make a new image of `size_mib` at `path` (replacing what is there).
+fn format(path: &Path, size_mib: u32) -> Result<(), DiskError> {
+    let _ = fs::remove_file(path);
+    // A new file, sparse: its journal reads as zeros already, and writing
+    // them (64 MiB for 10 GiB) would cost every sandbox that much of the
+    // host's disk before it holds anything. No blocks kept for growing it
+    // online (`resize_inode`): agentd never grows an image, and they are
+    // 4 MiB of the host's disk for 10 GiB and half the time mke2fs takes.
+    let out = crate::child::end_with_us(&mut Command::new("mke2fs"))
+        .args([
+            "-q",
+            "-F",
+            "-t",
+            "ext4",
+            "-m",
+            "1",
+            "-O",
+            "^resize_inode",
+            "-E",
+        ])
+        .arg("root_owner=0:0,lazy_journal_init=1")
+        .arg(path)
+        .arg(format!("{size_mib}M"))
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| DiskError::Tool {
+            tool: "mke2fs",
+            message: format!("{e} (install e2fsprogs)"),
+        })?;
+    if !out.status.success() {
+        let _ = fs::remove_file(path);
+        return Err(DiskError::Tool {
+            tool: "mke2fs",
+            message: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// The spare image for the next sandbox of `size_mib`: `disks/.spare-<MiB>`
+/// (not an `.img`, so never taken for a sandbox's leftover).
+fn spare(disks: &Path, size_mib: u32) -> PathBuf {
+    disks.join(format!(".spare-{size_mib}"))
+}
+
+/// Have an image of `size_mib` ready in `state`'s `disks/`, formatted and
+/// never mounted, for the next sandbox made with that size: its create
+/// takes it with a rename instead of waiting for mke2fs. One spare is
+/// kept, of the size last asked for (others are removed). Blocking.
+pub fn make_spare(state: &Path, size_mib: u32) -> Result<(), DiskError> {
+    // One at a time: two makers would write the same temporary file.
+    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = MAKING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !nix::unistd::Uid::effective().is_root() {
+        return Err(DiskError::NotRoot);
+    }
+    let disks = state.join("disks");
+    make_disks_dir(&disks)?;
+    let path = spare(&disks, size_mib);
+    for e in fs::read_dir(&disks).map_err(io("read", &disks))?.flatten() {
+        if e.file_name().to_string_lossy().starts_with(".spare-") && e.path() != path {
+            let _ = fs::remove_file(e.path());
+        }
+    }
+    if path.is_file() {
+        return Ok(());
+    }
+    let tmp = crate::fsutil::beside(&path, ".tmp");
+    format(&tmp, size_mib)?;
+    fs::rename(&tmp, &path).map_err(io("create", &path))
+}
+
 /// Names of the images under `<state>/disks`.
 #[must_use]
 pub fn images(state: &Path) -> Vec<String> {
@@ -350,6 +396,37 @@ mod tests {
             assert!(d.describe(16).contains("created before disk limits"));
         }
         assert!(images(tmp.path()).is_empty());
+    }
+
+    #[test]
+    fn a_new_image_is_the_spare_made_before_it() {
+        use std::os::unix::fs::MetadataExt;
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: images need root");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let spare = tmp.path().join("disks/.spare-16");
+        make_spare(tmp.path(), 16).unwrap();
+        assert!(spare.is_file());
+        // One spare is kept, of the size last asked for.
+        make_spare(tmp.path(), 32).unwrap();
+        assert!(!spare.exists() && tmp.path().join("disks/.spare-32").is_file());
+        make_spare(tmp.path(), 16).unwrap();
+        let ino = fs::metadata(&spare).unwrap().ino();
+        let taken = Disk::new(tmp.path(), "taken");
+        taken.ensure(16).unwrap();
+        assert_eq!(fs::metadata(&taken.image).unwrap().ino(), ino);
+        assert!(!spare.exists() && is_mount_point(&taken.dir));
+        // Without a spare, one is made as before; a spare is no image.
+        let made = Disk::new(tmp.path(), "made");
+        made.ensure(16).unwrap();
+        assert!(is_mount_point(&made.dir));
+        let mut names = images(tmp.path());
+        names.sort();
+        assert_eq!(names, ["made", "taken"]);
+        taken.release();
+        made.release();
     }
 
     /// The loop devices bound to `image`.

@@ -152,6 +152,38 @@ fn a_new_sandbox_s_disk_takes_almost_nothing_on_the_host() {
     );
 }
 
+/// A create takes the image made ready after the create before it (never
+/// mounted until then), and a new spare is made for the next.
+#[test]
+fn a_create_takes_the_image_made_ready_after_the_last_one() {
+    use std::os::unix::fs::MetadataExt;
+    let env = Env::running("first", &["--disk", "10240"]);
+    if !(common::is_root() && env.state_dir.join("disks/first.img").exists()) {
+        eprintln!("skipped: disk images need root and mke2fs");
+        return;
+    }
+    let spare = env.state_dir.join("disks/.spare-10240");
+    common::wait_for("a spare image", Duration::from_secs(20), || spare.is_file());
+    let ino = std::fs::metadata(&spare).unwrap().ino();
+    let repo = env.repo("first");
+    env.ok(&[
+        "create",
+        "--name",
+        "second",
+        "--disk",
+        "10240",
+        repo.to_str().unwrap(),
+    ]);
+    let image = env.state_dir.join("disks/second.img");
+    assert_eq!(std::fs::metadata(&image).unwrap().ino(), ino);
+    common::wait_for("the next spare image", Duration::from_secs(20), || {
+        std::fs::metadata(&spare).is_ok_and(|m| m.ino() != ino)
+    });
+    env.ok(&["start", "second"]);
+    let limits = env.status("second")["limits"].as_str().unwrap().to_owned();
+    assert!(limits.contains("disk 10240 MiB (ext4 image)"), "{limits}");
+}
+
 #[test]
 fn a_disk_flood_stops_at_the_disk_limit() {
     let env = Env::running("fill", &["--memory", "256", "--disk", "16"]);

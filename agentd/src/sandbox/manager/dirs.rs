@@ -48,6 +48,17 @@ impl Manager {
         }
     }
 
+    /// Have a formatted image ready for the next create of `size_mib`
+    /// ([`crate::disk::make_spare`]), made off the caller's path.
+    pub(super) fn keep_spare(&self, size_mib: u32) {
+        let state = self.store.registry().dir().to_owned();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = crate::disk::make_spare(&state, size_mib) {
+                tracing::debug!(error = %e, "no spare disk image");
+            }
+        });
+    }
+
     /// Check, as `uid`, that `path` is a readable git repository; its
     /// canonical path.
     pub(super) async fn check_project(

@@ -140,6 +140,9 @@ impl Manager {
         self.apply_sync_mode(&name);
         self.store.announce(Change::Added(name.clone()));
         tracing::info!(sandbox = %name, project = %done.project_path.display(), owner = done.owner, "sandbox created");
+        if Self::has_disk_image(done.backend) {
+            self.keep_spare(done.config.disk);
+        }
         Ok((done, notices))
     }
 
