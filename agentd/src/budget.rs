@@ -333,7 +333,22 @@ static INHERITED_SOFT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU
 /// # Errors
 /// When the limit cannot be set.
 pub fn restore_inherited_nofile() -> std::io::Result<()> {
-    let soft = INHERITED_SOFT.load(std::sync::atomic::Ordering::Relaxed);
+    lower_nofile(inherited_nofile())
+}
+
+/// The soft `RLIMIT_NOFILE` agentd started with (0 before [`init`]), for a
+/// process of agentd's own binary to lower its limit to after exec
+/// ([`crate::helper::Start`]).
+pub fn inherited_nofile() -> u64 {
+    INHERITED_SOFT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Lower the soft `RLIMIT_NOFILE` to `soft` (0, or a limit already lower:
+/// nothing changes). Async-signal-safe (one `getrlimit`, one `setrlimit`).
+///
+/// # Errors
+/// When the limit cannot be set.
+pub fn lower_nofile(soft: u64) -> std::io::Result<()> {
     if soft == 0 {
         return Ok(());
     }

@@ -411,6 +411,12 @@ pub fn run_helper(argv: &[String]) -> Option<i32> {
     ];
     let name = argv.get(1)?;
     let (_, f) = modes.iter().find(|(n, _)| n == name)?;
+    // What a fork would have set before exec, first (its ids, its limit,
+    // its end with agentd): see `helper::start`.
+    if let Err(e) = helper::Start::apply_passed() {
+        eprintln!("cannot start the helper: {e}");
+        return Some(1);
+    }
     if let Some(spec) = std::env::var_os(confine::CONFINE_ENV) {
         let applied = serde_json::from_str::<confine::Confinement>(&spec.to_string_lossy())
             .map_err(confine::ConfineError::from)

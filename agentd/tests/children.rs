@@ -100,3 +100,66 @@ fn a_tool_checked_at_startup_ends_with_a_killed_agentd() {
     ));
     killed_agentd_leaves_no_stand_in(env, &pids, "zellij --version");
 }
+
+#[test]
+fn a_helper_ends_with_the_agentd_that_started_it_and_never_runs_without_it() {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    // agentd's helpers are started with posix_spawn and ask for their end
+    // with agentd themselves, first thing (KEYSTONE_AGENTD_START). Here a
+    // shell stands for agentd: it starts a helper that waits for its
+    // request (the test holds its stdin open), says its pid, and ends.
+    let mut agentd = Command::new("sh")
+        .arg("-c")
+        .arg(
+            "exec 3<&0; KEYSTONE_AGENTD_START=\"{\\\"parent\\\":$$}\" \
+             \"$0\" __sync-write <&3 3<&- >/dev/null 2>&1 & echo $!; sleep 0.3",
+        )
+        .arg(common::AGENTD)
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // (Held here, not closed by the wait: the helper never reads an end.)
+    let request = agentd.stdin.take();
+    let mut out = String::new();
+    agentd
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    let helper: i32 = out.trim().parse().unwrap();
+    agentd.wait().unwrap();
+    let ended = (0..50).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        !runs(helper)
+    });
+    if !ended {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(helper),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    drop(request);
+    assert!(
+        ended,
+        "the helper (pid {helper}) outlived its agentd by 5 s"
+    );
+    // One started for an agentd that is not its parent (one that ended
+    // already) does not run at all.
+    let late = Command::new(common::AGENTD)
+        .arg("__sync-write")
+        .env_clear()
+        .env("KEYSTONE_AGENTD_START", "{\"parent\":1}")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(late.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&late.stderr);
+    assert!(
+        err.contains("agentd ended before its helper started"),
+        "{err}"
+    );
+}

@@ -160,8 +160,20 @@ fn invalid_transitions_change_nothing() {
     env.ok(&["stop", "t1"]);
     env.fails(2, &["stop", "t1"]);
     assert_eq!(env.state("t1"), "stopped");
-    env.fails(1, &["start", "no-such-sandbox"]);
-    env.fails(1, &["status", "no-such-sandbox"]);
+    // (start, stop and destroy call the object the name gives directly;
+    // where none is, the answer is still GetSandbox's.)
+    for args in [
+        &["start", "no-such-sandbox"][..],
+        &["stop", "no-such-sandbox"],
+        &["destroy", "--force", "no-such-sandbox"],
+        &["status", "no-such-sandbox"],
+    ] {
+        let err = env.fails(1, args);
+        assert!(
+            err.contains("No sandbox named 'no-such-sandbox'; `agentctl list` shows yours"),
+            "{args:?}: {err}"
+        );
+    }
 }
 
 #[test]

@@ -660,6 +660,45 @@ fn a_helper_the_sandbox_holds_up_ends_with_a_killed_agentd() {
     let _ = sync.wait_with_output();
 }
 
+/// The soft descriptor limit of process `pid`.
+fn soft_nofile(pid: i32) -> u64 {
+    let limits = fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    line.split_whitespace().nth(3).unwrap().parse().unwrap()
+}
+
+#[test]
+fn what_agentd_starts_has_the_descriptor_limit_agentd_started_with() {
+    // agentd raises its own limit; its helpers and a sandbox's processes,
+    // which apply what they are given themselves after exec, go back to
+    // the limit agentd started with; what runs in the sandbox is not told
+    // how it was passed.
+    let mut env = Env::bus_only();
+    env.soft_nofile = Some(1000);
+    env.start_agentd();
+    assert!(soft_nofile(env.agentd_pid()) > 1000);
+    setup(&env, "limited");
+    assert_eq!(sh(&env, "limited", "ulimit -Sn").trim(), "1000");
+    assert!(!sh(&env, "limited", "env").contains("AGENTD_START"));
+    plant_fifo_object(&env, "limited");
+    let sync = env
+        .ctl_cmd(&["sync", "limited"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    for helper in [
+        env.wait_for_helper("__sync-read"),
+        env.wait_for_helper("__sync-write"),
+    ] {
+        assert_eq!(soft_nofile(helper), 1000, "helper {helper}");
+    }
+    env.kill_agentd();
+    let _ = sync.wait_with_output();
+}
+
 /// One sync of a new branch that points at a commit the destination already
 /// has: what went wrong, if anything.
 fn sync_of_a_known_commit(env: &Env, args: &[&str], branch: &str) -> Option<String> {

@@ -90,23 +90,28 @@ pub(super) async fn run(
             for n in &notices {
                 crate::errln!("note: {n}");
             }
-            let sb = sandbox(conn, &path).await?;
-            let name = sb.name().await.map_err(api::Error::ZBus)?;
+            // (Its name is in the path agentd answered with.)
+            let name = match api::sandbox_name(path.as_str()) {
+                Some(n) => n,
+                None => sandbox(conn, &path)
+                    .await?
+                    .name()
+                    .await
+                    .map_err(api::Error::ZBus)?,
+            };
             crate::outln!("Created sandbox '{name}' from {}.", abs.display());
             crate::outln!("Start it with: agentctl start {name}");
             Ok(0)
         }
         Command::Start { name } => {
-            let sb = lookup(conn, manager, &name).await?;
-            sb.start().await?;
+            on_sandbox(conn, manager, &name, async |sb| sb.start().await).await?;
             crate::outln!(
                 "Sandbox '{name}' is running. Run a command: agentctl exec {name} -- git status"
             );
             Ok(0)
         }
         Command::Stop { name, force } => {
-            let sb = lookup(conn, manager, &name).await?;
-            sb.stop(force).await?;
+            on_sandbox(conn, manager, &name, async |sb| sb.stop(force).await).await?;
             crate::outln!("Sandbox '{name}' stopped.");
             Ok(0)
         }
@@ -139,20 +144,23 @@ pub(super) async fn run(
             Ok(0)
         }
         Command::Destroy { name, force } => {
+            if force || !std::io::stdin().is_terminal() {
+                on_sandbox(conn, manager, &name, async |sb| sb.destroy().await).await?;
+                crate::outln!("Sandbox '{name}' destroyed.");
+                return Ok(0);
+            }
             let sb = lookup(conn, manager, &name).await?;
-            if !force && std::io::stdin().is_terminal() {
-                let project = sb.project_path().await.map_err(api::Error::ZBus)?;
-                let at_stake = super::gitops::at_stake(&sb, &name, &project).await;
-                crate::err!("{at_stake}Destroy sandbox '{name}' and its workspace? [y/N] ");
-                let _ = std::io::stderr().flush();
-                let mut answer = String::new();
-                let _ = std::io::stdin().read_line(&mut answer);
-                if !matches!(answer.trim(), "y" | "Y" | "yes") {
-                    return Err(Failure::new(
-                        ExitCode::Cancelled,
-                        "Cancelled; nothing was destroyed.",
-                    ));
-                }
+            let project = sb.project_path().await.map_err(api::Error::ZBus)?;
+            let at_stake = super::gitops::at_stake(&sb, &name, &project).await;
+            crate::err!("{at_stake}Destroy sandbox '{name}' and its workspace? [y/N] ");
+            let _ = std::io::stderr().flush();
+            let mut answer = String::new();
+            let _ = std::io::stdin().read_line(&mut answer);
+            if !matches!(answer.trim(), "y" | "Y" | "yes") {
+                return Err(Failure::new(
+                    ExitCode::Cancelled,
+                    "Cancelled; nothing was destroyed.",
+                ));
             }
             sb.destroy().await?;
             crate::outln!("Sandbox '{name}' destroyed.");

@@ -262,6 +262,29 @@ where
         .map_err(api::Error::ZBus)?)
 }
 
+/// Make `call` on sandbox `name`'s object, at the path its name gives
+/// ([`api::sandbox_path`]): one round trip where `GetSandbox` and the call
+/// would be two. Where no object answers there, [`lookup`] says why (no such
+/// sandbox), or finds the object to call.
+async fn on_sandbox<T>(
+    conn: &Connection,
+    manager: &ManagerProxy<'_>,
+    name: &str,
+    call: impl AsyncFn(&SandboxProxy<'_>) -> std::result::Result<T, api::Error>,
+) -> Result<T> {
+    if let Some(path) = api::sandbox_path(name) {
+        let sb: SandboxProxy<'_> = sandbox(conn, &path).await?;
+        match call(&sb).await {
+            Err(api::Error::ZBus(zbus::Error::MethodError(e, _, _)))
+                if e.as_str() == "org.freedesktop.DBus.Error.UnknownObject"
+                    || e.as_str() == "org.freedesktop.DBus.Error.UnknownMethod" => {}
+            done => return Ok(done?),
+        }
+    }
+    let sb = lookup(conn, manager, name).await?;
+    Ok(call(&sb).await?)
+}
+
 /// The sandbox `name`: a quick question, bounded by `--call-timeout` even
 /// inside a long command (an agentd that answers pings but not this is
 /// stuck).

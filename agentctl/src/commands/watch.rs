@@ -124,17 +124,6 @@ fn waiting_event(w: &api::WaitingAgent) -> Value {
     })
 }
 
-/// The sandbox an object path of agentd's names.
-fn sandbox_of(path: &str) -> Option<String> {
-    let rest = path
-        .strip_prefix(api::SANDBOX_PATH_PREFIX)?
-        .strip_prefix('/')?;
-    let name = rest.replace('_', "-");
-    api::sandbox_path(&name)
-        .is_some_and(|p| p.as_str() == path)
-        .then_some(name)
-}
-
 /// `word` as one shell word (quoted unless plain).
 fn shell_word(word: &str) -> String {
     let plain = !word.is_empty()
@@ -190,7 +179,7 @@ fn event_of(msg: &zbus::Message) -> Option<Value> {
         ("org.keystone.Agent1.Sandbox", "EgressAsked") => {
             let (host, port): (String, u16) = body.deserialize().ok()?;
             Some(
-                json!({"event": "egress-waiting", "sandbox": sandbox_of(&path)?, "host": host, "port": port, "time": now()}),
+                json!({"event": "egress-waiting", "sandbox": api::sandbox_name(&path)?, "host": host, "port": port, "time": now()}),
             )
         }
         ("org.freedesktop.DBus.Properties", "PropertiesChanged") => {
@@ -201,7 +190,7 @@ fn event_of(msg: &zbus::Message) -> Option<Value> {
             }
             let state: String = changed.get("State")?.try_clone().ok()?.try_into().ok()?;
             Some(
-                json!({"event": "state", "sandbox": sandbox_of(&path)?, "state": state, "time": now()}),
+                json!({"event": "state", "sandbox": api::sandbox_name(&path)?, "state": state, "time": now()}),
             )
         }
         _ => None,
@@ -360,11 +349,6 @@ mod tests {
         assert!(!l.contains('\u{1b}'), "{l}");
         assert!(l.starts_with("10:11:12  demo  claude waits for input (session demo-main): "));
         assert_eq!(markup_escaped("<b>&</b>"), "&lt;b&gt;&amp;&lt;/b&gt;");
-        assert_eq!(
-            sandbox_of("/org/keystone/Agent1/sandbox/my_box").as_deref(),
-            Some("my-box")
-        );
-        assert_eq!(sandbox_of("/org/keystone/Agent1/sandbox/a/b"), None);
         assert_eq!(shell_word("pypi.org"), "pypi.org");
         assert_eq!(shell_word("a;rm -rf ~"), "'a;rm -rf ~'");
         assert_eq!(shell_word("it's"), "'it'\\''s'");

@@ -16,7 +16,7 @@ pub use error::{Error, ExitCode};
 pub use identity::{GitIdentity, Identity};
 pub use names::{
     BUS_NAME, ERROR_PREFIX, MANAGER_INTERFACE, MANAGER_PATH, SANDBOX_INTERFACE,
-    SANDBOX_PATH_PREFIX, sandbox_path,
+    SANDBOX_PATH_PREFIX, sandbox_name, sandbox_path,
 };
 pub use proxy::{ManagerProxy, RecordsProxy, SandboxProxy, SecretsProxy, SshProxy, StateProxy};
 pub use types::{

@@ -34,6 +34,17 @@ pub fn sandbox_path(name: &str) -> Option<OwnedObjectPath> {
     OwnedObjectPath::try_from(format!("{SANDBOX_PATH_PREFIX}/{}", name.replace('-', "_"))).ok()
 }
 
+/// The name of the sandbox at object path `path` (the inverse of
+/// [`sandbox_path`]), or `None` for a path that is not a sandbox's.
+#[must_use]
+pub fn sandbox_name(path: &str) -> Option<String> {
+    let rest = path.strip_prefix(SANDBOX_PATH_PREFIX)?.strip_prefix('/')?;
+    let name = rest.replace('_', "-");
+    sandbox_path(&name)
+        .is_some_and(|p| p.as_str() == path)
+        .then_some(name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -44,6 +55,10 @@ mod tests {
             sandbox_path("my-project").unwrap().as_str(),
             "/org/keystone/Agent1/sandbox/my_project"
         );
+        assert_eq!(
+            sandbox_name("/org/keystone/Agent1/sandbox/my_project").as_deref(),
+            Some("my-project")
+        );
     }
 
     #[test]
@@ -51,5 +66,8 @@ mod tests {
         assert!(sandbox_path("").is_none());
         assert!(sandbox_path("a/b").is_none());
         assert!(sandbox_path("a.b").is_none());
+        assert_eq!(sandbox_name("/org/keystone/Agent1/sandbox/a/b"), None);
+        assert_eq!(sandbox_name("/org/keystone/Agent1/sandbox"), None);
+        assert_eq!(sandbox_name("/org/keystone/Agent1/sandboxes/a"), None);
     }
 }

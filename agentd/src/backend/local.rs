@@ -267,12 +267,9 @@ impl LocalBackend {
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log));
         // Meant to outlive agentd (not ended with it, crate::child): the
-        // sandbox runs on, and the next agentd adopts it.
-        // SAFETY: only async-signal-safe calls (getrlimit, setrlimit) between
-        // fork and exec.
-        unsafe {
-            supervisor.pre_exec(crate::budget::restore_inherited_nofile);
-        }
+        // sandbox runs on, and the next agentd adopts it. It lowers its
+        // descriptor limit to agentd's first thing (crate::helper::start).
+        crate::helper::Start::new(None).pass(&mut supervisor);
         let mut child = supervisor.spawn().map_err(|error| BackendError::Spawn {
             program: self.settings.exe.display().to_string(),
             hint: "",

@@ -23,6 +23,7 @@
 //! its reply.
 
 pub mod spawn;
+pub mod start;
 
 use std::io::{BufRead, Read, Write};
 use std::time::Duration;
@@ -31,6 +32,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use spawn::{RunAs, Running, run, start};
+pub use start::Start;
 
 /// Largest request a helper reads.
 pub const REQUEST_MAX: u64 = 4 << 20;

@@ -6,7 +6,6 @@
 
 use std::ffi::CString;
 use std::marker::PhantomData;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -15,6 +14,7 @@ use nix::unistd::{Gid, Uid, User};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
+use super::start::{Ids, Start};
 use super::{Helper, HelperError};
 
 /// Most of a helper's stderr kept as its message (the rest is read and
@@ -103,52 +103,29 @@ fn command_as(exe: &Path, uid: u32) -> Result<tokio::process::Command, HelperErr
     cmd.env_clear()
         .env("PATH", "/run/current-system/sw/bin:/usr/bin:/bin")
         .env("LANG", "C.UTF-8");
-    if Uid::effective().as_raw() == uid {
-        if let Some(home) = std::env::var_os("HOME") {
-            cmd.env("HOME", home);
+    let mut start = Start::new(Some(std::process::id()));
+    if Uid::effective().as_raw() != uid {
+        if !Uid::effective().is_root() {
+            return Err(cannot_act_for(uid));
         }
-        let parent = std::process::id();
-        // SAFETY: only async-signal-safe calls (getrlimit, setrlimit, prctl, getppid) between
-        // fork and exec.
-        unsafe {
-            cmd.as_std_mut().pre_exec(move || end_with_parent(parent));
+        let user = User::from_uid(Uid::from_raw(uid)).ok().flatten();
+        let gid = user.as_ref().map_or(Gid::from_raw(uid), |u| u.gid);
+        let groups = groups_of(user.as_ref(), gid);
+        if let Some(u) = &user {
+            cmd.env("HOME", &u.dir).env("USER", &u.name);
         }
-        return Ok(cmd);
-    }
-    if !Uid::effective().is_root() {
-        return Err(cannot_act_for(uid));
-    }
-    let user = User::from_uid(Uid::from_raw(uid)).ok().flatten();
-    let gid = user.as_ref().map_or(Gid::from_raw(uid), |u| u.gid);
-    let groups = groups_of(user.as_ref(), gid);
-    if let Some(u) = &user {
-        cmd.env("HOME", &u.dir).env("USER", &u.name);
-    }
-    let parent = std::process::id();
-    // Groups first, while still root; then gid, then uid.
-    // SAFETY: only async-signal-safe calls (setgroups, setresgid, setresuid,
-    // getrlimit, setrlimit, prctl, getppid) between fork and exec.
-    unsafe {
-        cmd.as_std_mut().pre_exec(move || {
-            nix::unistd::setgroups(&groups)?;
-            nix::unistd::setresgid(gid, gid, gid)?;
-            nix::unistd::setresuid(Uid::from_raw(uid), Uid::from_raw(uid), Uid::from_raw(uid))?;
-            // (After the change of ids, which clears it.)
-            end_with_parent(parent)
+        start.ids = Some(Ids {
+            uid,
+            gid: gid.as_raw(),
+            groups: groups.into_iter().map(Gid::as_raw).collect(),
         });
+    } else if let Some(home) = std::env::var_os("HOME") {
+        cmd.env("HOME", home);
     }
+    // Its ids, its descriptor limit and its end with agentd: taken by the
+    // helper itself, first thing (see [`super::start`]).
+    start.pass(&mut cmd);
     Ok(cmd)
-}
-
-/// In a helper about to run: be killed when agentd (`parent`) ends, so
-/// that a helper the sandbox holds up (a FIFO where git expects an object)
-/// never outlives a killed agentd; and do not run at all when agentd
-/// already ended. Async-signal-safe.
-/// Also gives the helper the descriptor limit agentd started with
-/// ([`crate::budget::restore_inherited_nofile`]).
-fn end_with_parent(parent: u32) -> std::io::Result<()> {
-    crate::budget::restore_inherited_nofile()?;
-    crate::caps::end_with_parent(parent)
 }
 
 /// `user`'s groups (with `gid`), or `gid` alone.
@@ -203,13 +180,9 @@ fn confined(
             serde_json::to_string(c).map_err(HelperError::failed)?,
         );
     // Ends with agentd whatever the confinement does next (a change of ids
-    // there sets it again; making a user namespace keeps it).
-    let parent = std::process::id();
-    // SAFETY: only async-signal-safe calls (getrlimit, setrlimit, prctl, getppid) between fork
-    // and exec.
-    unsafe {
-        cmd.as_std_mut().pre_exec(move || end_with_parent(parent));
-    }
+    // there sets it again; making a user namespace keeps it): applied by
+    // the helper first thing, before the confinement (see [`super::start`]).
+    Start::new(Some(std::process::id())).pass(&mut cmd);
     Ok(cmd)
 }
 

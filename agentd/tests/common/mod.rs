@@ -71,6 +71,9 @@ pub struct Env {
     pub user: Option<u32>,
     /// Environment for agentd: set (`Some`) or removed (`None`).
     pub agentd_env: Vec<(String, Option<String>)>,
+    /// The soft descriptor limit agentd starts with (the test's own when
+    /// `None`).
+    pub soft_nofile: Option<u64>,
 }
 
 impl Env {
@@ -101,6 +104,7 @@ impl Env {
             config: None,
             user: None,
             agentd_env: Vec::new(),
+            soft_nofile: None,
         }
     }
 
@@ -234,7 +238,16 @@ impl Env {
             .append(true)
             .open(self.log_path())
             .unwrap();
-        let mut cmd = Command::new(AGENTD);
+        let mut cmd = match self.soft_nofile {
+            Some(n) => {
+                let mut c = Command::new("sh");
+                c.arg("-c")
+                    .arg(format!("ulimit -Sn {n} && exec \"$0\" \"$@\""))
+                    .arg(AGENTD);
+                c
+            }
+            None => Command::new(AGENTD),
+        };
         cmd.args(["--address", &self.address, "--state-dir"])
             .arg(&self.state_dir)
             .env("AGENTD_LOG", "debug,hyper_util=info,hyper=info")
