@@ -173,9 +173,15 @@ impl Registry {
         &self,
         sandboxes: impl IntoIterator<Item = &'a Sandbox>,
     ) -> Result<(), RegistryError> {
-        let file = RegistryFile {
+        /// [`RegistryFile`] as written: the records borrowed, not copied.
+        #[derive(Serialize)]
+        struct Written<'a> {
+            schema_version: u32,
+            sandboxes: Vec<&'a Sandbox>,
+        }
+        let file = Written {
             schema_version: SCHEMA_VERSION,
-            sandboxes: sandboxes.into_iter().cloned().collect(),
+            sandboxes: sandboxes.into_iter().collect(),
         };
         let mut body = serde_json::to_vec_pretty(&file).expect("registry serializes");
         body.push(b'\n');

@@ -366,9 +366,12 @@ fn another_user_on_caddys_admin_port_gets_nothing() {
     let record = env.tmp.path().join("impostor.log");
     std::fs::write(&record, "").unwrap();
     std::fs::set_permissions(&record, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    // It serves until agentd has found it out (and two seconds more, in
+    // which agentd checks again), however busy the machine is.
+    let seen_flag = env.tmp.path().join("agentd-saw-the-impostor");
     let script = format!(
         r#"
-import http.server, socket, sys, threading, time
+import http.server, os, socket, sys, threading, time
 class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def handle_one(self):
@@ -380,7 +383,10 @@ class H(http.server.BaseHTTPRequestHandler):
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = handle_one
 srv = http.server.ThreadingHTTPServer(('127.0.0.1', {admin}), H)
 threading.Thread(target=srv.serve_forever, daemon=True).start()
-time.sleep(6)
+deadline = time.time() + 60
+while not os.path.exists({seen_flag:?}) and time.time() < deadline:
+    time.sleep(0.1)
+time.sleep(2)
 for path in {dials:?}:
     s = socket.socket(socket.AF_UNIX); s.settimeout(5)
     try:
@@ -395,12 +401,21 @@ srv.shutdown()
 "#,
         admin = caddy.admin,
     );
-    let out = std::process::Command::new("python3")
+    let impostor = std::process::Command::new("python3")
         .args(["-c", &script])
         .uid(65534)
         .gid(65534)
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    wait_for(
+        "agentd to find the impostor out",
+        Duration::from_secs(60),
+        || env.log().contains("belongs to uid 65534"),
+    );
+    std::fs::write(&seen_flag, "").unwrap();
+    let out = impostor.wait_with_output().unwrap();
     assert!(
         out.status.success(),
         "{}",

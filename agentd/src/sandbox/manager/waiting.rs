@@ -342,14 +342,17 @@ const OPTED_OUT: i32 = 3;
 const CHANGED: i32 = 4;
 
 /// The script that prints each agent's settings file: `AGENT SIZE SUM`
-/// and its bytes (read once, into a file of its own), or `AGENT - -`.
+/// and its bytes (read once, into a file of its own, made at the first
+/// file there is: each program started in the sandbox costs about a
+/// millisecond of CPU), or `AGENT - -`.
 fn read_script() -> String {
     format!(
         r#"[ -e "$HOME/.keystone/no-hooks" ] && exit {OPTED_OUT}
-t=$(mktemp) || exit 1
-trap 'rm -f "$t"' EXIT
+t=
+trap '[ -z "$t" ] || rm -f "$t"' EXIT
 for a in claude codex gemini; do
   case $a in claude) f={claude};; codex) f={codex};; gemini) f={gemini};; esac
+  if [ -f "$f" ] && [ -z "$t" ]; then t=$(mktemp) || exit 1; fi
   if [ -f "$f" ] && head -c {max} "$f" > "$t"; then
     printf '%s %s %s\n' $a "$(wc -c < "$t")" "$(cksum < "$t" | cut -d' ' -f1)"
     cat "$t"
@@ -372,7 +375,7 @@ fn write_script(agent: Agent) -> String {
     format!(
         r#"f={path}
 if [ -L "$f" ]; then f=$(readlink -f "$f") || exit 1; fi
-mkdir -p "${{f%/*}}" || exit 1
+[ -d "${{f%/*}}" ] || mkdir -p "${{f%/*}}" || exit 1
 if [ -f "$f" ]; then now=$(head -c {max} "$f" | cksum | cut -d' ' -f1); else now=-; fi
 [ "$now" = "$1" ] || exit {CHANGED}
 t="$f.keystone-new.$$"
