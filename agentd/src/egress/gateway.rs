@@ -342,7 +342,7 @@ async fn handle(
         Some(d) => (d, Vec::new()),
         None => match dns.resolve(&ask.host, &ctx.hosts).await {
             Ok(found) => {
-                let own = host_addresses();
+                let own = super::own::host_addresses();
                 let (d, a) = policy.decide(&ask.host, ask.port, &found, &own);
                 let outcome = if policy.may_ask(&d) {
                     let once = hint::remedy(
@@ -568,23 +568,6 @@ async fn wait_for_person(
     };
     ctx.pending.remove(id);
     outcome
-}
-
-/// This host's own addresses, on every interface.
-fn host_addresses() -> Vec<IpAddr> {
-    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
-        return Vec::new();
-    };
-    addrs
-        .filter_map(|i| {
-            let a = i.address?;
-            if let Some(v4) = a.as_sockaddr_in() {
-                Some(IpAddr::V4(v4.ip()))
-            } else {
-                a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
-            }
-        })
-        .collect()
 }
 
 async fn dial(addrs: &[IpAddr], port: u16) -> Result<(TcpStream, SocketAddr), GatewayError> {

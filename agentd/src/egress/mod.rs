@@ -23,6 +23,7 @@ pub mod hint;
 pub mod intercept;
 pub mod log;
 mod mask;
+mod own;
 pub mod policy;
 pub mod resolve;
 pub mod shared;
