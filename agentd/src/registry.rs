@@ -201,17 +201,21 @@ impl Registry {
     }
 }
 
-/// Whether the file at `path` (not a link) holds exactly `bytes`.
+/// Whether the file at `path` (a regular file, not a link) holds exactly
+/// `bytes`. Anything else there (a FIFO, which would not answer) does not.
 fn holds(path: &Path, bytes: &[u8]) -> bool {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let Ok(f) = fs::OpenOptions::new()
         .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
         .open(path)
     else {
         return false;
     };
+    if !f.metadata().is_ok_and(|m| m.is_file()) {
+        return false;
+    }
     let mut held = Vec::with_capacity(bytes.len());
     f.take(bytes.len() as u64 + 1)
         .read_to_end(&mut held)
@@ -523,6 +527,29 @@ pub(crate) mod tests {
             }
         }
         assert_eq!(serde_json::to_value(&again).unwrap(), v1);
+    }
+
+    #[test]
+    fn a_config_is_written_over_whatever_else_is_at_its_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let (reg, _) = Registry::open(dir.path()).unwrap();
+        let sb = sample();
+        let path = reg.sandbox_dir(&sb.name).join("config.json");
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let writer = reg.clone();
+        std::thread::spawn(move || tx.send(writer.save_config(&sb).is_ok()));
+        let saved = rx.recv_timeout(std::time::Duration::from_secs(10));
+        assert_eq!(saved, Ok(true), "the save waited on a FIFO");
+        assert!(fs::symlink_metadata(&path).unwrap().is_file());
+        // Saved again unchanged: the file that holds it is kept.
+        let ino = std::os::unix::fs::MetadataExt::ino(&fs::metadata(&path).unwrap());
+        reg.save_config(&sample()).unwrap();
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::ino(&fs::metadata(&path).unwrap()),
+            ino
+        );
     }
 
     #[test]
