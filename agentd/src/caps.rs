@@ -126,6 +126,22 @@ pub fn keep_across_exec() -> std::io::Result<()> {
     Ok(())
 }
 
+/// Make `uid`, `gid` and `groups` the calling process's ids, all of them
+/// (real, effective, saved): groups first (while it may), then the gid,
+/// then the uid. The error names the call that failed.
+///
+/// # Errors
+/// The failed call and its error.
+pub fn take_ids(uid: u32, gid: u32, groups: &[u32]) -> Result<(), (&'static str, nix::Error)> {
+    use nix::unistd::{Gid, Uid};
+    let groups: Vec<Gid> = groups.iter().map(|g| Gid::from_raw(*g)).collect();
+    nix::unistd::setgroups(&groups).map_err(|e| ("setgroups", e))?;
+    let gid = Gid::from_raw(gid);
+    nix::unistd::setresgid(gid, gid, gid).map_err(|e| ("setresgid", e))?;
+    let uid = Uid::from_raw(uid);
+    nix::unistd::setresuid(uid, uid, uid).map_err(|e| ("setresuid", e))
+}
+
 /// Be killed (SIGKILL) when the process that started this one, `parent`,
 /// ends; an error when it already has (the signal would never come).
 /// Called again after every change of ids, which clears it.

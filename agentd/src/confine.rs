@@ -204,12 +204,7 @@ pub fn apply(c: &Confinement) -> Result<(), ConfineError> {
     }
     crate::caps::drop_bounding().map_err(|source| ConfineError::Caps { source })?;
     if root || becomes {
-        let groups: Vec<Gid> = c.groups.iter().map(|g| Gid::from_raw(*g)).collect();
-        nix::unistd::setgroups(&groups).map_err(sys("setgroups"))?;
-        let gid = Gid::from_raw(c.gid);
-        nix::unistd::setresgid(gid, gid, gid).map_err(sys("setresgid"))?;
-        let uid = Uid::from_raw(c.uid);
-        nix::unistd::setresuid(uid, uid, uid).map_err(sys("setresuid"))?;
+        crate::caps::take_ids(c.uid, c.gid, &c.groups).map_err(|(what, e)| sys(what)(e))?;
         // The change of ids cleared the parent-death signal of the spawn
         // (and agentd may have ended since: its pid, not our parent now).
         if c.parent != 0 {

@@ -89,16 +89,11 @@ impl Start {
     /// # Errors
     /// What cannot be applied.
     pub fn apply(&self) -> Result<(), String> {
-        use nix::unistd::{Gid, Uid};
         crate::budget::lower_nofile(self.nofile)
             .map_err(|e| format!("cannot lower the descriptor limit: {e}"))?;
         if let Some(ids) = &self.ids {
-            let groups: Vec<Gid> = ids.groups.iter().map(|g| Gid::from_raw(*g)).collect();
-            nix::unistd::setgroups(&groups).map_err(|e| format!("setgroups: {e}"))?;
-            let gid = Gid::from_raw(ids.gid);
-            nix::unistd::setresgid(gid, gid, gid).map_err(|e| format!("setresgid: {e}"))?;
-            let uid = Uid::from_raw(ids.uid);
-            nix::unistd::setresuid(uid, uid, uid).map_err(|e| format!("setresuid: {e}"))?;
+            crate::caps::take_ids(ids.uid, ids.gid, &ids.groups)
+                .map_err(|(what, e)| format!("{what}: {e}"))?;
         }
         if let Some(parent) = self.parent {
             crate::caps::end_with_parent(parent).map_err(|e| e.to_string())?;
