@@ -286,3 +286,86 @@ fn the_status_lists_every_port_that_has_a_link() {
         "{status}"
     );
 }
+
+#[test]
+fn only_a_connection_that_follows_the_egress_log_is_sent_its_entries() {
+    let port = origin(IpAddr::from([127, 0, 0, 1]), "followed");
+    let cfg = serde_json::json!({ "egress": { "hosts": { "origin.test": "127.0.0.1" } } });
+    let env = Env::with_config(&cfg);
+    env.create_running("busy", &["--allow", &format!("127.0.0.1/32:{port}")]);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (followed, heard_by_other) = rt.block_on(async {
+        use futures_lite::StreamExt as _;
+        use keystone_agent_api::SandboxProxy;
+        let connect = || async {
+            zbus::connection::Builder::address(env.address.as_str())
+                .unwrap()
+                .build()
+                .await
+                .unwrap()
+        };
+        let proxy = |conn: zbus::Connection| async move {
+            SandboxProxy::builder(&conn)
+                .path("/org/keystone/Agent1/sandbox/busy")
+                .unwrap()
+                .cache_properties(zbus::proxy::CacheProperties::No)
+                .build()
+                .await
+                .unwrap()
+        };
+        // Both listen for the signal and are known to agentd (each made a
+        // call); only one follows.
+        let (other, follower) = (connect().await, connect().await);
+        let (other_sb, follower_sb) = (proxy(other.clone()).await, proxy(follower).await);
+        let mut other_all = zbus::MessageStream::from(&other);
+        let _other_stream = other_sb.receive_egress_logged().await.unwrap();
+        assert_eq!(other_sb.state().await.unwrap(), "running");
+        let mut entries = follower_sb.receive_egress_logged().await.unwrap();
+        follower_sb.follow_egress().await.unwrap();
+        let url = format!("http://origin.test:{port}/");
+        // (Signals wait in the connections' sockets meanwhile.)
+        let (code, got) = curl(&env, "busy", &url);
+        assert_eq!((code, got.as_str()), (0, "followed"));
+        // The follower gets the admission and the end.
+        let mut followed = Vec::new();
+        while !followed
+            .iter()
+            .any(|e: &serde_json::Value| e["open"] != true)
+        {
+            let signal = tokio::time::timeout(Duration::from_secs(20), entries.next())
+                .await
+                .expect("the follower is sent the connection's entries")
+                .unwrap();
+            followed.push(json(signal.args().unwrap().entry()));
+        }
+        // What else came to the other connection by then, and a moment later.
+        let mut heard = Vec::new();
+        while let Ok(Some(Ok(msg))) =
+            tokio::time::timeout(Duration::from_millis(500), other_all.next()).await
+        {
+            if let Some(member) = msg.header().member() {
+                heard.push(member.to_string());
+            }
+        }
+        (followed, heard)
+    });
+    assert_eq!(followed.len(), 2, "{followed:?}");
+    assert_eq!(followed[0]["open"], true, "{followed:?}");
+    assert_eq!(
+        (&followed[1]["host"], &followed[1]["decision"]),
+        (
+            &serde_json::json!("origin.test"),
+            &serde_json::json!("allow")
+        )
+    );
+    assert!(
+        !heard_by_other.iter().any(|m| m == "EgressLogged"),
+        "a connection that does not follow was sent: {heard_by_other:?}"
+    );
+    // Following is for those who may see the sandbox.
+    let err = env.fails(1, &["egress", "no-such", "log", "--follow"]);
+    assert!(err.contains("no-such"), "{err}");
+}

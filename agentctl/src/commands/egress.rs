@@ -151,9 +151,12 @@ async fn log(
     follow: bool,
 ) -> Result<i32> {
     use futures_lite::StreamExt;
-    // Subscribe first, so nothing between the listing and the stream is lost.
+    // Subscribe first, so nothing between the listing and the stream is
+    // lost; agentd sends the entries only to connections that follow.
     let mut stream = if follow {
-        Some(sb.receive_egress_logged().await.map_err(api::Error::ZBus)?)
+        let stream = sb.receive_egress_logged().await.map_err(api::Error::ZBus)?;
+        sb.follow_egress().await?;
+        Some(stream)
     } else {
         None
     };

@@ -141,6 +141,10 @@ pub trait Sandbox {
     /// The last `limit` connections through the gateway, as JSON objects.
     fn egress_log(&self, limit: u32) -> Result<Vec<String>, Error>;
 
+    /// Receive `EgressLogged` for each connection through the gateway from
+    /// now until this connection leaves the bus.
+    fn follow_egress(&self) -> Result<(), Error>;
+
     /// The connections waiting for an answer (mode `ask`): id, host, port,
     /// since (µs since the epoch).
     fn egress_pending(&self) -> Result<Vec<(u64, String, u16, u64)>, Error>;
@@ -149,7 +153,9 @@ pub trait Sandbox {
     #[zbus(signal)]
     fn egress_asked(&self, host: &str, port: u16) -> zbus::Result<()>;
 
-    /// A connection through the gateway ended or was refused (JSON).
+    /// A connection through the gateway was admitted, ended or was
+    /// refused (JSON); sent only to connections that called
+    /// `follow_egress`.
     #[zbus(signal)]
     fn egress_logged(&self, entry: &str) -> zbus::Result<()>;
 

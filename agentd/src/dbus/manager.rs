@@ -71,7 +71,7 @@ impl ManagerObject {
             .create(caller, Path::new(&project_path), opts)
             .await
             .map_err(to_dbus)?;
-        sandbox::export(conn, &self.manager, &self.callers, &sb.name)
+        super::export_sandbox(conn, &self.manager, &self.callers, &sb.name)
             .await
             .map_err(api::Error::ZBus)?;
         Ok((path_of(&sb.name)?, notices))
@@ -246,7 +246,7 @@ pub async fn added(
     callers: &Arc<Callers>,
     name: &str,
 ) -> zbus::Result<()> {
-    sandbox::export(conn, manager, callers, name).await?;
+    super::export_sandbox(conn, manager, callers, name).await?;
     let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
         return Ok(());
     };

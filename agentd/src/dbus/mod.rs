@@ -43,15 +43,28 @@ pub enum Bus {
 /// sent to its owner's connections and root's, one copy each, never
 /// broadcast (see [`Callers::emitters`]). A connection is known once it has
 /// called agentd (a method, or reading a property); it is forgotten when it
-/// leaves the bus.
+/// leaves the bus. `EgressLogged`, one for every connection through a
+/// gateway, goes only to the known connections that asked for it with
+/// `FollowEgress` ([`Callers::follow`]).
 #[derive(Debug, Default)]
 pub struct Callers {
-    cache: Mutex<HashMap<String, u32>>,
+    cache: Mutex<HashMap<String, Known>>,
+}
+
+/// A connection agentd knows.
+#[derive(Debug)]
+struct Known {
+    uid: u32,
+    /// The sandboxes whose egress log it follows.
+    follows: std::collections::BTreeSet<String>,
 }
 
 /// Most connections remembered at once; past it new callers still get
 /// answers, but no signals until others leave.
 const CALLERS_MAX: usize = 16_384;
+
+/// Most sandboxes one connection follows the egress log of.
+pub const FOLLOWS_MAX: usize = 64;
 
 impl Callers {
     /// The uid of whoever sent the message with `header`.
@@ -69,8 +82,8 @@ impl Callers {
                 )
             })?
             .to_owned();
-        if let Some(uid) = self.cache.lock().unwrap().get(sender.as_str()) {
-            return Ok(Caller { uid: *uid });
+        if let Some(known) = self.cache.lock().unwrap().get(sender.as_str()) {
+            return Ok(Caller { uid: known.uid });
         }
         let dbus = zbus::fdo::DBusProxy::new(conn)
             .await
@@ -83,7 +96,13 @@ impl Callers {
             })?;
         let mut cache = self.cache.lock().unwrap();
         if cache.len() < CALLERS_MAX {
-            cache.insert(sender.to_string(), uid);
+            cache.insert(
+                sender.to_string(),
+                Known {
+                    uid,
+                    follows: std::collections::BTreeSet::new(),
+                },
+            );
         }
         Ok(Caller { uid })
     }
@@ -93,15 +112,51 @@ impl Callers {
         self.cache.lock().unwrap().remove(unique_name);
     }
 
+    /// Send `EgressLogged` of sandbox `name` to connection `unique_name`
+    /// from now until it leaves the bus (its caller may see the sandbox:
+    /// checked before). Refused past [`FOLLOWS_MAX`] sandboxes, and for a
+    /// connection agentd could not remember.
+    pub fn follow(&self, unique_name: &str, name: &str) -> Result<(), api::Error> {
+        let mut cache = self.cache.lock().unwrap();
+        let Some(known) = cache.get_mut(unique_name) else {
+            return Err(api::Error::Backend(format!(
+                "agentd already sends signals to {CALLERS_MAX} connections; \
+                 follow sandbox '{name}' again once some of them have left the bus"
+            )));
+        };
+        if known.follows.len() >= FOLLOWS_MAX && !known.follows.contains(name) {
+            return Err(api::Error::InvalidArgument(format!(
+                "This connection already follows the egress of {FOLLOWS_MAX} sandboxes; \
+                 follow sandbox '{name}' from another connection"
+            )));
+        }
+        known.follows.insert(name.to_owned());
+        Ok(())
+    }
+
     /// The known connections that may see a sandbox of `owner`.
     #[must_use]
     pub fn recipients(&self, owner: u32) -> Vec<String> {
+        self.matching(|known| Caller { uid: known.uid }.may_access(owner))
+    }
+
+    /// The known connections that may see sandbox `name` of `owner` and
+    /// follow its egress log.
+    #[must_use]
+    pub fn followers(&self, owner: u32, name: &str) -> Vec<String> {
+        self.matching(|known| {
+            known.follows.contains(name) && Caller { uid: known.uid }.may_access(owner)
+        })
+    }
+
+    /// The known connections that `keep`, sorted.
+    fn matching(&self, keep: impl Fn(&Known) -> bool) -> Vec<String> {
         let mut names: Vec<String> = self
             .cache
             .lock()
             .unwrap()
             .iter()
-            .filter(|(_, uid)| Caller { uid: **uid }.may_access(owner))
+            .filter(|(_, known)| keep(known))
             .map(|(name, _)| name.clone())
             .collect();
         names.sort();
@@ -116,16 +171,66 @@ impl Callers {
         owner: u32,
         path: &zvariant::ObjectPath<'_>,
     ) -> Vec<zbus::object_server::SignalEmitter<'static>> {
-        self.recipients(owner)
-            .into_iter()
-            .filter_map(|name| {
-                let dest = zbus::names::UniqueName::try_from(name).ok()?;
-                let emitter =
-                    zbus::object_server::SignalEmitter::new(conn, path.to_owned()).ok()?;
-                Some(emitter.set_destination(zbus::names::BusName::Unique(dest)))
-            })
-            .collect()
+        emitters_to(conn, path, self.recipients(owner))
     }
+
+    /// One emitter at `path` for each connection that follows sandbox
+    /// `name`'s egress log and may see it (a sandbox of `owner`).
+    pub fn follower_emitters(
+        &self,
+        conn: &Connection,
+        owner: u32,
+        name: &str,
+        path: &zvariant::ObjectPath<'_>,
+    ) -> Vec<zbus::object_server::SignalEmitter<'static>> {
+        emitters_to(conn, path, self.followers(owner, name))
+    }
+
+    /// Whether any connection follows sandbox `name`'s egress log.
+    #[must_use]
+    pub fn followed(&self, name: &str) -> bool {
+        self.cache
+            .lock()
+            .unwrap()
+            .values()
+            .any(|known| known.follows.contains(name))
+    }
+}
+
+/// One emitter at `path` for each connection of `names`.
+fn emitters_to(
+    conn: &Connection,
+    path: &zvariant::ObjectPath<'_>,
+    names: Vec<String>,
+) -> Vec<zbus::object_server::SignalEmitter<'static>> {
+    names
+        .into_iter()
+        .filter_map(|name| {
+            let dest = zbus::names::UniqueName::try_from(name).ok()?;
+            let emitter = zbus::object_server::SignalEmitter::new(conn, path.to_owned()).ok()?;
+            Some(emitter.set_destination(zbus::names::BusName::Unique(dest)))
+        })
+        .collect()
+}
+
+/// Export the object of sandbox `name` unless it is already there.
+pub(super) async fn export_sandbox(
+    conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
+    name: &str,
+) -> zbus::Result<()> {
+    let Some(path) = api::sandbox_path(name) else {
+        return Ok(());
+    };
+    let server = conn.object_server();
+    if server.interface::<_, SandboxObject>(&path).await.is_ok() {
+        return Ok(());
+    }
+    server
+        .at(&path, SandboxObject::new(name, manager, callers))
+        .await?;
+    ssh::export_parts(server, &path, name, manager, callers).await
 }
 
 /// Forget connections as they leave the bus, so signals stop going to them.
@@ -262,7 +367,7 @@ pub async fn serve(
         .build()
         .await?;
     for name in manager.names() {
-        sandbox::export(&conn, &manager, &callers, &name).await?;
+        export_sandbox(&conn, &manager, &callers, &name).await?;
     }
     tokio::spawn(follow_departures(conn.clone(), Arc::clone(&callers)));
     tokio::spawn(follow_egress(
@@ -344,7 +449,7 @@ async fn follow_changes(
         };
         let result = match &change {
             Change::Added(name) => manager::added(&conn, &manager, &callers, name).await,
-            Change::Updated(name) => match sandbox::export(&conn, &manager, &callers, name).await {
+            Change::Updated(name) => match export_sandbox(&conn, &manager, &callers, name).await {
                 Ok(()) => {
                     signals::announce(&conn, &manager, &callers, name).await;
                     Ok(())
@@ -411,11 +516,54 @@ mod tests {
     fn signals_go_to_the_owner_and_root_only() {
         let callers = Callers::default();
         for (name, uid) in [(":1.1", 1000), (":1.2", 1001), (":1.3", 0), (":1.4", 1000)] {
-            callers.cache.lock().unwrap().insert(name.to_owned(), uid);
+            callers.cache.lock().unwrap().insert(
+                name.to_owned(),
+                Known {
+                    uid,
+                    follows: std::collections::BTreeSet::new(),
+                },
+            );
         }
         assert_eq!(callers.recipients(1000), [":1.1", ":1.3", ":1.4"]);
         assert_eq!(callers.recipients(1001), [":1.2", ":1.3"]);
         callers.forget(":1.3");
         assert_eq!(callers.recipients(0), Vec::<String>::new());
+    }
+
+    #[test]
+    fn egress_entries_go_only_to_followers_who_may_see_the_sandbox() {
+        let callers = Callers::default();
+        for (name, uid) in [(":1.1", 1000), (":1.2", 1001), (":1.3", 0), (":1.4", 1000)] {
+            callers.cache.lock().unwrap().insert(
+                name.to_owned(),
+                Known {
+                    uid,
+                    follows: std::collections::BTreeSet::new(),
+                },
+            );
+        }
+        assert!(!callers.followed("web"));
+        assert_eq!(callers.followers(1000, "web"), Vec::<String>::new());
+        // A follower of another uid (a name reused by another owner after
+        // a destroy) hears nothing; root does.
+        for who in [":1.2", ":1.3", ":1.4"] {
+            callers.follow(who, "web").unwrap();
+        }
+        assert!(callers.followed("web"));
+        assert_eq!(callers.followers(1000, "web"), [":1.3", ":1.4"]);
+        assert_eq!(callers.followers(1000, "api"), Vec::<String>::new());
+        // An unknown connection cannot follow.
+        assert!(callers.follow(":1.9", "web").is_err());
+        // At most FOLLOWS_MAX sandboxes per connection; again is no more.
+        for i in 1..FOLLOWS_MAX {
+            callers.follow(":1.1", &format!("s{i}")).unwrap();
+        }
+        callers.follow(":1.1", "web").unwrap();
+        callers.follow(":1.1", "web").unwrap();
+        let err = callers.follow(":1.1", "one-more").unwrap_err();
+        assert!(err.to_string().contains("64 sandboxes"), "{err}");
+        // Gone from the bus: followed no more.
+        callers.forget(":1.4");
+        assert_eq!(callers.followers(1000, "web"), [":1.1", ":1.3"]);
     }
 }

@@ -314,6 +314,20 @@ impl SandboxObject {
             .collect())
     }
 
+    /// Send this connection `EgressLogged` for each connection through
+    /// the sandbox's gateway from now until it leaves the bus (no other
+    /// connection gets them); at most [`super::FOLLOWS_MAX`] sandboxes per
+    /// connection.
+    async fn follow_egress(
+        &self,
+        #[zbus(connection)] conn: &Connection,
+        #[zbus(header)] header: Header<'_>,
+    ) -> Result<(), api::Error> {
+        self.caller_sandbox(conn, &header).await?;
+        let sender = header.sender().map(ToString::to_string).unwrap_or_default();
+        self.callers.follow(&sender, &self.name)
+    }
+
     /// The connections waiting for an answer (mode `ask`), oldest first:
     /// id, host, port, since (µs since the epoch).
     async fn egress_pending(
@@ -341,8 +355,8 @@ impl SandboxObject {
         port: u16,
     ) -> zbus::Result<()>;
 
-    /// A connection through the gateway ended (or was refused): the log
-    /// entry, as JSON.
+    /// A connection through the gateway, admitted, ended or refused: the
+    /// log entry, as JSON; sent to the connections that follow only.
     #[zbus(signal)]
     pub(super) async fn egress_logged(emitter: &SignalEmitter<'_>, entry: &str)
     -> zbus::Result<()>;
@@ -766,31 +780,17 @@ impl SandboxObject {
     }
 }
 
-/// Export the object of sandbox `name` unless it is already there.
-pub async fn export(
-    conn: &Connection,
-    manager: &Arc<Manager>,
-    callers: &Arc<Callers>,
-    name: &str,
-) -> zbus::Result<()> {
-    let Some(path) = api::sandbox_path(name) else {
-        return Ok(());
-    };
-    let server = conn.object_server();
-    if server.interface::<_, SandboxObject>(&path).await.is_ok() {
-        return Ok(());
-    }
-    let obj = SandboxObject {
-        name: name.to_owned(),
-        manager: Arc::clone(manager),
-        callers: Arc::clone(callers),
-        announced: Mutex::new(manager.snapshot(name)),
-    };
-    server.at(&path, obj).await?;
-    super::ssh::export_parts(server, &path, name, manager, callers).await
-}
-
 impl SandboxObject {
+    /// The object of sandbox `name`, announced as it is now.
+    pub(super) fn new(name: &str, manager: &Arc<Manager>, callers: &Arc<Callers>) -> Self {
+        Self {
+            name: name.to_owned(),
+            manager: Arc::clone(manager),
+            callers: Arc::clone(callers),
+            announced: Mutex::new(manager.snapshot(name)),
+        }
+    }
+
     /// The owner of the sandbox as last announced.
     pub fn announced_owner(&self) -> Option<u32> {
         self.announced.lock().unwrap().as_ref().map(|s| s.owner)

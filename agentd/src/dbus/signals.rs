@@ -142,44 +142,52 @@ pub async fn held(
     Ok(())
 }
 
-/// Tell a sandbox's owner (and root) what its gateway reports.
+/// Tell a sandbox's owner (and root) what its gateway reports:
+/// `EgressDenied` and `EgressAsked` to every connection of theirs agentd
+/// knows, `EgressLogged` (one for every connection) only to those that
+/// follow the sandbox's egress log.
 pub async fn egress_event(
     conn: &Connection,
     manager: &Arc<Manager>,
     callers: &Arc<Callers>,
     event: &EgressEvent,
 ) -> zbus::Result<()> {
-    let name = match event {
-        EgressEvent::Logged(entry) | EgressEvent::Asked(entry) => &entry.sandbox,
-    };
+    let (EgressEvent::Logged(entry) | EgressEvent::Asked(entry)) = event;
+    let name = &entry.sandbox;
+    let denied = matches!(event, EgressEvent::Logged(e) if e.decision != "allow");
+    let asked = matches!(event, EgressEvent::Asked(_));
+    // An admission or an end nobody follows: nothing to send.
+    if !denied && !asked && !callers.followed(name) {
+        return Ok(());
+    }
     let (Some(path), Some(sb)) = (api::sandbox_path(name), manager.snapshot(name)) else {
         return Ok(());
     };
     // A D-Bus string may not hold NUL (the bus would drop agentd); the
     // gateway never lets one through, and this makes sure.
     let clean = |s: &str| s.replace('\0', "\\0");
-    for e in callers.emitters(conn, sb.owner, &path) {
-        match event {
-            EgressEvent::Logged(entry) => {
-                let json = serde_json::to_string(&**entry).expect("an entry serializes");
-                SandboxObject::egress_logged(&e, &json).await?;
-                if entry.decision != "allow" {
-                    SandboxObject::egress_denied(
-                        &e,
-                        &clean(&entry.host),
-                        entry.port,
-                        &clean(&entry.rule),
-                        &clean(&entry.reason),
-                    )
-                    .await?;
-                }
-            }
-            EgressEvent::Asked(entry) => {
+    if denied || asked {
+        for e in callers.emitters(conn, sb.owner, &path) {
+            if asked {
                 SandboxObject::egress_asked(&e, &clean(&entry.host), entry.port).await?;
-                // `agentctl egress NAME log --follow` shows it as it waits.
-                let json = serde_json::to_string(&**entry).expect("an entry serializes");
-                SandboxObject::egress_logged(&e, &json).await?;
+            } else {
+                SandboxObject::egress_denied(
+                    &e,
+                    &clean(&entry.host),
+                    entry.port,
+                    &clean(&entry.rule),
+                    &clean(&entry.reason),
+                )
+                .await?;
             }
+        }
+    }
+    // `agentctl egress NAME log --follow` shows it (a waiting one too).
+    let followers = callers.follower_emitters(conn, sb.owner, name, &path);
+    if !followers.is_empty() {
+        let json = serde_json::to_string(&**entry).expect("an entry serializes");
+        for e in followers {
+            SandboxObject::egress_logged(&e, &json).await?;
         }
     }
     Ok(())

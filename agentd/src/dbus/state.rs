@@ -142,7 +142,7 @@ impl StateObject {
             .fork(caller, &self.name, &name, opts)
             .await
             .map_err(to_dbus)?;
-        super::sandbox::export(conn, &self.manager, &self.callers, &sb.name)
+        super::export_sandbox(conn, &self.manager, &self.callers, &sb.name)
             .await
             .map_err(api::Error::ZBus)?;
         let path = api::sandbox_path(&sb.name)
