@@ -419,12 +419,6 @@ async fn handle(
         }
     };
     entry.addr = addr.ip().to_string();
-    // Logged now, so a connection cut off by a stop or a crash is still on
-    // record; its end follows.
-    (ctx.record)(Entry {
-        open: true,
-        ..entry.clone()
-    });
     let _ = upstream.set_nodelay(true);
     let ready = if socks {
         client.write_all(&socks_reply(0)).await
@@ -435,6 +429,13 @@ async fn handle(
     } else {
         Ok(())
     };
+    // Logged before any byte goes either way, so a connection cut off by a
+    // stop or a crash is still on record; its end follows. (After the
+    // answer: the client's next bytes wait in its socket meanwhile.)
+    (ctx.record)(Entry {
+        open: true,
+        ..entry.clone()
+    });
     let mut sent = 0u64;
     if ready.is_ok() && !head.is_empty() && upstream.write_all(&head).await.is_ok() {
         sent = head.len() as u64;
