@@ -8,7 +8,9 @@ gateway (CONNECT, as HTTPS clients do; the origin is admitted by an
 address-range entry). It prints:
 
 1. latency per request, p50/p99, on one keep-alive connection and with a
-   new connection (a new tunnel through the gateway) per request;
+   new connection (a new tunnel through the gateway) per request; then new
+   connections again, the three in turn for --rounds rounds, with the
+   added p50 of each round and their median;
 2. throughput of a download of --size MiB (default 1024), and agentd's CPU
    time per GiB through the gateway;
 3. a burst of --burst (default 300) connections at once to three names that
@@ -23,7 +25,7 @@ address-range entry). It prints:
 Needs `cargo build --release --bins` and Squid (`apt-get install squid`).
 
     python3 tests/bench/egress.py [--requests 2000] [--size 1024] [--idle 20]
-                                  [--burst 300] [--dns-ms 20]
+                                  [--burst 300] [--dns-ms 20] [--rounds 5]
 """
 
 import argparse
@@ -60,10 +62,12 @@ h.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 # argv: mode (direct, or the port of a proxy on 127.0.0.1 to CONNECT
-# through) host port requests size_bytes. Prints JSON.
+# through) host port requests size_bytes [new_connections, default
+# requests/4]. Prints JSON.
 CLIENT = r"""
 import http.client, json, sys, time
 mode, host, port, n, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+fresh = int(sys.argv[6]) if len(sys.argv) > 6 else n // 4
 def conn():
     if mode == "direct":
         return http.client.HTTPConnection(host, port)
@@ -84,7 +88,7 @@ for _ in range(n):
     t0 = time.perf_counter(); get(c); keep.append((time.perf_counter() - t0) * 1000)
 c.close()
 new = []
-for _ in range(n // 4):
+for _ in range(fresh):
     t0 = time.perf_counter(); c = conn(); get(c); c.close(); new.append((time.perf_counter() - t0) * 1000)
 c = conn()
 t0, cpu0 = time.perf_counter(), time.process_time()
@@ -237,6 +241,8 @@ def main():
     ap.add_argument("--idle", type=int, default=20, help="sandboxes for the idle measurement")
     ap.add_argument("--burst", type=int, default=300, help="connections in the name-lookup burst")
     ap.add_argument("--dns-ms", type=float, default=20, help="the DNS server's time per query")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of new tunnels with straight, Squid and the gateway in turn")
     args = ap.parse_args()
     size = args.size << 20
     port = free_port()
@@ -268,13 +274,29 @@ def main():
                 sq = json.loads(subprocess.run(
                     [sys.executable, str(tmp / "client.py"), str(squid_port), "127.0.0.1", str(port),
                      str(args.requests), str(size)], check=True, capture_output=True, text=True).stdout)
+                cpu0 = cpu_seconds(d.agentd.pid)
+                via = json.loads(d.run("exec", "eg", "--", "python3", "/tmp/client.py", "3128",
+                                       "origin.test", str(port), str(args.requests), str(size)))
+                cpu = cpu_seconds(d.agentd.pid) - cpu0
+                # New tunnels again, the three in turn for --rounds rounds:
+                # one run of each is at the machine's mercy for its time.
+                def fresh(*cmd):
+                    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                    return pct(json.loads(out)["new"], 50)
+                turns = []
+                for _ in range(args.rounds):
+                    many = str(args.requests // 4)
+                    turns.append((
+                        fresh(sys.executable, str(tmp / "client.py"), "direct", "127.0.0.1",
+                              str(port), "0", "0", many),
+                        fresh(sys.executable, str(tmp / "client.py"), str(squid_port),
+                              "127.0.0.1", str(port), "0", "0", many),
+                        fresh(*d.ctl, "exec", "eg", "--", "python3", "/tmp/client.py", "3128",
+                              "origin.test", str(port), "0", "0", many),
+                    ))
             finally:
                 squid_proc.terminate()
                 squid_proc.wait()
-            cpu0 = cpu_seconds(d.agentd.pid)
-            via = json.loads(d.run("exec", "eg", "--", "python3", "/tmp/client.py", "3128",
-                                   "origin.test", str(port), str(args.requests), str(size)))
-            cpu = cpu_seconds(d.agentd.pid) - cpu0
             print(f"HTTP over CONNECT through the gateway vs straight to the origin on the host "
                   f"({args.requests} keep-alive requests, {args.requests // 4} new connections):")
             row("baseline: keep-alive, straight", direct["keep"])
@@ -285,6 +307,14 @@ def main():
             row("new tunnel each, through the gateway", via["new"])
             print(f"  added p50 by a new tunnel: gateway {pct(via['new'], 50) - pct(direct['new'], 50):+.3f} ms, "
                   f"Squid {pct(sq['new'], 50) - pct(direct['new'], 50):+.3f} ms")
+            print(f"New tunnel each, in turn ({args.rounds} rounds of {args.requests // 4} "
+                  f"connections each), p50 of each round in ms: straight / Squid / gateway")
+            for i, (a, b, c) in enumerate(turns):
+                print(f"  round {i + 1}: {a:.3f} / {b:.3f} / {c:.3f}   added: Squid {b - a:+.3f}, "
+                      f"gateway {c - a:+.3f}")
+            print(f"  added p50, median of the rounds: gateway "
+                  f"{pct([c - a for a, _, c in turns], 50):+.3f} ms, "
+                  f"Squid {pct([b - a for a, b, _ in turns], 50):+.3f} ms")
             mib = size / (1 << 20)
             d_rate, s_rate, v_rate = mib / direct["secs"], mib / sq["secs"], mib / via["secs"]
             print(f"Download of {args.size} MiB:")
