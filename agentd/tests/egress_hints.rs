@@ -2,7 +2,8 @@
 //! a 403 body: `agentctl egress NAME log` (text, `--json`, `--follow`),
 //! `agentctl status` and `egress pending` give the exact command that
 //! admits each one, with the real sandbox and entry, and running that
-//! command does admit it. From inside a real `local` sandbox.
+//! command does admit it; who is sent the gateway's signals, and how many
+//! a flood of refusals makes. From inside a real `local` sandbox.
 
 mod common;
 
@@ -368,4 +369,70 @@ fn only_a_connection_that_follows_the_egress_log_is_sent_its_entries() {
     // Following is for those who may see the sandbox.
     let err = env.fails(1, &["egress", "no-such", "log", "--follow"]);
     assert!(err.contains("no-such"), "{err}");
+}
+
+#[test]
+fn a_flood_of_refusals_is_announced_a_few_times_a_second_and_logged_whole() {
+    let env = Env::new();
+    env.create_running("loud", &[]);
+    // As fast as it can: CONNECTs to a private address, each refused.
+    const TRIES: usize = 300;
+    let flood = format!(
+        "python3 -c '
+import socket, time
+t0 = time.monotonic()
+for _ in range({TRIES}):
+    s = socket.create_connection((\"127.0.0.1\", 3128))
+    s.sendall(b\"CONNECT 10.1.2.3:80 HTTP/1.1\\r\\nHost: 10.1.2.3:80\\r\\n\\r\\n\")
+    assert s.recv(12) == b\"HTTP/1.1 403\"
+    s.close()
+print(time.monotonic() - t0)
+'"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (secs, announced) = rt.block_on(async {
+        use futures_lite::StreamExt as _;
+        let conn = zbus::connection::Builder::address(env.address.as_str())
+            .unwrap()
+            .build()
+            .await
+            .unwrap();
+        let sb = keystone_agent_api::SandboxProxy::builder(&conn)
+            .path("/org/keystone/Agent1/sandbox/loud")
+            .unwrap()
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await
+            .unwrap();
+        let mut denied = sb.receive_egress_denied().await.unwrap();
+        // Known to agentd: sent the owner's signals.
+        assert_eq!(sb.state().await.unwrap(), "running");
+        // (Signals wait in the connection's socket meanwhile.)
+        let (code, out) = env.inside("loud", &flood);
+        assert_eq!(code, 0, "{out}");
+        let secs: f64 = out.trim().parse().unwrap();
+        let mut announced = 0usize;
+        while let Ok(Some(_)) = tokio::time::timeout(Duration::from_secs(1), denied.next()).await {
+            announced += 1;
+        }
+        (secs, announced)
+    });
+    // At most 20 in each second the flood touched, and at least some.
+    let seconds = secs.ceil() as usize + 1;
+    assert!(
+        (1..=20 * seconds).contains(&announced),
+        "{announced} EgressDenied for {TRIES} refusals in {secs:.2} s"
+    );
+    // The log has every one.
+    let log = json(&env.ok(&["egress", "loud", "log", "--json", "--limit", "1000"]));
+    let refused = log
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["host"] == "10.1.2.3" && e["decision"] == "deny")
+        .count();
+    assert_eq!(refused, TRIES);
 }

@@ -387,7 +387,9 @@ pub async fn serve(
 }
 
 /// Signal every connection through a gateway to its sandbox's owner. Under
-/// a flood some are skipped (the log keeps them all).
+/// a flood some are skipped (the log keeps them all), and a sandbox's
+/// refusals are announced with `EgressDenied` at most
+/// [`DENIALS_PER_SECOND`] a second: each goes to every client of its owner.
 async fn follow_egress(
     conn: Connection,
     manager: Arc<Manager>,
@@ -395,16 +397,53 @@ async fn follow_egress(
     mut events: tokio::sync::broadcast::Receiver<crate::sandbox::manager::EgressEvent>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
+    let mut denials = Denials::default();
     loop {
         match events.recv().await {
             Ok(event) => {
-                if let Err(e) = signals::egress_event(&conn, &manager, &callers, &event).await {
+                use crate::sandbox::manager::EgressEvent;
+                let announce = match &event {
+                    EgressEvent::Logged(entry) => {
+                        entry.decision != "allow"
+                            && denials.admit(&entry.sandbox, std::time::Instant::now())
+                    }
+                    EgressEvent::Asked(_) => true,
+                };
+                let r = signals::egress_event(&conn, &manager, &callers, &event, announce).await;
+                if let Err(e) = r {
                     tracing::debug!(error = %e, "cannot signal a connection");
                 }
             }
             Err(RecvError::Lagged(_)) => {}
             Err(RecvError::Closed) => return,
         }
+    }
+}
+
+/// Most `EgressDenied` signals of one sandbox in a second.
+pub const DENIALS_PER_SECOND: u32 = 20;
+
+/// How many refusals of each sandbox were announced in its current second.
+#[derive(Debug, Default)]
+struct Denials {
+    seconds: HashMap<String, (std::time::Instant, u32)>,
+}
+
+impl Denials {
+    /// Whether a refusal of sandbox `name` at `now` may be announced.
+    fn admit(&mut self, name: &str, now: std::time::Instant) -> bool {
+        let second = std::time::Duration::from_secs(1);
+        // Past seconds are forgotten before the map could grow large.
+        if self.seconds.len() >= 1024 {
+            self.seconds
+                .retain(|_, (start, _)| now.duration_since(*start) < second);
+        }
+        let (start, count) = self.seconds.entry(name.to_owned()).or_insert((now, 0));
+        if now.duration_since(*start) >= second {
+            (*start, *count) = (now, 0);
+        }
+        *count += 1;
+        *count <= DENIALS_PER_SECOND
     }
 }
 
@@ -528,6 +567,28 @@ mod tests {
         assert_eq!(callers.recipients(1001), [":1.2", ":1.3"]);
         callers.forget(":1.3");
         assert_eq!(callers.recipients(0), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_sandbox_s_refusals_are_announced_at_most_so_many_a_second() {
+        let mut denials = Denials::default();
+        let t0 = std::time::Instant::now();
+        let ms = std::time::Duration::from_millis;
+        let admitted =
+            |d: &mut Denials, name: &str, at| (0..100).filter(|_| d.admit(name, at)).count();
+        assert_eq!(
+            admitted(&mut denials, "loud", t0),
+            DENIALS_PER_SECOND as usize
+        );
+        // Another sandbox has its own count; the next second a new one.
+        assert_eq!(admitted(&mut denials, "quiet", t0 + ms(10)), 20);
+        assert_eq!(admitted(&mut denials, "loud", t0 + ms(999)), 0);
+        assert_eq!(admitted(&mut denials, "loud", t0 + ms(1000)), 20);
+        // Many sandboxes: the past seconds are let go.
+        for i in 0..2000 {
+            denials.admit(&format!("s{i}"), t0 + ms(3000 + i));
+        }
+        assert!(denials.seconds.len() <= 1025, "{}", denials.seconds.len());
     }
 
     #[test]

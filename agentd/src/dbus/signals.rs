@@ -143,18 +143,19 @@ pub async fn held(
 }
 
 /// Tell a sandbox's owner (and root) what its gateway reports:
-/// `EgressDenied` and `EgressAsked` to every connection of theirs agentd
-/// knows, `EgressLogged` (one for every connection) only to those that
-/// follow the sandbox's egress log.
+/// `EgressDenied` (when `announce`) and `EgressAsked` to every connection
+/// of theirs agentd knows, `EgressLogged` (one for every connection) only
+/// to those that follow the sandbox's egress log.
 pub async fn egress_event(
     conn: &Connection,
     manager: &Arc<Manager>,
     callers: &Arc<Callers>,
     event: &EgressEvent,
+    announce: bool,
 ) -> zbus::Result<()> {
     let (EgressEvent::Logged(entry) | EgressEvent::Asked(entry)) = event;
     let name = &entry.sandbox;
-    let denied = matches!(event, EgressEvent::Logged(e) if e.decision != "allow");
+    let denied = announce && matches!(event, EgressEvent::Logged(e) if e.decision != "allow");
     let asked = matches!(event, EgressEvent::Asked(_));
     // An admission or an end nobody follows: nothing to send.
     if !denied && !asked && !callers.followed(name) {
