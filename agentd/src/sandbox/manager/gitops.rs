@@ -180,7 +180,7 @@ impl Manager {
         if !opts.from_host && !opts.dry_run {
             // Before the remote exists: whatever happens to the registry,
             // the sandbox's directory says what to remove with it.
-            self.record_remote(&sb);
+            self.record_remote(&sb)?;
         }
         let result = self.helpers.transfer(t).await;
         let report = match result {

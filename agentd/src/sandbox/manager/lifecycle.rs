@@ -410,7 +410,10 @@ impl Manager {
         let forget = async {
             if let Some(backend) = backend {
                 let keep = self.live_runtimes_except(name);
-                let _ = tokio::task::spawn_blocking(move || backend.kill_strays(&keep)).await;
+                // Not forgotten while its processes may still run.
+                tokio::task::spawn_blocking(move || backend.kill_strays(&keep))
+                    .await
+                    .map_err(|e| panicked(name, &e))?;
             }
             // Its secrets before the registry: a crash in between leaves a
             // sandbox without secrets, never secrets without their sandbox.
@@ -420,10 +423,11 @@ impl Manager {
             // removes both.
             self.forget(name);
             self.release_held(name);
+            Ok::<_, Error>(())
         };
         // Meanwhile, the remote it added to the host repository (the refs
         // stay): its record is in the directory, which stays until both end.
-        tokio::join!(self.remove_remotes(name, Some(&sb)), forget);
+        tokio::join!(self.remove_remotes(name, Some(&sb)), forget).1?;
         self.release_disk(name).await;
         self.remove_records(name);
         let removed = self
@@ -477,7 +481,8 @@ impl Manager {
     }
 }
 
-/// The error of a blocking task of sandbox `name`'s start that panicked.
+/// The error of a blocking task of sandbox `name`'s start or destroy that
+/// panicked.
 fn panicked(name: &str, e: &tokio::task::JoinError) -> Error {
     Error::Workspace {
         name: name.to_owned(),

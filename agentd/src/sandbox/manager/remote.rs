@@ -22,17 +22,24 @@ impl Manager {
     }
 
     /// Note in sandbox `sb`'s directory (agentd's own) which remote a sync
-    /// to the host is about to add, before it does.
-    pub(super) fn record_remote(&self, sb: &Sandbox) {
+    /// to the host is about to add, before it does. A sync that cannot
+    /// note it adds none: a remote nothing records could outlive its
+    /// sandbox (agentd killed as a destroy forgets it).
+    pub(super) fn record_remote(&self, sb: &Sandbox) -> Result<()> {
         let dir = self.store.registry().sandbox_dir(&sb.name);
         let record = self.remote_record(sb);
         if remote::read_record(&dir).as_ref() == Some(&record) {
-            return;
+            return Ok(());
         }
         let body = serde_json::to_vec(&record).expect("a record serializes");
-        if let Err(e) = crate::fsutil::atomic_write(&remote::record_path(&dir), &body) {
-            tracing::warn!(sandbox = %sb.name, error = %e, "cannot record the host repository's remote");
-        }
+        crate::fsutil::atomic_write(&remote::record_path(&dir), &body).map_err(|e| Error::Sync {
+            name: sb.name.clone(),
+            source: HelperError::failed(format!(
+                "cannot note the remote it adds to the host repository: {e} \
+                 (is the sandbox's disk full? `agentctl status {}` shows it)",
+                sb.name
+            )),
+        })
     }
 
     /// Remove the remote(s) sandbox `name` added to host repositories: the

@@ -16,6 +16,8 @@ use crate::sandbox::helpers::Call;
 struct FakeBackend {
     stop_fails: Mutex<Option<String>>,
     stops: AtomicUsize,
+    /// `kill_strays` panics (a scan that went wrong).
+    strays_panic: std::sync::atomic::AtomicBool,
 }
 
 impl Backend for FakeBackend {
@@ -105,6 +107,10 @@ impl Backend for FakeBackend {
     }
 
     fn kill_strays(&self, _: &[(String, Runtime)]) -> Vec<String> {
+        assert!(
+            !self.strays_panic.load(Ordering::SeqCst),
+            "the stray scan went wrong"
+        );
         Vec::new()
     }
 }
@@ -587,4 +593,43 @@ async fn destroy_removes_the_remote_a_sync_added_as_the_projects_owner() {
     assert_eq!(req.repo, f.project);
     assert_eq!(req.name, "sandbox/demo");
     assert_eq!(req.url, f.workspace("demo").to_string_lossy());
+}
+
+#[tokio::test]
+async fn a_destroy_whose_stray_scan_fails_forgets_nothing() {
+    let f = fixture();
+    f.create().await;
+    f.backend.strays_panic.store(true, Ordering::SeqCst);
+    let err = f.manager.destroy(f.me, "demo").await.unwrap_err();
+    assert!(err.to_string().contains("demo"), "{err}");
+    // Still registered (its processes may still run), so it can be
+    // destroyed again.
+    assert!(f.manager.snapshot("demo").is_some());
+    f.backend.strays_panic.store(false, Ordering::SeqCst);
+    f.manager.destroy(f.me, "demo").await.unwrap();
+    assert!(f.manager.snapshot("demo").is_none());
+}
+
+#[tokio::test]
+async fn a_sync_that_cannot_note_its_remote_adds_none() {
+    let f = fixture();
+    f.create().await;
+    // Where the note goes, something it cannot be written over.
+    let note = f
+        .manager
+        .store
+        .registry()
+        .sandbox_dir("demo")
+        .join("host-remote.json");
+    std::fs::create_dir_all(note.join("in-the-way")).unwrap();
+    let err = f
+        .manager
+        .sync(f.me, "demo", SyncOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("cannot note the remote"),
+        "{err}"
+    );
+    assert!(f.helpers.transfers.lock().unwrap().is_empty());
 }
