@@ -185,7 +185,15 @@ pub struct Manager {
     mounts: Mutex<HashMap<String, Arc<Mutex<mounts::Uses>>>>,
     /// The use each running sandbox keeps of its directory.
     running: Mutex<HashMap<String, Mounted>>,
+    /// The destroyed images whose file systems may be ending at once
+    /// ([`ENDINGS_MAX`]).
+    endings: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most destroyed images whose file systems end after their destroy has
+/// answered, at once: each holds a loop device and its blocks until it
+/// has; past that, a destroy waits for one to end.
+pub const ENDINGS_MAX: usize = 4;
 
 impl Manager {
     /// A manager over the registry's sandboxes that runs them with
@@ -219,6 +227,7 @@ impl Manager {
             listeners: Mutex::new(HashMap::new()),
             mounts: Mutex::new(HashMap::new()),
             running: Mutex::new(HashMap::new()),
+            endings: Arc::new(tokio::sync::Semaphore::new(ENDINGS_MAX)),
         })
     }
 

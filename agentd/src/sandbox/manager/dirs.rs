@@ -39,13 +39,12 @@ impl Manager {
         })
     }
 
-    /// Unmount and delete sandbox `name`'s disk image.
+    /// Unmount and delete sandbox `name`'s disk image. Its file system
+    /// ends off the caller's path, at most [`super::ENDINGS_MAX`] at once:
+    /// past that, this waits for one to end first.
     pub(super) async fn release_disk(&self, name: &str) {
         let disk = self.disk(name);
-        if let Ok(Some(ending)) = tokio::task::spawn_blocking(move || disk.release_ending()).await {
-            // Its file system ends off the caller's path.
-            tokio::task::spawn_blocking(move || drop(ending));
-        }
+        end_off_path(&self.endings, move || disk.release_ending()).await;
     }
 
     /// Have a formatted image ready for the next create of `size_mib`
@@ -419,5 +418,21 @@ impl Manager {
             create(&dir.join(agent))?;
         }
         Ok(())
+    }
+}
+
+/// Run `release` (blocking) and drop what it returns off the caller's
+/// path, holding one of `endings`' permits from before `release` until the
+/// drop is over: with none free, wait for one.
+pub(super) async fn end_off_path<T: Send + 'static>(
+    endings: &Arc<tokio::sync::Semaphore>,
+    release: impl FnOnce() -> Option<T> + Send + 'static,
+) {
+    let permit = Arc::clone(endings).acquire_owned().await.ok();
+    if let Ok(Some(ending)) = tokio::task::spawn_blocking(release).await {
+        tokio::task::spawn_blocking(move || {
+            drop(ending);
+            drop(permit);
+        });
     }
 }

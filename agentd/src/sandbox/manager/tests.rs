@@ -627,9 +627,71 @@ async fn a_sync_that_cannot_note_its_remote_adds_none() {
         .sync(f.me, "demo", SyncOptions::default())
         .await
         .unwrap_err();
-    assert!(
-        err.to_string().contains("cannot note the remote"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("cannot note the remote"), "{err}");
     assert!(f.helpers.transfers.lock().unwrap().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_most_so_many_file_systems_end_at_once_and_more_wait() {
+    use std::sync::atomic::AtomicUsize;
+    /// An ending that lasts until the test lets it go.
+    struct Ending(Arc<(AtomicUsize, AtomicUsize, Mutex<bool>, std::sync::Condvar)>);
+    impl Drop for Ending {
+        fn drop(&mut self) {
+            let (now, most, gone, cv) = &*self.0;
+            let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(n, Ordering::SeqCst);
+            // Bounded, so that a failing test ends.
+            let wait = Duration::from_secs(10);
+            drop(cv.wait_timeout_while(gone.lock().unwrap(), wait, |g| !*g));
+            now.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let endings = Arc::new(tokio::sync::Semaphore::new(super::ENDINGS_MAX));
+    let state = Arc::new((
+        AtomicUsize::new(0),
+        AtomicUsize::new(0),
+        Mutex::new(false),
+        std::sync::Condvar::new(),
+    ));
+    let released = Arc::new(AtomicUsize::new(0));
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let (endings, state, released) = (
+            Arc::clone(&endings),
+            Arc::clone(&state),
+            Arc::clone(&released),
+        );
+        calls.spawn(async move {
+            super::dirs::end_off_path(&endings, move || {
+                released.fetch_add(1, Ordering::SeqCst);
+                Some(Ending(state))
+            })
+            .await;
+        });
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while state.0.load(Ordering::SeqCst) < super::ENDINGS_MAX {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the endings never began"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Four end; the others wait, their images not even released yet.
+    assert_eq!(state.0.load(Ordering::SeqCst), super::ENDINGS_MAX);
+    assert_eq!(released.load(Ordering::SeqCst), super::ENDINGS_MAX);
+    *state.2.lock().unwrap() = true;
+    state.3.notify_all();
+    while calls.join_next().await.is_some() {}
+    while state.0.load(Ordering::SeqCst) > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the endings never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(released.load(Ordering::SeqCst), 10);
+    assert_eq!(state.1.load(Ordering::SeqCst), super::ENDINGS_MAX);
 }
