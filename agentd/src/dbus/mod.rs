@@ -474,18 +474,41 @@ async fn follow_changes(
     mut changes: tokio::sync::broadcast::Receiver<Change>,
 ) {
     use tokio::sync::broadcast::error::RecvError;
+    // The sandboxes whose objects are on the bus, as far as this task has
+    // heard (all of them at first: `serve` exported them).
+    let mut shown: std::collections::BTreeSet<String> = manager.names().into_iter().collect();
     loop {
         let change = match changes.recv().await {
             Ok(c) => c,
             Err(RecvError::Lagged(n)) => {
-                tracing::warn!(missed = n, "missed sandbox changes; re-announcing all");
-                for name in manager.names() {
-                    signals::announce(&conn, &manager, &callers, &name).await;
+                tracing::warn!(missed = n, "missed sandbox changes; catching up");
+                let now: std::collections::BTreeSet<String> = manager.names().into_iter().collect();
+                // Withdrawn: those gone meanwhile; exported: those added.
+                for gone in shown.difference(&now) {
+                    if let Err(e) = manager::removed(&conn, &callers, gone).await {
+                        tracing::warn!(sandbox = %gone, error = %e, "cannot withdraw a sandbox's object");
+                    }
                 }
+                for name in &now {
+                    if let Err(e) = export_sandbox(&conn, &manager, &callers, name).await {
+                        tracing::warn!(sandbox = %name, error = %e, "cannot export a sandbox's object");
+                    }
+                    signals::announce(&conn, &manager, &callers, name).await;
+                }
+                shown = now;
                 continue;
             }
             Err(RecvError::Closed) => return,
         };
+        match &change {
+            Change::Added(name) | Change::Updated(name) => {
+                shown.insert(name.clone());
+            }
+            Change::Removed(name) => {
+                shown.remove(name);
+            }
+            _ => {}
+        }
         let result = match &change {
             Change::Added(name) => manager::added(&conn, &manager, &callers, name).await,
             Change::Updated(name) => match export_sandbox(&conn, &manager, &callers, name).await {

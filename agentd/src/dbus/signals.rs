@@ -40,9 +40,11 @@ pub async fn announce(
         .replace(now.clone());
     let Some(before) = before else { return };
     let obj = iface.get().await;
-    // Whoever could see the sandbox before or now (an owner may change).
+    // Whoever could see the sandbox before or now (an owner may change);
+    // never the owner of another sandbox that had the name (a missed
+    // removal left its object).
     let mut emitters = callers.emitters(conn, now.owner, &path);
-    if before.owner != now.owner {
+    if before.owner != now.owner && before.id == now.id {
         emitters.extend(callers.emitters(conn, before.owner, &path));
     }
     for emitter in &emitters {
