@@ -574,18 +574,21 @@ pub(super) async fn caller_gone(conn: &Connection, header: &Header<'_>) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn signals_go_to_the_owner_and_root_only() {
+    /// Callers that know :1.1 and :1.4 (uid 1000), :1.2 (1001) and :1.3
+    /// (root).
+    fn four_callers() -> Callers {
         let callers = Callers::default();
         for (name, uid) in [(":1.1", 1000), (":1.2", 1001), (":1.3", 0), (":1.4", 1000)] {
-            callers.cache.lock().unwrap().insert(
-                name.to_owned(),
-                Known {
-                    uid,
-                    follows: std::collections::BTreeSet::new(),
-                },
-            );
+            let follows = std::collections::BTreeSet::new();
+            let known = Known { uid, follows };
+            callers.cache.lock().unwrap().insert(name.to_owned(), known);
         }
+        callers
+    }
+
+    #[test]
+    fn signals_go_to_the_owner_and_root_only() {
+        let callers = four_callers();
         assert_eq!(callers.recipients(1000), [":1.1", ":1.3", ":1.4"]);
         assert_eq!(callers.recipients(1001), [":1.2", ":1.3"]);
         callers.forget(":1.3");
@@ -616,16 +619,7 @@ mod tests {
 
     #[test]
     fn egress_entries_go_only_to_followers_who_may_see_the_sandbox() {
-        let callers = Callers::default();
-        for (name, uid) in [(":1.1", 1000), (":1.2", 1001), (":1.3", 0), (":1.4", 1000)] {
-            callers.cache.lock().unwrap().insert(
-                name.to_owned(),
-                Known {
-                    uid,
-                    follows: std::collections::BTreeSet::new(),
-                },
-            );
-        }
+        let callers = four_callers();
         assert!(!callers.followed("web"));
         assert_eq!(callers.followers(1000, "web"), Vec::<String>::new());
         // A follower of another uid (a name reused by another owner after
