@@ -337,8 +337,9 @@ fn spare(disks: &Path, size_mib: u32) -> PathBuf {
 
 /// Have an image of `size_mib` ready in `state`'s `disks/`, formatted and
 /// never mounted, for the next sandbox made with that size: its create
-/// takes it with a rename instead of waiting for mke2fs. One spare is
-/// kept, of the size last asked for (others are removed). Blocking.
+/// takes it with a rename instead of waiting for mke2fs. Spares of the two
+/// sizes last asked for are kept (creates that alternate two sizes take a
+/// spare each time); others, and a half-made one, are removed. Blocking.
 pub fn make_spare(state: &Path, size_mib: u32) -> Result<(), DiskError> {
     // One at a time: two makers would write the same temporary file.
     static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -351,10 +352,20 @@ pub fn make_spare(state: &Path, size_mib: u32) -> Result<(), DiskError> {
     let disks = state.join("disks");
     make_disks_dir(&disks)?;
     let path = spare(&disks, size_mib);
+    // The other spares, newest first: the newest stays.
+    let mut others: Vec<(std::time::SystemTime, PathBuf)> = Vec::new();
     for e in fs::read_dir(&disks).map_err(io("read", &disks))?.flatten() {
-        if e.file_name().to_string_lossy().starts_with(".spare-") && e.path() != path {
-            let _ = fs::remove_file(e.path());
+        if !e.file_name().to_string_lossy().starts_with(".spare-") || e.path() == path {
+            continue;
         }
+        match e.metadata().and_then(|m| m.modified()) {
+            Ok(at) if e.path().extension().is_none() => others.push((at, e.path())),
+            _ => drop(fs::remove_file(e.path())),
+        }
+    }
+    others.sort_by_key(|o| std::cmp::Reverse(o.0));
+    for (_, old) in others.iter().skip(1) {
+        let _ = fs::remove_file(old);
     }
     if path.is_file() {
         return Ok(());
@@ -409,10 +420,19 @@ mod tests {
         let spare = tmp.path().join("disks/.spare-16");
         make_spare(tmp.path(), 16).unwrap();
         assert!(spare.is_file());
-        // One spare is kept, of the size last asked for.
+        // Spares of the two sizes last asked for are kept; a half-made one
+        // goes.
+        let half = tmp.path().join("disks/.spare-8.tmp");
+        fs::write(&half, "").unwrap();
         make_spare(tmp.path(), 32).unwrap();
-        assert!(!spare.exists() && tmp.path().join("disks/.spare-32").is_file());
+        assert!(spare.is_file() && tmp.path().join("disks/.spare-32").is_file());
+        assert!(!half.exists());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        make_spare(tmp.path(), 64).unwrap();
+        assert!(!spare.exists(), "the oldest spare is kept");
+        assert!(tmp.path().join("disks/.spare-32").is_file());
         make_spare(tmp.path(), 16).unwrap();
+        assert!(!tmp.path().join("disks/.spare-32").exists());
         let ino = fs::metadata(&spare).unwrap().ino();
         let taken = Disk::new(tmp.path(), "taken");
         taken.ensure(16).unwrap();
