@@ -72,6 +72,17 @@ pub enum Error {
         #[source]
         source: HelperError,
     },
+    /// A destroy stopped before it forgot the sandbox: run it again.
+    #[error(
+        "Destroy of sandbox '{name}' stopped before its processes were checked ({reason}); \
+         nothing of it was forgotten: run `agentctl destroy {name}` again"
+    )]
+    DestroyStopped {
+        /// Sandbox name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
     /// A sync would lose or overwrite work; the message says what to do.
     #[error("{0}")]
     Conflict(String),

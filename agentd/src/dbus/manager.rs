@@ -256,6 +256,18 @@ pub async fn added(
     Ok(())
 }
 
+/// The id of the sandbox the object of `name` last announced, if there is
+/// one on the bus.
+pub async fn shown_id(conn: &Connection, name: &str) -> Option<String> {
+    let path = api::sandbox_path(name)?;
+    let iface = conn
+        .object_server()
+        .interface::<_, sandbox::SandboxObject>(&path)
+        .await
+        .ok()?;
+    iface.get().await.announced_as().map(|(_, id)| id)
+}
+
 /// Withdraw a destroyed sandbox's object and announce it to those who saw it.
 pub async fn removed(conn: &Connection, callers: &Arc<Callers>, name: &str) -> zbus::Result<()> {
     let Some(path) = api::sandbox_path(name) else {
@@ -266,7 +278,7 @@ pub async fn removed(conn: &Connection, callers: &Arc<Callers>, name: &str) -> z
         .interface::<_, sandbox::SandboxObject>(&path)
         .await
     {
-        Ok(iface) => iface.get().await.announced_owner(),
+        Ok(iface) => iface.get().await.announced_as().map(|(owner, _)| owner),
         Err(_) => None,
     };
     conn.object_server()

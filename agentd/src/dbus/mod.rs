@@ -49,7 +49,13 @@ pub enum Bus {
 #[derive(Debug, Default)]
 pub struct Callers {
     cache: Mutex<HashMap<String, Known>>,
+    /// The last connections that left the bus unknown (locked after
+    /// `cache`).
+    departed: Mutex<std::collections::VecDeque<String>>,
 }
+
+/// Most departed connections remembered.
+const DEPARTED_MAX: usize = 1024;
 
 /// A connection agentd knows.
 #[derive(Debug)]
@@ -94,22 +100,44 @@ impl Callers {
             .map_err(|e| {
                 api::Error::PermissionDenied(format!("The bus does not say who you are: {e}"))
             })?;
-        let mut cache = self.cache.lock().unwrap();
-        if cache.len() < CALLERS_MAX {
-            cache.insert(
-                sender.to_string(),
-                Known {
-                    uid,
-                    follows: std::collections::BTreeSet::new(),
-                },
-            );
-        }
+        self.remember(sender.as_str(), uid);
         Ok(Caller { uid })
     }
 
-    /// Forget a connection that left the bus.
+    /// Remember connection `unique_name` of `uid`, unless it left the bus
+    /// meanwhile (unique names never come back) or too many are known.
+    fn remember(&self, unique_name: &str, uid: u32) {
+        let mut cache = self.cache.lock().unwrap();
+        let gone = self
+            .departed
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|d| d == unique_name);
+        if cache.len() < CALLERS_MAX && !gone {
+            let follows = std::collections::BTreeSet::new();
+            cache.insert(unique_name.to_owned(), Known { uid, follows });
+        }
+    }
+
+    /// Forget a connection that left the bus (also one whose first call
+    /// is still being answered: it is not remembered after).
     pub fn forget(&self, unique_name: &str) {
-        self.cache.lock().unwrap().remove(unique_name);
+        let mut cache = self.cache.lock().unwrap();
+        if cache.remove(unique_name).is_none() {
+            let mut departed = self.departed.lock().unwrap();
+            if departed.len() >= DEPARTED_MAX {
+                departed.pop_front();
+            }
+            departed.push_back(unique_name.to_owned());
+        }
+    }
+
+    /// Follow sandbox `name`'s egress log no more (it was destroyed).
+    pub fn unfollow(&self, name: &str) {
+        for known in self.cache.lock().unwrap().values_mut() {
+            known.follows.remove(name);
+        }
     }
 
     /// Send `EgressLogged` of sandbox `name` to connection `unique_name`
@@ -339,6 +367,7 @@ pub fn to_dbus(e: Error) -> api::Error {
         | Error::Proxy { .. }
         | Error::Workspace { .. }
         | Error::Sync { .. }
+        | Error::DestroyStopped { .. }
         | Error::Secrets { .. }
         | Error::Registry(_) => api::Error::Backend(msg),
     }
@@ -482,20 +511,7 @@ async fn follow_changes(
             Ok(c) => c,
             Err(RecvError::Lagged(n)) => {
                 tracing::warn!(missed = n, "missed sandbox changes; catching up");
-                let now: std::collections::BTreeSet<String> = manager.names().into_iter().collect();
-                // Withdrawn: those gone meanwhile; exported: those added.
-                for gone in shown.difference(&now) {
-                    if let Err(e) = manager::removed(&conn, &callers, gone).await {
-                        tracing::warn!(sandbox = %gone, error = %e, "cannot withdraw a sandbox's object");
-                    }
-                }
-                for name in &now {
-                    if let Err(e) = export_sandbox(&conn, &manager, &callers, name).await {
-                        tracing::warn!(sandbox = %name, error = %e, "cannot export a sandbox's object");
-                    }
-                    signals::announce(&conn, &manager, &callers, name).await;
-                }
-                shown = now;
+                catch_up(&conn, &manager, &callers, &mut shown).await;
                 continue;
             }
             Err(RecvError::Closed) => return,
@@ -506,6 +522,7 @@ async fn follow_changes(
             }
             Change::Removed(name) => {
                 shown.remove(name);
+                callers.unfollow(name);
             }
             _ => {}
         }
@@ -546,6 +563,48 @@ async fn follow_changes(
     }
 }
 
+/// After missed changes: withdraw the objects of sandboxes gone since (or
+/// whose name another sandbox took), export and announce those added, and
+/// announce the others; `shown` becomes what is on the bus.
+async fn catch_up(
+    conn: &Connection,
+    manager: &Arc<Manager>,
+    callers: &Arc<Callers>,
+    shown: &mut std::collections::BTreeSet<String>,
+) {
+    let now: std::collections::BTreeSet<String> = manager.names().into_iter().collect();
+    // Withdrawn: those gone meanwhile, and those whose name
+    // another sandbox took since; exported: those added.
+    let mut stale: Vec<String> = shown.difference(&now).cloned().collect();
+    for name in shown.intersection(&now) {
+        let id = manager.snapshot(name).map(|s| s.id);
+        if manager::shown_id(conn, name)
+            .await
+            .is_some_and(|shown| Some(shown) != id)
+        {
+            stale.push(name.clone());
+        }
+    }
+    for gone in &stale {
+        callers.unfollow(gone);
+        if let Err(e) = manager::removed(conn, callers, gone).await {
+            tracing::warn!(sandbox = %gone, error = %e, "cannot withdraw a sandbox's object");
+        }
+    }
+    for name in &now {
+        let r = if shown.contains(name) && !stale.contains(name) {
+            signals::announce(conn, manager, callers, name).await;
+            Ok(())
+        } else {
+            manager::added(conn, manager, callers, name).await
+        };
+        if let Err(e) = r {
+            tracing::warn!(sandbox = %name, error = %e, "cannot export a sandbox's object");
+        }
+    }
+    *shown = now;
+}
+
 /// Resolves when the sender of `header` leaves the bus (never, if that
 /// cannot be watched).
 pub(super) async fn caller_gone(conn: &Connection, header: &Header<'_>) {
@@ -579,11 +638,23 @@ mod tests {
     fn four_callers() -> Callers {
         let callers = Callers::default();
         for (name, uid) in [(":1.1", 1000), (":1.2", 1001), (":1.3", 0), (":1.4", 1000)] {
-            let follows = std::collections::BTreeSet::new();
-            let known = Known { uid, follows };
-            callers.cache.lock().unwrap().insert(name.to_owned(), known);
+            callers.remember(name, uid);
         }
         callers
+    }
+
+    #[test]
+    fn a_connection_gone_before_its_first_answer_is_not_remembered() {
+        let callers = four_callers();
+        // It left while agentd asked the bus for its uid.
+        callers.forget(":1.9");
+        callers.remember(":1.9", 1000);
+        assert_eq!(callers.recipients(1000), [":1.1", ":1.3", ":1.4"]);
+        // Only so many departures are kept.
+        for i in 0..2 * DEPARTED_MAX {
+            callers.forget(&format!(":2.{i}"));
+        }
+        assert_eq!(callers.departed.lock().unwrap().len(), DEPARTED_MAX);
     }
 
     #[test]
@@ -643,5 +714,8 @@ mod tests {
         // Gone from the bus: followed no more.
         callers.forget(":1.4");
         assert_eq!(callers.followers(1000, "web"), [":1.1", ":1.3"]);
+        // Destroyed: followed by nobody.
+        callers.unfollow("web");
+        assert!(!callers.followed("web"));
     }
 }

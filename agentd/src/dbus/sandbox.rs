@@ -791,8 +791,9 @@ impl SandboxObject {
         }
     }
 
-    /// The owner of the sandbox as last announced.
-    pub fn announced_owner(&self) -> Option<u32> {
-        self.announced.lock().unwrap().as_ref().map(|s| s.owner)
+    /// The owner and id of the sandbox as last announced.
+    pub fn announced_as(&self) -> Option<(u32, String)> {
+        let announced = self.announced.lock().unwrap();
+        announced.as_ref().map(|s| (s.owner, s.id.clone()))
     }
 }

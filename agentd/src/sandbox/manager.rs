@@ -192,7 +192,7 @@ pub struct Manager {
 
 /// Most destroyed images whose file systems end after their destroy has
 /// answered, at once: each holds a loop device and its blocks until it
-/// has; past that, a destroy waits for one to end.
+/// has; past that, a destroy ends its own before it answers.
 pub const ENDINGS_MAX: usize = 4;
 
 impl Manager {

@@ -41,7 +41,7 @@ impl Manager {
 
     /// Unmount and delete sandbox `name`'s disk image. Its file system
     /// ends off the caller's path, at most [`super::ENDINGS_MAX`] at once:
-    /// past that, this waits for one to end first.
+    /// past that, on it.
     pub(super) async fn release_disk(&self, name: &str) {
         let disk = self.disk(name);
         end_off_path(&self.endings, move || disk.release_ending()).await;
@@ -421,18 +421,23 @@ impl Manager {
     }
 }
 
-/// Run `release` (blocking) and drop what it returns off the caller's
-/// path, holding one of `endings`' permits from before `release` until the
-/// drop is over: with none free, wait for one.
+/// Run `release` (blocking) and drop what it returns: off the caller's
+/// path while one of `endings`' permits is free, held until the drop is
+/// over; on it when none is (nobody waits for another's ending).
 pub(super) async fn end_off_path<T: Send + 'static>(
     endings: &Arc<tokio::sync::Semaphore>,
     release: impl FnOnce() -> Option<T> + Send + 'static,
 ) {
-    let permit = Arc::clone(endings).acquire_owned().await.ok();
-    if let Ok(Some(ending)) = tokio::task::spawn_blocking(release).await {
-        tokio::task::spawn_blocking(move || {
-            drop(ending);
+    let Ok(Some(ending)) = tokio::task::spawn_blocking(release).await else {
+        return;
+    };
+    let end = tokio::task::spawn_blocking(move || drop(ending));
+    if let Ok(permit) = Arc::clone(endings).try_acquire_owned() {
+        tokio::spawn(async move {
+            let _ = end.await;
             drop(permit);
         });
+    } else {
+        let _ = end.await;
     }
 }

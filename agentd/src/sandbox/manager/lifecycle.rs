@@ -410,10 +410,17 @@ impl Manager {
         let forget = async {
             if let Some(backend) = backend {
                 let keep = self.live_runtimes_except(name);
-                // Not forgotten while its processes may still run.
-                tokio::task::spawn_blocking(move || backend.kill_strays(&keep))
-                    .await
-                    .map_err(|e| panicked(name, &e))?;
+                // Not forgotten while its processes may still run; its
+                // syncs may go on until it is destroyed again.
+                if let Err(e) =
+                    tokio::task::spawn_blocking(move || backend.kill_strays(&keep)).await
+                {
+                    locks.gone.send_replace(false);
+                    return Err(Error::DestroyStopped {
+                        name: name.to_owned(),
+                        reason: e.to_string(),
+                    });
+                }
             }
             // Its secrets before the registry: a crash in between leaves a
             // sandbox without secrets, never secrets without their sandbox.
@@ -481,8 +488,7 @@ impl Manager {
     }
 }
 
-/// The error of a blocking task of sandbox `name`'s start or destroy that
-/// panicked.
+/// The error of a blocking task of sandbox `name`'s start that panicked.
 fn panicked(name: &str, e: &tokio::task::JoinError) -> Error {
     Error::Workspace {
         name: name.to_owned(),

@@ -601,10 +601,18 @@ async fn a_destroy_whose_stray_scan_fails_forgets_nothing() {
     f.create().await;
     f.backend.strays_panic.store(true, Ordering::SeqCst);
     let err = f.manager.destroy(f.me, "demo").await.unwrap_err();
-    assert!(err.to_string().contains("demo"), "{err}");
-    // Still registered (its processes may still run), so it can be
-    // destroyed again.
+    assert!(
+        err.to_string()
+            .contains("nothing of it was forgotten: run `agentctl destroy demo` again"),
+        "{err}"
+    );
+    // Still registered (its processes may still run), its syncs not cut
+    // short, and it can be destroyed again.
     assert!(f.manager.snapshot("demo").is_some());
+    f.manager
+        .sync(f.me, "demo", SyncOptions::default())
+        .await
+        .unwrap();
     f.backend.strays_panic.store(false, Ordering::SeqCst);
     f.manager.destroy(f.me, "demo").await.unwrap();
     assert!(f.manager.snapshot("demo").is_none());
@@ -632,15 +640,14 @@ async fn a_sync_that_cannot_note_its_remote_adds_none() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn at_most_so_many_file_systems_end_at_once_and_more_wait() {
+async fn at_most_so_many_file_systems_end_off_the_callers_path_and_the_rest_on_it() {
     use std::sync::atomic::AtomicUsize;
     /// An ending that lasts until the test lets it go.
-    struct Ending(Arc<(AtomicUsize, AtomicUsize, Mutex<bool>, std::sync::Condvar)>);
+    struct Ending(Arc<(AtomicUsize, Mutex<bool>, std::sync::Condvar)>);
     impl Drop for Ending {
         fn drop(&mut self) {
-            let (now, most, gone, cv) = &*self.0;
-            let n = now.fetch_add(1, Ordering::SeqCst) + 1;
-            most.fetch_max(n, Ordering::SeqCst);
+            let (now, gone, cv) = &*self.0;
+            now.fetch_add(1, Ordering::SeqCst);
             // Bounded, so that a failing test ends.
             let wait = Duration::from_secs(10);
             drop(cv.wait_timeout_while(gone.lock().unwrap(), wait, |g| !*g));
@@ -650,48 +657,50 @@ async fn at_most_so_many_file_systems_end_at_once_and_more_wait() {
     let endings = Arc::new(tokio::sync::Semaphore::new(super::ENDINGS_MAX));
     let state = Arc::new((
         AtomicUsize::new(0),
-        AtomicUsize::new(0),
         Mutex::new(false),
         std::sync::Condvar::new(),
     ));
-    let released = Arc::new(AtomicUsize::new(0));
+    let returned = Arc::new(AtomicUsize::new(0));
     let mut calls = tokio::task::JoinSet::new();
     for _ in 0..10 {
-        let (endings, state, released) = (
+        let (endings, state, returned) = (
             Arc::clone(&endings),
             Arc::clone(&state),
-            Arc::clone(&released),
+            Arc::clone(&returned),
         );
         calls.spawn(async move {
-            super::dirs::end_off_path(&endings, move || {
-                released.fetch_add(1, Ordering::SeqCst);
-                Some(Ending(state))
-            })
-            .await;
+            super::dirs::end_off_path(&endings, move || Some(Ending(state))).await;
+            returned.fetch_add(1, Ordering::SeqCst);
         });
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while state.0.load(Ordering::SeqCst) < super::ENDINGS_MAX {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the endings never began"
-        );
+    let wait = |what: &'static str, done: &dyn Fn() -> bool| {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        !done()
+    };
+    while wait("the endings never began", &|| {
+        state.0.load(Ordering::SeqCst) == 10
+    }) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    while wait("four callers never went on", &|| {
+        returned.load(Ordering::SeqCst) >= 4
+    }) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // Four end; the others wait, their images not even released yet.
-    assert_eq!(state.0.load(Ordering::SeqCst), super::ENDINGS_MAX);
-    assert_eq!(released.load(Ordering::SeqCst), super::ENDINGS_MAX);
-    *state.2.lock().unwrap() = true;
-    state.3.notify_all();
+    // Four went on while theirs end; the six others wait for their own.
+    assert_eq!(returned.load(Ordering::SeqCst), super::ENDINGS_MAX);
+    // Nothing to end takes no permit and waits for nothing.
+    super::dirs::end_off_path(&endings, || None::<Ending>).await;
+    *state.1.lock().unwrap() = true;
+    state.2.notify_all();
     while calls.join_next().await.is_some() {}
-    while state.0.load(Ordering::SeqCst) > 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the endings never ended"
-        );
+    while wait("the endings never ended", &|| {
+        state.0.load(Ordering::SeqCst) == 0
+    }) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert_eq!(released.load(Ordering::SeqCst), 10);
-    assert_eq!(state.1.load(Ordering::SeqCst), super::ENDINGS_MAX);
+    assert_eq!(returned.load(Ordering::SeqCst), 10);
+    assert_eq!(endings.available_permits(), super::ENDINGS_MAX);
 }
