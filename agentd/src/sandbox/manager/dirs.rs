@@ -431,13 +431,11 @@ pub(super) async fn end_off_path<T: Send + 'static>(
     let Ok(Some(ending)) = tokio::task::spawn_blocking(release).await else {
         return;
     };
-    let end = tokio::task::spawn_blocking(move || drop(ending));
-    if let Ok(permit) = Arc::clone(endings).try_acquire_owned() {
-        tokio::spawn(async move {
-            let _ = end.await;
+    match Arc::clone(endings).try_acquire_owned() {
+        Ok(permit) => drop(tokio::task::spawn_blocking(move || {
+            drop(ending);
             drop(permit);
-        });
-    } else {
-        let _ = end.await;
+        })),
+        Err(_) => drop(tokio::task::spawn_blocking(move || drop(ending)).await),
     }
 }
