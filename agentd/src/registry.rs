@@ -1,14 +1,19 @@
-//! The registry: one JSON file with a schema version, written atomically,
-//! plus one directory per sandbox.
+//! The registry: one JSON file per sandbox, each written atomically, plus
+//! one directory per sandbox. A change of one sandbox writes its file only,
+//! whatever the number of sandboxes.
 //!
 //! ```text
-//! <state>/registry.json
+//! <state>/registry.json                  the format's version (an older agentd refuses it)
+//! <state>/registry/<name>.json           the sandbox's record
 //! <state>/sandboxes/<name>/config.json   copy of the sandbox's settings
 //! <state>/sandboxes/<name>/workspace/    seen as /workspace inside
 //! <state>/sandboxes/<name>/home/         the sandbox user's home
 //! <state>/sandboxes/<name>/logs/         sandbox.log
 //! <state>/sandboxes/<name>/run/          control socket
 //! ```
+//!
+//! Format 1 kept every record in `registry.json`; such a file is split
+//! into the records at the first start (see [`Registry::open`]).
 
 use std::fs;
 use std::os::unix::fs::DirBuilderExt;
@@ -26,18 +31,28 @@ use crate::backend::Runtime;
 use crate::text::micros;
 
 /// The registry format this agentd reads and writes.
-pub const SCHEMA_VERSION: u32 = 1;
+pub const SCHEMA_VERSION: u32 = 2;
 
-/// File name of the registry inside the state directory.
+/// The format that kept every record in [`REGISTRY_FILE`]: read, split
+/// into the records, never written.
+const SCHEMA_V1: u32 = 1;
+
+/// File name of the registry inside the state directory: the format's
+/// version.
 pub const REGISTRY_FILE: &str = "registry.json";
+
+/// The directory of the records inside the state directory: one file per
+/// sandbox, `<name>.json`.
+pub const RECORDS_DIR: &str = "registry";
 
 /// Registry failures. None of them ever overwrites the file.
 #[derive(Debug, thiserror::Error)]
 pub enum RegistryError {
     /// The file exists but is not a registry agentd can read.
     #[error(
-        "Registry {path} is corrupt: {source}. agentd will not overwrite it; move it aside \
-         (sandboxes in it will be forgotten, their directories kept) or restore a backup"
+        "Registry {path} is corrupt: {source}. agentd will not overwrite it: restore it from \
+         a backup, or move it aside (the next start then forgets the sandboxes whose records \
+         it holds, and removes their directories, disk images and snapshots)"
     )]
     Corrupt {
         /// The registry file.
@@ -56,6 +71,18 @@ pub enum RegistryError {
         path: PathBuf,
         /// The version found.
         found: u64,
+    },
+    /// A record is not in the file of its sandbox's name.
+    #[error(
+        "Registry record {path} holds sandbox '{name}'; agentd will not overwrite it: rename \
+         it to {name}.json, or move it aside (the next start then forgets that sandbox, and \
+         removes its directory, disk image and snapshots)"
+    )]
+    Misplaced {
+        /// The record's file.
+        path: PathBuf,
+        /// The name in it.
+        name: String,
     },
     /// A file system operation failed.
     #[error("Cannot {what} {path}: {source}")]
@@ -88,11 +115,35 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     }
 }
 
+/// [`REGISTRY_FILE`] in format 1: every record.
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RegistryFile {
     schema_version: u32,
     sandboxes: Vec<Sandbox>,
+}
+
+/// [`REGISTRY_FILE`] now: the version, and where the records are.
+#[derive(Debug, Serialize)]
+struct Marker {
+    schema_version: u32,
+    records: &'static str,
+}
+
+/// A record as written: the record borrowed, not copied.
+#[derive(Debug, Serialize)]
+struct RecordOut<'a> {
+    schema_version: u32,
+    sandbox: &'a Sandbox,
+}
+
+/// A record as read (its version checked before).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RecordIn {
+    #[serde(rename = "schema_version")]
+    _version: u32,
+    sandbox: Sandbox,
 }
 
 /// The on-disk state of agentd.
@@ -131,13 +182,87 @@ impl Registry {
         let reg = Self {
             dir: dir.to_owned(),
         };
+        let records = reg.records_dir();
+        match fs::DirBuilder::new().mode(0o700).create(&records) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(io("create", &records)(e));
+            }
+            _ => {}
+        }
         let path = reg.file();
         let sandboxes = match fs::read(&path) {
-            Ok(bytes) => parse(&path, &bytes)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Ok(bytes) if version(&path, &bytes)? == SCHEMA_V1 => {
+                let sandboxes = parse(&path, &bytes)?;
+                reg.split(&sandboxes)?;
+                sandboxes
+            }
+            Ok(_) => reg.load_records()?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let sandboxes = reg.load_records()?;
+                reg.write_marker()?;
+                sandboxes
+            }
             Err(e) => return Err(io("read", &path)(e)),
         };
         Ok((reg, sandboxes))
+    }
+
+    /// Format 1 to this one: every record into its own file (those of an
+    /// earlier split that did not finish are replaced, any other removed),
+    /// then the version. Until the version is written, the old file is
+    /// what a start reads.
+    fn split(&self, sandboxes: &[Sandbox]) -> Result<(), RegistryError> {
+        self.save_all(sandboxes)?;
+        self.write_marker()?;
+        tracing::info!(
+            sandboxes = sandboxes.len(),
+            "the registry now keeps one file per sandbox, in {}",
+            self.records_dir().display()
+        );
+        Ok(())
+    }
+
+    fn write_marker(&self) -> Result<(), RegistryError> {
+        let marker = Marker {
+            schema_version: SCHEMA_VERSION,
+            records: "one file per sandbox in registry/",
+        };
+        let mut body = serde_json::to_vec_pretty(&marker).expect("the marker serializes");
+        body.push(b'\n');
+        Ok(atomic_write(&self.file(), &body)?)
+    }
+
+    /// Every record in [`RECORDS_DIR`], by name. A file that a write left
+    /// half-made (a dot file) is removed; a record that cannot be read
+    /// stops everything, and stays as it is.
+    fn load_records(&self) -> Result<Vec<Sandbox>, RegistryError> {
+        let dir = self.records_dir();
+        let mut sandboxes = Vec::new();
+        for entry in fs::read_dir(&dir).map_err(io("read", &dir))? {
+            let entry = entry.map_err(io("read", &dir))?;
+            let path = entry.path();
+            let file = entry.file_name();
+            let file = file.to_string_lossy();
+            if file.starts_with('.') {
+                let _ = fs::remove_file(&path);
+                continue;
+            }
+            let Some(stem) = file.strip_suffix(".json") else {
+                tracing::warn!(path = %path.display(), "not a registry record; left alone");
+                continue;
+            };
+            let bytes = fs::read(&path).map_err(io("read", &path))?;
+            let sb = parse_record(&path, &bytes)?;
+            if sb.name != stem {
+                return Err(RegistryError::Misplaced {
+                    path,
+                    name: sb.name,
+                });
+            }
+            sandboxes.push(sb);
+        }
+        sandboxes.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(sandboxes)
     }
 
     /// The state directory.
@@ -146,10 +271,22 @@ impl Registry {
         &self.dir
     }
 
-    /// The registry file.
+    /// The registry file (the format's version).
     #[must_use]
     pub fn file(&self) -> PathBuf {
         self.dir.join(REGISTRY_FILE)
+    }
+
+    /// The directory of the records.
+    #[must_use]
+    pub fn records_dir(&self) -> PathBuf {
+        self.dir.join(RECORDS_DIR)
+    }
+
+    /// The record file of sandbox `name`.
+    #[must_use]
+    pub fn record(&self, name: &str) -> PathBuf {
+        self.records_dir().join(format!("{name}.json"))
     }
 
     /// The directory of sandbox `name`.
@@ -168,24 +305,60 @@ impl Registry {
             .unwrap_or_default()
     }
 
-    /// Write the registry atomically.
-    pub fn save<'a>(
+    /// Write `sandbox`'s record atomically and durably.
+    ///
+    /// # Errors
+    /// The write failed; the record on disk is the one before.
+    pub fn save(&self, sandbox: &Sandbox) -> Result<(), RegistryError> {
+        let record = RecordOut {
+            schema_version: SCHEMA_VERSION,
+            sandbox,
+        };
+        let mut body = serde_json::to_vec_pretty(&record).expect("a record serializes");
+        body.push(b'\n');
+        Ok(atomic_write(&self.record(&sandbox.name), &body)?)
+    }
+
+    /// Write every record of `sandboxes` and remove any other.
+    ///
+    /// # Errors
+    /// The first write or removal that failed.
+    pub fn save_all<'a>(
         &self,
         sandboxes: impl IntoIterator<Item = &'a Sandbox>,
     ) -> Result<(), RegistryError> {
-        /// [`RegistryFile`] as written: the records borrowed, not copied.
-        #[derive(Serialize)]
-        struct Written<'a> {
-            schema_version: u32,
-            sandboxes: Vec<&'a Sandbox>,
+        let mut kept = std::collections::BTreeSet::new();
+        for sb in sandboxes {
+            self.save(sb)?;
+            kept.insert(format!("{}.json", sb.name));
         }
-        let file = Written {
-            schema_version: SCHEMA_VERSION,
-            sandboxes: sandboxes.into_iter().collect(),
-        };
-        let mut body = serde_json::to_vec_pretty(&file).expect("registry serializes");
-        body.push(b'\n');
-        Ok(atomic_write(&self.file(), &body)?)
+        let dir = self.records_dir();
+        let mut removed = false;
+        for entry in fs::read_dir(&dir).map_err(io("read", &dir))? {
+            let entry = entry.map_err(io("read", &dir))?;
+            if !kept.contains(&*entry.file_name().to_string_lossy()) {
+                let path = entry.path();
+                fs::remove_file(&path).map_err(io("remove", &path))?;
+                removed = true;
+            }
+        }
+        if removed {
+            sync_dir(&dir)?;
+        }
+        Ok(())
+    }
+
+    /// Remove sandbox `name`'s record, durably.
+    ///
+    /// # Errors
+    /// The removal failed.
+    pub fn remove(&self, name: &str) -> Result<(), RegistryError> {
+        let path = self.record(name);
+        match fs::remove_file(&path) {
+            Ok(()) => sync_dir(&self.records_dir()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io("remove", &path)(e)),
+        }
     }
 
     /// Write `sandboxes/<name>/config.json` atomically, unless it holds
@@ -222,33 +395,56 @@ fn holds(path: &Path, bytes: &[u8]) -> bool {
         .is_ok_and(|_| held == bytes)
 }
 
-fn parse(path: &Path, bytes: &[u8]) -> Result<Vec<Sandbox>, RegistryError> {
-    // Look at the version first, so a newer format is reported as such and
-    // not as corruption.
-    let value: serde_json::Value =
-        serde_json::from_slice(bytes).map_err(|source| RegistryError::Corrupt {
-            path: path.to_owned(),
-            source,
-        })?;
-    let version = value
-        .get("schema_version")
-        .and_then(serde_json::Value::as_u64);
-    match version {
-        Some(v) if v == u64::from(SCHEMA_VERSION) => {}
-        Some(found) => {
-            return Err(RegistryError::UnknownVersion {
-                path: path.to_owned(),
-                found,
-            });
-        }
-        None => {}
+fn sync_dir(dir: &Path) -> Result<(), RegistryError> {
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("fsync", dir))
+}
+
+fn corrupt(path: &Path) -> impl FnOnce(serde_json::Error) -> RegistryError + '_ {
+    move |source| RegistryError::Corrupt {
+        path: path.to_owned(),
+        source,
     }
-    let file: RegistryFile =
-        serde_json::from_value(value).map_err(|source| RegistryError::Corrupt {
+}
+
+/// The format of the registry file or record at `path`, looked at first
+/// so that a newer one is reported as such and not as corruption: 1 or
+/// [`SCHEMA_VERSION`] (1 when it says none: parsing it as format 1 then
+/// says what is missing).
+fn version(path: &Path, bytes: &[u8]) -> Result<u32, RegistryError> {
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(corrupt(path))?;
+    match value
+        .get("schema_version")
+        .and_then(serde_json::Value::as_u64)
+    {
+        None => Ok(SCHEMA_V1),
+        Some(v) if v == u64::from(SCHEMA_V1) => Ok(SCHEMA_V1),
+        Some(v) if v == u64::from(SCHEMA_VERSION) => Ok(SCHEMA_VERSION),
+        Some(found) => Err(RegistryError::UnknownVersion {
             path: path.to_owned(),
-            source,
-        })?;
+            found,
+        }),
+    }
+}
+
+/// A registry file of format 1: every record.
+fn parse(path: &Path, bytes: &[u8]) -> Result<Vec<Sandbox>, RegistryError> {
+    let file: RegistryFile = serde_json::from_slice(bytes).map_err(corrupt(path))?;
     Ok(file.sandboxes)
+}
+
+/// One record file (only of this format: records came with it).
+fn parse_record(path: &Path, bytes: &[u8]) -> Result<Sandbox, RegistryError> {
+    let found = version(path, bytes)?;
+    if found != SCHEMA_VERSION {
+        return Err(RegistryError::UnknownVersion {
+            path: path.to_owned(),
+            found: u64::from(found),
+        });
+    }
+    let record: RecordIn = serde_json::from_slice(bytes).map_err(corrupt(path))?;
+    Ok(record.sandbox)
 }
 
 /// A sandbox as agentd records it in the registry.
@@ -453,131 +649,4 @@ pub enum Change {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use keystone_agent_api::{BackendKind, SandboxConfig, SandboxState};
-    use std::time::{Duration, UNIX_EPOCH};
-
-    /// A stopped sandbox record for tests.
-    pub(crate) fn sample() -> Sandbox {
-        Sandbox {
-            id: "7f1c9a56-4a1e-4d5e-9d7c-2f8b1c0e3a11".into(),
-            name: "demo".into(),
-            project_path: "/home/alice/src/demo".into(),
-            state: SandboxState::Stopped,
-            state_reason: String::new(),
-            backend: BackendKind::Local,
-            created_at: UNIX_EPOCH + Duration::from_micros(1_780_000_000_123_456),
-            started_at: None,
-            config: SandboxConfig::default(),
-            ports: [("web".to_owned(), 3000)].into(),
-            owner: 1000,
-            uid: Some(0x7000_0001),
-            declared: false,
-            creating: false,
-            idle_stopped: false,
-            last_sync_at: None,
-            last_sync_result: String::new(),
-            held: Vec::new(),
-            runtime: None,
-        }
-    }
-
-    #[test]
-    fn round_trip() {
-        let dir = tempfile::tempdir().unwrap();
-        let (reg, empty) = Registry::open(dir.path()).unwrap();
-        assert!(empty.is_empty());
-        reg.save([&sample()]).unwrap();
-        let (_, loaded) = Registry::open(dir.path()).unwrap();
-        assert_eq!(loaded, vec![sample()]);
-        // No temp file is left behind.
-        let names: Vec<_> = fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names.len(), 2, "{names:?}");
-    }
-
-    #[test]
-    fn checked_in_fixture_loads() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/registry-v1.json");
-        let sandboxes = parse(&path, &fs::read(&path).unwrap()).unwrap();
-        assert_eq!(sandboxes.len(), 2);
-        assert_eq!(sandboxes[0].name, "webapp");
-        assert_eq!(sandboxes[1].state, SandboxState::Running);
-        // Settings added since (disk, pids) take their defaults.
-        let d = SandboxConfig::default();
-        assert_eq!(
-            (sandboxes[0].config.disk, sandboxes[0].config.pids),
-            (d.disk, d.pids)
-        );
-        // Writing it back gives the same document, plus those settings.
-        let again = RegistryFile {
-            schema_version: SCHEMA_VERSION,
-            sandboxes,
-        };
-        let mut v1: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
-        let defaults = serde_json::to_value(&d).unwrap();
-        for sb in v1["sandboxes"].as_array_mut().unwrap() {
-            assert!(sb["config"].get("disk").is_none(), "the fixture is older");
-            let config = sb["config"].as_object_mut().unwrap();
-            for (k, v) in defaults.as_object().unwrap() {
-                config.entry(k.clone()).or_insert_with(|| v.clone());
-            }
-        }
-        assert_eq!(serde_json::to_value(&again).unwrap(), v1);
-    }
-
-    #[test]
-    fn a_config_is_written_over_whatever_else_is_at_its_path() {
-        let dir = tempfile::tempdir().unwrap();
-        let (reg, _) = Registry::open(dir.path()).unwrap();
-        let sb = sample();
-        let path = reg.sandbox_dir(&sb.name).join("config.json");
-        fs::create_dir_all(path.parent().unwrap()).unwrap();
-        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let writer = reg.clone();
-        std::thread::spawn(move || tx.send(writer.save_config(&sb).is_ok()));
-        let saved = rx.recv_timeout(std::time::Duration::from_secs(10));
-        assert_eq!(saved, Ok(true), "the save waited on a FIFO");
-        assert!(fs::symlink_metadata(&path).unwrap().is_file());
-        // Saved again unchanged: the file that holds it is kept.
-        let ino = std::os::unix::fs::MetadataExt::ino(&fs::metadata(&path).unwrap());
-        reg.save_config(&sample()).unwrap();
-        assert_eq!(
-            std::os::unix::fs::MetadataExt::ino(&fs::metadata(&path).unwrap()),
-            ino
-        );
-    }
-
-    #[test]
-    fn corrupt_file_is_refused_and_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join(REGISTRY_FILE);
-        fs::write(&path, b"{\"schema_version\": 1, \"sandboxes\": [").unwrap();
-        let err = Registry::open(dir.path()).unwrap_err();
-        assert!(matches!(err, RegistryError::Corrupt { .. }));
-        assert!(err.to_string().contains("will not overwrite"));
-        assert_eq!(
-            fs::read(&path).unwrap(),
-            b"{\"schema_version\": 1, \"sandboxes\": ["
-        );
-    }
-
-    #[test]
-    fn unknown_version_is_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        fs::write(
-            dir.path().join(REGISTRY_FILE),
-            br#"{"schema_version": 9, "sandboxes": [], "new": 1}"#,
-        )
-        .unwrap();
-        let err = Registry::open(dir.path()).unwrap_err();
-        assert!(
-            matches!(err, RegistryError::UnknownVersion { found: 9, .. }),
-            "{err}"
-        );
-    }
-}
+pub(crate) mod tests;

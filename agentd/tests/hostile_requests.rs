@@ -116,7 +116,7 @@ fn a_writer_left_in_the_background_costs_agentd_nothing_after_the_call() {
 #[test]
 fn oversized_arguments_are_refused_and_nothing_grows() {
     let env = Env::running("big", &[]);
-    let registry = env.state_dir.join("registry.json");
+    let registry = env.state_dir.join("registry/big.json");
     let size0 = std::fs::metadata(&registry).unwrap().len();
     let huge = "b".repeat(30 << 20);
     let long = "b".repeat(8 << 10);
@@ -145,7 +145,7 @@ fn oversized_arguments_are_refused_and_nothing_grows() {
     });
     let size1 = std::fs::metadata(&registry).unwrap().len();
     let status = env.status("big");
-    eprintln!("registry.json after the oversized calls: {size0} -> {size1} bytes");
+    eprintln!("the sandbox's registry record after the oversized calls: {size0} -> {size1} bytes");
     assert!(
         size1 < size0 + 4096,
         "registry grew from {size0} to {size1} bytes"

@@ -773,9 +773,9 @@ fn the_first_agentctl_call_starts_the_installed_agentd_by_activation() {
         );
     }
     nobody("the name is still owned after agentd ended");
-    let registry: serde_json::Value =
-        serde_json::from_str(&read(&bus.state_dir.join("registry.json"))).unwrap();
-    assert_eq!(registry["sandboxes"][0]["state"], "stopped", "{registry}");
+    let record: serde_json::Value =
+        serde_json::from_str(&read(&bus.state_dir.join("registry/demo.json"))).unwrap();
+    assert_eq!(record["sandbox"]["state"], "stopped", "{record}");
 }
 
 /// `make install PREFIX=/usr DESTDIR=<temp>/root`: the temp dir and DESTDIR.

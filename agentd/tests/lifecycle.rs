@@ -352,14 +352,12 @@ fn a_forgotten_sandbox_leaves_no_remote_behind() {
     // lost): its directory is removed at the next start, and its remote
     // with it.
     env.kill_agentd();
-    let path = env.state_dir.join("registry.json");
-    let mut registry: serde_json::Value =
-        serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    let mut registry = env.registry();
     registry["sandboxes"]
         .as_array_mut()
         .unwrap()
         .retain(|s| s["name"] != "lost");
-    fs::write(&path, serde_json::to_vec(&registry).unwrap()).unwrap();
+    env.write_registry(&registry);
     env.start_agentd();
     assert!(!env.state_dir.join("sandboxes/lost").exists());
     assert_eq!(remote_settings(&repo, "sandbox/lost"), "");

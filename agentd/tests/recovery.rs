@@ -97,14 +97,13 @@ fn sigkill_in_the_middle_of_start_ends_in_error_without_leftovers() {
     // What the disk holds if agentd dies after spawning the sandbox but
     // before recording it as running: state "starting", processes alive.
     env.kill_agentd();
-    let path = env.state_dir.join("registry.json");
     let mut reg = env.registry();
     reg["sandboxes"][0]["state"] = "starting".into();
     reg["sandboxes"][0]
         .as_object_mut()
         .unwrap()
         .remove("runtime");
-    fs::write(&path, serde_json::to_vec_pretty(&reg).unwrap()).unwrap();
+    env.write_registry(&reg);
     assert!(!env.sandbox_pids().is_empty());
 
     env.start_agentd();
@@ -140,11 +139,7 @@ fn half_created_sandbox_is_rolled_back() {
     half["id"] = "00000000-0000-4000-8000-000000000000".into();
     half["creating"] = true.into();
     reg["sandboxes"].as_array_mut().unwrap().push(half);
-    fs::write(
-        env.state_dir.join("registry.json"),
-        serde_json::to_vec_pretty(&reg).unwrap(),
-    )
-    .unwrap();
+    env.write_registry(&reg);
     fs::create_dir_all(env.state_dir.join("sandboxes/half/workspace.partial/.git")).unwrap();
     // And a directory left by a destroy that crashed after the registry write.
     fs::create_dir_all(env.state_dir.join("sandboxes/orphan/workspace")).unwrap();
@@ -216,8 +211,52 @@ fn corrupt_registry_is_refused_and_kept() {
     assert!(env.log().contains("is corrupt"), "{}", env.log());
     assert_eq!(fs::read_to_string(&path).unwrap(), "{ not json");
 
-    fs::write(&path, r#"{"schema_version": 2, "sandboxes": []}"#).unwrap();
+    fs::write(&path, r#"{"schema_version": 3, "records": "elsewhere"}"#).unwrap();
     let status = env.spawn_agentd().wait().unwrap();
     assert_eq!(status.code(), Some(1));
-    assert!(env.log().contains("schema version 2"), "{}", env.log());
+    assert!(env.log().contains("schema version 3"), "{}", env.log());
+}
+
+#[test]
+fn a_registry_of_format_1_is_split_into_records_and_nothing_is_lost() {
+    let mut env = Env::new();
+    let repo = env.repo("old");
+    env.ok(&["create", "--name", "one", repo.to_str().unwrap()]);
+    env.ok(&["create", "--name", "two", repo.to_str().unwrap()]);
+    env.ok(&["start", "two"]);
+    let before = env.list();
+    // What an agentd of format 1 left: every record in registry.json, no
+    // record files (agentd killed while a sandbox runs).
+    env.kill_agentd();
+    let mut old = env.registry();
+    old["schema_version"] = 1.into();
+    fs::remove_dir_all(env.state_dir.join("registry")).unwrap();
+    fs::write(
+        env.state_dir.join("registry.json"),
+        serde_json::to_vec_pretty(&old).unwrap(),
+    )
+    .unwrap();
+
+    env.start_agentd();
+    let strip = |list: Vec<serde_json::Value>| -> Vec<(String, String)> {
+        list.iter()
+            .map(|s| (s["name"].to_string(), s["state"].to_string()))
+            .collect()
+    };
+    assert_eq!(strip(env.list()), strip(before));
+    let mut files: Vec<String> = fs::read_dir(env.state_dir.join("registry"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, ["one.json", "two.json"]);
+    let version: serde_json::Value =
+        serde_json::from_slice(&fs::read(env.state_dir.join("registry.json")).unwrap()).unwrap();
+    assert_eq!(version["schema_version"], 2, "{version}");
+    // The running one was adopted, and both still work.
+    env.ok(&["exec", "two", "--", "true"]);
+    env.ok(&["start", "one"]);
+    env.ok(&["stop", "one"]);
+    env.ok(&["destroy", "--force", "one"]);
+    assert!(!env.state_dir.join("registry/one.json").exists());
 }

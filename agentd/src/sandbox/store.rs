@@ -3,6 +3,7 @@
 //! Every change goes through [`SandboxStore::update`] (or `insert`,
 //! `remove`, `replace_all`): it is written to the registry before anyone
 //! sees it, undone in memory when the write fails, and announced after.
+//! A change writes the records it changed, never the others.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -48,9 +49,9 @@ impl SandboxStore {
     pub fn with_ledger(registry: Registry, sandboxes: Vec<Sandbox>, ids: Option<Ledger>) -> Self {
         let mut map: BTreeMap<String, Sandbox> =
             sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect();
-        if allocate_ids(&mut map, ids.as_ref()) {
-            if let Err(e) = registry.save(map.values()) {
-                tracing::error!(error = %e, "cannot record the sandboxes' new uids");
+        for name in allocate(&mut map, ids.as_ref()) {
+            if let Err(e) = registry.save(&map[&name]) {
+                tracing::error!(sandbox = %name, error = %e, "cannot record the sandbox's new uid");
             }
         }
         Self {
@@ -156,15 +157,18 @@ impl SandboxStore {
             }
         }
         // A sandbox from before ids were allocated gets its own once stopped.
-        if sb.uid.is_none() {
-            allocate_ids(&mut map, self.ids.as_ref());
-        }
+        let others = if sb.uid.is_none() {
+            allocate(&mut map, self.ids.as_ref())
+        } else {
+            Vec::new()
+        };
         let after = map[name].clone();
-        if let Err(e) = self.registry.save(map.values()) {
+        if let Err(e) = self.registry.save(&after) {
             // Keep memory and disk in step: undo.
             map.insert(name.to_owned(), before);
             return Err(e.into());
         }
+        self.save_others(&map, name, &others);
         drop(map);
         self.announce(Change::Updated(name.to_owned()));
         Ok(after)
@@ -181,11 +185,12 @@ impl SandboxStore {
             return Err(Error::AlreadyExists(name));
         }
         map.insert(name.clone(), sb);
-        allocate_ids(&mut map, self.ids.as_ref());
-        if let Err(e) = self.registry.save(map.values()) {
+        let others = allocate(&mut map, self.ids.as_ref());
+        if let Err(e) = self.registry.save(&map[&name]) {
             map.remove(&name);
             return Err(e.into());
         }
+        self.save_others(&map, &name, &others);
         Ok(map[&name].clone())
     }
 
@@ -194,8 +199,8 @@ impl SandboxStore {
     pub fn remove(&self, name: &str) {
         let mut map = self.map.lock().unwrap();
         map.remove(name);
-        if let Err(e) = self.registry.save(map.values()) {
-            tracing::error!(sandbox = %name, error = %e, "cannot write the registry");
+        if let Err(e) = self.registry.remove(name) {
+            tracing::error!(sandbox = %name, error = %e, "cannot remove the sandbox's registry record");
         }
         // Its uid goes back to the host's ledger.
         if let (Some(ledger), Some(range)) = (&self.ids, id_range()) {
@@ -213,9 +218,32 @@ impl SandboxStore {
     pub fn replace_all(&self, f: impl FnOnce(&mut BTreeMap<String, Sandbox>)) -> Result<()> {
         let mut map = self.map.lock().unwrap();
         f(&mut map);
-        self.registry.save(map.values())?;
+        self.registry.save_all(map.values())?;
         Ok(())
     }
+
+    /// Write the records of `others`, whose uids changed beside the change
+    /// of `name` (a failure is logged: the next start allocates again).
+    fn save_others(&self, map: &BTreeMap<String, Sandbox>, name: &str, others: &[String]) {
+        for other in others.iter().filter(|o| *o != name) {
+            if let Err(e) = self.registry.save(&map[other]) {
+                tracing::error!(sandbox = %other, error = %e, "cannot record the sandbox's new uid");
+            }
+        }
+    }
+}
+
+/// [`allocate_ids`], and the names of the sandboxes whose uid it changed.
+fn allocate(map: &mut BTreeMap<String, Sandbox>, ledger: Option<&Ledger>) -> Vec<String> {
+    let before: Vec<Option<u32>> = map.values().map(|s| s.uid).collect();
+    if !allocate_ids(map, ledger) {
+        return Vec::new();
+    }
+    map.values()
+        .zip(before)
+        .filter(|(s, uid)| s.uid != *uid)
+        .map(|(s, _)| s.name.clone())
+        .collect()
 }
 
 /// The range sandbox uids come from: [`crate::auth::SANDBOX_IDS`] as root,
@@ -343,17 +371,54 @@ mod tests {
         assert_eq!(on_disk(&dir)[0].state, SandboxState::Starting);
         assert_eq!(changes.try_recv().unwrap(), Change::Updated("demo".into()));
         // Not allowed now: refused, nothing written, nothing announced.
-        let before = std::fs::read(store.registry().file()).unwrap();
+        let before = std::fs::read(store.registry().record("demo")).unwrap();
         let err = store
             .transition("demo", Event::Destroy, |_| {})
             .unwrap_err();
         assert!(matches!(err, Error::InvalidState { .. }), "{err}");
-        assert_eq!(std::fs::read(store.registry().file()).unwrap(), before);
+        assert_eq!(
+            std::fs::read(store.registry().record("demo")).unwrap(),
+            before
+        );
         assert!(changes.try_recv().is_err());
         assert!(matches!(
             store.update("ghost", |_| {}),
             Err(Error::NotFound(_))
         ));
+    }
+
+    #[test]
+    fn a_change_writes_the_record_of_its_sandbox_and_no_other() {
+        let (dir, store) = store();
+        let mut other = crate::registry::tests::sample();
+        other.name = "other".into();
+        other.id = "00000000-0000-4000-8000-000000000001".into();
+        store.insert(other).unwrap();
+        store
+            .update("demo", |s| s.state_reason = "x".into())
+            .unwrap();
+        // Other's record, changed on disk only: a write of it from memory
+        // would undo that.
+        let path = store.registry().record("other");
+        let marked = std::fs::read_to_string(&path).unwrap().replace(
+            "\"state_reason\": \"\"",
+            "\"state_reason\": \"on disk only\"",
+        );
+        std::fs::write(&path, &marked).unwrap();
+        for i in 0..3 {
+            store
+                .update("demo", |s| s.state_reason = i.to_string())
+                .unwrap();
+        }
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            marked,
+            "other's record was written again"
+        );
+        store.remove("other");
+        assert!(!store.registry().record("other").exists());
+        let names: Vec<String> = on_disk(&dir).into_iter().map(|s| s.name).collect();
+        assert_eq!(names, ["demo"]);
     }
 
     #[test]

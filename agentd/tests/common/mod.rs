@@ -439,8 +439,40 @@ impl Env {
         serde_json::from_str(&self.ok(&["list", "--json"])).unwrap()
     }
 
+    /// Every sandbox's registry record, by name, as `{"sandboxes": [...]}`.
     pub fn registry(&self) -> serde_json::Value {
-        serde_json::from_slice(&fs::read(self.state_dir.join("registry.json")).unwrap()).unwrap()
+        let mut records: Vec<serde_json::Value> = fs::read_dir(self.state_dir.join("registry"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| {
+                let name = p.file_name().unwrap().to_string_lossy();
+                name.ends_with(".json") && !name.starts_with('.')
+            })
+            .map(|p| {
+                let mut v: serde_json::Value =
+                    serde_json::from_slice(&fs::read(p).unwrap()).unwrap();
+                v["sandbox"].take()
+            })
+            .collect();
+        records.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+        serde_json::json!({ "sandboxes": records })
+    }
+
+    /// Put `registry` (as [`Env::registry`] gives it) on disk in its place,
+    /// with agentd not running: each sandbox's record, and no other.
+    pub fn write_registry(&self, registry: &serde_json::Value) {
+        let dir = self.state_dir.join("registry");
+        for e in fs::read_dir(&dir).unwrap() {
+            fs::remove_file(e.unwrap().path()).unwrap();
+        }
+        for sb in registry["sandboxes"].as_array().unwrap() {
+            let record = serde_json::json!({ "schema_version": 2, "sandbox": sb });
+            fs::write(
+                dir.join(format!("{}.json", sb["name"].as_str().unwrap())),
+                serde_json::to_vec_pretty(&record).unwrap(),
+            )
+            .unwrap();
+        }
     }
 
     /// A git repository with one commit, in the temp dir.
