@@ -173,6 +173,11 @@ def main():
         show("Running local sandboxes, idle", run_counts, rows)
         print(f"\nstart: first {starts[0]:.1f} ms, p50 {pct(starts, 50):.1f} ms, "
               f"last {starts[-1]:.1f} ms ({starts[-1] / starts[0]:.2f}x the first)")
+        # One start is at the machine's mercy: the first five against the
+        # last five says more.
+        first, last = pct(starts[:5], 50), pct(starts[-5:], 50)
+        print(f"start, median of the first 5: {first:.1f} ms, of the last 5: {last:.1f} ms "
+              f"({last / first:.2f}x)")
         listed = json.loads(d.run("list", "--json"))
         print(f"({len(listed)} sandboxes listed at the end)")
 
