@@ -58,6 +58,34 @@ fn another_uid_is_refused() {
         .output()
         .unwrap();
     assert!(!props.status.success());
+    // Nor may it follow the sandbox's egress log, asked as a client would.
+    let follow = |uid: Option<u32>| {
+        let mut c = std::process::Command::new("busctl");
+        c.args([
+            &format!("--address={}", env.address),
+            "call",
+            "org.keystone.Agent1",
+            "/org/keystone/Agent1/sandbox/mine",
+            "org.keystone.Agent1.Sandbox",
+            "FollowEgress",
+        ]);
+        if let Some(u) = uid {
+            c.uid(u).gid(u);
+        }
+        c.output().unwrap()
+    };
+    let root = follow(None);
+    assert!(
+        root.status.success(),
+        "the owner's follow: {}",
+        String::from_utf8_lossy(&root.stderr)
+    );
+    let theirs = follow(Some(NOBODY));
+    let err = String::from_utf8_lossy(&theirs.stderr);
+    assert!(
+        !theirs.status.success() && err.contains("belongs to another user"),
+        "another user's follow: {err}"
+    );
     assert_eq!(env.state("mine"), "running");
 
     // A repository nobody cannot read is refused, even though agentd could.
