@@ -573,36 +573,73 @@ async fn catch_up(
     shown: &mut std::collections::BTreeSet<String>,
 ) {
     let now: std::collections::BTreeSet<String> = manager.names().into_iter().collect();
-    // Withdrawn: those gone meanwhile, and those whose name
-    // another sandbox took since; exported: those added.
-    let mut stale: Vec<String> = shown.difference(&now).cloned().collect();
+    let mut taken = std::collections::BTreeSet::new();
     for name in shown.intersection(&now) {
         let id = manager.snapshot(name).map(|s| s.id);
         if manager::shown_id(conn, name)
             .await
             .is_some_and(|shown| Some(shown) != id)
         {
-            stale.push(name.clone());
+            taken.insert(name.clone());
         }
     }
-    for gone in &stale {
+    let plan = CatchUp::plan(shown, &now, &taken);
+    for gone in &plan.withdraw {
         callers.unfollow(gone);
         if let Err(e) = manager::removed(conn, callers, gone).await {
             tracing::warn!(sandbox = %gone, error = %e, "cannot withdraw a sandbox's object");
         }
     }
-    for name in &now {
-        let r = if shown.contains(name) && !stale.contains(name) {
-            signals::announce(conn, manager, callers, name).await;
-            Ok(())
-        } else {
-            manager::added(conn, manager, callers, name).await
-        };
-        if let Err(e) = r {
+    for name in &plan.add {
+        if let Err(e) = manager::added(conn, manager, callers, name).await {
             tracing::warn!(sandbox = %name, error = %e, "cannot export a sandbox's object");
         }
     }
+    for name in &plan.announce {
+        signals::announce(conn, manager, callers, name).await;
+    }
     *shown = now;
+}
+
+/// What catching up after missed changes does, by sandbox name.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct CatchUp {
+    /// Objects withdrawn (`SandboxRemoved`): their sandboxes are gone, or
+    /// another sandbox took the name.
+    withdraw: Vec<String>,
+    /// Objects exported (`SandboxAdded`): sandboxes new since, and those
+    /// that took a name.
+    add: Vec<String>,
+    /// Objects kept, their properties announced again.
+    announce: Vec<String>,
+}
+
+impl CatchUp {
+    /// From `shown` (on the bus, as far as the task has heard), `now` (the
+    /// sandboxes now) and `taken` (names in both whose object is of
+    /// another sandbox than the one of that name now).
+    fn plan(
+        shown: &std::collections::BTreeSet<String>,
+        now: &std::collections::BTreeSet<String>,
+        taken: &std::collections::BTreeSet<String>,
+    ) -> Self {
+        let mut withdraw: Vec<String> = shown.difference(now).cloned().collect();
+        withdraw.extend(
+            shown
+                .intersection(now)
+                .filter(|n| taken.contains(*n))
+                .cloned(),
+        );
+        let (announce, add) = now
+            .iter()
+            .cloned()
+            .partition(|n| shown.contains(n) && !taken.contains(n));
+        Self {
+            withdraw,
+            add,
+            announce,
+        }
+    }
 }
 
 /// Resolves when the sender of `header` leaves the bus (never, if that
@@ -632,6 +669,33 @@ pub(super) async fn caller_gone(conn: &Connection, header: &Header<'_>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn catching_up_withdraws_the_gone_and_the_taken_and_adds_the_new() {
+        let set = |names: &[&str]| -> std::collections::BTreeSet<String> {
+            names.iter().map(|n| (*n).to_owned()).collect()
+        };
+        let v = |names: &[&str]| -> Vec<String> { names.iter().map(|n| (*n).to_owned()).collect() };
+        // a went, c is another sandbox of the same name, d is new, b stayed.
+        let plan = CatchUp::plan(&set(&["a", "b", "c"]), &set(&["b", "c", "d"]), &set(&["c"]));
+        assert_eq!(
+            plan,
+            CatchUp {
+                withdraw: v(&["a", "c"]),
+                add: v(&["c", "d"]),
+                announce: v(&["b"]),
+            }
+        );
+        // Nothing missed that matters: everything announced again.
+        let same = set(&["a", "b"]);
+        assert_eq!(
+            CatchUp::plan(&same, &same, &set(&[])),
+            CatchUp {
+                announce: v(&["a", "b"]),
+                ..CatchUp::default()
+            }
+        );
+    }
 
     /// Callers that know :1.1 and :1.4 (uid 1000), :1.2 (1001) and :1.3
     /// (root).
