@@ -74,7 +74,7 @@ pub enum Error {
     },
     /// A destroy stopped before it forgot the sandbox: run it again.
     #[error(
-        "Destroy of sandbox '{name}' stopped before its processes were checked ({reason}); \
+        "Destroy of sandbox '{name}' stopped: {reason}; the sandbox is still there, \
          nothing of it was forgotten: run `agentctl destroy {name}` again"
     )]
     DestroyStopped {

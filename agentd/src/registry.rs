@@ -72,11 +72,53 @@ pub enum RegistryError {
         /// The version found.
         found: u64,
     },
+    /// The version file cannot be read, and records are there.
+    #[error(
+        "Registry version file {path} is corrupt: {source}. The sandboxes' records are in \
+         registry/ beside it: remove the file, and agentd writes it again"
+    )]
+    CorruptVersion {
+        /// The version file.
+        path: PathBuf,
+        /// What the parser said.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The version file says the records are in a directory that is not
+    /// there.
+    #[error(
+        "Registry {path} says the sandboxes' records are in {records}, which is missing: \
+         restore that directory. (Removing {path} starts with no sandboxes: the next start \
+         then removes the directories, disk images and snapshots of every sandbox.)"
+    )]
+    RecordsMissing {
+        /// The version file.
+        path: PathBuf,
+        /// The directory of the records.
+        records: PathBuf,
+    },
+    /// A registry of format 1 where a record of format 2 names a sandbox
+    /// it does not, whose directory is there: an older file restored over
+    /// a newer registry.
+    #[error(
+        "Registry {path} is of format 1 and does not have sandbox '{name}', whose record \
+         {record} and directory are there: was an older registry.json put back? agentd will \
+         not split it over newer records: move it out of the state directory to keep the \
+         records, or move {record} out of registry/ to go back to it"
+    )]
+    Older {
+        /// The format-1 file.
+        path: PathBuf,
+        /// The sandbox it does not have.
+        name: String,
+        /// That sandbox's record.
+        record: PathBuf,
+    },
     /// A record is not in the file of its sandbox's name.
     #[error(
-        "Registry record {path} holds sandbox '{name}'; agentd will not overwrite it: rename \
-         it to {name}.json, or move it aside (the next start then forgets that sandbox, and \
-         removes its directory, disk image and snapshots)"
+        "Registry record {path} holds sandbox '{name}'; agentd will not overwrite it. If \
+         registry/{name}.json is not there, rename it to that; otherwise move it out of \
+         registry/ (the next start then forgets what it held)"
     )]
     Misplaced {
         /// The record's file.
@@ -183,20 +225,38 @@ impl Registry {
             dir: dir.to_owned(),
         };
         let records = reg.records_dir();
-        match fs::DirBuilder::new().mode(0o700).create(&records) {
-            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
-                return Err(io("create", &records)(e));
+        let made = match fs::DirBuilder::new().mode(0o700).create(&records) {
+            Ok(()) => true,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
+            Err(e) => return Err(io("create", &records)(e)),
+        };
+        {
+            use std::os::unix::fs::{MetadataExt, PermissionsExt};
+            let meta = fs::symlink_metadata(&records).map_err(io("read", &records))?;
+            if !meta.is_dir() || meta.uid() != nix::unistd::Uid::effective().as_raw() {
+                return Err(io("use", &records)(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "not a directory of agentd's user",
+                )));
             }
-            _ => {}
+            fs::set_permissions(&records, fs::Permissions::from_mode(0o700))
+                .map_err(io("set permissions of", &records))?;
         }
         let path = reg.file();
         let sandboxes = match fs::read(&path) {
-            Ok(bytes) if version(&path, &bytes)? == SCHEMA_V1 => {
-                let sandboxes = parse(&path, &bytes)?;
-                reg.split(&sandboxes)?;
-                sandboxes
-            }
-            Ok(_) => reg.load_records()?,
+            Ok(bytes) => match version(&path, &bytes) {
+                Ok(SCHEMA_V1) => {
+                    let sandboxes = parse(&path, &bytes)?;
+                    reg.split(&path, &sandboxes)?;
+                    sandboxes
+                }
+                Ok(_) if made => return Err(RegistryError::RecordsMissing { path, records }),
+                Ok(_) => reg.load_records()?,
+                Err(RegistryError::Corrupt { source, .. }) if reg.has_records() => {
+                    return Err(RegistryError::CorruptVersion { path, source });
+                }
+                Err(e) => return Err(e),
+            },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let sandboxes = reg.load_records()?;
                 reg.write_marker()?;
@@ -211,7 +271,25 @@ impl Registry {
     /// earlier split that did not finish are replaced, any other removed),
     /// then the version. Until the version is written, the old file is
     /// what a start reads.
-    fn split(&self, sandboxes: &[Sandbox]) -> Result<(), RegistryError> {
+    fn split(&self, path: &Path, sandboxes: &[Sandbox]) -> Result<(), RegistryError> {
+        // A record it does not have, of a sandbox whose directory is there,
+        // is newer than the file: never removed for it.
+        for record in self.record_files() {
+            let Some(name) = record
+                .file_name()
+                .and_then(|f| f.to_str())
+                .and_then(|f| f.strip_suffix(".json"))
+            else {
+                continue;
+            };
+            if !sandboxes.iter().any(|s| s.name == name) && self.sandbox_dir(name).exists() {
+                return Err(RegistryError::Older {
+                    path: path.to_owned(),
+                    name: name.to_owned(),
+                    record,
+                });
+            }
+        }
         self.save_all(sandboxes)?;
         self.write_marker()?;
         tracing::info!(
@@ -232,26 +310,50 @@ impl Registry {
         Ok(atomic_write(&self.file(), &body)?)
     }
 
-    /// Every record in [`RECORDS_DIR`], by name. A file that a write left
-    /// half-made (a dot file) is removed; a record that cannot be read
-    /// stops everything, and stays as it is.
-    fn load_records(&self) -> Result<Vec<Sandbox>, RegistryError> {
-        let dir = self.records_dir();
-        let mut sandboxes = Vec::new();
-        for entry in fs::read_dir(&dir).map_err(io("read", &dir))? {
-            let entry = entry.map_err(io("read", &dir))?;
+    /// Whether [`RECORDS_DIR`] has any record file.
+    fn has_records(&self) -> bool {
+        !self.record_files().is_empty()
+    }
+
+    /// The record files in [`RECORDS_DIR`] (`*.json`, not dot files); any
+    /// other file there is not agentd's. Temporary files that a write of
+    /// a process no longer running left half-made are removed.
+    fn record_files(&self) -> Vec<PathBuf> {
+        let Ok(entries) = fs::read_dir(self.records_dir()) else {
+            return Vec::new();
+        };
+        let mut files = Vec::new();
+        for entry in entries.flatten() {
             let path = entry.path();
             let file = entry.file_name();
             let file = file.to_string_lossy();
             if file.starts_with('.') {
-                let _ = fs::remove_file(&path);
-                continue;
+                // `.<name>.tmp.<pid>.<n>` (`fsutil::atomic_write`).
+                let writer = file.rsplit('.').nth(1).and_then(|p| p.parse::<u32>().ok());
+                if file.contains(".tmp.")
+                    && writer.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+                {
+                    let _ = fs::remove_file(&path);
+                }
+            } else if file.ends_with(".json") {
+                files.push(path);
             }
-            let Some(stem) = file.strip_suffix(".json") else {
-                tracing::warn!(path = %path.display(), "not a registry record; left alone");
-                continue;
-            };
-            let bytes = fs::read(&path).map_err(io("read", &path))?;
+        }
+        files
+    }
+
+    /// Every record in [`RECORDS_DIR`], by name. A record that cannot be
+    /// read stops everything, and stays as it is.
+    fn load_records(&self) -> Result<Vec<Sandbox>, RegistryError> {
+        let mut sandboxes = Vec::new();
+        for path in self.record_files() {
+            let stem = path
+                .file_name()
+                .and_then(|f| f.to_str())
+                .and_then(|f| f.strip_suffix(".json"))
+                .unwrap_or_default()
+                .to_owned();
+            let bytes = read_record(&path)?;
             let sb = parse_record(&path, &bytes)?;
             if sb.name != stem {
                 return Err(RegistryError::Misplaced {
@@ -330,20 +432,17 @@ impl Registry {
         let mut kept = std::collections::BTreeSet::new();
         for sb in sandboxes {
             self.save(sb)?;
-            kept.insert(format!("{}.json", sb.name));
+            kept.insert(self.record(&sb.name));
         }
-        let dir = self.records_dir();
         let mut removed = false;
-        for entry in fs::read_dir(&dir).map_err(io("read", &dir))? {
-            let entry = entry.map_err(io("read", &dir))?;
-            if !kept.contains(&*entry.file_name().to_string_lossy()) {
-                let path = entry.path();
+        for path in self.record_files() {
+            if !kept.contains(&path) {
                 fs::remove_file(&path).map_err(io("remove", &path))?;
                 removed = true;
             }
         }
         if removed {
-            sync_dir(&dir)?;
+            sync_dir(&self.records_dir())?;
         }
         Ok(())
     }
@@ -434,16 +533,56 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Vec<Sandbox>, RegistryError> {
     Ok(file.sandboxes)
 }
 
+/// Largest record file read: a record's texts are cut short, so one is a
+/// few KiB.
+const RECORD_MAX: u64 = 1 << 20;
+
+/// The bytes of the record file at `path`: a regular file (never through a
+/// link, never waiting on a FIFO), at most [`RECORD_MAX`].
+fn read_record(path: &Path) -> Result<Vec<u8>, RegistryError> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io("read", path))?;
+    let meta = f.metadata().map_err(io("read", path))?;
+    if !meta.is_file() || meta.len() > RECORD_MAX {
+        return Err(io("read", path)(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("not a regular file of at most {} KiB", RECORD_MAX >> 10),
+        )));
+    }
+    let mut bytes = Vec::new();
+    f.take(RECORD_MAX)
+        .read_to_end(&mut bytes)
+        .map_err(io("read", path))?;
+    Ok(bytes)
+}
+
 /// One record file (only of this format: records came with it).
 fn parse_record(path: &Path, bytes: &[u8]) -> Result<Sandbox, RegistryError> {
-    let found = version(path, bytes)?;
-    if found != SCHEMA_VERSION {
-        return Err(RegistryError::UnknownVersion {
-            path: path.to_owned(),
-            found: u64::from(found),
-        });
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(corrupt(path))?;
+    match value
+        .get("schema_version")
+        .and_then(serde_json::Value::as_u64)
+    {
+        Some(v) if v == u64::from(SCHEMA_VERSION) => {}
+        Some(found) if found > u64::from(SCHEMA_VERSION) => {
+            return Err(RegistryError::UnknownVersion {
+                path: path.to_owned(),
+                found,
+            });
+        }
+        _ => {
+            use serde::de::Error as _;
+            return Err(corrupt(path)(serde_json::Error::custom(format!(
+                "a record has \"schema_version\": {SCHEMA_VERSION}"
+            ))));
+        }
     }
-    let record: RecordIn = serde_json::from_slice(bytes).map_err(corrupt(path))?;
+    let record: RecordIn = serde_json::from_value(value).map_err(corrupt(path))?;
     Ok(record.sandbox)
 }
 

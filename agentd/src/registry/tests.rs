@@ -163,14 +163,96 @@ fn what_a_write_left_half_made_is_removed_and_other_files_are_left_alone() {
     let dir = tempfile::tempdir().unwrap();
     let (reg, _) = Registry::open(dir.path()).unwrap();
     reg.save(&sample()).unwrap();
-    let half = reg.records_dir().join(".demo.json.tmp.99.0");
+    // Of a process that cannot be running (beyond the largest pid).
+    let half = reg.records_dir().join(".demo.json.tmp.4194305.0");
     fs::write(&half, b"{").unwrap();
+    // Of this one, as another agentd's write in progress would be.
+    let writing = reg
+        .records_dir()
+        .join(format!(".demo.json.tmp.{}.7", std::process::id()));
+    fs::write(&writing, b"{").unwrap();
     let note = reg.records_dir().join("README");
     fs::write(&note, b"mine").unwrap();
+    let aside = reg.records_dir().join("demo.json.bad");
+    fs::write(&aside, b"{").unwrap();
+    let sub = reg.records_dir().join("old");
+    fs::create_dir(&sub).unwrap();
     let (_, loaded) = Registry::open(dir.path()).unwrap();
     assert_eq!(loaded, vec![sample()]);
+    // Writing them all (as a start's reconciliation does) removes none of
+    // them either.
+    reg.save_all([&sample()]).unwrap();
     assert!(!half.exists());
-    assert!(note.exists());
+    assert!(writing.exists() && note.exists() && aside.exists() && sub.exists());
+}
+
+#[test]
+fn a_record_file_that_is_no_file_or_too_large_is_refused_without_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reg, _) = Registry::open(dir.path()).unwrap();
+    let path = reg.record("demo");
+    nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let at = dir.path().to_owned();
+    std::thread::spawn(move || tx.send(Registry::open(&at).map(|_| ()).map_err(|e| e.to_string())));
+    let got = rx.recv_timeout(std::time::Duration::from_secs(10));
+    assert!(
+        matches!(&got, Ok(Err(e)) if e.contains("not a regular file")),
+        "{got:?}"
+    );
+    fs::remove_file(&path).unwrap();
+    fs::write(&path, vec![b' '; 2 << 20]).unwrap();
+    let err = Registry::open(dir.path()).unwrap_err();
+    assert!(err.to_string().contains("at most 1024 KiB"), "{err}");
+    // A link to a record is not followed.
+    fs::remove_file(&path).unwrap();
+    reg.save(&named("other")).unwrap();
+    std::os::unix::fs::symlink(reg.record("other"), &path).unwrap();
+    assert!(Registry::open(dir.path()).is_err());
+}
+
+#[test]
+fn a_corrupt_or_lost_version_file_beside_records_says_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reg, _) = Registry::open(dir.path()).unwrap();
+    reg.save(&sample()).unwrap();
+    fs::write(reg.file(), b"{ not json").unwrap();
+    let err = Registry::open(dir.path()).unwrap_err();
+    assert!(matches!(err, RegistryError::CorruptVersion { .. }), "{err}");
+    assert!(err.to_string().contains("remove the file"), "{err}");
+    // Removed as it says: the records are read, the version written again.
+    fs::remove_file(reg.file()).unwrap();
+    assert_eq!(Registry::open(dir.path()).unwrap().1, vec![sample()]);
+    // The records' directory gone: refused, not read as no sandboxes.
+    fs::rename(reg.records_dir(), dir.path().join("elsewhere")).unwrap();
+    let err = Registry::open(dir.path()).unwrap_err();
+    assert!(matches!(err, RegistryError::RecordsMissing { .. }), "{err}");
+    // A record that says it is of format 1 (records came with format 2).
+    fs::remove_dir(reg.records_dir()).unwrap();
+    fs::rename(dir.path().join("elsewhere"), reg.records_dir()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_slice(&fs::read(reg.record("demo")).unwrap()).unwrap();
+    v["schema_version"] = 1.into();
+    fs::write(reg.record("demo"), serde_json::to_vec(&v).unwrap()).unwrap();
+    let err = Registry::open(dir.path()).unwrap_err();
+    assert!(matches!(err, RegistryError::Corrupt { .. }), "{err}");
+}
+
+#[test]
+fn an_older_registry_json_put_back_over_newer_records_is_not_split_over_them() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/registry-v1.json");
+    let dir = tempfile::tempdir().unwrap();
+    let (reg, _) = Registry::open(dir.path()).unwrap();
+    // A sandbox made since: its record and its directory.
+    reg.save(&sample()).unwrap();
+    fs::create_dir_all(reg.sandbox_dir("demo")).unwrap();
+    fs::copy(&fixture, reg.file()).unwrap();
+    let err = Registry::open(dir.path()).unwrap_err();
+    assert!(
+        matches!(&err, RegistryError::Older { name, .. } if name == "demo"),
+        "{err}"
+    );
+    assert!(reg.record("demo").exists());
 }
 
 #[test]

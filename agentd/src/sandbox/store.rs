@@ -49,6 +49,19 @@ impl SandboxStore {
     pub fn with_ledger(registry: Registry, sandboxes: Vec<Sandbox>, ids: Option<Ledger>) -> Self {
         let mut map: BTreeMap<String, Sandbox> =
             sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect();
+        // Two records of one uid (a restored record, say): the one that
+        // runs, else the first, keeps it; the others get their own.
+        let mut seen = BTreeSet::new();
+        let (running, stopped): (Vec<_>, Vec<_>) =
+            map.values_mut().partition(|s| s.runtime.is_some());
+        for sb in running.into_iter().chain(stopped) {
+            if let Some(uid) = sb.uid.filter(|u| !seen.insert(*u)) {
+                if sb.runtime.is_none() {
+                    tracing::warn!(sandbox = %sb.name, uid, "another sandbox has its uid: it gets a new one");
+                    sb.uid = None;
+                }
+            }
+        }
         for name in allocate(&mut map, ids.as_ref()) {
             if let Err(e) = registry.save(&map[&name]) {
                 tracing::error!(sandbox = %name, error = %e, "cannot record the sandbox's new uid");
@@ -194,20 +207,21 @@ impl SandboxStore {
         Ok(map[&name].clone())
     }
 
-    /// Remove `name` from memory and the registry (a failed write is
-    /// logged: the next start reconciles).
-    pub fn remove(&self, name: &str) {
+    /// Remove `name` from the registry, then from memory.
+    ///
+    /// # Errors
+    /// Its record could not be removed: it stays, in memory too.
+    pub fn remove(&self, name: &str) -> Result<()> {
         let mut map = self.map.lock().unwrap();
+        self.registry.remove(name)?;
         map.remove(name);
-        if let Err(e) = self.registry.remove(name) {
-            tracing::error!(sandbox = %name, error = %e, "cannot remove the sandbox's registry record");
-        }
         // Its uid goes back to the host's ledger.
         if let (Some(ledger), Some(range)) = (&self.ids, id_range()) {
             if let Err(e) = ledger.claim(range, &held(&map), 0) {
                 tracing::error!(sandbox = %name, error = %e, "cannot give its uid back to the host's ledger");
             }
         }
+        Ok(())
     }
 
     /// Rework every record with `f` under one lock and persist the result
@@ -415,10 +429,36 @@ mod tests {
             marked,
             "other's record was written again"
         );
-        store.remove("other");
+        store.remove("other").unwrap();
         assert!(!store.registry().record("other").exists());
         let names: Vec<String> = on_disk(&dir).into_iter().map(|s| s.name).collect();
         assert_eq!(names, ["demo"]);
+    }
+
+    #[test]
+    fn of_two_records_of_one_uid_the_stopped_one_gets_another() {
+        if id_range().is_none() {
+            return; // no ids to give here
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (reg, _) = Registry::open(dir.path()).unwrap();
+        let mut running = crate::registry::tests::sample();
+        running.name = "a".into();
+        running.runtime = Some(
+            serde_json::from_str(
+                r#"{"supervisor_pid": 1, "init_pid": 1, "init_start_time": 0, "pid_ns": 0}"#,
+            )
+            .unwrap(),
+        );
+        let mut stopped = crate::registry::tests::sample();
+        stopped.name = "b".into();
+        assert_eq!(running.uid, stopped.uid);
+        let store = SandboxStore::with_ledger(reg, vec![stopped, running], None);
+        let (a, b) = (store.get("a").unwrap(), store.get("b").unwrap());
+        assert_eq!(a.uid, crate::registry::tests::sample().uid);
+        assert!(b.uid.is_some() && b.uid != a.uid, "{:?} {:?}", a.uid, b.uid);
+        // On disk too.
+        assert_eq!(on_disk(&dir)[0].uid, b.uid);
     }
 
     #[test]
@@ -431,7 +471,7 @@ mod tests {
         assert!(kept.len() <= crate::text::TEXT_MAX, "{}", kept.len());
         let again = crate::registry::tests::sample();
         assert!(matches!(store.insert(again), Err(Error::AlreadyExists(_))));
-        store.remove("demo");
+        store.remove("demo").unwrap();
         assert!(store.get("demo").is_none() && on_disk(&dir).is_empty());
     }
 }

@@ -101,7 +101,7 @@ impl Manager {
         let locks = self.locks(&name);
         let _guard = locks.op.lock().await;
         if let Err(e) = self.remove_leftover(&name).await {
-            self.forget(&name);
+            let _ = self.forget(&name);
             return Err(e);
         }
         // A sandbox of this name that was destroyed half-way left no
@@ -112,7 +112,7 @@ impl Manager {
         let mounted = match self.mounted_new(&sb).await {
             Ok(m) => m,
             Err(e) => {
-                self.forget(&name);
+                let _ = self.forget(&name);
                 return Err(e);
             }
         };
@@ -124,7 +124,7 @@ impl Manager {
         let notices = match prepared {
             Ok(n) => n,
             Err(e) => {
-                self.forget(&name);
+                let _ = self.forget(&name);
                 self.release_held(&name);
                 self.release_disk(&name).await;
                 let _ = self
@@ -172,9 +172,13 @@ impl Manager {
         }
     }
 
-    /// Remove `name` from memory and the registry, without touching disk.
-    pub(super) fn forget(&self, name: &str) {
-        self.store.remove(name);
+    /// Remove `name` from the registry and memory, without touching its
+    /// directory.
+    ///
+    /// # Errors
+    /// Its record could not be removed: it is still known.
+    pub(super) fn forget(&self, name: &str) -> Result<()> {
+        self.store.remove(name)
     }
 
     /// Start sandbox `name`.
@@ -418,7 +422,7 @@ impl Manager {
                     locks.gone.send_replace(false);
                     return Err(Error::DestroyStopped {
                         name: name.to_owned(),
-                        reason: e.to_string(),
+                        reason: format!("its processes could not be checked ({e})"),
                     });
                 }
             }
@@ -427,8 +431,14 @@ impl Manager {
             self.forget_secrets(&sb);
             // Registry first: a crash after this leaves only a directory
             // (which still says which remote it added), and the next start
-            // removes both.
-            self.forget(name);
+            // removes both. Its directory stays while its record does.
+            if let Err(e) = self.forget(name) {
+                locks.gone.send_replace(false);
+                return Err(Error::DestroyStopped {
+                    name: name.to_owned(),
+                    reason: format!("its registry record could not be removed ({e})"),
+                });
+            }
             self.release_held(name);
             Ok::<_, Error>(())
         };

@@ -619,6 +619,29 @@ async fn a_destroy_whose_stray_scan_fails_forgets_nothing() {
 }
 
 #[tokio::test]
+async fn a_destroy_whose_record_cannot_be_removed_keeps_the_sandbox() {
+    let f = fixture();
+    f.create().await;
+    // Where the record is, something it cannot be removed as.
+    let record = f.manager.store.registry().record("demo");
+    std::fs::remove_file(&record).unwrap();
+    std::fs::create_dir_all(record.join("in-the-way")).unwrap();
+    let err = f.manager.destroy(f.me, "demo").await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("its registry record could not be removed"),
+        "{err}"
+    );
+    // Still known, its directory kept (a start would otherwise load a
+    // record whose directory is gone), and it can be destroyed again.
+    assert!(f.manager.snapshot("demo").is_some());
+    assert!(f.manager.store.registry().sandbox_dir("demo").exists());
+    std::fs::remove_dir_all(&record).unwrap();
+    f.manager.destroy(f.me, "demo").await.unwrap();
+    assert!(f.manager.snapshot("demo").is_none());
+}
+
+#[tokio::test]
 async fn a_sync_that_cannot_note_its_remote_adds_none() {
     let f = fixture();
     f.create().await;
