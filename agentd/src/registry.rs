@@ -274,7 +274,7 @@ impl Registry {
     fn split(&self, path: &Path, sandboxes: &[Sandbox]) -> Result<(), RegistryError> {
         // A record it does not have, of a sandbox whose directory is there,
         // is newer than the file: never removed for it.
-        for record in self.record_files() {
+        for record in self.record_files()? {
             let Some(name) = record
                 .file_name()
                 .and_then(|f| f.to_str())
@@ -310,20 +310,19 @@ impl Registry {
         Ok(atomic_write(&self.file(), &body)?)
     }
 
-    /// Whether [`RECORDS_DIR`] has any record file.
+    /// Whether [`RECORDS_DIR`] can be read and has a record file.
     fn has_records(&self) -> bool {
-        !self.record_files().is_empty()
+        self.record_files().is_ok_and(|f| !f.is_empty())
     }
 
     /// The record files in [`RECORDS_DIR`] (`*.json`, not dot files); any
     /// other file there is not agentd's. Temporary files that a write of
     /// a process no longer running left half-made are removed.
-    fn record_files(&self) -> Vec<PathBuf> {
-        let Ok(entries) = fs::read_dir(self.records_dir()) else {
-            return Vec::new();
-        };
+    fn record_files(&self) -> Result<Vec<PathBuf>, RegistryError> {
+        let dir = self.records_dir();
         let mut files = Vec::new();
-        for entry in entries.flatten() {
+        for entry in fs::read_dir(&dir).map_err(io("read", &dir))? {
+            let entry = entry.map_err(io("read", &dir))?;
             let path = entry.path();
             let file = entry.file_name();
             let file = file.to_string_lossy();
@@ -339,14 +338,14 @@ impl Registry {
                 files.push(path);
             }
         }
-        files
+        Ok(files)
     }
 
     /// Every record in [`RECORDS_DIR`], by name. A record that cannot be
     /// read stops everything, and stays as it is.
     fn load_records(&self) -> Result<Vec<Sandbox>, RegistryError> {
         let mut sandboxes = Vec::new();
-        for path in self.record_files() {
+        for path in self.record_files()? {
             let stem = path
                 .file_name()
                 .and_then(|f| f.to_str())
@@ -435,7 +434,7 @@ impl Registry {
             kept.insert(self.record(&sb.name));
         }
         let mut removed = false;
-        for path in self.record_files() {
+        for path in self.record_files()? {
             if !kept.contains(&path) {
                 fs::remove_file(&path).map_err(io("remove", &path))?;
                 removed = true;
