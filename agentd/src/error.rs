@@ -74,8 +74,8 @@ pub enum Error {
     },
     /// A destroy stopped before it forgot the sandbox: run it again.
     #[error(
-        "Destroy of sandbox '{name}' stopped: {reason}; the sandbox is still there, \
-         nothing of it was forgotten: run `agentctl destroy {name}` again"
+        "Destroy of sandbox '{name}' stopped: {reason}. The sandbox is still registered, \
+         and may not work until it is destroyed: run `agentctl destroy {name}` again"
     )]
     DestroyStopped {
         /// Sandbox name.

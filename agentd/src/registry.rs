@@ -75,7 +75,9 @@ pub enum RegistryError {
     /// The version file cannot be read, and records are there.
     #[error(
         "Registry version file {path} is corrupt: {source}. The sandboxes' records are in \
-         registry/ beside it: remove the file, and agentd writes it again"
+         registry/ beside it: remove the file, and agentd writes it again. (If it was of \
+         format 1, one file with every record, those records may be incomplete: restore it \
+         from a backup instead.)"
     )]
     CorruptVersion {
         /// The version file.
@@ -225,39 +227,31 @@ impl Registry {
             dir: dir.to_owned(),
         };
         let records = reg.records_dir();
-        let made = match fs::DirBuilder::new().mode(0o700).create(&records) {
-            Ok(()) => true,
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => false,
-            Err(e) => return Err(io("create", &records)(e)),
-        };
-        {
-            use std::os::unix::fs::{MetadataExt, PermissionsExt};
-            let meta = fs::symlink_metadata(&records).map_err(io("read", &records))?;
-            if !meta.is_dir() || meta.uid() != nix::unistd::Uid::effective().as_raw() {
-                return Err(io("use", &records)(std::io::Error::new(
-                    std::io::ErrorKind::PermissionDenied,
-                    "not a directory of agentd's user",
-                )));
-            }
-            fs::set_permissions(&records, fs::Permissions::from_mode(0o700))
-                .map_err(io("set permissions of", &records))?;
-        }
         let path = reg.file();
         let sandboxes = match fs::read(&path) {
             Ok(bytes) => match version(&path, &bytes) {
                 Ok(SCHEMA_V1) => {
                     let sandboxes = parse(&path, &bytes)?;
+                    reg.records_dir_made()?;
                     reg.split(&path, &sandboxes)?;
                     sandboxes
                 }
-                Ok(_) if made => return Err(RegistryError::RecordsMissing { path, records }),
-                Ok(_) => reg.load_records()?,
+                // Never made here: an empty one would read as no sandboxes
+                // at the next start, and that start would remove them all.
+                Ok(_) if fs::symlink_metadata(&records).is_err() => {
+                    return Err(RegistryError::RecordsMissing { path, records });
+                }
+                Ok(_) => {
+                    reg.records_dir_made()?;
+                    reg.load_records()?
+                }
                 Err(RegistryError::Corrupt { source, .. }) if reg.has_records() => {
                     return Err(RegistryError::CorruptVersion { path, source });
                 }
                 Err(e) => return Err(e),
             },
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                reg.records_dir_made()?;
                 let sandboxes = reg.load_records()?;
                 reg.write_marker()?;
                 sandboxes
@@ -265,6 +259,28 @@ impl Registry {
             Err(e) => return Err(io("read", &path)(e)),
         };
         Ok((reg, sandboxes))
+    }
+
+    /// Make [`RECORDS_DIR`] (mode 0700) unless it is there; refuse one
+    /// that is not a directory of agentd's user.
+    fn records_dir_made(&self) -> Result<(), RegistryError> {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let records = self.records_dir();
+        match fs::DirBuilder::new().mode(0o700).create(&records) {
+            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                return Err(io("create", &records)(e));
+            }
+            _ => {}
+        }
+        let meta = fs::symlink_metadata(&records).map_err(io("read", &records))?;
+        if !meta.is_dir() || meta.uid() != nix::unistd::Uid::effective().as_raw() {
+            return Err(io("use", &records)(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "not a directory of agentd's user",
+            )));
+        }
+        fs::set_permissions(&records, fs::Permissions::from_mode(0o700))
+            .map_err(io("set permissions of", &records))
     }
 
     /// Format 1 to this one: every record into its own file (those of an
@@ -328,10 +344,13 @@ impl Registry {
             let file = file.to_string_lossy();
             if file.starts_with('.') {
                 // `.<name>.tmp.<pid>.<n>` (`fsutil::atomic_write`).
-                let writer = file.rsplit('.').nth(1).and_then(|p| p.parse::<u32>().ok());
-                if file.contains(".tmp.")
-                    && writer.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
-                {
+                let writer = file.rsplit('.').nth(1).and_then(|p| p.parse::<i32>().ok());
+                let gone = |pid: i32| {
+                    u32::try_from(pid).ok() != Some(std::process::id())
+                        && nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None)
+                            == Err(nix::errno::Errno::ESRCH)
+                };
+                if file.contains(".tmp.") && writer.is_some_and(|pid| pid > 0 && gone(pid)) {
                     let _ = fs::remove_file(&path);
                 }
             } else if file.ends_with(".json") {

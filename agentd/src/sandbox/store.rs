@@ -50,15 +50,18 @@ impl SandboxStore {
         let mut map: BTreeMap<String, Sandbox> =
             sandboxes.into_iter().map(|s| (s.name.clone(), s)).collect();
         // Two records of one uid (a restored record, say): the one that
-        // runs, else the first, keeps it; the others get their own.
+        // runs, else the oldest, keeps it; the others get their own.
         let mut seen = BTreeSet::new();
-        let (running, stopped): (Vec<_>, Vec<_>) =
+        let (running, mut stopped): (Vec<_>, Vec<_>) =
             map.values_mut().partition(|s| s.runtime.is_some());
+        stopped.sort_by_key(|s| s.created_at);
         for sb in running.into_iter().chain(stopped) {
             if let Some(uid) = sb.uid.filter(|u| !seen.insert(*u)) {
                 if sb.runtime.is_none() {
                     tracing::warn!(sandbox = %sb.name, uid, "another sandbox has its uid: it gets a new one");
                     sb.uid = None;
+                } else {
+                    tracing::error!(sandbox = %sb.name, uid, "runs as the uid of another running sandbox; stop it and start it again to give it its own");
                 }
             }
         }
@@ -222,6 +225,12 @@ impl SandboxStore {
             }
         }
         Ok(())
+    }
+
+    /// Forget `name` in memory only (its record, which could not be
+    /// removed, stays for the next start to deal with).
+    pub fn evict(&self, name: &str) {
+        self.map.lock().unwrap().remove(name);
     }
 
     /// Rework every record with `f` under one lock and persist the result
@@ -442,8 +451,9 @@ mod tests {
         }
         let dir = tempfile::tempdir().unwrap();
         let (reg, _) = Registry::open(dir.path()).unwrap();
+        // Named so that the order of names would give the other one the uid.
         let mut running = crate::registry::tests::sample();
-        running.name = "a".into();
+        running.name = "b".into();
         running.runtime = Some(
             serde_json::from_str(
                 r#"{"supervisor_pid": 1, "init_pid": 1, "init_start_time": 0, "pid_ns": 0}"#,
@@ -451,14 +461,19 @@ mod tests {
             .unwrap(),
         );
         let mut stopped = crate::registry::tests::sample();
-        stopped.name = "b".into();
+        stopped.name = "a".into();
         assert_eq!(running.uid, stopped.uid);
         let store = SandboxStore::with_ledger(reg, vec![stopped, running], None);
-        let (a, b) = (store.get("a").unwrap(), store.get("b").unwrap());
-        assert_eq!(a.uid, crate::registry::tests::sample().uid);
-        assert!(b.uid.is_some() && b.uid != a.uid, "{:?} {:?}", a.uid, b.uid);
+        let (stopped, running) = (store.get("a").unwrap(), store.get("b").unwrap());
+        assert_eq!(running.uid, crate::registry::tests::sample().uid);
+        assert!(
+            stopped.uid.is_some() && stopped.uid != running.uid,
+            "{:?} {:?}",
+            stopped.uid,
+            running.uid
+        );
         // On disk too.
-        assert_eq!(on_disk(&dir)[0].uid, b.uid);
+        assert_eq!(on_disk(&dir)[0].uid, stopped.uid);
     }
 
     #[test]

@@ -101,7 +101,7 @@ impl Manager {
         let locks = self.locks(&name);
         let _guard = locks.op.lock().await;
         if let Err(e) = self.remove_leftover(&name).await {
-            let _ = self.forget(&name);
+            self.forget_created(&name);
             return Err(e);
         }
         // A sandbox of this name that was destroyed half-way left no
@@ -112,7 +112,7 @@ impl Manager {
         let mounted = match self.mounted_new(&sb).await {
             Ok(m) => m,
             Err(e) => {
-                let _ = self.forget(&name);
+                self.forget_created(&name);
                 return Err(e);
             }
         };
@@ -124,7 +124,7 @@ impl Manager {
         let notices = match prepared {
             Ok(n) => n,
             Err(e) => {
-                let _ = self.forget(&name);
+                self.forget_created(&name);
                 self.release_held(&name);
                 self.release_disk(&name).await;
                 let _ = self
@@ -169,6 +169,16 @@ impl Manager {
                     source: other.err(),
                 },
             }),
+        }
+    }
+
+    /// Forget sandbox `name` whose creation failed: its record, or where
+    /// that cannot be removed, the sandbox in memory only (its record says
+    /// `creating`: the next start rolls it back).
+    fn forget_created(&self, name: &str) {
+        if let Err(e) = self.forget(name) {
+            tracing::error!(sandbox = %name, error = %e, "cannot remove the record of a sandbox whose creation failed; the next start rolls it back");
+            self.store.evict(name);
         }
     }
 

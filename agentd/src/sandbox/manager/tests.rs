@@ -603,7 +603,7 @@ async fn a_destroy_whose_stray_scan_fails_forgets_nothing() {
     let err = f.manager.destroy(f.me, "demo").await.unwrap_err();
     assert!(
         err.to_string()
-            .contains("nothing of it was forgotten: run `agentctl destroy demo` again"),
+            .contains("The sandbox is still registered, and may not work until it is destroyed: run `agentctl destroy demo` again"),
         "{err}"
     );
     // Still registered (its processes may still run), its syncs not cut
