@@ -334,10 +334,31 @@ pub fn atomic_write_mode(path: &Path, bytes: &[u8], mode: u32) -> Result<(), Wri
     f.sync_all().map_err(WriteError::of("fsync", &tmp))?;
     drop(f);
     fs::rename(&tmp, path).map_err(WriteError::of("rename onto", path))?;
+    sync_dir(dir)
+}
+
+/// fsync directory `dir`: what was renamed into it or removed from it
+/// stays so after a crash.
+pub fn sync_dir(dir: &Path) -> Result<(), WriteError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(WriteError::of("fsync", dir))?;
-    Ok(())
+        .map_err(WriteError::of("fsync", dir))
+}
+
+/// Open `path` for reading if it is a regular file: never through a final
+/// symlink, never waiting on a FIFO (anything else is `InvalidData`).
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not a regular file",
+        ));
+    }
+    Ok(f)
 }
 
 /// `path` with `suffix` added to its file name (`home.img` and `.base`:

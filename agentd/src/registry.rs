@@ -290,18 +290,11 @@ impl Registry {
     fn split(&self, path: &Path, sandboxes: &[Sandbox]) -> Result<(), RegistryError> {
         // A record it does not have, of a sandbox whose directory is there,
         // is newer than the file: never removed for it.
-        for record in self.record_files()? {
-            let Some(name) = record
-                .file_name()
-                .and_then(|f| f.to_str())
-                .and_then(|f| f.strip_suffix(".json"))
-            else {
-                continue;
-            };
-            if !sandboxes.iter().any(|s| s.name == name) && self.sandbox_dir(name).exists() {
+        for (name, record) in self.record_files()? {
+            if !sandboxes.iter().any(|s| s.name == name) && self.sandbox_dir(&name).exists() {
                 return Err(RegistryError::Older {
                     path: path.to_owned(),
-                    name: name.to_owned(),
+                    name,
                     record,
                 });
             }
@@ -331,10 +324,11 @@ impl Registry {
         self.record_files().is_ok_and(|f| !f.is_empty())
     }
 
-    /// The record files in [`RECORDS_DIR`] (`*.json`, not dot files); any
-    /// other file there is not agentd's. Temporary files that a write of
-    /// a process no longer running left half-made are removed.
-    fn record_files(&self) -> Result<Vec<PathBuf>, RegistryError> {
+    /// The record files in [`RECORDS_DIR`] (`*.json`, not dot files), with
+    /// the sandbox name each is the file of; any other file there is not
+    /// agentd's. Temporary files that a write of a process no longer
+    /// running left half-made are removed.
+    fn record_files(&self) -> Result<Vec<(String, PathBuf)>, RegistryError> {
         let dir = self.records_dir();
         let mut files = Vec::new();
         for entry in fs::read_dir(&dir).map_err(io("read", &dir))? {
@@ -353,8 +347,8 @@ impl Registry {
                 if file.contains(".tmp.") && writer.is_some_and(|pid| pid > 0 && gone(pid)) {
                     let _ = fs::remove_file(&path);
                 }
-            } else if file.ends_with(".json") {
-                files.push(path);
+            } else if let Some(name) = file.strip_suffix(".json") {
+                files.push((name.to_owned(), path));
             }
         }
         Ok(files)
@@ -364,16 +358,9 @@ impl Registry {
     /// read stops everything, and stays as it is.
     fn load_records(&self) -> Result<Vec<Sandbox>, RegistryError> {
         let mut sandboxes = Vec::new();
-        for path in self.record_files()? {
-            let stem = path
-                .file_name()
-                .and_then(|f| f.to_str())
-                .and_then(|f| f.strip_suffix(".json"))
-                .unwrap_or_default()
-                .to_owned();
-            let bytes = read_record(&path)?;
-            let sb = parse_record(&path, &bytes)?;
-            if sb.name != stem {
+        for (name, path) in self.record_files()? {
+            let sb = parse_record(&path, &read_record(&path)?)?;
+            if sb.name != name {
                 return Err(RegistryError::Misplaced {
                     path,
                     name: sb.name,
@@ -450,17 +437,17 @@ impl Registry {
         let mut kept = std::collections::BTreeSet::new();
         for sb in sandboxes {
             self.save(sb)?;
-            kept.insert(self.record(&sb.name));
+            kept.insert(sb.name.as_str());
         }
         let mut removed = false;
-        for path in self.record_files()? {
-            if !kept.contains(&path) {
+        for (name, path) in self.record_files()? {
+            if !kept.contains(name.as_str()) {
                 fs::remove_file(&path).map_err(io("remove", &path))?;
                 removed = true;
             }
         }
         if removed {
-            sync_dir(&self.records_dir())?;
+            crate::fsutil::sync_dir(&self.records_dir())?;
         }
         Ok(())
     }
@@ -472,7 +459,7 @@ impl Registry {
     pub fn remove(&self, name: &str) -> Result<(), RegistryError> {
         let path = self.record(name);
         match fs::remove_file(&path) {
-            Ok(()) => sync_dir(&self.records_dir()),
+            Ok(()) => Ok(crate::fsutil::sync_dir(&self.records_dir())?),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(io("remove", &path)(e)),
         }
@@ -495,27 +482,13 @@ impl Registry {
 /// `bytes`. Anything else there (a FIFO, which would not answer) does not.
 fn holds(path: &Path, bytes: &[u8]) -> bool {
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let Ok(f) = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(path)
-    else {
+    let Ok(f) = crate::fsutil::open_regular(path) else {
         return false;
     };
-    if !f.metadata().is_ok_and(|m| m.is_file()) {
-        return false;
-    }
     let mut held = Vec::with_capacity(bytes.len());
     f.take(bytes.len() as u64 + 1)
         .read_to_end(&mut held)
         .is_ok_and(|_| held == bytes)
-}
-
-fn sync_dir(dir: &Path) -> Result<(), RegistryError> {
-    fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io("fsync", dir))
 }
 
 fn corrupt(path: &Path) -> impl FnOnce(serde_json::Error) -> RegistryError + '_ {
@@ -559,17 +532,11 @@ const RECORD_MAX: u64 = 1 << 20;
 /// link, never waiting on a FIFO), at most [`RECORD_MAX`].
 fn read_record(path: &Path) -> Result<Vec<u8>, RegistryError> {
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(path)
-        .map_err(io("read", path))?;
-    let meta = f.metadata().map_err(io("read", path))?;
-    if !meta.is_file() || meta.len() > RECORD_MAX {
+    let f = crate::fsutil::open_regular(path).map_err(io("read", path))?;
+    if f.metadata().map_err(io("read", path))?.len() > RECORD_MAX {
         return Err(io("read", path)(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("not a regular file of at most {} KiB", RECORD_MAX >> 10),
+            format!("a record is at most {} KiB", RECORD_MAX >> 10),
         )));
     }
     let mut bytes = Vec::new();
